@@ -1,0 +1,1 @@
+"""Registers HeteroRL's losses and advantage estimators into verl (entry point group verl.plugins)."""
