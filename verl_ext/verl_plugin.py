@@ -1,1 +1,337 @@
-"""Registers HeteroRL's losses and advantage estimators into verl (entry point group verl.plugins)."""
+"""Registers HeteroRL's policy losses and advantage estimators into verl's registries.
+
+Loaded by ``import verl`` in every process (entry point group ``verl.plugins`` in pyproject.toml).
+verl only logs a failing plugin at DEBUG level, so ``tests/test_verl_plugin_on_cpu.py`` asserts
+that the names below arrived.
+
+Registered policy losses (``actor_rollout_ref.actor.policy_loss.loss_mode``):
+    gepo, eqp, gepo_adaptive, topr, delta_l, grpo_token (GRPO's clipped token surrogate without
+    verl's dual clip). verl's own vanilla, gspo, geo_mean (GMPO) and cispo are used as they are.
+Registered advantage estimators (``algorithm.adv_estimator``): bnpo.
+
+Every loss here has verl's signature (see ``verl.workers.utils.losses.ppo_loss``) plus two
+optional keyword arguments that verl never passes but the project's engines do:
+``group_log_denominator`` [B] (GEPO's log E_q[q], computed over whole prompt groups upstream) and
+``group_index`` [B] (prompt-group labels). Without them, groups are taken as contiguous runs of
+``policy_loss.group_size`` sequences, and a batch that does not split into whole groups is an error.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import numpy as np
+import torch
+from verl.trainer.ppo.core_algos import agg_loss, register_adv_est, register_policy_loss
+from verl.workers.config import PolicyLossConfig
+
+from verl_ext.algos import advantages as adv_lib
+from verl_ext.algos import importance as iw
+from verl_ext.algos import losses
+from verl_ext.algos.diagnostics import importance_weight_stats, sampler_learner_kl
+
+HETERORL_LOSS_MODES = ("gepo", "eqp", "gepo_adaptive", "topr", "delta_l", "grpo_token")
+HETERORL_ADV_ESTIMATORS = ("bnpo",)
+
+
+@dataclass
+class HeteroPolicyLossConfig(PolicyLossConfig):
+    """verl's ``PolicyLossConfig`` plus the hyper-parameters of HeteroRL's losses.
+
+    Select it with ``actor_rollout_ref.actor.policy_loss._target_=verl_ext.verl_plugin.HeteroPolicyLossConfig``
+    (the recipe's presets do). verl's own losses ignore the extra fields, except
+    ``sampler_kl_coef``, which the project's loss bridge applies to every loss.
+    """
+
+    group_size: int = 0
+    """Responses per prompt (G, = ``rollout.n``). Used to form prompt groups when no per-sequence
+    denominator or group index reaches the loss. 0 = unknown (GEPO then needs one of those)."""
+
+    group_scope: str = "group"
+    """Over what GEPO's E_q[q] is estimated. "group": each prompt's G responses (the paper's
+    definition; exact). "micro_batch": the whole micro-batch as one group -- what the reference
+    code does after shuffling, mixing prompts; only for reproducing it."""
+
+    seq_reduction: str = "mean"
+    """Sequence log-probability used in sequence-level weights (GEPO, EqP, GEPO-adaptive).
+    "mean": length-normalised geometric mean, as the paper's code; "sum": full sequence."""
+
+    adaptive_kl_threshold: float = 0.002
+    """gepo_adaptive: a sequence whose token-mean KL(sampler || learner) is below this uses p_i/q_i."""
+
+    delta_l_alpha: float = 1.0
+    """delta_l: exponent of the length weights L_i^-alpha (1 = minimum variance; paper uses 0.75 for math)."""
+
+    topr_reduction: str = "sum"
+    """topr: trajectory ratio for truncating negative examples. "sum": full sequence (the paper); "mean"."""
+
+    sampler_kl_coef: float = 0.0
+    """Weight of the KL(sampler || learner) penalty added to the loss (the paper's runs: 0.005). 0 = off."""
+
+    sampler_kl_estimator: str = "k3"
+    """Per-token penalty. "k3": (p/q - 1) - log(p/q), unbiased for KL(sampler || learner) under
+    sampler tokens. "reference": (q/p - 1) - log(q/p), what the GEPO reference code computes."""
+
+    def __post_init__(self):
+        parent = getattr(super(), "__post_init__", None)
+        if parent is not None:
+            parent()
+        choices = {
+            "group_scope": ("group", "micro_batch"),
+            "seq_reduction": ("mean", "sum"),
+            "topr_reduction": ("mean", "sum"),
+            "sampler_kl_estimator": ("k3", "reference"),
+        }
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"policy_loss.{name}={getattr(self, name)!r}; expected one of {allowed}")
+        if self.group_size < 0:
+            raise ValueError(f"policy_loss.group_size must be >= 0, got {self.group_size}")
+        if self.sampler_kl_coef < 0:
+            raise ValueError(f"policy_loss.sampler_kl_coef must be >= 0, got {self.sampler_kl_coef}")
+        if self.delta_l_alpha < 0:
+            raise ValueError(f"policy_loss.delta_l_alpha must be >= 0, got {self.delta_l_alpha}")
+        if self.adaptive_kl_threshold < 0:
+            raise ValueError(f"policy_loss.adaptive_kl_threshold must be >= 0, got {self.adaptive_kl_threshold}")
+
+
+_DEFAULTS = HeteroPolicyLossConfig()
+
+
+def loss_option(config: Any, name: str) -> Any:
+    """A HeteroPolicyLossConfig field from an actor config, or its default when the user kept
+    verl's plain PolicyLossConfig (so verl's own configs work unchanged)."""
+    policy_loss = None if config is None else config.get("policy_loss", None)
+    value = None if policy_loss is None else policy_loss.get(name, None)
+    return getattr(_DEFAULTS, name) if value is None else value
+
+
+def clip_range(config: Any) -> tuple[float, float]:
+    """(low, high) clip range from verl's actor config (clip_ratio_low/high default to clip_ratio)."""
+    clip = config.get("clip_ratio", 0.2)
+    low = config.get("clip_ratio_low", None)
+    high = config.get("clip_ratio_high", None)
+    return (clip if low is None else low), (clip if high is None else high)
+
+
+def resolve_groups(
+    config: Any,
+    batch_size: int,
+    group_index: Optional[torch.Tensor],
+    group_log_denominator: Optional[torch.Tensor],
+    device: torch.device,
+) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """(group_index, log_denominator) for a group-level loss, most exact source first."""
+    if group_log_denominator is not None:
+        return group_index, group_log_denominator.to(device)
+    if group_index is not None:
+        return group_index.to(device), None
+    if loss_option(config, "group_scope") == "micro_batch":
+        return torch.zeros(batch_size, dtype=torch.long, device=device), None
+    return iw.contiguous_group_index(batch_size, int(loss_option(config, "group_size"))).to(device), None
+
+
+def _finish(
+    terms: losses.LossTerms,
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str,
+    config: Any,
+    rollout_is_weights: Optional[torch.Tensor],
+    loss: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Aggregate a loss matrix the verl way and attach the shared metrics."""
+    loss_mat = terms.loss_mat
+    if rollout_is_weights is not None:
+        loss_mat = loss_mat * rollout_is_weights
+    if loss is None:
+        loss = agg_loss(
+            loss_mat=loss_mat,
+            loss_mask=response_mask,
+            loss_agg_mode=loss_agg_mode,
+            **(config.get("global_batch_info", None) or {}),
+        )
+    mask = response_mask.bool()
+    n_tokens = mask.sum().clamp(min=1)
+    metrics = {
+        "actor/pg_clipfrac": ((terms.clipped & mask).sum() / n_tokens).item(),
+        "actor/ppo_kl": ((old_log_prob - log_prob.detach()) * mask).sum().div(n_tokens).item(),
+        "is/kl_sampler_learner": sampler_learner_kl(log_prob, old_log_prob, response_mask),
+    }
+    metrics.update(importance_weight_stats(terms.weight, response_mask))
+    return loss, metrics
+
+
+def _group_aware(fn):
+    """Mark a loss as accepting ``group_log_denominator`` / ``group_index`` (the loss bridge checks)."""
+    fn.accepts_group_info = True
+    return fn
+
+
+@register_policy_loss("gepo")
+@_group_aware
+def compute_policy_loss_gepo(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str = "seq-mean-token-mean",
+    config: Any = None,
+    rollout_is_weights: Optional[torch.Tensor] = None,
+    group_log_denominator: Optional[torch.Tensor] = None,
+    group_index: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """GEPO (Group Expectation Policy Optimization, arXiv 2508.17850). All tensors [B, T] but the
+    optional group arguments [B]. See :func:`verl_ext.algos.losses.gepo_loss_terms`."""
+    low, high = clip_range(config)
+    gi, log_den = resolve_groups(config, log_prob.shape[0], group_index, group_log_denominator, log_prob.device)
+    terms = losses.gepo_loss_terms(
+        log_prob, old_log_prob, advantages, response_mask,
+        clip_low=low, clip_high=high, group_index=gi, log_denominator=log_den,
+        reduction=loss_option(config, "seq_reduction"),
+    )  # fmt: skip
+    return _finish(terms, old_log_prob, log_prob, response_mask, loss_agg_mode, config, rollout_is_weights)
+
+
+@register_policy_loss("eqp")
+@_group_aware
+def compute_policy_loss_eqp(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str = "seq-mean-token-mean",
+    config: Any = None,
+    rollout_is_weights: Optional[torch.Tensor] = None,
+    group_log_denominator: Optional[torch.Tensor] = None,
+    group_index: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """EqP: group expectation with gradient through the denominator. Needs whole groups in the
+    batch (``group_index`` or contiguous ``group_size`` groups); an upstream denominator cannot be
+    used because it would carry no gradient."""
+    low, high = clip_range(config)
+    gi, _ = resolve_groups(config, log_prob.shape[0], group_index, None, log_prob.device)
+    terms = losses.eqp_loss_terms(
+        log_prob, old_log_prob, advantages, response_mask,
+        clip_low=low, clip_high=high, group_index=gi, reduction=loss_option(config, "seq_reduction"),
+    )  # fmt: skip
+    return _finish(terms, old_log_prob, log_prob, response_mask, loss_agg_mode, config, rollout_is_weights)
+
+
+@register_policy_loss("gepo_adaptive")
+@_group_aware
+def compute_policy_loss_gepo_adaptive(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str = "seq-mean-token-mean",
+    config: Any = None,
+    rollout_is_weights: Optional[torch.Tensor] = None,
+    group_log_denominator: Optional[torch.Tensor] = None,
+    group_index: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """GEPO-adaptive (the reference code's "gepo+"): p_i/q_i for fresh sequences, p_i/E_q[q] for stale."""
+    low, high = clip_range(config)
+    gi, log_den = resolve_groups(config, log_prob.shape[0], group_index, group_log_denominator, log_prob.device)
+    terms = losses.gepo_adaptive_loss_terms(
+        log_prob, old_log_prob, advantages, response_mask,
+        clip_low=low, clip_high=high, kl_threshold=float(loss_option(config, "adaptive_kl_threshold")),
+        group_index=gi, log_denominator=log_den, reduction=loss_option(config, "seq_reduction"),
+    )  # fmt: skip
+    return _finish(terms, old_log_prob, log_prob, response_mask, loss_agg_mode, config, rollout_is_weights)
+
+
+@register_policy_loss("topr")
+def compute_policy_loss_topr(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str = "token-mean",
+    config: Any = None,
+    rollout_is_weights: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """TOPR (Tapered Off-Policy REINFORCE). See :func:`verl_ext.algos.losses.topr_loss_terms`."""
+    terms = losses.topr_loss_terms(
+        log_prob, old_log_prob, advantages, response_mask, reduction=loss_option(config, "topr_reduction")
+    )
+    return _finish(terms, old_log_prob, log_prob, response_mask, loss_agg_mode, config, rollout_is_weights)
+
+
+@register_policy_loss("grpo_token")
+def compute_policy_loss_grpo_token(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str = "seq-mean-token-mean",
+    config: Any = None,
+    rollout_is_weights: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """GRPO's clipped token surrogate exactly as the GRPO paper writes it (verl's ``vanilla`` adds
+    a dual clip at ratio 3 for negative advantages)."""
+    low, high = clip_range(config)
+    terms = losses.token_clipped_loss_terms(
+        log_prob, old_log_prob, advantages, response_mask, clip_low=low, clip_high=high
+    )
+    return _finish(terms, old_log_prob, log_prob, response_mask, loss_agg_mode, config, rollout_is_weights)
+
+
+@register_policy_loss("delta_l")
+def compute_policy_loss_delta_l(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str = "token-mean",
+    config: Any = None,
+    rollout_is_weights: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Delta-L normalisation: GRPO's clipped token surrogate aggregated as
+    (1/M) sum_i x_i sum_t loss_it with x_i = L_i^-alpha / sum_j L_j^-alpha. ``loss_agg_mode`` is
+    ignored (the aggregation *is* the method); M = ``loss_scale_factor`` or the padded length.
+    The weights normalise over the micro-batch the loss sees."""
+    low, high = clip_range(config)
+    terms = losses.token_clipped_loss_terms(
+        log_prob, old_log_prob, advantages, response_mask, clip_low=low, clip_high=high
+    )
+    loss_mat = terms.loss_mat if rollout_is_weights is None else terms.loss_mat * rollout_is_weights
+    scale = config.get("loss_scale_factor", None) if config is not None else None
+    loss = losses.delta_l_aggregate(loss_mat, response_mask, float(loss_option(config, "delta_l_alpha")), scale)
+    return _finish(terms, old_log_prob, log_prob, response_mask, loss_agg_mode, config, None, loss=loss)
+
+
+def _group_labels(index: Any, device: torch.device) -> torch.Tensor:
+    """verl's ``uid`` array (any hashable labels) -> dense integer group labels [B]."""
+    _, inverse = np.unique(np.asarray(index, dtype=object).astype(str), return_inverse=True)
+    return torch.as_tensor(inverse, dtype=torch.long, device=device)
+
+
+@register_adv_est("bnpo")
+def compute_bnpo_outcome_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: Any = None,
+    config: Any = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """BNPO advantages (the BNPO paper's Beta normalisation) for outcome rewards.
+
+    Args:
+        token_level_rewards: [B, T]; the sequence reward is their sum, and must lie in [0, 1].
+        response_mask: [B, T].
+        index: [B] prompt uids (verl's ``uid``).
+
+    Returns:
+        (advantages, returns), both [B, T]: the sequence advantage on every response token.
+    """
+    if index is None:
+        raise ValueError("bnpo needs the prompt uid index to form groups")
+    scores = token_level_rewards.sum(dim=-1)
+    with torch.no_grad():
+        adv = adv_lib.bnpo_advantages(scores, _group_labels(index, scores.device))
+    adv = adv.unsqueeze(-1) * response_mask
+    return adv, adv

@@ -1,0 +1,168 @@
+"""Importance weights at token, sequence and group-expectation level.
+
+Pure torch, no verl import. Notation (the GEPO paper's): q is the sampler's policy (the one that
+generated the rollout, possibly many versions old), p the learner's current policy. Shapes:
+B sequences, T response tokens; ``response_mask`` is 1 (or True) on real response tokens.
+
+Everything is computed in log space: full-sequence probabilities of long completions underflow
+float32 (and float64) long before their log-probabilities stop being finite.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+SequenceReduction = Literal["mean", "sum"]
+
+
+def sequence_log_prob(
+    token_log_prob: torch.Tensor, response_mask: torch.Tensor, reduction: SequenceReduction = "mean"
+) -> torch.Tensor:
+    """Per-sequence log-probability from per-token log-probabilities.
+
+    Args:
+        token_log_prob: [B, T] log pi(y_t | x, y_<t).
+        response_mask: [B, T] 1/True on response tokens.
+        reduction: ``"mean"``: mean over the sequence's tokens, i.e. the log of the
+            length-normalised geometric mean (GSPO's and the GEPO code's choice);
+            ``"sum"``: the full sequence log-probability log pi(y | x).
+
+    Returns:
+        [B] sequence log-probabilities. A fully masked row gives 0 (probability 1 of an empty
+        response), never NaN.
+    """
+    mask = response_mask.to(token_log_prob.dtype)
+    total = (token_log_prob * mask).sum(dim=-1)
+    if reduction == "sum":
+        return total
+    if reduction == "mean":
+        return total / mask.sum(dim=-1).clamp(min=1.0)
+    raise ValueError(f"sequence reduction must be 'mean' or 'sum', got {reduction!r}")
+
+
+def dense_group_index(group_index: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Map arbitrary group labels [B] (e.g. hashed prompt uids) to 0..G-1; returns (index [B], G)."""
+    if group_index.dim() != 1:
+        raise ValueError(f"group_index must be 1-D [B], got shape {tuple(group_index.shape)}")
+    _, inverse = torch.unique(group_index, return_inverse=True)
+    return inverse, int(inverse.max().item()) + 1 if inverse.numel() else 0
+
+
+def contiguous_group_index(batch_size: int, group_size: int) -> torch.Tensor:
+    """Group labels [B] for a batch laid out as whole prompt groups of ``group_size`` in a row.
+
+    Raises:
+        ValueError: if the batch cannot be split into whole groups -- computing a group statistic
+            over a partial group would silently mix prompts or drop responses.
+    """
+    if group_size < 1:
+        raise ValueError(
+            f"group_size must be >= 1 to form prompt groups, got {group_size}; set "
+            "actor_rollout_ref.actor.policy_loss.group_size to rollout.n or pass per-sequence denominators"
+        )
+    if batch_size % group_size != 0:
+        raise ValueError(
+            f"batch of {batch_size} sequences cannot be split into whole prompt groups of "
+            f"group_size={group_size}; make micro-batches a multiple of rollout.n, or compute the "
+            "group denominators upstream over whole groups"
+        )
+    return torch.arange(batch_size) // group_size
+
+
+def segment_logsumexp(values: torch.Tensor, group_index: torch.Tensor, num_groups: int) -> torch.Tensor:
+    """log(sum_{j in g} exp(values_j)) for each group g. values [B], group_index [B] in 0..G-1 -> [G].
+
+    Exact and finite for values down to -1e4 (the per-group max is subtracted before exp).
+    """
+    neg_inf = torch.full((num_groups,), float("-inf"), dtype=values.dtype, device=values.device)
+    # the shift is a constant for the gradient: d/dv of log-sum-exp is the softmax whatever it is
+    group_max = neg_inf.scatter_reduce(0, group_index, values.detach(), reduce="amax", include_self=True)
+    shifted = torch.exp(values - group_max[group_index])
+    sums = torch.zeros(num_groups, dtype=values.dtype, device=values.device).index_add(0, group_index, shifted)
+    return torch.log(sums) + group_max
+
+
+def group_expectation_log_denominator(seq_log_q: torch.Tensor, group_index: torch.Tensor) -> torch.Tensor:
+    """GEPO's denominator log E_q[q], estimated over each sequence's prompt group.
+
+    For sequence i in group g: log( sum_{j in g} q_j^2 / sum_{j in g} q_j ), computed as
+    logsumexp_j(2 log q_j) - logsumexp_j(log q_j).
+
+    Args:
+        seq_log_q: [B] sampler sequence log-probabilities (see :func:`sequence_log_prob`).
+        group_index: [B] group labels (any integers; equal label = same prompt).
+
+    Returns:
+        [B] the group's log denominator, repeated for every member. Carries gradient only if
+        ``seq_log_q`` does (callers pass detached sampler log-probs).
+    """
+    if seq_log_q.shape != group_index.shape:
+        raise ValueError(
+            f"seq_log_q {tuple(seq_log_q.shape)} and group_index {tuple(group_index.shape)} must both be [B]"
+        )
+    index, num_groups = dense_group_index(group_index.to(seq_log_q.device))
+    log_sum_sq = segment_logsumexp(2.0 * seq_log_q, index, num_groups)
+    log_sum = segment_logsumexp(seq_log_q, index, num_groups)
+    return (log_sum_sq - log_sum)[index]
+
+
+def token_log_weight(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
+    """Token-level log importance weight log(p_t / q_t): [B, T] -> [B, T] (GRPO, PPO)."""
+    return log_p - log_q
+
+
+def sequence_log_weight(
+    log_p: torch.Tensor,
+    log_q: torch.Tensor,
+    response_mask: torch.Tensor,
+    reduction: SequenceReduction = "mean",
+) -> torch.Tensor:
+    """Sequence-level log importance weight log(p_i / q_i) (GSPO with reduction="mean"). [B, T] -> [B]."""
+    return sequence_log_prob(log_p, response_mask, reduction) - sequence_log_prob(log_q, response_mask, reduction)
+
+
+def group_expectation_log_weight(
+    log_p: torch.Tensor,
+    log_q: torch.Tensor,
+    response_mask: torch.Tensor,
+    group_index: torch.Tensor | None = None,
+    log_denominator: torch.Tensor | None = None,
+    reduction: SequenceReduction = "mean",
+) -> torch.Tensor:
+    """GEPO's log importance weight log(p_i / E_q[q]) per sequence: [B, T] -> [B].
+
+    The denominator is detached (gradient flows through p_i only, as in the paper). Give either
+    ``log_denominator`` [B] (computed upstream over whole groups, the exact path when a micro-batch
+    holds partial groups) or ``group_index`` [B].
+
+    Note: on-policy (p == q) the weight is q_i / E_q[q], not 1: GEPO reweights sequences inside a
+    group even with no staleness, and clipping can be active at staleness 0.
+    """
+    seq_log_p = sequence_log_prob(log_p, response_mask, reduction)
+    if log_denominator is None:
+        if group_index is None:
+            raise ValueError("group_expectation_log_weight needs group_index or log_denominator")
+        seq_log_q = sequence_log_prob(log_q.detach(), response_mask, reduction)
+        log_denominator = group_expectation_log_denominator(seq_log_q, group_index)
+    return seq_log_p - log_denominator.detach()
+
+
+def k3_sampler_learner_kl(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
+    """Per-token k3 estimate of KL(q || p) from tokens sampled by q: (p/q - 1) - log(p/q). [B, T] -> [B, T].
+
+    Unbiased for KL(sampler || learner) and >= 0 everywhere.
+    """
+    log_ratio = (log_p - log_q).clamp(-20.0, 20.0)
+    return torch.expm1(log_ratio) - log_ratio
+
+
+def reference_code_kl(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
+    """The GEPO reference code's per-token penalty: (q/p - 1) - log(q/p). [B, T] -> [B, T].
+
+    This is the k3 form with p and q swapped (an estimate of KL(p || q) had the tokens come from
+    p); kept so the paper's runs can be reproduced exactly.
+    """
+    log_ratio = (log_q - log_p).clamp(-20.0, 20.0)
+    return torch.expm1(log_ratio) - log_ratio
