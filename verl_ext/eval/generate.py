@@ -1,0 +1,263 @@
+"""Sampling completions for evaluation: HF transformers (CPU or one GPU), vLLM when importable.
+
+The paper's protocol: temperature 0.6, top_p 0.95, top_k 20, up to 4096 new tokens,
+8 samples per problem (:class:`SamplingParams` defaults, except ``max_new_tokens`` which the
+caller sets; the evaluation entry point defaults it to 4096).
+
+* :class:`HFGenerator` -- batched ``model.generate`` with left padding, a tqdm progress bar
+  over sequences, and an explicit seed per call (``torch.manual_seed``), so a given batch of
+  prompts with a given seed samples the same completions on the same machine.
+* :class:`VLLMGenerator` -- a thin wrapper used only when ``vllm`` is importable (and selected
+  by ``engine=auto`` only when CUDA is available). It was NOT run in this project's CPU
+  environment; see docs/evaluation.md.
+
+Models load from an HF folder or a GGUF file (``model_path=/dir/model.gguf``, or a folder
+holding exactly one ``.gguf`` and no ``config.json``); GGUF weights are dequantised.
+"""
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+__all__ = [
+    "SamplingParams",
+    "Completion",
+    "resolve_model_path",
+    "load_model_and_tokenizer",
+    "HFGenerator",
+    "VLLMGenerator",
+    "vllm_available",
+    "make_generator",
+]
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Sampling settings (paper defaults)."""
+
+    temperature: float = 0.6
+    top_p: float = 0.95
+    top_k: int = 20
+    max_new_tokens: int = 4096
+
+    def __post_init__(self):
+        if not self.temperature > 0:
+            raise ValueError(f"temperature={self.temperature} must be > 0 (sampling evaluation)")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
+        if self.top_k < 0:
+            raise ValueError(f"top_k={self.top_k} must be >= 0 (0 disables top-k)")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={self.max_new_tokens} must be >= 1")
+
+
+@dataclass(frozen=True)
+class Completion:
+    """One sampled completion: decoded ``text`` (special tokens removed), number of generated
+    tokens up to and including the first stop token, and whether it hit ``max_new_tokens``."""
+
+    text: str
+    n_tokens: int
+    truncated: bool
+
+
+def resolve_model_path(model_path: str | Path | None) -> tuple[Path, str | None]:
+    """Return ``(folder, gguf_file_name_or_None)``; raise naming the path if unusable."""
+    if model_path is None or str(model_path).strip() in ("", "None", "null", "???"):
+        raise ValueError("model_path is not set: pass model_path=<HF folder or .gguf file>")
+    p = Path(str(model_path)).expanduser()
+    if not p.exists():
+        raise FileNotFoundError(f"model_path {str(p)!r} does not exist")
+    if p.is_file():
+        if p.suffix != ".gguf":
+            raise ValueError(f"model_path {str(p)!r} is a file but not a .gguf; give an HF folder or a .gguf file")
+        return p.parent, p.name
+    if (p / "config.json").is_file():
+        return p, None
+    ggufs = sorted(x.name for x in p.glob("*.gguf"))
+    if len(ggufs) == 1:
+        return p, ggufs[0]
+    raise FileNotFoundError(
+        f"model_path {str(p)!r} has no config.json and "
+        + (f"{len(ggufs)} .gguf files {ggufs}: name one" if ggufs else "no .gguf file")
+    )
+
+
+def _pick_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def load_model_and_tokenizer(model_path, dtype: str = "float32", device: str = "auto", tokenizer_path=None):
+    """Load ``(model, tokenizer)`` for generation (eval mode, on ``device``)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype={dtype!r} unknown; choose one of {sorted(_DTYPES)}")
+    folder, gguf = resolve_model_path(model_path)
+    kw = {"gguf_file": gguf} if gguf else {}
+    if tokenizer_path:
+        tfolder, tgguf = Path(str(tokenizer_path)), None
+        if not tfolder.exists():
+            raise FileNotFoundError(f"tokenizer_path {str(tfolder)!r} does not exist")
+        if tfolder.is_file() and tfolder.suffix == ".gguf":
+            tfolder, tgguf = tfolder.parent, tfolder.name
+        tokenizer = AutoTokenizer.from_pretrained(str(tfolder), **({"gguf_file": tgguf} if tgguf else {}))
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(str(folder), **kw)
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=_DTYPES[dtype], **kw)
+    model.to(_pick_device(device)).eval()
+    return model, tokenizer
+
+
+def _stop_ids(model, tokenizer) -> list[int]:
+    ids: list[int] = []
+    gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    for v in (gen_eos, tokenizer.eos_token_id):
+        if v is None:
+            continue
+        for i in v if isinstance(v, (list, tuple)) else [v]:
+            if int(i) not in ids:
+                ids.append(int(i))
+    if not ids:
+        raise ValueError("neither the model's generation_config nor the tokenizer defines an eos token")
+    return ids
+
+
+class HFGenerator:
+    """Batched sampling with ``transformers``' ``generate``.
+
+    ``batch_size`` is the number of sequences per ``generate`` call (prompts x samples are
+    flattened, so one call may hold several problems).
+    """
+
+    engine = "hf"
+
+    def __init__(self, model, tokenizer, params: SamplingParams, batch_size: int = 16,
+                 add_special_tokens: bool | None = None, show_progress: bool = True):
+        if batch_size < 1:
+            raise ValueError(f"batch_size={batch_size} must be >= 1")
+        self.model, self.tokenizer, self.params = model, tokenizer, params
+        self.batch_size = int(batch_size)
+        self.add_special_tokens = add_special_tokens
+        self.show_progress = show_progress
+        self.stop_ids = _stop_ids(model, tokenizer)
+        if tokenizer.pad_token_id is None:  # padding is masked out; any stop token will do
+            tokenizer.pad_token = tokenizer.convert_ids_to_tokens(self.stop_ids[0])
+        self.pad_id = tokenizer.pad_token_id
+
+    @classmethod
+    def from_path(cls, model_path, params: SamplingParams, batch_size: int = 16, dtype: str = "float32",
+                  device: str = "auto", tokenizer_path=None, **kw) -> HFGenerator:
+        model, tok = load_model_and_tokenizer(model_path, dtype=dtype, device=device, tokenizer_path=tokenizer_path)
+        return cls(model, tok, params, batch_size=batch_size, **kw)
+
+    def _encode(self, prompts: Sequence[str]):
+        tok = self.tokenizer
+        add = self.add_special_tokens
+        if add is None:  # a rendered chat prompt that already starts with BOS gets no second one
+            add = not (tok.bos_token and all(p.startswith(tok.bos_token) for p in prompts))
+        old_side = tok.padding_side
+        tok.padding_side = "left"  # decoder-only: new tokens must follow the prompt directly
+        try:
+            enc = tok(list(prompts), return_tensors="pt", padding=True, add_special_tokens=add)
+        finally:
+            tok.padding_side = old_side
+        return enc
+
+    @torch.no_grad()
+    def generate(self, prompts: Sequence[str], n: int, seed: int = 0, desc: str = "sampling") -> list[list[Completion]]:
+        """``n`` completions for each prompt: ``out[i][j]`` is sample ``j`` of prompt ``i``.
+
+        Batches are seeded with ``seed + batch_index``; results depend on the batch layout.
+        """
+        from tqdm.auto import tqdm
+
+        if n < 1:
+            raise ValueError(f"n={n} samples per prompt must be >= 1")
+        rows = [(i, j) for i in range(len(prompts)) for j in range(n)]
+        out: list[list[Completion | None]] = [[None] * n for _ in prompts]
+        p = self.params
+        device = next(self.model.parameters()).device
+        stop = torch.tensor(self.stop_ids, device=device)
+        with tqdm(total=len(rows), desc=desc, unit="seq", disable=not self.show_progress, leave=False) as bar:
+            for b, start in enumerate(range(0, len(rows), self.batch_size)):
+                batch = rows[start:start + self.batch_size]
+                enc = self._encode([prompts[i] for i, _ in batch]).to(device)
+                torch.manual_seed(int(seed) + b)
+                gen = self.model.generate(
+                    **enc,
+                    do_sample=True,
+                    temperature=p.temperature,
+                    top_p=p.top_p,
+                    top_k=p.top_k,
+                    max_new_tokens=p.max_new_tokens,
+                    eos_token_id=self.stop_ids,
+                    pad_token_id=self.pad_id,
+                )
+                new = gen[:, enc["input_ids"].shape[1]:]
+                is_stop = torch.isin(new, stop)
+                for r, (i, j) in enumerate(batch):
+                    hits = torch.nonzero(is_stop[r]).flatten()
+                    if len(hits):
+                        n_tok, truncated = int(hits[0]) + 1, False
+                        ids = new[r, : int(hits[0])]
+                    else:
+                        n_tok, truncated = int(new.shape[1]), True
+                        ids = new[r]
+                    text = self.tokenizer.decode(ids, skip_special_tokens=True)
+                    out[i][j] = Completion(text=text, n_tokens=n_tok, truncated=truncated)
+                bar.update(len(batch))
+        return out  # type: ignore[return-value]
+
+
+def vllm_available() -> bool:
+    return importlib.util.find_spec("vllm") is not None
+
+
+class VLLMGenerator:
+    """Thin vLLM path (GPU). Not exercised in this repository's CPU environment."""
+
+    engine = "vllm"
+
+    def __init__(self, model_path, params: SamplingParams, dtype: str = "bfloat16", seed: int = 0, **llm_kw):
+        if not vllm_available():
+            raise ImportError("engine=vllm but the 'vllm' package is not importable")
+        from vllm import LLM
+
+        folder, gguf = resolve_model_path(model_path)
+        self.params = params
+        self.llm = LLM(model=str(folder / gguf) if gguf else str(folder), dtype=dtype, seed=seed, **llm_kw)
+        self.tokenizer = self.llm.get_tokenizer()
+
+    def generate(self, prompts: Sequence[str], n: int, seed: int = 0, desc: str = "sampling") -> list[list[Completion]]:
+        from vllm import SamplingParams as VSP
+
+        p = self.params
+        sp = VSP(n=n, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k if p.top_k > 0 else -1,
+                 max_tokens=p.max_new_tokens, seed=int(seed))
+        results = self.llm.generate(list(prompts), sp, use_tqdm=True)
+        return [
+            [Completion(text=o.text, n_tokens=len(o.token_ids), truncated=o.finish_reason == "length") for o in r.outputs]
+            for r in results
+        ]
+
+
+def make_generator(engine: str, model_path, params: SamplingParams, batch_size: int = 16, dtype: str = "float32",
+                   device: str = "auto", tokenizer_path=None, seed: int = 0, show_progress: bool = True):
+    """``engine``: ``hf``, ``vllm``, or ``auto`` (vLLM if importable and CUDA is available, else HF)."""
+    if engine not in ("auto", "hf", "vllm"):
+        raise ValueError(f"engine={engine!r} unknown; choose auto, hf or vllm")
+    if engine == "auto":
+        engine = "vllm" if vllm_available() and torch.cuda.is_available() else "hf"
+    if engine == "vllm":
+        return VLLMGenerator(model_path, params, dtype="auto" if dtype == "float32" else dtype, seed=seed)
+    return HFGenerator.from_path(model_path, params, batch_size=batch_size, dtype=dtype, device=device,
+                                 tokenizer_path=tokenizer_path, show_progress=show_progress)
