@@ -1,0 +1,363 @@
+"""Staleness-bounded rollout buffer with an exactly-once ledger.
+
+The learner at version v (v optimizer steps taken) calls ``take(n, v)`` and receives n whole
+prompt groups, each with ``v - policy_version <= max_delay``: an exact bound (the reference code
+allowed up to 2N). A group is returned at most once, ever: uids already seen are rejected on
+arrival and remembered across checkpoints.
+
+What happens to groups past the bound (``stale_policy``):
+
+- ``"drop"``: they are removed and counted (``hetero/dropped``, reason ``"stale"``); the learner
+  waits only for enough fresh groups.
+- ``"wait"`` (dropless, like verl's ``max_off_policy_strategy=wait``): before stepping, the learner
+  also waits for every group announced with :meth:`RolloutBuffer.expect` whose version would be
+  past the bound after this step, so it is trained on now instead of dropped later. Groups that
+  still arrive too late (e.g. their sampler had old weights for a long time) are dropped and
+  counted: the bound is never relaxed.
+
+Both policies block ``take`` until enough fresh data is there, up to a timeout, then raise
+:class:`BufferTimeout` with a message saying what was missing.
+
+Threads: all methods are safe to call concurrently (one lock, one condition variable). Ray: wrap
+with :func:`make_buffer_actor`, which gives a threaded actor so ``add`` from samplers proceeds
+while the learner blocks in ``take``.
+
+Ledger: every uid that ever reached the buffer has one status: buffered, consumed, dropped (with
+reason) or rejected (with reason). ``state_dict()`` saves the ledger and the buffered groups so a
+resumed learner neither loses nor repeats a group.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from typing import Callable
+
+import numpy as np
+
+from verl_ext.hetero.records import RecordRejected, RecordSpec, RolloutGroup, validate_group
+
+STALE_POLICIES = ("drop", "wait")
+ORDERS = ("oldest", "newest")
+
+BUFFERED, CONSUMED, DROPPED, REJECTED = "buffered", "consumed", "dropped", "rejected"
+
+
+class BufferTimeout(TimeoutError):
+    """``take`` waited ``timeout_s`` without getting the groups it needs."""
+
+
+class Ledger:
+    """Status of every group uid seen: generated = consumed + dropped + rejected + buffered.
+
+    Status strings: ``"buffered"``, ``"consumed"``, ``"dropped:<reason>"``,
+    ``"rejected:<reason>"``. Duplicate arrivals of a known uid do not change its status; they
+    are counted in ``duplicates``.
+    """
+
+    def __init__(self):
+        self.status: dict[str, str] = {}
+        self.duplicates: Counter[str] = Counter()
+
+    def mark(self, uid: str, status: str) -> None:
+        self.status[uid] = status
+
+    def counts(self) -> dict[str, int]:
+        """Totals: generated, buffered, consumed, dropped, rejected, duplicates, and one entry per
+        reason (``dropped:stale``, ``rejected:positive_logprob``, ...)."""
+        by_status = Counter(self.status.values())
+        out: dict[str, int] = {"generated": len(self.status), "duplicates": sum(self.duplicates.values())}
+        for kind in (BUFFERED, CONSUMED, DROPPED, REJECTED):
+            out[kind] = sum(count for status, count in by_status.items() if status.split(":", 1)[0] == kind)
+        out.update({status: count for status, count in by_status.items() if ":" in status})
+        return out
+
+    def uids(self, kind: str) -> set[str]:
+        """All uids whose status starts with ``kind`` (buffered, consumed, dropped, rejected)."""
+        return {uid for uid, status in self.status.items() if status.split(":", 1)[0] == kind}
+
+    def state_dict(self) -> dict:
+        return {"status": dict(self.status), "duplicates": dict(self.duplicates)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.status = dict(state["status"])
+        self.duplicates = Counter(state["duplicates"])
+
+
+class RolloutBuffer:
+    """Holds whole prompt groups; hands them to the learner within a staleness bound.
+
+    Args:
+        max_delay: N, the largest allowed ``learner_version - policy_version`` (>= 0; 0 means
+            strictly on-policy).
+        stale_policy: ``"drop"`` or ``"wait"`` (see module docstring).
+        order: which fresh groups ``take`` returns first: ``"oldest"`` (lowest policy version,
+            then arrival order; default, so groups are used before they go stale) or
+            ``"newest"``.
+        spec: validation rules for arriving groups (group size, reward range, ...).
+        capacity: most groups held at once; when full, the oldest buffered group is dropped with
+            reason ``"overflow"``. None = unbounded.
+        wait_timeout_s: default seconds ``take`` blocks before raising :class:`BufferTimeout`.
+        clock: monotonic seconds, injectable for tests; used for wait-time metrics and timeouts.
+    """
+
+    def __init__(
+        self,
+        max_delay: int,
+        stale_policy: str = "drop",
+        order: str = "oldest",
+        spec: RecordSpec = RecordSpec(),
+        capacity: int | None = None,
+        wait_timeout_s: float = 600.0,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        if isinstance(max_delay, bool) or not isinstance(max_delay, (int, np.integer)) or max_delay < 0:
+            raise ValueError(f"RolloutBuffer: max_delay={max_delay!r} must be an int >= 0")
+        if stale_policy not in STALE_POLICIES:
+            raise ValueError(f"RolloutBuffer: stale_policy={stale_policy!r} must be one of {STALE_POLICIES}")
+        if order not in ORDERS:
+            raise ValueError(f"RolloutBuffer: order={order!r} must be one of {ORDERS}")
+        if capacity is not None and capacity < 1:
+            raise ValueError(f"RolloutBuffer: capacity={capacity} must be >= 1 or None")
+        if not wait_timeout_s > 0:
+            raise ValueError(f"RolloutBuffer: wait_timeout_s={wait_timeout_s} must be > 0")
+        self.max_delay, self.stale_policy, self.order = int(max_delay), stale_policy, order
+        self.spec, self.capacity, self.wait_timeout_s, self.clock = spec, capacity, wait_timeout_s, clock
+
+        self._cond = threading.Condition()
+        self._groups: dict[str, RolloutGroup] = {}  # uid -> group, insertion order = arrival order
+        self._expected: dict[str, tuple[int, str]] = {}  # uid -> (policy_version, sampler_id)
+        self._learner_version = 0
+        self.ledger = Ledger()
+        # per-reporting-window statistics (reset by metrics(reset=True))
+        self._window_staleness: list[int] = []
+        self._window_wait_s = 0.0
+        self._window_dropped: Counter[str] = Counter()
+        self._window_rejected: Counter[str] = Counter()
+        self.last_rejection: RecordRejected | None = None
+
+    # ---------------------------------------------------------------- producers
+    def add(self, group: RolloutGroup) -> bool:
+        """Validate and store one group. Returns True if accepted, False if rejected (counted under
+        ``hetero/rejected/<reason>``, reason kept in the ledger and ``last_rejection``). Never
+        raises on bad data.
+
+        A group whose ``policy_version`` is newer than the learner's version is rejected
+        (``future_version``), so the learner must call :meth:`set_learner_version` with v before
+        it publishes weights v. A uid that was already buffered, consumed or dropped is rejected
+        as ``duplicate`` and keeps its status; a uid that was rejected before may be re-sent.
+        A group already past the bound on arrival is accepted and immediately dropped as stale.
+        """
+        with self._cond:
+            try:
+                validate_group(group, self.spec, learner_version=self._learner_version)
+                previous = self.ledger.status.get(group.group_uid, REJECTED)
+                if not previous.startswith(REJECTED):
+                    self.ledger.duplicates[group.group_uid] += 1
+                    raise RecordRejected("group_uid", "duplicate", f"uid already {previous}",
+                                         sampler_id=str(group.sampler_id), group_uid=group.group_uid)
+            except RecordRejected as err:
+                self.last_rejection = err
+                self._window_rejected[err.reason] += 1
+                if err.reason != "duplicate":
+                    previous = self.ledger.status.get(err.group_uid, REJECTED)
+                    if previous.startswith(REJECTED):  # never overwrite a real status with a rejection
+                        self.ledger.mark(err.group_uid, f"{REJECTED}:{err.reason}")
+                    else:
+                        self.ledger.duplicates[err.group_uid] += 1
+                    self._expected.pop(err.group_uid, None)
+                self._cond.notify_all()
+                return False
+            uid = group.group_uid
+            self._expected.pop(uid, None)
+            self._groups[uid] = group
+            self.ledger.mark(uid, BUFFERED)
+            if self._learner_version - group.policy_version > self.max_delay:
+                self._drop(uid, "stale")  # past the bound on arrival: it can never be used
+            elif self.capacity is not None and len(self._groups) > self.capacity:
+                self._drop(next(iter(self._groups)), "overflow")
+            self._cond.notify_all()
+            return True
+
+    def expect(self, uid: str, policy_version: int, sampler_id: str = "?") -> None:
+        """Announce a group being generated (``stale_policy="wait"`` waits for it before letting
+        it go stale). Harmless under ``"drop"``. Cancel with :meth:`forget`."""
+        with self._cond:
+            if uid not in self.ledger.status:
+                self._expected[uid] = (int(policy_version), str(sampler_id))
+
+    def forget(self, uid: str) -> None:
+        """Withdraw an :meth:`expect` (the sampler gave up on the group)."""
+        with self._cond:
+            self._expected.pop(uid, None)
+            self._cond.notify_all()
+
+    # ---------------------------------------------------------------- learner
+    @property
+    def learner_version(self) -> int:
+        return self._learner_version
+
+    def set_learner_version(self, version: int) -> None:
+        """Tell the buffer the learner's current version (also done by ``take``). Versions only
+        grow; groups past the bound are dropped at once."""
+        with self._cond:
+            self._advance(version)
+            self._cond.notify_all()
+
+    def take(self, n: int, learner_version: int, timeout_s: float | None = None) -> list[RolloutGroup]:
+        """Remove and return ``n`` groups with ``learner_version - policy_version <= max_delay``.
+
+        Blocks until they are available (and, under ``"wait"``, until expected groups that would
+        go stale after this step have arrived), at most ``timeout_s`` (default
+        ``wait_timeout_s``) seconds; then raises :class:`BufferTimeout`.
+        """
+        if n < 1:
+            raise ValueError(f"take: n={n} must be >= 1")
+        if self.capacity is not None and n > self.capacity:
+            raise ValueError(f"take: n={n} exceeds the buffer capacity={self.capacity}; it could never be served")
+        timeout_s = self.wait_timeout_s if timeout_s is None else timeout_s
+        start = self.clock()
+        with self._cond:
+            self._advance(learner_version)
+            while True:
+                blocking = self._blocking_expected()
+                if len(self._groups) >= n and not blocking:
+                    break
+                remaining = timeout_s - (self.clock() - start)
+                if remaining <= 0:
+                    self._window_wait_s += self.clock() - start
+                    raise BufferTimeout(self._timeout_message(n, timeout_s, blocking))
+                self._cond.wait(timeout=min(remaining, 1.0))
+                # a blocked learner may see stale arrivals; keep the bound exact while waiting
+                self._advance(learner_version)
+            chosen = self._select(n)
+            for group in chosen:
+                del self._groups[group.group_uid]
+                self.ledger.mark(group.group_uid, CONSUMED)
+                self._window_staleness.append(learner_version - group.policy_version)
+            self._window_wait_s += self.clock() - start
+            return chosen
+
+    def _advance(self, version: int) -> None:
+        if version < self._learner_version:
+            raise ValueError(f"learner_version={version} went backwards (buffer is at {self._learner_version})")
+        self._learner_version = int(version)
+        for uid in [uid for uid, g in self._groups.items() if version - g.policy_version > self.max_delay]:
+            self._drop(uid, "stale")
+
+    def _blocking_expected(self) -> list[tuple[str, int, str]]:
+        if self.stale_policy != "wait":
+            return []
+        # after this step the learner is at v+1; anything at version <= v - N would then be stale
+        cutoff = self._learner_version - self.max_delay
+        return [(uid, version, sampler) for uid, (version, sampler) in self._expected.items() if version <= cutoff]
+
+    def _select(self, n: int) -> list[RolloutGroup]:
+        arrival = {uid: i for i, uid in enumerate(self._groups)}
+        sign = 1 if self.order == "oldest" else -1
+        ranked = sorted(self._groups.values(), key=lambda g: (sign * g.policy_version, sign * arrival[g.group_uid]))
+        return ranked[:n]
+
+    def _drop(self, uid: str, reason: str) -> None:
+        self._groups.pop(uid, None)
+        self.ledger.mark(uid, f"{DROPPED}:{reason}")
+        self._window_dropped[reason] += 1
+
+    def _timeout_message(self, n: int, timeout_s: float, blocking: list) -> str:
+        versions = [g.policy_version for g in self._groups.values()]
+        newest = max(versions) if versions else None
+        msg = (f"RolloutBuffer.take: waited {timeout_s:.1f}s for {n} groups at learner_version="
+               f"{self._learner_version} (max_delay={self.max_delay}, stale_policy={self.stale_policy}); "
+               f"have {len(self._groups)} fresh groups, newest policy_version={newest}, "
+               f"dropped so far={self.ledger.counts()[DROPPED]}")
+        if blocking:
+            shown = ", ".join(f"{uid} (v{version}, {sampler})" for uid, version, sampler in blocking[:5])
+            msg += f"; still waiting for {len(blocking)} expected groups: {shown}"
+        return msg + ". Are the samplers alive and receiving weights?"
+
+    # ---------------------------------------------------------------- reporting
+    def __len__(self) -> int:
+        with self._cond:
+            return len(self._groups)
+
+    def metrics(self, reset: bool = True) -> dict[str, float]:
+        """Scalars under ``hetero/``. Window values cover what happened since the last
+        ``metrics(reset=True)``: ``staleness_mean``/``_max``/``_min`` and
+        ``staleness_hist/<k>`` (k = 0..max_delay) over consumed groups, ``wait_s`` (seconds
+        blocked in take), ``dropped``/``rejected`` with per-reason ``dropped/<reason>``,
+        ``rejected/<reason>``. Gauges: ``queue_depth``, ``expected``. Run totals: ``consumed_total``,
+        ``dropped_total``, ``rejected_total``, ``generated_total``."""
+        with self._cond:
+            staleness = np.asarray(self._window_staleness, dtype=np.float64)
+            out: dict[str, float] = {
+                "hetero/queue_depth": float(len(self._groups)),
+                "hetero/expected": float(len(self._expected)),
+                "hetero/consumed": float(staleness.size),
+                "hetero/staleness_mean": float(staleness.mean()) if staleness.size else 0.0,
+                "hetero/staleness_max": float(staleness.max()) if staleness.size else 0.0,
+                "hetero/staleness_min": float(staleness.min()) if staleness.size else 0.0,
+                "hetero/wait_s": float(self._window_wait_s),
+                "hetero/dropped": float(sum(self._window_dropped.values())),
+                "hetero/rejected": float(sum(self._window_rejected.values())),
+            }
+            hist = np.bincount(staleness.astype(np.int64), minlength=self.max_delay + 1) if staleness.size \
+                else np.zeros(self.max_delay + 1, dtype=np.int64)
+            out.update({f"hetero/staleness_hist/{k}": float(c) for k, c in enumerate(hist)})
+            out.update({f"hetero/dropped/{r}": float(c) for r, c in self._window_dropped.items()})
+            out.update({f"hetero/rejected/{r}": float(c) for r, c in self._window_rejected.items()})
+            totals = self.ledger.counts()
+            for kind in ("generated", CONSUMED, DROPPED, REJECTED):
+                out[f"hetero/{kind}_total"] = float(totals[kind])
+            if reset:
+                self._window_staleness.clear()
+                self._window_wait_s = 0.0
+                self._window_dropped.clear()
+                self._window_rejected.clear()
+            return out
+
+    def staleness_histogram(self) -> np.ndarray:
+        """int64 (max_delay + 1,): consumed-group counts by staleness in the current window."""
+        with self._cond:
+            return np.bincount(np.asarray(self._window_staleness, dtype=np.int64), minlength=self.max_delay + 1)
+
+    # ---------------------------------------------------------------- checkpoint
+    def state_dict(self) -> dict:
+        """Everything needed to resume: config, learner version, the ledger, and the buffered
+        groups as safetensors bytes (so the dict pickles or goes into torch.save)."""
+        with self._cond:
+            return {
+                "max_delay": self.max_delay,
+                "learner_version": self._learner_version,
+                "ledger": self.ledger.state_dict(),
+                "groups": [g.to_bytes() for g in self._groups.values()],
+            }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore a :meth:`state_dict`; replaces the current contents. Expected (in-flight)
+        announcements are not restored: samplers re-announce after a resume."""
+        with self._cond:
+            groups = [RolloutGroup.from_bytes(b) for b in state["groups"]]
+            self._learner_version = int(state["learner_version"])
+            self.ledger.load_state_dict(state["ledger"])
+            self._groups = {g.group_uid: g for g in groups}
+            self._expected.clear()
+            for uid in self._groups:
+                if self.ledger.status.get(uid) != BUFFERED:
+                    raise ValueError(f"load_state_dict: buffered group {uid!r} has ledger status "
+                                     f"{self.ledger.status.get(uid)!r}, state is inconsistent")
+            self._advance(self._learner_version)  # a smaller max_delay after resume drops at once
+            self._cond.notify_all()
+
+
+def make_buffer_actor(max_concurrency: int = 16, **buffer_kwargs):
+    """Start a :class:`RolloutBuffer` as a threaded Ray actor (requires ``ray.init()``).
+
+    ``max_concurrency`` > 1 lets ``add`` calls from samplers run while the learner blocks in
+    ``take``. Returns the actor handle; call methods as ``handle.take.remote(n, v)``.
+    """
+    import ray
+
+    if max_concurrency < 2:
+        raise ValueError(f"max_concurrency={max_concurrency} must be >= 2 so take() does not block add()")
+    return ray.remote(RolloutBuffer).options(max_concurrency=max_concurrency).remote(**buffer_kwargs)

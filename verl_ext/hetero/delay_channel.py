@@ -1,0 +1,136 @@
+"""A transport wrapper that makes each message visible only after a drawn delay.
+
+:class:`DelayChannel` is itself a :class:`~verl_ext.hetero.transport.Transport`, so a
+:class:`~verl_ext.hetero.weights.WeightStore` or the rollout helpers run over it unchanged.
+Typical use: each sampler wraps the shared transport in its own channel (``stream`` = its index,
+``speed_factor`` = its relative slowness) around the weights topic, so every sampler sees each
+new policy version after its own delay; the learner may wrap the rollouts topic the same way.
+
+Delays are in seconds of ``clock``. The delay of a message depends only on (seed, stream,
+topic, key): it is reproducible and does not depend on when or how often the receiver polls.
+It is counted from:
+
+- ``timebase="sender"``: the sender's commit time (``MessageInfo.sent_at``). Exact, but assumes
+  sender and receiver clocks agree (same machine, or NTP-synchronised).
+- ``timebase="receiver"``: the first time this channel saw the message committed. Immune to
+  clock skew between machines; adds up to one polling interval.
+
+The clock is injectable, so tests advance time by hand and run instantly.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+from typing import Callable, Iterable
+
+import numpy as np
+
+from verl_ext.hetero.delay import DelayModel
+from verl_ext.hetero.transport import MessageInfo, Transport, check_name
+
+TIMEBASES = ("sender", "receiver")
+
+
+class DelayChannel(Transport):
+    """Delay visibility of the messages of ``transport``.
+
+    Args:
+        transport: the real transport; writes pass straight through.
+        delay_model: draws delays in seconds.
+        seed: root seed of the delay draws.
+        stream: this receiver's stream id (e.g. sampler index): receivers with different
+            streams draw independent delays for the same message.
+        speed_factor: multiplies every delay (> 0; 2.0 = this receiver is twice as far/slow).
+        topics: topics to delay; others are visible at once. None = every topic.
+        timebase: ``"sender"`` or ``"receiver"`` (see module docstring).
+        clock: seconds; must be comparable with the sender transport's clock for ``"sender"``.
+    """
+
+    def __init__(
+        self,
+        transport: Transport,
+        delay_model: DelayModel,
+        seed: int = 0,
+        stream: int = 0,
+        speed_factor: float = 1.0,
+        topics: Iterable[str] | None = None,
+        timebase: str = "sender",
+        clock: Callable[[], float] = time.time,
+    ):
+        super().__init__(clock)
+        if timebase not in TIMEBASES:
+            raise ValueError(f"DelayChannel: timebase={timebase!r} must be one of {TIMEBASES}")
+        if not (np.isfinite(speed_factor) and speed_factor > 0):
+            raise ValueError(f"DelayChannel: speed_factor={speed_factor} must be finite and > 0")
+        if stream < 0:
+            raise ValueError(f"DelayChannel: stream={stream} must be >= 0")
+        self.inner, self.delay_model = transport, delay_model
+        self.seed, self.stream, self.speed_factor, self.timebase = int(seed), int(stream), float(speed_factor), timebase
+        self.topics = None if topics is None else frozenset(check_name("topic", t) for t in topics)
+        self._lock = threading.Lock()
+        self._visible_at: dict[tuple[str, str, str], float] = {}  # (topic, key, sha256) -> clock time
+        self.stats = transport.stats  # corrupt/put/get counters are the inner transport's
+
+    def delay_for(self, topic: str, key: str) -> float:
+        """The delay (seconds, speed factor applied) this channel gives message (topic, key)."""
+        if self.topics is not None and topic not in self.topics:
+            return 0.0
+        digest = hashlib.sha256(f"{topic}/{key}".encode()).digest()
+        entropy = [self.seed, self.stream, int.from_bytes(digest[:8], "little")]
+        return float(self.delay_model.sample(1, np.random.default_rng(entropy))[0]) * self.speed_factor
+
+    def visible_at(self, topic: str, key: str) -> float:
+        """Clock time at which a committed message becomes visible here (KeyError if it is
+        not committed)."""
+        info = self.inner.info(topic, key)
+        mark = (topic, key, info.sha256)
+        with self._lock:
+            if mark not in self._visible_at:
+                base = info.sent_at if self.timebase == "sender" else self.clock()
+                self._visible_at[mark] = base + self.delay_for(topic, key)
+            return self._visible_at[mark]
+
+    def _is_visible(self, topic: str, key: str, now: float) -> bool:
+        try:
+            return self.visible_at(topic, key) <= now
+        except KeyError:  # deleted between listing and checking
+            return False
+
+    def keys(self, topic: str) -> list[str]:
+        """Committed keys whose delay has elapsed."""
+        now = self.clock()
+        return [key for key in self.inner.keys(topic) if self._is_visible(topic, key, now)]
+
+    def pending(self, topic: str) -> dict[str, float]:
+        """Committed but not yet visible keys -> seconds until visible."""
+        now = self.clock()
+        out = {}
+        for key in self.inner.keys(topic):
+            try:
+                remaining = self.visible_at(topic, key) - now
+            except KeyError:
+                continue
+            if remaining > 0:
+                out[key] = remaining
+        return out
+
+    def info(self, topic: str, key: str) -> MessageInfo:
+        if not self._is_visible(topic, key, self.clock()):
+            raise KeyError(f"{topic}/{key} is not visible yet (or not committed)")
+        return self.inner.info(topic, key)
+
+    def _read(self, topic: str, key: str) -> tuple[MessageInfo, bytes]:
+        if not self._is_visible(topic, key, self.clock()):
+            raise KeyError(f"{topic}/{key} is not visible yet (or not committed)")
+        return self.inner._read(topic, key)
+
+    def put(self, topic: str, key: str, data: bytes) -> MessageInfo:
+        return self.inner.put(topic, key, data)
+
+    def delete(self, topic: str, key: str) -> None:
+        self.inner.delete(topic, key)
+        with self._lock:
+            for mark in [m for m in self._visible_at if m[0] == topic and m[1] == key]:
+                del self._visible_at[mark]

@@ -1,0 +1,104 @@
+"""Rollout groups over a transport, with nothing lost or repeated across a learner resume.
+
+Sampler side: :func:`send_group` writes one group under its uid.
+
+Learner side: :class:`RolloutInbox` moves groups from the transport into a
+:class:`~verl_ext.hetero.buffer.RolloutBuffer`. It does not delete a message when it reads it:
+the message stays until :meth:`RolloutInbox.acknowledge` is called with the ledger of a saved
+checkpoint. So if the learner dies after reading a group but before checkpointing, the resumed
+learner (whose restored ledger does not know the uid) reads it again; if it dies after the
+checkpoint, the restored ledger knows the uid and the group is not read twice.
+
+Recommended learner loop::
+
+    inbox.poll()                       # transport -> buffer
+    groups = buffer.take(n, version)   # train on them
+    ...
+    state = buffer.state_dict()        # save it with the model checkpoint
+    inbox.acknowledge(state)           # only after the checkpoint is durable
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from verl_ext.hetero.buffer import REJECTED, RolloutBuffer
+from verl_ext.hetero.records import RolloutGroup
+from verl_ext.hetero.transport import CorruptMessage, MessageInfo, Transport, check_name
+
+ROLLOUT_TOPIC = "rollouts"
+
+
+def send_group(transport: Transport, group: RolloutGroup, topic: str = ROLLOUT_TOPIC) -> MessageInfo:
+    """Write ``group`` under key = its uid (which must be a valid transport name: letters,
+    digits, ``_ . = -``). Re-sending the same uid replaces the message; the learner's ledger
+    ensures it is used at most once."""
+    check_name("group_uid", group.group_uid)
+    return transport.put(topic, group.group_uid, group.to_bytes())
+
+
+class RolloutInbox:
+    """Reads rollout messages into a buffer (see module docstring).
+
+    Args:
+        transport: where samplers send groups (possibly a DelayChannel).
+        buffer: the learner's RolloutBuffer (local object, not a Ray handle).
+        topic: transport topic of rollouts.
+
+    ``stats`` counters: ``received`` (handed to the buffer), ``corrupt`` (failed checksum or not
+    decodable; counted once per message version, never handed over), ``uid_mismatch`` (payload
+    uid differs from its key), ``acknowledged`` (deleted after a checkpoint).
+    """
+
+    def __init__(self, transport: Transport, buffer: RolloutBuffer, topic: str = ROLLOUT_TOPIC):
+        self.transport, self.buffer, self.topic = transport, buffer, check_name("topic", topic)
+        self.stats: Counter[str] = Counter()
+        self._processed: set[tuple[str, str]] = set()  # (key, sha256) already handled this session
+
+    def poll(self, max_groups: int | None = None) -> int:
+        """Hand new messages to the buffer; returns how many the buffer accepted. Bad messages
+        are counted and skipped, never raised."""
+        accepted = 0
+        handled = 0
+        for key in self.transport.keys(self.topic):
+            if max_groups is not None and handled >= max_groups:
+                break
+            status = self.buffer.ledger.status.get(key)
+            if status is not None and not status.startswith(REJECTED):
+                continue  # already buffered, consumed or dropped: never twice
+            try:
+                info = self.transport.info(self.topic, key)
+                if (key, info.sha256) in self._processed:
+                    continue
+                self._processed.add((key, info.sha256))
+                data = self.transport.get(self.topic, key)
+                group = RolloutGroup.from_bytes(data)
+            except KeyError:
+                continue  # deleted or hidden since listing
+            except (CorruptMessage, ValueError):
+                self.stats["corrupt"] += 1
+                continue
+            handled += 1
+            if group.group_uid != key:
+                self.stats["uid_mismatch"] += 1
+                continue
+            self.stats["received"] += 1
+            accepted += int(self.buffer.add(group))
+        return accepted
+
+    def acknowledge(self, buffer_state: dict) -> int:
+        """Delete messages whose uid appears in the ledger of ``buffer_state`` (a
+        ``RolloutBuffer.state_dict()`` that has been saved durably). Returns how many."""
+        known = buffer_state["ledger"]["status"]
+        deleted = 0
+        for key in self.transport.keys(self.topic):
+            if key in known:
+                self.transport.delete(self.topic, key)
+                deleted += 1
+        self.stats["acknowledged"] += deleted
+        return deleted
+
+    def metrics(self) -> dict[str, float]:
+        """``hetero/transport_corrupt`` and ``hetero/transport_received`` (run totals)."""
+        return {"hetero/transport_corrupt": float(self.stats["corrupt"]),
+                "hetero/transport_received": float(self.stats["received"])}

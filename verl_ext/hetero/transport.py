@@ -1,0 +1,342 @@
+"""Transports: move opaque byte messages between the learner and samplers.
+
+One interface, two backends, swappable by config (:func:`make_transport`):
+
+- :class:`FsspecTransport` over any fsspec URL: ``file:///shared/run1``, a plain path, NFS,
+  ``memory://run1`` (one process, tests), ``s3://bucket/run1`` where s3fs is installed. For
+  samplers that are separate jobs, possibly in other data centres.
+- :class:`RayTransport` over Ray's object store, for samplers and learner in one Ray cluster.
+
+A message is addressed by ``(topic, key)`` (e.g. ``("weights", "v00000017")``,
+``("rollouts", group_uid)``) and carries a SHA-256 checksum and the sender's timestamp
+(:class:`MessageInfo`). Writes are atomic: the payload goes to a temporary name, is renamed to
+its final name, and only then is a small commit marker (holding size and checksum) written. A
+reader lists committed keys only, so a writer killed at any point leaves nothing visible; a
+committed payload whose bytes no longer match the checksum (truncated, bit rot, overwritten
+while read) raises :class:`CorruptMessage` and is counted in ``stats["corrupt"]``, never returned.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import posixpath
+import re
+import time
+import uuid
+from abc import ABC, abstractmethod
+from collections import Counter
+from dataclasses import asdict, dataclass
+from typing import Callable
+
+_NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.=-]{0,199}$")
+DATA_SUFFIX, COMMIT_SUFFIX, TEMP_PREFIX = ".msg", ".ok", ".tmp."
+
+
+class CorruptMessage(ValueError):
+    """A committed message failed its checksum or size check; its bytes were not returned."""
+
+
+@dataclass(frozen=True)
+class MessageInfo:
+    """Metadata of a committed message.
+
+    Attributes:
+        topic, key: the address.
+        size: payload length in bytes.
+        sha256: hex digest of the payload.
+        sent_at: sender's clock (seconds; wall clock ``time.time`` unless injected) at commit.
+    """
+
+    topic: str
+    key: str
+    size: int
+    sha256: str
+    sent_at: float
+
+
+def check_name(kind: str, name: str) -> str:
+    """Topics and keys become file names: letters, digits and ``_ . = -``, not starting with a
+    dot or dash (dot-names are reserved for temporaries), at most 200 characters."""
+    if not isinstance(name, str) or not _NAME_RE.match(name):
+        raise ValueError(f"{kind}={name!r} is not a valid name: use letters, digits, '_', '.', '=', '-' "
+                         f"(not first), at most 200 characters")
+    return name
+
+
+def checksum(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+class Transport(ABC):
+    """Interface every transport implements.
+
+    Attributes:
+        clock: seconds, stamped into ``MessageInfo.sent_at`` on put; injectable for tests.
+        stats: counters: ``put``, ``get``, ``corrupt`` (checksum or size mismatches seen on get).
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.time):
+        self.clock = clock
+        self.stats: Counter[str] = Counter()
+
+    @abstractmethod
+    def put(self, topic: str, key: str, data: bytes) -> MessageInfo:
+        """Store ``data`` under (topic, key) atomically; an existing key is replaced (the key is
+        invisible while it is rewritten)."""
+
+    @abstractmethod
+    def keys(self, topic: str) -> list[str]:
+        """Committed keys of ``topic``, sorted; empty if the topic does not exist."""
+
+    @abstractmethod
+    def info(self, topic: str, key: str) -> MessageInfo:
+        """Metadata of a committed message; KeyError if not committed."""
+
+    @abstractmethod
+    def _read(self, topic: str, key: str) -> tuple[MessageInfo, bytes]:
+        """Raw payload and its commit metadata; KeyError if not committed."""
+
+    @abstractmethod
+    def delete(self, topic: str, key: str) -> None:
+        """Remove a message (no error if absent). The commit marker goes first, so a reader
+        never sees a committed key without its payload."""
+
+    def get(self, topic: str, key: str) -> bytes:
+        """Payload of a committed message, verified against its checksum.
+
+        Raises KeyError if (topic, key) is not committed, :class:`CorruptMessage` if the bytes do
+        not match the committed size and checksum.
+        """
+        info, data = self._read(check_name("topic", topic), check_name("key", key))
+        self.stats["get"] += 1
+        if len(data) != info.size or checksum(data) != info.sha256:
+            self.stats["corrupt"] += 1
+            raise CorruptMessage(f"message {topic}/{key}: {len(data)} bytes with sha256 {checksum(data)[:12]}..., "
+                                 f"committed {info.size} bytes with sha256 {info.sha256[:12]}...")
+        return data
+
+    def _new_info(self, topic: str, key: str, data: bytes) -> MessageInfo:
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            raise TypeError(f"put {topic}/{key}: data must be bytes, got {type(data).__name__}")
+        return MessageInfo(topic=topic, key=key, size=len(data), sha256=checksum(bytes(data)),
+                           sent_at=float(self.clock()))
+
+
+class FsspecTransport(Transport):
+    """Messages as files under an fsspec URL: ``<root>/<topic>/<key>.msg`` plus the commit
+    marker ``<key>.ok`` (JSON MessageInfo). Temporaries are ``.tmp.<key>.<random>``.
+
+    Args:
+        url: fsspec URL or local path of the root folder (created if missing).
+        clock: see :class:`Transport`.
+        storage_options: passed to the fsspec filesystem (credentials, endpoint, ...).
+    """
+
+    def __init__(self, url: str, clock: Callable[[], float] = time.time, **storage_options):
+        super().__init__(clock)
+        import fsspec
+
+        self.url, self.storage_options = url, storage_options
+        self.fs, self.root = fsspec.core.url_to_fs(url, **storage_options)
+        self.fs.makedirs(self.root, exist_ok=True)
+
+    def __reduce__(self):
+        # fsspec filesystems pickle, but rebuilding from the URL keeps Ray/multiprocessing happy
+        # across backends; clock and counters are per process by design.
+        return (_rebuild_fsspec, (self.url, self.storage_options))
+
+    def _dir(self, topic: str) -> str:
+        return posixpath.join(self.root, topic)
+
+    def _paths(self, topic: str, key: str) -> tuple[str, str]:
+        base = posixpath.join(self._dir(topic), key)
+        return base + DATA_SUFFIX, base + COMMIT_SUFFIX
+
+    def _write_atomic(self, path: str, data: bytes) -> None:
+        directory, name = posixpath.split(path)
+        temp = posixpath.join(directory, f"{TEMP_PREFIX}{name}.{uuid.uuid4().hex}")
+        self.fs.pipe_file(temp, data)
+        self.fs.mv(temp, path)
+
+    def put(self, topic: str, key: str, data: bytes) -> MessageInfo:
+        check_name("topic", topic), check_name("key", key)
+        info = self._new_info(topic, key, data)
+        data_path, commit_path = self._paths(topic, key)
+        self.fs.makedirs(self._dir(topic), exist_ok=True)
+        if self.fs.exists(commit_path):
+            self.fs.rm_file(commit_path)  # uncommit first: the key is invisible while rewritten
+        self._write_atomic(data_path, bytes(data))
+        self._write_atomic(commit_path, json.dumps(asdict(info)).encode())
+        self.stats["put"] += 1
+        return info
+
+    def keys(self, topic: str) -> list[str]:
+        directory = self._dir(check_name("topic", topic))
+        try:
+            names = [posixpath.basename(p.rstrip("/")) for p in self.fs.ls(directory, detail=False)]
+        except FileNotFoundError:
+            return []
+        return sorted(n[: -len(COMMIT_SUFFIX)] for n in names
+                      if n.endswith(COMMIT_SUFFIX) and not n.startswith(TEMP_PREFIX))
+
+    def info(self, topic: str, key: str) -> MessageInfo:
+        _, commit_path = self._paths(check_name("topic", topic), check_name("key", key))
+        try:
+            raw = self.fs.cat_file(commit_path)
+        except FileNotFoundError:
+            raise KeyError(f"{topic}/{key} is not committed") from None
+        try:
+            return MessageInfo(**json.loads(raw))
+        except (ValueError, TypeError) as err:
+            self.stats["corrupt"] += 1
+            raise CorruptMessage(f"commit marker of {topic}/{key} is unreadable: {err}") from None
+
+    def _read(self, topic: str, key: str) -> tuple[MessageInfo, bytes]:
+        info = self.info(topic, key)
+        data_path, _ = self._paths(topic, key)
+        try:
+            return info, self.fs.cat_file(data_path)
+        except FileNotFoundError:
+            raise KeyError(f"{topic}/{key}: payload vanished (deleted while reading)") from None
+
+    def delete(self, topic: str, key: str) -> None:
+        for path in reversed(self._paths(check_name("topic", topic), check_name("key", key))):
+            try:
+                self.fs.rm_file(path)
+            except FileNotFoundError:
+                pass
+
+    def incomplete(self, topic: str) -> list[str]:
+        """Names of leftovers from interrupted writes: temporaries and payloads without a
+        commit marker."""
+        try:
+            names = [posixpath.basename(p.rstrip("/")) for p in self.fs.ls(self._dir(check_name("topic", topic)),
+                                                                           detail=False)]
+        except FileNotFoundError:
+            return []
+        committed = {n[: -len(COMMIT_SUFFIX)] for n in names if n.endswith(COMMIT_SUFFIX)}
+        return sorted(n for n in names if n.startswith(TEMP_PREFIX)
+                      or (n.endswith(DATA_SUFFIX) and n[: -len(DATA_SUFFIX)] not in committed))
+
+    def cleanup_incomplete(self, topic: str, key_prefix: str = "") -> int:
+        """Delete leftovers of interrupted writes whose key starts with ``key_prefix``; returns
+        how many. Call it only when no writer of those keys is active (e.g. a sampler at start
+        with its own prefix), or an in-progress write would lose its temporary."""
+        removed = 0
+        for name in self.incomplete(topic):
+            key = name[len(TEMP_PREFIX):] if name.startswith(TEMP_PREFIX) else name
+            if key.startswith(key_prefix):
+                try:
+                    self.fs.rm_file(posixpath.join(self._dir(topic), name))
+                    removed += 1
+                except FileNotFoundError:
+                    pass
+        return removed
+
+
+def _rebuild_fsspec(url: str, storage_options: dict) -> FsspecTransport:
+    return FsspecTransport(url, **storage_options)
+
+
+class _Mailbox:
+    """Ray actor state for RayTransport: (topic, key) -> (MessageInfo, [ObjectRef]). The ref is
+    wrapped in a list so Ray does not resolve it when passed as an argument."""
+
+    def __init__(self):
+        self._messages: dict[tuple[str, str], tuple[MessageInfo, list]] = {}
+
+    def put(self, info: MessageInfo, wrapped_ref: list) -> None:
+        self._messages[(info.topic, info.key)] = (info, wrapped_ref)
+
+    def get(self, topic: str, key: str):
+        return self._messages.get((topic, key))
+
+    def keys(self, topic: str) -> list[str]:
+        return sorted(key for t, key in self._messages if t == topic)
+
+    def delete(self, topic: str, key: str) -> None:
+        self._messages.pop((topic, key), None)
+
+
+class RayTransport(Transport):
+    """Messages in Ray's object store, indexed by a named mailbox actor.
+
+    Payloads are ``ray.put`` with the mailbox actor as owner, so a message outlives the sampler
+    or learner process that sent it. Requires an initialised Ray; every process that builds a
+    RayTransport with the same ``name`` (and namespace) shares the mailbox; the object pickles,
+    so it can also be passed to actors.
+
+    Args:
+        name: name of the mailbox actor (created on first use).
+        namespace: Ray namespace of the actor; None = the current job's namespace.
+        clock: see :class:`Transport`.
+    """
+
+    def __init__(self, name: str = "heterorl-mailbox", namespace: str | None = None,
+                 clock: Callable[[], float] = time.time):
+        super().__init__(clock)
+        import ray
+
+        self.name, self.namespace = name, namespace
+        self._mailbox = ray.remote(_Mailbox).options(
+            name=name, namespace=namespace, get_if_exists=True, lifetime="detached", num_cpus=0,
+        ).remote()
+
+    def __reduce__(self):
+        return (RayTransport, (self.name, self.namespace))
+
+    def put(self, topic: str, key: str, data: bytes) -> MessageInfo:
+        import ray
+
+        check_name("topic", topic), check_name("key", key)
+        info = self._new_info(topic, key, data)
+        ref = ray.put(bytes(data), _owner=self._mailbox)
+        ray.get(self._mailbox.put.remote(info, [ref]))
+        self.stats["put"] += 1
+        return info
+
+    def keys(self, topic: str) -> list[str]:
+        import ray
+
+        return ray.get(self._mailbox.keys.remote(check_name("topic", topic)))
+
+    def _entry(self, topic: str, key: str):
+        import ray
+
+        entry = ray.get(self._mailbox.get.remote(check_name("topic", topic), check_name("key", key)))
+        if entry is None:
+            raise KeyError(f"{topic}/{key} is not committed")
+        return entry
+
+    def info(self, topic: str, key: str) -> MessageInfo:
+        return self._entry(topic, key)[0]
+
+    def _read(self, topic: str, key: str) -> tuple[MessageInfo, bytes]:
+        import ray
+
+        info, wrapped_ref = self._entry(topic, key)
+        return info, ray.get(wrapped_ref[0])
+
+    def delete(self, topic: str, key: str) -> None:
+        import ray
+
+        ray.get(self._mailbox.delete.remote(check_name("topic", topic), check_name("key", key)))
+
+    def shutdown(self) -> None:
+        """Kill the (detached) mailbox actor and with it every stored message."""
+        import ray
+
+        ray.kill(self._mailbox)
+
+
+def make_transport(kind: str, **kwargs) -> Transport:
+    """Build a transport by name: ``"fsspec"`` (kwargs: url, storage options) or ``"ray"``
+    (kwargs: name, namespace)."""
+    if kind == "fsspec":
+        if "url" not in kwargs:
+            raise ValueError("fsspec transport needs url= (e.g. file:///shared/run1 or memory://run1)")
+        return FsspecTransport(**kwargs)
+    if kind == "ray":
+        return RayTransport(**kwargs)
+    raise ValueError(f"unknown transport kind={kind!r}; expected 'fsspec' or 'ray'")
