@@ -5,8 +5,9 @@ verl only logs a failing plugin at DEBUG level, so ``tests/test_verl_plugin_on_c
 that the names below arrived.
 
 Registered policy losses (``actor_rollout_ref.actor.policy_loss.loss_mode``):
-    gepo, eqp, gepo_adaptive, topr, delta_l, grpo_token (GRPO's clipped token surrogate without
-    verl's dual clip). verl's own vanilla, gspo, geo_mean (GMPO) and cispo are used as they are.
+    gepo, eqp, gepo_adaptive, topr, delta_l. verl's own vanilla (GRPO, Dr.GRPO, BNPO's surrogate),
+    gspo, geo_mean (GMPO) and cispo are used as they are (docs/algorithms.md: where they differ
+    from their papers).
 Registered advantage estimators (``algorithm.adv_estimator``): bnpo.
 
 Every loss here has verl's signature (see ``verl.workers.utils.losses.ppo_loss``) plus two
@@ -31,7 +32,7 @@ from verl_ext.algos import importance as iw
 from verl_ext.algos import losses
 from verl_ext.algos.diagnostics import importance_weight_stats, sampler_learner_kl
 
-HETERORL_LOSS_MODES = ("gepo", "eqp", "gepo_adaptive", "topr", "delta_l", "grpo_token")
+HETERORL_LOSS_MODES = ("gepo", "eqp", "gepo_adaptive", "topr", "delta_l")
 HETERORL_ADV_ESTIMATORS = ("bnpo",)
 
 
@@ -257,25 +258,6 @@ def compute_policy_loss_topr(
     """TOPR (Tapered Off-Policy REINFORCE). See :func:`verl_ext.algos.losses.topr_loss_terms`."""
     terms = losses.topr_loss_terms(
         log_prob, old_log_prob, advantages, response_mask, reduction=loss_option(config, "topr_reduction")
-    )
-    return _finish(terms, old_log_prob, log_prob, response_mask, loss_agg_mode, config, rollout_is_weights)
-
-
-@register_policy_loss("grpo_token")
-def compute_policy_loss_grpo_token(
-    old_log_prob: torch.Tensor,
-    log_prob: torch.Tensor,
-    advantages: torch.Tensor,
-    response_mask: torch.Tensor,
-    loss_agg_mode: str = "seq-mean-token-mean",
-    config: Any = None,
-    rollout_is_weights: Optional[torch.Tensor] = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """GRPO's clipped token surrogate exactly as the GRPO paper writes it (verl's ``vanilla`` adds
-    a dual clip at ratio 3 for negative advantages)."""
-    low, high = clip_range(config)
-    terms = losses.token_clipped_loss_terms(
-        log_prob, old_log_prob, advantages, response_mask, clip_low=low, clip_high=high
     )
     return _finish(terms, old_log_prob, log_prob, response_mask, loss_agg_mode, config, rollout_is_weights)
 

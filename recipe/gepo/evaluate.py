@@ -1,0 +1,455 @@
+"""Evaluate a model on math benchmarks with the paper's protocol (sampled mean@k, pass@k).
+
+    python -m recipe.gepo.evaluate model_path=/path/to/hf_or.gguf \\
+        benchmarks=[amc23,aime24,aime25,math500] samples_per_problem=8 output_dir=outputs/eval/run1
+
+Writes to ``output_dir``:
+
+* ``records.jsonl`` -- one line per sample (benchmark, problem_id, sample_idx, response, pred,
+  acc, score, error, n_tokens, truncated, ...), appended and fsync'ed after every chunk of
+  problems. A killed evaluation started again with the same ``output_dir`` skips every problem
+  whose ``samples_per_problem`` records are all present; a torn last line (kill during a write)
+  is cut off, a partially written problem is redone.
+* ``run_config.json`` -- the settings that determine the records; resuming with different
+  ones is refused (name the differing fields) unless ``resume=false`` (start over).
+* ``summary.json`` / ``summary.md`` -- mean@k and pass@k per benchmark and their average.
+* optionally one line appended to ``history_file`` (``{"step", "scores"}``) for the Best/Last
+  report (``python -m verl_ext.eval.report``).
+
+Every field is documented in :class:`EvalConfig` (mirrors ``config/evaluate.yaml``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from verl_ext.eval.metrics import group_records, summarize
+
+#: Benchmarks ``load_benchmark`` knows, plus the toy addition task.
+KNOWN_BENCHMARKS = ("math500", "aime24", "aime25", "amc23", "gsm8k", "toy")
+
+#: reward ``error`` values that mean "the response gave no answer" (not a scoring failure)
+NO_ANSWER_ERRORS = frozenset({"no_boxed", "no_answer"})
+
+RECORDS_FILE = "records.jsonl"
+RUN_CONFIG_FILE = "run_config.json"
+SUMMARY_JSON = "summary.json"
+SUMMARY_MD = "summary.md"
+
+#: fields whose change makes existing records incompatible (checked on resume)
+_FINGERPRINT_FIELDS = (
+    "model_path", "tokenizer_path", "template", "samples_per_problem", "temperature", "top_p",
+    "top_k", "max_new_tokens", "seed", "toy_digits", "toy_seed", "reward_kwargs",
+)
+
+
+@dataclass
+class EvalConfig:
+    """Settings of one evaluation; ``config/evaluate.yaml`` declares the same fields."""
+
+    #: HF model folder, a ``.gguf`` file, or a folder holding exactly one ``.gguf``. Required.
+    model_path: str | None = None
+    #: tokenizer folder (or .gguf) when it is not next to the model; None: from ``model_path``.
+    tokenizer_path: str | None = None
+    #: benchmarks to run, any of math500, aime24, aime25, amc23, gsm8k, toy.
+    benchmarks: list[str] = field(default_factory=lambda: ["amc23", "aime24", "aime25", "math500"])
+    #: per-benchmark data file overriding the built-in location, e.g. {aime24: /data/aime24.jsonl}.
+    benchmark_paths: dict[str, str] = field(default_factory=dict)
+    #: evaluate only the first ``limit`` problems of each benchmark (None: all).
+    limit: int | None = None
+    #: samples per problem, k of mean@k (the paper: 8).
+    samples_per_problem: int = 8
+    #: extra pass@k values to report (each 1 <= k <= samples_per_problem); None: [samples_per_problem].
+    pass_ks: list[int] | None = None
+    #: sampling temperature (paper 0.6).
+    temperature: float = 0.6
+    #: nucleus sampling threshold (paper 0.95).
+    top_p: float = 0.95
+    #: top-k sampling (paper 20; 0 disables).
+    top_k: int = 20
+    #: generation budget per sample (paper: up to 4096).
+    max_new_tokens: int = 4096
+    #: prompt template passed to ``verl_ext.data.templates.render_prompt``.
+    template: str = "qwen3_think"
+    #: base random seed; each chunk of problems is sampled with a seed derived from it.
+    seed: int = 0
+    #: sequences per ``generate`` call (HF engine); a chunk is max(1, batch_size // samples) problems.
+    batch_size: int = 16
+    #: auto (vLLM if importable and CUDA present, else HF), hf, or vllm.
+    engine: str = "auto"
+    #: auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16 or float16.
+    dtype: str = "auto"
+    #: auto, cpu, cuda, cuda:1, ...
+    device: str = "auto"
+    #: folder for records.jsonl, run_config.json, summary.json, summary.md.
+    output_dir: str = "outputs/eval"
+    #: resume from records in output_dir (false: delete them and start over).
+    resume: bool = True
+    #: training step this checkpoint belongs to (written to the summary and the history).
+    step: int | None = None
+    #: jsonl to append ``{"step", "scores"}`` to for the Best/Last report; needs ``step``.
+    history_file: str | None = None
+    #: options for ``verl_ext.rewards.math_reward`` (RewardConfig fields, e.g. timeout_seconds).
+    reward_kwargs: dict[str, Any] = field(default_factory=dict)
+    #: toy benchmark: number of problems, digits per operand, generator seed.
+    toy_n: int = 64
+    toy_digits: int = 3
+    toy_seed: int = 1234
+    #: show tqdm progress bars.
+    progress: bool = True
+
+    def __post_init__(self):
+        if self.benchmarks is None or isinstance(self.benchmarks, str):
+            self.benchmarks = [self.benchmarks] if isinstance(self.benchmarks, str) else []
+        self.benchmarks = [str(b) for b in self.benchmarks]
+        if not self.benchmarks:
+            raise ValueError("benchmarks is empty: give e.g. benchmarks=[math500,aime24]")
+        unknown = [b for b in self.benchmarks if b not in KNOWN_BENCHMARKS]
+        if unknown:
+            raise ValueError(f"unknown benchmark(s) {unknown}; known: {list(KNOWN_BENCHMARKS)}")
+        if len(set(self.benchmarks)) != len(self.benchmarks):
+            raise ValueError(f"benchmarks lists a name twice: {self.benchmarks}")
+        bad_paths = [b for b in self.benchmark_paths if b not in KNOWN_BENCHMARKS]
+        if bad_paths:
+            raise ValueError(f"benchmark_paths has unknown benchmark(s) {bad_paths}; known: {list(KNOWN_BENCHMARKS)}")
+        if self.samples_per_problem < 1:
+            raise ValueError(f"samples_per_problem={self.samples_per_problem} must be >= 1")
+        if self.limit is not None and self.limit < 1:
+            raise ValueError(f"limit={self.limit} must be >= 1 or null")
+        for k in self.pass_ks or []:
+            if not 1 <= int(k) <= self.samples_per_problem:
+                raise ValueError(f"pass_ks contains k={k}; need 1 <= k <= samples_per_problem={self.samples_per_problem}")
+        if self.engine not in ("auto", "hf", "vllm"):
+            raise ValueError(f"engine={self.engine!r} unknown; choose auto, hf or vllm")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype={self.dtype!r} unknown; choose auto, float32, bfloat16 or float16")
+        if self.batch_size < 1:
+            raise ValueError(f"batch_size={self.batch_size} must be >= 1")
+        if self.history_file and self.step is None:
+            raise ValueError("history_file is set but step is not: pass step=<training step>")
+
+    @property
+    def ks(self) -> list[int]:
+        ks = [int(k) for k in (self.pass_ks or [self.samples_per_problem])]
+        return sorted(set(ks))
+
+    @property
+    def problems_per_chunk(self) -> int:
+        return max(1, self.batch_size // self.samples_per_problem)
+
+    def fingerprint(self) -> dict:
+        d = dataclasses.asdict(self)
+        fp = {k: d[k] for k in _FINGERPRINT_FIELDS}
+        if fp["model_path"]:
+            fp["model_path"] = str(Path(fp["model_path"]).expanduser().resolve())
+        if fp["tokenizer_path"]:
+            fp["tokenizer_path"] = str(Path(fp["tokenizer_path"]).expanduser().resolve())
+        return fp
+
+
+def config_from_mapping(m: Mapping) -> EvalConfig:
+    """Build an :class:`EvalConfig` from a plain mapping (e.g. Hydra's), naming unknown keys."""
+    names = {f.name for f in dataclasses.fields(EvalConfig)}
+    unknown = sorted(set(m) - names)
+    if unknown:
+        raise ValueError(f"unknown evaluation setting(s) {unknown}; see recipe/gepo/config/evaluate.yaml")
+    return EvalConfig(**dict(m))
+
+
+# ---------------------------------------------------------------------------------------------
+# problems
+
+
+def load_problems(cfg: EvalConfig, name: str) -> list[dict]:
+    """Problems of one benchmark as dicts with id, problem, answer, data_source."""
+    if name == "toy":
+        from verl_ext.data import toy
+
+        probs = toy.make_problems(cfg.toy_n, cfg.toy_digits, cfg.toy_seed)
+        out = []
+        for i, p in enumerate(probs):
+            out.append({
+                "id": str(p.get("id", i)),
+                "problem": p["problem"],
+                "answer": p["answer"],
+                "data_source": p.get("data_source", "toy"),
+            })
+        return out[: cfg.limit] if cfg.limit else out
+    from verl_ext.data.datasets import load_benchmark
+
+    return list(load_benchmark(name, path=cfg.benchmark_paths.get(name), limit=cfg.limit))
+
+
+def _chunk_seed(base: int, benchmark: str, chunk: int) -> int:
+    h = hashlib.sha256(f"{base}/{benchmark}/{chunk}".encode()).digest()
+    return int.from_bytes(h[:4], "little")
+
+
+# ---------------------------------------------------------------------------------------------
+# records file
+
+
+def read_records(path: str | Path, repair: bool = False) -> list[dict]:
+    """Read a records jsonl. A last line without its newline (a write torn by a kill) is ignored,
+    and with ``repair=True`` cut from the file so appends start on a clean line. Any other
+    unparsable line raises ``ValueError`` with its line number."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    data = path.read_bytes()
+    cut = data.rfind(b"\n") + 1  # 0 when there is no complete line
+    if cut < len(data) and repair:
+        with open(path, "r+b") as f:
+            f.truncate(cut)
+    records = []
+    for i, line in enumerate(data[:cut].split(b"\n"), 1):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{i}: corrupt record line ({e.msg}); remove it or use resume=false") from None
+    return records
+
+
+def completed_problems(records: Sequence[Mapping], n: int) -> dict[str, set[str]]:
+    """``{benchmark: {problem_id}}`` of problems whose samples 0..n-1 are all recorded."""
+    done: dict[str, set[str]] = {}
+    seen: dict[tuple[str, str], set[int]] = {}
+    for r in records:
+        seen.setdefault((str(r["benchmark"]), str(r["problem_id"])), set()).add(int(r["sample_idx"]))
+    for (b, pid), idx in seen.items():
+        if set(range(n)) <= idx:
+            done.setdefault(b, set()).add(pid)
+    return done
+
+
+def _check_run_config(out: Path, cfg: EvalConfig) -> None:
+    rc = out / RUN_CONFIG_FILE
+    fp = cfg.fingerprint()
+    if rc.exists():
+        old = json.loads(rc.read_text())
+        diff = sorted(k for k in set(fp) | set(old) if old.get(k) != fp.get(k))
+        if diff:
+            details = ", ".join(f"{k}: {old.get(k)!r} -> {fp.get(k)!r}" for k in diff)
+            raise ValueError(
+                f"{out} holds records made with other settings ({details}); "
+                "use another output_dir or resume=false to start over"
+            )
+    else:
+        tmp = rc.with_suffix(".tmp")
+        tmp.write_text(json.dumps(fp, indent=2))
+        os.replace(tmp, rc)
+
+
+# ---------------------------------------------------------------------------------------------
+# scoring
+
+
+def score_samples(data_source: str, responses: Sequence[str], answers: Sequence[Any], reward_kwargs: Mapping) -> list[dict]:
+    """Score responses with the toy reward (data_source ``toy*``) or the math reward."""
+    if str(data_source).startswith("toy"):
+        from verl_ext.rewards import toy_reward
+
+        return [toy_reward.compute_score(data_source, r, a) for r, a in zip(responses, answers)]
+    from verl_ext.rewards import math_reward
+
+    return math_reward.score_batch(list(responses), list(answers), **dict(reward_kwargs))
+
+
+# ---------------------------------------------------------------------------------------------
+# summary
+
+
+def _response_stats(records: Sequence[Mapping], names: Sequence[str]) -> dict[str, dict]:
+    latest: dict[tuple, Mapping] = {}
+    for r in records:
+        latest[(r["benchmark"], str(r["problem_id"]), int(r["sample_idx"]))] = r
+    out = {}
+    for b in names:
+        rs = [r for k, r in latest.items() if k[0] == b]
+        n = max(len(rs), 1)
+        out[b] = {
+            "mean_response_tokens": sum(int(r.get("n_tokens", 0)) for r in rs) / n,
+            "truncation_rate": sum(1 for r in rs if r.get("truncated")) / n,
+            "no_answer_rate": sum(1 for r in rs if r.get("error") in NO_ANSWER_ERRORS) / n,
+            "scoring_errors": sum(1 for r in rs if r.get("error") and r.get("error") not in NO_ANSWER_ERRORS),
+        }
+    return out
+
+
+def build_summary(records: Sequence[Mapping], cfg: EvalConfig) -> dict:
+    """Summary dict from per-sample records (only the configured benchmarks/problems)."""
+    names = list(cfg.benchmarks)
+    wanted = [r for r in records if r["benchmark"] in names and int(r["sample_idx"]) < cfg.samples_per_problem]
+    summ = summarize(wanted, pass_ks=cfg.ks, benchmarks=names)
+    for b, st in _response_stats(wanted, names).items():
+        summ["benchmarks"][b].update(st)
+    summ.update({
+        "model_path": cfg.fingerprint()["model_path"],
+        "step": cfg.step,
+        "samples_per_problem": cfg.samples_per_problem,
+        "sampling": {k: getattr(cfg, k) for k in ("temperature", "top_p", "top_k", "max_new_tokens", "seed")},
+        "template": cfg.template,
+    })
+    return summ
+
+
+def summary_markdown(summary: Mapping, digits: int = 1) -> str:
+    """Markdown table: accuracies in percent, one row per benchmark plus the average."""
+    n = summary["samples_per_problem"]
+    first = next(iter(summary["benchmarks"].values()))
+    pks = sorted(int(k.split("@")[1]) for k in first if k.startswith("pass@"))
+    head = ["Benchmark", "Problems", f"mean@{n}"] + [f"pass@{k}" for k in pks] + [
+        "Correct", "No answer", "Scoring errors", "Mean tokens", "Truncated"]
+    lines = ["| " + " | ".join(head) + " |", "|---|" + "|".join(["---:"] * (len(head) - 1)) + "|"]
+    pct = lambda v: f"{100 * v:.{digits}f}"  # noqa: E731
+    from verl_ext.eval.report import DISPLAY_NAMES
+
+    for b, m in summary["benchmarks"].items():
+        row = [DISPLAY_NAMES.get(b, b), str(m["n_problems"]), pct(m[f"mean@{n}"])]
+        row += [pct(m[f"pass@{k}"]) for k in pks]
+        row += [f"{m['n_correct']}/{m['n_samples']}", pct(m["no_answer_rate"]), str(m["scoring_errors"]),
+                f"{m['mean_response_tokens']:.1f}", pct(m["truncation_rate"])]
+        lines.append("| " + " | ".join(row) + " |")
+    if "average" in summary:
+        a = summary["average"]
+        row = ["**Avg**", "", pct(a[f"mean@{n}"])] + [pct(a[f"pass@{k}"]) for k in pks] + [""] * 5
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+# ---------------------------------------------------------------------------------------------
+# main loop
+
+
+def run_evaluation(cfg: EvalConfig, generator=None) -> dict:
+    """Evaluate (resuming from ``cfg.output_dir``), write the summary files, return the summary.
+
+    ``generator`` -- an object with ``generate(prompts, n, seed, desc) -> [[Completion]]`` and a
+    ``tokenizer`` attribute (an :class:`~verl_ext.eval.generate.HFGenerator`); built from
+    ``cfg`` when None (only if some problem is left to generate).
+    """
+    from tqdm.auto import tqdm
+
+    from verl_ext.eval.generate import SamplingParams, make_generator, resolve_model_path
+
+    resolve_model_path(cfg.model_path)  # fail early, naming a bad path
+    out = Path(cfg.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    rec_path = out / RECORDS_FILE
+    if not cfg.resume:
+        for f in (rec_path, out / RUN_CONFIG_FILE, out / SUMMARY_JSON, out / SUMMARY_MD):
+            f.unlink(missing_ok=True)
+    _check_run_config(out, cfg)
+    records = read_records(rec_path, repair=True)
+    done = completed_problems(records, cfg.samples_per_problem)
+    problems = {b: load_problems(cfg, b) for b in cfg.benchmarks}
+    todo = {b: [(i, p) for i, p in enumerate(ps) if str(p["id"]) not in done.get(b, set())] for b, ps in problems.items()}
+    n_todo = sum(len(v) for v in todo.values())
+    n_all = sum(len(v) for v in problems.values())
+    if n_todo < n_all:
+        print(f"[evaluate] resuming: {n_all - n_todo}/{n_all} problems already complete in {rec_path}")
+
+    if n_todo:
+        params = SamplingParams(cfg.temperature, cfg.top_p, cfg.top_k, cfg.max_new_tokens)
+        if generator is None:
+            dtype = cfg.dtype
+            if dtype == "auto":
+                import torch
+
+                dtype = "bfloat16" if torch.cuda.is_available() and cfg.device != "cpu" else "float32"
+            generator = make_generator(cfg.engine, cfg.model_path, params, batch_size=cfg.batch_size, dtype=dtype,
+                                       device=cfg.device, tokenizer_path=cfg.tokenizer_path, seed=cfg.seed,
+                                       show_progress=cfg.progress)
+        from verl_ext.data.templates import render_prompt
+
+        ppc = cfg.problems_per_chunk
+        t0 = time.time()
+        with open(rec_path, "a", encoding="utf-8") as fh, tqdm(
+            total=n_todo, desc="problems", unit="prob", disable=not cfg.progress
+        ) as bar:
+            for b in cfg.benchmarks:
+                chunks: dict[int, list[tuple[int, dict]]] = {}
+                for i, p in todo[b]:
+                    chunks.setdefault(i // ppc, []).append((i, p))
+                for c, items in sorted(chunks.items()):
+                    bar.set_postfix_str(f"{b} chunk {c}")
+                    prompts = [render_prompt(p["problem"], cfg.template, tokenizer=generator.tokenizer) for _, p in items]
+                    comps = generator.generate(prompts, cfg.samples_per_problem, seed=_chunk_seed(cfg.seed, b, c),
+                                               desc=f"{b} sampling")
+                    lines = []
+                    for (i, p), prompt, samples in zip(items, prompts, comps):
+                        answers = [p["answer"]] * len(samples)
+                        scores = score_samples(p["data_source"], [s.text for s in samples], answers, cfg.reward_kwargs)
+                        for j, (s, sc) in enumerate(zip(samples, scores)):
+                            rec = {
+                                "benchmark": b,
+                                "problem_id": str(p["id"]),
+                                "problem_index": i,
+                                "sample_idx": j,
+                                "data_source": p["data_source"],
+                                "ground_truth": p["answer"],
+                                "response": s.text,
+                                "n_tokens": s.n_tokens,
+                                "truncated": s.truncated,
+                                "acc": float(sc.get("acc", sc.get("score", 0.0))),
+                                "score": float(sc.get("score", sc.get("acc", 0.0))),
+                                "pred": sc.get("pred"),
+                                "error": sc.get("error") or "",
+                            }
+                            if j == 0:
+                                rec["prompt"] = prompt
+                            lines.append(json.dumps(rec, ensure_ascii=False) + "\n")
+                    fh.write("".join(lines))
+                    fh.flush()
+                    os.fsync(fh.fileno())
+                    bar.update(len(items))
+        print(f"[evaluate] generated {n_todo} problems x {cfg.samples_per_problem} samples in {time.time() - t0:.1f}s")
+        records = read_records(rec_path)
+
+    ids = {b: {str(p["id"]) for p in ps} for b, ps in problems.items()}
+    current = [r for r in records if r["benchmark"] in ids and str(r["problem_id"]) in ids[r["benchmark"]]]
+    summary = build_summary(current, cfg)
+    _atomic_write(out / SUMMARY_JSON, json.dumps(summary, indent=2, ensure_ascii=False))
+    md = summary_markdown(summary)
+    _atomic_write(out / SUMMARY_MD, md)
+    if cfg.history_file:
+        hp = Path(cfg.history_file)
+        hp.parent.mkdir(parents=True, exist_ok=True)
+        n = cfg.samples_per_problem
+        line = {"step": cfg.step, "scores": {b: m[f"mean@{n}"] for b, m in summary["benchmarks"].items()},
+                "model_path": summary["model_path"], "output_dir": str(out.resolve())}
+        with open(hp, "a", encoding="utf-8") as f:
+            f.write(json.dumps(line) + "\n")
+    print(md, end="")
+    return summary
+
+
+def main() -> None:
+    import hydra
+    from omegaconf import OmegaConf
+
+    @hydra.main(config_path="config", config_name="evaluate", version_base=None)
+    def _entry(dcfg) -> None:
+        cfg = config_from_mapping(OmegaConf.to_container(dcfg, resolve=True))
+        run_evaluation(cfg)
+
+    _entry()
+
+
+if __name__ == "__main__":
+    main()
