@@ -1,0 +1,169 @@
+"""Delay models: quantile parameterisation, clipping, reproducibility, traces, CLI."""
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from scipy import stats
+
+from verl_ext.hetero.delay import (
+    LogNormalDelay,
+    SamplerDelays,
+    WeibullDelay,
+    main,
+    make_delay_model,
+    sampler_rngs,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+PAPER_SETTINGS = [(60.0, 1920.0, 400.0), (400.0, 3600.0, 400.0)]
+
+
+@pytest.mark.parametrize("dist", ["lognormal", "weibull"])
+@pytest.mark.parametrize("low,high,offset", PAPER_SETTINGS)
+@pytest.mark.parametrize("confidence", [0.995, 0.9])
+def test_low_high_are_the_tail_quantiles(dist, low, high, offset, confidence):
+    model = make_delay_model(dist, low=low, high=high, confidence=confidence, offset=offset)
+    p_lo, p_hi = (1 - confidence) / 2, 1 - (1 - confidence) / 2
+    # independent check: scipy's own distribution objects built from the fitted parameters
+    if dist == "lognormal":
+        frozen = stats.lognorm(s=model.sigma, scale=math.exp(model.mu))
+    else:
+        frozen = stats.weibull_min(c=model.shape, scale=model.scale)
+    assert frozen.ppf(p_lo) == pytest.approx(low, rel=1e-9)
+    assert frozen.ppf(p_hi) == pytest.approx(high, rel=1e-9)
+    # and the sampler really draws from it: empirical tail quantiles of T
+    draws = model.sample_underlying(400_000, np.random.default_rng(1))
+    assert np.quantile(draws, p_lo) == pytest.approx(low, rel=0.04)
+    assert np.quantile(draws, p_hi) == pytest.approx(high, rel=0.04)
+
+
+def test_lognormal_matches_the_paper_closed_form():
+    model = LogNormalDelay(low=60, high=1920, confidence=0.995)
+    z = stats.norm.ppf(1 - 0.005 / 2)
+    assert model.mu == pytest.approx((math.log(60) + math.log(1920)) / 2)
+    assert model.sigma == pytest.approx((math.log(1920) - math.log(60)) / (2 * z))
+
+
+@pytest.mark.parametrize("cls", [LogNormalDelay, WeibullDelay])
+@pytest.mark.parametrize("low,high,offset", PAPER_SETTINGS)
+def test_delay_is_clipped_shifted_underlying(cls, low, high, offset):
+    model = cls(low=low, high=high, offset=offset)
+    draws = model.sample(200_000, np.random.default_rng(2))
+    assert draws.shape == (200_000,) and draws.dtype == np.float64
+    assert draws.min() >= low and draws.max() <= high
+    # P(delay == low) = P(T <= low + offset): check the clip mass against the exact cdf
+    if cls is LogNormalDelay:
+        underlying = stats.lognorm(s=model.sigma, scale=math.exp(model.mu))
+    else:
+        underlying = stats.weibull_min(c=model.shape, scale=model.scale)
+    expected_at_low = float(underlying.cdf(low + offset))
+    assert np.mean(draws == low) == pytest.approx(expected_at_low, abs=0.01)
+    summary = model.summary(n_samples=50_000, seed=3)
+    assert low <= summary.median <= summary.p95 <= summary.max <= high
+    assert summary.frac_at_low == pytest.approx(expected_at_low, abs=0.02)
+
+
+def test_same_seed_same_draws_and_each_sampler_its_own_stream():
+    model = make_delay_model("lognormal", low=60, high=1920, offset=400)
+    first = [model.sample(64, rng) for rng in sampler_rngs(seed=7, n_samplers=3)]
+    again = [model.sample(64, rng) for rng in sampler_rngs(seed=7, n_samplers=3)]
+    for a, b in zip(first, again):
+        np.testing.assert_array_equal(a, b)
+    # the reference code gave every sampler the same list; here streams differ
+    assert not np.array_equal(first[0], first[1]) and not np.array_equal(first[1], first[2])
+    other_seed = [model.sample(64, rng) for rng in sampler_rngs(seed=8, n_samplers=3)]
+    assert not np.array_equal(first[0], other_seed[0])
+
+
+def test_sampler_speed_factors_scale_that_samplers_delays():
+    model = make_delay_model("weibull", low=400, high=3600, offset=400)
+    delays = SamplerDelays(model, n_samplers=2, seed=5, speed_factors=[1.0, 2.5])
+    reference = [model.sample(100, rng) for rng in sampler_rngs(seed=5, n_samplers=2)]
+    np.testing.assert_allclose(delays.draw(0, 100), reference[0])
+    np.testing.assert_allclose(delays.draw(1, 100), 2.5 * reference[1])
+    with pytest.raises(ValueError, match=r"speed_factors\[1\]=0.0"):
+        SamplerDelays(model, n_samplers=2, speed_factors=[1.0, 0.0])
+    with pytest.raises(ValueError, match="sampler=2 out of range"):
+        delays.draw(2)
+
+
+def test_none_constant_and_steps():
+    rng = np.random.default_rng(0)
+    np.testing.assert_array_equal(make_delay_model("none").sample(5, rng), np.zeros(5))
+    np.testing.assert_array_equal(make_delay_model("constant", value=3.5).sample(3, rng), [3.5, 3.5, 3.5])
+    steps = make_delay_model("lognormal", low=1, high=64).sample_steps(10_000, rng, max_delay=8)
+    assert steps.dtype == np.int64 and steps.min() >= 1 and steps.max() == 8
+
+
+def test_trace_from_text_and_csv(tmp_path):
+    text = tmp_path / "delays.txt"
+    text.write_text("# measured upload delays\n12.5\n\n30  # slow link\n7\n")
+    model = make_delay_model("trace", path=str(text), order="sequential")
+    cycle = model.sample(7, np.random.default_rng(0))
+    values = [12.5, 30.0, 7.0]
+    start = values.index(cycle[0])
+    assert list(cycle) == [values[(start + i) % 3] for i in range(7)]
+    resampled = make_delay_model("trace", path=str(text)).sample(1000, np.random.default_rng(1))
+    assert set(np.unique(resampled)) == set(values)
+
+    table = tmp_path / "delays.csv"
+    table.write_text("host,delay_ms\na,100\nb,250\n")
+    by_name = make_delay_model("trace", path=str(table), column="delay_ms", scale=1e-3)
+    by_index = make_delay_model("trace", path=str(table), column=1, scale=1e-3)
+    np.testing.assert_allclose(by_name.values, [0.1, 0.25])
+    np.testing.assert_allclose(by_index.values, by_name.values)
+
+
+def test_trace_bad_input_names_the_line(tmp_path):
+    bad = tmp_path / "bad.txt"
+    bad.write_text("1.0\nfast\n")
+    with pytest.raises(ValueError, match=r"entry 2: 'fast' is not a number"):
+        make_delay_model("trace", path=str(bad))
+    bad.write_text("1.0\n-3\n")
+    with pytest.raises(ValueError, match=r"entry 2: delay -3.0 must be finite and >= 0"):
+        make_delay_model("trace", path=str(bad))
+    table = tmp_path / "t.csv"
+    table.write_text("a,b\n1,2\n")
+    with pytest.raises(ValueError, match="pass column="):
+        make_delay_model("trace", path=str(table))
+    with pytest.raises(ValueError, match=r"column='c' not in"):
+        make_delay_model("trace", path=str(table), column="c")
+
+
+@pytest.mark.parametrize("dist,params,message", [
+    ("lognormal", dict(low=5, high=3), "lognormal: low=5 must be < high=3"),
+    ("weibull", dict(low=0, high=3), "weibull: low=0 must be finite and > 0"),
+    ("lognormal", dict(low=1, high=3, confidence=1.0), "confidence=1.0 must be in"),
+    ("constant", dict(value=-1), "constant: value=-1 must be finite and >= 0"),
+    ("gamma", dict(), "unknown delay dist='gamma'"),
+    ("lognormal", dict(low=1, high=3, scale=2), "lognormal: bad parameters"),
+])
+def test_bad_parameters_raise_naming_the_value(dist, params, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(".", r"\.")):
+        make_delay_model(dist, **params)
+
+
+def test_cli_json_and_plot(tmp_path, capsys):
+    plot = tmp_path / "hist.png"
+    assert main(["--dist", "lognormal", "--low", "60", "--high", "1920", "--offset", "400",
+                 "--n", "20000", "--json", "--plot", str(plot)]) == 0
+    report = json.loads(capsys.readouterr().out)
+    model = make_delay_model("lognormal", low=60, high=1920, offset=400)
+    assert report["summary"] == pytest.approx(model.summary(20000, 0).__dict__)
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_module_entry_point_and_errors():
+    ok = subprocess.run([sys.executable, "-m", "verl_ext.hetero.delay", "--dist", "weibull", "--low", "400",
+                         "--high", "3600", "--offset", "400", "--n", "1000"],
+                        cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert ok.returncode == 0, ok.stderr
+    assert "dist: weibull" in ok.stdout and "median" in ok.stdout and "p95" in ok.stdout
+    bad = subprocess.run([sys.executable, "-m", "verl_ext.hetero.delay", "--dist", "lognormal", "--low", "5",
+                          "--high", "3"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "low=5.0 must be < high=3.0" in bad.stderr
