@@ -155,6 +155,8 @@ def summarise(bern: dict, gauss: dict, pairs: dict, bias_stats: dict) -> str:
                f"[{d1['kl'].min():.3g}, {d1['kl'].max():.3g}]):")
     out.append(f"    group-expectation variance lower (A = 1): {(diff1 > 0).mean():.3f}; "
                f"with advantages: {(diff3 > 0).mean():.3f}")
+    out.append("  A = 1:")
+    out.append(_format_table(kl_bucket_table(d1["kl"], diff1)))
     out.append(
         "    Theorem 1, C = 1/||q||^2: violated by "
         f"{int((diff1 < np.exp(d1['kl']) - c1['paper']).sum())} pairs; "
