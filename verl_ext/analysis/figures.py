@@ -223,7 +223,7 @@ def _setup_matplotlib():
     return plt
 
 
-def draw_figure2(d: dict, family: str, path: Path, x_key: str, y_key: str, x_label: str, y_label: str):
+def draw_figure2(d: dict, family: str, path: Path, x_label: str, y_label: str):
     """Four panels: both variances vs KL, KL heatmap, difference heatmap, difference vs KL."""
     plt = _setup_matplotlib()
     from matplotlib.colors import SymLogNorm
@@ -235,7 +235,6 @@ def draw_figure2(d: dict, family: str, path: Path, x_key: str, y_key: str, x_lab
     fig, axes = plt.subplots(2, 2, figsize=(10, 8.2))
 
     ax = axes[0, 0]
-    order = np.argsort(kl.ravel())
     ax.scatter(kl.ravel(), d["ratio"].ravel(), s=4, alpha=0.5, label=r"Var$_q[p/q]$", color="tab:red")
     ax.scatter(kl.ravel(), d["group_expectation"].ravel(), s=4, alpha=0.5,
                label=r"Var$_q[p/E_q q]$", color="tab:blue")
@@ -244,7 +243,6 @@ def draw_figure2(d: dict, family: str, path: Path, x_key: str, y_key: str, x_lab
     ax.set_ylabel("variance of the weight")
     ax.set_title("Variance comparison")
     ax.legend(markerscale=3)
-    del order
 
     ax = axes[0, 1]
     im = ax.imshow(kl, origin="lower", extent=extent, cmap="viridis", aspect="equal")
@@ -370,9 +368,9 @@ def main(argv=None) -> int:
     bias_stats = compute_bias_stats(pairs, args.group_size, args.groups, rng)
 
     draw_figure2(bern, "Bernoulli p=Bern(a), q=Bern(b)", args.out / "figure2_bernoulli.png",
-                 "a", "b", "a  (p = Bern(a), learner)", "b  (q = Bern(b), sampler)")
+                 "a  (p = Bern(a), learner)", "b  (q = Bern(b), sampler)")
     draw_figure2(gauss, "Gaussian p=N(mu_p,1), q=N(mu_q,1)", args.out / "figure2_gaussian.png",
-                 "mu_q", "mu_p", "mu_q  (sampler)", "mu_p  (learner)")
+                 "mu_q  (sampler)", "mu_p  (learner)")
     draw_bias(pairs, bias_stats, args.out / "bias.png")
     print(summarise(bern, gauss, pairs, bias_stats))
     print(f"wrote {', '.join(str(args.out / n) for n in ('figure2_bernoulli.png', 'figure2_gaussian.png', 'bias.png'))}")
