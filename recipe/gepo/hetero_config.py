@@ -1,0 +1,164 @@
+"""The ``hetero:`` section of ``gepo_trainer.yaml``, as typed, validated dataclasses.
+
+Everything about heterogeneity (which engine, replay or real async, delays, the staleness bound,
+transports) lives here; everything about the model, data and optimiser stays in verl's keys.
+``HeteroConfig.from_omegaconf(cfg.hetero)`` validates before any work starts and names the bad
+value in its error.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, Optional
+
+from omegaconf import DictConfig, OmegaConf
+
+ENGINES = ("local", "verl")
+MODES = ("replay", "async")
+STALE_POLICIES = ("drop", "wait")
+ORDERS = ("oldest", "newest")
+TRANSPORTS = ("ray", "fs")
+DELAY_UNITS = ("steps", "seconds")
+
+
+@dataclass
+class DelayConfig:
+    """The delay model (``verl_ext.hetero.delay.make_delay_model``)."""
+
+    dist: str = "lognormal"
+    """none | constant | lognormal | weibull | trace."""
+    low: float = 1.0
+    """lognormal/weibull: the (1-c)/2 quantile L of the underlying delay, and the clip floor."""
+    high: float = 8.0
+    """lognormal/weibull: the 1-(1-c)/2 quantile U, and the clip ceiling."""
+    confidence: float = 0.995
+    """lognormal/weibull: c, the mass between L and U."""
+    offset: float = 0.0
+    """lognormal/weibull: subtracted from the draw before clipping (the paper uses 400 s)."""
+    value: float = 0.0
+    """constant: the delay."""
+    trace_path: str = ""
+    """trace: file of measured delays (one number a line, or a CSV)."""
+    trace_column: Optional[str] = None
+    """trace: CSV column name, if the file is a CSV."""
+    unit: str = "steps"
+    """steps (replay: policy versions behind) | seconds (async: wall-clock delay of weights)."""
+
+    def model_params(self) -> dict[str, Any]:
+        """Keyword arguments for ``make_delay_model(self.dist, **params)``."""
+        if self.dist in ("lognormal", "weibull"):
+            return {"low": self.low, "high": self.high, "confidence": self.confidence, "offset": self.offset}
+        if self.dist == "constant":
+            return {"value": self.value}
+        if self.dist == "trace":
+            params: dict[str, Any] = {"path": self.trace_path}
+            if self.trace_column is not None:
+                params["column"] = self.trace_column
+            return params
+        return {}
+
+    def build(self):
+        from verl_ext.hetero.delay import make_delay_model
+
+        return make_delay_model(self.dist, **self.model_params())
+
+
+@dataclass
+class HeteroConfig:
+    """Heterogeneous-runtime settings shared by the local and the verl engine."""
+
+    engine: str = "local"
+    """local: the embedded CPU/one-GPU engine (Ray actors, HF transformers); verl: verl 0.9.1's
+    trainer with FSDP/Megatron learners and vLLM samplers (GPU clusters)."""
+    mode: str = "async"
+    """replay: deterministic stale-buffer emulation in one process; async: real learner and
+    sampler actors exchanging weights and rollouts through a transport."""
+    num_samplers: int = 2
+    """Sampler actors (async mode)."""
+    delay: DelayConfig = field(default_factory=DelayConfig)
+    """How stale weights reach samplers: steps in replay mode, seconds in async mode."""
+    max_delay: int = 8
+    """Staleness bound: the learner at version v trains only on groups from versions >= v - max_delay."""
+    stale_policy: str = "drop"
+    """Groups past the bound: drop (counted in hetero/dropped) or wait (block for fresher data)."""
+    wait_timeout_s: float = 600.0
+    """How long the learner waits for admissible rollouts before failing with a clear error."""
+    order: str = "oldest"
+    """Which admissible groups the learner takes first: oldest or newest."""
+    transport: str = "ray"
+    """ray: Ray's object store (one cluster); fs: an fsspec URL shared with samplers elsewhere."""
+    transport_url: str = ""
+    """fs transport: folder or URL (file://, memory://, s3://, ...). Default: <output_dir>/exchange."""
+    sampler_speed_factors: list[float] = field(default_factory=list)
+    """Per-sampler multipliers of generation time (heterogeneous compute); empty = all 1."""
+    delay_rollouts: bool = False
+    """async: also delay rollouts on their way to the learner (by the same delay model)."""
+    keep_weight_versions: int = 4
+    """Weight versions kept by the weight store (async) / snapshots beyond max_delay (replay)."""
+    weights_bf16: bool = False
+    """Send weights as bf16 over the transport (halves the bytes; the learner keeps fp32)."""
+    dry_run: bool = False
+    """Validate the config, print the plan and exit without running."""
+    seed: int = 0
+    """Root seed: model init, data order, delay draws (one independent stream per sampler)."""
+
+    def __post_init__(self):
+        if isinstance(self.delay, dict):
+            self.delay = DelayConfig(**self.delay)
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first bad field."""
+        for name, allowed in (
+            ("engine", ENGINES),
+            ("mode", MODES),
+            ("stale_policy", STALE_POLICIES),
+            ("order", ORDERS),
+            ("transport", TRANSPORTS),
+        ):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"hetero.{name}={getattr(self, name)!r}; expected one of {allowed}")
+        if self.delay.unit not in DELAY_UNITS:
+            raise ValueError(f"hetero.delay.unit={self.delay.unit!r}; expected one of {DELAY_UNITS}")
+        if self.num_samplers < 1:
+            raise ValueError(f"hetero.num_samplers={self.num_samplers} must be >= 1")
+        if self.max_delay < 0:
+            raise ValueError(f"hetero.max_delay={self.max_delay} must be >= 0")
+        if self.wait_timeout_s <= 0:
+            raise ValueError(f"hetero.wait_timeout_s={self.wait_timeout_s} must be > 0")
+        if self.keep_weight_versions < 1:
+            raise ValueError(f"hetero.keep_weight_versions={self.keep_weight_versions} must be >= 1")
+        if self.sampler_speed_factors:
+            if len(self.sampler_speed_factors) != self.num_samplers:
+                raise ValueError(
+                    f"hetero.sampler_speed_factors has {len(self.sampler_speed_factors)} entries "
+                    f"but hetero.num_samplers={self.num_samplers}"
+                )
+            bad = [f for f in self.sampler_speed_factors if not f > 0]
+            if bad:
+                raise ValueError(f"hetero.sampler_speed_factors must be > 0, got {bad}")
+        try:
+            self.delay.build()
+        except ValueError as err:
+            raise ValueError(f"hetero.delay: {err}") from None
+
+    def speed_factors(self) -> list[float]:
+        return list(self.sampler_speed_factors) or [1.0] * self.num_samplers
+
+    @classmethod
+    def from_omegaconf(cls, node: DictConfig | dict) -> "HeteroConfig":
+        """Build from the composed ``hetero`` node; unknown keys are an error naming them."""
+        data = OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else dict(node)
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown hetero keys {unknown}; known: {sorted(known)}")
+        delay = data.pop("delay", {}) or {}
+        known_delay = {f.name for f in fields(DelayConfig)}
+        unknown_delay = sorted(set(delay) - known_delay)
+        if unknown_delay:
+            raise ValueError(f"unknown hetero.delay keys {unknown_delay}; known: {sorted(known_delay)}")
+        return cls(delay=DelayConfig(**delay), **data)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
