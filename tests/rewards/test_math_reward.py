@@ -54,6 +54,15 @@ EQUIVALENCE_TABLE = [
     (r"\$18", B + "{18}", 1.0, ""),
     ("1000", B + "{1,000}", 1.0, ""),
     ("3", B + "{x = 3}", 1.0, ""),
+    # percentages: 17% reads as 17 or 0.17 (math_verify's semantics, whatever antlr is installed)
+    (r"17\%", B + r"{17\%}", 1.0, ""),
+    (r"17\%", B + "{17}", 1.0, ""),
+    (r"17\%", B + "{0.17}", 1.0, ""),
+    (r"17\%", B + "{18}", 0.0, ""),
+    ("0.5", B + r"{50\%}", 1.0, ""),
+    # golds written with sentence punctuation or \! thousands separators are still usable
+    (r"7\text{ hours}.", B + "{7}", 1.0, ""),
+    (r"\dfrac{1}{29,\!322,\!216}", B + r"{\frac{1}{29322216}}", 1.0, ""),
     (r"\text{(C)}", B + "{C}", 1.0, ""),
     # wrong answers; only the LAST boxed answer counts
     ("204", B + "{205}", 0.0, ""),

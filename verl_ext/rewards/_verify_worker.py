@@ -19,10 +19,28 @@ import functools
 import logging
 import os
 import pickle
+import re
 import struct
 import sys
 
 _HEADER = struct.Struct(">I")
+
+# "17\%", "17 %", "17\text{\%}", "17 percent": a percentage written after a number. Only used when
+# math_verify itself cannot parse the answer: latex2sympy2_extended's parser generated for
+# antlr4-python3-runtime 4.9.3 (the version hydra-core/omegaconf force) fails on "\%".
+_PERCENT_RE = re.compile(r"^\s*(?P<num>[-+]?[0-9][0-9.,\\!{} ]*?)\s*(?:\\%|%|\\text\{\s*\\?%\s*\}|(?:\\,)?\s*percent)\s*\.?\s*$")
+
+
+def _clean(text: str) -> str:
+    """Strip whitespace, trailing sentence punctuation, LaTeX negative spaces (``\\!``) and
+    thousands separators (``29,322,216`` -> ``29322216``)."""
+    text = re.sub(r"[\s.,;:]+$", "", text.replace("\\!", "").replace("{,}", ","))
+    return re.sub(r"(?<=\d),(?=\d{3}(?!\d))", "", text).strip()
+
+
+def _strip_percent(text: str) -> str | None:
+    m = _PERCENT_RE.match(text)
+    return m.group("num").strip() if m else None
 
 
 def _read_exact(fd: int, n: int) -> bytes | None:
@@ -94,23 +112,56 @@ def make_checker():
     def has_math(parsed) -> bool:
         return any(not isinstance(item, str) for item in parsed)
 
+    def parse_math(text: str):
+        parsed = parse(text, parsing_timeout=None)
+        return parsed if parsed and has_math(parsed) else None
+
+    def boxed(text: str) -> str:
+        return text if "\\boxed" in text else "\\boxed{" + text + "}"
+
+    def alternatives(text: str) -> list:
+        """Parsed readings of an answer string, most literal first; [] when none has math.
+
+        1. math_verify on ``\\boxed{text}``; 2. (only if that has no math) the text with
+        trailing punctuation and ``\\!`` removed; 3. a percentage ``X\\%`` read both as X and
+        X/100 (math_verify's own percent semantics); 4. the bare text.
+        """
+        parsed = parse_math(boxed(text))
+        if parsed is not None:
+            return [parsed]
+        cleaned = _clean(text)
+        if cleaned and cleaned != text:
+            parsed = parse_math(boxed(cleaned))
+            if parsed is not None:
+                return [parsed]
+        number = _strip_percent(cleaned or text)
+        if number is not None:
+            readings = [parse_math(boxed(number)), parse_math("\\boxed{\\frac{" + number + "}{100}}")]
+            readings = [r for r in readings if r is not None]
+            if readings:
+                return readings
+        if "\\boxed" not in text:
+            parsed = parse_math(text)
+            if parsed is not None:
+                return [parsed]
+        return []
+
     @functools.lru_cache(maxsize=8192)
-    def parse_gold(gold: str):
-        if "\\boxed" in gold:
-            candidates = [gold]
-        else:
-            candidates = ["\\boxed{" + gold + "}", gold]
-        for text in candidates:
-            parsed = parse(text, parsing_timeout=None)
-            if parsed and has_math(parsed):
-                return parsed
-        return None
+    def parse_gold(gold: str) -> tuple:
+        return tuple(alternatives(gold))
+
+    def parse_pred(pred: str) -> list:
+        readings = alternatives(pred)
+        if readings:
+            return [item for reading in readings for item in reading]
+        # no math at all: keep math_verify's string reading so string golds can still compare
+        return parse(boxed(pred), parsing_timeout=None)
 
     def check(golds, pred, float_rounding):
-        parsed_golds = [g for g in (parse_gold(gold) for gold in golds) if g is not None]
+        parsed_golds = [alt for gold in golds for alt in parse_gold(gold)]
         if not parsed_golds:
             return {"status": "gold_unparsable", "correct": False}
-        parsed_pred = parse("\\boxed{" + pred + "}", parsing_timeout=None)
+        parsed_pred = parse_pred(pred)
         if not parsed_pred:
             return {"status": "pred_unparsable", "correct": False}
         for gold in parsed_golds:
