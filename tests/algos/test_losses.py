@@ -1,0 +1,461 @@
+"""verl_ext.algos.losses and the registered losses in verl_ext.verl_plugin against float64 references.
+
+Registered losses are called through verl's registry with verl's ActorConfig, exactly as
+``verl.workers.utils.losses.ppo_loss`` calls them (tests/algos/test_ppo_loss_on_cpu.py drives
+ppo_loss itself).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from verl.trainer.ppo.core_algos import agg_loss
+
+from verl_ext.algos import losses
+
+from . import reference as ref
+from .verl_helpers import CLIP_HIGH, CLIP_LOW, actor_config, call_loss
+
+F64 = dict(rtol=1e-10, atol=1e-12)
+
+
+def _t(rows):
+    return torch.tensor(rows, dtype=torch.float64)
+
+
+def _ref_terms(loss_mode, b, **kw):
+    if loss_mode == "gepo":
+        return ref.gepo(b, CLIP_LOW, CLIP_HIGH, reduction=kw.get("seq_reduction", "mean"))
+    if loss_mode == "eqp":
+        return ref.eqp(b, CLIP_LOW, CLIP_HIGH, reduction=kw.get("seq_reduction", "mean"))
+    if loss_mode == "gepo_adaptive":
+        return ref.gepo_adaptive(b, kw.get("adaptive_kl_threshold", 0.002), CLIP_LOW, CLIP_HIGH, kw.get("seq_reduction", "mean"))
+    if loss_mode == "topr":
+        return ref.topr(b, kw.get("topr_reduction", "sum"))
+    raise KeyError(loss_mode)
+
+
+# --------------------------------------------------------------------------- pure loss terms
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_gepo_loss_terms_match_reference(reduction):
+    b = ref.make_batch(seed=21, drift=0.2)
+    terms = losses.gepo_loss_terms(
+        b.log_p, b.log_q, b.advantages, b.mask, clip_low=CLIP_LOW, clip_high=CLIP_HIGH, group_index=b.groups, reduction=reduction
+    )
+    rows, ws, clip_rows = ref.gepo(b, CLIP_LOW, CLIP_HIGH, reduction=reduction)
+    torch.testing.assert_close(terms.loss_mat * b.mask, _t(rows), **F64)
+    torch.testing.assert_close(terms.weight, _t(ws), **F64)
+    assert torch.equal(terms.clipped & b.mask, torch.tensor(clip_rows))
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_eqp_loss_terms_match_reference(reduction):
+    b = ref.make_batch(seed=22, drift=0.2).rows(torch.randperm(12, generator=torch.Generator().manual_seed(1)))
+    terms = losses.eqp_loss_terms(
+        b.log_p, b.log_q, b.advantages, b.mask, clip_low=CLIP_LOW, clip_high=CLIP_HIGH, group_index=b.groups, reduction=reduction
+    )
+    rows, ws, clip_rows = ref.eqp(b, CLIP_LOW, CLIP_HIGH, reduction=reduction)
+    torch.testing.assert_close(terms.loss_mat * b.mask, _t(rows), **F64)
+    torch.testing.assert_close(terms.weight, _t(ws), **F64)
+    assert torch.equal(terms.clipped & b.mask, torch.tensor(clip_rows))
+
+
+def test_eqp_on_policy_weight_is_p_over_q_weighted_mean_of_p():
+    """EqP on-policy: w_i = q_i / (sum_j q_j^2 / sum_j q_j) -- the same as GEPO's on-policy weight."""
+    b = ref.make_batch(seed=23, drift=0.0)
+    e = losses.eqp_loss_terms(b.log_q, b.log_q, b.advantages, b.mask, clip_low=0.2, clip_high=0.2, group_index=b.groups)
+    g = losses.gepo_loss_terms(b.log_q, b.log_q, b.advantages, b.mask, clip_low=0.2, clip_high=0.2, group_index=b.groups)
+    torch.testing.assert_close(e.weight, g.weight, **F64)
+
+
+@pytest.mark.parametrize("threshold", [0.0, 0.002, 0.01, 1e9])
+def test_gepo_adaptive_terms_match_reference(threshold):
+    b = ref.make_batch(seed=24, drift=0.1)
+    # make a few sequences exactly fresh (p == q on their tokens) so both branches are exercised
+    b.log_p[::3] = b.log_q[::3]
+    terms = losses.gepo_adaptive_loss_terms(
+        b.log_p, b.log_q, b.advantages, b.mask, clip_low=CLIP_LOW, clip_high=CLIP_HIGH, kl_threshold=threshold, group_index=b.groups
+    )
+    rows, ws, _ = ref.gepo_adaptive(b, threshold, CLIP_LOW, CLIP_HIGH)
+    torch.testing.assert_close(terms.loss_mat * b.mask, _t(rows), **F64)
+    torch.testing.assert_close(terms.weight, _t(ws), **F64)
+
+
+def test_gepo_adaptive_limits():
+    """Threshold 0: never fresh -> GEPO. Threshold huge: always fresh -> the sequence weight p_i / q_i."""
+    b = ref.make_batch(seed=25, drift=0.1)
+    kw = dict(clip_low=CLIP_LOW, clip_high=CLIP_HIGH, group_index=b.groups)
+    never = losses.gepo_adaptive_loss_terms(b.log_p, b.log_q, b.advantages, b.mask, kl_threshold=0.0, **kw)
+    gepo = losses.gepo_loss_terms(b.log_p, b.log_q, b.advantages, b.mask, **kw)
+    torch.testing.assert_close(never.weight, gepo.weight, **F64)
+    always = losses.gepo_adaptive_loss_terms(b.log_p, b.log_q, b.advantages, b.mask, kl_threshold=1e9, **kw)
+    slp, slq = ref.seq_log_prob(b.log_p, b.mask), ref.seq_log_prob(b.log_q, b.mask)
+    torch.testing.assert_close(always.weight, _t([math.exp(p - q) for p, q in zip(slp, slq)]), **F64)
+
+
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+def test_topr_terms_match_reference(reduction):
+    b = ref.make_batch(seed=26, drift=0.5)
+    terms = losses.topr_loss_terms(b.log_p, b.log_q, b.advantages, b.mask, reduction=reduction)
+    rows, ws, clip_rows = ref.topr(b, reduction)
+    torch.testing.assert_close(terms.loss_mat * b.mask, _t(rows), **F64)
+    torch.testing.assert_close(terms.weight, _t(ws), **F64)
+    assert torch.equal(terms.clipped & b.mask, torch.tensor(clip_rows))
+    # both truncated and untruncated negatives were present (the test means something)
+    neg = [w for w, a in zip(ws, b.advantages[:, 0].tolist()) if a < 0]
+    assert any(w == 1.0 for w in neg) and any(w < 1.0 for w in neg)
+
+
+def test_token_clipped_terms_match_reference():
+    b = ref.make_batch(seed=27, drift=0.4)
+    terms = losses.token_clipped_loss_terms(b.log_p, b.log_q, b.advantages, b.mask, clip_low=CLIP_LOW, clip_high=CLIP_HIGH)
+    rows, w_rows, clip_rows = ref.token_clip(b, CLIP_LOW, CLIP_HIGH)
+    torch.testing.assert_close(terms.loss_mat * b.mask, _t(rows), **F64)
+    torch.testing.assert_close(terms.weight * b.mask, _t(w_rows) * b.mask, **F64)
+    assert torch.equal(terms.clipped & b.mask, torch.tensor(clip_rows))
+
+
+# --------------------------------------------------------------------------- registered losses x agg modes
+
+
+@pytest.mark.parametrize("mode", ref.AGG_MODES)
+@pytest.mark.parametrize(
+    "loss_mode,opts",
+    [
+        ("gepo", {}),
+        ("gepo", {"seq_reduction": "sum"}),
+        ("eqp", {}),
+        ("gepo_adaptive", {"adaptive_kl_threshold": 0.02}),
+        ("topr", {}),
+        ("topr", {"topr_reduction": "mean"}),
+    ],
+)
+def test_registered_loss_value_and_metrics_per_agg_mode(loss_mode, opts, mode):
+    b = ref.make_batch(seed=31, drift=0.25)
+    if loss_mode == "gepo_adaptive":
+        b.log_p[::4] = b.log_q[::4] + 1e-3  # some fresh sequences
+    config = actor_config(loss_mode, mode, group_size=4, **opts)
+    loss, metrics = call_loss(loss_mode, b, config)
+    rows, ws, clip_rows = _ref_terms(loss_mode, b, **opts)
+    assert loss.dim() == 0 and torch.isfinite(loss)
+    assert abs(loss.item() - ref.aggregate(rows, b.mask, mode)) < 1e-10
+    assert abs(metrics["actor/pg_clipfrac"] - ref.clip_fraction(clip_rows, b.mask)) < 1e-6
+    assert abs(metrics["is/weight_mean"] - math.fsum(ws) / len(ws)) < 1e-10
+    assert abs(metrics["is/weight_max"] - max(ws)) < 1e-10
+    assert abs(metrics["is/weight_min"] - min(ws)) < 1e-10
+    mean = math.fsum(ws) / len(ws)
+    assert abs(metrics["is/weight_var"] - math.fsum((w - mean) ** 2 for w in ws) / len(ws)) < 1e-10
+    assert abs(metrics["is/kl_sampler_learner"] - ref.sampler_kl(ref.Batch(b.log_p, b.log_q, b.advantages, b.mask, b.groups))) < 1e-10
+    n_tok = int(b.mask.sum())
+    want_ppo_kl = math.fsum(float(q - p) for q, p, m in zip(b.log_q.flatten(), b.log_p.flatten(), b.mask.flatten()) if m) / n_tok
+    assert abs(metrics["actor/ppo_kl"] - want_ppo_kl) < 1e-12
+
+
+def test_registered_gepo_with_shuffled_group_index_and_upstream_denominator():
+    b = ref.make_batch(seed=32, drift=0.25).rows(torch.randperm(12, generator=torch.Generator().manual_seed(4)))
+    labels = (b.groups * 1000 + 3).tolist()
+    config = actor_config("gepo", "seq-mean-token-mean", group_size=4)
+    rows, _, _ = ref.gepo(b, CLIP_LOW, CLIP_HIGH, labels=labels)
+    want = ref.aggregate(rows, b.mask, "seq-mean-token-mean")
+    by_index, _ = call_loss("gepo", b, config, group_index=torch.tensor(labels))
+    den = ref.group_log_denominator(ref.seq_log_prob(b.log_q, b.mask), labels)
+    by_den, _ = call_loss("gepo", b, config, group_log_denominator=_t(den))
+    assert abs(by_index.item() - want) < 1e-12 and abs(by_den.item() - want) < 1e-12
+    # the shuffled rows are NOT contiguous groups: the contiguous fallback gives another answer
+    contiguous, _ = call_loss("gepo", b, config)
+    assert abs(contiguous.item() - want) > 1e-6
+
+
+def test_gepo_micro_batch_scope_mixes_prompts_and_differs_from_exact():
+    b = ref.make_batch(seed=33, drift=0.25)
+    exact, _ = call_loss("gepo", b, actor_config("gepo", "token-mean", group_size=4))
+    mixed, _ = call_loss("gepo", b, actor_config("gepo", "token-mean", group_size=4, group_scope="micro_batch"))
+    rows_exact, _, _ = ref.gepo(b, CLIP_LOW, CLIP_HIGH)
+    rows_mixed, _, _ = ref.gepo(b, CLIP_LOW, CLIP_HIGH, labels=[0] * 12)
+    assert abs(exact.item() - ref.aggregate(rows_exact, b.mask, "token-mean")) < 1e-12
+    assert abs(mixed.item() - ref.aggregate(rows_mixed, b.mask, "token-mean")) < 1e-12
+    assert abs(exact.item() - mixed.item()) > 1e-4
+
+
+@pytest.mark.parametrize("alpha", [1.0, 0.75, 0.0])
+@pytest.mark.parametrize("scale", [None, 64])
+def test_delta_l_value_matches_reference_and_ignores_agg_mode(alpha, scale):
+    b = ref.make_batch(seed=34, drift=0.3, max_len=11)
+    want = ref.delta_l(b, alpha, CLIP_LOW, CLIP_HIGH, scale)
+    values = []
+    for mode in ref.AGG_MODES:
+        loss, metrics = call_loss("delta_l", b, actor_config("delta_l", mode, loss_scale_factor=scale, delta_l_alpha=alpha))
+        assert "is/weight_mean" in metrics and "actor/pg_clipfrac" in metrics
+        values.append(loss.item())
+    # float32 tolerance: see test_delta_l_weights_keep_float64_precision
+    assert all(abs(v - want) <= 1e-6 * abs(want) for v in values)
+    assert max(values) == min(values)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="BUG: delta_l_sequence_weights casts the weights to float32, so a float64 loss only has float32 precision",
+)
+def test_delta_l_weights_keep_float64_precision():
+    b = ref.make_batch(seed=35, drift=0.3, max_len=11)
+    loss, _ = call_loss("delta_l", b, actor_config("delta_l", delta_l_alpha=0.75))
+    want = ref.delta_l(b, 0.75, CLIP_LOW, CLIP_HIGH)
+    assert abs(loss.item() - want) < 1e-12 * abs(want)
+
+
+def test_delta_l_negative_alpha_rejected():
+    with pytest.raises(ValueError, match="alpha"):
+        losses.delta_l_sequence_weights(torch.ones(2, 3, dtype=torch.bool), alpha=-1.0)
+
+
+# --------------------------------------------------------------------------- micro-batch accumulation
+# verl's engine backprops every micro-batch loss and sums the gradients (no division), and ppo_loss
+# hands the *global* batch info to the loss: so the sum of per-micro-batch losses must equal the
+# whole mini-batch loss (verl's own tests pin this for its losses).
+
+
+def _accumulated(loss_mode, b, mode, n_micro, **opts):
+    B = b.mask.shape[0]
+    step = B // n_micro
+    total = 0.0
+    for start in range(0, B, step):
+        sl = slice(start, start + step)
+        mb = ref.Batch(b.log_p[sl], b.log_q[sl], b.advantages[sl], b.mask[sl], b.groups[sl])
+        config = actor_config(loss_mode, mode, group_size=4, **opts)
+        config.global_batch_info.update(
+            dp_size=1, batch_num_tokens=int(b.mask.sum()), global_batch_size=B, loss_scale_factor=None
+        )
+        total += call_loss(loss_mode, mb, config)[0].item()
+    return total
+
+
+@pytest.mark.parametrize("loss_mode", ["gepo", "eqp", "topr", "gepo_adaptive"])
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
+def test_micro_batch_accumulation_equals_whole_batch(loss_mode, mode):
+    b = ref.make_batch(seed=36, n_groups=4, drift=0.25)
+    whole = _accumulated(loss_mode, b, mode, 1)
+    assert abs(_accumulated(loss_mode, b, mode, 2) - whole) < 1e-10
+    assert abs(_accumulated(loss_mode, b, mode, 4) - whole) < 1e-10
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="BUG: delta_l normalises over each micro-batch and ignores global_batch_info: "
+    "summed micro-batch losses scale with the number of micro-batches",
+)
+def test_delta_l_micro_batch_accumulation_equals_whole_batch():
+    b = ref.make_batch(seed=36, n_groups=4, drift=0.25)
+    whole = _accumulated("delta_l", b, "token-mean", 1)
+    assert abs(_accumulated("delta_l", b, "token-mean", 2) - whole) < 1e-6 * abs(whole)
+
+
+# --------------------------------------------------------------------------- gradients
+
+
+def _gradcheck(fn, log_p):
+    x = log_p.detach().clone().requires_grad_(True)
+    assert torch.autograd.gradcheck(fn, (x,), eps=1e-6, atol=1e-7, rtol=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+@pytest.mark.parametrize("loss_mode", ["gepo", "eqp", "delta_l"])
+def test_gradcheck_wrt_log_prob(loss_mode, mode):
+    b = ref.make_batch(seed=41, n_groups=2, group_size=3, max_len=5, drift=0.15)
+    config = actor_config(loss_mode, mode, group_size=3)
+    _gradcheck(lambda lp: call_loss(loss_mode, b, config, log_p=lp)[0], b.log_p)
+
+
+def test_gradcheck_topr_where_weights_are_locally_constant():
+    """TOPR's weight is a stop-gradient: on a batch where no weight is in its tapered range
+    (positive advantages, or negatives whose ratio exceeds 1) the full derivative is the loss's gradient."""
+    b = ref.make_batch(seed=42, n_groups=2, group_size=3, max_len=5, drift=0.0)
+    neg = b.advantages[:, 0] < 0
+    b.log_p[neg] = b.log_q[neg] + 0.5  # ratio > 1 -> truncated to 1
+    assert neg.any() and (~neg).any()
+    config = actor_config("topr", "token-mean")
+    _gradcheck(lambda lp: call_loss("topr", b, config, log_p=lp)[0], b.log_p)
+
+
+def test_topr_gradient_is_reinforce_with_stop_gradient_weight():
+    """Everywhere (including tapered negatives): d loss / d log p_it = -w_i A_it / N_tokens."""
+    b = ref.make_batch(seed=43, drift=0.5)
+    lp = b.log_p.clone().requires_grad_(True)
+    loss, _ = call_loss("topr", b, actor_config("topr", "token-mean"), log_p=lp)
+    loss.backward()
+    _, ws, _ = ref.topr(b)
+    n = int(b.mask.sum())
+    want = -_t(ws).unsqueeze(-1) * b.advantages * b.mask / n
+    torch.testing.assert_close(lp.grad, want, **F64)
+    assert any(0.0 < w < 1.0 for w in ws)
+
+
+def test_gepo_gradient_does_not_flow_into_old_log_prob_or_denominator():
+    b = ref.make_batch(seed=44, drift=0.15)
+    config = actor_config("gepo", "seq-mean-token-mean", group_size=4)
+    old = b.log_q.clone().requires_grad_(True)
+    lp1 = b.log_p.clone().requires_grad_(True)
+    loss = call_loss("gepo", ref.Batch(b.log_p, old, b.advantages, b.mask, b.groups), config, log_p=lp1)[0]
+    loss.backward()
+    assert old.grad is None or torch.count_nonzero(old.grad) == 0
+    # same with an upstream denominator that carries a graph
+    den = _t(ref.group_log_denominator(ref.seq_log_prob(b.log_q, b.mask), b.groups.tolist())).requires_grad_(True)
+    lp2 = b.log_p.clone().requires_grad_(True)
+    call_loss("gepo", b, config, log_p=lp2, group_log_denominator=den)[0].backward()
+    assert den.grad is None or torch.count_nonzero(den.grad) == 0
+    torch.testing.assert_close(lp1.grad, lp2.grad, **F64)
+    # and the gradient is that of the surrogate with a constant denominator: the token-mean of
+    # dL_i/dlog p_it = (1/L_i) * d(loss_i)/d(log w_i), with loss_i = -A_i w_i where unclipped
+    _, ws, clip_rows = ref.gepo(b, CLIP_LOW, CLIP_HIGH)
+    B = b.mask.shape[0]
+    for i in range(B):
+        L = int(b.mask[i].sum())
+        a = float(b.advantages[i, 0])
+        active = not clip_rows[i][0]
+        for t in range(b.mask.shape[1]):
+            want = (-a * ws[i] / L / B) if (active and b.mask[i, t]) else 0.0
+            assert abs(lp1.grad[i, t].item() - want) < 1e-12
+
+
+def test_eqp_gradient_flows_through_denominator():
+    """EqP's gradient differs from the same weight with its denominator detached (GEPO-style)."""
+    b = ref.make_batch(seed=45, drift=0.05)
+    config = actor_config("eqp", "token-mean", group_size=4)
+    lp = b.log_p.clone().requires_grad_(True)
+    call_loss("eqp", b, config, log_p=lp)[0].backward()
+
+    # independent torch formulation with the denominator detached
+    lp2 = b.log_p.clone().requires_grad_(True)
+    m = b.mask.to(torch.float64)
+    slp = (lp2 * m).sum(-1) / m.sum(-1)
+    slq = (b.log_q * m).sum(-1) / m.sum(-1)
+    den = torch.stack([torch.logsumexp(slq[b.groups == g] - torch.logsumexp(slq[b.groups == g], 0) + slp[b.groups == g], 0) for g in b.groups])
+    w = torch.exp(slp - den.detach()).unsqueeze(-1)
+    surr = torch.maximum(-b.advantages * w, -b.advantages * w.clamp(1 - CLIP_LOW, 1 + CLIP_HIGH))
+    ((surr * m).sum() / m.sum()).backward()
+    assert not torch.allclose(lp.grad, lp2.grad, atol=1e-8)
+    # ... and with the denominator attached it agrees
+    lp3 = b.log_p.clone().requires_grad_(True)
+    slp3 = (lp3 * m).sum(-1) / m.sum(-1)
+    den3 = torch.stack([torch.logsumexp(slq[b.groups == g] - torch.logsumexp(slq[b.groups == g], 0) + slp3[b.groups == g], 0) for g in b.groups])
+    w3 = torch.exp(slp3 - den3).unsqueeze(-1)
+    surr3 = torch.maximum(-b.advantages * w3, -b.advantages * w3.clamp(1 - CLIP_LOW, 1 + CLIP_HIGH))
+    ((surr3 * m).sum() / m.sum()).backward()
+    torch.testing.assert_close(lp.grad, lp3.grad, **F64)
+
+
+# --------------------------------------------------------------------------- invariance
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    seed=st.integers(0, 10_000),
+    n_groups=st.integers(1, 4),
+    group_size=st.integers(1, 5),
+    drift=st.floats(0.0, 0.8),
+    mode=st.sampled_from(ref.AGG_MODES),
+    perm_seed=st.integers(0, 10_000),
+)
+def test_gepo_loss_invariant_to_sequence_order(seed, n_groups, group_size, drift, mode, perm_seed):
+    b = ref.make_batch(seed=seed, n_groups=n_groups, group_size=group_size, drift=drift)
+    B = b.mask.shape[0]
+    config = actor_config("gepo", mode, group_size=group_size)
+    base, base_metrics = call_loss("gepo", b, config, group_index=b.groups)
+    perm = torch.randperm(B, generator=torch.Generator().manual_seed(perm_seed))
+    shuffled = b.rows(perm)
+    loss, metrics = call_loss("gepo", shuffled, config, group_index=shuffled.groups)
+    assert abs(loss.item() - base.item()) <= 1e-12 * max(1.0, abs(base.item()))
+    for key in ("is/weight_mean", "is/weight_max", "is/weight_min", "actor/pg_clipfrac"):
+        assert abs(metrics[key] - base_metrics[key]) <= 1e-12 * max(1.0, abs(base_metrics[key]))
+    rows, _, _ = ref.gepo(shuffled, CLIP_LOW, CLIP_HIGH)
+    assert abs(loss.item() - ref.aggregate(rows, shuffled.mask, mode)) <= 1e-10 * max(1.0, abs(loss.item()))
+
+
+# --------------------------------------------------------------------------- extreme log-probs
+
+
+def _long_batch(dtype=torch.float64, seed=51, T=500, centre=-5000.0, token_drift=0.002):
+    """Token log-probs ~ -10 each over 500 tokens: sequence log-probs around -5000."""
+    g = torch.Generator().manual_seed(seed)
+    B, G = 8, 4
+    lengths = torch.tensor([T, T - 50] + [T] * (B - 2)).unsqueeze(-1)
+    mask = torch.arange(T).unsqueeze(0) < lengths
+    noise = 0.5 * torch.randn(B, T, generator=g, dtype=torch.float64) * mask
+    offsets = torch.tensor([0.0, -1.2, 0.7, 2.0, -0.4, 1.1, -2.3, 0.3], dtype=torch.float64).unsqueeze(-1)
+    # on each row's real tokens: noise with exactly zero mean plus (centre + offset) / length
+    log_q = (noise - noise.sum(-1, keepdim=True) / lengths + (centre + offsets) / lengths) * mask
+    log_p = log_q + token_drift * torch.randn(B, T, generator=g, dtype=torch.float64)
+    adv = torch.randn(B, 1, generator=g, dtype=torch.float64).expand(B, T).clone()
+    return ref.Batch(log_p.to(dtype), log_q.to(dtype), adv.to(dtype), mask, torch.arange(B) // G)
+
+
+@pytest.mark.parametrize("loss_mode", ["gepo", "eqp", "gepo_adaptive"])
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
+def test_sequence_sum_log_probs_near_minus_5000(loss_mode, mode):
+    b = _long_batch()
+    b.log_p[2] = b.log_q[2]  # one fresh sequence (gepo_adaptive's q_i branch)
+    slq = ref.seq_log_prob(b.log_q, b.mask, "sum")
+    assert -5010 < min(slq) and max(slq) < -4990 and math.exp(max(slq)) == 0.0
+    config = actor_config(loss_mode, mode, group_size=4, seq_reduction="sum", adaptive_kl_threshold=1e-6)
+    lp = b.log_p.clone().requires_grad_(True)
+    loss, metrics = call_loss(loss_mode, b, config, log_p=lp)
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(lp.grad).all()
+    assert all(math.isfinite(v) for v in metrics.values())
+    rows, ws, _ = _ref_terms(loss_mode, b, seq_reduction="sum", adaptive_kl_threshold=1e-6)
+    assert 0.01 < min(ws) and max(ws) < 100  # weights are O(1): the test compares real numbers
+    want = ref.aggregate(rows, b.mask, mode)
+    assert abs(loss.item() - want) < 1e-8 * max(1.0, abs(want))
+    assert abs(metrics["is/weight_max"] - max(ws)) < 1e-8 * max(ws)
+
+
+def test_topr_full_trajectory_ratio_near_minus_5000():
+    b = _long_batch(token_drift=0.01)
+    loss, _ = call_loss("topr", b, actor_config("topr", "seq-mean-token-mean"))
+    rows, ws, _ = ref.topr(b, "sum")
+    assert torch.isfinite(loss)
+    assert abs(loss.item() - ref.aggregate(rows, b.mask, "seq-mean-token-mean")) < 1e-9 * max(1.0, abs(loss.item()))
+
+
+def test_gepo_float32_near_minus_5000_is_finite_and_close():
+    """verl's log-probs are float32: still finite, and the weights close to the float64 truth
+    (float32 sums of 500 tokens of size 10 are only good to ~1e-3 in the log)."""
+    b64 = _long_batch()
+    b32 = ref.Batch(b64.log_p.float(), b64.log_q.float(), b64.advantages.float(), b64.mask, b64.groups)
+    terms = losses.gepo_loss_terms(
+        b32.log_p, b32.log_q, b32.advantages, b32.mask, clip_low=0.2, clip_high=0.2, group_index=b32.groups, reduction="sum"
+    )
+    assert torch.isfinite(terms.loss_mat).all() and torch.isfinite(terms.weight).all()
+    _, ws, _ = ref.gepo(b64, 0.2, 0.2, reduction="sum")
+    torch.testing.assert_close(terms.weight.double(), _t(ws), rtol=5e-3, atol=0.0)
+
+
+def test_group_expectation_denominator_at_extremes_without_underflow_via_registered_loss():
+    """A group where one sequence is 1000 nats likelier than the rest: E_q[q] is that sequence's q
+    (to double precision), the others get weight ~exp(-1000) -- finite, not NaN."""
+    b = _long_batch()
+    b.log_q[0] += 1000.0 / 500
+    b.log_p[0] += 1000.0 / 500
+    config = actor_config("gepo", "token-mean", group_size=4, seq_reduction="sum")
+    lp = b.log_p.clone().requires_grad_(True)
+    loss, _ = call_loss("gepo", b, config, log_p=lp)
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(lp.grad).all()
+    rows, ws, _ = ref.gepo(b, CLIP_LOW, CLIP_HIGH, reduction="sum")
+    assert ws[1] < 1e-300
+    assert abs(loss.item() - ref.aggregate(rows, b.mask, "token-mean")) < 1e-8 * max(1.0, abs(loss.item()))
+
+
+def test_agg_loss_is_verls():
+    """Sanity of the reference aggregator itself against verl's agg_loss (so a wrong reference
+    cannot make the loss tests pass)."""
+    b = ref.make_batch(seed=60)
+    for mode in ref.AGG_MODES:
+        mat = b.log_p * b.advantages
+        want = agg_loss(loss_mat=mat, loss_mask=b.mask, loss_agg_mode=mode)
+        assert abs(ref.aggregate(ref._rows(mat * b.mask), b.mask, mode) - want.item()) < 1e-12
