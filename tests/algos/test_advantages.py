@@ -1,0 +1,179 @@
+"""GRPO / Dr.GRPO advantages against verl's own estimator; BNPO against the paper's formula (scipy)."""
+
+from __future__ import annotations
+
+import math
+import statistics
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from scipy import stats
+from verl.trainer.ppo.core_algos import compute_grpo_outcome_advantage, get_adv_estimator_fn
+
+from verl_ext.algos import advantages as adv_lib
+
+
+def _random_groups(seed: int, n: int = 24, binary: bool = False):
+    rng = np.random.default_rng(seed)
+    labels = rng.choice(["p-a", "p-b", "p-c", "p-d", "solo"], size=n, p=[0.3, 0.3, 0.2, 0.15, 0.05])
+    labels[-1] = "single-1"  # a singleton group
+    if binary:
+        scores = rng.integers(0, 2, size=n).astype(np.float32)
+    else:
+        scores = rng.normal(size=n).astype(np.float32)
+    scores[labels == "p-d"] = 0.5  # a tied group
+    return torch.from_numpy(scores), labels
+
+
+@pytest.mark.parametrize("norm_by_std", [True, False])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("binary", [False, True])
+def test_group_normalized_advantages_match_verl_grpo(norm_by_std, seed, binary):
+    scores, labels = _random_groups(seed, binary=binary)
+    n = scores.shape[0]
+    T = 5
+    mask = torch.ones(n, T)
+    rewards = torch.zeros(n, T)
+    rewards[:, -1] = scores  # outcome reward on the last token
+    want, _ = compute_grpo_outcome_advantage(rewards, mask, labels, norm_adv_by_std_in_grpo=norm_by_std)
+    _, dense = np.unique(labels, return_inverse=True)
+    got = adv_lib.group_normalized_advantages(scores, torch.from_numpy(dense), norm_by_std=norm_by_std)
+    torch.testing.assert_close(got, want[:, 0], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("norm_by_std", [True, False])
+def test_group_normalized_advantages_float64_reference(norm_by_std):
+    scores, labels = _random_groups(5)
+    scores = scores.double()
+    _, dense = np.unique(labels, return_inverse=True)
+    got = adv_lib.group_normalized_advantages(scores, torch.from_numpy(dense * 7 + 3), norm_by_std=norm_by_std)
+    vals = scores.tolist()
+    for i, li in enumerate(labels):
+        members = [v for v, lj in zip(vals, labels) if lj == li]
+        if len(members) == 1:  # verl's convention: mean 0, std 1
+            want = vals[i] / (1.0 + 1e-6) if norm_by_std else vals[i]
+        else:
+            want = vals[i] - statistics.fmean(members)
+            if norm_by_std:
+                want /= statistics.stdev(members) + 1e-6
+        assert abs(got[i].item() - want) < 1e-9
+    # tied group -> exactly 0, not NaN
+    assert (got[torch.from_numpy(labels == "p-d")] == 0).all()
+
+
+# --------------------------------------------------------------------------- BNPO
+
+
+def _bnpo_reference(scores: list[float], labels: list, max_abs: float = 5.0, mean_clip: float = 1e-3):
+    """The BNPO paper's normalisation as stated in the issue, in float64 with scipy."""
+    groups = {}
+    for s, l in zip(scores, labels):
+        groups.setdefault(l, []).append(s)
+    means = {l: statistics.fmean(v) for l, v in groups.items()}
+    gm = list(means.values())
+    mu = statistics.fmean(gm)
+    var = statistics.pvariance(gm)
+    if var <= 0 or var >= mu * (1 - mu):
+        alpha = beta = 1.0
+    else:
+        k = mu * (1 - mu) / var - 1
+        a, b = mu * k, (1 - mu) * k
+        alpha, beta = max(1 + a / 3, 1.0), max(1 + b / 3, 1.0)
+    out = []
+    for s, l in zip(scores, labels):
+        p = min(max(means[l], mean_clip), 1 - mean_clip)
+        a = (s - means[l]) / stats.beta.pdf(p, alpha, beta)
+        out.append(min(max(a, -max_abs), max_abs))
+    return out, (alpha, beta)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_bnpo_advantages_match_paper_formula(seed):
+    rng = np.random.default_rng(100 + seed)
+    G, n_groups = 8, 6
+    p_true = rng.uniform(0.05, 0.95, size=n_groups)
+    scores = (rng.uniform(size=(n_groups, G)) < p_true[:, None]).astype(np.float64).ravel()
+    labels = [f"uid-{g}" for g in range(n_groups) for _ in range(G)]
+    order = rng.permutation(len(scores))  # shuffled, non-contiguous groups
+    scores, labels = scores[order], [labels[i] for i in order]
+    _, dense = np.unique(labels, return_inverse=True)
+    got = adv_lib.bnpo_advantages(torch.from_numpy(scores), torch.from_numpy(dense))
+    want, (alpha, beta) = _bnpo_reference(scores.tolist(), labels)
+    torch.testing.assert_close(got, torch.tensor(want, dtype=torch.float64), rtol=1e-9, atol=1e-12)
+    # the params themselves
+    means = torch.tensor([statistics.fmean(scores[np.array(labels) == l].tolist()) for l in sorted(set(labels))], dtype=torch.float64)
+    a2, b2 = adv_lib.bnpo_normalization_params(means)
+    assert abs(a2 - alpha) < 1e-9 and abs(b2 - beta) < 1e-9
+
+
+def test_bnpo_non_binary_rewards_and_clamp():
+    """Fractional rewards in [0, 1]; a group mean near 0 has a tiny density -> |A| clamped."""
+    scores = [0.0, 0.0, 0.0, 0.02, 0.5, 0.6, 0.7, 0.4, 0.9, 1.0, 0.8, 0.95, 0.3, 0.1, 0.2, 0.25]
+    labels = [0] * 4 + [1] * 4 + [2] * 4 + [3] * 4
+    want, (alpha, beta) = _bnpo_reference(scores, labels, max_abs=0.1)
+    assert alpha > 1 and beta > 1  # a genuine Beta, not the fallback
+    got = adv_lib.bnpo_advantages(torch.tensor(scores, dtype=torch.float64), torch.tensor(labels), max_abs_advantage=0.1)
+    torch.testing.assert_close(got, torch.tensor(want, dtype=torch.float64), rtol=1e-9, atol=1e-12)
+    assert got.abs().max().item() == pytest.approx(0.1)
+
+
+@pytest.mark.parametrize(
+    "scores,labels",
+    [
+        ([1.0, 0.0, 1.0, 0.0], [0, 0, 1, 1]),  # all group means equal: v = 0 -> Beta(1, 1)
+        ([1.0, 1.0, 0.0, 0.0], [0, 0, 1, 1]),  # means 1 and 0: v = mu (1 - mu) -> Beta(1, 1)
+        ([1.0, 1.0, 1.0], [4, 4, 4]),  # one tied group
+    ],
+)
+def test_bnpo_degenerate_moments_fall_back_to_dr_grpo(scores, labels):
+    got = adv_lib.bnpo_advantages(torch.tensor(scores, dtype=torch.float64), torch.tensor(labels))
+    want, ab = _bnpo_reference(scores, labels)
+    assert ab == (1.0, 1.0)
+    torch.testing.assert_close(got, torch.tensor(want, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("bad", [[1.5, 0.0], [-0.1, 0.0], [float("nan"), 0.0]])
+def test_bnpo_rejects_rewards_outside_unit_interval(bad):
+    with pytest.raises(ValueError, match=r"\[0, 1\]"):
+        adv_lib.bnpo_advantages(torch.tensor(bad), torch.tensor([0, 0]))
+
+
+def test_beta_pdf_matches_scipy():
+    x = torch.linspace(0.0, 1.0, 41, dtype=torch.float64)
+    for a, b in [(1.0, 1.0), (2.5, 1.3), (1.0, 4.0), (3.0, 1.0), (7.2, 7.2)]:
+        got = adv_lib.beta_pdf(x, a, b)
+        want = torch.from_numpy(stats.beta.pdf(x.numpy(), a, b))
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 5), st.sampled_from([0.0, 0.25, 0.5, 1.0])), min_size=2, max_size=30))
+def test_bnpo_hypothesis_vs_reference(pairs):
+    labels = [l for l, _ in pairs]
+    scores = [s for _, s in pairs]
+    got = adv_lib.bnpo_advantages(torch.tensor(scores, dtype=torch.float64), torch.tensor(labels))
+    want, _ = _bnpo_reference(scores, labels)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, torch.tensor(want, dtype=torch.float64), rtol=1e-8, atol=1e-10)
+
+
+def test_bnpo_registered_estimator_through_verl_registry():
+    """verl's registry hands uid strings and token-level rewards; advantages land on response tokens."""
+    fn = get_adv_estimator_fn("bnpo")
+    rng = np.random.default_rng(7)
+    n, T = 24, 6
+    scores = (rng.uniform(size=n) < 0.4).astype(np.float32)
+    uids = np.array([f"{u:08x}-uid" for u in rng.integers(0, 2**31, size=6)], dtype=object)[np.arange(n) % 6]
+    lengths = rng.integers(1, T + 1, size=n)
+    mask = torch.from_numpy((np.arange(T)[None, :] < lengths[:, None]).astype(np.float32))
+    rewards = torch.zeros(n, T)
+    rewards[torch.arange(n), torch.from_numpy(lengths - 1)] = torch.from_numpy(scores)
+    adv, ret = fn(token_level_rewards=rewards, response_mask=mask, index=uids, config=None)
+    want, _ = _bnpo_reference(scores.astype(np.float64).tolist(), list(uids))
+    want_mat = torch.tensor(want, dtype=torch.float32).unsqueeze(-1) * mask
+    torch.testing.assert_close(adv, want_mat, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(ret, adv)
+    assert adv.abs().sum() > 0
