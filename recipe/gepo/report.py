@@ -1,0 +1,617 @@
+"""Per-run report: read a run directory's ``metrics.jsonl``, summarise it, draw ``curves.png``
+and write ``report.md``.
+
+    python -m recipe.gepo.report RUN_DIR [RUN_DIR ...]
+
+A run directory holds ``metrics.jsonl`` (one JSON object per line, ``{"step": int, "<metric>":
+float, ...}``; evaluation lines carry ``eval/...`` keys, possibly only every k steps and possibly
+on lines of their own) and ``config.yaml`` (the composed hydra config). The code relies on
+nothing else, so it works on a run in progress, on a killed run (torn last line) and on runs
+that logged only some of the metrics (a panel or number whose metric is absent says so).
+
+Public API: :func:`load_metrics`, :func:`load_run` (metrics + algorithm/delay from the config),
+:func:`summarize`, :func:`write_report`, :func:`eval_accuracy`, :func:`staleness_histogram`.
+:mod:`recipe.gepo.plot` draws multi-run figures on top of these.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import sys
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+METRICS_FILE = "metrics.jsonl"
+CONFIG_FILE = "config.yaml"
+REPORT_FILE = "report.md"
+CURVES_FILE = "curves.png"
+
+LOSS_MODE_KEY = "actor_rollout_ref.actor.policy_loss.loss_mode"
+MAX_DELAY_KEY = "hetero.max_delay"
+PRESET_KEY = "algorithm_preset"
+SEED_KEY = "hetero.seed"
+
+EVAL_MEAN = "eval/acc_mean"
+_EVAL_BENCH = re.compile(r"^eval/(?P<bench>.+)/acc$")
+HIST_PREFIX = "hetero/staleness_hist/"
+
+# figure style shared with recipe.gepo.plot (applied with matplotlib.rc_context)
+STYLE = {
+    "font.size": 9,
+    "axes.titlesize": 10,
+    "axes.labelsize": 9,
+    "legend.fontsize": 8,
+    "axes.grid": True,
+    "grid.alpha": 0.3,
+    "axes.spines.top": False,
+    "axes.spines.right": False,
+}
+
+
+class RunDirError(ValueError):
+    """A run directory that cannot be read (missing, not a directory, no ``metrics.jsonl``)."""
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def metrics_path(run_dir: str | os.PathLike) -> Path:
+    """``<run_dir>/metrics.jsonl``; raises :class:`RunDirError` naming ``run_dir`` if the
+    directory or the file does not exist. A path to the ``.jsonl`` file itself is accepted."""
+    p = Path(run_dir)
+    if p.is_file() and p.suffix == ".jsonl":
+        return p
+    if not p.exists():
+        raise RunDirError(f"run directory {str(run_dir)!r} does not exist")
+    if not p.is_dir():
+        raise RunDirError(f"run directory {str(run_dir)!r} is not a directory (nor a .jsonl file)")
+    f = p / METRICS_FILE
+    if not f.is_file():
+        raise RunDirError(f"run directory {str(run_dir)!r} has no {METRICS_FILE}")
+    return f
+
+
+def _to_float(v: Any) -> float:
+    """A metric value as float: numbers as they are, numeric strings ("0.5", "nan", "inf")
+    parsed, everything else (null, booleans, text, lists, dicts) NaN."""
+    if isinstance(v, bool) or v is None:
+        return math.nan
+    if isinstance(v, (int, float)):
+        return float(v)
+    if isinstance(v, str):
+        try:
+            return float(v.strip())
+        except ValueError:
+            return math.nan
+    return math.nan
+
+
+def _to_step(v: Any) -> int | None:
+    """``step`` as int, or None if it is not an integral number (bools rejected)."""
+    if isinstance(v, bool) or v is None:
+        return None
+    if isinstance(v, str):
+        try:
+            v = float(v.strip())
+        except ValueError:
+            return None
+    if isinstance(v, (int, float)) and math.isfinite(v) and float(v).is_integer():
+        return int(v)
+    return None
+
+
+def load_metrics(run_dir: str | os.PathLike) -> pd.DataFrame:
+    """Read ``<run_dir>/metrics.jsonl`` into a DataFrame with one row per step.
+
+    Columns: ``step`` (int, sorted ascending) and one float64 column per metric key seen
+    (NaN where a step did not log it). Lines with the same step (a separate evaluation line,
+    or a resumed run that re-logged steps) are merged: per column, the last non-missing value
+    wins. Values that are not numbers become NaN (numeric strings such as ``"0.5"``/``"nan"``
+    are parsed). Blank lines are ignored. Lines that are not a JSON object with an integral
+    ``step`` -- typically the torn last line of a killed run -- are skipped with a
+    :class:`UserWarning` naming the file and line numbers; their 1-based line numbers are in
+    ``df.attrs["skipped_lines"]``. ``df.attrs["path"]`` is the file read.
+
+    Raises :class:`RunDirError` (a ValueError) naming ``run_dir`` if it or its metrics file
+    does not exist.
+    """
+    path = metrics_path(run_dir)
+    raw = path.read_bytes()
+    text = raw.decode("utf-8", errors="replace")
+    ends_with_newline = text.endswith("\n")
+    lines = text.split("\n")
+    records: list[dict[str, Any]] = []
+    skipped: list[tuple[int, str]] = []
+    last_nonblank = max((i for i, ln in enumerate(lines) if ln.strip()), default=-1)
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            torn = i == last_nonblank and not ends_with_newline
+            skipped.append((i + 1, "truncated last line" if torn else f"invalid JSON ({e.msg})"))
+            continue
+        if not isinstance(obj, dict):
+            skipped.append((i + 1, f"not a JSON object ({type(obj).__name__})"))
+            continue
+        step = _to_step(obj.get("step"))
+        if step is None:
+            skipped.append((i + 1, f"no integral 'step' (got {obj.get('step')!r})"))
+            continue
+        rec: dict[str, Any] = {k: _to_float(v) for k, v in obj.items() if k != "step"}
+        rec["step"] = step
+        records.append(rec)
+    if skipped:
+        shown = "; ".join(f"line {n}: {why}" for n, why in skipped[:5])
+        more = f" (+{len(skipped) - 5} more)" if len(skipped) > 5 else ""
+        warnings.warn(f"{path}: skipped {len(skipped)} unreadable line(s): {shown}{more}", stacklevel=2)
+
+    if records:
+        df = pd.DataFrame.from_records(records)
+        metric_cols = [c for c in df.columns if c != "step"]
+        df[metric_cols] = df[metric_cols].astype("float64")
+        # last non-missing value per column and step (groupby.last skips NaN)
+        df = df.groupby("step", sort=True)[metric_cols].last().reset_index()
+        df["step"] = df["step"].astype("int64")
+    else:
+        df = pd.DataFrame({"step": pd.Series([], dtype="int64")})
+    df.attrs["path"] = str(path)
+    df.attrs["skipped_lines"] = [n for n, _ in skipped]
+    return df
+
+
+@dataclass
+class Run:
+    """One run directory: its metrics and what the config says about the algorithm.
+
+    ``loss_mode``/``max_delay``/``preset``/``seed`` are None when ``config.yaml`` is missing,
+    unreadable or lacks the key (``preset`` is usually absent: presets are merged into the
+    global config)."""
+
+    run_dir: Path
+    metrics: pd.DataFrame
+    loss_mode: str | None = None
+    max_delay: int | None = None
+    preset: str | None = None
+    seed: int | None = None
+
+    @property
+    def algorithm(self) -> str:
+        """Algorithm name: the loss mode, with the preset in front when the config records one
+        that differs (``dr_grpo`` and ``grpo`` share loss mode ``vanilla``): ``"dr_grpo
+        (vanilla)"``; ``"unknown"`` without a loss mode."""
+        loss = self.loss_mode or "unknown"
+        if self.preset and self.preset != loss:
+            return f"{self.preset} ({loss})"
+        return loss
+
+    @property
+    def label(self) -> str:
+        """``"<algorithm>, d=<max_delay>"`` (``d=?`` when the config has no max delay)."""
+        d = "?" if self.max_delay is None else str(self.max_delay)
+        return f"{self.algorithm}, d={d}"
+
+
+def read_run_config(run_dir: str | os.PathLike) -> dict[str, Any]:
+    """``loss_mode``, ``max_delay``, ``preset``, ``seed`` from ``<run_dir>/config.yaml``
+    (values None if absent). A missing file gives all None; an unreadable one a warning too."""
+    out: dict[str, Any] = {"loss_mode": None, "max_delay": None, "preset": None, "seed": None}
+    path = Path(run_dir) / CONFIG_FILE
+    if not path.is_file():
+        return out
+    try:
+        from omegaconf import DictConfig, OmegaConf
+
+        cfg = OmegaConf.load(path)
+    except Exception as e:  # noqa: BLE001 -- any parse failure: report, keep going
+        warnings.warn(f"{path}: cannot read config ({type(e).__name__}: {e}); algorithm and delay unknown",
+                      stacklevel=2)
+        return out
+
+    def get(key: str) -> Any:
+        try:
+            v = OmegaConf.select(cfg, key, default=None, throw_on_resolution_failure=False)
+        except Exception:  # noqa: BLE001 -- e.g. an interpolation to a custom resolver
+            return None
+        return None if isinstance(v, DictConfig) else v
+
+    loss = get(LOSS_MODE_KEY)
+    out["loss_mode"] = None if loss is None else str(loss)
+    preset = get(PRESET_KEY)
+    out["preset"] = preset if isinstance(preset, str) and preset else None
+    for name, key in (("max_delay", MAX_DELAY_KEY), ("seed", SEED_KEY)):
+        v = _to_step(get(key))
+        if v is None and get(key) is not None:
+            warnings.warn(f"{path}: {key}={get(key)!r} is not an integer; ignored", stacklevel=2)
+        out[name] = v
+    return out
+
+
+def load_run(run_dir: str | os.PathLike) -> Run:
+    """:func:`load_metrics` plus :func:`read_run_config` for one run directory."""
+    df = load_metrics(run_dir)
+    cfg = read_run_config(metrics_path(run_dir).parent)
+    return Run(run_dir=Path(run_dir), metrics=df, **cfg)
+
+
+# --------------------------------------------------------------------------- series helpers
+
+
+def series(df: pd.DataFrame, name: str) -> pd.Series | None:
+    """Finite values of metric ``name`` indexed by step, or None if the metric is absent or
+    never finite."""
+    if name not in df.columns:
+        return None
+    s = pd.Series(df[name].to_numpy(dtype="float64"), index=df["step"].to_numpy(), name=name)
+    s = s[np.isfinite(s.to_numpy())]
+    return s if len(s) else None
+
+
+def eval_benchmarks(df: pd.DataFrame) -> list[str]:
+    """Columns ``eval/<benchmark>/acc`` present with at least one finite value, sorted."""
+    return sorted(c for c in df.columns if _EVAL_BENCH.match(c) and series(df, c) is not None)
+
+
+def eval_accuracy(df: pd.DataFrame) -> tuple[str, pd.Series] | None:
+    """The run's evaluation accuracy by step: ``eval/acc_mean`` if logged; else the single
+    ``eval/<benchmark>/acc``; else the mean over benchmarks at the steps where all of them
+    were evaluated. Returns ``(description, series)`` or None if there is no evaluation."""
+    s = series(df, EVAL_MEAN)
+    if s is not None:
+        return EVAL_MEAN, s
+    benches = eval_benchmarks(df)
+    if len(benches) == 1:
+        return benches[0], series(df, benches[0])
+    if benches:
+        block = df.set_index("step")[benches].replace([np.inf, -np.inf], np.nan).dropna()
+        if len(block):
+            return f"mean of {len(benches)} eval/*/acc", block.mean(axis=1)
+    return None
+
+
+def staleness_histogram(df: pd.DataFrame) -> pd.Series | None:
+    """Consumed-group counts by staleness k summed over the run (index k ascending, from the
+    ``hetero/staleness_hist/<k>`` columns; non-integer k ignored), or None if not logged."""
+    counts: dict[int, float] = {}
+    for c in df.columns:
+        if not c.startswith(HIST_PREFIX):
+            continue
+        k = _to_step(c[len(HIST_PREFIX):])
+        if k is None:
+            continue
+        v = df[c].to_numpy(dtype="float64")
+        counts[k] = counts.get(k, 0.0) + float(np.nansum(np.where(np.isfinite(v), v, np.nan)))
+    if not counts:
+        return None
+    return pd.Series(counts, name="groups").sort_index()
+
+
+def _last(s: pd.Series | None) -> float:
+    return math.nan if s is None else float(s.iloc[-1])
+
+
+def _mean(s: pd.Series | None) -> float:
+    return math.nan if s is None else float(s.mean())
+
+
+# --------------------------------------------------------------------------- summary
+
+
+def summarize_metrics(df: pd.DataFrame) -> dict[str, Any]:
+    """The numbers of :func:`summarize` from an already loaded metrics frame."""
+    steps = df["step"].to_numpy()
+    out: dict[str, Any] = {
+        "steps": int(len(steps)),
+        "first_step": int(steps[0]) if len(steps) else None,
+        "last_step": int(steps[-1]) if len(steps) else None,
+        "skipped_lines": len(df.attrs.get("skipped_lines", [])),
+    }
+
+    ev = eval_accuracy(df)
+    if ev is None:
+        out.update(eval_metric=None, eval_count=0, eval_first=math.nan, eval_last=math.nan,
+                   eval_best=math.nan, eval_first_step=None, eval_last_step=None, eval_best_step=None)
+    else:
+        name, s = ev
+        out.update(eval_metric=name, eval_count=int(len(s)), eval_first=float(s.iloc[0]),
+                   eval_last=float(s.iloc[-1]), eval_best=float(s.max()),
+                   eval_first_step=int(s.index[0]), eval_last_step=int(s.index[-1]),
+                   eval_best_step=int(s.idxmax()))
+
+    # staleness: group-weighted from the histogram when logged (a step that consumed nothing
+    # logs staleness_mean 0 and must not pull the mean down); else consumed-weighted or plain
+    hist = staleness_histogram(df)
+    st_mean = series(df, "hetero/staleness_mean")
+    st_max = series(df, "hetero/staleness_max")
+    if hist is not None and hist.sum() > 0:
+        out["staleness_mean"] = float((hist.index.to_numpy() * hist.to_numpy()).sum() / hist.sum())
+    elif st_mean is not None:
+        consumed = series(df, "hetero/consumed")
+        w = None if consumed is None else consumed.reindex(st_mean.index)
+        if w is not None and w.notna().all() and w.sum() > 0:
+            out["staleness_mean"] = float((st_mean * w).sum() / w.sum())
+        else:
+            out["staleness_mean"] = float(st_mean.mean())
+    else:
+        out["staleness_mean"] = math.nan
+    maxima = []
+    if st_max is not None:
+        maxima.append(float(st_max.max()))
+    if hist is not None and (hist > 0).any():
+        maxima.append(float(hist.index[hist.to_numpy() > 0].max()))
+    out["staleness_max"] = max(maxima) if maxima else math.nan
+    out["staleness_hist"] = {} if hist is None else {int(k): float(v) for k, v in hist.items()}
+
+    dropped = series(df, "hetero/dropped")
+    if dropped is not None:
+        out["dropped_total"] = float(dropped.sum())
+    else:
+        out["dropped_total"] = _last(series(df, "hetero/dropped_total"))
+
+    out["kl_final"] = _last(series(df, "is/kl_sampler_learner"))
+    out["weight_var_final"] = _last(series(df, "is/weight_var"))
+    out["learner_idle_frac_mean"] = _mean(series(df, "perf/learner_idle_frac"))
+    out["reward_first"] = float(series(df, "reward/mean").iloc[0]) if series(df, "reward/mean") is not None \
+        else math.nan
+    out["reward_last"] = _last(series(df, "reward/mean"))
+    out["step_s_mean"] = _mean(series(df, "perf/step_s"))
+    return out
+
+
+def summarize(run_dir: str | os.PathLike) -> dict[str, Any]:
+    """Summary numbers of one run (floats are NaN, step fields None, when not logged):
+
+    * ``steps`` (distinct steps logged), ``first_step``, ``last_step``, ``skipped_lines``
+    * ``eval_metric`` (which accuracy, see :func:`eval_accuracy`), ``eval_count``,
+      ``eval_first``/``eval_last``/``eval_best`` and their ``*_step``
+    * ``staleness_mean`` (group-weighted over the run, from the histogram if logged),
+      ``staleness_max``, ``staleness_hist`` ({k: groups} summed over the run)
+    * ``dropped_total`` (sum of ``hetero/dropped``)
+    * ``kl_final`` (last ``is/kl_sampler_learner``), ``weight_var_final`` (last ``is/weight_var``)
+    * ``learner_idle_frac_mean``, ``reward_first``, ``reward_last``, ``step_s_mean``
+    * ``loss_mode``, ``max_delay``, ``algorithm``, ``label`` from ``config.yaml``
+    """
+    return summarize_run(load_run(run_dir))
+
+
+def summarize_run(run: Run) -> dict[str, Any]:
+    """:func:`summarize` of an already loaded :class:`Run`."""
+    out = summarize_metrics(run.metrics)
+    out.update(run_dir=str(run.run_dir), loss_mode=run.loss_mode, max_delay=run.max_delay,
+               algorithm=run.algorithm, label=run.label)
+    return out
+
+
+# --------------------------------------------------------------------------- drawing
+
+
+def _note(ax, text: str) -> None:
+    """Mark a panel whose metric is absent."""
+    ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes, color="0.4",
+            wrap=True)
+    ax.set_xticks([])
+    ax.set_yticks([])
+    ax.grid(False)
+    for spine in ax.spines.values():
+        spine.set_visible(False)
+
+
+def _line(ax, s: pd.Series, **kw) -> None:
+    """Plot a step series; a lone point (or sparse evaluations) gets markers."""
+    marker = "o" if len(s) <= 30 else None
+    ax.plot(s.index.to_numpy(), s.to_numpy(), marker=marker, markersize=3, **kw)
+
+
+def save_figure(fig: Figure, path: Path, dpi: int = 150) -> Path:
+    """Write ``fig`` with the Agg canvas, atomically (temp file + rename)."""
+    FigureCanvasAgg(fig)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.stem}.tmp{path.suffix}")
+    fig.savefig(tmp, dpi=dpi, bbox_inches="tight")
+    os.replace(tmp, path)
+    return path
+
+
+def _summary_text(s: dict[str, Any]) -> str:
+    """A few summary numbers as monospace text for the spare panel of ``curves.png``."""
+    rows = [("steps", _fmt(s["steps"])),
+            ("eval first", _fmt(s["eval_first"])), ("eval last", _fmt(s["eval_last"])),
+            ("eval best", _fmt(s["eval_best"])),
+            ("staleness mean", _fmt(s["staleness_mean"])), ("staleness max", _fmt(s["staleness_max"])),
+            ("dropped total", _fmt(s["dropped_total"])), ("final KL", _fmt(s["kl_final"])),
+            ("final IS var", _fmt(s["weight_var_final"])),
+            ("learner idle", _fmt(s["learner_idle_frac_mean"]))]
+    return "\n".join(f"{k:<16}{v}" for k, v in rows)
+
+
+def draw_curves(df: pd.DataFrame, path: Path, title: str = "", summary: dict[str, Any] | None = None) -> Path:
+    """The run's ``curves.png``: reward, eval accuracy, KL(sampler||learner), IS-weight
+    variance against step, and the staleness histogram summed over the run; ``summary`` (from
+    :func:`summarize_metrics`) as text in the sixth panel. A panel whose metric is absent shows
+    a note instead."""
+    import matplotlib
+
+    with matplotlib.rc_context(STYLE):
+        fig = Figure(figsize=(12, 6.5))
+        axes = fig.subplots(2, 3)
+        ax_r, ax_e, ax_k, ax_v, ax_h, ax_text = axes.ravel()
+
+        reward = series(df, "reward/mean")
+        ax_r.set_title("reward/mean")
+        if reward is None:
+            _note(ax_r, "reward/mean not logged")
+        else:
+            _line(ax_r, reward, color="C0", label="mean")
+            std = series(df, "reward/std")
+            if std is not None:
+                std = std.reindex(reward.index)
+                ax_r.fill_between(reward.index.to_numpy(), (reward - std).to_numpy(),
+                                  (reward + std).to_numpy(), color="C0", alpha=0.15, label="± std")
+                ax_r.legend(loc="best")
+            ax_r.set_xlabel("step")
+
+        ax_e.set_title("eval accuracy")
+        ev = eval_accuracy(df)
+        if ev is None:
+            _note(ax_e, "no eval/... accuracy logged")
+        else:
+            benches = eval_benchmarks(df)
+            for i, b in enumerate(benches if len(benches) > 1 else []):
+                _line(ax_e, series(df, b), color=f"C{(i + 1) % 10}", alpha=0.7, linewidth=1,
+                      label=_EVAL_BENCH.match(b)["bench"])
+            name, s = ev
+            _line(ax_e, s, color="C0", linewidth=2, label=name)
+            ax_e.set_xlabel("step")
+            ax_e.set_ylabel("accuracy")
+            ax_e.legend(loc="best")
+
+        for ax, name, ylabel in ((ax_k, "is/kl_sampler_learner", "KL(sampler || learner)"),
+                                 (ax_v, "is/weight_var", "IS-weight variance")):
+            ax.set_title(name)
+            s = series(df, name)
+            if s is None:
+                _note(ax, f"{name} not logged")
+            else:
+                _line(ax, s, color="C3" if "kl" in name else "C2")
+                ax.set_xlabel("step")
+                ax.set_ylabel(ylabel)
+
+        ax_h.set_title("staleness histogram (whole run)")
+        hist = staleness_histogram(df)
+        if hist is None or hist.sum() <= 0:
+            _note(ax_h, "hetero/staleness_hist/<k> not logged" if hist is None else "no groups consumed")
+        else:
+            ax_h.bar(hist.index.to_numpy(), hist.to_numpy(), color="C4", width=0.8)
+            ax_h.set_xticks(hist.index.to_numpy())
+            ax_h.set_xlabel("staleness k (policy versions)")
+            ax_h.set_ylabel("consumed groups")
+            ax_h.grid(axis="x", visible=False)
+
+        ax_text.axis("off")
+        if summary is not None:
+            ax_text.text(0.02, 0.98, _summary_text(summary), ha="left", va="top", family="monospace",
+                         transform=ax_text.transAxes, fontsize=8)
+        if title:
+            fig.suptitle(title)
+        fig.tight_layout()
+        return save_figure(fig, path)
+
+
+def _fmt(v: Any, digits: int = 4) -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "n/a"
+    if isinstance(v, float):
+        return f"{v:.{digits}g}"
+    return str(v)
+
+
+def _at(v: Any, step: Any) -> str:
+    return "n/a" if step is None else f"{_fmt(v)} (step {step})"
+
+
+def render_markdown(summary: dict[str, Any], df: pd.DataFrame, curves_name: str = CURVES_FILE) -> str:
+    """``report.md`` text for ``summary`` (from :func:`summarize`) and its metrics frame."""
+    s = summary
+    name = Path(s["run_dir"]).name
+    step_range = "" if s["first_step"] is None else f" (step {s['first_step']} to {s['last_step']})"
+    rows = [
+        ("algorithm", f"{s['algorithm']} (loss mode `{s['loss_mode'] or 'n/a'}`)"),
+        ("max delay", _fmt(s["max_delay"])),
+        ("steps logged", f"{s['steps']}{step_range}"),
+        ("eval accuracy metric", f"`{s['eval_metric']}` ({s['eval_count']} evaluations)" if s["eval_metric"]
+         else "n/a"),
+        ("eval accuracy: first", _at(s["eval_first"], s["eval_first_step"])),
+        ("eval accuracy: last", _at(s["eval_last"], s["eval_last_step"])),
+        ("eval accuracy: best", _at(s["eval_best"], s["eval_best_step"])),
+        ("reward/mean: first / last", f"{_fmt(s['reward_first'])} / {_fmt(s['reward_last'])}"),
+        ("staleness mean (group-weighted) / max", f"{_fmt(s['staleness_mean'])} / {_fmt(s['staleness_max'])}"),
+        ("dropped groups (total)", _fmt(s["dropped_total"])),
+        ("final KL(sampler ‖ learner)", _fmt(s["kl_final"])),
+        ("final IS-weight variance", _fmt(s["weight_var_final"])),
+        ("learner idle fraction (mean)", _fmt(s["learner_idle_frac_mean"])),
+        ("step time mean (s)", _fmt(s["step_s_mean"])),
+    ]
+    lines = [f"# Run report: {name}", "", f"Run directory: `{s['run_dir']}`", "",
+             "| quantity | value |", "|---|---|"]
+    lines += [f"| {k} | {v} |" for k, v in rows]
+    benches = eval_benchmarks(df)
+    if benches:
+        lines += ["", "## Evaluation by benchmark", "", "| benchmark | evaluations | first | last | best |",
+                  "|---|---|---|---|---|"]
+        for b in benches:
+            e = series(df, b)
+            lines.append(f"| {_EVAL_BENCH.match(b)['bench']} | {len(e)} | {_fmt(float(e.iloc[0]))} | "
+                         f"{_fmt(float(e.iloc[-1]))} | {_fmt(float(e.max()))} (step {int(e.idxmax())}) |")
+    if s["staleness_hist"]:
+        ks = sorted(s["staleness_hist"])
+        lines += ["", "## Staleness histogram (consumed groups, whole run)", "",
+                  "| k | " + " | ".join(str(k) for k in ks) + " |",
+                  "|---|" + "---|" * len(ks),
+                  "| groups | " + " | ".join(_fmt(s["staleness_hist"][k]) for k in ks) + " |"]
+    wanted = ["reward/mean", "is/kl_sampler_learner", "is/weight_var", "hetero/staleness_mean",
+              "hetero/dropped", "perf/learner_idle_frac"]
+    missing = [m for m in wanted if series(df, m) is None]
+    if s["eval_metric"] is None:
+        missing.append("eval/... accuracy")
+    if staleness_histogram(df) is None:
+        missing.append("hetero/staleness_hist/<k>")
+    notes = []
+    if missing:
+        notes.append("Not logged (shown as n/a): " + ", ".join(f"`{m}`" for m in missing) + ".")
+    if s["skipped_lines"]:
+        notes.append(f"{s['skipped_lines']} unreadable line(s) of metrics.jsonl skipped "
+                     f"(line numbers: {', '.join(map(str, df.attrs.get('skipped_lines', [])[:10]))}).")
+    if notes:
+        lines += ["", "## Notes", ""] + [f"- {n}" for n in notes]
+    lines += ["", "## Curves", "", f"![training curves]({curves_name})", ""]
+    return "\n".join(lines)
+
+
+def write_report(run_dir: str | os.PathLike, out_dir: str | os.PathLike | None = None) -> tuple[Path, Path]:
+    """Write ``report.md`` and ``curves.png`` for ``run_dir`` (into ``out_dir``, default the run
+    directory itself) and return their paths ``(report_md, curves_png)``. Raises
+    :class:`RunDirError` naming ``run_dir`` if it has no ``metrics.jsonl``."""
+    run = load_run(run_dir)
+    summary = summarize_run(run)
+    out = Path(out_dir) if out_dir is not None else metrics_path(run_dir).parent
+    out.mkdir(parents=True, exist_ok=True)
+    curves = draw_curves(run.metrics, out / CURVES_FILE, title=f"{run.run_dir.name}: {run.label}",
+                         summary=summary)
+    md = out / REPORT_FILE
+    tmp = md.with_name(f".{md.name}.tmp")
+    tmp.write_text(render_markdown(summary, run.metrics, curves.name), encoding="utf-8")
+    os.replace(tmp, md)
+    return md, curves
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI: write the report of each RUN_DIR; print the paths. Exit 2 on a bad RUN_DIR."""
+    parser = argparse.ArgumentParser(prog="python -m recipe.gepo.report", description=__doc__.split("\n\n")[0])
+    parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
+    args = parser.parse_args(argv)
+    for d in args.run_dirs:
+        try:
+            metrics_path(d)
+        except RunDirError as e:
+            parser.error(str(e))
+    for d in args.run_dirs:
+        md, png = write_report(d)
+        print(f"wrote {md}")
+        print(f"wrote {png}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
