@@ -1,0 +1,131 @@
+"""Write a benchmark as verl's RL parquet.
+
+    python -m verl_ext.data.prepare --dataset math500 --out data/math500.parquet
+    python -m verl_ext.data.prepare --dataset math_train --levels 3,4,5 --out data/train.parquet
+    python -m verl_ext.data.prepare --dataset aime24 --path /my/copies --out data/aime24.parquet
+    python -m verl_ext.data.prepare --dataset toy --digits 3 --n 2000 --seed 7 --out data/toy.parquet
+
+One row per problem, the schema verl's ``RLHFDataset`` and reward managers read:
+
+``data_source``   str, the benchmark name (``math500``, ``toy_add3``, ...)
+``prompt``        list of ``{"role", "content"}`` chat messages (:func:`templates.build_messages`)
+``ability``       ``"math"`` (``"arithmetic"`` for the toy task)
+``reward_model``  ``{"style": "rule", "ground_truth": <gold answer str>}``
+``extra_info``    ``{"index": int, "id": str, "split": str, "problem": str, "answer": str,
+                  "template": str}``
+
+Thinking on/off is a chat-template argument, not part of the messages: for ``qwen3_nothink``
+also pass ``data.apply_chat_template_kwargs.enable_thinking=false`` to verl (printed as a hint).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from verl_ext.data.datasets import BENCHMARKS, load_benchmark
+from verl_ext.data.templates import TEMPLATES, build_messages, chat_template_kwargs, check_template
+
+__all__ = ["to_verl_rows", "write_verl_parquet", "main"]
+
+
+def to_verl_rows(records: list[dict], template: str = "qwen3_think", split: str = "test") -> list[dict]:
+    """Benchmark records (:func:`load_benchmark` format) -> verl RL rows (see module docstring)."""
+    check_template(template)
+    rows = []
+    for index, rec in enumerate(records):
+        for key in ("id", "problem", "answer", "data_source"):
+            if key not in rec:
+                raise KeyError(f"record {index} has no {key!r} (keys: {sorted(rec)})")
+        ability = "arithmetic" if str(rec["data_source"]).startswith("toy") else "math"
+        rows.append(
+            {
+                "data_source": rec["data_source"],
+                "prompt": build_messages(rec["problem"], template),
+                "ability": ability,
+                "reward_model": {"style": "rule", "ground_truth": str(rec["answer"])},
+                "extra_info": {
+                    "index": index,
+                    "id": rec["id"],
+                    "split": split,
+                    "problem": rec["problem"],
+                    "answer": str(rec["answer"]),
+                    "template": template,
+                },
+            }
+        )
+    return rows
+
+
+def write_verl_parquet(
+    records: list[dict], out: str | os.PathLike, template: str = "qwen3_think", split: str = "test"
+) -> Path:
+    """Write :func:`to_verl_rows` of ``records`` to ``out`` (parent folders created); returns the path."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    if not records:
+        raise ValueError("no records to write")
+    out = Path(out)
+    if out.suffix != ".parquet":
+        raise ValueError(f"output must be a .parquet file, got {str(out)!r}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    table = pa.Table.from_pylist(to_verl_rows(records, template, split))
+    tmp = out.with_name(f".{out.name}.tmp")
+    pq.write_table(table, tmp)
+    os.replace(tmp, out)
+    return out
+
+
+def _levels(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--levels takes comma-separated ints such as 3,4,5, got {text!r}") from None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m verl_ext.data.prepare", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dataset", required=True, choices=BENCHMARKS, help="benchmark name")
+    parser.add_argument("--out", required=True, help="output .parquet path")
+    parser.add_argument("--template", default=None, choices=TEMPLATES, help="prompt template (default: qwen3_think; toy: toy)")
+    parser.add_argument("--path", default=None, help="data file or folder (aime24/aime25/amc23; overrides packaged files)")
+    parser.add_argument("--limit", type=int, default=None, help="keep the first N problems")
+    parser.add_argument("--split", default=None, help="split name stored in extra_info (default: train for math_train, else test)")
+    parser.add_argument("--levels", type=_levels, default=None, help="math_train/math_test: MATH levels, e.g. 3,4,5")
+    parser.add_argument("--include-test-split", action="store_true", help="math_train: add MATH test problems not in MATH500")
+    parser.add_argument("--gsm8k-split", default=None, choices=("train", "test"), help="gsm8k: which split to load")
+    parser.add_argument("--digits", type=int, default=None, help="toy: operand digits")
+    parser.add_argument("--n", type=int, default=None, help="toy: number of problems")
+    parser.add_argument("--seed", type=int, default=None, help="toy: generator seed")
+    args = parser.parse_args(argv)
+
+    options: dict = {}
+    given = {
+        "levels": args.levels,
+        "include_test_split": True if args.include_test_split else None,
+        "split": args.gsm8k_split,
+        "digits": args.digits,
+        "n": args.n,
+        "seed": args.seed,
+    }
+    options = {k: v for k, v in given.items() if v is not None}
+    try:
+        records = load_benchmark(args.dataset, path=args.path, limit=args.limit, **options)
+        template = args.template or ("toy" if args.dataset == "toy" else "qwen3_think")
+        split = args.split or ("train" if args.dataset == "math_train" else "test")
+        out = write_verl_parquet(records, args.out, template=template, split=split)
+    except (FileNotFoundError, KeyError, TypeError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"wrote {len(records)} rows of {args.dataset} ({template} template) to {out}")
+    kwargs = chat_template_kwargs(template)
+    if kwargs.get("enable_thinking") is False:
+        print("hint: also pass data.apply_chat_template_kwargs.enable_thinking=false to verl")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
