@@ -1,0 +1,67 @@
+"""HeteroPolicyLossConfig validation and the group-splitting error of the registered group losses."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hydra.errors import InstantiationException
+from omegaconf import OmegaConf
+from verl.utils.config import omega_conf_to_dataclass
+
+from verl_ext.verl_plugin import HeteroPolicyLossConfig
+
+from . import reference as ref
+from .verl_helpers import actor_config, call_loss
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("group_scope", "batch"),
+        ("seq_reduction", "max"),
+        ("topr_reduction", "token"),
+        ("sampler_kl_estimator", "k2"),
+        ("group_size", -1),
+        ("sampler_kl_coef", -0.005),
+        ("delta_l_alpha", -0.5),
+        ("adaptive_kl_threshold", -1e-3),
+    ],
+)
+def test_bad_values_raise_value_error_naming_the_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        HeteroPolicyLossConfig(**{field: value})
+
+
+def test_defaults_and_valid_values_accepted():
+    c = HeteroPolicyLossConfig()
+    assert (c.group_size, c.group_scope, c.seq_reduction, c.sampler_kl_coef, c.delta_l_alpha) == (0, "group", "mean", 0.0, 1.0)
+    assert c.adaptive_kl_threshold == 0.002 and c.topr_reduction == "sum" and c.sampler_kl_estimator == "k3"
+    HeteroPolicyLossConfig(group_scope="micro_batch", seq_reduction="sum", topr_reduction="mean",
+                           sampler_kl_estimator="reference", group_size=8, sampler_kl_coef=0.005)  # fmt: skip
+
+
+def test_bad_value_through_omega_conf_to_dataclass_names_the_field():
+    node = OmegaConf.create({"_target_": "verl_ext.verl_plugin.HeteroPolicyLossConfig", "loss_mode": "gepo", "group_scope": "global"})
+    with pytest.raises((ValueError, InstantiationException), match="group_scope"):
+        omega_conf_to_dataclass(node)
+    good = omega_conf_to_dataclass(
+        OmegaConf.create({"_target_": "verl_ext.verl_plugin.HeteroPolicyLossConfig", "loss_mode": "gepo", "group_size": 8})
+    )
+    assert isinstance(good, HeteroPolicyLossConfig) and good.group_size == 8
+
+
+@pytest.mark.parametrize("loss_mode", ["gepo", "eqp", "gepo_adaptive"])
+@pytest.mark.parametrize("group_size", [0, 5])
+def test_batch_not_split_into_whole_groups_raises_clear_error(loss_mode, group_size):
+    b = ref.make_batch(seed=70, n_groups=3, group_size=4)  # 12 sequences; 12 % 5 != 0; 0 = unknown
+    with pytest.raises(ValueError, match="group_size") as err:
+        call_loss(loss_mode, b, actor_config(loss_mode, group_size=group_size))
+    assert "rollout.n" in str(err.value) or "whole" in str(err.value)
+
+
+@pytest.mark.parametrize("loss_mode", ["gepo", "gepo_adaptive"])
+def test_upstream_denominator_needs_no_group_size(loss_mode):
+    b = ref.make_batch(seed=71)
+    den = torch.tensor(ref.group_log_denominator(ref.seq_log_prob(b.log_q, b.mask), b.groups.tolist()), dtype=torch.float64)
+    loss, _ = call_loss(loss_mode, b, actor_config(loss_mode, group_size=0), group_log_denominator=den)
+    assert torch.isfinite(loss)
