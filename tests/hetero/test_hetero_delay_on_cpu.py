@@ -158,12 +158,19 @@ def test_cli_json_and_plot(tmp_path, capsys):
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_cli_module_entry_point_and_errors():
+def test_cli_bad_arguments_exit_with_the_message(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--dist", "lognormal", "--low", "5", "--high", "3"])
+    assert exit_info.value.code == 2
+    assert "lognormal: low=5.0 must be < high=3.0" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--dist", "weibull", "--low", "5"])
+    assert "--low and --high are required" in capsys.readouterr().err
+
+
+def test_cli_module_entry_point():
     ok = subprocess.run([sys.executable, "-m", "verl_ext.hetero.delay", "--dist", "weibull", "--low", "400",
                          "--high", "3600", "--offset", "400", "--n", "1000"],
                         cwd=REPO, capture_output=True, text=True, timeout=60)
     assert ok.returncode == 0, ok.stderr
     assert "dist: weibull" in ok.stdout and "median" in ok.stdout and "p95" in ok.stdout
-    bad = subprocess.run([sys.executable, "-m", "verl_ext.hetero.delay", "--dist", "lognormal", "--low", "5",
-                          "--high", "3"], cwd=REPO, capture_output=True, text=True, timeout=60)
-    assert bad.returncode == 2 and "low=5.0 must be < high=3.0" in bad.stderr

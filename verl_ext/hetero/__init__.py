@@ -1,30 +1,26 @@
 """Heterogeneity core, engine-agnostic: delay models, rollout records, the staleness-bounded
-buffer, versioned weights, transports and the delay channel. See docs/heterogeneity.md."""
+buffer, versioned weights, transports and the delay channel. See docs/heterogeneity.md.
 
-from verl_ext.hetero.buffer import BufferTimeout, Ledger, RolloutBuffer, make_buffer_actor
-from verl_ext.hetero.delay import (
-    DelayModel,
-    DelaySummary,
-    SamplerDelays,
-    make_delay_model,
-    sampler_rngs,
-)
-from verl_ext.hetero.delay_channel import DelayChannel
-from verl_ext.hetero.exchange import RolloutInbox, send_group
-from verl_ext.hetero.records import RecordRejected, RecordSpec, RolloutGroup, validate_group
-from verl_ext.hetero.transport import (
-    CorruptMessage,
-    FsspecTransport,
-    MessageInfo,
-    RayTransport,
-    Transport,
-    make_transport,
-)
-from verl_ext.hetero.weights import WeightStore
+Names are imported lazily (PEP 562), so ``import verl_ext.hetero.delay`` does not pay for torch
+or Ray.
+"""
 
-__all__ = [
-    "BufferTimeout", "CorruptMessage", "DelayChannel", "DelayModel", "DelaySummary", "FsspecTransport",
-    "Ledger", "MessageInfo", "RayTransport", "RecordRejected", "RecordSpec", "RolloutBuffer", "RolloutGroup",
-    "RolloutInbox", "SamplerDelays", "Transport", "WeightStore", "make_buffer_actor", "make_delay_model",
-    "make_transport", "sampler_rngs", "send_group", "validate_group",
-]
+import importlib
+
+_EXPORTS = {
+    "buffer": ["BufferTimeout", "Ledger", "RolloutBuffer", "make_buffer_actor"],
+    "delay": ["DelayModel", "DelaySummary", "SamplerDelays", "make_delay_model", "sampler_rngs"],
+    "delay_channel": ["DelayChannel"],
+    "exchange": ["RolloutInbox", "send_group"],
+    "records": ["RecordRejected", "RecordSpec", "RolloutGroup", "validate_group"],
+    "transport": ["CorruptMessage", "FsspecTransport", "MessageInfo", "RayTransport", "Transport", "make_transport"],
+    "weights": ["WeightStore"],
+}
+_MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
+__all__ = sorted(_MODULE_OF)
+
+
+def __getattr__(name):
+    if name in _MODULE_OF:
+        return getattr(importlib.import_module(f"verl_ext.hetero.{_MODULE_OF[name]}"), name)
+    raise AttributeError(f"module 'verl_ext.hetero' has no attribute {name!r}")

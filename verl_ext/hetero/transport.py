@@ -240,13 +240,20 @@ def _rebuild_fsspec(url: str, storage_options: dict) -> FsspecTransport:
 
 
 class _Mailbox:
-    """Ray actor state for RayTransport: (topic, key) -> (MessageInfo, [ObjectRef]). The ref is
-    wrapped in a list so Ray does not resolve it when passed as an argument."""
+    """Ray actor state for RayTransport: (topic, key) -> (MessageInfo, [ObjectRef]). The actor
+    ``ray.put``s each payload itself, so the mailbox owns it and it outlives the sender. The ref
+    is wrapped in a list so Ray does not resolve it when it is returned."""
 
     def __init__(self):
         self._messages: dict[tuple[str, str], tuple[MessageInfo, list]] = {}
 
-    def put(self, info: MessageInfo, wrapped_ref: list) -> None:
+    def put(self, info: MessageInfo, data: bytes) -> None:
+        import ray
+
+        self._messages[(info.topic, info.key)] = (info, [ray.put(data)])
+
+    def put_ref(self, info: MessageInfo, wrapped_ref: list) -> None:
+        """Store an existing reference (tests use it to plant inconsistent entries)."""
         self._messages[(info.topic, info.key)] = (info, wrapped_ref)
 
     def get(self, topic: str, key: str):
@@ -262,8 +269,9 @@ class _Mailbox:
 class RayTransport(Transport):
     """Messages in Ray's object store, indexed by a named mailbox actor.
 
-    Payloads are ``ray.put`` with the mailbox actor as owner, so a message outlives the sampler
-    or learner process that sent it. Requires an initialised Ray; every process that builds a
+    Payloads are stored by the mailbox actor (it owns the objects), so a message outlives the
+    sampler or learner process that sent it; the mailbox is detached, so it also outlives the
+    driver until :meth:`shutdown`. Requires an initialised Ray; every process that builds a
     RayTransport with the same ``name`` (and namespace) shares the mailbox; the object pickles,
     so it can also be passed to actors.
 
@@ -291,8 +299,7 @@ class RayTransport(Transport):
 
         check_name("topic", topic), check_name("key", key)
         info = self._new_info(topic, key, data)
-        ref = ray.put(bytes(data), _owner=self._mailbox)
-        ray.get(self._mailbox.put.remote(info, [ref]))
+        ray.get(self._mailbox.put.remote(info, bytes(data)))
         self.stats["put"] += 1
         return info
 

@@ -1,0 +1,130 @@
+"""Ray object-store transport and the buffer as a threaded Ray actor (real Ray, 2 CPUs)."""
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import ray
+import torch
+
+from verl_ext.hetero.buffer import RolloutBuffer, make_buffer_actor
+from verl_ext.hetero.exchange import RolloutInbox, send_group
+from verl_ext.hetero.records import RolloutGroup
+from verl_ext.hetero.transport import CorruptMessage, RayTransport
+from verl_ext.hetero.weights import WeightStore
+
+from .factories import build_group
+
+TESTS_DIR = Path(__file__).resolve().parents[1]
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    # workers import this module (actor classes, factories) as package "hetero" under tests/
+    ray.init(num_cpus=2, include_dashboard=False, namespace="hetero-tests", log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": f"{TESTS_DIR}:{TESTS_DIR.parent}"}})
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def transport(ray_cluster):
+    """One mailbox actor for the module (actor start-up costs seconds on 2 shared cores)."""
+    mailbox = RayTransport(name="hetero-test-mailbox")
+    yield mailbox
+    mailbox.shutdown()
+
+
+@pytest.fixture(scope="module")
+def samplers(ray_cluster):
+    actors = [Sampler.remote() for _ in range(2)]
+    yield actors
+    for actor in actors:
+        ray.kill(actor)
+
+
+@ray.remote(num_cpus=0)
+class Sampler:
+    """A sampler process: sends groups through a transport or straight into a buffer actor."""
+
+    def send(self, transport, uids, version):
+        for uid in uids:
+            send_group(transport, build_group(uid, version, sampler=uid.split("-")[0]))
+        return len(uids)
+
+    def add_to(self, buffer, sampler, n):
+        accepted = 0
+        for i in range(n):
+            version = max(0, ray.get(buffer.__ray_call__.remote(lambda b: b.learner_version)) - i % 3)
+            accepted += ray.get(buffer.add.remote(build_group(f"{sampler}-{i}", version, sampler=sampler)))
+        return accepted
+
+
+def test_ray_transport_checksum_is_verified(transport):
+    info = transport.put("weights", "v1", b"good bytes")
+    # overwrite the stored reference with different bytes under the old checksum
+    ray.get(transport._mailbox.put_ref.remote(info, [ray.put(b"evil bytes")]))
+    with pytest.raises(CorruptMessage, match="message weights/v1"):
+        transport.get("weights", "v1")
+    assert transport.stats["corrupt"] == 1
+    transport.delete("weights", "v1")
+
+
+def test_weight_store_over_ray(transport):
+    store = WeightStore(transport, keep_last=2, wire_dtype="bf16", topic="weights-bf16")
+    for version in range(3):
+        store.publish(version, {"w": torch.full((4, 4), float(version)), "b": torch.zeros(4)})
+    version, state = store.latest()
+    assert version == 2 and store.versions() == [1, 2]
+    assert state["w"].dtype == torch.float32 and torch.equal(state["w"], torch.full((4, 4), 2.0))
+
+
+def test_buffer_actor_samplers_add_while_learner_blocks_in_take(samplers):
+    buffer = make_buffer_actor(max_delay=1, wait_timeout_s=30)
+    take_ref = buffer.take.remote(4, 0, 30)  # the learner blocks first: nothing is there yet
+    feeds = [s.add_to.remote(buffer, f"s{i}", 10) for i, s in enumerate(samplers)]
+    first = ray.get(take_ref, timeout=60)
+    assert len(first) == 4
+    assert sum(ray.get(feeds, timeout=60)) == 20
+    consumed = [g.group_uid for g in first]
+    version = 0
+    while True:
+        version += 1
+        buffer.set_learner_version.remote(version)
+        if ray.get(buffer.__len__.remote()) < 4:
+            break
+        batch = ray.get(buffer.take.remote(4, version, 5))
+        assert all(version - g.policy_version <= 1 for g in batch)
+        consumed += [g.group_uid for g in batch]
+    counts = ray.get(buffer.__ray_call__.remote(lambda b: b.ledger.counts()))
+    assert len(consumed) == len(set(consumed)) == counts["consumed"] > 4
+    assert counts["generated"] == 20
+    assert counts["consumed"] + counts["dropped"] + counts["buffered"] == 20
+    metrics = ray.get(buffer.metrics.remote())
+    assert metrics["hetero/consumed_total"] == len(consumed) and metrics["hetero/staleness_max"] <= 1
+    ray.kill(buffer)
+
+
+def test_inbox_over_ray_transport(transport, samplers):
+    ray.get([s.send.remote(transport, [f"s{i}-g{j}" for j in range(3)], 0) for i, s in enumerate(samplers)])
+    buffer = RolloutBuffer(max_delay=0)
+    inbox = RolloutInbox(transport, buffer)
+    assert inbox.poll() == 6
+    assert sorted(g.group_uid for g in buffer.take(6, 0)) == sorted(f"s{i}-g{j}" for i in range(2) for j in range(3))
+    assert inbox.acknowledge(buffer.state_dict()) == 6 and transport.keys("rollouts") == []
+
+
+def test_ray_transport_round_trip_and_outlives_the_sender(transport, samplers):
+    # last in the module: it kills one of the shared sampler actors
+    sampler = samplers[-1]
+    assert ray.get(sampler.send.remote(transport, ["s0-g0", "s0-g1"], 0)) == 2
+    ray.kill(sampler)  # the process that put the objects is gone; the mailbox owns them
+    assert transport.keys("rollouts") == ["s0-g0", "s0-g1"]
+    group = RolloutGroup.from_bytes(transport.get("rollouts", "s0-g1"))
+    assert group.group_uid == "s0-g1"
+    np.testing.assert_array_equal(group.rewards, build_group("s0-g1", 0).rewards)
+    assert transport.info("rollouts", "s0-g0").size == len(build_group("s0-g0", 0).to_bytes())
+    transport.delete("rollouts", "s0-g0")
+    assert RayTransport(name="hetero-test-mailbox").keys("rollouts") == ["s0-g1"]  # same named mailbox
+    with pytest.raises(KeyError):
+        transport.get("rollouts", "s0-g0")
+    transport.delete("rollouts", "s0-g1")
