@@ -32,8 +32,13 @@ from typing import Any
 
 from verl_ext.eval.metrics import group_records, summarize
 
-#: Benchmarks ``load_benchmark`` knows, plus the toy addition task.
-KNOWN_BENCHMARKS = ("math500", "aime24", "aime25", "amc23", "gsm8k", "toy")
+
+def _known_benchmarks() -> tuple[str, ...]:
+    """Benchmarks ``verl_ext.data.datasets.load_benchmark`` knows (math500, aime24, ..., toy)."""
+    from verl_ext.data.datasets import BENCHMARKS
+
+    return tuple(BENCHMARKS)
+
 
 #: reward ``error`` values that mean "the response gave no answer" (not a scoring failure)
 NO_ANSWER_ERRORS = frozenset({"no_boxed", "no_answer"})
@@ -58,7 +63,7 @@ class EvalConfig:
     model_path: str | None = None
     #: tokenizer folder (or .gguf) when it is not next to the model; None: from ``model_path``.
     tokenizer_path: str | None = None
-    #: benchmarks to run, any of math500, aime24, aime25, amc23, gsm8k, toy.
+    #: benchmarks to run: math500, aime24, aime25, amc23, gsm8k, toy (any of load_benchmark's names).
     benchmarks: list[str] = field(default_factory=lambda: ["amc23", "aime24", "aime25", "math500"])
     #: per-benchmark data file overriding the built-in location, e.g. {aime24: /data/aime24.jsonl}.
     benchmark_paths: dict[str, str] = field(default_factory=dict)
@@ -76,7 +81,7 @@ class EvalConfig:
     top_k: int = 20
     #: generation budget per sample (paper: up to 4096).
     max_new_tokens: int = 4096
-    #: prompt template passed to ``verl_ext.data.templates.render_prompt``.
+    #: prompt template (``verl_ext.data.templates``: qwen3_think, qwen3_nothink, plain); toy always uses ``toy``.
     template: str = "qwen3_think"
     #: base random seed; each chunk of problems is sampled with a seed derived from it.
     seed: int = 0
@@ -111,14 +116,20 @@ class EvalConfig:
         self.benchmarks = [str(b) for b in self.benchmarks]
         if not self.benchmarks:
             raise ValueError("benchmarks is empty: give e.g. benchmarks=[math500,aime24]")
-        unknown = [b for b in self.benchmarks if b not in KNOWN_BENCHMARKS]
+        known = _known_benchmarks()
+        unknown = [b for b in self.benchmarks if b not in known]
         if unknown:
-            raise ValueError(f"unknown benchmark(s) {unknown}; known: {list(KNOWN_BENCHMARKS)}")
+            raise ValueError(f"unknown benchmark(s) {unknown}; known: {list(known)}")
         if len(set(self.benchmarks)) != len(self.benchmarks):
             raise ValueError(f"benchmarks lists a name twice: {self.benchmarks}")
-        bad_paths = [b for b in self.benchmark_paths if b not in KNOWN_BENCHMARKS]
+        bad_paths = [b for b in self.benchmark_paths if b not in known]
         if bad_paths:
-            raise ValueError(f"benchmark_paths has unknown benchmark(s) {bad_paths}; known: {list(KNOWN_BENCHMARKS)}")
+            raise ValueError(f"benchmark_paths has unknown benchmark(s) {bad_paths}; known: {list(known)}")
+        from verl_ext.data.templates import check_template
+
+        if self.template == "toy" and any(b != "toy" for b in self.benchmarks):
+            raise ValueError("template='toy' is only for the toy benchmark; math benchmarks need a chat or plain template")
+        check_template(self.template)
         if self.samples_per_problem < 1:
             raise ValueError(f"samples_per_problem={self.samples_per_problem} must be >= 1")
         if self.limit is not None and self.limit < 1:
@@ -168,23 +179,19 @@ def config_from_mapping(m: Mapping) -> EvalConfig:
 
 
 def load_problems(cfg: EvalConfig, name: str) -> list[dict]:
-    """Problems of one benchmark as dicts with id, problem, answer, data_source."""
-    if name == "toy":
-        from verl_ext.data import toy
-
-        probs = toy.make_problems(cfg.toy_n, cfg.toy_digits, cfg.toy_seed)
-        out = []
-        for i, p in enumerate(probs):
-            out.append({
-                "id": str(p.get("id", i)),
-                "problem": p["problem"],
-                "answer": p["answer"],
-                "data_source": p.get("data_source", "toy"),
-            })
-        return out[: cfg.limit] if cfg.limit else out
+    """Problems of one benchmark (``verl_ext.data.datasets.load_benchmark`` records: id, problem,
+    answer, data_source); ``toy`` is generated from ``toy_n``, ``toy_digits``, ``toy_seed``."""
     from verl_ext.data.datasets import load_benchmark
 
+    if name == "toy":
+        opts = {"n": cfg.toy_n, "digits": cfg.toy_digits, "seed": cfg.toy_seed}
+        return list(load_benchmark(name, path=cfg.benchmark_paths.get(name), limit=cfg.limit, **opts))
     return list(load_benchmark(name, path=cfg.benchmark_paths.get(name), limit=cfg.limit))
+
+
+def template_for(cfg: EvalConfig, benchmark: str) -> str:
+    """The prompt template of a benchmark: ``toy`` for the toy task, ``cfg.template`` otherwise."""
+    return "toy" if benchmark == "toy" else cfg.template
 
 
 def _chunk_seed(base: int, benchmark: str, chunk: int) -> int:
@@ -388,7 +395,8 @@ def run_evaluation(cfg: EvalConfig, generator=None) -> dict:
                     chunks.setdefault(i // ppc, []).append((i, p))
                 for c, items in sorted(chunks.items()):
                     bar.set_postfix_str(f"{b} chunk {c}")
-                    prompts = [render_prompt(p["problem"], cfg.template, tokenizer=generator.tokenizer) for _, p in items]
+                    tpl = template_for(cfg, b)
+                    prompts = [render_prompt(p["problem"], tpl, tokenizer=generator.tokenizer) for _, p in items]
                     comps = generator.generate(prompts, cfg.samples_per_problem, seed=_chunk_seed(cfg.seed, b, c),
                                                desc=f"{b} sampling")
                     lines = []

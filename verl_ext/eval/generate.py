@@ -187,21 +187,23 @@ class HFGenerator:
         p = self.params
         device = next(self.model.parameters()).device
         stop = torch.tensor(self.stop_ids, device=device)
+        fork_devices = [device] if device.type == "cuda" else []
         with tqdm(total=len(rows), desc=desc, unit="seq", disable=not self.show_progress, leave=False) as bar:
             for b, start in enumerate(range(0, len(rows), self.batch_size)):
                 batch = rows[start:start + self.batch_size]
                 enc = self._encode([prompts[i] for i, _ in batch]).to(device)
-                torch.manual_seed(int(seed) + b)
-                gen = self.model.generate(
-                    **enc,
-                    do_sample=True,
-                    temperature=p.temperature,
-                    top_p=p.top_p,
-                    top_k=p.top_k,
-                    max_new_tokens=p.max_new_tokens,
-                    eos_token_id=self.stop_ids,
-                    pad_token_id=self.pad_id,
-                )
+                with torch.random.fork_rng(devices=fork_devices):  # leave the caller's RNG alone
+                    torch.manual_seed(int(seed) + b)
+                    gen = self.model.generate(
+                        **enc,
+                        do_sample=True,
+                        temperature=p.temperature,
+                        top_p=p.top_p,
+                        top_k=p.top_k,
+                        max_new_tokens=p.max_new_tokens,
+                        eos_token_id=self.stop_ids,
+                        pad_token_id=self.pad_id,
+                    )
                 new = gen[:, enc["input_ids"].shape[1]:]
                 is_stop = torch.isin(new, stop)
                 for r, (i, j) in enumerate(batch):
