@@ -1,0 +1,181 @@
+"""Delayed parameter sync from the learners to verl's rollout (sampler) replicas.
+
+verl pushes the learner's weights to the vLLM replicas at the end of every step
+(``CheckpointEngineManager.update_weights(global_steps)``), so its samplers are never more than
+one version behind. The verl engine wraps that manager: version v is published when the learner
+finishes step v, a delay d_v is drawn from the project's delay model (``hetero.delay``), and the
+samplers receive version v only once d_v has passed -- in learner steps (``unit: steps``) or
+wall-clock seconds (``unit: seconds``). Until then they keep generating with what they have.
+
+Exactness: the samplers see version v at the first sync point (a learner step end) after
+t_v + d_v, never earlier; a version whose release comes after a newer version's is skipped
+(the samplers never go back in time). Pushing version v after the learner has moved on needs its
+weights: they are kept as CPU snapshots on the actor workers (verl's
+``DetachActorWorker.save_model_to_cpu``), at most ``hetero.keep_weight_versions`` of them; when
+more versions are in flight, the oldest unreleased one is skipped and counted
+(``hetero/sync_skipped``) -- raise ``keep_weight_versions`` if that counter moves.
+
+:class:`DelayedSyncSchedule` is the decision logic (pure Python, tested on CPU);
+:class:`DelayedCheckpointManager` applies it to verl's manager (GPU clusters only).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Optional
+
+from verl_ext.hetero.delay import DelayModel, SamplerDelays
+
+UNITS = ("steps", "seconds")
+
+
+class DelayedSyncSchedule:
+    """Which weight version the samplers may see, and when.
+
+    Args:
+        model: delay model (``HeteroConfig.delay.build()``).
+        unit: "steps" (delays rounded to whole learner steps; ``now`` is the learner version) or
+            "seconds" (``now`` is ``clock()``).
+        max_pending: most versions kept waiting for release (CPU snapshots), >= 1.
+        seed: seed of the delay stream.
+        clock: time source for unit="seconds".
+    """
+
+    def __init__(
+        self,
+        model: DelayModel,
+        unit: str,
+        max_pending: int,
+        seed: int = 0,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        if unit not in UNITS:
+            raise ValueError(f"delay unit={unit!r}; expected one of {UNITS}")
+        if max_pending < 1:
+            raise ValueError(f"hetero.keep_weight_versions={max_pending} must be >= 1")
+        self.model, self.unit, self.max_pending, self.clock = model, unit, max_pending, clock
+        self._delays = SamplerDelays(model, 1, seed=seed)
+        self.pending: dict[int, float] = {}  # version -> release time (steps or seconds)
+        self.served: Optional[int] = None
+        self.published: Optional[int] = None
+        self.skipped = 0
+        self.last_delay = 0.0
+        self._retired: list[int] = []
+
+    def now(self, version: int) -> float:
+        """The current time in the schedule's unit, at learner version ``version``."""
+        return float(version) if self.unit == "steps" else float(self.clock())
+
+    def draw(self) -> float:
+        delay = float(self._delays.draw(0, 1)[0])
+        return float(round(delay)) if self.unit == "steps" else delay
+
+    def publish(self, version: int, now: float, immediate: bool = False) -> float:
+        """The learner finished ``version``; returns its release time. ``immediate`` (the
+        initial / resumed weights) releases it at once."""
+        if self.published is not None and version <= self.published:
+            raise ValueError(f"version {version} published after version {self.published}: versions must increase")
+        self.published = version
+        self.last_delay = 0.0 if immediate else self.draw()
+        release = now + self.last_delay
+        self.pending[version] = release
+        while len(self.pending) > self.max_pending:
+            oldest = min(self.pending)
+            del self.pending[oldest]
+            self._retired.append(oldest)
+            self.skipped += 1
+        return release
+
+    def needs_snapshot(self, version: int, now: float) -> bool:
+        """Whether ``version`` must be kept because it is released later than now."""
+        return version in self.pending and self.pending[version] > now
+
+    def due(self, now: float) -> Optional[int]:
+        """The version to push now (the newest one released by ``now``), or None. Older pending
+        versions are superseded: they are retired and counted as skipped."""
+        ready = [v for v, t in self.pending.items() if t <= now]
+        if not ready:
+            return None
+        newest = max(ready)
+        for v in [v for v in self.pending if v <= newest]:
+            del self.pending[v]
+            if v != newest:
+                self._retired.append(v)
+                self.skipped += 1
+        self.served = newest
+        return newest
+
+    def pop_retired(self) -> list[int]:
+        """Versions whose snapshots can be freed (skipped ones), since the last call."""
+        retired, self._retired = self._retired, []
+        return retired
+
+    def metrics(self, learner_version: int) -> dict[str, float]:
+        served = -1 if self.served is None else self.served
+        return {
+            "hetero/sampler_weight_version": float(served),
+            "hetero/sync_lag": float(learner_version - served) if self.served is not None else float("nan"),
+            "hetero/sync_pending": float(len(self.pending)),
+            "hetero/sync_skipped": float(self.skipped),
+            "hetero/sync_delay": self.last_delay,
+        }
+
+
+def snapshot_slot(version: int) -> str:
+    """Key of a version's CPU snapshot on the actor workers (distinct from verl's integer slots)."""
+    return f"hetero_v{version}"
+
+
+CURRENT_SLOT = "hetero_current"
+
+
+class DelayedCheckpointManager:
+    """Wraps verl's ``CheckpointEngineManager`` so ``update_weights(v)`` follows the schedule.
+
+    Args:
+        inner: verl's manager (pushes the actor's *current* weights to the replicas, tagged v).
+        actor_wg: the actor worker group; must have verl's ``save_model_to_cpu``,
+            ``restore_model_from_cpu`` and ``clear_cpu_model`` (``DetachActorWorker``).
+        schedule: the :class:`DelayedSyncSchedule`.
+    """
+
+    def __init__(self, inner: Any, actor_wg: Any, schedule: DelayedSyncSchedule):
+        self.inner, self.actor_wg, self.schedule = inner, actor_wg, schedule
+        self._initialised = False
+        self._saved: set[int] = set()  # versions with a snapshot on the workers
+
+    def _free(self, version: int) -> None:
+        if version in self._saved:
+            self._saved.discard(version)
+            self.actor_wg.clear_cpu_model(snapshot_slot(version))
+
+    def update_weights(self, global_steps: int) -> dict[str, float]:
+        """Publish version ``global_steps`` and push whatever version is due (maybe none)."""
+        schedule = self.schedule
+        now = schedule.now(global_steps)
+        schedule.publish(global_steps, now, immediate=not self._initialised)
+        self._initialised = True
+        if schedule.needs_snapshot(global_steps, now):
+            self.actor_wg.save_model_to_cpu(snapshot_slot(global_steps))
+            self._saved.add(global_steps)
+        version = schedule.due(now)
+        metrics: dict[str, float] = {}
+        if version is not None:
+            if version == global_steps:
+                metrics.update(self.inner.update_weights(version) or {})
+            else:
+                # push an older version: swap its snapshot in, push, swap the current weights back
+                self.actor_wg.save_model_to_cpu(CURRENT_SLOT)
+                self.actor_wg.restore_model_from_cpu(snapshot_slot(version))
+                metrics.update(self.inner.update_weights(version) or {})
+                self.actor_wg.restore_model_from_cpu(CURRENT_SLOT)
+                self.actor_wg.clear_cpu_model(CURRENT_SLOT)
+            self._free(version)
+        for old in schedule.pop_retired():
+            self._free(old)
+        metrics.update(schedule.metrics(global_steps))
+        return metrics
+
+    def __getattr__(self, name: str) -> Any:
+        # sleep_replicas, abort_replicas, resume_generation_replicas, ...: verl's, unchanged
+        return getattr(self.inner, name)

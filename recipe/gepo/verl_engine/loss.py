@@ -1,0 +1,128 @@
+"""Worker-side actor loss for verl's engine workers that carries the per-sequence denominator.
+
+verl's ``verl.workers.utils.losses.ppo_loss`` keeps only response_mask, old_log_probs, advantages
+(+ rollout_is_weights, ref_log_prob) and calls the registered policy loss without any group
+information, so GEPO's exact denominator (computed on the driver over whole prompt groups, see
+:mod:`recipe.gepo.verl_engine.denominator`) would be lost. :func:`hetero_ppo_loss` has the same
+signature and the same inputs (a micro-batch TensorDict and the engine's model output) and the
+same extra terms (entropy bonus, KL-to-reference loss, global-batch normalisation, metric
+aggregation types), but computes the policy loss with
+:func:`verl_ext.loss_bridge.compute_actor_loss` -- the function the embedded engine uses -- and
+forwards ``group_log_denominator`` [B] when the batch carries it. So both engines give the same
+loss on the same batch.
+
+Without the field (e.g. a batch from a trainer that does not add it) the losses fall back to
+contiguous groups of ``policy_loss.group_size`` inside the micro-batch, and fail loudly if the
+micro-batch does not split into whole groups.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+import torch
+from tensordict import TensorDict
+from verl.trainer.ppo.core_algos import agg_loss, kl_penalty
+from verl.utils.metric import AggregationType, Metric
+from verl.workers.utils.losses import ppo_loss as verl_ppo_loss
+from verl.workers.utils.padding import no_padding_2_padding
+
+from recipe.gepo.verl_engine.denominator import GROUP_LOG_DENOMINATOR
+from verl_ext.loss_bridge import compute_actor_loss
+
+
+def _per_sequence(data: TensorDict, key: str) -> torch.Tensor | None:
+    """A [B] per-sequence field of the micro-batch, or None if absent."""
+    if key not in data.keys():
+        return None
+    value = data[key]
+    if value.is_nested:
+        value = value.to_padded_tensor(0.0)
+    return value.reshape(-1)
+
+
+def hetero_ppo_loss(config: Any, model_output: dict, data: TensorDict, dp_group: Any = None):
+    """Drop-in replacement of verl's ``ppo_loss`` (same arguments, same return: ``(loss, metrics)``).
+
+    Args:
+        config: verl ``ActorConfig`` (with ``HeteroPolicyLossConfig`` as ``policy_loss``).
+        model_output: the engine's output, ``log_probs`` (nested or flat over all tokens) and
+            optionally ``entropy``.
+        data: the micro-batch TensorDict as verl's engine hands it to the loss, plus optionally
+            ``group_log_denominator`` [B].
+        dp_group: unused (same signature as verl's).
+    """
+    log_prob = no_padding_2_padding(model_output["log_probs"], data)
+    entropy = model_output.get("entropy", None)
+    if entropy is not None:
+        entropy = no_padding_2_padding(entropy, data)
+
+    # the global-batch normalisation verl's agg_loss uses (identical to verl's ppo_loss)
+    info = config.global_batch_info
+    info["dp_size"] = data["dp_size"]
+    info["batch_num_tokens"] = data["batch_num_tokens"]
+    info["global_batch_size"] = data["global_batch_size"]
+    info["loss_scale_factor"] = config.loss_scale_factor
+    global_normalised = (
+        info["dp_size"] > 1
+        or info["batch_num_tokens"] is not None
+        or info["global_batch_size"] is not None
+        or config.loss_scale_factor is not None
+    )
+    loss_aggregation = AggregationType.SUM if global_normalised else AggregationType.MEAN
+
+    denominator = _per_sequence(data, GROUP_LOG_DENOMINATOR)
+    wanted = ["response_mask", "old_log_probs", "advantages"]
+    wanted += [k for k in ("rollout_is_weights", "ref_log_prob") if k in data.keys()]
+    padded = data.select(*wanted).to_padded_tensor()
+    response_mask = padded["response_mask"].to(bool)
+    if denominator is not None and denominator.shape[0] != response_mask.shape[0]:
+        raise ValueError(
+            f"{GROUP_LOG_DENOMINATOR} has {denominator.shape[0]} entries for a micro-batch of "
+            f"{response_mask.shape[0]} sequences"
+        )
+
+    loss, loss_metrics = compute_actor_loss(
+        config,
+        log_prob=log_prob,
+        old_log_prob=padded["old_log_probs"],
+        advantages=padded["advantages"],
+        response_mask=response_mask,
+        group_log_denominator=denominator,
+        rollout_is_weights=padded.get("rollout_is_weights", None),
+    )
+    pg_loss_value = loss_metrics.pop("actor/pg_loss")
+    total_value = loss_metrics.pop("actor/loss")
+    metrics: dict[str, Any] = dict(Metric.from_dict(loss_metrics, aggregation=AggregationType.MEAN))
+    metrics["actor/pg_loss"] = Metric(value=pg_loss_value, aggregation=loss_aggregation)
+    metrics["actor/policy_loss"] = Metric(value=total_value, aggregation=loss_aggregation)
+    metrics["actor/has_group_denominator"] = Metric(
+        value=float(denominator is not None), aggregation=AggregationType.MEAN
+    )
+
+    if entropy is not None:
+        entropy_loss = agg_loss(loss_mat=entropy, loss_mask=response_mask, loss_agg_mode=config.loss_agg_mode, **info)
+        loss = loss - config.entropy_coeff * entropy_loss
+        metrics["actor/entropy_loss"] = Metric(value=entropy_loss, aggregation=loss_aggregation)
+
+    if config.use_kl_loss:
+        kld = kl_penalty(logprob=log_prob, ref_logprob=padded["ref_log_prob"], kl_penalty=config.kl_loss_type)
+        kl_loss = agg_loss(loss_mat=kld, loss_mask=response_mask, loss_agg_mode=config.loss_agg_mode, **info)
+        loss = loss + config.kl_loss_coef * kl_loss
+        metrics["kl_loss"] = Metric(value=kl_loss, aggregation=loss_aggregation)
+        metrics["kl_coef"] = config.kl_loss_coef
+
+    return loss, metrics
+
+
+def bridge_loss_fn(loss_fn: Any) -> partial:
+    """verl's worker builds ``partial(ppo_loss, config=actor_config)``; return the same partial
+    around :func:`hetero_ppo_loss`. Anything else (e.g. the distillation loss) is refused: the
+    verl engine does not combine distillation with the denominator bridge."""
+    if not (isinstance(loss_fn, partial) and loss_fn.func is verl_ppo_loss and "config" in loss_fn.keywords):
+        raise TypeError(
+            f"the verl engine replaces verl's ppo_loss only; the worker's loss is {loss_fn!r} "
+            "(distillation is not supported by hetero.engine=verl)"
+        )
+    return partial(hetero_ppo_loss, config=loss_fn.keywords["config"])

@@ -1,0 +1,162 @@
+"""The verl engine's trainer: verl 0.9.1's v1 ``separate_async`` trainer plus HeteroRL.
+
+Importing this module registers :class:`HeteroSeparateAsyncTrainer` in verl's v1 trainer registry
+as ``hetero_separate_async`` (``trainer.v1.trainer_mode``). It needs verl's v1 trainer, which
+imports TransferQueue (``pip install "verl[verl-core]==0.9.1"``); it runs only on GPU clusters.
+
+What it adds to verl's loop, each on one of verl's own extension points:
+
+- q is the sampler's log-prob (``verl_engine.old_log_prob=sampler``): ``_compute_old_log_prob``
+  copies vLLM's ``rollout_log_probs`` into ``old_log_probs``, without verl's bypass mode (whose
+  ``apply_bypass_mode`` would replace the loss in verl's other async trainers).
+- exact GEPO denominators: after verl's ``_compute_advantage``, log E_q[q] over every whole uid
+  group is computed on the driver and stored per sequence as ``group_log_denominator``;
+  :class:`HeteroActorWorker` replaces the worker's ``ppo_loss`` with
+  :func:`recipe.gepo.verl_engine.loss.hetero_ppo_loss`, which hands it to the loss.
+- delayed parameter sync: the standalone rollout pool's checkpoint manager is wrapped by
+  :class:`~recipe.gepo.verl_engine.delayed_sync.DelayedCheckpointManager` (hetero.delay).
+- exact staleness bound over weight versions: :class:`HeteroReplayBuffer` (hetero.max_delay,
+  hetero.stale_policy).
+- the bypass guard, at construction and before every actor update.
+- the embedded engine's ``hetero/*`` and ``is/*`` metric names.
+"""
+
+from __future__ import annotations
+
+import ray
+import transfer_queue as tq
+from tensordict import TensorDict
+from verl.experimental.separation.engine_workers import DetachActorWorker
+from verl.single_controller.base.decorator import Dispatch, register
+from verl.trainer.ppo.core_algos import get_policy_loss_fn
+from verl.trainer.ppo.utils import Role
+from verl.trainer.ppo.v1.replay_buffer import ReplayBufferAsync
+from verl.trainer.ppo.v1.trainer_base import register_trainer
+from verl.trainer.ppo.v1.trainer_separate_async import PPOTrainerSeparateAsync
+
+from recipe.gepo.hetero_config import HeteroConfig
+from recipe.gepo.verl_engine import denominator
+from recipe.gepo.verl_engine.delayed_sync import DelayedCheckpointManager, DelayedSyncSchedule
+from recipe.gepo.verl_engine.engine_config import TRAINER_NAME, VerlEngineConfig
+from recipe.gepo.verl_engine.guard import check_loss_mode_unchanged, check_no_forced_bypass, requested_loss_mode
+from recipe.gepo.verl_engine.loss import bridge_loss_fn
+from recipe.gepo.verl_engine.plan import delay_unit
+from recipe.gepo.verl_engine.staleness import hetero_step_metrics, stale_group_uids
+from verl_ext.verl_plugin import loss_option
+
+
+class HeteroActorWorker(DetachActorWorker):
+    """verl's actor worker (with CPU weight snapshots) whose loss carries the group denominator."""
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def init_model(self):
+        super().init_model()
+        if "actor" in self.role:
+            self.loss_fn = bridge_loss_fn(self.loss_fn)
+            self.actor.set_loss_fn(self.loss_fn)
+
+
+class HeteroReplayBuffer(ReplayBufferAsync):
+    """verl's async replay buffer that also evicts groups generated from weights more than
+    ``hetero_max_delay`` versions older than the learner (see staleness.py)."""
+
+    hetero_max_delay: int = 0
+
+    def _stale_terminal_keys(self, global_steps: int, partition_id: str) -> set[str]:
+        stale = super()._stale_terminal_keys(global_steps, partition_id)
+        if partition_id == "val":
+            return stale
+        by_version = stale_group_uids(
+            self.partitions[partition_id], set(self.finished_keys[partition_id]), global_steps, self.hetero_max_delay
+        )
+        return stale | by_version
+
+
+def _strip_actor_prefix(worker_metrics: dict) -> dict:
+    """verl prefixes every worker metric with ``actor/``; the project's ``is/*`` names stay as they are."""
+    return {(k[len("actor/") :] if k.startswith("actor/is/") else k): v for k, v in worker_metrics.items()}
+
+
+@register_trainer(TRAINER_NAME)
+class HeteroSeparateAsyncTrainer(PPOTrainerSeparateAsync):
+    """verl's separate_async trainer with GEPO denominators, delayed sync and the exact bound."""
+
+    def __init__(self, config):
+        check_no_forced_bypass(config)
+        self.hetero = HeteroConfig.from_omegaconf(config.hetero)
+        self.engine_config = VerlEngineConfig.from_config(config)
+        self._requested_loss_mode = requested_loss_mode(config)
+        self._group_aware = bool(getattr(get_policy_loss_fn(self._requested_loss_mode), "accepts_group_info", False))
+        super().__init__(config)
+        self.sync_schedule = DelayedSyncSchedule(
+            self.hetero.delay.build(),
+            delay_unit(self.hetero),
+            max_pending=self.hetero.keep_weight_versions,
+            seed=self.hetero.seed,
+        )
+
+    # ---- staleness bound -------------------------------------------------------------------
+    def _build_replay_buffer(self):
+        buffer = super()._build_replay_buffer()
+        if type(buffer) is not ReplayBufferAsync:
+            raise ValueError(
+                f"hetero.engine=verl bounds staleness in its own replay buffer; a custom sampler "
+                f"({type(buffer).__name__}, trainer.v1.sampler.custom_sampler) is not supported"
+            )
+        # same object and state, one overridden method: the exact bound over weight versions
+        buffer.__class__ = HeteroReplayBuffer
+        buffer.hetero_max_delay = self.hetero.max_delay
+        return buffer
+
+    # ---- workers and delayed sync ----------------------------------------------------------
+    def _init_resource_pool_mgr(self):
+        super()._init_resource_pool_mgr()
+        for role in (Role.Actor, Role.ActorRolloutRef, Role.ActorRollout, Role.RefPolicy):
+            if role in self.role_worker_mapping:
+                self.role_worker_mapping[role] = ray.remote(HeteroActorWorker)
+
+    def _setup(self):
+        super()._setup()
+        self.standalone_checkpoint_manager = DelayedCheckpointManager(
+            self.standalone_checkpoint_manager, self.actor_rollout_wg, self.sync_schedule
+        )
+
+    # ---- q = the sampler's log-probs -------------------------------------------------------
+    def _compute_old_log_prob(self, batch, metrics):
+        if self.engine_config.old_log_prob == "recompute":
+            return super()._compute_old_log_prob(batch, metrics)
+        data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=["rollout_log_probs"])
+        data["old_log_probs"] = data.pop("rollout_log_probs")
+        tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id, fields=data)
+        return batch
+
+    # ---- GEPO denominators over whole uid groups -------------------------------------------
+    def _compute_advantage(self, batch, metrics):
+        batch = super()._compute_advantage(batch, metrics)
+        if not self._group_aware:
+            return batch
+        td = tq.kv_batch_get(
+            keys=batch.keys, partition_id=batch.partition_id, select_fields=["uid", "old_log_probs", "response_mask"]
+        )
+        padding = [bool(tag.get("is_padding", False)) for tag in batch.tags]
+        reduction = loss_option(self.config.actor_rollout_ref.actor, "seq_reduction")
+        den = denominator.from_tensordict(td, reduction, padding=padding)
+        fields = TensorDict({denominator.GROUP_LOG_DENOMINATOR: den}, batch_size=len(batch))
+        batch = tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id, fields=fields)
+        metrics["is/group_log_denominator_mean"] = float(den.mean())
+        return batch
+
+    # ---- guard + metric names --------------------------------------------------------------
+    def _update_actor(self, batch, metrics):
+        check_loss_mode_unchanged(self._requested_loss_mode, self.config.actor_rollout_ref.actor)
+        worker_metrics: dict = {}
+        batch = super()._update_actor(batch, worker_metrics)
+        metrics.update(_strip_actor_prefix(worker_metrics))
+        return batch
+
+    def _compute_metrics(self, batch, metrics, timing_raw, global_steps, epoch):
+        super()._compute_metrics(batch, metrics, timing_raw, global_steps, epoch)
+        evicted = float(metrics.get("training/off_policy/evicted_samples", 0.0))
+        metrics.update(
+            hetero_step_metrics(list(batch.keys), list(batch.tags), global_steps, self.hetero.max_delay, evicted)
+        )
