@@ -27,12 +27,13 @@ def test_torch_inputs_are_accepted_and_as_torch_gives_tensors(make_group):
         group_uid="t", prompt_ids=torch.from_numpy(base.prompt_ids), response_ids=torch.from_numpy(base.response_ids),
         response_mask=torch.from_numpy(base.response_mask), sampler_logprobs=torch.from_numpy(base.sampler_logprobs),
         rewards=torch.from_numpy(base.rewards), advantages=torch.from_numpy(base.advantages),
-        policy_version=0, sampler_id="s0", extra={"source": "toy"})
+        policy_version=0, sampler_id=2, extra={"source": "toy"})
     validate_group(group, RecordSpec(group_size=4))
     tensors = RolloutGroup.from_bytes(group.to_bytes()).as_torch()
     assert tensors["response_mask"].dtype == torch.bool and tensors["response_ids"].dtype == torch.int64
     assert torch.equal(tensors["response_ids"], torch.from_numpy(base.response_ids))
     assert tensors["extra"] == {"source": "toy"}
+    assert group.sampler_id == "2" and tensors["sampler_id"] == "2"  # integer sampler ids become strings
 
 
 @pytest.mark.parametrize("field,make_value,reason", [

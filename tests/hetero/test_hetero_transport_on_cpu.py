@@ -174,6 +174,8 @@ def test_delay_channel_hides_messages_until_their_delay(transport):
     for channel, delay in zip(channels, delays):
         assert channel.keys("weights") == []
         assert channel.pending("weights") == {"v1": pytest.approx(delay)}
+        assert channel.metrics(["weights"]) == {"hetero/pending/weights": 1.0,
+                                                "hetero/pending_s/weights": pytest.approx(delay)}
         with pytest.raises(KeyError, match="not visible yet"):
             channel.get("weights", "v1")
     clock.now += min(delays)

@@ -32,7 +32,6 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter
-from typing import Callable
 
 import numpy as np
 
@@ -98,8 +97,8 @@ class RolloutBuffer:
         spec: validation rules for arriving groups (group size, reward range, ...).
         capacity: most groups held at once; when full, the oldest buffered group is dropped with
             reason ``"overflow"``. None = unbounded.
-        wait_timeout_s: default seconds ``take`` blocks before raising :class:`BufferTimeout`.
-        clock: monotonic seconds, injectable for tests; used for wait-time metrics and timeouts.
+        wait_timeout_s: default seconds ``take`` blocks before raising :class:`BufferTimeout`
+            (real ``time.monotonic`` seconds: waiting is real even in tests).
     """
 
     def __init__(
@@ -110,7 +109,6 @@ class RolloutBuffer:
         spec: RecordSpec = RecordSpec(),
         capacity: int | None = None,
         wait_timeout_s: float = 600.0,
-        clock: Callable[[], float] = time.monotonic,
     ):
         if isinstance(max_delay, bool) or not isinstance(max_delay, (int, np.integer)) or max_delay < 0:
             raise ValueError(f"RolloutBuffer: max_delay={max_delay!r} must be an int >= 0")
@@ -123,7 +121,7 @@ class RolloutBuffer:
         if not wait_timeout_s > 0:
             raise ValueError(f"RolloutBuffer: wait_timeout_s={wait_timeout_s} must be > 0")
         self.max_delay, self.stale_policy, self.order = int(max_delay), stale_policy, order
-        self.spec, self.capacity, self.wait_timeout_s, self.clock = spec, capacity, wait_timeout_s, clock
+        self.spec, self.capacity, self.wait_timeout_s = spec, capacity, wait_timeout_s
 
         self._cond = threading.Condition()
         self._groups: dict[str, RolloutGroup] = {}  # uid -> group, insertion order = arrival order
@@ -217,16 +215,16 @@ class RolloutBuffer:
         if self.capacity is not None and n > self.capacity:
             raise ValueError(f"take: n={n} exceeds the buffer capacity={self.capacity}; it could never be served")
         timeout_s = self.wait_timeout_s if timeout_s is None else timeout_s
-        start = self.clock()
+        start = time.monotonic()
         with self._cond:
             self._advance(learner_version)
             while True:
                 blocking = self._blocking_expected()
                 if len(self._groups) >= n and not blocking:
                     break
-                remaining = timeout_s - (self.clock() - start)
+                remaining = timeout_s - (time.monotonic() - start)
                 if remaining <= 0:
-                    self._window_wait_s += self.clock() - start
+                    self._window_wait_s += time.monotonic() - start
                     raise BufferTimeout(self._timeout_message(n, timeout_s, blocking))
                 self._cond.wait(timeout=min(remaining, 1.0))
                 # a blocked learner may see stale arrivals; keep the bound exact while waiting
@@ -236,7 +234,7 @@ class RolloutBuffer:
                 del self._groups[group.group_uid]
                 self.ledger.mark(group.group_uid, CONSUMED)
                 self._window_staleness.append(learner_version - group.policy_version)
-            self._window_wait_s += self.clock() - start
+            self._window_wait_s += time.monotonic() - start
             return chosen
 
     def _advance(self, version: int) -> None:

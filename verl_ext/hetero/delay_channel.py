@@ -134,3 +134,13 @@ class DelayChannel(Transport):
         with self._lock:
             for mark in [m for m in self._visible_at if m[0] == topic and m[1] == key]:
                 del self._visible_at[mark]
+
+    def metrics(self, topics: Iterable[str]) -> dict[str, float]:
+        """``hetero/pending/<topic>``: messages committed but still hidden by their delay, and
+        ``hetero/pending_s/<topic>``: the longest remaining wait among them (seconds)."""
+        out = {}
+        for topic in topics:
+            remaining = self.pending(topic)
+            out[f"hetero/pending/{topic}"] = float(len(remaining))
+            out[f"hetero/pending_s/{topic}"] = float(max(remaining.values(), default=0.0))
+        return out

@@ -89,6 +89,8 @@ class RolloutGroup:
             setattr(self, name, np.asarray(value))
         if self.prompt_mask is None:
             self.prompt_mask = np.ones(self.prompt_ids.shape, dtype=np.int8)
+        if isinstance(self.sampler_id, (int, np.integer)):  # engines often number their samplers
+            self.sampler_id = str(self.sampler_id)
 
     @property
     def group_size(self) -> int:
