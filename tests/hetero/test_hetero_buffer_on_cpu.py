@@ -128,6 +128,10 @@ def test_wait_policy_waits_for_expected_groups_before_they_go_stale(make_group):
         buffer.take(1, 1, timeout_s=0.1)
     threading.Timer(0.1, lambda: buffer.add(make_group("slow", 0, sampler="s3"))).start()
     assert [g.group_uid for g in buffer.take(2, 1, timeout_s=5)] == ["slow", "fresh"]
+    # an announced group already past the bound is not worth waiting for
+    buffer.add(make_group("fresh2", 1))
+    buffer.expect("hopeless", policy_version=0)
+    assert [g.group_uid for g in buffer.take(1, 2, timeout_s=5)] == ["fresh2"]
     # the same schedule under "drop" does not wait: the slow group is lost once the learner moves on
     dropping = RolloutBuffer(max_delay=1, stale_policy="drop")
     dropping.set_learner_version(1)

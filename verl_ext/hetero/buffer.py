@@ -247,9 +247,10 @@ class RolloutBuffer:
     def _blocking_expected(self) -> list[tuple[str, int, str]]:
         if self.stale_policy != "wait":
             return []
-        # after this step the learner is at v+1; anything at version <= v - N would then be stale
-        cutoff = self._learner_version - self.max_delay
-        return [(uid, version, sampler) for uid, (version, sampler) in self._expected.items() if version <= cutoff]
+        # Worth waiting for: groups usable now (version >= v - N) that are stale after this step
+        # (version <= v - N), i.e. exactly at the edge. Older ones are lost whatever we do.
+        edge = self._learner_version - self.max_delay
+        return [(uid, version, sampler) for uid, (version, sampler) in self._expected.items() if version == edge]
 
     def _select(self, n: int) -> list[RolloutGroup]:
         arrival = {uid: i for i, uid in enumerate(self._groups)}
