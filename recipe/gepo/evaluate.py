@@ -382,6 +382,8 @@ def run_evaluation(cfg: EvalConfig, generator=None) -> dict:
             generator = make_generator(cfg.engine, cfg.model_path, params, batch_size=cfg.batch_size, dtype=dtype,
                                        device=cfg.device, tokenizer_path=cfg.tokenizer_path, seed=cfg.seed,
                                        show_progress=cfg.progress)
+        elif getattr(generator, "params", params) != params:
+            raise ValueError(f"the generator samples with {generator.params}, the config asks for {params}")
         from verl_ext.data.templates import render_prompt
 
         ppc = cfg.problems_per_chunk

@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 
 from recipe.gepo.evaluate import EvalConfig, read_records, run_evaluation
-from verl_ext.eval.generate import HFGenerator, SamplingParams
+from verl_ext.eval.generate import HFGenerator
 from verl_ext.eval.metrics import pass_at_k
 
 ROOT = Path(__file__).resolve().parents[2]
-N_PROBLEMS, SAMPLES, BATCH = 20, 4, 12  # chunks of 3 problems -> 7 chunks
+N_PROBLEMS, SAMPLES, BATCH = 20, 4, 12  # chunks of BATCH // SAMPLES = 3 problems -> 7 chunks
 
 
 def _cfg(model_path, out, **kw) -> EvalConfig:
@@ -30,7 +30,7 @@ class CountingGenerator:
 
     def __init__(self, inner: HFGenerator, die_after: int | None = None):
         self.inner, self.die_after, self.calls, self.prompts = inner, die_after, 0, 0
-        self.tokenizer = inner.tokenizer
+        self.tokenizer, self.params = inner.tokenizer, inner.params
 
     def generate(self, prompts, n, seed=0, desc=""):
         if self.die_after is not None and self.calls >= self.die_after:
@@ -41,14 +41,8 @@ class CountingGenerator:
 
 
 @pytest.fixture(scope="module")
-def hf_gen(toy_model_path):
-    p = _cfg(toy_model_path, "unused")
-    return HFGenerator.from_path(toy_model_path, SamplingParams(p.temperature, p.top_p, p.top_k, p.max_new_tokens),
-                                 batch_size=BATCH, dtype="float32", device="cpu", show_progress=False)
-
-
-@pytest.fixture(scope="module")
 def full_run(toy_model_path, hf_gen, tmp_path_factory):
+    assert hf_gen.batch_size == BATCH  # conftest's generator
     out = tmp_path_factory.mktemp("full")
     gen = CountingGenerator(hf_gen)
     summary = run_evaluation(_cfg(toy_model_path, out), generator=gen)
