@@ -404,6 +404,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.smooth < 1:
         parser.error(f"--smooth must be >= 1, got {args.smooth}")
+    if args.out.exists() and not args.out.is_dir():
+        parser.error(f"--out {str(args.out)!r} exists and is not a directory")
     try:
         runs, labels = load_runs(args.run_dirs, args.labels)
     except (RunDirError, ValueError) as e:

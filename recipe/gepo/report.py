@@ -570,6 +570,11 @@ def render_markdown(summary: dict[str, Any], df: pd.DataFrame, curves_name: str 
     notes = []
     if missing:
         notes.append("Not logged (shown as n/a): " + ", ".join(f"`{m}`" for m in missing) + ".")
+    inf = {c: int(np.isinf(df[c].to_numpy(dtype="float64")).sum()) for c in df.columns if c != "step"}
+    inf = {c: n for c, n in inf.items() if n}
+    if inf:
+        notes.append("Infinite values, left out of the curves and numbers above: "
+                     + ", ".join(f"`{c}` ({n} step{'s' if n > 1 else ''})" for c, n in sorted(inf.items())) + ".")
     if s["skipped_lines"]:
         notes.append(f"{s['skipped_lines']} unreadable line(s) of metrics.jsonl skipped "
                      f"(line numbers: {', '.join(map(str, df.attrs.get('skipped_lines', [])[:10]))}).")
