@@ -66,28 +66,34 @@ def test_kill_mid_write_loses_nothing_and_loads_nothing_corrupt(tmp_path, victim
     learner_args = ("learner", worker_url, workdir, N_GROUPS)
     sampler_args = ("sampler", worker_url, workdir, "s0", N_GROUPS)
     processes = {"learner": _start(*learner_args), "sampler": _start(*sampler_args)}
-    topic = "rollouts" if victim == "sampler" else "weights"
-    killed = _kill_when_writing(processes[victim], tmp_path / "shared" / topic, min_committed=2,
-                                deadline=time.monotonic() + 60)
-    assert killed, f"{victim} finished before it could be interrupted: " + processes[victim].stderr.read().decode()
-    assert processes[victim].returncode == -signal.SIGKILL
+    try:
+        topic = "rollouts" if victim == "sampler" else "weights"
+        killed = _kill_when_writing(processes[victim], tmp_path / "shared" / topic, min_committed=2,
+                                    deadline=time.monotonic() + 60)
+        assert killed, f"{victim} was not caught mid-write (exit code {processes[victim].poll()})"
+        assert processes[victim].returncode == -signal.SIGKILL
 
-    transport = FsspecTransport(url)
-    leftovers = transport.incomplete(topic)
-    assert leftovers, "a kill mid-write leaves a temporary behind"
-    assert not set(transport.keys(topic)) & {name.split(".")[2] for name in leftovers if name.startswith(".tmp.")}
-    _check_nothing_visible_is_corrupt(transport)
+        transport = FsspecTransport(url)
+        leftovers = transport.incomplete(topic)
+        assert leftovers, "a kill mid-write leaves a temporary behind"
+        assert not set(transport.keys(topic)) & {name.split(".")[2] for name in leftovers if name.startswith(".tmp.")}
+        _check_nothing_visible_is_corrupt(transport)
 
-    processes[victim] = _start(*(sampler_args if victim == "sampler" else learner_args))
-    for name, process in processes.items():
-        _, err = process.communicate(timeout=120)
-        assert process.returncode == 0, f"{name} exited {process.returncode}: {err.decode()[-2000:]}"
+        processes[victim] = _start(*(sampler_args if victim == "sampler" else learner_args))
+        for name, process in processes.items():
+            _, err = process.communicate(timeout=120)
+            assert process.returncode == 0, f"{name} exited {process.returncode}: {err.decode()[-2000:]}"
+    finally:  # never leave a worker behind when an assertion fails
+        for process in processes.values():
+            if process.poll() is None:
+                process.kill()
+                process.wait(timeout=10)
 
     learner = json.loads((workdir / "learner.json").read_text())
     sampler = json.loads((workdir / "s0.json").read_text())
     expected = [f"s0-g{i:03d}" for i in range(N_GROUPS)]
     assert learner["consumed"] == expected                 # every group consumed, once (ledger is a map)
-    assert learner["counts"]["consumed"] == N_GROUPS
+    assert learner["counts"]["consumed"] == learner["counts"]["generated"] == N_GROUPS
     assert learner["counts"]["dropped"] == 0 and learner["counts"]["rejected"] == 0
     assert learner["corrupt"] == 0 and sampler["corrupt"] == 0
     assert sampler["loaded"] == sorted(sampler["loaded"])  # versions seen by the sampler never go back
