@@ -96,12 +96,6 @@ def validate(cfg: DictConfig) -> Validated:
         )
     check_no_forced_bypass(cfg)
 
-    actor = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
-    rollout = omega_conf_to_dataclass(cfg.actor_rollout_ref.rollout)
-    algorithm = omega_conf_to_dataclass(cfg.algorithm)
-    use_ref, use_critic = need_reference_policy(cfg), need_critic(cfg)
-    validate_config(cfg, use_reference_policy=use_ref, use_critic=use_critic)
-
     r = cfg.actor_rollout_ref.rollout
     if r.name not in ROLLOUT_BACKENDS:
         _fail(f"actor_rollout_ref.rollout.name={r.name!r}; the verl engine's samplers need one of {ROLLOUT_BACKENDS}")
@@ -138,6 +132,12 @@ def validate(cfg: DictConfig) -> Validated:
         _fail(f"trainer.v1.{VERL_MODE_SECTION}.hybrid_rollout.enable_switch=true: needs hybrid_engine; set it false")
     _learner_parallelism(cfg)
     _sampler_parallelism(cfg)
+    actor = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
+    rollout = omega_conf_to_dataclass(cfg.actor_rollout_ref.rollout)
+    algorithm = omega_conf_to_dataclass(cfg.algorithm)
+    use_ref, use_critic = need_reference_policy(cfg), need_critic(cfg)
+    validate_config(cfg, use_reference_policy=use_ref, use_critic=use_critic)
+
     return Validated(cfg, hetero, engine, actor, rollout, algorithm, use_ref, use_critic)
 
 

@@ -1,0 +1,178 @@
+"""Every preset in configs/ composes on gepo_trainer.yaml, validates against verl's config
+dataclasses and verl's own validate_config, and dry-runs to a plan; bad configs fail early,
+naming the key."""
+
+import copy
+from pathlib import Path
+
+import pytest
+import yaml
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf, open_dict
+from verl.utils.config import omega_conf_to_dataclass
+from verl.workers.config import ActorConfig, RolloutConfig
+
+from recipe.gepo.verl_engine import build_plan, dry_run, run
+from recipe.gepo.verl_engine.guard import ForcedLossModeError
+from recipe.gepo.verl_engine.plan import VerlEngineConfigError, engine_settings, validate
+from recipe.gepo.verl_engine.runner import NoGPUError
+from verl_ext.verl_plugin import HeteroPolicyLossConfig
+
+
+ROOT = Path(__file__).resolve().parents[2]
+PRESETS = sorted(p.stem for p in (ROOT / "configs" / "verl_preset").glob("*.yaml"))
+
+
+def compose_config(*overrides):
+    searchpath = f"hydra.searchpath=[pkg://verl.trainer.config,file://{ROOT / 'configs'}]"
+    with initialize_config_dir(config_dir=str(ROOT / "recipe" / "gepo" / "config"), version_base=None):
+        return compose(config_name="gepo_trainer", overrides=[searchpath, *overrides])
+
+
+# preset -> (model, learner backend, learner GPUs, TP, PP, sampler GPUs, sampler TP)
+EXPECTED = {
+    "qwen3_1p7b_fsdp": ("Qwen/Qwen3-1.7B", "fsdp2", 8, 1, 1, 8, 1),
+    "qwen3_1p7b_megatron": ("Qwen/Qwen3-1.7B", "megatron", 8, 2, 1, 8, 1),
+    "qwen3_8b_fsdp": ("Qwen/Qwen3-8B", "fsdp2", 16, 1, 1, 16, 2),
+    "qwen3_8b_megatron": ("Qwen/Qwen3-8B", "megatron", 16, 4, 2, 16, 2),
+}
+
+
+_CACHE: dict = {}
+
+
+def preset_cfg(preset, *overrides):
+    """Composed preset (cached per module: hydra composition is the slow part), then ``key=value``
+    overrides applied to a copy -- for validation tests that do not exercise group switching."""
+    if preset not in _CACHE:
+        _CACHE[preset] = compose_config(f"+verl_preset={preset}")
+    cfg = copy.deepcopy(_CACHE[preset])
+    with open_dict(cfg):
+        for item in overrides:
+            key, value = item.lstrip("+").split("=", 1)
+            OmegaConf.update(cfg, key, yaml.safe_load(value), force_add=True)
+    return cfg
+
+
+def test_the_issue_presets_exist():
+    assert set(EXPECTED) == set(PRESETS)
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_preset_composes_validates_and_dry_runs(preset, capsys):
+    cfg = preset_cfg(preset)
+    model, backend, learner_gpus, tp, pp, sampler_gpus, sampler_tp = EXPECTED[preset]
+    v = validate(cfg)
+    assert isinstance(v.actor, ActorConfig) and isinstance(v.rollout, RolloutConfig)
+    assert isinstance(v.actor.policy_loss, HeteroPolicyLossConfig)
+    assert type(v.algorithm).__name__ == "AlgoConfig"
+    # the paper's online hyper-parameters
+    assert cfg.data.train_batch_size == 32 and v.rollout.n == 8
+    assert v.actor.optim.lr == pytest.approx(1e-6) and v.rollout.temperature == pytest.approx(0.6)
+    assert cfg.data.max_prompt_length == 768 and cfg.data.max_response_length == 4096
+    assert v.actor.policy_loss.loss_mode == "gepo" and v.actor.policy_loss.group_size == 8
+    assert v.rollout.name == "vllm" and v.rollout.calculate_log_probs
+    # hardware
+    assert cfg.actor_rollout_ref.model.path == model and v.actor.strategy == backend
+    assert cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node == learner_gpus
+    assert v.rollout.nnodes * v.rollout.n_gpus_per_node == sampler_gpus
+    assert v.rollout.tensor_model_parallel_size == sampler_tp
+    if backend == "megatron":
+        assert (v.actor.megatron.tensor_model_parallel_size, v.actor.megatron.pipeline_model_parallel_size) == (tp, pp)
+    assert v.hetero.engine == "verl" and v.hetero.max_delay == 8
+
+    dry_run(cfg)
+    out = capsys.readouterr().out
+    assert f"preset:          {preset}" in out
+    assert f"= {learner_gpus} GPUs" in out and f"= {sampler_gpus} GPUs, vllm TP={sampler_tp}" in out
+    if backend == "megatron":
+        assert f"Megatron TP={tp} PP={pp}" in out
+    else:
+        assert "FSDP2" in out
+    assert "loss_mode=gepo" in out and "32 prompts x G=8 = 256" in out
+    assert "staleness bound: 8 versions" in out and "lognormal(" in out and "in seconds" in out
+
+
+@pytest.mark.parametrize(
+    "delay, staleness, expect",
+    [
+        ("lognormal_1800s", "max64", ["high=1800", "staleness bound: 64 versions", "max 1800.0"]),
+        ("none", "max8", ["delay (weights): none"]),
+    ],
+)
+def test_delay_and_staleness_groups_switch_with_one_override(delay, staleness, expect):
+    cfg = compose_config("+verl_preset=qwen3_1p7b_fsdp", f"hetero_delay={delay}", f"hetero_staleness={staleness}")
+    plan = build_plan(cfg)
+    for text in expect:
+        assert text in plan, (text, plan)
+
+
+def test_algorithm_preset_switches_on_top_of_a_verl_preset():
+    plan = build_plan(compose_config("+verl_preset=qwen3_8b_fsdp", "algorithm_preset=grpo"))
+    assert "loss_mode=vanilla" in plan and "std-normalised: True" in plan
+
+
+def test_run_with_dry_run_returns_the_plan_and_without_gpus_fails_clearly(capsys):
+    cfg = compose_config("+verl_preset=qwen3_1p7b_fsdp", "hetero.dry_run=true")
+    result = run(cfg)
+    assert "HeteroRL verl engine plan" in result["plan"]
+    assert result["plan"] in capsys.readouterr().out
+    with pytest.raises(NoGPUError, match="needs\\s+GPUs; this machine has none"):
+        run(preset_cfg("qwen3_1p7b_fsdp"))
+
+
+def test_engine_settings_set_the_trainer_and_verl_threshold():
+    cfg = preset_cfg("qwen3_1p7b_fsdp", "hetero.max_delay=64", "hetero.stale_policy=wait")
+    out = engine_settings(cfg)
+    assert out.trainer.v1.trainer_mode == "hetero_separate_async"
+    assert out.trainer.v1.sampler.max_off_policy_threshold == 65
+    assert out.trainer.v1.sampler.max_off_policy_strategy == "wait"
+    assert cfg.trainer.v1.sampler.max_off_policy_threshold == 8  # the input is not modified
+
+
+@pytest.mark.parametrize(
+    "overrides, error, match",
+    [
+        (["algorithm.rollout_correction.bypass_mode=true"], ForcedLossModeError, "bypass_mode=true"),
+        (["trainer.use_v1=false"], ForcedLossModeError, "trainer.use_v1=false"),
+        (["actor_rollout_ref.hybrid_engine=true"], VerlEngineConfigError, "hybrid_engine"),
+        (["actor_rollout_ref.rollout.name=hf"], VerlEngineConfigError, "rollout.name='hf'"),
+        (["actor_rollout_ref.rollout.calculate_log_probs=false"], VerlEngineConfigError, "calculate_log_probs"),
+        (["actor_rollout_ref.rollout.tensor_model_parallel_size=3"], VerlEngineConfigError, "TP x DP x PP = 3"),
+        (["actor_rollout_ref.rollout.checkpoint_engine.backend=naive"], VerlEngineConfigError, "backend=naive"),
+        (["actor_rollout_ref.rollout.nnodes=0"], VerlEngineConfigError, "rollout.nnodes=0"),
+        (["actor_rollout_ref.actor.ppo_mini_batch_size=16"], VerlEngineConfigError, "parameter_sync_step"),
+        (["hetero.mode=replay"], VerlEngineConfigError, "hetero.mode='replay'"),
+        (["hetero.transport=fs"], VerlEngineConfigError, "hetero.transport='fs'"),
+        (["hetero.engine=local"], VerlEngineConfigError, "hetero.engine='local'"),
+        (["verl_engine.old_log_prob=learner"], ValueError, "verl_engine.old_log_prob='learner'"),
+        (["+verl_engine.placment=x"], ValueError, "placment"),
+        (["hetero.max_delay=-1"], ValueError, "hetero.max_delay"),
+    ],
+)
+def test_bad_configs_fail_before_anything_runs_naming_the_key(overrides, error, match):
+    cfg = preset_cfg("qwen3_1p7b_fsdp", *overrides)
+    with pytest.raises(error, match=match):
+        build_plan(cfg)
+
+
+def test_megatron_parallel_sizes_must_divide_the_learner_gpus():
+    cfg = preset_cfg("qwen3_8b_megatron", "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=3")
+    with pytest.raises((AssertionError, VerlEngineConfigError), match="divisible"):
+        build_plan(cfg)
+
+
+def test_verl_dataclasses_reject_a_bad_loss_option_in_a_preset():
+    cfg = preset_cfg("qwen3_1p7b_fsdp", "actor_rollout_ref.actor.policy_loss.seq_reduction=median")
+    with pytest.raises(Exception, match="seq_reduction"):
+        build_plan(cfg)
+
+
+def test_gepo_trainer_alone_with_engine_verl_needs_the_cluster_keys():
+    """Without a preset, verl's defaults (colocated hybrid engine, no sampler pool) are refused."""
+    cfg = compose_config("hetero.engine=verl", "actor_rollout_ref.rollout.name=vllm")
+    with open_dict(cfg):
+        cfg.actor_rollout_ref.rollout.nnodes = 1
+    with pytest.raises(VerlEngineConfigError, match="hybrid_engine"):
+        build_plan(cfg)
+    assert omega_conf_to_dataclass(cfg.actor_rollout_ref.rollout).nnodes == 1
