@@ -271,6 +271,21 @@ def score_samples(data_source: str, responses: Sequence[str], answers: Sequence[
     return math_reward.score_batch(list(responses), list(answers), **dict(reward_kwargs))
 
 
+def _score_chunk(items, comps, reward_kwargs) -> list[list[dict]]:
+    """Scores of a chunk, ``out[problem][sample]``: one reward call per data source (parallel
+    verification over the whole chunk)."""
+    by_source: dict[str, list[tuple[int, int]]] = {}
+    for pi, ((_, p), samples) in enumerate(zip(items, comps)):
+        by_source.setdefault(p["data_source"], []).extend((pi, j) for j in range(len(samples)))
+    out: list[list[dict | None]] = [[None] * len(samples) for samples in comps]
+    for src, where in by_source.items():
+        texts = [comps[pi][j].text for pi, j in where]
+        golds = [items[pi][1]["answer"] for pi, _ in where]
+        for (pi, j), sc in zip(where, score_samples(src, texts, golds, reward_kwargs)):
+            out[pi][j] = sc
+    return out  # type: ignore[return-value]
+
+
 # ---------------------------------------------------------------------------------------------
 # summary
 
@@ -401,10 +416,9 @@ def run_evaluation(cfg: EvalConfig, generator=None) -> dict:
                     prompts = [render_prompt(p["problem"], tpl, tokenizer=generator.tokenizer) for _, p in items]
                     comps = generator.generate(prompts, cfg.samples_per_problem, seed=_chunk_seed(cfg.seed, b, c),
                                                desc=f"{b} sampling")
+                    all_scores = _score_chunk(items, comps, cfg.reward_kwargs)
                     lines = []
-                    for (i, p), prompt, samples in zip(items, prompts, comps):
-                        answers = [p["answer"]] * len(samples)
-                        scores = score_samples(p["data_source"], [s.text for s in samples], answers, cfg.reward_kwargs)
+                    for (i, p), prompt, samples, scores in zip(items, prompts, comps, all_scores):
                         for j, (s, sc) in enumerate(zip(samples, scores)):
                             rec = {
                                 "benchmark": b,
