@@ -1,0 +1,40 @@
+"""verl loads the project's plugin in every process that imports verl: check it in a real Ray
+worker process (a failing plugin is only logged at DEBUG, so assert the names arrived)."""
+
+import os
+
+import pytest
+import ray
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
+    yield
+    ray.shutdown()
+
+
+@ray.remote(num_cpus=1)
+def registries_in_worker():
+    import verl  # noqa: F401  (loads entry points of group verl.plugins)
+    from verl.trainer.ppo import core_algos
+
+    from recipe.gepo.verl_engine.loss import hetero_ppo_loss
+
+    losses = sorted(k for k in ("gepo", "eqp", "gepo_adaptive", "topr", "delta_l") if k in core_algos.POLICY_LOSS_REGISTRY)
+    gepo = core_algos.get_policy_loss_fn("gepo")
+    return {
+        "pid": os.getpid(),
+        "losses": losses,
+        "gepo_group_aware": bool(getattr(gepo, "accepts_group_info", False)),
+        "bnpo": "bnpo" in core_algos.ADV_ESTIMATOR_REGISTRY,
+        "bridge": hetero_ppo_loss.__module__,
+    }
+
+
+def test_plugin_registered_inside_a_ray_worker(ray_cluster):
+    got = ray.get(registries_in_worker.remote(), timeout=240)
+    assert got["pid"] != os.getpid()
+    assert got["losses"] == sorted(["gepo", "eqp", "gepo_adaptive", "topr", "delta_l"])
+    assert got["gepo_group_aware"] and got["bnpo"]
+    assert got["bridge"] == "recipe.gepo.verl_engine.loss"
