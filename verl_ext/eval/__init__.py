@@ -1,18 +1,28 @@
 """Evaluation: mean@k / unbiased pass@k metrics, HF (and vLLM) sampling, Best/Last reports.
 
-Entry point: ``python -m recipe.gepo.evaluate`` (see docs/evaluation.md).
+Entry points: ``python -m recipe.gepo.evaluate`` and ``python -m verl_ext.eval.report``
+(see docs/evaluation.md). Names are imported lazily so ``python -m verl_ext.eval.report`` runs
+its module only once.
 """
-from verl_ext.eval.metrics import benchmark_metrics, group_records, mean_at_k, pass_at_k, summarize
-from verl_ext.eval.report import EvalPoint, best_last, best_last_table, load_history
+from __future__ import annotations
 
-__all__ = [
-    "pass_at_k",
-    "mean_at_k",
-    "group_records",
-    "benchmark_metrics",
-    "summarize",
-    "EvalPoint",
-    "load_history",
-    "best_last",
-    "best_last_table",
-]
+import importlib
+
+_EXPORTS = {
+    "pass_at_k": "metrics",
+    "mean_at_k": "metrics",
+    "group_records": "metrics",
+    "benchmark_metrics": "metrics",
+    "summarize": "metrics",
+    "EvalPoint": "report",
+    "load_history": "report",
+    "best_last": "report",
+    "best_last_table": "report",
+}
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f"verl_ext.eval.{_EXPORTS[name]}"), name)
+    raise AttributeError(f"module 'verl_ext.eval' has no attribute {name!r}")
