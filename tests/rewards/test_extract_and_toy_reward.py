@@ -60,3 +60,17 @@ def test_toy_exact_match(response, gold, acc):
 def test_toy_bad_gold_named(gold):
     with pytest.raises(ValueError, match="toy ground_truth"):
         toy_score("toy", "0432", gold)
+
+
+def test_dispatch_routes_by_data_source():
+    from verl_ext.rewards.dispatch import compute_score
+
+    toy = compute_score("toy_add3", "0432", "0432")
+    assert toy["acc"] == 1.0 and toy["pred"] == "0432"
+    # the same text is not a boxed math answer
+    math = compute_score("math500", "0432", "432")
+    assert math["acc"] == 0.0 and math["error"] == "no_boxed"
+    assert compute_score("math500", "\\boxed{0432}", "432")["acc"] == 1.0
+    assert set(toy) == set(math)
+    with pytest.raises(TypeError, match="data_source"):
+        compute_score(None, "1", "1")

