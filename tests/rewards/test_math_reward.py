@@ -74,6 +74,9 @@ EQUIVALENCE_TABLE = [
     ("3", "The answer is 3.", 0.0, "no_boxed"),
     ("3", "truncated " + B + "{3", 0.0, "no_boxed"),
     ("3", B + "{ }", 0.0, "no_boxed"),
+    # a box math_verify extracts nothing from; and free text that merely differs
+    ("3", B + r"{\text{}}", 0.0, "pred_unparsable"),
+    ("3", B + r"{\text{no idea}}", 0.0, ""),
     # unparsable gold never scores, even when the response repeats it verbatim
     ("???", B + "{???}", 0.0, "gold_unparsable"),
     ("", B + "{3}", 0.0, "gold_unparsable"),
@@ -332,3 +335,26 @@ def test_loads_through_verl_custom_reward_function(path):
     fn = get_custom_reward_fn(cfg)
     out = fn(data_source="math500", solution_str="<think>t</think> " + B + "{2}", ground_truth="2", extra_info={})
     assert out["score"] == 1.5 and out["acc"] == 1.0
+
+
+def test_forked_child_gets_its_own_pool():
+    # DataLoader-style fork after the pool exists: the child must not talk to the parent's workers
+    parent_pool = get_pool()
+    assert compute_score("m", B + "{1}", "1")["acc"] == 1.0
+    parent_pids = parent_pool.worker_pids()
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child
+        try:
+            ok = compute_score("m", B + r"{\frac{2}{4}}", "0.5")["acc"] == 1.0
+            fresh = get_pool() is not parent_pool and not set(get_pool().worker_pids()) & set(parent_pids)
+            os.write(w, b"1" if ok and fresh else b"0")
+        finally:
+            os._exit(0)
+    os.close(w)
+    answer = os.read(r, 1)
+    os.waitpid(pid, 0)
+    os.close(r)
+    assert answer == b"1"
+    assert parent_pool.worker_pids() == parent_pids  # the parent's workers are untouched
+    assert compute_score("m", B + "{2}", "2")["acc"] == 1.0
