@@ -12,28 +12,34 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import torch
+from omegaconf import DictConfig
 from verl.trainer.ppo.core_algos import agg_loss, get_policy_loss_fn
 
 from verl_ext.algos import importance as iw
 from verl_ext.algos.diagnostics import importance_weight_stats, sampler_learner_kl
-from verl_ext.verl_plugin import loss_option
+from verl_ext.verl_plugin import HETERORL_LOSS_MODES, loss_option
 
 # verl's built-in losses whose importance weight is per sequence (length-normalised), not per token
 _SEQUENCE_LEVEL_BUILTINS = {"gspo", "geo_mean"}
 
 
 def sampler_kl_penalty(
-    log_prob: torch.Tensor, sampler_log_prob: torch.Tensor, response_mask: torch.Tensor, estimator: str = "k3"
+    log_prob: torch.Tensor,
+    sampler_log_prob: torch.Tensor,
+    response_mask: torch.Tensor,
+    estimator: str = "k3",
+    global_batch_info: Optional[dict] = None,
 ) -> torch.Tensor:
     """The paper's KL(sampler || learner) penalty: per-token estimate, token-mean per sequence,
-    mean over sequences. Tensors [B, T] -> scalar (gradient through ``log_prob``)."""
+    mean over sequences. Tensors [B, T] -> scalar (gradient through ``log_prob``).
+    ``global_batch_info`` (verl's) scales a micro-batch's share so micro-batch losses sum up."""
     if estimator == "k3":
         kl = iw.k3_sampler_learner_kl(log_prob, sampler_log_prob)
     elif estimator == "reference":
         kl = iw.reference_code_kl(log_prob, sampler_log_prob)
     else:
         raise ValueError(f"sampler_kl_estimator must be 'k3' or 'reference', got {estimator!r}")
-    return agg_loss(loss_mat=kl, loss_mask=response_mask, loss_agg_mode="seq-mean-token-mean")
+    return agg_loss(loss_mat=kl, loss_mask=response_mask, loss_agg_mode="seq-mean-token-mean", **(global_batch_info or {}))
 
 
 def builtin_weight_stats(
@@ -61,7 +67,8 @@ def compute_actor_loss(
     """Policy loss of the configured algorithm, plus the sampler-KL penalty, with uniform metrics.
 
     Args:
-        config: verl ``ActorConfig`` (or a DictConfig with the same keys).
+        config: verl ``ActorConfig`` (``omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)``).
+            The project's own losses also take the actor DictConfig; verl's built-ins do not.
         log_prob: [B, T] learner token log-probs, with gradient.
         old_log_prob: [B, T] the sampler's token log-probs (the distribution the tokens came from).
         advantages: [B, T].
@@ -71,10 +78,16 @@ def compute_actor_loss(
         rollout_is_weights: [B, T] verl rollout-correction weights, if any.
 
     Returns:
-        (scalar loss, metrics) with ``actor/pg_loss``, ``actor/sampler_kl`` and ``is/*`` keys.
+        (scalar loss, metrics) with ``actor/pg_loss``, ``actor/loss``, ``is/*`` keys and, when the
+        penalty is on, ``actor/sampler_kl_penalty``.
     """
     loss_mode = config.policy_loss.get("loss_mode", "vanilla")
     loss_fn = get_policy_loss_fn(loss_mode)
+    if isinstance(config, DictConfig) and loss_mode not in HETERORL_LOSS_MODES:
+        raise TypeError(
+            f"verl's built-in loss {loss_mode!r} needs a verl ActorConfig, got a DictConfig; convert it with "
+            "verl.utils.config.omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)"
+        )
     extra = {}
     if getattr(loss_fn, "accepts_group_info", False):
         extra = {"group_log_denominator": group_log_denominator, "group_index": group_index}
@@ -100,7 +113,8 @@ def compute_actor_loss(
     coef = float(loss_option(config, "sampler_kl_coef"))
     if coef > 0:
         penalty = sampler_kl_penalty(
-            log_prob, old_log_prob, response_mask, loss_option(config, "sampler_kl_estimator")
+            log_prob, old_log_prob, response_mask, loss_option(config, "sampler_kl_estimator"),
+            config.get("global_batch_info", None),
         )
         loss = loss + coef * penalty
         metrics["actor/sampler_kl_penalty"] = penalty.detach().item()

@@ -275,14 +275,19 @@ def compute_policy_loss_delta_l(
     """Delta-L normalisation: GRPO's clipped token surrogate aggregated as
     (1/M) sum_i x_i sum_t loss_it with x_i = L_i^-alpha / sum_j L_j^-alpha. ``loss_agg_mode`` is
     ignored (the aggregation *is* the method); M = ``loss_scale_factor`` or the padded length.
-    The weights normalise over the micro-batch the loss sees."""
+    Micro-batches are scaled by their share of the global batch; the weights normalise within
+    the micro-batch the loss sees (see :func:`verl_ext.algos.losses.delta_l_aggregate`)."""
     low, high = clip_range(config)
     terms = losses.token_clipped_loss_terms(
         log_prob, old_log_prob, advantages, response_mask, clip_low=low, clip_high=high
     )
     loss_mat = terms.loss_mat if rollout_is_weights is None else terms.loss_mat * rollout_is_weights
+    info = (config.get("global_batch_info", None) if config is not None else None) or {}
     scale = config.get("loss_scale_factor", None) if config is not None else None
-    loss = losses.delta_l_aggregate(loss_mat, response_mask, float(loss_option(config, "delta_l_alpha")), scale)
+    loss = losses.delta_l_aggregate(
+        loss_mat, response_mask, float(loss_option(config, "delta_l_alpha")), scale,
+        global_batch_size=info.get("global_batch_size"), dp_size=int(info.get("dp_size") or 1),
+    )  # fmt: skip
     return _finish(terms, old_log_prob, log_prob, response_mask, loss_agg_mode, config, None, loss=loss)
 
 

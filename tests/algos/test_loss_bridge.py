@@ -180,14 +180,9 @@ def test_bridge_accepts_hydra_dictconfig_for_project_losses(loss_mode):
     assert abs(loss_dc.item() - loss_ac.item()) < 1e-12
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG (doc/contract): compute_actor_loss documents 'ActorConfig (or a DictConfig with the same keys)' "
-    "and 'any registered loss', but verl's built-in losses need an ActorConfig (config.global_batch_info / "
-    "isinstance asserts) and fail on a DictConfig",
-)
 @pytest.mark.parametrize("loss_mode", ["vanilla", "gspo"])
-def test_bridge_accepts_hydra_dictconfig_for_verl_builtins(loss_mode):
+def test_bridge_refuses_hydra_dictconfig_for_verl_builtins_with_a_clear_error(loss_mode):
+    """verl's built-ins need the ActorConfig dataclass; the bridge says so instead of failing inside verl."""
     b = ref.make_batch(seed=69, drift=0.3)
-    loss, _ = bridge(_hydra_actor_node(loss_mode), b)
-    assert torch.isfinite(loss)
+    with pytest.raises(TypeError, match=f"{loss_mode}.*omega_conf_to_dataclass"):
+        bridge(_hydra_actor_node(loss_mode), b)

@@ -18,8 +18,9 @@ import torch
 
 from verl_ext.algos import importance as iw
 
-# exp() of a log-weight beyond this overflows float32 in the surrogate; clamping here only
-# touches weights that clipping discards anyway.
+# exp() of a log-weight beyond this overflows float32 in the surrogate. With A > 0 the clip
+# discards such weights anyway; with A < 0 (no dual clip) the loss is capped at |A| e^20 and its
+# gradient vanishes there -- the same choice as verl's gspo (which clamps the log-ratio at 10).
 LOG_WEIGHT_CLAMP = 20.0
 
 
@@ -180,27 +181,38 @@ def delta_l_sequence_weights(response_mask: torch.Tensor, alpha: float = 1.0) ->
     """Delta-L normalisation's per-sequence weights x_i = L_i^-alpha / sum_j L_j^-alpha: [B, T] -> [B].
 
     L_i is the response length. alpha = 1 gives the minimum-variance unbiased combination (the
-    paper's theory); the paper uses 0.75 for math. Empty responses get weight 0.
+    paper's theory); the paper uses 0.75 for math. Empty responses get weight 0. float64.
     """
     if alpha < 0:
         raise ValueError(f"delta_l alpha must be >= 0, got {alpha}")
     lengths = response_mask.to(torch.float64).sum(dim=-1)
     inv = torch.where(lengths > 0, lengths.clamp(min=1.0).pow(-alpha), torch.zeros_like(lengths))
     total = inv.sum()
-    if total <= 0:
-        return torch.zeros_like(inv, dtype=torch.float32)
-    return (inv / total).to(torch.float32)
+    return inv / total if total > 0 else torch.zeros_like(inv)
 
 
 def delta_l_aggregate(
-    loss_mat: torch.Tensor, response_mask: torch.Tensor, alpha: float, max_length: int | None = None
+    loss_mat: torch.Tensor,
+    response_mask: torch.Tensor,
+    alpha: float,
+    max_length: int | None = None,
+    global_batch_size: int | None = None,
+    dp_size: int = 1,
 ) -> torch.Tensor:
     """Delta-L's unbiased, length-aware aggregation: (1 / M) sum_i x_i sum_t loss_it. -> scalar.
 
     M (``max_length``, default T) is a constant, as in Dr.GRPO, so the gradient scale does not
-    depend on the batch's lengths.
+    depend on the batch's lengths. When the loss sees one micro-batch of a larger batch
+    (``global_batch_size``, ``dp_size`` as in verl's ``agg_loss``), each micro-batch is weighted
+    by its share of the global batch, so summing micro-batch losses keeps the whole-batch scale;
+    the weights x_i are then normalised within the micro-batch (exact when every micro-batch has
+    the same mean L^-alpha, an approximation otherwise).
     """
     x = delta_l_sequence_weights(response_mask, alpha).to(loss_mat.dtype)
     per_seq = (loss_mat * response_mask.to(loss_mat.dtype)).sum(dim=-1)
     m = max_length if max_length is not None else response_mask.shape[-1]
-    return (x * per_seq).sum() / m
+    loss = (x * per_seq).sum() / m
+    if global_batch_size is not None:
+        local = int((response_mask.sum(dim=-1) > 0).sum())
+        loss = loss * local / global_batch_size * dp_size
+    return loss
