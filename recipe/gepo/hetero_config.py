@@ -18,12 +18,12 @@ MODES = ("replay", "async")
 STALE_POLICIES = ("drop", "wait")
 ORDERS = ("oldest", "newest")
 TRANSPORTS = ("ray", "fs")
-DELAY_UNITS = ("steps", "seconds")
 
 
 @dataclass
 class DelayConfig:
-    """The delay model (``verl_ext.hetero.delay.make_delay_model``)."""
+    """The delay model (``verl_ext.hetero.delay.make_delay_model``). Its unit follows the mode:
+    learner steps (policy versions behind) in replay mode, seconds in async mode."""
 
     dist: str = "lognormal"
     """none | constant | lognormal | weibull | trace."""
@@ -41,8 +41,6 @@ class DelayConfig:
     """trace: file of measured delays (one number a line, or a CSV)."""
     trace_column: Optional[str] = None
     """trace: CSV column name, if the file is a CSV."""
-    unit: str = "steps"
-    """steps (replay: policy versions behind) | seconds (async: wall-clock delay of weights)."""
 
     def model_params(self) -> dict[str, Any]:
         """Keyword arguments for ``make_delay_model(self.dist, **params)``."""
@@ -118,8 +116,6 @@ class HeteroConfig:
         ):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"hetero.{name}={getattr(self, name)!r}; expected one of {allowed}")
-        if self.delay.unit not in DELAY_UNITS:
-            raise ValueError(f"hetero.delay.unit={self.delay.unit!r}; expected one of {DELAY_UNITS}")
         if self.num_samplers < 1:
             raise ValueError(f"hetero.num_samplers={self.num_samplers} must be >= 1")
         if self.max_delay < 0:

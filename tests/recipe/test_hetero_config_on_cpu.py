@@ -26,7 +26,7 @@ def test_defaults_compose_and_build_the_delay_model():
 
 def test_paper_setting_overrides():
     hc = hetero_from("hetero.delay.low=60", "hetero.delay.high=1920", "hetero.delay.offset=400",
-                     "hetero.delay.unit=seconds", "hetero.max_delay=64")
+                     "hetero.max_delay=64")
     assert (hc.delay.low, hc.delay.high, hc.delay.offset, hc.max_delay) == (60, 1920, 400, 64)
 
 
@@ -40,7 +40,6 @@ def test_paper_setting_overrides():
         ("hetero.stale_policy=ignore", "hetero.stale_policy"),
         ("hetero.delay.low=10", "low"),  # low > high (8)
         ("hetero.delay.dist=gamma", "gamma"),
-        ("hetero.delay.unit=hours", "hetero.delay.unit"),
         ("hetero.sampler_speed_factors=[1.0]", "sampler_speed_factors"),
         ("hetero.sampler_speed_factors=[1.0,-2.0]", "sampler_speed_factors"),
     ],

@@ -1,0 +1,163 @@
+"""Learner side of the embedded engine: rollout groups -> one optimizer step.
+
+The learner does not know which algorithm it runs: the loss comes from verl's registry through
+``verl_ext.loss_bridge.compute_actor_loss``. It computes GEPO's group denominators here, over
+whole prompt groups, and hands them to the loss (exact whatever the batch layout).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from recipe.gepo.local.policy import sequence_token_log_probs
+from verl_ext.algos.importance import group_expectation_log_denominator, sequence_log_prob
+from verl_ext.hetero.records import RolloutGroup
+from verl_ext.loss_bridge import compute_actor_loss
+from verl_ext.verl_plugin import loss_option
+
+
+class NonFiniteStepError(RuntimeError):
+    """Too many consecutive optimizer steps had a NaN/Inf loss or gradient."""
+
+
+def collate_groups(groups: list[RolloutGroup], pad_token_id: int) -> dict[str, torch.Tensor]:
+    """Stack groups into one batch: prompts left-padded, responses right-padded.
+
+    Returns tensors with B = sum of group sizes: prompt_ids/prompt_mask [B, P], response_ids /
+    response_mask / sampler_logprobs / advantages [B, R], rewards [B], group_index [B].
+    """
+    sizes = [g.group_size for g in groups]
+    batch_size = sum(sizes)
+    max_prompt = max(len(g.prompt_ids) for g in groups)
+    max_resp = max(g.response_ids.shape[1] for g in groups)
+    prompt_ids = torch.full((batch_size, max_prompt), pad_token_id, dtype=torch.long)
+    prompt_mask = torch.zeros((batch_size, max_prompt), dtype=torch.long)
+    response_ids = torch.full((batch_size, max_resp), pad_token_id, dtype=torch.long)
+    response_mask = torch.zeros((batch_size, max_resp), dtype=torch.long)
+    sampler_logprobs = torch.zeros((batch_size, max_resp), dtype=torch.float32)
+    advantages = torch.zeros((batch_size, max_resp), dtype=torch.float32)
+    rewards = torch.zeros(batch_size, dtype=torch.float32)
+    group_index = torch.zeros(batch_size, dtype=torch.long)
+    row = 0
+    for gi, group in enumerate(groups):
+        t = group.as_torch()
+        g, p, r = group.group_size, len(group.prompt_ids), group.response_ids.shape[1]
+        rows = slice(row, row + g)
+        prompt_ids[rows, max_prompt - p :] = t["prompt_ids"].long()
+        prompt_mask[rows, max_prompt - p :] = 1
+        response_ids[rows, :r] = t["response_ids"].long()
+        response_mask[rows, :r] = t["response_mask"].long()
+        sampler_logprobs[rows, :r] = t["sampler_logprobs"].float()
+        adv = t["advantages"].float()
+        advantages[rows, :r] = adv.unsqueeze(-1).expand(-1, r) if adv.dim() == 1 else adv
+        rewards[rows] = t["rewards"].float()
+        group_index[rows] = gi
+        row += g
+    advantages = advantages * response_mask
+    return {
+        "prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "response_ids": response_ids,
+        "response_mask": response_mask, "sampler_logprobs": sampler_logprobs, "advantages": advantages,
+        "rewards": rewards, "group_index": group_index,
+    }  # fmt: skip
+
+
+class Learner:
+    """Owns the trained model and its optimizer; ``train_step`` is one policy update.
+
+    Args:
+        model: the HF causal LM being trained (its parameters get updated in place).
+        actor_config: verl ``ActorConfig`` (loss mode, aggregation, clip, optim, grad_clip).
+        temperature: the sampling temperature (the learner's p uses the same softmax(logits / T)).
+        pad_token_id: for collation.
+        max_nonfinite_steps: consecutive skipped (NaN/Inf) steps after which the run stops loudly.
+    """
+
+    def __init__(self, model, actor_config: Any, temperature: float, pad_token_id: int, max_nonfinite_steps: int = 5):
+        self.model = model
+        self.actor_config = actor_config
+        self.temperature = temperature
+        self.pad_token_id = pad_token_id
+        self.max_nonfinite_steps = max_nonfinite_steps
+        optim = actor_config.optim
+        self.optimizer = torch.optim.AdamW(
+            model.parameters(),
+            lr=float(optim.lr),
+            betas=tuple(optim.get("betas", (0.9, 0.999))),
+            weight_decay=float(optim.get("weight_decay", 0.01)),
+        )
+        self.grad_clip = float(actor_config.get("grad_clip", 1.0) or 0.0)
+        self.version = 0  # optimizer steps taken = the policy version of the current weights
+        self.nonfinite_skipped = 0
+        self._consecutive_nonfinite = 0
+
+    def train_step(self, groups: list[RolloutGroup]) -> dict[str, float]:
+        """One optimizer step on ``groups``. Returns ``actor/*``, ``is/*``, ``reward/*`` metrics.
+
+        A step whose loss or gradient is not finite is skipped (weights untouched) and counted;
+        ``max_nonfinite_steps`` in a row raise :class:`NonFiniteStepError`.
+        """
+        self.model.train()
+        batch = collate_groups(groups, self.pad_token_id)
+        mask = batch["response_mask"].bool()
+        reduction = loss_option(self.actor_config, "seq_reduction")
+        seq_log_q = sequence_log_prob(batch["sampler_logprobs"], mask, reduction)
+        group_log_denominator = group_expectation_log_denominator(seq_log_q, batch["group_index"])
+        log_prob = sequence_token_log_probs(
+            self.model, batch["prompt_ids"], batch["prompt_mask"], batch["response_ids"], batch["response_mask"],
+            self.temperature,
+        )  # fmt: skip
+        loss, metrics = compute_actor_loss(
+            self.actor_config, log_prob, batch["sampler_logprobs"], batch["advantages"], mask,
+            group_log_denominator=group_log_denominator, group_index=batch["group_index"],
+        )  # fmt: skip
+        self.optimizer.zero_grad(set_to_none=True)
+        finite = math.isfinite(loss.item())
+        grad_norm = float("nan")
+        if finite:
+            loss.backward()
+            params = [p for p in self.model.parameters() if p.grad is not None]
+            max_norm = self.grad_clip if self.grad_clip > 0 else float("inf")
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+            finite = math.isfinite(grad_norm)
+        if finite:
+            self.optimizer.step()
+            self.version += 1
+            self._consecutive_nonfinite = 0
+        else:
+            self.optimizer.zero_grad(set_to_none=True)
+            self.nonfinite_skipped += 1
+            self._consecutive_nonfinite += 1
+            if self._consecutive_nonfinite >= self.max_nonfinite_steps:
+                raise NonFiniteStepError(
+                    f"{self._consecutive_nonfinite} consecutive steps had a non-finite loss or gradient "
+                    f"(last loss={loss.item()}, grad_norm={grad_norm}); stopping instead of training on NaN"
+                )
+        lengths = batch["response_mask"].sum(dim=-1).float()
+        metrics.update(
+            {
+                "actor/grad_norm": grad_norm,
+                "actor/nonfinite_skipped": float(self.nonfinite_skipped),
+                "reward/mean": batch["rewards"].mean().item(),
+                "reward/std": batch["rewards"].std().item() if len(batch["rewards"]) > 1 else 0.0,
+                "response_length/mean": lengths.mean().item(),
+                "training/policy_version": float(self.version),
+            }
+        )
+        return metrics
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "model": {k: v.detach().clone() for k, v in self.model.state_dict().items()},
+            "optimizer": self.optimizer.state_dict(),
+            "version": self.version,
+            "nonfinite_skipped": self.nonfinite_skipped,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.version = int(state["version"])
+        self.nonfinite_skipped = int(state["nonfinite_skipped"])

@@ -1,0 +1,144 @@
+"""What every embedded-engine run shares: the run directory, metric logging, checkpoints, settings
+read from verl's config keys.
+
+Metrics go to ``<run_dir>/metrics.jsonl`` always (one JSON object per line, with ``step``) and
+to verl's ``Tracking`` backends listed in ``trainer.logger`` (console, tensorboard, wandb, ...).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+
+@dataclass
+class RunSettings:
+    """The verl keys the embedded engine reads (same meaning as in verl's PPO trainer)."""
+
+    model_path: str
+    """``actor_rollout_ref.model.path``: a local HF folder (the toy task warm-starts one if empty)."""
+    prompts_per_step: int
+    """``data.train_batch_size``: prompts (groups) per learner step."""
+    total_steps: int
+    """``trainer.total_training_steps``."""
+    group_size: int
+    """``actor_rollout_ref.rollout.n``."""
+    temperature: float
+    """``actor_rollout_ref.rollout.temperature``."""
+    max_new_tokens: int
+    """``data.max_response_length``."""
+    run_dir: Path
+    """``trainer.default_local_dir``: metrics, checkpoints, report."""
+    save_freq: int
+    """``trainer.save_freq``: checkpoint every k steps (<= 0: only at the end)."""
+    test_freq: int
+    """``trainer.test_freq``: evaluate every k steps (<= 0: only before and after training)."""
+    resume_mode: str
+    """``trainer.resume_mode``: auto (continue from the run dir's latest checkpoint) | disable."""
+    loggers: list[str]
+    """``trainer.logger``: verl Tracking backends."""
+    project_name: str
+    experiment_name: str
+
+    @classmethod
+    def from_config(cls, cfg: DictConfig) -> "RunSettings":
+        total = cfg.trainer.total_training_steps
+        if total is None or int(total) < 1:
+            raise ValueError(f"trainer.total_training_steps={total!r}: the embedded engine needs a positive step count")
+        settings = cls(
+            model_path=str(cfg.actor_rollout_ref.model.path or ""),
+            prompts_per_step=int(cfg.data.train_batch_size),
+            total_steps=int(total),
+            group_size=int(cfg.actor_rollout_ref.rollout.n),
+            temperature=float(cfg.actor_rollout_ref.rollout.temperature),
+            max_new_tokens=int(cfg.data.max_response_length),
+            run_dir=Path(str(cfg.trainer.default_local_dir)),
+            save_freq=int(cfg.trainer.save_freq),
+            test_freq=int(cfg.trainer.test_freq),
+            resume_mode=str(cfg.trainer.resume_mode),
+            loggers=list(cfg.trainer.logger or []),
+            project_name=str(cfg.trainer.project_name),
+            experiment_name=str(cfg.trainer.experiment_name),
+        )
+        if settings.prompts_per_step < 1:
+            raise ValueError(f"data.train_batch_size={settings.prompts_per_step} must be >= 1")
+        if settings.temperature <= 0:
+            raise ValueError(f"actor_rollout_ref.rollout.temperature={settings.temperature} must be > 0")
+        if settings.max_new_tokens < 1:
+            raise ValueError(f"data.max_response_length={settings.max_new_tokens} must be >= 1")
+        if settings.resume_mode not in ("auto", "disable"):
+            raise ValueError(f"trainer.resume_mode={settings.resume_mode!r}: the embedded engine supports auto | disable")
+        return settings
+
+
+class MetricLogger:
+    """Appends metrics to ``metrics.jsonl`` and forwards them to verl's Tracking backends."""
+
+    def __init__(self, run_dir: Path, settings: RunSettings, config: Optional[DictConfig] = None):
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.path = run_dir / "metrics.jsonl"
+        self._file = open(self.path, "a", buffering=1)
+        self._tracking = None
+        if settings.loggers:
+            from verl.utils.tracking import Tracking
+
+            self._tracking = Tracking(
+                project_name=settings.project_name,
+                experiment_name=settings.experiment_name,
+                default_backend=settings.loggers,
+                config=OmegaConf.to_container(config, resolve=True) if config is not None else None,
+            )
+
+    def log(self, metrics: dict[str, Any], step: int) -> None:
+        clean = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and math.isfinite(float(v))}
+        self._file.write(json.dumps({"step": step, **clean}) + "\n")
+        if self._tracking is not None:
+            self._tracking.log(data=clean, step=step)
+
+    def close(self) -> None:
+        self._file.close()
+        if self._tracking is not None:
+            self._tracking.finish()
+
+
+def save_checkpoint(run_dir: Path, step: int, state: dict[str, Any]) -> Path:
+    """Atomically write ``checkpoints/step_<k>.pt`` and point ``checkpoints/latest`` at it."""
+    ckpt_dir = run_dir / "checkpoints"
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    path = ckpt_dir / f"step_{step:06d}.pt"
+    tmp = path.with_suffix(".pt.tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+    latest_tmp = ckpt_dir / "latest.tmp"
+    latest_tmp.write_text(path.name)
+    os.replace(latest_tmp, ckpt_dir / "latest")
+    return path
+
+
+def load_latest_checkpoint(run_dir: Path) -> Optional[dict[str, Any]]:
+    """The state saved by the latest :func:`save_checkpoint`, or None if the run has none."""
+    pointer = run_dir / "checkpoints" / "latest"
+    if not pointer.exists():
+        return None
+    return torch.load(run_dir / "checkpoints" / pointer.read_text().strip(), weights_only=False)
+
+
+def truncate_metrics(path: Path, after_step: int) -> None:
+    """Drop metric lines past ``after_step`` (a resumed run re-logs them)."""
+    if not path.exists():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line)["step"] <= after_step:
+                kept.append(line)
+        except (json.JSONDecodeError, KeyError):
+            continue  # a line cut by a crash
+    path.write_text("".join(line + "\n" for line in kept))

@@ -1,0 +1,149 @@
+"""Tasks for the embedded engine: where prompts come from, how a response is scored, how the
+policy is evaluated. The ``task:`` section of ``gepo_trainer.yaml`` picks one.
+
+- ``toy_addition``: zero-padded n-digit addition on a ~1M-parameter Llama warm-started on CPU
+  (``verl_ext.data.toy``); the CPU laboratory.
+- ``math``: a math dataset (``verl_ext.data.datasets.load_benchmark``) with a prompt template and
+  the math_verify reward; for a real model on a GPU machine (runs on CPU, slowly).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+from omegaconf import DictConfig, OmegaConf
+
+TASKS = ("toy_addition", "math")
+
+
+@dataclass
+class TaskConfig:
+    """The ``task:`` section."""
+
+    name: str = "toy_addition"
+    """toy_addition | math."""
+    digits: int = 3
+    """toy_addition: operand digits."""
+    eval_size: int = 256
+    """Held-out prompts per evaluation (toy: fresh problems never trained on; math: first N)."""
+    eval_temperature: float = 1.0
+    """Sampling temperature of evaluation (one sample per prompt)."""
+    warm_start_accuracy: list[float] = field(default_factory=lambda: [0.3, 0.6])
+    """toy_addition: the supervised warm start stops once held-out accuracy is inside this window."""
+    warm_start_max_seconds: float = 600.0
+    """toy_addition: wall-clock budget of the warm start."""
+    cache_dir: str = ".cache/heterorl"
+    """Where warm-started checkpoints are cached (reused across runs with the same settings)."""
+    dataset: str = "math_train"
+    """math: training set name for ``load_benchmark`` (math_train, gsm8k, math500, ...)."""
+    dataset_path: str = ""
+    """math: file for datasets that need one (aime24, ...); empty = the built-in location."""
+    eval_dataset: str = "math500"
+    """math: evaluation set name."""
+    template: str = "qwen3_nothink"
+    """math: prompt template (``verl_ext.data.templates``)."""
+
+    def __post_init__(self):
+        if self.name not in TASKS:
+            raise ValueError(f"task.name={self.name!r}; expected one of {TASKS}")
+        if self.eval_size < 1:
+            raise ValueError(f"task.eval_size={self.eval_size} must be >= 1")
+        if len(self.warm_start_accuracy) != 2 or not 0 <= self.warm_start_accuracy[0] <= self.warm_start_accuracy[1] <= 1:
+            raise ValueError(f"task.warm_start_accuracy={self.warm_start_accuracy} must be [low, high] in [0, 1]")
+
+    @classmethod
+    def from_omegaconf(cls, node: DictConfig | dict) -> "TaskConfig":
+        data = OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else dict(node)
+        return cls(**data)
+
+
+class Task:
+    """Prompts, scoring and evaluation of one task. ``items`` are dicts with ``prompt`` (text fed
+    to the model) and ``answer``."""
+
+    def __init__(self, config: TaskConfig, seed: int):
+        self.config, self.seed = config, seed
+        if config.name == "toy_addition":
+            from verl_ext.data.toy import make_problems
+
+            eval_problems = make_problems(config.eval_size, config.digits, seed=10**6 + seed)
+            self.eval_items = [{"prompt": p["problem"], "answer": p["answer"]} for p in eval_problems]
+            self._train_pool = None
+        else:
+            from verl_ext.data.datasets import load_benchmark
+            from verl_ext.data.templates import render_prompt
+
+            def items(name, path, limit=None):
+                rows = load_benchmark(name, path=path or None, limit=limit)
+                return [{"prompt": render_prompt(r["problem"], config.template), "answer": r["answer"]} for r in rows]
+
+            self._train_pool = items(config.dataset, config.dataset_path)
+            self.eval_items = items(config.eval_dataset, None, config.eval_size)
+
+    @property
+    def eval_name(self) -> str:
+        return "toy" if self.config.name == "toy_addition" else self.config.eval_dataset
+
+    def train_items(self, n: int, stream: int, index: int) -> list[dict]:
+        """``n`` training prompts for batch ``index`` of stream ``stream`` (a sampler): a pure
+        function of (seed, stream, index), so replayed and resumed runs see the same prompts."""
+        rng = np.random.default_rng([self.seed, stream, index])
+        if self._train_pool is None:
+            from verl_ext.data.toy import make_problem
+
+            hi = 10**self.config.digits
+            pairs = rng.integers(0, hi, size=(n, 2))
+            return [dict(zip(("prompt", "answer"), make_problem(int(a), int(b), self.config.digits))) for a, b in pairs]
+        picks = rng.choice(len(self._train_pool), size=n, replace=len(self._train_pool) < n)
+        return [self._train_pool[i] for i in picks]
+
+    def score(self, response: str, item: dict) -> float:
+        if self.config.name == "toy_addition":
+            from verl_ext.rewards.toy_reward import compute_score
+        else:
+            from verl_ext.rewards.math_reward import compute_score
+        return float(compute_score(self.eval_name, response, item["answer"])["score"])
+
+    def evaluate(self, model, tokenizer, max_new_tokens: int, seed: int = 0) -> dict[str, float]:
+        """Held-out accuracy (one sample per prompt at ``eval_temperature``) as ``eval/<name>/acc``."""
+        from recipe.gepo.local.policy import sample_groups
+
+        was_training = model.training
+        model.eval()
+        try:
+            correct, batch = 0.0, 128
+            for start in range(0, len(self.eval_items), batch):
+                chunk = self.eval_items[start : start + batch]
+                out = sample_groups(
+                    model, tokenizer, [it["prompt"] for it in chunk], 1, self.config.eval_temperature,
+                    max_new_tokens, seed=seed + start,
+                )  # fmt: skip
+                correct += sum(self.score(text, it) for text, it in zip(out.texts, chunk))
+        finally:
+            model.train(was_training)
+        acc = correct / len(self.eval_items)
+        return {f"eval/{self.eval_name}/acc": acc, "eval/acc_mean": acc}
+
+
+def resolve_model_path(model_path: str, task_config: TaskConfig, seed: int) -> str:
+    """The model to train: ``model_path`` if given, else (toy task) the cached warm start."""
+    if model_path:
+        if not Path(model_path).is_dir():
+            raise FileNotFoundError(f"actor_rollout_ref.model.path={model_path!r} is not a local model folder")
+        return model_path
+    if task_config.name != "toy_addition":
+        raise ValueError("actor_rollout_ref.model.path is required for task.name=math (no model hub here)")
+    from verl_ext.data.toy import warm_start
+
+    return str(
+        warm_start(
+            task_config.cache_dir,
+            digits=task_config.digits,
+            target_accuracy=tuple(task_config.warm_start_accuracy),
+            max_seconds=task_config.warm_start_max_seconds,
+            seed=seed,
+        )
+    )
+

@@ -1,0 +1,79 @@
+"""HeteroRL's one entry point: ``python -m recipe.gepo.main_gepo key=value ...``.
+
+The config is ``config/gepo_trainer.yaml``: verl's ``ppo_trainer`` defaults, an algorithm preset
+(``algorithm_preset=gepo|grpo|...``), a ``hetero:`` section and a ``task:`` section.
+``hetero.engine=local`` runs the embedded engine (replay or async mode); ``hetero.engine=verl``
+hands over to verl's trainer on a GPU cluster.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+
+from recipe.gepo.hetero_config import HeteroConfig
+
+
+def run_local(cfg: DictConfig) -> dict[str, Any]:
+    """Validate everything, then train with the embedded engine; returns the final metrics."""
+    import torch
+    from verl.utils.config import omega_conf_to_dataclass
+
+    from recipe.gepo.local.run_utils import MetricLogger, RunSettings
+    from recipe.gepo.local.tasks import Task, TaskConfig, resolve_model_path
+
+    hetero = HeteroConfig.from_omegaconf(cfg.hetero)
+    settings = RunSettings.from_config(cfg)
+    task_config = TaskConfig.from_omegaconf(cfg.task)
+    actor_config = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
+    algorithm_config = omega_conf_to_dataclass(cfg.algorithm)
+    if algorithm_config.adv_estimator in ("grpo", "bnpo") and settings.group_size < 2:
+        raise ValueError(
+            f"actor_rollout_ref.rollout.n={settings.group_size}: the group-normalised estimator "
+            f"{algorithm_config.adv_estimator!r} needs at least 2 responses per prompt"
+        )
+    if hetero.dry_run:
+        print(OmegaConf.to_yaml(cfg.hetero))
+        return {}
+
+    torch.manual_seed(hetero.seed)
+    torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+    settings.run_dir.mkdir(parents=True, exist_ok=True)
+    (settings.run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    model_path = resolve_model_path(settings.model_path, task_config, hetero.seed)
+    task = Task(task_config, hetero.seed)
+    logger = MetricLogger(settings.run_dir, settings, cfg)
+    try:
+        if hetero.mode == "replay":
+            from recipe.gepo.local.replay import run_replay
+
+            return run_replay(hetero, settings, task, model_path, actor_config, algorithm_config, logger)
+        from recipe.gepo.local.async_mode import run_async
+
+        return run_async(cfg, hetero, settings, task_config, model_path, logger)
+    finally:
+        logger.close()
+
+
+def run(cfg: DictConfig) -> dict[str, Any]:
+    engine = cfg.hetero.engine
+    if engine == "local":
+        return run_local(cfg)
+    if engine == "verl":
+        from recipe.gepo import verl_engine
+
+        return verl_engine.run(cfg)
+    raise ValueError(f"hetero.engine={engine!r}; expected 'local' or 'verl'")
+
+
+@hydra.main(config_path="config", config_name="gepo_trainer", version_base=None)
+def main(cfg: DictConfig) -> None:
+    run(cfg)
+
+
+if __name__ == "__main__":
+    main()
