@@ -9,6 +9,7 @@ hands over to verl's trainer on a GPU cluster.
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -46,17 +47,26 @@ def run_local(cfg: DictConfig) -> dict[str, Any]:
     (settings.run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
     model_path = resolve_model_path(settings.model_path, task_config, hetero.seed)
     task = Task(task_config, hetero.seed)
+    previous = settings.run_dir / "metrics.jsonl"
+    if settings.resume_mode == "disable" and previous.exists():
+        # a fresh run in a used directory: keep the old metrics beside, never append to them
+        previous.rename(previous.with_name(f"metrics.{int(time.time())}.jsonl"))
     logger = MetricLogger(settings.run_dir, settings, cfg)
     try:
         if hetero.mode == "replay":
             from recipe.gepo.local.replay import run_replay
 
-            return run_replay(hetero, settings, task, model_path, actor_config, algorithm_config, logger)
-        from recipe.gepo.local.async_mode import run_async
+            metrics = run_replay(hetero, settings, task, model_path, actor_config, algorithm_config, logger)
+        else:
+            from recipe.gepo.local.async_mode import run_async
 
-        return run_async(cfg, hetero, settings, task_config, model_path, logger)
+            metrics = run_async(cfg, hetero, settings, task_config, model_path, logger)
     finally:
         logger.close()
+    from recipe.gepo.report import write_report
+
+    write_report(settings.run_dir)  # report.md + curves.png next to metrics.jsonl
+    return metrics
 
 
 def run(cfg: DictConfig) -> dict[str, Any]:

@@ -229,7 +229,7 @@ def run_async(
     if checkpoint is not None:
         truncate_metrics(logger.path, start)
     # actors hold no CPU reservation: on a 2-core laptop the learner and samplers share the cores
-    learner = ray.remote(num_cpus=0)(LearnerWorker).remote(container, model_path, spec)
+    learner = ray.remote(num_cpus=0)(LearnerWorker).options(name="heterorl-learner").remote(container, model_path, spec)
     ray.get(learner.start.remote(checkpoint))
     if checkpoint is None:
         logger.log(ray.get(learner.evaluate.remote(hetero.seed)), step=0)
@@ -240,9 +240,14 @@ def run_async(
     runs: dict[Any, int] = {}
     next_batch = {i: start * 1000 for i in range(hetero.num_samplers)}  # fresh uids after a resume
     failures = 0
+    restarts = {i: 0 for i in range(hetero.num_samplers)}
 
     def launch(i: int) -> None:
-        samplers[i] = sampler_cls.remote(i, container, model_path, spec, speeds[i])
+        # named, so an operator (or a fault-injection test) can find and kill a sampler
+        samplers[i] = sampler_cls.options(name=f"heterorl-sampler-{i}-{restarts[i]}").remote(
+            i, container, model_path, spec, speeds[i]
+        )
+        restarts[i] += 1
         runs[samplers[i].run.remote(next_batch[i])] = i
 
     for i in range(hetero.num_samplers):
