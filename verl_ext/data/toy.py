@@ -16,6 +16,14 @@ Pieces:
 * :func:`toy_accuracy` -- sampled accuracy through ``model.generate`` and the toy reward.
 * :func:`warm_start` -- supervised training until the sampled accuracy (temperature 1.0) first lands
   inside a target window, saved as a normal HF folder and cached.
+
+Long answers (``answer_format="scratchpad"``): the response first writes out every column of the
+addition, least significant first, as five digits ``a_i b_i c_i s_i`` (the two operand digits,
+the carry coming in, and the two-digit column sum a_i + b_i + c_i), then ``=`` and the
+zero-padded sum: ``"047+385="`` -> ``"75012" "48113" "03104" "=0432"`` (21 tokens with ``</s>``
+for 3 digits, 27 for 4). Only the final sum is rewarded (:func:`scratchpad_score`), as in math RL
+where only the final answer is checked; the scratchpad gives the policy 20-60 tokens per
+response, the regime where length-normalised and token-level importance weights differ.
 """
 
 from __future__ import annotations
@@ -41,6 +49,10 @@ __all__ = [
     "toy_model_config",
     "make_problem",
     "make_problems",
+    "ANSWER_FORMATS",
+    "scratchpad_response",
+    "scratchpad_score",
+    "response_length",
     "toy_accuracy",
     "warm_start",
     "load_toy_model",
@@ -57,6 +69,8 @@ CHARS = tuple("0123456789+=")
 WARM_START_INFO = "warm_start.json"
 # bump when the training recipe changes, so old cache entries are not reused
 _RECIPE_VERSION = 1
+#: answer formats: "short" (the sum only) and "scratchpad" (column sums and carries, then the sum)
+ANSWER_FORMATS = ("short", "scratchpad")
 _CHAT_TEMPLATE = "{{ bos_token }}{% for message in messages %}{{ message['content'] }}{% endfor %}"
 
 
@@ -141,12 +155,57 @@ def make_problem(a: int, b: int, digits: int) -> tuple[str, str]:
     return f"{a:0{digits}d}+{b:0{digits}d}=", f"{a + b:0{digits + 1}d}"
 
 
-def make_problems(n: int, digits: int = 3, seed: int = 0) -> list[dict]:
+def _check_format(answer_format: Any) -> str:
+    if answer_format not in ANSWER_FORMATS:
+        raise ValueError(f"answer_format must be one of {ANSWER_FORMATS}, got {answer_format!r}")
+    return answer_format
+
+
+def scratchpad_response(a: int, b: int, digits: int) -> str:
+    """The scratchpad target for ``a + b`` (without ``</s>``): per column from the least
+    significant, ``a_i b_i c_i`` and the two-digit sum ``a_i + b_i + c_i``, then ``=`` and the
+    zero-padded sum. ``scratchpad_response(47, 385, 3) == "750124811303104=0432"``."""
+    _, answer = make_problem(a, b, digits)  # validates
+    sa, sb = f"{a:0{digits}d}", f"{b:0{digits}d}"
+    carry, cols = 0, []
+    for i in range(digits - 1, -1, -1):
+        da, db = int(sa[i]), int(sb[i])
+        total = da + db + carry
+        cols.append(f"{da}{db}{carry}{total:02d}")
+        carry = total // 10
+    return "".join(cols) + "=" + answer
+
+
+def response_length(digits: int, answer_format: str = "short") -> int:
+    """Tokens of a correct response including ``</s>``: digits + 2 (short), 6 digits + 3 (scratchpad)."""
+    _check_digits(digits)
+    return digits + 2 if _check_format(answer_format) == "short" else 5 * digits + 1 + digits + 1 + 1
+
+
+def scratchpad_score(response: str, answer: str) -> float:
+    """1.0 iff the response has an ``=`` and the leading digits after the first one equal
+    ``answer`` exactly (the toy reward's rule applied to the part after ``=``); the scratchpad
+    itself is not checked."""
+    from verl_ext.rewards.toy_reward import compute_score
+
+    if not isinstance(response, str):
+        raise TypeError(f"response must be a str, got {type(response).__name__}")
+    head, sep, tail = response.strip().partition("=")
+    if not sep:
+        return 0.0
+    return float(compute_score("toy", tail, answer)["acc"])
+
+
+def make_problems(n: int, digits: int = 3, seed: int = 0, answer_format: str = "short") -> list[dict]:
     """``n`` random problems (operands uniform in [0, 10^digits), drawn with ``random.Random(seed)``).
 
     Returns benchmark records: ``{"id": "toy_add3/<seed>/<i>", "problem": "047+385=",
     "answer": "0432", "data_source": "toy_add3", "meta": {"a": 47, "b": 385, "digits": 3}}``.
+    With ``answer_format="scratchpad"`` the operands are the same, ``meta`` also has
+    ``"answer_format": "scratchpad"`` and ``"target"`` (the full scratchpad response), and
+    ``data_source`` is ``toy_add<digits>_scratch``; ``answer`` stays the sum.
     """
+    _check_format(answer_format)
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"n must be a positive int, got {n!r}")
     _check_digits(digits)
@@ -156,16 +215,23 @@ def make_problems(n: int, digits: int = 3, seed: int = 0) -> list[dict]:
     for i in range(n):
         a, b = rng.randrange(hi), rng.randrange(hi)
         prompt, answer = make_problem(a, b, digits)
-        out.append(
-            {
-                "id": f"toy_add{digits}/{seed}/{i}",
-                "problem": prompt,
-                "answer": answer,
-                "data_source": f"toy_add{digits}",
-                "meta": {"a": a, "b": b, "digits": digits},
-            }
-        )
+        rec = {
+            "id": f"toy_add{digits}/{seed}/{i}",
+            "problem": prompt,
+            "answer": answer,
+            "data_source": f"toy_add{digits}",
+            "meta": {"a": a, "b": b, "digits": digits},
+        }
+        if answer_format == "scratchpad":
+            rec["id"] = f"toy_add{digits}_scratch/{seed}/{i}"
+            rec["data_source"] = f"toy_add{digits}_scratch"
+            rec["meta"].update(answer_format="scratchpad", target=scratchpad_response(a, b, digits))
+        out.append(rec)
     return out
+
+
+def _is_scratchpad(problem: dict) -> bool:
+    return (problem.get("meta") or {}).get("answer_format") == "scratchpad"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -207,7 +273,7 @@ def toy_accuracy(
     if not (temperature >= 0 and math.isfinite(temperature)):
         raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
     if max_new_tokens is None:
-        max_new_tokens = max(len(p["answer"]) for p in problems) + 1
+        max_new_tokens = max(len(p["meta"]["target"]) if _is_scratchpad(p) else len(p["answer"]) for p in problems) + 1
     was_training = model.training
     model.eval()
     completions: list[str] = []
@@ -231,7 +297,10 @@ def toy_accuracy(
                 completions.extend(tokenizer.batch_decode(new, skip_special_tokens=True))
     finally:
         model.train(was_training)
-    correct = sum(compute_score("toy", c, p["answer"])["acc"] for c, p in zip(completions, problems))
+    correct = sum(
+        scratchpad_score(c, p["answer"]) if _is_scratchpad(p) else compute_score("toy", c, p["answer"])["acc"]
+        for c, p in zip(completions, problems)
+    )
     acc = correct / len(problems)
     return (acc, completions) if return_completions else acc
 
@@ -275,13 +344,16 @@ def _file_lock(path: Path):
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
-def _train_batch(rng: random.Random, batch_size: int, digits: int, tokenizer):
+def _train_batch(rng: random.Random, batch_size: int, digits: int, tokenizer, answer_format: str = "short"):
     import torch
 
     hi = 10**digits
     rows = []
     for _ in range(batch_size):
-        prompt, answer = make_problem(rng.randrange(hi), rng.randrange(hi), digits)
+        a, b = rng.randrange(hi), rng.randrange(hi)
+        prompt, answer = make_problem(a, b, digits)
+        if answer_format == "scratchpad":
+            answer = scratchpad_response(a, b, digits)
         rows.append(tokenizer(prompt + answer)["input_ids"] + [tokenizer.eos_token_id])
     ids = torch.tensor(rows)
     labels = ids.clone()
@@ -303,6 +375,7 @@ def warm_start(
     n_eval: int = 256,
     max_steps: int | None = None,
     num_threads: int = 1,
+    answer_format: str = "short",
 ) -> Path:
     """Supervised warm start of the tiny model; returns the cached HF folder.
 
@@ -335,8 +408,11 @@ def warm_start(
         max_steps: optional cap on optimizer steps (None: only the time budget).
         num_threads: torch intra-op threads while training (restored afterwards). 1 is the
             default because on a shared 2-core machine 2 threads ran 5x slower (OpenMP waits).
+        answer_format: "short" (the sum) or "scratchpad" (long answers, see the module doc);
+            scratchpad folders are named ``toy_add<digits>_scratch-<hash>``.
     """
     digits = _check_digits(digits)
+    answer_format = _check_format(answer_format)
     lo, hi = _check_window(target_accuracy)
     for name, value, minimum in (
         ("batch_size", batch_size, 1),
@@ -368,13 +444,17 @@ def warm_start(
         "max_steps": max_steps,
         "eval_temperature": 1.0,
     }
+    name = f"toy_add{digits}"
+    if answer_format != "short":  # only then: the short task's cache keys stay what they were
+        settings["answer_format"] = answer_format
+        name = f"toy_add{digits}_scratch"
     key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
     cache_dir = Path(cache_dir)
     cache_dir.mkdir(parents=True, exist_ok=True)
-    final = cache_dir / f"toy_add{digits}-{key}"
+    final = cache_dir / f"{name}-{key}"
     if (final / WARM_START_INFO).is_file():
         return final
-    with _file_lock(cache_dir / f".toy_add{digits}-{key}.lock"):
+    with _file_lock(cache_dir / f".{name}-{key}.lock"):
         if (final / WARM_START_INFO).is_file():  # another process finished it while we waited
             return final
         with _torch_threads(num_threads):
@@ -408,6 +488,7 @@ def _train(settings: dict):
     from transformers import GenerationConfig, LlamaForCausalLM
 
     digits = settings["digits"]
+    answer_format = settings.get("answer_format", "short")
     lo, hi = settings["target_accuracy"]
     seed = settings["seed"]
     torch.manual_seed(seed)
@@ -420,7 +501,7 @@ def _train(settings: dict):
     warmup = settings["warmup_steps"]
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, (step + 1) / max(1, warmup)))
     rng = random.Random(seed)
-    held_out = make_problems(settings["n_eval"], digits=digits, seed=seed + 10**6)
+    held_out = make_problems(settings["n_eval"], digits=digits, seed=seed + 10**6, answer_format=answer_format)
     screen = held_out[:64]
 
     history: list[list[float]] = []
@@ -431,7 +512,7 @@ def _train(settings: dict):
     stop_reason = "time"
     model.train()
     while True:
-        ids, labels = _train_batch(rng, settings["batch_size"], digits, tok)
+        ids, labels = _train_batch(rng, settings["batch_size"], digits, tok, answer_format)
         loss = model(input_ids=ids, labels=labels).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -502,10 +583,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--high", type=float, default=0.7, help="high end of the target accuracy window")
     parser.add_argument("--max-seconds", type=float, default=900.0, help="wall-clock training budget")
     parser.add_argument("--seed", type=int, default=0, help="seed of init, data and evaluation")
+    parser.add_argument("--answer-format", default="short", choices=ANSWER_FORMATS, help="short sums or scratchpad")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     t0 = time.monotonic()
-    path = warm_start(args.cache_dir, args.digits, (args.low, args.high), args.max_seconds, args.seed)
+    path = warm_start(args.cache_dir, args.digits, (args.low, args.high), args.max_seconds, args.seed,
+                      answer_format=args.answer_format)
     info = json.loads((path / WARM_START_INFO).read_text())
     print(
         f"{path}\naccuracy {info['accuracy']:.3f} (in target: {info['in_target']}), {info['steps']} steps, "

@@ -6,6 +6,23 @@ the policy snapshot of version v_k - tau_k, kept in a ring of recent snapshots. 
 through the same staleness-bounded buffer, loss and metrics as async mode. Every random draw is
 a pure function of (seed, step), so the same seed gives the same run, and a resumed run
 continues exactly where the interrupted one was.
+
+Two study options (both off by default, neither changes a run that does not ask for them):
+
+* ``task.diagnostics_every=k`` (with ``task.diagnostics_samples=M``): every k-th step, before the
+  update, the estimation error of E[A] on the batch about to be trained on
+  (:mod:`verl_ext.analysis.run_diagnostics`): M fresh samples per prompt from the current learner
+  against the importance-weighted estimates from the logged batch; logged as ``diag/*``. The
+  fresh samples use their own seeded RNG (the torch RNG state is restored), so training is the
+  same with and without diagnostics.
+* verl's rollout correction, ``algorithm.rollout_correction.rollout_is=token|sequence`` with
+  ``rollout_is_threshold`` (a float: truncated IS) and ``bypass_mode=false``: verl's decoupled
+  mode, where the proximal ("old") policy is the learner itself before the update and the loss's
+  ratio is p / sg(p); the truncated weight min(sg(p) / q, C) (token or sequence product, computed
+  by verl's ``compute_rollout_correction_weights``) multiplies the per-token loss, as verl's
+  vanilla loss does with ``rollout_is_weights``. This is the "GRPO with truncated IS" control.
+  ``is/*`` metrics stay sampler-vs-learner. Rejection sampling and bypass mode are not
+  supported here (an error says so).
 """
 
 from __future__ import annotations
@@ -16,8 +33,12 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from recipe.gepo.local.learner import Learner
-from recipe.gepo.local.policy import load_policy
+import math
+
+import torch
+
+from recipe.gepo.local.learner import Learner, NonFiniteStepError, collate_groups
+from recipe.gepo.local.policy import load_policy, sample_groups, sequence_token_log_probs
 from recipe.gepo.local.rollout import RolloutSettings, generate_groups
 from recipe.gepo.local.run_utils import (
     MetricLogger,
@@ -30,6 +51,10 @@ from recipe.gepo.local.tasks import Task
 from recipe.gepo.hetero_config import HeteroConfig
 from verl_ext.hetero.buffer import RolloutBuffer
 from verl_ext.hetero.records import RecordSpec
+from verl_ext.algos.diagnostics import importance_weight_stats, sampler_learner_kl
+from verl_ext.algos.importance import group_expectation_log_denominator, sequence_log_prob
+from verl_ext.loss_bridge import compute_actor_loss
+from verl_ext.verl_plugin import loss_option
 
 
 def _snapshot(model) -> dict:
@@ -41,6 +66,121 @@ def draw_staleness(delay_model, seed: int, step: int, max_delay: int, available:
     learner steps, capped at max_delay and at the versions that exist."""
     draw = float(delay_model.sample(1, np.random.default_rng([seed, step, 1]))[0])
     return int(min(round(draw), max_delay, available))
+
+
+def rollout_correction_settings(algorithm_config: Any) -> dict | None:
+    """verl's ``algorithm.rollout_correction`` as the replay engine supports it, or None when off."""
+    rc = algorithm_config.get("rollout_correction", None) if hasattr(algorithm_config, "get") else None
+    if rc is None or rc.get("rollout_is", None) in (None, "", "null"):
+        return None
+    level = rc.get("rollout_is")
+    if level not in ("token", "sequence"):
+        raise ValueError(f"algorithm.rollout_correction.rollout_is={level!r}: replay mode supports token | sequence")
+    if rc.get("bypass_mode", False) or rc.get("rollout_rs", None):
+        raise ValueError("replay mode supports rollout_correction's decoupled truncated IS only (bypass_mode=false, no rollout_rs)")
+    threshold = rc.get("rollout_is_threshold", 2.0)
+    try:
+        threshold = float(threshold)
+    except (TypeError, ValueError):
+        raise ValueError(f"rollout_is_threshold={threshold!r}: replay mode supports a single float (TIS)") from None
+    return {"rollout_is": level, "rollout_is_threshold": threshold,
+            "rollout_is_batch_normalize": bool(rc.get("rollout_is_batch_normalize", False))}  # fmt: skip
+
+
+class TruncatedISLearner(Learner):
+    """The learner with verl's decoupled rollout correction (see the module docstring)."""
+
+    def __init__(self, *args, rollout_correction: dict, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.rollout_correction = rollout_correction
+
+    def train_step(self, groups) -> dict[str, float]:
+        from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_weights
+
+        self.model.train()
+        batch = collate_groups(groups, self.pad_token_id)
+        mask = batch["response_mask"].bool()
+        reduction = loss_option(self.actor_config, "seq_reduction")
+        seq_log_q = sequence_log_prob(batch["sampler_logprobs"], mask, reduction)
+        group_log_denominator = group_expectation_log_denominator(seq_log_q, batch["group_index"])
+        log_prob = sequence_token_log_probs(
+            self.model, batch["prompt_ids"], batch["prompt_mask"], batch["response_ids"], batch["response_mask"],
+            self.temperature,
+        )  # fmt: skip
+        proximal = log_prob.detach()
+        is_weights, _ = compute_rollout_correction_weights(
+            (proximal - batch["sampler_logprobs"]) * mask, mask.float(), **self.rollout_correction
+        )
+        loss, metrics = compute_actor_loss(
+            self.actor_config, log_prob, proximal, batch["advantages"], mask,
+            group_log_denominator=group_log_denominator, group_index=batch["group_index"],
+            rollout_is_weights=is_weights.detach(),
+        )  # fmt: skip
+        # the loss saw old = the learner itself: report weights and KL against the sampler
+        raw = torch.exp((proximal - batch["sampler_logprobs"]).clamp(-20.0, 20.0))
+        metrics.update(importance_weight_stats(raw, mask))
+        metrics["is/kl_sampler_learner"] = sampler_learner_kl(proximal, batch["sampler_logprobs"], mask)
+        metrics["is/tis_weight_mean"] = float(is_weights[mask].mean())
+        metrics["is/tis_truncated_frac"] = float((raw[mask] > self.rollout_correction["rollout_is_threshold"]).double().mean())
+        self.optimizer.zero_grad(set_to_none=True)
+        finite = math.isfinite(loss.item())
+        grad_norm = float("nan")
+        if finite:
+            loss.backward()
+            params = [p for p in self.model.parameters() if p.grad is not None]
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.grad_clip if self.grad_clip > 0 else float("inf")))
+            finite = math.isfinite(grad_norm)
+        if finite:
+            self.optimizer.step()
+            self.version += 1
+            self._consecutive_nonfinite = 0
+        else:
+            self.optimizer.zero_grad(set_to_none=True)
+            self.nonfinite_skipped += 1
+            self._consecutive_nonfinite += 1
+            if self._consecutive_nonfinite >= self.max_nonfinite_steps:
+                raise NonFiniteStepError(f"{self._consecutive_nonfinite} consecutive non-finite steps")
+        lengths = batch["response_mask"].sum(dim=-1).float()
+        metrics.update({
+            "actor/grad_norm": grad_norm, "actor/nonfinite_skipped": float(self.nonfinite_skipped),
+            "reward/mean": batch["rewards"].mean().item(),
+            "reward/std": batch["rewards"].std().item() if len(batch["rewards"]) > 1 else 0.0,
+            "response_length/mean": lengths.mean().item(), "training/policy_version": float(self.version),
+        })  # fmt: skip
+        return metrics
+
+
+def advantage_diagnostics(
+    model, tokenizer, groups, task: Task, settings: RunSettings, actor_config: Any, samples: int, seed: int
+) -> dict[str, float]:
+    """The E[A] estimation error of the batch ``groups`` for the current ``model`` (the learner
+    before its update): see :mod:`verl_ext.analysis.run_diagnostics`."""
+    from verl_ext.analysis.run_diagnostics import estimation_errors, main_weight_kind, weighted_advantage_estimates
+
+    batch = collate_groups(groups, tokenizer.pad_token_id)
+    mask = batch["response_mask"].bool()
+    reduction = loss_option(actor_config, "seq_reduction")
+    with torch.no_grad():
+        log_p = sequence_token_log_probs(
+            model, batch["prompt_ids"], batch["prompt_mask"], batch["response_ids"], batch["response_mask"],
+            settings.temperature,
+        )  # fmt: skip
+    log_q = batch["sampler_logprobs"]
+    estimates = weighted_advantage_estimates(
+        sequence_log_prob(log_p, mask, reduction), sequence_log_prob(log_q, mask, reduction),
+        sequence_log_prob(log_p, mask, "sum"), sequence_log_prob(log_q, mask, "sum"),
+        batch["rewards"], batch["group_index"],
+    )  # fmt: skip
+    items = [
+        {"prompt": tokenizer.decode(g.prompt_ids, skip_special_tokens=True), "answer": g.extra.get("answer", "")}
+        for g in groups
+    ]
+    with torch.random.fork_rng(devices=[]):
+        fresh = sample_groups(model, tokenizer, [it["prompt"] for it in items], samples, settings.temperature,
+                              settings.max_new_tokens, seed)  # fmt: skip
+    rewards = torch.tensor([task.score(text, items[i // samples]) for i, text in enumerate(fresh.texts)])
+    loss_mode = actor_config.policy_loss.get("loss_mode", "vanilla")
+    return estimation_errors(estimates, rewards.view(len(items), samples), main_weight_kind(loss_mode))
 
 
 def run_replay(
@@ -55,7 +195,13 @@ def run_replay(
     """Train for ``settings.total_steps`` learner steps; returns the last step's metrics."""
     model, tokenizer = load_policy(model_path)
     sampler_model, _ = load_policy(model_path)
-    learner = Learner(model, actor_config, settings.temperature, tokenizer.pad_token_id)
+    correction = rollout_correction_settings(algorithm_config)
+    if correction is None:
+        learner = Learner(model, actor_config, settings.temperature, tokenizer.pad_token_id)
+    else:
+        learner = TruncatedISLearner(model, actor_config, settings.temperature, tokenizer.pad_token_id,
+                                     rollout_correction=correction)  # fmt: skip
+    diag_every = int(getattr(task.config, "diagnostics_every", 0) or 0)
     rollout = RolloutSettings(settings.group_size, settings.temperature, settings.max_new_tokens)
     delay_model = hetero.delay.build()
     buffer = RolloutBuffer(
@@ -92,7 +238,15 @@ def run_replay(
         for group in groups:
             buffer.add(group)
         batch = buffer.take(len(groups), learner_version=learner.version)
+        diag = {}
+        if diag_every > 0 and step % diag_every == 0 and batch:
+            diag = advantage_diagnostics(
+                model, tokenizer, batch, task, settings, actor_config, task.config.diagnostics_samples,
+                seed=hetero.seed * 1_000_003 + step + 500_000_000,
+            )  # fmt: skip
+            diag["diag/staleness"] = float(tau)
         metrics = learner.train_step(batch)
+        metrics.update(diag)
         snapshots[learner.version] = _snapshot(model)
         for old in [v for v in snapshots if v < learner.version - hetero.max_delay]:
             del snapshots[old]

@@ -2,7 +2,9 @@
 policy is evaluated. The ``task:`` section of ``gepo_trainer.yaml`` picks one.
 
 - ``toy_addition``: zero-padded n-digit addition on a ~1M-parameter Llama warm-started on CPU
-  (``verl_ext.data.toy``); the CPU laboratory.
+  (``verl_ext.data.toy``); the CPU laboratory. ``answer_format=scratchpad`` is its long-answer
+  variant (column sums and carries written out, 6 digits + 3 tokens per response; only the final
+  sum is rewarded), with its own warm start.
 - ``math``: a math dataset (``verl_ext.data.datasets.load_benchmark``) with a prompt template and
   the math_verify reward; for a real model on a GPU machine (runs on CPU, slowly).
 """
@@ -26,6 +28,15 @@ class TaskConfig:
     """toy_addition | math."""
     digits: int = 3
     """toy_addition: operand digits."""
+    answer_format: str = "short"
+    """toy_addition: ``short`` (the sum, digits + 2 tokens) or ``scratchpad`` (long answers: the
+    column sums and carries, then ``=`` and the sum; 6 digits + 3 tokens; set
+    ``data.max_response_length`` accordingly). Not in gepo_trainer.yaml: ``+task.answer_format=...``."""
+    diagnostics_every: int = 0
+    """Replay mode: every k-th step log the E[A] estimation error (``diag/*``, see
+    ``verl_ext.analysis.run_diagnostics``); 0 = off. ``+task.diagnostics_every=k``."""
+    diagnostics_samples: int = 32
+    """Fresh learner samples per prompt for the E[A] diagnostic."""
     eval_size: int = 256
     """Held-out prompts per evaluation (toy: fresh problems never trained on; math: first N)."""
     eval_temperature: float = 1.0
@@ -48,6 +59,15 @@ class TaskConfig:
     def __post_init__(self):
         if self.name not in TASKS:
             raise ValueError(f"task.name={self.name!r}; expected one of {TASKS}")
+        if self.answer_format not in ("short", "scratchpad"):
+            raise ValueError(f"task.answer_format={self.answer_format!r}; expected short | scratchpad")
+        if self.answer_format != "short" and self.name != "toy_addition":
+            raise ValueError("task.answer_format applies to task.name=toy_addition only")
+        if self.diagnostics_every < 0 or self.diagnostics_samples < 1:
+            raise ValueError(
+                f"task.diagnostics_every={self.diagnostics_every} must be >= 0 and "
+                f"task.diagnostics_samples={self.diagnostics_samples} >= 1"
+            )
         if self.eval_size < 1:
             raise ValueError(f"task.eval_size={self.eval_size} must be >= 1")
         if len(self.warm_start_accuracy) != 2 or not 0 <= self.warm_start_accuracy[0] <= self.warm_start_accuracy[1] <= 1:
@@ -68,7 +88,8 @@ class Task:
         if config.name == "toy_addition":
             from verl_ext.data.toy import make_problems
 
-            eval_problems = make_problems(config.eval_size, config.digits, seed=10**6 + seed)
+            eval_problems = make_problems(config.eval_size, config.digits, seed=10**6 + seed,
+                                          answer_format=config.answer_format)  # fmt: skip
             self.eval_items = [{"prompt": p["problem"], "answer": p["answer"]} for p in eval_problems]
             self._train_pool = None
         else:
@@ -84,7 +105,9 @@ class Task:
 
     @property
     def eval_name(self) -> str:
-        return "toy" if self.config.name == "toy_addition" else self.config.eval_dataset
+        if self.config.name == "toy_addition":
+            return "toy" if self.config.answer_format == "short" else "toy_scratch"
+        return self.config.eval_dataset
 
     def train_items(self, n: int, stream: int, index: int) -> list[dict]:
         """``n`` training prompts for batch ``index`` of stream ``stream`` (a sampler): a pure
@@ -100,11 +123,26 @@ class Task:
         return [self._train_pool[i] for i in picks]
 
     def score(self, response: str, item: dict) -> float:
+        if self.config.name == "toy_addition" and self.config.answer_format == "scratchpad":
+            from verl_ext.data.toy import scratchpad_score
+
+            return scratchpad_score(response, item["answer"])
         if self.config.name == "toy_addition":
             from verl_ext.rewards.toy_reward import compute_score
         else:
             from verl_ext.rewards.math_reward import compute_score
         return float(compute_score(self.eval_name, response, item["answer"])["score"])
+
+    def target_response(self, item: dict) -> str:
+        """The correct response text for a toy item (the sum, or the scratchpad then the sum)."""
+        if self.config.name != "toy_addition":
+            raise ValueError("target_response is defined for the toy task only")
+        if self.config.answer_format == "short":
+            return item["answer"]
+        from verl_ext.data.toy import scratchpad_response
+
+        a, b = (int(x) for x in item["prompt"].rstrip("=").split("+"))
+        return scratchpad_response(a, b, self.config.digits)
 
     def evaluate(self, model, tokenizer, max_new_tokens: int, seed: int = 0) -> dict[str, float]:
         """Held-out accuracy (one sample per prompt at ``eval_temperature``) as ``eval/<name>/acc``."""
@@ -144,6 +182,7 @@ def resolve_model_path(model_path: str, task_config: TaskConfig, seed: int) -> s
             target_accuracy=tuple(task_config.warm_start_accuracy),
             max_seconds=task_config.warm_start_max_seconds,
             seed=seed,
+            answer_format=task_config.answer_format,
         )
     )
 
