@@ -1,0 +1,54 @@
+"""Helpers shared by the embedded-engine tests (config composition, metrics files)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from hydra import compose, initialize_config_dir
+from omegaconf import DictConfig
+
+CONFIG_DIR = Path(__file__).resolve().parents[3] / "recipe" / "gepo" / "config"
+
+# the smallest run the engine accepts that still has groups, staleness and evaluation
+TINY = [
+    "task.name=toy_addition",
+    "task.digits=1",
+    "task.eval_size=16",
+    "data.train_batch_size=2",
+    "actor_rollout_ref.rollout.n=4",
+    "data.max_response_length=4",
+    "trainer.logger=[]",
+    "trainer.resume_mode=disable",
+]
+
+
+def compose_cfg(overrides: list[str]) -> DictConfig:
+    """``gepo_trainer.yaml`` composed with hydra's compose API, as the CLI would."""
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
+        return compose(config_name="gepo_trainer", overrides=overrides)
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def train_lines(lines: list[dict]) -> list[dict]:
+    """Metric lines of learner steps (step >= 1; step 0 is the initial evaluation)."""
+    return [line for line in lines if line["step"] >= 1]
+
+
+# names every embedded-engine run logs at every learner step, whatever the mode (issue 5)
+STEP_METRICS = (
+    "hetero/staleness_mean",
+    "hetero/staleness_max",
+    "hetero/dropped",
+    "is/weight_var",
+    "is/kl_sampler_learner",
+    "actor/loss",
+    "actor/grad_norm",
+    "reward/mean",
+    "perf/step_s",
+    "perf/sampler_tokens_per_s",
+    "perf/learner_idle_frac",
+)

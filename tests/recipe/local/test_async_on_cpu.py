@@ -1,0 +1,86 @@
+"""Async mode end to end: a real learner actor and 2 sampler actors on a local Ray.
+
+One run (module fixture, ~30 s on 2 shared cores, most of it Ray and actor start-up) is shared by
+the checks: the staleness bound at every step, the ledger balance, the metric names.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from recipe.gepo.main_gepo import run
+
+from .helpers import STEP_METRICS, TINY, compose_cfg, read_metrics, train_lines
+
+MAX_DELAY = 2
+STEPS = 5
+PROMPTS = 2
+
+
+@pytest.fixture(scope="module")
+def async_run(tiny_model_path, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("async")
+    cfg = compose_cfg(TINY + [
+        f"actor_rollout_ref.model.path={tiny_model_path}", f"trainer.default_local_dir={run_dir}",
+        "hetero.mode=async", "hetero.num_samplers=2", f"hetero.max_delay={MAX_DELAY}",
+        # seconds: weights reach samplers late, so groups arrive stale and some past the bound
+        "hetero.delay.low=0.2", "hetero.delay.high=2", "hetero.wait_timeout_s=120",
+        f"trainer.total_training_steps={STEPS}", "trainer.test_freq=0", "trainer.save_freq=0",
+        "trainer.experiment_name=test-async",
+    ])  # fmt: skip
+    final = run(cfg)
+    return run_dir, final, read_metrics(run_dir)
+
+
+def test_async_completes_and_every_step_respects_the_bound(async_run):
+    run_dir, final, lines = async_run
+    assert [line["step"] for line in lines] == list(range(STEPS + 1))
+    for line in train_lines(lines):
+        step = line["step"]
+        assert line["training/policy_version"] == step
+        assert math.isfinite(line["actor/loss"])
+        assert 0 <= line["hetero/staleness_min"] <= line["hetero/staleness_max"] <= MAX_DELAY, step
+        hist = {int(k.rsplit("/", 1)[1]): v for k, v in line.items() if k.startswith("hetero/staleness_hist/")}
+        assert sorted(hist) == list(range(MAX_DELAY + 1)), step  # no bucket past the bound exists
+        assert sum(hist.values()) == PROMPTS == line["hetero/consumed"], step
+        assert line["hetero/sampler_failures"] == 0
+    # the learner outpaces the samplers' weight delays, so it does train on stale groups
+    assert max(line["hetero/staleness_max"] for line in train_lines(lines)) > 0
+    assert final["training/policy_version"] == STEPS
+
+
+def test_async_ledger_balances(async_run):
+    run_dir, final, lines = async_run
+    ledger = {k.removeprefix("hetero/ledger_"): v for k, v in final.items() if k.startswith("hetero/ledger_")}
+    assert ledger, sorted(final)
+    # generated = consumed + dropped + rejected + still queued in the buffer
+    assert ledger["generated"] == ledger["consumed"] + ledger["dropped"] + ledger["rejected"] + ledger["buffered"]
+    assert ledger["consumed"] == STEPS * PROMPTS
+    steps = train_lines(lines)
+    assert sum(line["hetero/dropped"] for line in steps) == ledger["dropped"]
+    assert steps[-1]["hetero/generated_total"] <= ledger["generated"]
+
+    # the final checkpoint's ledger: every consumed uid was produced by one of the two samplers
+    # and each was consumed once (statuses are per uid)
+    ckpt_dir = Path(run_dir) / "checkpoints"
+    state = torch.load(ckpt_dir / (ckpt_dir / "latest").read_text().strip(), weights_only=False)
+    status = state["buffer"]["ledger"]["status"]
+    consumed = [uid for uid, s in status.items() if s == "consumed"]
+    assert len(consumed) == STEPS * PROMPTS
+    assert {uid.split("-")[0] for uid in consumed} <= {"s0", "s1"}
+    assert all(s.split(":")[0] in ("buffered", "consumed", "dropped", "rejected") for s in status.values())
+    assert all(s == "dropped:stale" for s in status.values() if s.startswith("dropped"))
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="BUG: async mode never logs perf/sampler_tokens_per_s (replay does): SamplerWorker counts "
+    "tokens and gen_s in self.stats but run_async never collects them into the step metrics",
+)
+def test_async_logs_the_fixed_metric_names(async_run):
+    missing = {line["step"]: [n for n in STEP_METRICS if n not in line] for line in train_lines(async_run[2])}
+    assert not any(missing.values()), missing
