@@ -61,7 +61,8 @@ def test_async_ledger_balances(async_run):
     assert ledger["generated"] == ledger["consumed"] + ledger["dropped"] + ledger["rejected"] + ledger["buffered"]
     assert ledger["consumed"] == STEPS * PROMPTS
     steps = train_lines(lines)
-    assert sum(line["hetero/dropped"] for line in steps) == ledger["dropped"]
+    # every drop a step reported is in the ledger (groups arriving after the last step may add more)
+    assert sum(line["hetero/dropped"] for line in steps) <= ledger["dropped"]
     assert steps[-1]["hetero/generated_total"] <= ledger["generated"]
 
     # the final checkpoint's ledger: every consumed uid was produced by one of the two samplers
