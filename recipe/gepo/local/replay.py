@@ -235,6 +235,9 @@ def run_replay(
             policy_version=version, sampler_id="replay", seed=hetero.seed * 1_000_003 + step, uid_prefix=f"r{step}",
         )  # fmt: skip
         gen_s = time.perf_counter() - t_gen
+        # the buffer rejects groups newer than the version it knows (future_version): with
+        # staleness 0 (max_delay=0 or a draw that rounds to 0) the groups carry the current version
+        buffer.set_learner_version(learner.version)
         for group in groups:
             buffer.add(group)
         batch = buffer.take(len(groups), learner_version=learner.version)

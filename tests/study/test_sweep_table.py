@@ -1,0 +1,85 @@
+"""The delay sweep's table arithmetic against hand computation on synthetic run directories."""
+
+import importlib.util
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _sweep():
+    spec = importlib.util.spec_from_file_location("delay_sweep", REPO / "scripts" / "bench" / "delay_sweep.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["delay_sweep"] = mod  # dataclasses look their module up
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _write_run(d: Path, evals: dict[int, float], kl: dict[int, float], var: dict[int, float], err=None):
+    d.mkdir(parents=True)
+    rows = []
+    for step in range(0, 9):
+        row = {"step": step}
+        if step in evals:
+            row["eval/acc_mean"] = evals[step]
+        if step > 0:
+            row["is/kl_sampler_learner"] = kl[step]
+            row["is/weight_var"] = var[step]
+            if err and step in err:
+                row["diag/adv_estimation_error"] = err[step]
+        rows.append(row)
+    (d / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    (d / "DONE").write_text("{}")
+
+
+def test_table_matches_hand_computation(tmp_path):
+    sw = _sweep()
+    kl = {s: 0.01 * s for s in range(1, 9)}
+    var = {s: 0.1 * s for s in range(1, 9)}
+    root = tmp_path / "runs" / "short" / "gepo"
+    # total 8 steps: last quarter = steps > 6, i.e. evaluations at 8 only (evals every 2), KL/var at 7, 8
+    _write_run(root / "d0" / "s0", {0: 0.3, 2: 0.5, 4: 0.7, 6: 0.6, 8: 0.4}, kl, var, err={1: 0.2, 5: 0.4})
+    _write_run(root / "d0" / "s1", {0: 0.3, 2: 0.4, 4: 0.5, 6: 0.5, 8: 0.6}, kl, var)
+    _write_run(root / "d64" / "s0", {0: 0.3, 2: 0.2, 4: 0.1, 6: 0.1, 8: 0.0}, kl, var)
+    _write_run(root / "d64" / "s1", {0: 0.3, 2: 0.3, 4: 0.2, 6: 0.2, 8: 0.1}, kl, var)
+    plan = sw.Plan(tasks=["short"], algos=["gepo"], delays=[0, 64], seeds=[0, 1], steps=8, lr=1e-4, test_freq=2,
+                   eval_size=8, prompts=2, diagnostics_every=0, diagnostics_samples=1)  # fmt: skip
+    per_run = sw.collect(tmp_path, plan)
+    assert len(per_run) == 4
+    rows = {r["delay"]: r for r in sw.summarize(per_run)}
+
+    def ms(a, b):
+        m = (a + b) / 2
+        return m, math.sqrt(((a - m) ** 2 + (b - m) ** 2) / 1)
+
+    d0 = rows[0]
+    assert d0["n"] == 2 and d0["seeds"] == [0, 1]
+    assert (d0["best_mean"], d0["best_std"]) == pytest.approx(ms(0.7, 0.6))
+    assert (d0["last_mean"], d0["last_std"]) == pytest.approx(ms(0.4, 0.6))
+    assert (d0["lq_mean_mean"], d0["lq_mean_std"]) == pytest.approx(ms(0.4, 0.6))
+    assert (d0["gap_mean"], d0["gap_std"]) == pytest.approx(ms(0.3, 0.0))
+    assert d0["start_mean"] == pytest.approx(0.3)
+    assert d0["kl_mean"] == pytest.approx((0.07 + 0.08) / 2) and d0["kl_std"] == pytest.approx(0.0)
+    assert d0["var_mean"] == pytest.approx((0.7 + 0.8) / 2)
+    assert d0["err_mean"] == pytest.approx(0.3) and math.isnan(d0["err_std"])  # one seed logged it
+    d64 = rows[64]
+    assert (d64["best_mean"], d64["last_mean"]) == pytest.approx((0.25, 0.05))
+    # drop 0 -> 64 on the last-quarter means, paired by seed: 0.4 - 0.0 and 0.6 - 0.1
+    for r in (d0, d64):
+        assert (r["drop_mean"], r["drop_std"]) == pytest.approx(ms(0.4, 0.5))
+        assert r["drop_to"] == 64
+    md = sw.markdown_table(sw.summarize(per_run))
+    assert "| gepo | 0 | 2 | 0.650 ± 0.071 |" in md
+
+
+def test_run_numbers_last_quarter_uses_steps_after_three_quarters():
+    sw = _sweep()
+    metrics = [{"step": 0, "eval/acc_mean": 0.1}] + [{"step": s, "eval/acc_mean": s / 100} for s in (25, 50, 75, 76, 100)]
+    n = sw.run_numbers(metrics, total_steps=100)
+    assert n["lq_mean"] == pytest.approx((0.76 + 1.0) / 2)  # 75 is not > 75
+    assert n["best"] == 1.0 and n["last"] == 1.0 and n["start"] == 0.1 and n["gap"] == 0.0
+    assert math.isnan(n["kl"]) and math.isnan(n["err"])
