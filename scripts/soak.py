@@ -67,7 +67,9 @@ from verl_ext.hetero.transport import COMMIT_SUFFIX, DATA_SUFFIX, TEMP_PREFIX, F
 from verl_ext.hetero.weights import _parse_key, version_key  # noqa: E402
 
 CONFIG_DIR = REPO / "recipe" / "gepo" / "config"
-SAMPLER_UID = re.compile(r"^s\d+-b\d+-\d+$")
+# sampler uids: "s<i>-b<batch>-<j>", or "s<i>-<launch id>-b<batch>-<j>" when the engine namespaces
+# each sampler launch; everything the injector writes starts with "fault-"
+SAMPLER_UID = re.compile(r"^s\d+-(?:[0-9A-Za-z]+-)?b\d+-\d+$")
 SAMPLER_ACTOR = re.compile(r"^heterorl-sampler-(\d+)-(\d+)$")
 LEARNER_ACTOR = "heterorl-learner"
 WEIGHTS_TOPIC = "weights"
@@ -481,6 +483,10 @@ def _kill_leftover_actors(timeout_s: float = 30.0) -> list[str]:
     return sorted(set(killed))
 
 
+def steps_done_guard(rows: list[dict]) -> bool:
+    return any("hetero/consumed" in r for r in rows)
+
+
 def _metrics(path: Path) -> list[dict]:
     rows = []
     if path.exists():
@@ -579,7 +585,7 @@ def soak(minutes: float = 10.0, seed: int = 0, run_dir: Optional[Path] = None, f
 
         state = load_latest_checkpoint(run_dir / "run") or {"step": 0, "learner": {"version": 0},
                                                             "buffer": {"ledger": {"status": {}, "duplicates": {}}}}
-        source = f"latest checkpoint, step {state['step']} (live learner unavailable: {type(err).__name__}: {str(err)[:200]})"
+        source = f"latest checkpoint, step {state['step']} (live learner unavailable: {type(err).__name__}: {str(err).splitlines()[0][:120]})"
         checkpoint_step = int(state["step"])
     ledger = dict(state["buffer"]["ledger"]["status"])
     duplicates = dict(state["buffer"]["ledger"]["duplicates"])
@@ -610,8 +616,14 @@ def soak(minutes: float = 10.0, seed: int = 0, run_dir: Optional[Path] = None, f
     # the injector re-sends sampler messages only byte for byte, so two contents = two groups
     reused = {uid: len(shas) for uid, shas in watcher.seen.items() if SAMPLER_UID.match(uid) and len(shas) > 1}
     lost = len(lost_uids) + sum(n - 1 for n in reused.values())
+    unknown = sorted(k for k in set(watcher.seen) | set(ledger) if not k.startswith("fault-") and not SAMPLER_UID.match(k))
+    if unknown:
+        errors.append(f"{len(unknown)} rollout keys match neither the sampler uid pattern nor the injector's "
+                      f"(e.g. {unknown[:3]}): the accounting would not cover them")
 
     rows = _metrics(run_dir / "run" / "metrics.jsonl")
+    if steps_done_guard(rows) and not generated:
+        errors.append("the learner took steps but no sampler group was seen: the accounting saw nothing")
     steps_done = max((int(r["step"]) for r in rows if "hetero/consumed" in r), default=0)
     step_rows = [r for r in rows if "hetero/consumed" in r and (checkpoint_step is None or r["step"] <= checkpoint_step)]
     consumed_by_metrics = int(sum(r["hetero/consumed"] for r in step_rows))

@@ -21,7 +21,7 @@ WAIT_TIMEOUT_S = 6
 def stalled_run(tmp_path_factory, toy_model_path):
     run_dir = tmp_path_factory.mktemp("stalled") / "run"
     cmd = [
-        sys.executable, "-m", "recipe.gepo.main_gepo", "hetero.mode=async", "hetero.num_samplers=2",
+        sys.executable, "-m", "recipe.gepo.main_gepo", "hetero.mode=async", "hetero.num_samplers=1",
         "hetero.transport=fs", "hetero.delay.dist=constant", "hetero.delay.value=1000000",
         f"hetero.wait_timeout_s={WAIT_TIMEOUT_S}", "trainer.total_training_steps=3", "trainer.resume_mode=disable",
         f"trainer.default_local_dir={run_dir}", "task.eval_size=8", f"task.cache_dir={CACHE_DIR}",
