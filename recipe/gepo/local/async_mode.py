@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import threading
 import time
+import uuid
 from dataclasses import asdict
 from typing import Any, Optional
 
@@ -35,10 +36,10 @@ from recipe.gepo.local.run_utils import MetricLogger, RunSettings, load_latest_c
 from recipe.gepo.local.tasks import Task, TaskConfig
 from verl_ext.hetero.buffer import RolloutBuffer
 from verl_ext.hetero.delay_channel import DelayChannel
-from verl_ext.hetero.exchange import RolloutInbox, send_group
+from verl_ext.hetero.exchange import ROLLOUT_TOPIC, RolloutInbox, send_group
 from verl_ext.hetero.records import RecordSpec
 from verl_ext.hetero.transport import make_transport
-from verl_ext.hetero.weights import WeightStore
+from verl_ext.hetero.weights import WeightStore, version_key
 
 CONTROL_TOPIC = "control"
 STOP_KEY = "stop"
@@ -67,10 +68,13 @@ def _actor_and_algo_configs(cfg_container: dict) -> tuple[Any, Any]:
 class SamplerWorker:
     """Generates rollout groups with the newest weights its delay lets it see, until told to stop."""
 
-    def __init__(self, index: int, cfg_container: dict, model_path: str, transport: dict, speed_factor: float):
+    def __init__(
+        self, index: int, cfg_container: dict, model_path: str, transport: dict, speed_factor: float, uid_namespace: str
+    ):
         torch.set_num_threads(1)
         cfg = OmegaConf.create(cfg_container)
         self.index, self.sampler_id = index, f"sampler-{index}"
+        self.uid_namespace = uid_namespace  # unique per launch: a restarted sampler never reuses a uid
         self.hetero = HeteroConfig.from_omegaconf(cfg.hetero)
         self.settings = RunSettings.from_config(cfg)
         self.task = Task(TaskConfig.from_omegaconf(cfg.task), self.hetero.seed)
@@ -112,7 +116,7 @@ class SamplerWorker:
                 self.model, self.tokenizer, items, self.task.score, self.rollout, self.algorithm_config,
                 policy_version=self.version, sampler_id=self.sampler_id,
                 seed=(self.hetero.seed * 1_000_003 + batch_index) * 64 + self.index,
-                uid_prefix=f"s{self.index}-b{batch_index}",
+                uid_prefix=f"{self.uid_namespace}-b{batch_index}",
             )  # fmt: skip
             gen_s = time.perf_counter() - t0
             if self.speed_factor > 1:
@@ -165,6 +169,15 @@ class LearnerWorker:
         if checkpoint is not None:
             self.learner.load_state_dict(checkpoint["learner"])
             self.buffer.load_state_dict(checkpoint["buffer"])
+        else:
+            # a fresh run on a used exchange: the previous run's rollouts are not ours
+            for key in self.transport.keys(ROLLOUT_TOPIC):
+                self.transport.delete(ROLLOUT_TOPIC, key)
+        # versions newer than ours (published after the checkpoint we resume from, or by a
+        # previous run) would look like the future to samplers and to the buffer
+        for version in self.weights.versions():
+            if version > self.learner.version:
+                self.transport.delete(self.weights.topic, version_key(version))
         self.weights.publish(self.learner.version, self.model.state_dict())
         self._poller.start()
         return self.learner.version
@@ -205,6 +218,28 @@ class LearnerWorker:
         self.transport.put(CONTROL_TOPIC, STOP_KEY, b"stop")
 
 
+class _SamplerThroughput:
+    """Response tokens all samplers generated per wall-clock second since the last update."""
+
+    def __init__(self):
+        self._tokens: dict[Any, float] = {}
+        self._last = time.perf_counter()
+
+    def update(self, samplers: dict[int, Any]) -> float:
+        total_new = 0.0
+        for actor in samplers.values():
+            try:
+                tokens = float(ray.get(actor.counters.remote(), timeout=5.0)["tokens"])
+            except Exception:  # noqa: BLE001 - a dead or busy sampler contributes nothing this step
+                continue
+            total_new += tokens - self._tokens.get(actor, 0.0)
+            self._tokens[actor] = tokens
+        now = time.perf_counter()
+        rate = total_new / max(now - self._last, 1e-9)
+        self._last = now
+        return rate
+
+
 def run_async(
     cfg: DictConfig,
     hetero: HeteroConfig,
@@ -234,18 +269,19 @@ def run_async(
     if checkpoint is None:
         logger.log(ray.get(learner.evaluate.remote(hetero.seed)), step=0)
 
-    sampler_cls = ray.remote(num_cpus=0, max_restarts=0)(SamplerWorker)
+    # two threads: run() generates while counters() answers the driver
+    sampler_cls = ray.remote(num_cpus=0, max_restarts=0, max_concurrency=2)(SamplerWorker)
     speeds = hetero.speed_factors()
     samplers: dict[int, Any] = {}
     runs: dict[Any, int] = {}
-    next_batch = {i: start * 1000 for i in range(hetero.num_samplers)}  # fresh uids after a resume
+    next_batch = {i: start * 1000 for i in range(hetero.num_samplers)}  # fresh prompts after a resume
     failures = 0
     restarts = {i: 0 for i in range(hetero.num_samplers)}
 
     def launch(i: int) -> None:
         # named, so an operator (or a fault-injection test) can find and kill a sampler
         samplers[i] = sampler_cls.options(name=f"heterorl-sampler-{i}-{restarts[i]}").remote(
-            i, container, model_path, spec, speeds[i]
+            i, container, model_path, spec, speeds[i], f"s{i}-{uuid.uuid4().hex[:8]}"
         )
         restarts[i] += 1
         runs[samplers[i].run.remote(next_batch[i])] = i
@@ -253,6 +289,7 @@ def run_async(
     for i in range(hetero.num_samplers):
         launch(i)
 
+    throughput = _SamplerThroughput()
     metrics: dict[str, float] = {}
     bar = tqdm(range(start, settings.total_steps), desc="async", initial=start, total=settings.total_steps)
     try:
@@ -269,13 +306,14 @@ def run_async(
                     except Exception as err:  # noqa: BLE001 - any actor failure is reported the same way
                         failures += 1
                         bar.write(f"[heterorl] sampler-{i} failed ({type(err).__name__}); restarting it")
-                        next_batch[i] += 1000  # never reuse the uids it may have sent
+                        next_batch[i] += 1000  # a restarted sampler draws fresh prompts
                         launch(i)
                 if ready:
                     break
             metrics = ray.get(pending)
             done = step + 1
             metrics["hetero/sampler_failures"] = float(failures)
+            metrics["perf/sampler_tokens_per_s"] = throughput.update(samplers)
             if (settings.test_freq > 0 and done % settings.test_freq == 0) or done == settings.total_steps:
                 metrics.update(ray.get(learner.evaluate.remote(hetero.seed)))
             logger.log(metrics, step=done)

@@ -47,7 +47,9 @@ def collate_groups(groups: list[RolloutGroup], pad_token_id: int) -> dict[str, t
         g, p, r = group.group_size, len(group.prompt_ids), group.response_ids.shape[1]
         rows = slice(row, row + g)
         prompt_ids[rows, max_prompt - p :] = t["prompt_ids"].long()
-        prompt_mask[rows, max_prompt - p :] = 1
+        # a sampler may ship its own prompt padding: honour its mask
+        own_mask = group.prompt_mask
+        prompt_mask[rows, max_prompt - p :] = 1 if own_mask is None else torch.as_tensor(own_mask).long()
         response_ids[rows, :r] = t["response_ids"].long()
         response_mask[rows, :r] = t["response_mask"].long()
         sampler_logprobs[rows, :r] = t["sampler_logprobs"].float()

@@ -77,11 +77,6 @@ def test_async_ledger_balances(async_run):
     assert all(s == "dropped:stale" for s in status.values() if s.startswith("dropped"))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: async mode never logs perf/sampler_tokens_per_s (replay does): SamplerWorker counts "
-    "tokens and gen_s in self.stats but run_async never collects them into the step metrics",
-)
 def test_async_logs_the_fixed_metric_names(async_run):
     missing = {line["step"]: [n for n in STEP_METRICS if n not in line] for line in train_lines(async_run[2])}
     assert not any(missing.values()), missing

@@ -76,12 +76,6 @@ def test_collate_pads_prompts_left_and_responses_right():
         row += g
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: collate_groups ignores RolloutGroup.prompt_mask: a group whose prompt carries its own "
-    "padding (prompt_mask 0 at the front, as a left-padded sampler batch produces) gets prompt_mask 1 "
-    "on those pad tokens, so the learner attends to them and its positions differ from the sampler's",
-)
 def test_collate_honours_a_groups_own_prompt_mask():
     group = make_group("padded", prompt_len=5, lengths=[2, 3], seed=3)
     group.prompt_ids[:2] = PAD
