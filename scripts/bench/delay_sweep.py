@@ -79,9 +79,9 @@ class Plan:
     extra: list[str] = field(default_factory=list)
 
 
-FULL = dict(tasks=["short", "long"], algos=list(ALGOS), delays=[0, 8, 64], seeds=[0, 1, 2], steps=120, lr=1e-4,
-            test_freq=10, eval_size=128, prompts=8, diagnostics_every=10, diagnostics_samples=16)  # fmt: skip
-QUICK = dict(tasks=["short", "long"], algos=["gepo", "gspo", "grpo"], delays=[0, 64], seeds=[0], steps=16, lr=1e-4,
+FULL = dict(tasks=["long", "short"], algos=list(ALGOS), delays=[0, 8, 64], seeds=[0, 1, 2], steps=60, lr=1e-4,
+            test_freq=10, eval_size=64, prompts=8, diagnostics_every=10, diagnostics_samples=8)  # fmt: skip
+QUICK = dict(tasks=["long", "short"], algos=["gepo", "gspo", "grpo"], delays=[0, 64], seeds=[0], steps=16, lr=1e-4,
              test_freq=8, eval_size=32, prompts=4, diagnostics_every=8, diagnostics_samples=8)  # fmt: skip
 
 
@@ -349,15 +349,19 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault("TQDM_DISABLE", "1")
         models = {t: warm_start_path(t, a.cache_dir) for t in plan.tasks}
         jobs = []
-        # interleave so a partial sweep has every algorithm at delay 0 and the largest delay first
-        order = sorted(plan.delays, key=lambda d: (d not in (min(plan.delays), max(plan.delays)), d))
-        for seed in plan.seeds:
-            for task in plan.tasks:
-                for delay in order:
-                    for algo in plan.algos:
-                        d = out / "runs" / task / algo / f"d{delay}" / f"s{seed}"
-                        if not (d / "DONE").is_file():
-                            jobs.append((run_overrides(plan, task, algo, delay, seed, models[task], d), str(d)))
+        # priority order, so an interrupted sweep is still a usable one: first every algorithm at
+        # the smallest and the largest delay (seed by seed, tasks and algorithms in the order
+        # given), then the delays in between
+        ends = {min(plan.delays), max(plan.delays)}
+        tiers = [[d for d in plan.delays if d in ends], [d for d in plan.delays if d not in ends]]
+        for tier in tiers:
+            for seed in plan.seeds:
+                for task in plan.tasks:
+                    for delay in tier:
+                        for algo in plan.algos:
+                            d = out / "runs" / task / algo / f"d{delay}" / f"s{seed}"
+                            if not (d / "DONE").is_file():
+                                jobs.append((run_overrides(plan, task, algo, delay, seed, models[task], d), str(d)))
         print(f"{len(jobs)} runs to do ({a.workers} workers); outputs in {out}", flush=True)
         ctx = mp.get_context("spawn")
         with ctx.Pool(a.workers, maxtasksperchild=8) as pool:
