@@ -103,8 +103,6 @@ def test_bad_groups_are_rejected_by_reason_counted_and_never_trained_on(worker):
     assert np.isfinite(metrics["actor/loss"]) and metrics["training/policy_version"] == 1.0
 
 
-@pytest.mark.xfail(strict=True, reason="BUG/GAP: the engine builds RecordSpec(group_size=G) without "
-                   "reward_range, so rewards outside the task's range (toy: [0, 1]) are trained on")
 def test_rewards_outside_the_tasks_range_are_rejected(worker):
     learner, transport = worker
     send_group(transport, group("reward-too-high", rewards=np.full(G, 100.0, dtype=np.float32)))

@@ -5,6 +5,7 @@ not leave the crashed learner's later weight versions for samplers to pick up.
 Exactly-once of the inbox alone is unit-tested in tests/hetero/test_hetero_transport_on_cpu.py;
 here it is the engine's wiring: checkpoint_state -> acknowledge -> crash -> start(checkpoint)."""
 
+import pytest
 from omegaconf import OmegaConf
 
 from recipe.gepo.local.async_mode import LearnerWorker
@@ -18,7 +19,9 @@ def new_worker(root, model_path, batch):
     cfg = compose_trainer("hetero.transport=fs", f"data.train_batch_size={batch}", "task.eval_size=4",
                           f"trainer.default_local_dir={root / 'run'}")
     spec = {"kind": "fsspec", "url": str(root / "exchange")}
-    return LearnerWorker(OmegaConf.to_container(cfg, resolve=True), model_path, spec)
+    worker = LearnerWorker(OmegaConf.to_container(cfg, resolve=True), model_path, spec)
+    worker._stop.set()  # no background poller: the test polls by hand, deterministically
+    return worker
 
 
 def test_crash_after_a_checkpoint_loses_nothing_and_uses_nothing_twice(tmp_path, toy_model_path):
@@ -75,3 +78,16 @@ def test_resume_withdraws_the_crashed_learners_later_weight_versions(tmp_path, t
     b.start(checkpoint)
     b._stop.set()
     assert b.weights.versions() == [0]
+
+
+def test_a_group_from_just_published_weights_is_accepted(tmp_path, toy_model_path):
+    worker = new_worker(tmp_path, toy_model_path, 2)
+    worker.start()
+    for i in range(2):
+        send_group(worker.transport, group(f"v0-{i}"))
+    worker.inbox.poll()
+    worker.step()
+    assert worker.weights.latest_version() == 1
+    send_group(worker.transport, group("made-with-v1", version=1))  # a sampler that loaded v1 at once
+    worker.inbox.poll()
+    assert worker.buffer.ledger.status["made-with-v1"] == "buffered"

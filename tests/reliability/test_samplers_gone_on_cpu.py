@@ -46,8 +46,6 @@ def test_learner_fails_clearly_after_the_wait_timeout(stalled_run):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.xfail(strict=True, reason="BUG/GAP: while the learner blocks in buffer.take the driver prints "
-                   "nothing; the user sees a frozen progress bar until the timeout error")
 def test_a_waiting_status_is_visible_before_the_timeout(stalled_run):
     proc, _, _ = stalled_run
     output = proc.stdout + proc.stderr

@@ -11,7 +11,7 @@ import pytest
 from .conftest import REPO
 
 # fault kinds the engine does not handle yet; each has a strict-xfail test naming the gap
-KNOWN_GAPS = {"bad_reward_range"}  # tests/reliability/test_bad_data_on_cpu.py
+KNOWN_GAPS: set[str] = set()
 
 
 @pytest.mark.slow
