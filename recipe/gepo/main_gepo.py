@@ -19,6 +19,20 @@ from omegaconf import DictConfig, OmegaConf
 from recipe.gepo.hetero_config import HeteroConfig
 
 
+def _check_registered(loss_mode: str, adv_estimator: Any) -> None:
+    """Fail before any work when the loss or estimator is not in verl's registries."""
+    from verl.trainer.ppo import core_algos
+
+    name = getattr(adv_estimator, "value", adv_estimator)
+    if loss_mode not in core_algos.POLICY_LOSS_REGISTRY:
+        raise ValueError(
+            f"actor_rollout_ref.actor.policy_loss.loss_mode={loss_mode!r} is not registered; "
+            f"known: {sorted(core_algos.POLICY_LOSS_REGISTRY)}"
+        )
+    if name not in core_algos.ADV_ESTIMATOR_REGISTRY:
+        raise ValueError(f"algorithm.adv_estimator={name!r} is not registered; known: {sorted(core_algos.ADV_ESTIMATOR_REGISTRY)}")
+
+
 def run_local(cfg: DictConfig) -> dict[str, Any]:
     """Validate everything, then train with the embedded engine; returns the final metrics."""
     import torch
@@ -32,6 +46,7 @@ def run_local(cfg: DictConfig) -> dict[str, Any]:
     task_config = TaskConfig.from_omegaconf(cfg.task)
     actor_config = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
     algorithm_config = omega_conf_to_dataclass(cfg.algorithm)
+    _check_registered(actor_config.policy_loss.loss_mode, algorithm_config.adv_estimator)
     if algorithm_config.adv_estimator in ("grpo", "bnpo") and settings.group_size < 2:
         raise ValueError(
             f"actor_rollout_ref.rollout.n={settings.group_size}: the group-normalised estimator "

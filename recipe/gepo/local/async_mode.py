@@ -149,7 +149,8 @@ class LearnerWorker:
         self.transport = open_transport(transport)
         self.buffer = RolloutBuffer(
             max_delay=self.hetero.max_delay, stale_policy=self.hetero.stale_policy, order=self.hetero.order,
-            spec=RecordSpec(group_size=self.settings.group_size), wait_timeout_s=self.hetero.wait_timeout_s,
+            spec=RecordSpec(group_size=self.settings.group_size, reward_range=self.task.reward_range),
+            wait_timeout_s=self.hetero.wait_timeout_s,
         )  # fmt: skip
         inbox_transport = self.transport
         if self.hetero.delay_rollouts:
@@ -178,6 +179,7 @@ class LearnerWorker:
         for version in self.weights.versions():
             if version > self.learner.version:
                 self.transport.delete(self.weights.topic, version_key(version))
+        self.buffer.set_learner_version(self.learner.version)
         self.weights.publish(self.learner.version, self.model.state_dict())
         self._poller.start()
         return self.learner.version
@@ -193,6 +195,8 @@ class LearnerWorker:
         groups = self.buffer.take(self.settings.prompts_per_step, learner_version=self.learner.version)
         waited = time.perf_counter() - t0
         metrics = self.learner.train_step(groups)
+        # the buffer must accept groups made with version v before any sampler can load v
+        self.buffer.set_learner_version(self.learner.version)
         self.weights.publish(self.learner.version, self.model.state_dict())
         step_s = time.perf_counter() - t0
         metrics.update(self.buffer.metrics())
@@ -290,13 +294,23 @@ def run_async(
         launch(i)
 
     throughput = _SamplerThroughput()
+    status_every = min(30.0, hetero.wait_timeout_s / 3)  # how often a blocked learner is reported
     metrics: dict[str, float] = {}
     bar = tqdm(range(start, settings.total_steps), desc="async", initial=start, total=settings.total_steps)
     try:
         for step in bar:
             pending = learner.step.remote()
+            waiting_since, next_status = time.monotonic(), status_every
             while True:
                 ready, _ = ray.wait([pending], timeout=0.5)
+                waited = time.monotonic() - waiting_since
+                if not ready and waited >= next_status:
+                    bar.write(
+                        f"[heterorl] step {step + 1}: waiting for rollouts for {waited:.0f}s "
+                        f"({len(runs)} sampler(s) running; the learner fails after "
+                        f"hetero.wait_timeout_s={hetero.wait_timeout_s:g})"
+                    )
+                    next_status += status_every
                 # a sampler whose run() returned before the stop marker died (or was killed)
                 finished, _ = ray.wait(list(runs), timeout=0, num_returns=len(runs)) if runs else ([], [])
                 for ref in finished:

@@ -206,7 +206,8 @@ def run_replay(
     delay_model = hetero.delay.build()
     buffer = RolloutBuffer(
         max_delay=hetero.max_delay, stale_policy=hetero.stale_policy, order=hetero.order,
-        spec=RecordSpec(group_size=settings.group_size), wait_timeout_s=hetero.wait_timeout_s,
+        spec=RecordSpec(group_size=settings.group_size, reward_range=task.reward_range),
+        wait_timeout_s=hetero.wait_timeout_s,
     )  # fmt: skip
     snapshots = {0: _snapshot(model)}
     start = 0

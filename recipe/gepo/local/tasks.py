@@ -104,6 +104,12 @@ class Task:
             self.eval_items = items(config.eval_dataset, None, config.eval_size)
 
     @property
+    def reward_range(self) -> tuple[float, float]:
+        """Bounds of a valid reward; a group outside them is rejected on arrival. Both rewards
+        score in [0, 1] (toy: exact match; math: accuracy with the default weights)."""
+        return (0.0, 1.0)
+
+    @property
     def eval_name(self) -> str:
         if self.config.name == "toy_addition":
             return "toy" if self.config.answer_format == "short" else "toy_scratch"
