@@ -33,7 +33,9 @@ def run(overrides: list[str], run_dir: Path) -> dict:
     cmd = [sys.executable, "-m", "recipe.gepo.main_gepo", *overrides, f"trainer.default_local_dir={run_dir}",
            f"hydra.run.dir={run_dir}/hydra"]  # fmt: skip
     start = time.perf_counter()
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"run failed ({' '.join(cmd)}):\n{proc.stderr[-3000:]}")
     total = time.perf_counter() - start
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "perf/step_s" in r]
