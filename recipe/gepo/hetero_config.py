@@ -95,6 +95,9 @@ class HeteroConfig:
     """Weight versions kept by the weight store (async) / snapshots beyond max_delay (replay)."""
     weights_bf16: bool = False
     """Send weights as bf16 over the transport (halves the bytes; the learner keeps fp32)."""
+    max_nonfinite_steps: int = 5
+    """Consecutive optimizer steps with a NaN/Inf loss or gradient (each skipped and counted in
+    actor/nonfinite_skipped) after which the run stops with an error."""
     dry_run: bool = False
     """Validate the config, print the plan and exit without running."""
     seed: int = 0
@@ -122,6 +125,8 @@ class HeteroConfig:
             raise ValueError(f"hetero.max_delay={self.max_delay} must be >= 0")
         if self.wait_timeout_s <= 0:
             raise ValueError(f"hetero.wait_timeout_s={self.wait_timeout_s} must be > 0")
+        if self.max_nonfinite_steps < 1:
+            raise ValueError(f"hetero.max_nonfinite_steps={self.max_nonfinite_steps} must be >= 1")
         if self.keep_weight_versions < 1:
             raise ValueError(f"hetero.keep_weight_versions={self.keep_weight_versions} must be >= 1")
         if self.sampler_speed_factors:

@@ -145,7 +145,10 @@ class LearnerWorker:
         self.task = Task(TaskConfig.from_omegaconf(cfg.task), self.hetero.seed)
         actor_config, _ = _actor_and_algo_configs(cfg_container)
         self.model, self.tokenizer = load_policy(model_path)
-        self.learner = Learner(self.model, actor_config, self.settings.temperature, self.tokenizer.pad_token_id)
+        self.learner = Learner(
+            self.model, actor_config, self.settings.temperature, self.tokenizer.pad_token_id,
+            max_nonfinite_steps=self.hetero.max_nonfinite_steps,
+        )  # fmt: skip
         self.transport = open_transport(transport)
         self.buffer = RolloutBuffer(
             max_delay=self.hetero.max_delay, stale_policy=self.hetero.stale_policy, order=self.hetero.order,
@@ -338,8 +341,13 @@ def run_async(
                 ray.get(learner.acknowledge.remote(state["buffer"]))
         metrics.update({f"hetero/ledger_{k}": float(v) for k, v in ray.get(learner.ledger_counts.remote()).items()})
     finally:
-        ray.get(learner.shutdown.remote())
-        for i, actor in samplers.items():
+        # samplers stop on the marker even if the learner actor is gone (the driver writes it too)
+        transport.put(CONTROL_TOPIC, STOP_KEY, b"stop")
+        try:
+            ray.get(learner.shutdown.remote(), timeout=30)
+        except Exception:  # noqa: BLE001 - a dead learner must not keep the samplers running
+            pass
+        for actor in samplers.values():
             ray.kill(actor)
         if started_ray:
             ray.shutdown()

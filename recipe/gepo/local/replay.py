@@ -197,9 +197,11 @@ def run_replay(
     sampler_model, _ = load_policy(model_path)
     correction = rollout_correction_settings(algorithm_config)
     if correction is None:
-        learner = Learner(model, actor_config, settings.temperature, tokenizer.pad_token_id)
+        learner = Learner(model, actor_config, settings.temperature, tokenizer.pad_token_id,
+                          max_nonfinite_steps=hetero.max_nonfinite_steps)  # fmt: skip
     else:
         learner = TruncatedISLearner(model, actor_config, settings.temperature, tokenizer.pad_token_id,
+                                     max_nonfinite_steps=hetero.max_nonfinite_steps,
                                      rollout_correction=correction)  # fmt: skip
     diag_every = int(getattr(task.config, "diagnostics_every", 0) or 0)
     rollout = RolloutSettings(settings.group_size, settings.temperature, settings.max_new_tokens)
