@@ -111,6 +111,7 @@ def run_one(job: tuple[list[str], str]) -> tuple[str, float, str]:
     its report and its end-of-run checkpoint). Returns (run dir, seconds, error or "")."""
     overrides, run_dir = job
     t0 = time.time()
+    (Path(run_dir) / "FAILED").unlink(missing_ok=True)  # a retried run
     try:
         import torch
 
