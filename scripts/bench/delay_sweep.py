@@ -270,7 +270,7 @@ def collect(out: Path, plan: Plan) -> list[dict]:
             for delay in plan.delays:
                 for seed in plan.seeds:
                     d = out / "runs" / task / algo / f"d{delay}" / f"s{seed}"
-                    if (d / "DONE").is_file():
+                    if (d / "DONE").is_file() and (d / "metrics.jsonl").is_file():
                         per_run.append({"task": task, "algo": algo, "delay": delay, "seed": seed, "dir": d,
                                         **run_numbers(load_metrics(d), plan.steps)})  # fmt: skip
     return per_run
@@ -311,6 +311,20 @@ def _figures(out: Path, task: str, per_run: list[dict], log) -> None:
     _, corr = make_diag_figures(runs, labels, out / f"figures_{task}", log=quiet)
     pooled = corr[corr["run"] == -1][["x", "y", "n", "r"]]
     log(f"\nPearson r pooled over all {task} runs' steps:\n{pooled.to_string(index=False)}")
+    # per algorithm (the IS-weight variance is of each loss's own weights: token or sequence level)
+    from verl_ext.analysis.run_diagnostics import diag_correlations
+
+    rows = []
+    for algo in dict.fromkeys(r["algo"] for r in per_run):
+        idx = [i for i, r in enumerate(per_run) if r["algo"] == algo]
+        c = diag_correlations([runs[i] for i in idx], [labels[i] for i in idx])
+        for row in c[c["run"] == -1].itertuples():
+            rows.append({"algo": algo, "x": row.x.split("/")[-1], "y": row.y.split("/")[-1], "n": row.n, "r": row.r})
+    import pandas as pd
+
+    table = pd.DataFrame(rows).pivot_table(index="algo", columns=["y", "x"], values="r", sort=False)
+    table.to_csv(out / f"figures_{task}" / "correlations_by_algo.csv")
+    log(f"\nPearson r per algorithm (pooled over its runs' steps; columns y / x):\n{table.round(2).to_string()}")
 
 
 def main(argv: list[str] | None = None) -> int:
