@@ -50,7 +50,8 @@ def test_theorem1_with_valid_constant(params):
     p, q = _pairs(np.random.default_rng(seed), 64, n, conc)
     d = discrete_weight_variance(p, q)
     diff = d["ratio"] - d["group_expectation"]
-    assert np.all(diff >= np.exp(d["kl"]) - theorem1_constants(q)["valid"] - 1e-9)
+    # relative slack: near-point-mass q makes both sides ~1e12, where float64 rounds at ~1e-4
+    assert np.all(diff >= np.exp(d["kl"]) - theorem1_constants(q)["valid"] - 1e-9 * np.maximum(1, np.abs(diff)))
 
 
 @settings(max_examples=60, deadline=None)
@@ -63,7 +64,7 @@ def test_theorem3_with_valid_constant(params):
     d = discrete_weight_variance(p, q, adv)
     c = theorem3_constants(q, adv)
     diff = d["ratio"] - d["group_expectation"]
-    assert np.all(diff >= c["a_min"] ** 2 * np.exp(d["kl"]) - c["valid"] - 1e-9)
+    assert np.all(diff >= c["a_min"] ** 2 * np.exp(d["kl"]) - c["valid"] - 1e-9 * np.maximum(1, np.abs(diff)))
 
 
 def test_theorem1_paper_constant_holds_for_bernoulli():

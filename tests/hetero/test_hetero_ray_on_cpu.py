@@ -89,7 +89,8 @@ def test_buffer_actor_samplers_add_while_learner_blocks_in_take(samplers):
     version = 0
     while True:
         version += 1
-        buffer.set_learner_version.remote(version)
+        # a threaded actor does not order calls: wait for the version to apply before counting
+        ray.get(buffer.set_learner_version.remote(version))
         if ray.get(buffer.__len__.remote()) < 4:
             break
         batch = ray.get(buffer.take.remote(4, version, 5))
