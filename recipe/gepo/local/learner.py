@@ -111,10 +111,7 @@ class Learner:
             self.model, batch["prompt_ids"], batch["prompt_mask"], batch["response_ids"], batch["response_mask"],
             self.temperature,
         )  # fmt: skip
-        loss, metrics = compute_actor_loss(
-            self.actor_config, log_prob, batch["sampler_logprobs"], batch["advantages"], mask,
-            group_log_denominator=group_log_denominator, group_index=batch["group_index"],
-        )  # fmt: skip
+        loss, metrics = self.policy_loss(log_prob, batch, group_log_denominator)
         self.optimizer.zero_grad(set_to_none=True)
         finite = math.isfinite(loss.item())
         grad_norm = float("nan")
@@ -149,6 +146,20 @@ class Learner:
             }
         )
         return metrics
+
+    def policy_loss(
+        self, log_prob: torch.Tensor, batch: dict[str, torch.Tensor], group_log_denominator: torch.Tensor
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """The loss of one step; subclasses change what the loss sees (e.g. truncated IS).
+
+        Args: ``log_prob`` (B, T) learner log-probs with grad; ``batch`` from :func:`collate_groups`;
+        ``group_log_denominator`` (B,) log E_q[q] of each sequence's group.
+        """
+        return compute_actor_loss(
+            self.actor_config, log_prob, batch["sampler_logprobs"], batch["advantages"],
+            batch["response_mask"].bool(), group_log_denominator=group_log_denominator,
+            group_index=batch["group_index"],
+        )  # fmt: skip
 
     def state_dict(self) -> dict[str, Any]:
         return {

@@ -31,13 +31,10 @@ import time
 from typing import Any
 
 import numpy as np
+import torch
 from tqdm import tqdm
 
-import math
-
-import torch
-
-from recipe.gepo.local.learner import Learner, NonFiniteStepError, collate_groups
+from recipe.gepo.local.learner import Learner, collate_groups
 from recipe.gepo.local.policy import load_policy, sample_groups, sequence_token_log_probs
 from recipe.gepo.local.rollout import RolloutSettings, generate_groups
 from recipe.gepo.local.run_utils import (
@@ -52,7 +49,7 @@ from recipe.gepo.hetero_config import HeteroConfig
 from verl_ext.hetero.buffer import RolloutBuffer
 from verl_ext.hetero.records import RecordSpec
 from verl_ext.algos.diagnostics import importance_weight_stats, sampler_learner_kl
-from verl_ext.algos.importance import group_expectation_log_denominator, sequence_log_prob
+from verl_ext.algos.importance import sequence_log_prob
 from verl_ext.loss_bridge import compute_actor_loss
 from verl_ext.verl_plugin import loss_option
 
@@ -94,19 +91,10 @@ class TruncatedISLearner(Learner):
         super().__init__(*args, **kwargs)
         self.rollout_correction = rollout_correction
 
-    def train_step(self, groups) -> dict[str, float]:
+    def policy_loss(self, log_prob, batch, group_log_denominator):
         from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_weights
 
-        self.model.train()
-        batch = collate_groups(groups, self.pad_token_id)
         mask = batch["response_mask"].bool()
-        reduction = loss_option(self.actor_config, "seq_reduction")
-        seq_log_q = sequence_log_prob(batch["sampler_logprobs"], mask, reduction)
-        group_log_denominator = group_expectation_log_denominator(seq_log_q, batch["group_index"])
-        log_prob = sequence_token_log_probs(
-            self.model, batch["prompt_ids"], batch["prompt_mask"], batch["response_ids"], batch["response_mask"],
-            self.temperature,
-        )  # fmt: skip
         proximal = log_prob.detach()
         is_weights, _ = compute_rollout_correction_weights(
             (proximal - batch["sampler_logprobs"]) * mask, mask.float(), **self.rollout_correction
@@ -122,32 +110,7 @@ class TruncatedISLearner(Learner):
         metrics["is/kl_sampler_learner"] = sampler_learner_kl(proximal, batch["sampler_logprobs"], mask)
         metrics["is/tis_weight_mean"] = float(is_weights[mask].mean())
         metrics["is/tis_truncated_frac"] = float((raw[mask] > self.rollout_correction["rollout_is_threshold"]).double().mean())
-        self.optimizer.zero_grad(set_to_none=True)
-        finite = math.isfinite(loss.item())
-        grad_norm = float("nan")
-        if finite:
-            loss.backward()
-            params = [p for p in self.model.parameters() if p.grad is not None]
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.grad_clip if self.grad_clip > 0 else float("inf")))
-            finite = math.isfinite(grad_norm)
-        if finite:
-            self.optimizer.step()
-            self.version += 1
-            self._consecutive_nonfinite = 0
-        else:
-            self.optimizer.zero_grad(set_to_none=True)
-            self.nonfinite_skipped += 1
-            self._consecutive_nonfinite += 1
-            if self._consecutive_nonfinite >= self.max_nonfinite_steps:
-                raise NonFiniteStepError(f"{self._consecutive_nonfinite} consecutive non-finite steps")
-        lengths = batch["response_mask"].sum(dim=-1).float()
-        metrics.update({
-            "actor/grad_norm": grad_norm, "actor/nonfinite_skipped": float(self.nonfinite_skipped),
-            "reward/mean": batch["rewards"].mean().item(),
-            "reward/std": batch["rewards"].std().item() if len(batch["rewards"]) > 1 else 0.0,
-            "response_length/mean": lengths.mean().item(), "training/policy_version": float(self.version),
-        })  # fmt: skip
-        return metrics
+        return loss, metrics
 
 
 def advantage_diagnostics(
