@@ -111,14 +111,14 @@ def paired(df: pd.DataFrame, x: str, y: str) -> tuple[np.ndarray, np.ndarray]:
     return xs[keep], ys[keep]
 
 
-def correlations(runs: Sequence[Run], labels: Sequence[str]) -> pd.DataFrame:
-    """Pearson r for each pair in :data:`PAIRS`, per run and pooled over all runs' steps.
+def correlations(runs: Sequence[Run], labels: Sequence[str], pairs: Sequence[tuple[str, str]] = PAIRS) -> pd.DataFrame:
+    """Pearson r for each metric pair in ``pairs``, per run and pooled over all runs' steps.
 
     Columns: ``run`` (index into ``runs``; -1 for the pooled row), ``label`` (``"all runs"``
     for the pooled row), ``x``, ``y``, ``n`` (pairs), ``r`` (NaN when undefined)."""
     rows = []
-    for x, y in PAIRS:
-        all_x, all_y = [], []
+    for x, y in pairs:
+        all_x, all_y = [np.empty(0)], [np.empty(0)]
         for i, (run, label) in enumerate(zip(runs, labels)):
             xs, ys = paired(run.metrics, x, y)
             all_x.append(xs)

@@ -40,7 +40,6 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-import numpy as np
 import pandas as pd
 import torch
 
@@ -140,21 +139,10 @@ def estimation_errors(
 
 
 def diag_correlations(runs, labels, pairs=DIAG_PAIRS) -> pd.DataFrame:
-    """Pearson r per pair, per run and pooled; the columns of :func:`recipe.gepo.plot.correlations`."""
-    from recipe.gepo.plot import POOLED, paired, pearson
+    """Pearson r per pair of :data:`DIAG_PAIRS`, per run and pooled (:func:`recipe.gepo.plot.correlations`)."""
+    from recipe.gepo.plot import correlations
 
-    rows = []
-    for x, y in pairs:
-        all_x, all_y = [], []
-        for i, (run, label) in enumerate(zip(runs, labels)):
-            xs, ys = paired(run.metrics, x, y)
-            all_x.append(xs)
-            all_y.append(ys)
-            rows.append({"run": i, "label": label, "x": x, "y": y, "n": int(xs.size), "r": pearson(xs, ys)})
-        px = np.concatenate(all_x) if all_x else np.empty(0)
-        py = np.concatenate(all_y) if all_y else np.empty(0)
-        rows.append({"run": -1, "label": POOLED, "x": x, "y": y, "n": int(px.size), "r": pearson(px, py)})
-    return pd.DataFrame(rows, columns=["run", "label", "x", "y", "n", "r"])
+    return correlations(runs, labels, pairs)
 
 
 def _name(x: str, y: str) -> str:
