@@ -203,12 +203,15 @@ def run_numbers(metrics: list[dict], total_steps: int) -> dict[str, float]:
     return out
 
 
+RUN_KEYS = ("start", "best", "last", "lq_mean", "gap", "kl", "var", "err")  # what run_numbers returns
+
+
 def summarize(per_run: list[dict]) -> list[dict]:
     """Rows per (task, algo, delay) from per-run dicts (keys task, algo, delay, seed and the
     :func:`run_numbers` keys): ``<key>_mean`` / ``<key>_std`` (sample std over seeds, NaN for one
-    seed) and ``n``. ``drop`` (on every row of the algorithm) = lq_mean at delay 0 minus lq_mean
-    at the largest delay, paired by seed (seeds present at both), mean and std over seeds."""
-    keys = ("start", "best", "last", "lq_mean", "gap", "kl", "var", "err")
+    seed) and ``n``. ``drop`` = lq_mean at delay 0 minus lq_mean at the row's delay, paired by seed
+    (seeds present at both; ``drop_n`` of them), mean and std over seeds; NaN on delay-0 rows."""
+    keys = RUN_KEYS
     groups: dict[tuple, list[dict]] = {}
     for r in per_run:
         groups.setdefault((r["task"], r["algo"], r["delay"]), []).append(r)
@@ -218,18 +221,15 @@ def summarize(per_run: list[dict]) -> list[dict]:
         for k in keys:
             row[f"{k}_mean"], row[f"{k}_std"] = _mean_std([r[k] for r in runs])
         rows.append(row)
-    for task, algo in {(r["task"], r["algo"]) for r in rows}:
-        mine = [r for r in per_run if r["task"] == task and r["algo"] == algo]
-        delays = sorted({r["delay"] for r in mine})
+    # drop from delay 0 to each row's delay, paired by seed (NaN on the delay-0 row itself)
+    lq = {(r["task"], r["algo"], r["delay"], r["seed"]): r["lq_mean"] for r in per_run}
+    for row in rows:
         diffs = []
-        if len(delays) > 1 and delays[0] == 0:
-            lo = {r["seed"]: r["lq_mean"] for r in mine if r["delay"] == 0}
-            hi = {r["seed"]: r["lq_mean"] for r in mine if r["delay"] == delays[-1]}
-            diffs = [lo[s] - hi[s] for s in sorted(set(lo) & set(hi))]
-        m, s = _mean_std(diffs)
-        for r in rows:
-            if r["task"] == task and r["algo"] == algo:
-                r["drop_mean"], r["drop_std"], r["drop_to"] = m, s, (delays[-1] if diffs else None)
+        if row["delay"] != 0:
+            diffs = [lq[(row["task"], row["algo"], 0, s)] - lq[(row["task"], row["algo"], row["delay"], s)]
+                     for s in row["seeds"] if (row["task"], row["algo"], 0, s) in lq]  # fmt: skip
+        row["drop_mean"], row["drop_std"] = _mean_std(diffs)
+        row["drop_n"] = len(diffs)
     return rows
 
 
@@ -241,7 +241,7 @@ def _cell(m: float, s: float, digits: int = 3, sci: bool = False) -> str:
 
 
 def markdown_table(rows: list[dict]) -> str:
-    head = ("| algo | max delay | n | Best | Last | last-quarter mean | best-last gap | drop 0→max (lq) "
+    head = ("| algo | max delay | n | Best | Last | last-quarter mean | best-last gap | drop from delay 0 (lq) "
             "| KL(q‖p) | IS-weight var | E[A] error |")  # fmt: skip
     lines = [head, "|" + "---|" * 11]
     for r in rows:
@@ -290,6 +290,12 @@ def write_outputs(out: Path, plan: Plan, per_run: list[dict], figures: bool = Tr
             w = csv.DictWriter(fh, fieldnames=list(mine[0].keys()))
             w.writeheader()
             w.writerows(mine)
+        # one row per run, the seed-level numbers behind the summary
+        with open(out / f"runs_{task}.csv", "w", newline="") as fh:
+            fields = ["task", "algo", "delay", "seed", *RUN_KEYS]
+            w = csv.DictWriter(fh, fieldnames=fields, extrasaction="ignore")
+            w.writeheader()
+            w.writerows(r for r in per_run if r["task"] == task)
         log(f"\n## {task} answers ({TASKS[task][0]})\n{md}")
         if figures:
             _figures(out, task, [r for r in per_run if r["task"] == task], log)

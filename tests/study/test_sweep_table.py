@@ -46,10 +46,11 @@ def test_table_matches_hand_computation(tmp_path):
     _write_run(root / "d0" / "s1", {0: 0.3, 2: 0.4, 4: 0.5, 6: 0.5, 8: 0.6}, kl, var)
     _write_run(root / "d64" / "s0", {0: 0.3, 2: 0.2, 4: 0.1, 6: 0.1, 8: 0.0}, kl, var)
     _write_run(root / "d64" / "s1", {0: 0.3, 2: 0.3, 4: 0.2, 6: 0.2, 8: 0.1}, kl, var)
-    plan = sw.Plan(tasks=["short"], algos=["gepo"], delays=[0, 64], seeds=[0, 1], steps=8, lr=1e-4, test_freq=2,
+    _write_run(root / "d8" / "s1", {0: 0.3, 2: 0.4, 4: 0.5, 6: 0.5, 8: 0.5}, kl, var)
+    plan = sw.Plan(tasks=["short"], algos=["gepo"], delays=[0, 8, 64], seeds=[0, 1], steps=8, lr=1e-4, test_freq=2,
                    eval_size=8, prompts=2, diagnostics_every=0, diagnostics_samples=1)  # fmt: skip
     per_run = sw.collect(tmp_path, plan)
-    assert len(per_run) == 4
+    assert len(per_run) == 5
     rows = {r["delay"]: r for r in sw.summarize(per_run)}
 
     def ms(a, b):
@@ -69,11 +70,16 @@ def test_table_matches_hand_computation(tmp_path):
     d64 = rows[64]
     assert (d64["best_mean"], d64["last_mean"]) == pytest.approx((0.25, 0.05))
     # drop 0 -> 64 on the last-quarter means, paired by seed: 0.4 - 0.0 and 0.6 - 0.1
-    for r in (d0, d64):
-        assert (r["drop_mean"], r["drop_std"]) == pytest.approx(ms(0.4, 0.5))
-        assert r["drop_to"] == 64
+    assert (d64["drop_mean"], d64["drop_std"]) == pytest.approx(ms(0.4, 0.5)) and d64["drop_n"] == 2
+    assert math.isnan(d0["drop_mean"]) and d0["drop_n"] == 0
+    # delay 8 ran for seed 1 only: its drop pairs that seed alone (0.6 - 0.5)
+    assert rows[8]["n"] == 1 and rows[8]["drop_n"] == 1
+    assert rows[8]["drop_mean"] == pytest.approx(0.1) and math.isnan(rows[8]["drop_std"])
     md = sw.markdown_table(sw.summarize(per_run))
     assert "| gepo | 0 | 2 | 0.650 ± 0.071 |" in md
+    sw.write_outputs(tmp_path, plan, per_run, figures=False, log=lambda *a: None)
+    seeds = (tmp_path / "runs_short.csv").read_text().splitlines()
+    assert seeds[0] == "task,algo,delay,seed,start,best,last,lq_mean,gap,kl,var,err" and len(seeds) == 6
 
 
 def test_run_numbers_last_quarter_uses_steps_after_three_quarters():
