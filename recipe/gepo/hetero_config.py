@@ -91,6 +91,10 @@ class HeteroConfig:
     """Per-sampler multipliers of generation time (heterogeneous compute); empty = all 1."""
     delay_rollouts: bool = False
     """async: also delay rollouts on their way to the learner (by the same delay model)."""
+    sampler_skip_stale: bool = True
+    """async: a sampler whose newest visible weights are already more than max_delay versions
+    behind the newest published version waits for newer weights instead of generating groups the
+    learner must drop. Version numbers are a few bytes and are not delayed; the weights are."""
     keep_weight_versions: int = 4
     """Weight versions kept by the weight store (async) / snapshots beyond max_delay (replay)."""
     weights_bf16: bool = False

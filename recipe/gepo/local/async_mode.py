@@ -88,9 +88,11 @@ class SamplerWorker:
             speed_factor=speed_factor, topics=["weights"],
         )  # fmt: skip
         self.weights = WeightStore(channel, keep_last=self.hetero.keep_weight_versions)
+        # what exists, undelayed: only the version numbers are read from it, never the weights
+        self.published = WeightStore(self.transport, keep_last=self.hetero.keep_weight_versions)
         self.speed_factor = speed_factor
         self.version = -1
-        self.stats = {"batches": 0, "groups": 0, "tokens": 0, "gen_s": 0.0, "weight_loads": 0}
+        self.stats = {"batches": 0, "groups": 0, "tokens": 0, "gen_s": 0.0, "weight_loads": 0, "stale_wait_s": 0.0}
 
     def _refresh_weights(self) -> None:
         newest = self.weights.latest(newer_than=self.version if self.version >= 0 else None)
@@ -98,6 +100,13 @@ class SamplerWorker:
             self.version, state = newest
             self.model.load_state_dict(state)
             self.stats["weight_loads"] += 1
+
+    def weights_too_stale(self) -> bool:
+        """Groups made now would be past the bound on arrival (the learner only moves forward)."""
+        if not self.hetero.sampler_skip_stale:
+            return False
+        newest = self.published.latest_version()
+        return newest is not None and newest - self.version > self.hetero.max_delay
 
     def stopped(self) -> bool:
         return STOP_KEY in self.transport.keys(CONTROL_TOPIC)
@@ -109,6 +118,11 @@ class SamplerWorker:
             self._refresh_weights()
             if self.version < 0:
                 time.sleep(0.05)  # the learner has not published version 0 yet
+                continue
+            if self.weights_too_stale():
+                t0 = time.perf_counter()
+                time.sleep(0.05)  # wait for newer weights rather than generate groups to drop
+                self.stats["stale_wait_s"] += time.perf_counter() - t0
                 continue
             items = self.task.train_items(self.settings.prompts_per_step, stream=self.index + 1, index=batch_index)
             t0 = time.perf_counter()
@@ -225,26 +239,28 @@ class LearnerWorker:
         self.transport.put(CONTROL_TOPIC, STOP_KEY, b"stop")
 
 
-class _SamplerThroughput:
-    """Response tokens all samplers generated per wall-clock second since the last update."""
+class _SamplerCounters:
+    """Sums over all samplers: response tokens per wall-clock second since the last update, and
+    the seconds samplers have waited for weights within the bound (``sampler_skip_stale``)."""
 
     def __init__(self):
-        self._tokens: dict[Any, float] = {}
+        self._counters: dict[Any, dict] = {}
         self._last = time.perf_counter()
 
-    def update(self, samplers: dict[int, Any]) -> float:
+    def update(self, samplers: dict[int, Any]) -> dict[str, float]:
         total_new = 0.0
         for actor in samplers.values():
             try:
-                tokens = float(ray.get(actor.counters.remote(), timeout=5.0)["tokens"])
+                counters = ray.get(actor.counters.remote(), timeout=5.0)
             except Exception:  # noqa: BLE001 - a dead or busy sampler contributes nothing this step
                 continue
-            total_new += tokens - self._tokens.get(actor, 0.0)
-            self._tokens[actor] = tokens
+            total_new += float(counters["tokens"]) - float(self._counters.get(actor, {}).get("tokens", 0.0))
+            self._counters[actor] = counters
         now = time.perf_counter()
         rate = total_new / max(now - self._last, 1e-9)
         self._last = now
-        return rate
+        waited = sum(float(c.get("stale_wait_s", 0.0)) for c in self._counters.values())
+        return {"perf/sampler_tokens_per_s": rate, "perf/sampler_stale_wait_s_total": waited}
 
 
 def run_async(
@@ -296,7 +312,7 @@ def run_async(
     for i in range(hetero.num_samplers):
         launch(i)
 
-    throughput = _SamplerThroughput()
+    sampler_counters = _SamplerCounters()
     status_every = min(30.0, hetero.wait_timeout_s / 3)  # how often a blocked learner is reported
     metrics: dict[str, float] = {}
     bar = tqdm(range(start, settings.total_steps), desc="async", initial=start, total=settings.total_steps)
@@ -330,7 +346,7 @@ def run_async(
             metrics = ray.get(pending)
             done = step + 1
             metrics["hetero/sampler_failures"] = float(failures)
-            metrics["perf/sampler_tokens_per_s"] = throughput.update(samplers)
+            metrics.update(sampler_counters.update(samplers))
             if (settings.test_freq > 0 and done % settings.test_freq == 0) or done == settings.total_steps:
                 metrics.update(ray.get(learner.evaluate.remote(hetero.seed)))
             logger.log(metrics, step=done)

@@ -1,0 +1,75 @@
+"""The async sampler in-process (no Ray): it does not generate groups the learner must drop.
+
+Weights reach the sampler after a constant 2 s delay through its ``DelayChannel``; the newest
+version number is read undelayed. Real toy model, real fsspec transport in a temp folder.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from omegaconf import OmegaConf
+
+from recipe.gepo.local.async_mode import CONTROL_TOPIC, STOP_KEY, SamplerWorker, open_transport
+from verl_ext.hetero.exchange import ROLLOUT_TOPIC
+from verl_ext.hetero.weights import WeightStore
+
+DELAY_S = 2.0
+
+
+def _sampler(tiny_cfg, tmp_path, *overrides):
+    cfg = tiny_cfg(tmp_path / "run", "hetero.mode=async", "hetero.max_delay=1", "hetero.delay.dist=constant",
+                   f"hetero.delay.value={DELAY_S}", *overrides)  # fmt: skip
+    spec = {"kind": "fsspec", "url": str(tmp_path / "exchange")}
+    container = OmegaConf.to_container(cfg, resolve=True)
+    transport = open_transport(spec)
+    published = WeightStore(transport, keep_last=8)
+    sampler = SamplerWorker(0, container, cfg.actor_rollout_ref.model.path, spec, 1.0, "s0-test")
+    return sampler, published, transport
+
+
+def _run_for(sampler, transport, seconds: float) -> dict:
+    """``sampler.run()`` until a stop marker written after ``seconds``."""
+    stopper = threading.Timer(seconds, lambda: transport.put(CONTROL_TOPIC, STOP_KEY, b"stop"))
+    stopper.start()
+    try:
+        return sampler.run()
+    finally:
+        stopper.cancel()
+        if STOP_KEY in transport.keys(CONTROL_TOPIC):
+            transport.delete(CONTROL_TOPIC, STOP_KEY)
+
+
+def test_sampler_waits_instead_of_generating_groups_past_the_bound(tiny_cfg, tmp_path):
+    sampler, published, transport = _sampler(tiny_cfg, tmp_path)
+    state = {k: v.clone() for k, v in sampler.model.state_dict().items()}
+    published.publish(0, state)
+    time.sleep(DELAY_S + 0.2)
+    sampler._refresh_weights()
+    assert sampler.version == 0 and not sampler.weights_too_stale()
+    for version in (1, 2, 3):  # the learner moved 3 versions on; the sampler sees them 2 s later
+        published.publish(version, state)
+    assert sampler.weights_too_stale()  # 3 - 0 > max_delay = 1
+
+    counters = _run_for(sampler, transport, 1.0)
+    assert counters["batches"] == 0 and transport.keys(ROLLOUT_TOPIC) == []
+    assert counters["stale_wait_s"] >= 0.5
+
+    time.sleep(DELAY_S)  # version 3 is now visible: the sampler loads it and generates again
+    counters = _run_for(sampler, transport, 1.0)
+    assert sampler.version == 3 and counters["batches"] >= 1
+    assert len(transport.keys(ROLLOUT_TOPIC)) == counters["groups"] > 0
+
+
+def test_sampler_generates_stale_groups_when_the_gate_is_off(tiny_cfg, tmp_path):
+    sampler, published, transport = _sampler(tiny_cfg, tmp_path, "hetero.sampler_skip_stale=false")
+    state = {k: v.clone() for k, v in sampler.model.state_dict().items()}
+    published.publish(0, state)
+    time.sleep(DELAY_S + 0.2)
+    for version in (1, 2, 3):
+        published.publish(version, state)
+    assert not sampler.weights_too_stale()
+    counters = _run_for(sampler, transport, 1.0)
+    assert sampler.version == 0 and counters["batches"] >= 1 and counters["stale_wait_s"] == 0.0
+    assert len(transport.keys(ROLLOUT_TOPIC)) == counters["groups"] > 0  # all of them past the bound
