@@ -161,7 +161,7 @@ def load_metrics(run_dir: str | os.PathLike) -> pd.DataFrame:
     if records:
         df = pd.DataFrame.from_records(records)
         metric_cols = [c for c in df.columns if c != "step"]
-        df[metric_cols] = df[metric_cols].astype("float64")
+        df = pd.concat([df[["step"]], df[metric_cols].astype("float64")], axis=1)  # one block, not many
         # last non-missing value per column and step (groupby.last skips NaN)
         df = df.groupby("step", sort=True)[metric_cols].last().reset_index()
         df["step"] = df["step"].astype("int64")
