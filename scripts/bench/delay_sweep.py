@@ -176,9 +176,9 @@ def run_numbers(metrics: list[dict], total_steps: int) -> dict[str, float]:
 
     Evaluations are ``eval/acc_mean`` at steps > 0 (the step-0 evaluation is the shared warm
     start, reported as ``start``). ``best`` = max, ``last`` = the final one, ``lq_mean`` = mean of
-    the evaluations at steps > 0.75 * total_steps, ``gap`` = best - last. ``kl`` and ``var`` =
-    mean of ``is/kl_sampler_learner`` / ``is/weight_var`` over the training steps > 0.75 *
-    total_steps; ``err`` = mean of ``diag/adv_estimation_error`` over all steps that logged it.
+    the evaluations at steps > 0.75 * total_steps, ``gap`` = best - last. ``kl``, ``var``,
+    ``weight_mean``, ``clipfrac`` = means of ``is/kl_sampler_learner``, ``is/weight_var``,
+    ``is/weight_mean``, ``actor/pg_clipfrac`` over the training steps > 0.75 * total_steps; ``err`` = mean of ``diag/adv_estimation_error`` over all steps that logged it.
     """
     evals = [(r["step"], r["eval/acc_mean"]) for r in metrics if "eval/acc_mean" in r and r["eval/acc_mean"] is not None]
     start = next((a for s, a in evals if s == 0), math.nan)
@@ -199,11 +199,13 @@ def run_numbers(metrics: list[dict], total_steps: int) -> dict[str, float]:
 
     out["kl"] = tail_mean("is/kl_sampler_learner")
     out["var"] = tail_mean("is/weight_var")
+    out["weight_mean"] = tail_mean("is/weight_mean")
+    out["clipfrac"] = tail_mean("actor/pg_clipfrac")
     out["err"] = tail_mean("diag/adv_estimation_error", all_steps=True)
     return out
 
 
-RUN_KEYS = ("start", "best", "last", "lq_mean", "gap", "kl", "var", "err")  # what run_numbers returns
+RUN_KEYS = ("start", "best", "last", "lq_mean", "gap", "kl", "var", "weight_mean", "clipfrac", "err")  # what run_numbers returns
 
 
 def summarize(per_run: list[dict]) -> list[dict]:
@@ -255,6 +257,37 @@ def markdown_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def stability_rows(per_run: list[dict]) -> list[dict]:
+    """Per (task, algo): last-quarter mean at every delay (``lq_<d>``, mean over seeds) and the
+    drop from delay 0 pooled over every delay > 0, paired by seed: ``pooled_drop`` (mean),
+    ``pooled_se`` (standard error, std / sqrt(n)), ``pooled_n`` (pairs), ``worse`` (pairs with
+    a positive drop)."""
+    lq = {(r["task"], r["algo"], r["delay"], r["seed"]): r["lq_mean"] for r in per_run}
+    rows = []
+    for task, algo in dict.fromkeys((r["task"], r["algo"]) for r in per_run):
+        delays = sorted({d for (t, a, d, _) in lq if (t, a) == (task, algo)})
+        row: dict = {"task": task, "algo": algo}
+        for d in delays:
+            row[f"lq_{d}"] = _mean_std([v for (t, a, dd, _), v in lq.items() if (t, a, dd) == (task, algo, d)])[0]
+        diffs = [lq[(task, algo, 0, s)] - v for (t, a, d, s), v in lq.items()
+                 if (t, a) == (task, algo) and d > 0 and (task, algo, 0, s) in lq]  # fmt: skip
+        m, sd = _mean_std(diffs)
+        row.update(pooled_drop=m, pooled_se=sd / math.sqrt(len(diffs)) if diffs else math.nan,
+                   pooled_n=len(diffs), worse=sum(x > 0 for x in diffs))  # fmt: skip
+        rows.append(row)
+    return rows
+
+
+def stability_table(rows: list[dict]) -> str:
+    delays = sorted({int(k[3:]) for r in rows for k in r if k.startswith("lq_")})
+    head = "| algo | " + " | ".join(f"lq, delay {d}" for d in delays) + " | drop over delays > 0 (± s.e.) | pairs worse |"
+    lines = [head, "|" + "---|" * (len(delays) + 3)]
+    for r in sorted(rows, key=lambda r: -r["pooled_drop"] if math.isfinite(r["pooled_drop"]) else 0):
+        cells = " | ".join(_cell(r.get(f"lq_{d}", math.nan), math.nan) for d in delays)
+        lines.append(f"| {r['algo']} | {cells} | {_cell(r['pooled_drop'], r['pooled_se'])} | {r['worse']}/{r['pooled_n']} |")
+    return "\n".join(lines)
+
+
 def load_metrics(run_dir: Path) -> list[dict]:
     rows = []
     for line in (run_dir / "metrics.jsonl").read_text().splitlines():
@@ -296,7 +329,9 @@ def write_outputs(out: Path, plan: Plan, per_run: list[dict], figures: bool = Tr
             w = csv.DictWriter(fh, fieldnames=fields, extrasaction="ignore")
             w.writeheader()
             w.writerows(r for r in per_run if r["task"] == task)
-        log(f"\n## {task} answers ({TASKS[task][0]})\n{md}")
+        stable = stability_table(stability_rows([r for r in per_run if r["task"] == task]))
+        (out / f"stability_{task}.md").write_text(stable + "\n")
+        log(f"\n## {task} answers ({TASKS[task][0]})\n{md}\n\nStability (sorted by drop):\n{stable}")
         if figures:
             _figures(out, task, [r for r in per_run if r["task"] == task], log)
 

@@ -77,9 +77,16 @@ def test_table_matches_hand_computation(tmp_path):
     assert rows[8]["drop_mean"] == pytest.approx(0.1) and math.isnan(rows[8]["drop_std"])
     md = sw.markdown_table(sw.summarize(per_run))
     assert "| gepo | 0 | 2 | 0.650 ± 0.071 |" in md
+    # pooled over delays 8 and 64, paired by seed: 0.4, 0.5 (delay 64) and 0.1 (delay 8, seed 1)
+    (stable,) = sw.stability_rows(per_run)
+    assert (stable["lq_0"], stable["lq_8"], stable["lq_64"]) == pytest.approx((0.5, 0.5, 0.05))
+    m, sd = 1.0 / 3, math.sqrt(((0.4 - 1 / 3) ** 2 + (0.5 - 1 / 3) ** 2 + (0.1 - 1 / 3) ** 2) / 2)
+    assert (stable["pooled_drop"], stable["pooled_se"]) == pytest.approx((m, sd / math.sqrt(3)))
+    assert stable["pooled_n"] == 3 and stable["worse"] == 3
+    assert "| gepo | 0.500 | 0.500 | 0.050 | 0.333 ± 0.120 | 3/3 |" in sw.stability_table([stable])
     sw.write_outputs(tmp_path, plan, per_run, figures=False, log=lambda *a: None)
     seeds = (tmp_path / "runs_short.csv").read_text().splitlines()
-    assert seeds[0] == "task,algo,delay,seed,start,best,last,lq_mean,gap,kl,var,err" and len(seeds) == 6
+    assert seeds[0] == "task,algo,delay,seed,start,best,last,lq_mean,gap,kl,var,weight_mean,clipfrac,err" and len(seeds) == 6
 
 
 def test_run_numbers_last_quarter_uses_steps_after_three_quarters():
