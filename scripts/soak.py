@@ -47,6 +47,7 @@ import math
 import os
 import random
 import re
+import signal
 import sys
 import threading
 import time
@@ -515,6 +516,9 @@ def soak(minutes: float = 10.0, seed: int = 0, run_dir: Optional[Path] = None, f
     if started_ray:
         ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
 
+    # the time limit ends run(cfg) with a simulated SIGINT, which does nothing while SIGINT is
+    # ignored -- as it is for a background job of a non-interactive shell (nohup ... &)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     t0 = time.monotonic()
     watcher = Watcher(exchange / ROLLOUT_TOPIC)
     in_run, crash_flag = threading.Event(), threading.Event()
