@@ -95,6 +95,10 @@ class HeteroConfig:
     """async: a sampler whose newest visible weights are already more than max_delay versions
     behind the newest published version waits for newer weights instead of generating groups the
     learner must drop. Version numbers are a few bytes and are not delayed; the weights are."""
+    max_queued_groups: int = 0
+    """async back-pressure: when > 0, samplers pause while the learner's buffer holds at least this
+    many groups (the learner publishes its queue depth after every step). 0 = off: samplers
+    generate continuously, as the paper's do, and groups that go stale in the queue are dropped."""
     keep_weight_versions: int = 4
     """Weight versions kept by the weight store (async) / snapshots beyond max_delay (replay)."""
     weights_bf16: bool = False
@@ -131,6 +135,8 @@ class HeteroConfig:
             raise ValueError(f"hetero.wait_timeout_s={self.wait_timeout_s} must be > 0")
         if self.max_nonfinite_steps < 1:
             raise ValueError(f"hetero.max_nonfinite_steps={self.max_nonfinite_steps} must be >= 1")
+        if self.max_queued_groups < 0:
+            raise ValueError(f"hetero.max_queued_groups={self.max_queued_groups} must be >= 0 (0 = off)")
         if self.keep_weight_versions < 1:
             raise ValueError(f"hetero.keep_weight_versions={self.keep_weight_versions} must be >= 1")
         if self.sampler_speed_factors:

@@ -37,6 +37,7 @@ def test_paper_setting_overrides():
         ("hetero.mode=sometimes", "hetero.mode"),
         ("hetero.max_delay=-1", "hetero.max_delay"),
         ("hetero.num_samplers=0", "hetero.num_samplers"),
+        ("hetero.max_queued_groups=-1", "hetero.max_queued_groups=-1"),
         ("hetero.stale_policy=ignore", "hetero.stale_policy"),
         ("hetero.delay.low=10", "low"),  # low > high (8)
         ("hetero.delay.dist=gamma", "gamma"),

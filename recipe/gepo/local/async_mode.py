@@ -17,6 +17,7 @@ notices a dead sampler, reports it and restarts it (it rejoins with the newest w
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 import uuid
@@ -38,11 +39,12 @@ from verl_ext.hetero.buffer import RolloutBuffer
 from verl_ext.hetero.delay_channel import DelayChannel
 from verl_ext.hetero.exchange import ROLLOUT_TOPIC, RolloutInbox, send_group
 from verl_ext.hetero.records import RecordSpec
-from verl_ext.hetero.transport import make_transport
+from verl_ext.hetero.transport import CorruptMessage, make_transport
 from verl_ext.hetero.weights import WeightStore, version_key
 
 CONTROL_TOPIC = "control"
 STOP_KEY = "stop"
+STATUS_KEY = "learner-status"  # {"version": v, "queue_depth": n}, for back-pressure
 
 
 def transport_spec(hetero: HeteroConfig, settings: RunSettings) -> dict[str, Any]:
@@ -92,7 +94,8 @@ class SamplerWorker:
         self.published = WeightStore(self.transport, keep_last=self.hetero.keep_weight_versions)
         self.speed_factor = speed_factor
         self.version = -1
-        self.stats = {"batches": 0, "groups": 0, "tokens": 0, "gen_s": 0.0, "weight_loads": 0, "stale_wait_s": 0.0}
+        self.stats = {"batches": 0, "groups": 0, "tokens": 0, "gen_s": 0.0, "weight_loads": 0,
+                      "stale_wait_s": 0.0, "queue_wait_s": 0.0}
 
     def _refresh_weights(self) -> None:
         newest = self.weights.latest(newer_than=self.version if self.version >= 0 else None)
@@ -108,6 +111,16 @@ class SamplerWorker:
         newest = self.published.latest_version()
         return newest is not None and newest - self.version > self.hetero.max_delay
 
+    def learner_queue_full(self) -> bool:
+        """Back-pressure: the learner's last published queue depth is at ``max_queued_groups``."""
+        if self.hetero.max_queued_groups <= 0:
+            return False
+        try:
+            status = json.loads(self.transport.get(CONTROL_TOPIC, STATUS_KEY))
+        except (KeyError, CorruptMessage, ValueError):
+            return False  # not published yet, or being rewritten: do not stall on it
+        return int(status.get("queue_depth", 0)) >= self.hetero.max_queued_groups
+
     def stopped(self) -> bool:
         return STOP_KEY in self.transport.keys(CONTROL_TOPIC)
 
@@ -119,10 +132,14 @@ class SamplerWorker:
             if self.version < 0:
                 time.sleep(0.05)  # the learner has not published version 0 yet
                 continue
-            if self.weights_too_stale():
+            # wait for newer weights rather than generate groups to drop; for room in the queue
+            wait = "stale_wait_s" if self.weights_too_stale() else None
+            if wait is None and self.learner_queue_full():
+                wait = "queue_wait_s"
+            if wait is not None:
                 t0 = time.perf_counter()
-                time.sleep(0.05)  # wait for newer weights rather than generate groups to drop
-                self.stats["stale_wait_s"] += time.perf_counter() - t0
+                time.sleep(0.05)
+                self.stats[wait] += time.perf_counter() - t0
                 continue
             items = self.task.train_items(self.settings.prompts_per_step, stream=self.index + 1, index=batch_index)
             t0 = time.perf_counter()
@@ -198,8 +215,14 @@ class LearnerWorker:
                 self.transport.delete(self.weights.topic, version_key(version))
         self.buffer.set_learner_version(self.learner.version)
         self.weights.publish(self.learner.version, self.model.state_dict())
+        self._publish_status()
         self._poller.start()
         return self.learner.version
+
+    def _publish_status(self) -> None:
+        if self.hetero.max_queued_groups > 0:
+            status = {"version": self.learner.version, "queue_depth": len(self.buffer)}
+            self.transport.put(CONTROL_TOPIC, STATUS_KEY, json.dumps(status).encode())
 
     def _poll_loop(self) -> None:
         while not self._stop.is_set():
@@ -215,6 +238,7 @@ class LearnerWorker:
         # the buffer must accept groups made with version v before any sampler can load v
         self.buffer.set_learner_version(self.learner.version)
         self.weights.publish(self.learner.version, self.model.state_dict())
+        self._publish_status()
         step_s = time.perf_counter() - t0
         metrics.update(self.buffer.metrics())
         metrics.update({"perf/step_s": step_s, "perf/learner_idle_frac": waited / max(step_s, 1e-9)})
@@ -237,11 +261,14 @@ class LearnerWorker:
     def shutdown(self) -> None:
         self._stop.set()
         self.transport.put(CONTROL_TOPIC, STOP_KEY, b"stop")
+        if self._poller.is_alive():
+            self._poller.join(timeout=5)
 
 
 class _SamplerCounters:
     """Sums over all samplers: response tokens per wall-clock second since the last update, and
-    the seconds samplers have waited for weights within the bound (``sampler_skip_stale``)."""
+    the seconds samplers have waited for weights within the bound (``sampler_skip_stale``) and
+    for room in the learner's queue (``max_queued_groups``)."""
 
     def __init__(self):
         self._counters: dict[Any, dict] = {}
@@ -259,8 +286,9 @@ class _SamplerCounters:
         now = time.perf_counter()
         rate = total_new / max(now - self._last, 1e-9)
         self._last = now
-        waited = sum(float(c.get("stale_wait_s", 0.0)) for c in self._counters.values())
-        return {"perf/sampler_tokens_per_s": rate, "perf/sampler_stale_wait_s_total": waited}
+        totals = {k: sum(float(c.get(k, 0.0)) for c in self._counters.values()) for k in ("stale_wait_s", "queue_wait_s")}
+        return {"perf/sampler_tokens_per_s": rate, "perf/sampler_stale_wait_s_total": totals["stale_wait_s"],
+                "perf/sampler_queue_wait_s_total": totals["queue_wait_s"]}  # fmt: skip
 
 
 def run_async(

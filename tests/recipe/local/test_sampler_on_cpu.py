@@ -1,4 +1,5 @@
-"""The async sampler in-process (no Ray): it does not generate groups the learner must drop.
+"""The async sampler and learner in-process (no Ray): samplers do not generate groups the
+learner must drop, and pause while the learner's queue is full (back-pressure).
 
 Weights reach the sampler after a constant 2 s delay through its ``DelayChannel``; the newest
 version number is read undelayed. Real toy model, real fsspec transport in a temp folder.
@@ -6,12 +7,20 @@ version number is read undelayed. Real toy model, real fsspec transport in a tem
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
 from omegaconf import OmegaConf
 
-from recipe.gepo.local.async_mode import CONTROL_TOPIC, STOP_KEY, SamplerWorker, open_transport
+from recipe.gepo.local.async_mode import (
+    CONTROL_TOPIC,
+    STATUS_KEY,
+    STOP_KEY,
+    LearnerWorker,
+    SamplerWorker,
+    open_transport,
+)
 from verl_ext.hetero.exchange import ROLLOUT_TOPIC
 from verl_ext.hetero.weights import WeightStore
 
@@ -73,3 +82,35 @@ def test_sampler_generates_stale_groups_when_the_gate_is_off(tiny_cfg, tmp_path)
     counters = _run_for(sampler, transport, 1.0)
     assert sampler.version == 0 and counters["batches"] >= 1 and counters["stale_wait_s"] == 0.0
     assert len(transport.keys(ROLLOUT_TOPIC)) == counters["groups"] > 0  # all of them past the bound
+
+
+def test_sampler_pauses_while_the_learner_queue_is_full(tiny_cfg, tmp_path):
+    sampler, published, transport = _sampler(tiny_cfg, tmp_path, "hetero.max_queued_groups=4", "hetero.delay.value=0")
+    published.publish(0, {k: v.clone() for k, v in sampler.model.state_dict().items()})
+    transport.put(CONTROL_TOPIC, STATUS_KEY, json.dumps({"version": 0, "queue_depth": 4}).encode())
+    counters = _run_for(sampler, transport, 1.0)
+    assert counters["batches"] == 0 and counters["queue_wait_s"] >= 0.5 and counters["stale_wait_s"] == 0.0
+
+    transport.put(CONTROL_TOPIC, STATUS_KEY, json.dumps({"version": 0, "queue_depth": 3}).encode())
+    counters = _run_for(sampler, transport, 1.0)
+    assert counters["batches"] >= 1 and len(transport.keys(ROLLOUT_TOPIC)) == counters["groups"]
+
+
+def test_learner_publishes_its_queue_depth_for_back_pressure(tiny_cfg, tmp_path):
+    cfg = tiny_cfg(tmp_path / "run", "hetero.mode=async", "hetero.max_queued_groups=4")
+    spec = {"kind": "fsspec", "url": str(tmp_path / "exchange")}
+    learner = LearnerWorker(OmegaConf.to_container(cfg, resolve=True), cfg.actor_rollout_ref.model.path, spec)
+    transport = open_transport(spec)
+    try:
+        assert learner.start() == 0
+        assert json.loads(transport.get(CONTROL_TOPIC, STATUS_KEY)) == {"version": 0, "queue_depth": 0}
+        sampler = SamplerWorker(0, OmegaConf.to_container(cfg, resolve=True), cfg.actor_rollout_ref.model.path,
+                                spec, 1.0, "s0-test")  # fmt: skip
+        sampler.run(max_batches=2)  # 2 prompts a batch: 4 groups reach the learner's buffer
+        deadline = time.monotonic() + 30
+        while len(learner.buffer) < 4 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        learner.step()  # consumes 2, publishes the depth left
+        assert json.loads(transport.get(CONTROL_TOPIC, STATUS_KEY)) == {"version": 1, "queue_depth": 2}
+    finally:
+        learner.shutdown()
