@@ -62,6 +62,18 @@ def test_bad_field_is_rejected_naming_field_and_sampler(make_group, field, make_
     assert "sampler-7" in str(info.value) and repr(field) in str(info.value)
 
 
+def test_a_malformed_group_from_the_future_is_rejected_for_what_is_malformed(make_group):
+    """Content first, timing last: a wrong-size group whose version is also ahead of the learner
+    (as after a learner crash) names its size, the fault a sampler can fix."""
+    group = make_group("g", version=9, group_size=3)
+    with pytest.raises(RecordRejected) as info:
+        validate_group(group, RecordSpec(group_size=4), learner_version=5)
+    assert info.value.reason == "group_size"
+    with pytest.raises(RecordRejected) as info:
+        validate_group(make_group("g", version=9), RecordSpec(group_size=4), learner_version=5)
+    assert info.value.reason == "future_version"
+
+
 def test_group_size_reward_range_and_tolerance(make_group):
     group = make_group("g", version=0, group_size=3)
     with pytest.raises(RecordRejected, match="group size 3 != configured group_size 4"):

@@ -193,9 +193,6 @@ def validate_group(group: Any, spec: RecordSpec = RecordSpec(), learner_version:
         reject("policy_version", "version", f"must be an int, got {group.policy_version!r}")
     if group.policy_version < 0:
         reject("policy_version", "version", f"{group.policy_version} must be >= 0")
-    if learner_version is not None and group.policy_version > learner_version:
-        reject("policy_version", "future_version",
-               f"{group.policy_version} is newer than the learner's version {learner_version}")
     if not isinstance(group.created_at, (int, float)) or not math.isfinite(group.created_at):
         reject("created_at", "created_at", f"must be a finite number of seconds, got {group.created_at!r}")
 
@@ -250,3 +247,7 @@ def validate_group(group: Any, spec: RecordSpec = RecordSpec(), learner_version:
     advantages = group.advantages if group.advantages.ndim == 1 else group.advantages[generated]
     if not np.isfinite(advantages).all():
         reject("advantages", "nonfinite_advantage", "contains NaN or Inf")
+    # last: what is wrong with the record itself is reported before what is wrong with its timing
+    if learner_version is not None and group.policy_version > learner_version:
+        reject("policy_version", "future_version",
+               f"{group.policy_version} is newer than the learner's version {learner_version}")
