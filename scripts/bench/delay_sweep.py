@@ -178,7 +178,8 @@ def run_numbers(metrics: list[dict], total_steps: int) -> dict[str, float]:
     start, reported as ``start``). ``best`` = max, ``last`` = the final one, ``lq_mean`` = mean of
     the evaluations at steps > 0.75 * total_steps, ``gap`` = best - last. ``kl``, ``var``,
     ``weight_mean``, ``clipfrac`` = means of ``is/kl_sampler_learner``, ``is/weight_var``,
-    ``is/weight_mean``, ``actor/pg_clipfrac`` over the training steps > 0.75 * total_steps; ``err`` = mean of ``diag/adv_estimation_error`` over all steps that logged it.
+    ``is/weight_mean``, ``actor/pg_clipfrac`` over the training steps > 0.75 * total_steps;
+    ``err`` = mean of ``diag/adv_estimation_error`` over all steps that logged it.
     """
     evals = [(r["step"], r["eval/acc_mean"]) for r in metrics if "eval/acc_mean" in r and r["eval/acc_mean"] is not None]
     start = next((a for s, a in evals if s == 0), math.nan)
@@ -205,7 +206,8 @@ def run_numbers(metrics: list[dict], total_steps: int) -> dict[str, float]:
     return out
 
 
-RUN_KEYS = ("start", "best", "last", "lq_mean", "gap", "kl", "var", "weight_mean", "clipfrac", "err")  # what run_numbers returns
+# what run_numbers returns, in the order of the per-run CSV
+RUN_KEYS = ("start", "best", "last", "lq_mean", "gap", "kl", "var", "weight_mean", "clipfrac", "err")
 
 
 def summarize(per_run: list[dict]) -> list[dict]:
@@ -213,14 +215,13 @@ def summarize(per_run: list[dict]) -> list[dict]:
     :func:`run_numbers` keys): ``<key>_mean`` / ``<key>_std`` (sample std over seeds, NaN for one
     seed) and ``n``. ``drop`` = lq_mean at delay 0 minus lq_mean at the row's delay, paired by seed
     (seeds present at both; ``drop_n`` of them), mean and std over seeds; NaN on delay-0 rows."""
-    keys = RUN_KEYS
     groups: dict[tuple, list[dict]] = {}
     for r in per_run:
         groups.setdefault((r["task"], r["algo"], r["delay"]), []).append(r)
     rows = []
     for (task, algo, delay), runs in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2])):
         row = {"task": task, "algo": algo, "delay": delay, "n": len(runs), "seeds": sorted(r["seed"] for r in runs)}
-        for k in keys:
+        for k in RUN_KEYS:
             row[f"{k}_mean"], row[f"{k}_std"] = _mean_std([r[k] for r in runs])
         rows.append(row)
     # drop from delay 0 to each row's delay, paired by seed (NaN on the delay-0 row itself)
