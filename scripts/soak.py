@@ -297,6 +297,15 @@ class Injector(threading.Thread):
         (folder / f"{key}{DATA_SUFFIX}").write_bytes(payload)  # killed before the commit marker
         return "uncommitted"
 
+    def _write_damaged(self, topic: str, key: str, payload: bytes, damage: str) -> dict:
+        """Leave ``payload`` under (topic, key) ``half_written``, ``truncated`` or ``corrupt``;
+        returns what to add to the fault's detail."""
+        if damage == "half_written":
+            return {"variant": self._half_written(topic, key, payload)}
+        data = payload[: len(payload) // 2] if damage == "truncated" else self._corrupt(payload)
+        self._write_raw(topic, key, data, len(payload), checksum(payload))
+        return {}
+
     def _corrupt(self, payload: bytes) -> bytes:
         data = bytearray(payload)
         for _ in range(8):
@@ -354,12 +363,7 @@ class Injector(threading.Thread):
             except (KeyError, ValueError):
                 return None
             fault.key = key
-            if kind == "weights_half_written":
-                fault.detail["variant"] = self._half_written(WEIGHTS_TOPIC, key, payload)
-            elif kind == "weights_truncated":
-                self._write_raw(WEIGHTS_TOPIC, key, payload[: len(payload) // 2], len(payload), checksum(payload))
-            else:
-                self._write_raw(WEIGHTS_TOPIC, key, self._corrupt(payload), len(payload), checksum(payload))
+            fault.detail.update(self._write_damaged(WEIGHTS_TOPIC, key, payload, kind.removeprefix("weights_")))
             return fault
 
         template = self._template()
@@ -369,12 +373,7 @@ class Injector(threading.Thread):
         if kind.startswith("rollout_"):
             key = self._fault_key(kind)
             fault.key = key
-            if kind == "rollout_half_written":
-                fault.detail["variant"] = self._half_written(ROLLOUT_TOPIC, key, payload)
-            elif kind == "rollout_truncated":
-                self._write_raw(ROLLOUT_TOPIC, key, payload[: len(payload) // 2], len(payload), checksum(payload))
-            else:
-                self._write_raw(ROLLOUT_TOPIC, key, self._corrupt(payload), len(payload), checksum(payload))
+            fault.detail.update(self._write_damaged(ROLLOUT_TOPIC, key, payload, kind.removeprefix("rollout_")))
             return fault
         if kind == "duplicate_message":
             # the very message a sampler committed, sent again (same bytes, new commit marker)
