@@ -206,6 +206,17 @@ def run_numbers(metrics: list[dict], total_steps: int) -> dict[str, float]:
     return out
 
 
+def paired_drops(per_run: list[dict]) -> dict[tuple, list[float]]:
+    """(task, algo, delay > 0) -> lq_mean at delay 0 minus lq_mean at that delay, one difference
+    per seed that ran at both."""
+    lq = {(r["task"], r["algo"], r["delay"], r["seed"]): r["lq_mean"] for r in per_run}
+    drops: dict[tuple, list[float]] = {}
+    for (task, algo, delay, seed), value in lq.items():
+        if delay > 0 and (task, algo, 0, seed) in lq:
+            drops.setdefault((task, algo, delay), []).append(lq[(task, algo, 0, seed)] - value)
+    return drops
+
+
 # what run_numbers returns, in the order of the per-run CSV
 RUN_KEYS = ("start", "best", "last", "lq_mean", "gap", "kl", "var", "weight_mean", "clipfrac", "err")
 
@@ -224,13 +235,9 @@ def summarize(per_run: list[dict]) -> list[dict]:
         for k in RUN_KEYS:
             row[f"{k}_mean"], row[f"{k}_std"] = _mean_std([r[k] for r in runs])
         rows.append(row)
-    # drop from delay 0 to each row's delay, paired by seed (NaN on the delay-0 row itself)
-    lq = {(r["task"], r["algo"], r["delay"], r["seed"]): r["lq_mean"] for r in per_run}
+    drops = paired_drops(per_run)
     for row in rows:
-        diffs = []
-        if row["delay"] != 0:
-            diffs = [lq[(row["task"], row["algo"], 0, s)] - lq[(row["task"], row["algo"], row["delay"], s)]
-                     for s in row["seeds"] if (row["task"], row["algo"], 0, s) in lq]  # fmt: skip
+        diffs = drops.get((row["task"], row["algo"], row["delay"]), [])
         row["drop_mean"], row["drop_std"] = _mean_std(diffs)
         row["drop_n"] = len(diffs)
     return rows
@@ -258,25 +265,23 @@ def markdown_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def stability_rows(per_run: list[dict]) -> list[dict]:
-    """Per (task, algo): last-quarter mean at every delay (``lq_<d>``, mean over seeds) and the
-    drop from delay 0 pooled over every delay > 0, paired by seed: ``pooled_drop`` (mean),
-    ``pooled_se`` (standard error, std / sqrt(n)), ``pooled_n`` (pairs), ``worse`` (pairs with
-    a positive drop)."""
-    lq = {(r["task"], r["algo"], r["delay"], r["seed"]): r["lq_mean"] for r in per_run}
-    rows = []
-    for task, algo in dict.fromkeys((r["task"], r["algo"]) for r in per_run):
-        delays = sorted({d for (t, a, d, _) in lq if (t, a) == (task, algo)})
-        row: dict = {"task": task, "algo": algo}
-        for d in delays:
-            row[f"lq_{d}"] = _mean_std([v for (t, a, dd, _), v in lq.items() if (t, a, dd) == (task, algo, d)])[0]
-        diffs = [lq[(task, algo, 0, s)] - v for (t, a, d, s), v in lq.items()
-                 if (t, a) == (task, algo) and d > 0 and (task, algo, 0, s) in lq]  # fmt: skip
+def stability_rows(summary: list[dict], per_run: list[dict]) -> list[dict]:
+    """Per (task, algo) of :func:`summarize`'s rows: last-quarter mean at every delay (``lq_<d>``,
+    mean over seeds) and the drop from delay 0 pooled over every delay > 0, paired by seed:
+    ``pooled_drop`` (mean), ``pooled_se`` (standard error, std / sqrt(n)), ``pooled_n`` (pairs),
+    ``worse`` (pairs with a positive drop)."""
+    drops = paired_drops(per_run)
+    rows: dict[tuple, dict] = {}
+    for r in summary:
+        row = rows.setdefault((r["task"], r["algo"]), {"task": r["task"], "algo": r["algo"], "diffs": []})
+        row[f"lq_{r['delay']}"] = r["lq_mean_mean"]
+        row["diffs"] += drops.get((r["task"], r["algo"], r["delay"]), [])
+    for row in rows.values():
+        diffs = row.pop("diffs")
         m, sd = _mean_std(diffs)
         row.update(pooled_drop=m, pooled_se=sd / math.sqrt(len(diffs)) if diffs else math.nan,
                    pooled_n=len(diffs), worse=sum(x > 0 for x in diffs))  # fmt: skip
-        rows.append(row)
-    return rows
+    return list(rows.values())
 
 
 def stability_table(rows: list[dict]) -> str:
@@ -330,7 +335,7 @@ def write_outputs(out: Path, plan: Plan, per_run: list[dict], figures: bool = Tr
             w = csv.DictWriter(fh, fieldnames=fields, extrasaction="ignore")
             w.writeheader()
             w.writerows(r for r in per_run if r["task"] == task)
-        stable = stability_table(stability_rows([r for r in per_run if r["task"] == task]))
+        stable = stability_table(stability_rows(mine, [r for r in per_run if r["task"] == task]))
         (out / f"stability_{task}.md").write_text(stable + "\n")
         log(f"\n## {task} answers ({TASKS[task][0]})\n{md}\n\nStability (sorted by drop):\n{stable}")
         if figures:

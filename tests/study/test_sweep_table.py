@@ -78,7 +78,7 @@ def test_table_matches_hand_computation(tmp_path):
     md = sw.markdown_table(sw.summarize(per_run))
     assert "| gepo | 0 | 2 | 0.650 ± 0.071 |" in md
     # pooled over delays 8 and 64, paired by seed: 0.4, 0.5 (delay 64) and 0.1 (delay 8, seed 1)
-    (stable,) = sw.stability_rows(per_run)
+    (stable,) = sw.stability_rows(sw.summarize(per_run), per_run)
     assert (stable["lq_0"], stable["lq_8"], stable["lq_64"]) == pytest.approx((0.5, 0.5, 0.05))
     m, sd = 1.0 / 3, math.sqrt(((0.4 - 1 / 3) ** 2 + (0.5 - 1 / 3) ** 2 + (0.1 - 1 / 3) ** 2) / 2)
     assert (stable["pooled_drop"], stable["pooled_se"]) == pytest.approx((m, sd / math.sqrt(3)))
