@@ -179,7 +179,8 @@ def run_numbers(metrics: list[dict], total_steps: int) -> dict[str, float]:
     the evaluations at steps > 0.75 * total_steps, ``gap`` = best - last. ``kl``, ``var``,
     ``weight_mean``, ``clipfrac`` = means of ``is/kl_sampler_learner``, ``is/weight_var``,
     ``is/weight_mean``, ``actor/pg_clipfrac`` over the training steps > 0.75 * total_steps;
-    ``err`` = mean of ``diag/adv_estimation_error`` over all steps that logged it.
+    ``staleness`` and ``err`` = means of ``hetero/staleness_mean`` and
+    ``diag/adv_estimation_error`` over all training steps that logged them.
     """
     evals = [(r["step"], r["eval/acc_mean"]) for r in metrics if "eval/acc_mean" in r and r["eval/acc_mean"] is not None]
     start = next((a for s, a in evals if s == 0), math.nan)
@@ -202,6 +203,7 @@ def run_numbers(metrics: list[dict], total_steps: int) -> dict[str, float]:
     out["var"] = tail_mean("is/weight_var")
     out["weight_mean"] = tail_mean("is/weight_mean")
     out["clipfrac"] = tail_mean("actor/pg_clipfrac")
+    out["staleness"] = tail_mean("hetero/staleness_mean", all_steps=True)
     out["err"] = tail_mean("diag/adv_estimation_error", all_steps=True)
     return out
 
@@ -218,7 +220,7 @@ def paired_drops(per_run: list[dict]) -> dict[tuple, list[float]]:
 
 
 # what run_numbers returns, in the order of the per-run CSV
-RUN_KEYS = ("start", "best", "last", "lq_mean", "gap", "kl", "var", "weight_mean", "clipfrac", "err")
+RUN_KEYS = ("start", "best", "last", "lq_mean", "gap", "kl", "var", "weight_mean", "clipfrac", "staleness", "err")
 
 
 def summarize(per_run: list[dict]) -> list[dict]:
