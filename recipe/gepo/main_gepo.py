@@ -8,14 +8,17 @@ hands over to verl's trainer on a GPU cluster.
 
 from __future__ import annotations
 
-import os
 import time
+from pathlib import Path
 from typing import Any
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from recipe.gepo.hetero_config import HeteroConfig
+
+# the verl engine's cluster presets (``--config-dir configs +verl_preset=<name>``)
+VERL_PRESET_DIR = Path(__file__).resolve().parents[2] / "configs" / "verl_preset"
 
 
 def _check_registered(loss_mode: str, adv_estimator: Any) -> None:
@@ -39,6 +42,7 @@ def run_local(cfg: DictConfig) -> dict[str, Any]:
 
     from recipe.gepo.local.run_utils import MetricLogger, RunSettings
     from recipe.gepo.local.tasks import Task, TaskConfig, resolve_model_path
+    from verl_ext.torch_threads import set_torch_threads
 
     hetero = HeteroConfig.from_omegaconf(cfg.hetero)
     settings = RunSettings.from_config(cfg)
@@ -56,7 +60,7 @@ def run_local(cfg: DictConfig) -> dict[str, Any]:
         return {}
 
     torch.manual_seed(hetero.seed)
-    torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+    set_torch_threads(2)  # min(2, cores), unless the user set OMP_NUM_THREADS
     settings.run_dir.mkdir(parents=True, exist_ok=True)
     (settings.run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
     model_path = resolve_model_path(settings.model_path, task_config, hetero.seed)
@@ -83,11 +87,51 @@ def run_local(cfg: DictConfig) -> dict[str, Any]:
     return metrics
 
 
+class MissingValueError(ValueError):
+    """A mandatory (``???``) value is still missing in the composed config; the message names
+    every such key and how to set it."""
+
+
+def missing_values(cfg: DictConfig) -> list[str]:
+    """Mandatory (``???``) values still missing in the composed ``cfg``, sorted. A key under a
+    section switched off with ``enable: false`` is left out: nothing reads it (verl's
+    ``reward.reward_model.rollout.name`` while ``reward.reward_model.enable=false``)."""
+    missing = []
+    for key in OmegaConf.missing_keys(cfg):
+        parts = key.split(".")
+        parents = (".".join(parts[:i] + ["enable"]) for i in range(1, len(parts)))
+        if not any(OmegaConf.select(cfg, p, default=None) is False for p in parents):
+            missing.append(key)
+    return sorted(missing)
+
+
+def check_no_missing_values(cfg: DictConfig) -> None:
+    """``hetero.engine=verl``: fail before any work, naming every mandatory value still missing
+    (verl's ``ppo_trainer`` leaves e.g. ``actor_rollout_ref.rollout.name`` to a cluster preset),
+    instead of omegaconf's ``MissingMandatoryValue`` traceback from deep inside validation."""
+    missing = missing_values(cfg)
+    if not missing:
+        return
+    presets = sorted(p.stem for p in VERL_PRESET_DIR.glob("*.yaml")) or ["<name>"]
+    example = "qwen3_1p7b_fsdp" if "qwen3_1p7b_fsdp" in presets else presets[0]
+    raise MissingValueError(
+        f"hetero.engine=verl: mandatory value(s) missing ('???') in the composed config: {', '.join(missing)}. "
+        "verl's ppo_trainer defaults leave them to a cluster preset: from the repository root pick one "
+        f"with `--config-dir configs +verl_preset=<name>` (<name>: {', '.join(presets)}; files in "
+        f"configs/verl_preset/), e.g. `python -m recipe.gepo.main_gepo --config-dir configs "
+        f"+verl_preset={example} hetero.engine=verl hetero.dry_run=true`, or set each key on the command "
+        f"line ({missing[0]}=...)."
+    )
+
+
 def run(cfg: DictConfig) -> dict[str, Any]:
+    """Dispatch on ``hetero.engine``: the embedded engine, or (after checking that no mandatory
+    value is missing) the verl engine."""
     engine = cfg.hetero.engine
     if engine == "local":
         return run_local(cfg)
     if engine == "verl":
+        check_no_missing_values(cfg)
         from recipe.gepo import verl_engine
 
         return verl_engine.run(cfg)
@@ -96,7 +140,10 @@ def run(cfg: DictConfig) -> dict[str, Any]:
 
 @hydra.main(config_path="config", config_name="gepo_trainer", version_base=None)
 def main(cfg: DictConfig) -> None:
-    run(cfg)
+    try:
+        run(cfg)
+    except MissingValueError as err:  # one paragraph on the command line, not a traceback
+        raise SystemExit(f"error: {err}") from None
 
 
 if __name__ == "__main__":

@@ -6,12 +6,13 @@ in replay mode, with the same warm start, steps and learning rate for all.
         [--steps N] [--lr LR] [--table-only]
 
 Each run is ``recipe.gepo.main_gepo``'s replay engine (same config, same code path) run in a
-worker process with one torch thread; runs go to ``OUT/runs/<task>/<algo>/d<delay>/s<seed>/``
-(``metrics.jsonl``, ``config.yaml``, ``DONE``); a finished run is not run again, so an
-interrupted sweep continues where it stopped. Staleness: in every run, tau_k is drawn from a
-log-normal in learner steps (99.5% of the mass in [1, 64], median 8), rounded and capped at the
-max delay (so d=0 is on-policy and d=64 sees the whole tail). The warm start is the cached toy
-checkpoint of seed 0 for every run (seeds only change the RL sampling and the prompts).
+worker process with one torch thread (``OMP_NUM_THREADS`` if set); runs go to
+``OUT/runs/<task>/<algo>/d<delay>/s<seed>/`` (``metrics.jsonl``, ``config.yaml``, ``DONE``); a
+finished run is not run again, so an interrupted sweep continues where it stopped. Staleness:
+in every run, tau_k is drawn from a log-normal in learner steps (99.5% of the mass in [1, 64],
+median 8), rounded and capped at the max delay (so d=0 is on-policy and d=64 sees the whole
+tail). The warm start is the cached toy checkpoint of seed 0 for every run (seeds only change the
+RL sampling and the prompts).
 
 Writes ``OUT/table_<task>.md`` and ``OUT/summary_<task>.csv`` (one row per algorithm and delay:
 Best, Last, last-quarter mean, best-to-last gap, drop from delay 0 to 64, final KL and IS-weight
@@ -101,21 +102,24 @@ def run_overrides(plan: Plan, task: str, algo: str, delay: int, seed: int, model
         f"data.train_batch_size={plan.prompts}", f"data.max_response_length={max_len}",
         f"trainer.total_training_steps={plan.steps}", f"trainer.test_freq={plan.test_freq}", "trainer.save_freq=-1",
         "trainer.resume_mode=disable", f"trainer.default_local_dir={run_dir}", f"task.eval_size={plan.eval_size}",
-        f"task.warm_start_accuracy=[{window[0]},{window[1]}]", f"+task.answer_format={fmt}",
-        f"+task.diagnostics_every={plan.diagnostics_every}", f"+task.diagnostics_samples={plan.diagnostics_samples}",
+        f"task.warm_start_accuracy=[{window[0]},{window[1]}]", f"task.answer_format={fmt}",
+        f"task.diagnostics_every={plan.diagnostics_every}", f"task.diagnostics_samples={plan.diagnostics_samples}",
     ] + plan.extra  # fmt: skip
 
 
 def run_one(job: tuple[list[str], str]) -> tuple[str, float, str]:
-    """Worker: one replay run, one torch thread (what ``run_local`` does, minus its 2 threads,
-    its report and its end-of-run checkpoint). Returns (run dir, seconds, error or "")."""
+    """Worker: one replay run, one torch thread unless ``OMP_NUM_THREADS`` says otherwise (what
+    ``run_local`` does, minus its report and its end-of-run checkpoint). Returns (run dir,
+    seconds, error or "")."""
     overrides, run_dir = job
     t0 = time.time()
     (Path(run_dir) / "FAILED").unlink(missing_ok=True)  # a retried run
     try:
         import torch
 
-        torch.set_num_threads(1)
+        from verl_ext.torch_threads import set_torch_threads
+
+        set_torch_threads(1)  # one thread unless the user set OMP_NUM_THREADS
         from hydra import compose, initialize_config_dir
         from omegaconf import OmegaConf
         from verl.utils.config import omega_conf_to_dataclass
@@ -408,7 +412,7 @@ def main(argv: list[str] | None = None) -> int:
     (out / "plan.json").write_text(json.dumps(plan.__dict__, indent=1))
     t0 = time.time()
     if not a.table_only:
-        os.environ["OMP_NUM_THREADS"] = "1"
+        os.environ.setdefault("OMP_NUM_THREADS", "1")  # the user's setting wins (verl_ext.torch_threads)
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         os.environ.setdefault("TQDM_DISABLE", "1")
         models = {t: warm_start_path(t, a.cache_dir) for t in plan.tasks}

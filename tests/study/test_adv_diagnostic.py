@@ -72,8 +72,8 @@ def test_replay_diagnostics_observe_without_changing_training(tiny_model_path, t
     model = f"actor_rollout_ref.model.path={tiny_model_path}"
     common = BASE + [model, "hetero.max_delay=3", "algorithm_preset=gepo"]
     _run(compose_cfg(common + [f"trainer.default_local_dir={tmp_path / 'off'}"]))
-    _run(compose_cfg(common + [f"trainer.default_local_dir={tmp_path / 'on'}", "+task.diagnostics_every=2",
-                               "+task.diagnostics_samples=6"]))  # fmt: skip
+    _run(compose_cfg(common + [f"trainer.default_local_dir={tmp_path / 'on'}", "task.diagnostics_every=2",
+                               "task.diagnostics_samples=6"]))  # fmt: skip
     off, on = _lines(tmp_path / "off"), _lines(tmp_path / "on")
     for a, b in zip(off, on):  # the fresh samples use their own RNG: the training is identical
         for key in ("reward/mean", "actor/loss", "eval/acc_mean"):
@@ -93,7 +93,7 @@ def test_on_policy_ratio_estimate_is_zero(tiny_model_path, tmp_path):
     # equals the unweighted one, and the full ratio agrees
     cfg = compose_cfg(BASE + [f"actor_rollout_ref.model.path={tiny_model_path}", "hetero.max_delay=0",
                               "algorithm_preset=grpo", f"trainer.default_local_dir={tmp_path}",
-                              "+task.diagnostics_every=1", "+task.diagnostics_samples=4"])  # fmt: skip
+                              "task.diagnostics_every=1", "task.diagnostics_samples=4"])  # fmt: skip
     _run(cfg)
     rows = [x for x in _lines(tmp_path) if ERROR in x]
     assert len(rows) == 6

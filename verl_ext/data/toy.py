@@ -323,11 +323,17 @@ def load_toy_model(path: str | os.PathLike):
 
 
 @contextlib.contextmanager
-def _torch_threads(n: int):
+def _torch_threads(n: int | None):
+    """``n`` torch threads inside the block (None: ``OMP_NUM_THREADS`` if set, else 1), restored after."""
     import torch
 
+    from verl_ext.torch_threads import set_torch_threads
+
     before = torch.get_num_threads()
-    torch.set_num_threads(n)
+    if n is None:
+        set_torch_threads(1)
+    else:
+        torch.set_num_threads(n)
     try:
         yield
     finally:
@@ -374,7 +380,7 @@ def warm_start(
     eval_every: int = 25,
     n_eval: int = 256,
     max_steps: int | None = None,
-    num_threads: int = 1,
+    num_threads: int | None = None,
     answer_format: str = "short",
 ) -> Path:
     """Supervised warm start of the tiny model; returns the cached HF folder.
@@ -406,8 +412,9 @@ def warm_start(
         eval_every: optimizer steps between accuracy evaluations.
         n_eval: held-out problems per evaluation (one sample each).
         max_steps: optional cap on optimizer steps (None: only the time budget).
-        num_threads: torch intra-op threads while training (restored afterwards). 1 is the
-            default because on a shared 2-core machine 2 threads ran 5x slower (OpenMP waits).
+        num_threads: torch intra-op threads while training (restored afterwards). None (default):
+            ``OMP_NUM_THREADS`` if set, else 1, because on a shared 2-core machine 2 threads ran
+            5x slower (OpenMP waits); see ``verl_ext.torch_threads``.
         answer_format: "short" (the sum) or "scratchpad" (long answers, see the module doc);
             scratchpad folders are named ``toy_add<digits>_scratch-<hash>``.
     """
@@ -419,7 +426,7 @@ def warm_start(
         ("warmup_steps", warmup_steps, 0),
         ("eval_every", eval_every, 1),
         ("n_eval", n_eval, 1),
-        ("num_threads", num_threads, 1),
+        ("num_threads", 1 if num_threads is None else num_threads, 1),
     ):
         if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
             raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")

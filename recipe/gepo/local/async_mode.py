@@ -25,7 +25,6 @@ from dataclasses import asdict
 from typing import Any, Optional
 
 import ray
-import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
@@ -41,6 +40,7 @@ from verl_ext.hetero.exchange import ROLLOUT_TOPIC, RolloutInbox, send_group
 from verl_ext.hetero.records import RecordSpec
 from verl_ext.hetero.transport import CorruptMessage, make_transport
 from verl_ext.hetero.weights import WeightStore, version_key
+from verl_ext.torch_threads import set_torch_threads
 
 CONTROL_TOPIC = "control"
 STOP_KEY = "stop"
@@ -73,7 +73,7 @@ class SamplerWorker:
     def __init__(
         self, index: int, cfg_container: dict, model_path: str, transport: dict, speed_factor: float, uid_namespace: str
     ):
-        torch.set_num_threads(1)
+        set_torch_threads(1)  # OMP_NUM_THREADS wins when set
         cfg = OmegaConf.create(cfg_container)
         self.index, self.sampler_id = index, f"sampler-{index}"
         self.uid_namespace = uid_namespace  # unique per launch: a restarted sampler never reuses a uid
@@ -169,7 +169,7 @@ class LearnerWorker:
     """The learner: consumes whole groups within the staleness bound, updates, publishes weights."""
 
     def __init__(self, cfg_container: dict, model_path: str, transport: dict):
-        torch.set_num_threads(1)
+        set_torch_threads(1)  # OMP_NUM_THREADS wins when set
         cfg = OmegaConf.create(cfg_container)
         self.hetero = HeteroConfig.from_omegaconf(cfg.hetero)
         self.settings = RunSettings.from_config(cfg)

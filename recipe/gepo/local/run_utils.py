@@ -2,11 +2,13 @@
 read from verl's config keys.
 
 Metrics go to ``<run_dir>/metrics.jsonl`` always (one JSON object per line, with ``step``) and
-to verl's ``Tracking`` backends listed in ``trainer.logger`` (console, tensorboard, wandb, ...).
+to verl's ``Tracking`` backends listed in ``trainer.logger`` (console, tensorboard, wandb, ...);
+TensorBoard events go to ``<run_dir>/tensorboard/`` unless ``TENSORBOARD_DIR`` is set.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -78,8 +80,24 @@ class RunSettings:
         return settings
 
 
+@contextlib.contextmanager
+def _env_default(name: str, value: str):
+    """Inside the block, ``os.environ[name]`` is ``value`` unless the user set it; restored after."""
+    if name in os.environ:
+        yield
+        return
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        os.environ.pop(name, None)
+
+
 class MetricLogger:
-    """Appends metrics to ``metrics.jsonl`` and forwards them to verl's Tracking backends."""
+    """Appends metrics to ``metrics.jsonl`` and forwards them to verl's Tracking backends.
+
+    verl's TensorBoard backend writes to ``$TENSORBOARD_DIR``, by default ``tensorboard_log/`` in
+    the working directory; here the default is ``<run_dir>/tensorboard/``, beside the metrics."""
 
     def __init__(self, run_dir: Path, settings: RunSettings, config: Optional[DictConfig] = None):
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -89,12 +107,13 @@ class MetricLogger:
         if settings.loggers:
             from verl.utils.tracking import Tracking
 
-            self._tracking = Tracking(
-                project_name=settings.project_name,
-                experiment_name=settings.experiment_name,
-                default_backend=settings.loggers,
-                config=OmegaConf.to_container(config, resolve=True) if config is not None else None,
-            )
+            with _env_default("TENSORBOARD_DIR", str(run_dir / "tensorboard")):  # read when Tracking starts
+                self._tracking = Tracking(
+                    project_name=settings.project_name,
+                    experiment_name=settings.experiment_name,
+                    default_backend=settings.loggers,
+                    config=OmegaConf.to_container(config, resolve=True) if config is not None else None,
+                )
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
         clean = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and math.isfinite(float(v))}

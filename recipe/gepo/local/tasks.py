@@ -22,7 +22,7 @@ TASKS = ("toy_addition", "math")
 
 @dataclass
 class TaskConfig:
-    """The ``task:`` section."""
+    """The ``task:`` section; every field is in ``gepo_trainer.yaml`` (a test keeps them in step)."""
 
     name: str = "toy_addition"
     """toy_addition | math."""
@@ -31,10 +31,10 @@ class TaskConfig:
     answer_format: str = "short"
     """toy_addition: ``short`` (the sum, digits + 2 tokens) or ``scratchpad`` (long answers: the
     column sums and carries, then ``=`` and the sum; 6 digits + 3 tokens; set
-    ``data.max_response_length`` accordingly). Not in gepo_trainer.yaml: ``+task.answer_format=...``."""
+    ``data.max_response_length`` accordingly)."""
     diagnostics_every: int = 0
     """Replay mode: every k-th step log the E[A] estimation error (``diag/*``, see
-    ``verl_ext.analysis.run_diagnostics``); 0 = off. ``+task.diagnostics_every=k``."""
+    ``verl_ext.analysis.run_diagnostics``); 0 = off."""
     diagnostics_samples: int = 32
     """Fresh learner samples per prompt for the E[A] diagnostic."""
     eval_size: int = 256
