@@ -10,7 +10,7 @@ STAMP   = $(VENV)/.heterorl-installed
 ARGS   ?=
 PYTEST_ARGS ?=
 
-.PHONY: install demo test test-all bench clean-venv
+.PHONY: install demo test test-all bench verl-smoke clean-venv
 
 install: $(STAMP)
 
@@ -33,6 +33,14 @@ test: install
 
 test-all: install
 	$(PY) -m pytest -q -m "" $(PYTEST_ARGS)
+
+# verl's own trainer, stock command line, on the CPU: 2 GEPO steps on the toy model (docs/scale-out.md)
+VERL_TOY_DIR ?= runs/verl_toy
+verl-smoke: install
+	$(PY) -m verl.trainer.main_ppo --config-dir configs +verl_preset=cpu_toy \
+	    $$($(PY) -m verl_ext.data.toy_assets --out $(VERL_TOY_DIR) --print-overrides | tail -1) \
+	    algorithm.adv_estimator=grpo actor_rollout_ref.actor.policy_loss.loss_mode=gepo \
+	    trainer.total_training_steps=2 $(ARGS)
 
 bench: install
 	$(PY) scripts/bench/bench_losses.py

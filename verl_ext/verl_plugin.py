@@ -130,7 +130,41 @@ def resolve_groups(
         return group_index.to(device), None
     if loss_option(config, "group_scope") == "micro_batch":
         return torch.zeros(batch_size, dtype=torch.long, device=device), None
-    return iw.contiguous_group_index(batch_size, int(loss_option(config, "group_size"))).to(device), None
+    group_size = int(loss_option(config, "group_size")) or int(_get(config, "rollout_n", 0) or 0)
+    check_contiguous_groups(config)
+    return iw.contiguous_group_index(batch_size, group_size).to(device), None
+
+
+def _get(config: Any, key: str, default: Any = None) -> Any:
+    return config.get(key, default) if hasattr(config, "get") else getattr(config, key, default)
+
+
+def check_contiguous_groups(config: Any) -> None:
+    """Refuse to take contiguous runs of G sequences as prompt groups when verl may have moved them.
+
+    verl's stock ``ppo_loss`` passes no group ids. Its v1 trainer keeps each prompt's G responses
+    next to each other only with one data-parallel rank (``_balance_batch``,
+    ``trainer/ppo/v1/trainer_base.py:1608``, reorders across ranks), no shuffle and fixed-size
+    micro-batches of whole groups; otherwise a group-level loss would mix prompts silently.
+    """
+    problems = []
+    if bool(_get(config, "shuffle", False)):
+        problems.append("actor_rollout_ref.actor.shuffle=true")
+    if bool(_get(config, "use_dynamic_bsz", False)):
+        problems.append("actor_rollout_ref.actor.use_dynamic_bsz=true")
+    info = _get(config, "global_batch_info", None) or {}
+    dp_size = info.get("dp_size", 1) if hasattr(info, "get") else 1
+    if dp_size is not None and int(dp_size) > 1:
+        problems.append(f"{int(dp_size)} data-parallel ranks")
+    if problems:
+        raise ValueError(
+            f"loss_mode={_get(_get(config, 'policy_loss', {}), 'loss_mode', '?')!r} "
+            f"needs whole prompt groups, but verl's stock trainer gives the loss no group ids and with "
+            f"{', '.join(problems)} it does not keep a prompt's responses together. Train with the project's "
+            "trainer, which computes the group denominators exactly on the driver (python -m recipe.gepo.main_gepo "
+            "hetero.engine=verl ...), or use one data-parallel rank with actor.shuffle=false and "
+            "actor.use_dynamic_bsz=false."
+        )
 
 
 def _finish(
@@ -322,3 +356,10 @@ def compute_bnpo_outcome_advantage(
         adv = adv_lib.bnpo_advantages(scores, _group_labels(index, scores.device))
     adv = adv.unsqueeze(-1) * response_mask
     return adv, adv
+
+
+# The CPU backend for verl's own trainer (platform, hf_cpu rollout, ray_mailbox weight sync); its
+# patches of verl internals apply only when verl picks the CPU platform (no accelerator present).
+from verl_ext.cpu import register as _register_cpu_backend  # noqa: E402
+
+_register_cpu_backend()

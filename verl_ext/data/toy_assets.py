@@ -1,0 +1,104 @@
+"""The toy task as files verl's own trainer reads: a HF model folder and train/val parquet.
+
+    python -m verl_ext.data.toy_assets --out runs/verl_toy            # untrained toy model
+    python -m verl_ext.data.toy_assets --out runs/verl_toy --warm-start .cache/heterorl
+
+verl's ``main_ppo`` takes ``actor_rollout_ref.model.path``, ``data.train_files`` and
+``data.val_files``; this writes all three (idempotent: existing files are kept) for the ~1M-parameter
+character-level Llama of :mod:`verl_ext.data.toy`. Rewards come from
+``reward.custom_reward_function.path=pkg://verl_ext.rewards.dispatch`` (``data_source`` toy_add<d>).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from verl_ext.data.prepare import write_verl_parquet
+from verl_ext.data.toy import make_problems
+
+
+@dataclass(frozen=True)
+class ToyAssets:
+    model_path: Path
+    train_file: Path
+    val_file: Path
+
+
+def _save_untrained_model(path: Path, seed: int) -> None:
+    import torch
+    from transformers import LlamaForCausalLM
+
+    from verl_ext.data.toy import build_tokenizer, toy_model_config
+
+    tokenizer = build_tokenizer()
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(toy_model_config(tokenizer))
+    tmp = path.with_name(f".{path.name}.tmp")
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    tmp.rename(path)
+
+
+def prepare_toy_assets(
+    out_dir: str | Path,
+    digits: int = 3,
+    n_train: int = 2048,
+    n_val: int = 64,
+    seed: int = 0,
+    warm_start_cache: str | Path | None = None,
+) -> ToyAssets:
+    """Write (or find) the model folder and the parquet files under ``out_dir``.
+
+    Args:
+        out_dir: folder for ``model/`` (or a link to the warm start), ``train.parquet``, ``val.parquet``.
+        digits: operand digits of the addition problems.
+        n_train, n_val: problems per file (val problems are drawn with seed ``seed + 1``).
+        seed: seed of the untrained model's init and of the problems.
+        warm_start_cache: if given, use the cached supervised warm start from that folder
+            (:func:`verl_ext.data.toy.warm_start`, trained on first use) instead of an untrained model.
+    """
+    out = Path(out_dir).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    if warm_start_cache is not None:
+        from verl_ext.data.toy import warm_start
+
+        model_path = Path(warm_start(warm_start_cache, digits=digits, seed=seed)).resolve()
+    else:
+        model_path = out / f"model_add{digits}_seed{seed}"
+        if not (model_path / "config.json").is_file():
+            _save_untrained_model(model_path, seed)
+    files = {}
+    for split, n, split_seed in (("train", n_train, seed), ("val", n_val, seed + 1)):
+        path = out / f"{split}_add{digits}_n{n}_seed{split_seed}.parquet"
+        if not path.is_file():
+            write_verl_parquet(make_problems(n, digits=digits, seed=split_seed), path, template="toy", split=split)
+        files[split] = path
+    return ToyAssets(model_path, files["train"], files["val"])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m verl_ext.data.toy_assets", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", required=True, help="output folder")
+    parser.add_argument("--digits", type=int, default=3)
+    parser.add_argument("--n-train", type=int, default=2048)
+    parser.add_argument("--n-val", type=int, default=64)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--warm-start", default=None, metavar="CACHE_DIR", help="use the cached supervised warm start")
+    parser.add_argument("--print-overrides", action="store_true", help="print verl hydra overrides for the files")
+    args = parser.parse_args(argv)
+    assets = prepare_toy_assets(args.out, args.digits, args.n_train, args.n_val, args.seed, args.warm_start)
+    if args.print_overrides:
+        print(
+            f"actor_rollout_ref.model.path={assets.model_path} data.train_files={assets.train_file} "
+            f"data.val_files={assets.val_file}"
+        )
+    else:
+        print(f"model {assets.model_path}\ntrain {assets.train_file}\nval   {assets.val_file}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
