@@ -39,6 +39,7 @@ VERL_TOY_DIR ?= runs/verl_toy
 verl-smoke: install
 	$(PY) -m verl.trainer.main_ppo --config-dir configs +verl_preset=cpu_toy \
 	    $$($(PY) -m verl_ext.data.toy_assets --out $(VERL_TOY_DIR) --print-overrides | tail -1) \
+	    actor_rollout_ref.hybrid_engine=true actor_rollout_ref.rollout.checkpoint_engine.backend=naive \
 	    algorithm.adv_estimator=grpo actor_rollout_ref.actor.policy_loss.loss_mode=gepo \
 	    trainer.total_training_steps=2 $(ARGS)
 

@@ -480,6 +480,18 @@ def warm_start(
     return final
 
 
+def resolve_toy_model(model_path: str, task_name: str, **warm_start_kwargs: Any) -> str:
+    """The model both engines train: ``model_path`` if given (a local HF folder), else for
+    ``task.name=toy_addition`` the cached :func:`warm_start` (``warm_start_kwargs`` are its arguments)."""
+    if model_path:
+        if not Path(model_path).is_dir():
+            raise FileNotFoundError(f"actor_rollout_ref.model.path={model_path!r} is not a local model folder")
+        return str(model_path)
+    if task_name != "toy_addition":
+        raise ValueError(f"actor_rollout_ref.model.path is required for task.name={task_name} (no model hub here)")
+    return str(warm_start(**warm_start_kwargs))
+
+
 def _check_window(target_accuracy) -> tuple[float, float]:
     try:
         lo, hi = (float(x) for x in target_accuracy)

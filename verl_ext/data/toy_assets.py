@@ -49,6 +49,7 @@ def prepare_toy_assets(
     n_val: int = 64,
     seed: int = 0,
     warm_start_cache: str | Path | None = None,
+    model_path: str | Path | None = None,
 ) -> ToyAssets:
     """Write (or find) the model folder and the parquet files under ``out_dir``.
 
@@ -59,10 +60,13 @@ def prepare_toy_assets(
         seed: seed of the untrained model's init and of the problems.
         warm_start_cache: if given, use the cached supervised warm start from that folder
             (:func:`verl_ext.data.toy.warm_start`, trained on first use) instead of an untrained model.
+        model_path: use this model folder (e.g. a warm start resolved elsewhere); overrides the above.
     """
     out = Path(out_dir).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    if warm_start_cache is not None:
+    if model_path is not None:
+        model_path = Path(model_path).resolve()
+    elif warm_start_cache is not None:
         from verl_ext.data.toy import warm_start
 
         model_path = Path(warm_start(warm_start_cache, digits=digits, seed=seed)).resolve()

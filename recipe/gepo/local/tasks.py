@@ -173,22 +173,15 @@ class Task:
 
 def resolve_model_path(model_path: str, task_config: TaskConfig, seed: int) -> str:
     """The model to train: ``model_path`` if given, else (toy task) the cached warm start."""
-    if model_path:
-        if not Path(model_path).is_dir():
-            raise FileNotFoundError(f"actor_rollout_ref.model.path={model_path!r} is not a local model folder")
-        return model_path
-    if task_config.name != "toy_addition":
-        raise ValueError("actor_rollout_ref.model.path is required for task.name=math (no model hub here)")
-    from verl_ext.data.toy import warm_start
+    from verl_ext.data.toy import resolve_toy_model
 
-    return str(
-        warm_start(
-            task_config.cache_dir,
-            digits=task_config.digits,
-            target_accuracy=tuple(task_config.warm_start_accuracy),
-            max_seconds=task_config.warm_start_max_seconds,
-            seed=seed,
-            answer_format=task_config.answer_format,
-        )
+    return resolve_toy_model(
+        model_path,
+        task_config.name,
+        cache_dir=task_config.cache_dir,
+        digits=task_config.digits,
+        target_accuracy=tuple(task_config.warm_start_accuracy),
+        max_seconds=task_config.warm_start_max_seconds,
+        seed=seed,
+        answer_format=task_config.answer_format,
     )
-

@@ -142,7 +142,9 @@ class DelayedCheckpointManager:
     def __init__(self, inner: Any, actor_wg: Any, schedule: DelayedSyncSchedule):
         self.inner, self.actor_wg, self.schedule = inner, actor_wg, schedule
         self._initialised = False
+        self._current: Optional[int] = None  # the learner's newest version (its live weights)
         self._saved: set[int] = set()  # versions with a snapshot on the workers
+        self.pushed: list[int] = []  # versions pushed to the samplers, in order
 
     def _free(self, version: int) -> None:
         if version in self._saved:
@@ -155,13 +157,31 @@ class DelayedCheckpointManager:
         now = schedule.now(global_steps)
         schedule.publish(global_steps, now, immediate=not self._initialised)
         self._initialised = True
+        self._current = global_steps
         if schedule.needs_snapshot(global_steps, now):
             self.actor_wg.save_model_to_cpu(snapshot_slot(global_steps))
             self._saved.add(global_steps)
+        metrics = self._push_due(now)
+        metrics.update(schedule.metrics(global_steps))
+        return metrics
+
+    def release_due(self) -> dict[str, float]:
+        """Push a version whose delay has passed although no learner step has ended.
+
+        Called while the learner waits for samples (its weights are idle then). Without it a
+        delayed version is released only at a step end, and when every new sample is past the
+        staleness bound no step can end: training stalls for good (seen with a 2.5 s delay and a
+        bound of 3). Only the ``seconds`` unit can come due between steps."""
+        if not self._initialised or self.schedule.unit != "seconds":
+            return {}
+        return self._push_due(self.schedule.clock())
+
+    def _push_due(self, now: float) -> dict[str, float]:
+        schedule = self.schedule
         version = schedule.due(now)
         metrics: dict[str, float] = {}
         if version is not None:
-            if version == global_steps:
+            if version == self._current:
                 metrics.update(self.inner.update_weights(version) or {})
             else:
                 # push an older version: swap its snapshot in, push, swap the current weights back
@@ -171,9 +191,9 @@ class DelayedCheckpointManager:
                 self.actor_wg.restore_model_from_cpu(CURRENT_SLOT)
                 self.actor_wg.clear_cpu_model(CURRENT_SLOT)
             self._free(version)
+            self.pushed.append(version)
         for old in schedule.pop_retired():
             self._free(old)
-        metrics.update(schedule.metrics(global_steps))
         return metrics
 
     def __getattr__(self, name: str) -> Any:

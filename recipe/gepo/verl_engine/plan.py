@@ -19,7 +19,7 @@ from recipe.gepo.verl_engine.engine_config import TRAINER_NAME, VERL_MODE_SECTIO
 from recipe.gepo.verl_engine.guard import check_no_forced_bypass, requested_loss_mode
 from recipe.gepo.verl_engine.staleness import verl_threshold
 
-ROLLOUT_BACKENDS = ("vllm", "sglang")
+ROLLOUT_BACKENDS = ("vllm", "sglang", "hf_cpu")  # hf_cpu: verl_ext/cpu (CPU machines)
 
 
 class VerlEngineConfigError(ValueError):
@@ -117,7 +117,7 @@ def validate(cfg: DictConfig) -> Validated:
     if r.checkpoint_engine.backend == "naive":
         _fail(
             "actor_rollout_ref.rollout.checkpoint_engine.backend=naive cannot reach a separate sampler pool; "
-            "use nccl (or nixl, mooncake)"
+            "use nccl (or nixl, mooncake; ray_mailbox on a CPU machine)"
         )
     mode = cfg.trainer.v1.get(VERL_MODE_SECTION, {})
     sync_step = int(mode.get("parameter_sync_step", 1))

@@ -7,6 +7,7 @@ message instead of verl's ResourcePoolManager / NCCL errors.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig
@@ -18,18 +19,62 @@ class NoGPUError(RuntimeError):
     """The verl engine was asked to train on a machine without GPUs."""
 
 
-def require_gpus() -> int:
-    """Number of visible CUDA GPUs; :class:`NoGPUError` if there are none."""
+def require_gpus(cfg: DictConfig | None = None) -> int:
+    """Visible CUDA GPUs; 0 on a CPU machine whose config uses the CPU backend (``rollout.name=hf_cpu``,
+    ``+verl_preset=cpu_toy``). :class:`NoGPUError` otherwise."""
     import torch
 
     n = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if n < 1:
-        raise NoGPUError(
-            "hetero.engine=verl trains with verl's FSDP/Megatron learners and vLLM samplers and needs "
-            "GPUs; this machine has none. Use hetero.dry_run=true to validate the config and print the "
-            "plan here, or hetero.engine=local for the embedded CPU engine. See docs/scale-out.md."
-        )
-    return n
+    if n >= 1:
+        return n
+    rollout = None if cfg is None else cfg.actor_rollout_ref.rollout.get("name", None)
+    if rollout == "hf_cpu":
+        return 0
+    raise NoGPUError(
+        f"hetero.engine=verl with actor_rollout_ref.rollout.name={rollout!r} needs GPUs (vLLM/SGLang samplers); "
+        "this machine has none. On a CPU machine use the CPU backend: --config-dir configs "
+        "+verl_preset=cpu_toy (rollout.name=hf_cpu, FSDP2 over gloo); or hetero.dry_run=true to validate "
+        "and print the plan; or hetero.engine=local for the embedded engine. See docs/scale-out.md."
+    )
+
+
+def resolve_task_files(cfg: DictConfig) -> DictConfig:
+    """Fill ``actor_rollout_ref.model.path`` and ``data.train_files/val_files`` from the ``task:``
+    section when they are empty (the toy task: the same warm start as the embedded engine, parquet
+    files written under ``task.cache_dir``); returns a copy."""
+    from pathlib import Path
+
+    from omegaconf import OmegaConf, open_dict
+
+    from verl_ext.data.toy import resolve_toy_model
+    from verl_ext.data.toy_assets import prepare_toy_assets
+
+    out = OmegaConf.create(OmegaConf.to_container(cfg, resolve=False))
+    task = cfg.task
+    model_path = resolve_toy_model(
+        str(cfg.actor_rollout_ref.model.path or ""),
+        str(task.name),
+        cache_dir=str(task.cache_dir),
+        digits=int(task.digits),
+        target_accuracy=tuple(task.warm_start_accuracy),
+        max_seconds=float(task.warm_start_max_seconds),
+        seed=int(cfg.hetero.seed),
+        answer_format=str(task.get("answer_format", "short")),
+    )
+    with open_dict(out):
+        out.actor_rollout_ref.model.path = str(Path(model_path).resolve())
+        if task.name == "toy_addition" and not cfg.data.get("train_files", None):  # "" in the cpu_toy preset
+            assets = prepare_toy_assets(
+                Path(str(task.cache_dir)) / "verl_toy",
+                digits=int(task.digits),
+                n_val=int(task.eval_size),
+                seed=int(cfg.hetero.seed),
+                model_path=model_path,
+            )
+            out.data.train_files = str(assets.train_file)
+            out.data.val_files = str(assets.val_file)
+        out.trainer.default_local_dir = str(Path(str(cfg.trainer.default_local_dir)).resolve())
+    return out
 
 
 def task_runner_class():
@@ -58,14 +103,19 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         text = render(validated)
         print(text)
         return {"plan": text}
-    require_gpus()
+    require_gpus(cfg)
     from verl.trainer.main_ppo import run_ppo
     from verl.utils.device import auto_set_device
 
-    settings = engine_settings(cfg)
+    from recipe.gepo.report import write_report
+
+    settings = engine_settings(resolve_task_files(cfg))
     auto_set_device(settings)
     run_ppo(settings, task_runner_class=task_runner_class())
-    return {}
+    run_dir = Path(str(settings.trainer.default_local_dir))
+    if (run_dir / "metrics.jsonl").is_file():
+        write_report(run_dir)  # report.md + curves.png next to metrics.jsonl, as the embedded engine
+    return {"run_dir": str(run_dir)}
 
 
 __all__ = ["NoGPUError", "dry_run", "require_gpus", "run", "task_runner_class"]

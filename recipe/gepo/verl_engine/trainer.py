@@ -23,6 +23,11 @@ What it adds to verl's loop, each on one of verl's own extension points:
 
 from __future__ import annotations
 
+import json
+import math
+from pathlib import Path
+from typing import Any
+
 import ray
 import transfer_queue as tq
 from tensordict import TensorDict
@@ -42,7 +47,37 @@ from recipe.gepo.verl_engine.guard import check_loss_mode_unchanged, check_no_fo
 from recipe.gepo.verl_engine.loss import bridge_loss_fn
 from recipe.gepo.verl_engine.plan import delay_unit
 from recipe.gepo.verl_engine.staleness import hetero_step_metrics, stale_group_uids
+from verl_ext.cpu.patches import fix_separate_async_logger
 from verl_ext.verl_plugin import loss_option
+
+fix_separate_async_logger()  # verl 0.9.1's separate_async crashes at init otherwise (any device)
+
+
+class MetricsTee:
+    """verl's ``Tracking`` plus ``<run dir>/metrics.jsonl`` in the embedded engine's format
+    (one ``{"step": k, <name>: float, ...}`` line per log call), so report.md / curves.png and every
+    script reading runs work on verl-engine runs too."""
+
+    def __init__(self, tracking: Any, run_dir: str | Path):
+        self.tracking = tracking
+        self.path = Path(run_dir) / "metrics.jsonl"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+
+    def log(self, data: dict, step: int, *args: Any, **kwargs: Any) -> None:
+        clean = {}
+        for key, value in data.items():
+            try:
+                value = float(value)
+            except (TypeError, ValueError):
+                continue
+            if math.isfinite(value):
+                clean[key] = value
+        with open(self.path, "a") as f:
+            f.write(json.dumps({"step": int(step), **clean}) + "\n")
+        self.tracking.log(data=data, step=step, *args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.tracking, name)
 
 
 class HeteroActorWorker(DetachActorWorker):
@@ -58,9 +93,16 @@ class HeteroActorWorker(DetachActorWorker):
 
 class HeteroReplayBuffer(ReplayBufferAsync):
     """verl's async replay buffer that also evicts groups generated from weights more than
-    ``hetero_max_delay`` versions older than the learner (see staleness.py)."""
+    ``hetero_max_delay`` versions older than the learner (see staleness.py), and lets delayed
+    weight versions come due while the learner waits for samples (``on_idle``)."""
 
     hetero_max_delay: int = 0
+    on_idle: Any = None
+
+    def _wait_for_next_poll(self, partition_id: str, last_debug_time: float) -> float:
+        if self.on_idle is not None and partition_id != "val":
+            self.on_idle()
+        return super()._wait_for_next_poll(partition_id, last_debug_time)
 
     def _stale_terminal_keys(self, global_steps: int, partition_id: str) -> set[str]:
         stale = super()._stale_terminal_keys(global_steps, partition_id)
@@ -80,6 +122,14 @@ def _strip_actor_prefix(worker_metrics: dict) -> dict:
 @register_trainer(TRAINER_NAME)
 class HeteroSeparateAsyncTrainer(PPOTrainerSeparateAsync):
     """verl's separate_async trainer with GEPO denominators, delayed sync and the exact bound."""
+
+    @property
+    def logger(self):
+        return self._hetero_logger
+
+    @logger.setter
+    def logger(self, tracking):  # verl's fit() assigns its Tracking here
+        self._hetero_logger = MetricsTee(tracking, self.config.trainer.default_local_dir)
 
     def __init__(self, config):
         check_no_forced_bypass(config)
@@ -106,7 +156,13 @@ class HeteroSeparateAsyncTrainer(PPOTrainerSeparateAsync):
         # same object and state, one overridden method: the exact bound over weight versions
         buffer.__class__ = HeteroReplayBuffer
         buffer.hetero_max_delay = self.hetero.max_delay
+        buffer.on_idle = self._release_due_weights
         return buffer
+
+    def _release_due_weights(self) -> None:
+        manager = getattr(self, "standalone_checkpoint_manager", None)
+        if isinstance(manager, DelayedCheckpointManager):
+            manager.release_due()
 
     # ---- workers and delayed sync ----------------------------------------------------------
     def _init_resource_pool_mgr(self):
