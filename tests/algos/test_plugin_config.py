@@ -51,12 +51,21 @@ def test_bad_value_through_omega_conf_to_dataclass_names_the_field():
 
 
 @pytest.mark.parametrize("loss_mode", ["gepo", "eqp", "gepo_adaptive"])
-@pytest.mark.parametrize("group_size", [0, 5])
-def test_batch_not_split_into_whole_groups_raises_clear_error(loss_mode, group_size):
-    b = ref.make_batch(seed=70, n_groups=3, group_size=4)  # 12 sequences; 12 % 5 != 0; 0 = unknown
+@pytest.mark.parametrize("group_size, rollout_n", [(0, 5), (5, 4)])
+def test_batch_not_split_into_whole_groups_raises_clear_error(loss_mode, group_size, rollout_n):
+    b = ref.make_batch(seed=70, n_groups=3, group_size=4)  # 12 sequences; 12 % 5 != 0
     with pytest.raises(ValueError, match="group_size") as err:
-        call_loss(loss_mode, b, actor_config(loss_mode, group_size=group_size))
+        call_loss(loss_mode, b, actor_config(loss_mode, rollout_n=rollout_n, group_size=group_size))
     assert "rollout.n" in str(err.value) or "whole" in str(err.value)
+
+
+@pytest.mark.parametrize("loss_mode", ["gepo", "eqp", "gepo_adaptive"])
+def test_unset_group_size_falls_back_to_verls_rollout_n(loss_mode):
+    """verl's stock ActorConfig carries rollout_n; without policy_loss.group_size it is G."""
+    b = ref.make_batch(seed=72, n_groups=3, group_size=4)
+    explicit, _ = call_loss(loss_mode, b, actor_config(loss_mode, rollout_n=1, group_size=4))
+    fallback, _ = call_loss(loss_mode, b, actor_config(loss_mode, rollout_n=4, group_size=0))
+    assert torch.equal(explicit, fallback)
 
 
 @pytest.mark.parametrize("loss_mode", ["gepo", "gepo_adaptive"])

@@ -11,11 +11,13 @@ from verl_ext.verl_plugin import HeteroPolicyLossConfig
 CLIP_LOW, CLIP_HIGH = 0.2, 0.28  # asymmetric, so a swapped clip range shows
 
 
-def actor_config(loss_mode: str, loss_agg_mode: str = "token-mean", loss_scale_factor=None, **policy_loss) -> ActorConfig:
+def actor_config(
+    loss_mode: str, loss_agg_mode: str = "token-mean", loss_scale_factor=None, rollout_n: int = 1, **policy_loss
+) -> ActorConfig:
     """verl's ActorConfig with HeteroPolicyLossConfig, built like verl's own CPU loss tests do."""
     return ActorConfig(
         strategy="fsdp",
-        rollout_n=1,
+        rollout_n=rollout_n,
         ppo_micro_batch_size_per_gpu=1,
         clip_ratio=0.2,
         clip_ratio_low=CLIP_LOW,
