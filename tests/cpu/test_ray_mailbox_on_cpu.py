@@ -158,7 +158,7 @@ def test_receiver_without_weights_times_out(workers):
 @pytest.mark.xfail(
     strict=True,
     raises=TimeoutError,
-    reason="BUG verl_ext/cpu/checkpoint_engine.py:54-55,93-94: the mailbox actor is a non-detached actor "
+    reason="BUG verl_ext/cpu/checkpoint_engine.py:56-57,100,107: the mailbox actor is a non-detached actor "
     "whose only handle is a temporary; once the sender's put returns, nothing references it and Ray "
     "garbage-collects it with the posted weights, so a receiver that asks afterwards waits until timeout_s",
 )

@@ -314,7 +314,7 @@ def test_update_weights_refuses_state_dicts_that_do_not_fit(loop, server):
 @pytest.mark.xfail(
     strict=True,
     raises=TimeoutError,
-    reason="BUG verl_ext/cpu/rollout.py:120-135: an exception in _serve (e.g. _batch_key's float(None)) "
+    reason="BUG verl_ext/cpu/rollout.py:129-138: an exception in _serve (e.g. _batch_key's float(None)) "
     "kills the batching task; that request and every later one wait forever",
 )
 def test_malformed_sampling_params_do_not_stall_the_server(model_config, prompts):
