@@ -7,8 +7,8 @@ with the per-rank kwargs, ``send_weights`` and ``receive_weights`` concurrently,
 
 What is pinned: the receiver gets exactly the sender's names and tensors (dtypes included), the
 sender reports the bytes it sent, finalize leaves no key in the mailbox actor, a receiver whose
-weights never come fails with a timeout after ``timeout_s``, and the topology/role rules. An
-xfail (strict) test pins a bug: weights sent before the receiver asks are lost with the mailbox.
+weights never come fails with a timeout after ``timeout_s``, and the topology/role rules. A
+receiver that asks after the send still gets the weights (the mailbox outlives the sync).
 """
 
 from __future__ import annotations
@@ -120,7 +120,7 @@ def test_weights_go_sender_to_receiver_and_finalize_empties_the_mailbox(workers)
     arrive, the sender reports the bytes, and after finalize on both the mailbox holds no key.
 
     The test holds a handle to the mailbox for the whole sync so it can look inside afterwards
-    (without one the mailbox does not outlive the sync: see the xfail test below)."""
+    (the engines also hold one for their process's lifetime)."""
     sender, receiver = workers["actor"], workers["rollout"]
     ray.get([sender.reset.remote(is_master=True), receiver.reset.remote(is_master=False)])
     mailbox = checkpoint_engine._mailbox()
@@ -155,13 +155,6 @@ def test_receiver_without_weights_times_out(workers):
     assert 0.9 <= elapsed < 30
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=TimeoutError,
-    reason="BUG verl_ext/cpu/checkpoint_engine.py:56-57,100,107: the mailbox actor is a non-detached actor "
-    "whose only handle is a temporary; once the sender's put returns, nothing references it and Ray "
-    "garbage-collects it with the posted weights, so a receiver that asks afterwards waits until timeout_s",
-)
 def test_receiver_that_asks_after_the_send_still_gets_the_weights(workers):
     """The sender may finish before a rollout worker asks (verl runs both sides concurrently, with no
     ordering): the weights must wait in the mailbox until finalize."""

@@ -42,7 +42,12 @@ class WeightMailbox:
         self._event(key).set()
 
     async def get(self, key: str, timeout_s: float) -> list:
-        await asyncio.wait_for(self._event(key).wait(), timeout_s)
+        try:
+            await asyncio.wait_for(self._event(key).wait(), timeout_s)
+        except asyncio.TimeoutError:
+            if key not in self._slots:
+                self._events.pop(key, None)
+            raise
         return self._slots[key]
 
     async def drop(self, key: str) -> None:
@@ -53,8 +58,16 @@ class WeightMailbox:
         return sorted(self._slots)
 
 
+_MAILBOX = None
+
+
 def _mailbox():
-    return WeightMailbox.options(name=MAILBOX_NAME, get_if_exists=True).remote()
+    """The named mailbox, held by this process for its lifetime: a temporary handle would let Ray
+    collect the actor (and the weights in it) before a late receiver asks for them."""
+    global _MAILBOX
+    if _MAILBOX is None:
+        _MAILBOX = WeightMailbox.options(name=MAILBOX_NAME, get_if_exists=True).remote()
+    return _MAILBOX
 
 
 @CheckpointEngineRegistry.register(BACKEND)

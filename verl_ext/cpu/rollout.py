@@ -135,7 +135,12 @@ class HFCPUServer:
             self._queue_event.clear()
             batches: dict[tuple, list] = {}
             for item in pending:
-                batches.setdefault(self._batch_key(item[1]), []).append(item)
+                try:
+                    key = self._batch_key(item[1])
+                except Exception as exc:  # a malformed request fails alone; the loop keeps serving
+                    item[2].set_exception(exc)
+                    continue
+                batches.setdefault(key, []).append(item)
             for key, items in batches.items():
                 limit = max(1, int(self.config.max_num_seqs))
                 for start in range(0, len(items), limit):
@@ -184,6 +189,9 @@ class HFCPUServer:
         missing = sorted(set(own) - set(named_tensors) - tied)
         if missing:
             raise KeyError(f"weight update lacks parameters of the rollout model: {missing[:5]}")
+        misshapen = [f"{n}: {tuple(t.shape)} for {tuple(own[n].shape)}" for n, t in named_tensors.items() if t.shape != own[n].shape]
+        if misshapen:  # checked before any copy: a broadcast or a half-applied update would be silent
+            raise ValueError(f"weight update has tensors of the wrong shape: {misshapen[:5]}")
         lock = self._model_lock or asyncio.Lock()
         async with lock:
             with torch.no_grad():
