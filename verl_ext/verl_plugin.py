@@ -360,6 +360,12 @@ def compute_bnpo_outcome_advantage(
 
 # The CPU backend for verl's own trainer (platform, hf_cpu rollout, ray_mailbox weight sync); its
 # patches of verl internals apply only when verl picks the CPU platform (no accelerator present).
-from verl_ext.cpu import register as _register_cpu_backend  # noqa: E402
+# A failure here must not take the losses above with it (verl logs a failing plugin only at DEBUG).
+try:
+    from verl_ext.cpu import register as _register_cpu_backend
 
-_register_cpu_backend()
+    _register_cpu_backend()
+except Exception as _exc:  # pragma: no cover - depends on the installed verl
+    import logging as _logging
+
+    _logging.getLogger(__name__).warning("HeteroRL's CPU backend for verl was not registered: %r", _exc)
