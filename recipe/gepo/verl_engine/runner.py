@@ -42,8 +42,6 @@ def resolve_task_files(cfg: DictConfig) -> DictConfig:
     """Fill ``actor_rollout_ref.model.path`` and ``data.train_files/val_files`` from the ``task:``
     section when they are empty (the toy task: the same warm start as the embedded engine, parquet
     files written under ``task.cache_dir``); returns a copy."""
-    from pathlib import Path
-
     from omegaconf import OmegaConf, open_dict
 
     from verl_ext.data.toy import resolve_toy_model
