@@ -3,7 +3,7 @@
     python -m recipe.gepo.plot RUN_DIR [RUN_DIR ...] --out DIR [--labels L1 L2 ...]
         [--smooth N] [--format png|pdf|svg]
 
-Each RUN_DIR holds ``metrics.jsonl`` and ``config.yaml`` (see :mod:`recipe.gepo.report`); the
+Each RUN_DIR holds ``metrics.jsonl`` and ``config.yaml`` (see :mod:`verl_ext.rundir`); the
 loss mode (``actor_rollout_ref.actor.policy_loss.loss_mode``) and the max delay
 (``hetero.max_delay``) come from the config. Writes into ``--out``:
 
@@ -40,93 +40,36 @@ import pandas as pd
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 
-from .report import (
+from verl_ext.analysis import run_figures
+from verl_ext.analysis.run_figures import (  # noqa: F401 -- POOLED, pearson: part of this module's API
+    POOLED,
+    STALENESS,
     STYLE,
-    Run,
-    RunDirError,
-    eval_accuracy,
-    load_run,
-    metrics_path,
+    correlation_table,
+    pearson,
+    plot_scatter,
     save_figure,
-    series,
-    summarize_run,
 )
+from verl_ext.analysis.run_figures import colors as _colors
+from verl_ext.analysis.run_figures import format_number as _fmt
+from verl_ext.analysis.run_figures import legend as _legend
+from verl_ext.rundir import Run, RunDirError, load_runs
+
+from .report import eval_accuracy, series, summarize_run
 
 KL = "is/kl_sampler_learner"
 VAR = "is/weight_var"
-STALENESS = "hetero/staleness_mean"
 # (x, y) pairs whose Pearson correlation is reported
 PAIRS: tuple[tuple[str, str], ...] = ((KL, VAR), (STALENESS, VAR), (STALENESS, KL))
 SCATTER_NAMES = ("scatter_var_kl", "scatter_var_staleness", "scatter_kl_staleness")
-POOLED = "all runs"
 
 
 # --------------------------------------------------------------------------- data
 
 
-def load_runs(run_dirs: Sequence[str], labels: Sequence[str] | None = None) -> tuple[list[Run], list[str]]:
-    """Load every run directory and give each a legend label.
-
-    Default labels are ``Run.label`` (``"<algorithm>, d=<delay>"``); labels shared by several
-    runs (seeds) get the run directory's name appended. Raises :class:`RunDirError` naming the
-    first bad directory, ValueError if ``labels`` does not have one entry per run."""
-    if labels is not None and len(labels) != len(run_dirs):
-        raise ValueError(f"--labels has {len(labels)} entries for {len(run_dirs)} RUN_DIRs; give one per RUN_DIR")
-    for d in run_dirs:
-        metrics_path(d)  # validate all before the (slower) loading
-    runs = [load_run(d) for d in run_dirs]
-    if labels is not None:
-        return runs, list(labels)
-    base = [r.label for r in runs]
-    return runs, [f"{b} [{r.run_dir.name}]" if base.count(b) > 1 else b for b, r in zip(base, runs)]
-
-
-def pearson(x: Sequence[float], y: Sequence[float]) -> float:
-    """Pearson correlation coefficient of paired samples; NaN with fewer than 2 pairs or when
-    either variable is constant."""
-    x = np.asarray(x, dtype=np.float64)
-    y = np.asarray(y, dtype=np.float64)
-    if x.shape != y.shape:
-        raise ValueError(f"pearson: x has shape {x.shape}, y has {y.shape}")
-    if x.size < 2 or np.all(x == x[0]) or np.all(y == y[0]):
-        return math.nan
-    dx, dy = x - x.mean(), y - y.mean()
-    den = math.sqrt(float((dx * dx).sum()) * float((dy * dy).sum()))
-    if den == 0.0:
-        return math.nan
-    return float(np.clip((dx * dy).sum() / den, -1.0, 1.0))
-
-
-def paired(df: pd.DataFrame, x: str, y: str) -> tuple[np.ndarray, np.ndarray]:
-    """Per-step values of metrics ``x`` and ``y`` at the steps where both are finite. Steps
-    that consumed no group (``hetero/consumed == 0``) are left out of pairs involving
-    ``hetero/staleness_mean`` (the buffer logs staleness 0 for them)."""
-    if x not in df.columns or y not in df.columns:
-        return np.empty(0), np.empty(0)
-    xs = df[x].to_numpy(dtype=np.float64)
-    ys = df[y].to_numpy(dtype=np.float64)
-    keep = np.isfinite(xs) & np.isfinite(ys)
-    if STALENESS in (x, y) and "hetero/consumed" in df.columns:
-        keep &= df["hetero/consumed"].to_numpy(dtype=np.float64) != 0
-    return xs[keep], ys[keep]
-
-
 def correlations(runs: Sequence[Run], labels: Sequence[str], pairs: Sequence[tuple[str, str]] = PAIRS) -> pd.DataFrame:
-    """Pearson r for each metric pair in ``pairs``, per run and pooled over all runs' steps.
-
-    Columns: ``run`` (index into ``runs``; -1 for the pooled row), ``label`` (``"all runs"``
-    for the pooled row), ``x``, ``y``, ``n`` (pairs), ``r`` (NaN when undefined)."""
-    rows = []
-    for x, y in pairs:
-        all_x, all_y = [np.empty(0)], [np.empty(0)]
-        for i, (run, label) in enumerate(zip(runs, labels)):
-            xs, ys = paired(run.metrics, x, y)
-            all_x.append(xs)
-            all_y.append(ys)
-            rows.append({"run": i, "label": label, "x": x, "y": y, "n": int(xs.size), "r": pearson(xs, ys)})
-        px, py = np.concatenate(all_x), np.concatenate(all_y)
-        rows.append({"run": -1, "label": POOLED, "x": x, "y": y, "n": int(px.size), "r": pearson(px, py)})
-    return pd.DataFrame(rows, columns=["run", "label", "x", "y", "n", "r"])
+    """:func:`verl_ext.analysis.run_figures.correlations`, by default over :data:`PAIRS`."""
+    return run_figures.correlations(runs, labels, pairs)
 
 
 def accuracy_vs_delay(runs: Sequence[Run]) -> pd.DataFrame:
@@ -168,28 +111,8 @@ def _slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", text).strip("_") or "run"
 
 
-def _colors(n: int) -> list:
-    """n distinguishable colours (tab10, tab20 beyond 10)."""
-    cmap = matplotlib.colormaps["tab10" if n <= 10 else "tab20"]
-    return [cmap(i % cmap.N) for i in range(n)]
-
-
 def _smooth(s: pd.Series, window: int) -> pd.Series:
     return s if window <= 1 else s.rolling(window, min_periods=1).mean()
-
-
-def _legend(ax, n_entries: int, handles=None, texts=None, title: str | None = None) -> None:
-    """Legend inside the axes for a few entries, below it (in columns) for many, so it never
-    hides the data of a many-run figure. Call after ``tight_layout`` (``save_figure``'s tight
-    bounding box then grows the image to hold a legend below the axes)."""
-    if not n_entries:
-        return
-    kw = dict(fontsize="small", framealpha=0.8, title=title)
-    args = () if handles is None else (handles, texts)
-    if n_entries <= 6:
-        ax.legend(*args, loc="best", **kw)
-    else:
-        ax.legend(*args, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2 if n_entries <= 24 else 3, **kw)
 
 
 def _skip_note(ax, text: str) -> None:
@@ -277,68 +200,7 @@ def plot_accuracy_vs_delay(table: pd.DataFrame, path: Path) -> Path:
         return save_figure(fig, path)
 
 
-def _r_text(r: float) -> str:
-    return "r=n/a" if math.isnan(r) else f"r={r:.3f}"
-
-
-def plot_scatter(runs: Sequence[Run], labels: Sequence[str], corr: pd.DataFrame, x: str, y: str,
-                 path: Path) -> Path | None:
-    """Per-step points of ``y`` against ``x``, one colour per run, Pearson r per run and pooled
-    (from ``corr``, see :func:`correlations`) in the legend. Returns None (nothing written)
-    when no run logged both metrics."""
-    with matplotlib.rc_context(STYLE):
-        fig = Figure(figsize=(6, 4.5))
-        ax = fig.subplots()
-        colors = _colors(len(runs))
-        sub = corr[(corr["x"] == x) & (corr["y"] == y)].set_index("run")
-        drawn = 0
-        for i, (run, label, c) in enumerate(zip(runs, labels, colors)):
-            xs, ys = paired(run.metrics, x, y)
-            if xs.size == 0:
-                continue
-            ax.scatter(xs, ys, s=8, alpha=0.6, color=c, edgecolors="none",
-                       label=f"{label} ({_r_text(sub.loc[i, 'r'])}, n={xs.size})")
-            drawn += 1
-        if not drawn:
-            return None
-        ax.set_xlabel(x)
-        ax.set_ylabel(y)
-        pooled = sub.loc[-1]
-        ax.set_title(f"{y.split('/')[-1]} vs {x.split('/')[-1]}: pooled {_r_text(pooled['r'])}")
-        fig.tight_layout()
-        handles, texts = ax.get_legend_handles_labels()
-        if drawn > 1:
-            handles.append(Line2D([], [], linestyle="none"))
-            texts.append(f"{POOLED}: {_r_text(pooled['r'])}, n={int(pooled['n'])}")
-        _legend(ax, len(texts), handles, texts, title="Pearson r")
-        return save_figure(fig, path)
-
-
 # --------------------------------------------------------------------------- CLI
-
-
-def _fmt(v) -> str:
-    if v is None or (isinstance(v, float) and math.isnan(v)):
-        return "n/a"
-    return f"{v:.4f}" if isinstance(v, float) else str(v)
-
-
-def correlation_table(corr: pd.DataFrame) -> str:
-    """Plain-text table of :func:`correlations`: one row per run (and the pooled row), one
-    column per pair, ``r [n]`` in each cell."""
-    heads = [f"r({y.split('/')[-1]}, {x.split('/')[-1]})" for x, y in PAIRS]
-    names = list(dict.fromkeys(zip(corr["run"], corr["label"])))
-    width = max([len(n) for _, n in names] + [8])
-    col_w = [max(len(h), 16) for h in heads]
-    lines = ["Pearson correlation over steps, r [pairs]:",
-             "  " + " " * width + "  " + "  ".join(h.rjust(w) for h, w in zip(heads, col_w))]
-    for run, label in names:
-        cells = []
-        for (x, y), w in zip(PAIRS, col_w):
-            row = corr[(corr["run"] == run) & (corr["x"] == x) & (corr["y"] == y)].iloc[0]
-            cells.append((f"{_fmt(row['r'])} [{int(row['n'])}]" if row["n"] else "-").rjust(w))
-        lines.append("  " + label.ljust(width) + "  " + "  ".join(cells))
-    return "\n".join(lines)
 
 
 def make_figures(runs: Sequence[Run], labels: Sequence[str], out: Path, fmt: str = "png",

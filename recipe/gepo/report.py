@@ -9,241 +9,46 @@ on lines of their own) and ``config.yaml`` (the composed hydra config). The code
 nothing else, so it works on a run in progress, on a killed run (torn last line) and on runs
 that logged only some of the metrics (a panel or number whose metric is absent says so).
 
-Public API: :func:`load_metrics`, :func:`load_run` (metrics + algorithm/delay from the config),
-:func:`summarize`, :func:`write_report`, :func:`eval_accuracy`, :func:`staleness_histogram`.
-:mod:`recipe.gepo.plot` draws multi-run figures on top of these.
+Public API: :func:`summarize`, :func:`write_report`, :func:`eval_accuracy`,
+:func:`staleness_histogram`; reading the run directory (:func:`load_metrics`, :func:`load_run`,
+:class:`RunDirError`) is :mod:`verl_ext.rundir`'s, re-exported here. :mod:`recipe.gepo.plot`
+draws multi-run figures on top of these.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import re
 import sys
-import warnings
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pandas as pd
-from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-METRICS_FILE = "metrics.jsonl"
-CONFIG_FILE = "config.yaml"
+# reading a run directory is verl_ext.rundir's; the names stay importable from here
+from verl_ext.analysis.run_figures import STYLE, save_figure
+from verl_ext.rundir import (  # noqa: F401 -- CONFIG_FILE, METRICS_FILE, read_run_config re-exported
+    CONFIG_FILE,
+    METRICS_FILE,
+    Run,
+    RunDirError,
+    load_metrics,
+    load_run,
+    metrics_path,
+    read_run_config,
+    to_step,
+)
+
 REPORT_FILE = "report.md"
 CURVES_FILE = "curves.png"
-
-LOSS_MODE_KEY = "actor_rollout_ref.actor.policy_loss.loss_mode"
-MAX_DELAY_KEY = "hetero.max_delay"
-PRESET_KEY = "algorithm_preset"
-SEED_KEY = "hetero.seed"
 
 EVAL_MEAN = "eval/acc_mean"
 _EVAL_BENCH = re.compile(r"^eval/(?P<bench>.+)/acc$")
 HIST_PREFIX = "hetero/staleness_hist/"
-
-# figure style shared with recipe.gepo.plot (applied with matplotlib.rc_context)
-STYLE = {
-    "font.size": 9,
-    "axes.titlesize": 10,
-    "axes.labelsize": 9,
-    "legend.fontsize": 8,
-    "axes.grid": True,
-    "grid.alpha": 0.3,
-    "axes.spines.top": False,
-    "axes.spines.right": False,
-}
-
-
-class RunDirError(ValueError):
-    """A run directory that cannot be read (missing, not a directory, no ``metrics.jsonl``)."""
-
-
-# --------------------------------------------------------------------------- loading
-
-
-def metrics_path(run_dir: str | os.PathLike) -> Path:
-    """``<run_dir>/metrics.jsonl``; raises :class:`RunDirError` naming ``run_dir`` if the
-    directory or the file does not exist. A path to the ``.jsonl`` file itself is accepted."""
-    p = Path(run_dir)
-    if p.is_file() and p.suffix == ".jsonl":
-        return p
-    if not p.exists():
-        raise RunDirError(f"run directory {str(run_dir)!r} does not exist")
-    if not p.is_dir():
-        raise RunDirError(f"run directory {str(run_dir)!r} is not a directory (nor a .jsonl file)")
-    f = p / METRICS_FILE
-    if not f.is_file():
-        raise RunDirError(f"run directory {str(run_dir)!r} has no {METRICS_FILE}")
-    return f
-
-
-def _to_float(v: Any) -> float:
-    """A metric value as float: numbers as they are, numeric strings ("0.5", "nan", "inf")
-    parsed, everything else (null, booleans, text, lists, dicts) NaN."""
-    if isinstance(v, bool) or v is None:
-        return math.nan
-    if isinstance(v, (int, float)):
-        return float(v)
-    if isinstance(v, str):
-        try:
-            return float(v.strip())
-        except ValueError:
-            return math.nan
-    return math.nan
-
-
-def _to_step(v: Any) -> int | None:
-    """``step`` as int, or None if it is not an integral number (bools rejected)."""
-    if isinstance(v, bool) or v is None:
-        return None
-    if isinstance(v, str):
-        try:
-            v = float(v.strip())
-        except ValueError:
-            return None
-    if isinstance(v, (int, float)) and math.isfinite(v) and float(v).is_integer():
-        return int(v)
-    return None
-
-
-def load_metrics(run_dir: str | os.PathLike) -> pd.DataFrame:
-    """Read ``<run_dir>/metrics.jsonl`` into a DataFrame with one row per step.
-
-    Columns: ``step`` (int, sorted ascending) and one float64 column per metric key seen
-    (NaN where a step did not log it). Lines with the same step (a separate evaluation line,
-    or a resumed run that re-logged steps) are merged: per column, the last non-missing value
-    wins. Values that are not numbers become NaN (numeric strings such as ``"0.5"``/``"nan"``
-    are parsed). Blank lines are ignored. Lines that are not a JSON object with an integral
-    ``step`` -- typically the torn last line of a killed run -- are skipped with a
-    :class:`UserWarning` naming the file and line numbers; their 1-based line numbers are in
-    ``df.attrs["skipped_lines"]``. ``df.attrs["path"]`` is the file read.
-
-    Raises :class:`RunDirError` (a ValueError) naming ``run_dir`` if it or its metrics file
-    does not exist.
-    """
-    path = metrics_path(run_dir)
-    raw = path.read_bytes()
-    text = raw.decode("utf-8", errors="replace")
-    ends_with_newline = text.endswith("\n")
-    lines = text.split("\n")
-    records: list[dict[str, Any]] = []
-    skipped: list[tuple[int, str]] = []
-    last_nonblank = max((i for i, ln in enumerate(lines) if ln.strip()), default=-1)
-    for i, line in enumerate(lines):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            torn = i == last_nonblank and not ends_with_newline
-            skipped.append((i + 1, "truncated last line" if torn else f"invalid JSON ({e.msg})"))
-            continue
-        if not isinstance(obj, dict):
-            skipped.append((i + 1, f"not a JSON object ({type(obj).__name__})"))
-            continue
-        step = _to_step(obj.get("step"))
-        if step is None:
-            skipped.append((i + 1, f"no integral 'step' (got {obj.get('step')!r})"))
-            continue
-        rec: dict[str, Any] = {k: _to_float(v) for k, v in obj.items() if k != "step"}
-        rec["step"] = step
-        records.append(rec)
-    if skipped:
-        shown = "; ".join(f"line {n}: {why}" for n, why in skipped[:5])
-        more = f" (+{len(skipped) - 5} more)" if len(skipped) > 5 else ""
-        warnings.warn(f"{path}: skipped {len(skipped)} unreadable line(s): {shown}{more}", stacklevel=2)
-
-    if records:
-        df = pd.DataFrame.from_records(records)
-        metric_cols = [c for c in df.columns if c != "step"]
-        df = pd.concat([df[["step"]], df[metric_cols].astype("float64")], axis=1)  # one block, not many
-        # last non-missing value per column and step (groupby.last skips NaN)
-        df = df.groupby("step", sort=True)[metric_cols].last().reset_index()
-        df["step"] = df["step"].astype("int64")
-    else:
-        df = pd.DataFrame({"step": pd.Series([], dtype="int64")})
-    df.attrs["path"] = str(path)
-    df.attrs["skipped_lines"] = [n for n, _ in skipped]
-    return df
-
-
-@dataclass
-class Run:
-    """One run directory: its metrics and what the config says about the algorithm.
-
-    ``loss_mode``/``max_delay``/``preset``/``seed`` are None when ``config.yaml`` is missing,
-    unreadable or lacks the key (``preset`` is usually absent: presets are merged into the
-    global config)."""
-
-    run_dir: Path
-    metrics: pd.DataFrame
-    loss_mode: str | None = None
-    max_delay: int | None = None
-    preset: str | None = None
-    seed: int | None = None
-
-    @property
-    def algorithm(self) -> str:
-        """Algorithm name: the loss mode, with the preset in front when the config records one
-        that differs (``dr_grpo`` and ``grpo`` share loss mode ``vanilla``): ``"dr_grpo
-        (vanilla)"``; ``"unknown"`` without a loss mode."""
-        loss = self.loss_mode or "unknown"
-        if self.preset and self.preset != loss:
-            return f"{self.preset} ({loss})"
-        return loss
-
-    @property
-    def label(self) -> str:
-        """``"<algorithm>, d=<max_delay>"`` (``d=?`` when the config has no max delay)."""
-        d = "?" if self.max_delay is None else str(self.max_delay)
-        return f"{self.algorithm}, d={d}"
-
-
-def read_run_config(run_dir: str | os.PathLike) -> dict[str, Any]:
-    """``loss_mode``, ``max_delay``, ``preset``, ``seed`` from ``<run_dir>/config.yaml``
-    (values None if absent). A missing file gives all None; an unreadable one a warning too."""
-    out: dict[str, Any] = {"loss_mode": None, "max_delay": None, "preset": None, "seed": None}
-    path = Path(run_dir) / CONFIG_FILE
-    if not path.is_file():
-        return out
-    try:
-        from omegaconf import DictConfig, OmegaConf
-
-        cfg = OmegaConf.load(path)
-    except Exception as e:  # noqa: BLE001 -- any parse failure: report, keep going
-        warnings.warn(f"{path}: cannot read config ({type(e).__name__}: {e}); algorithm and delay unknown",
-                      stacklevel=2)
-        return out
-
-    def get(key: str) -> Any:
-        try:
-            v = OmegaConf.select(cfg, key, default=None, throw_on_resolution_failure=False)
-        except Exception:  # noqa: BLE001 -- e.g. an interpolation to a custom resolver
-            return None
-        return None if isinstance(v, DictConfig) else v
-
-    loss = get(LOSS_MODE_KEY)
-    out["loss_mode"] = None if loss is None else str(loss)
-    preset = get(PRESET_KEY)
-    out["preset"] = preset if isinstance(preset, str) and preset else None
-    for name, key in (("max_delay", MAX_DELAY_KEY), ("seed", SEED_KEY)):
-        v = _to_step(get(key))
-        if v is None and get(key) is not None:
-            warnings.warn(f"{path}: {key}={get(key)!r} is not an integer; ignored", stacklevel=2)
-        out[name] = v
-    return out
-
-
-def load_run(run_dir: str | os.PathLike) -> Run:
-    """:func:`load_metrics` plus :func:`read_run_config` for one run directory."""
-    df = load_metrics(run_dir)
-    cfg = read_run_config(metrics_path(run_dir).parent)
-    return Run(run_dir=Path(run_dir), metrics=df, **cfg)
 
 
 # --------------------------------------------------------------------------- series helpers
@@ -288,7 +93,7 @@ def staleness_histogram(df: pd.DataFrame) -> pd.Series | None:
     for c in df.columns:
         if not c.startswith(HIST_PREFIX):
             continue
-        k = _to_step(c[len(HIST_PREFIX):])
+        k = to_step(c[len(HIST_PREFIX):])
         if k is None:
             continue
         v = df[c].to_numpy(dtype="float64")
@@ -412,16 +217,6 @@ def _line(ax, s: pd.Series, **kw) -> None:
     """Plot a step series; a lone point (or sparse evaluations) gets markers."""
     marker = "o" if len(s) <= 30 else None
     ax.plot(s.index.to_numpy(), s.to_numpy(), marker=marker, markersize=3, **kw)
-
-
-def save_figure(fig: Figure, path: Path, dpi: int = 150) -> Path:
-    """Write ``fig`` with the Agg canvas, atomically (temp file + rename)."""
-    FigureCanvasAgg(fig)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.stem}.tmp{path.suffix}")
-    fig.savefig(tmp, dpi=dpi, bbox_inches="tight")
-    os.replace(tmp, path)
-    return path
 
 
 def _summary_text(s: dict[str, Any]) -> str:

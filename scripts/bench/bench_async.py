@@ -12,7 +12,6 @@ Both runs use the cached toy warm start (created on first use, not timed).
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import subprocess
 import sys
@@ -21,6 +20,11 @@ import time
 from pathlib import Path
 
 import numpy as np
+
+REPO = Path(__file__).resolve().parents[2]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+from verl_ext.rundir import read_metric_rows  # noqa: E402 -- after the path fix
 
 COMMON = ["algorithm_preset=gepo", "trainer.resume_mode=disable", "trainer.test_freq=0", "task.eval_size=256"]
 SETTINGS = {
@@ -37,7 +41,7 @@ def run(overrides: list[str], run_dir: Path) -> dict:
     if proc.returncode != 0:
         raise SystemExit(f"run failed ({' '.join(cmd)}):\n{proc.stderr[-3000:]}")
     total = time.perf_counter() - start
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = read_metric_rows(run_dir)
     steps = [r for r in rows if "perf/step_s" in r]
     loop_s = float(sum(r["perf/step_s"] for r in steps))
     return {

@@ -36,6 +36,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
+from verl_ext.rundir import METRICS_FILE, read_metric_rows  # noqa: E402 -- after the path fix
+
 CONFIG_DIR = REPO / "recipe" / "gepo" / "config"
 
 #: algorithm name -> hydra overrides. Controls: gepo_std (std-normalised advantages), *_nokl
@@ -139,7 +141,7 @@ def run_one(job: tuple[list[str], str]) -> tuple[str, float, str]:
         torch.manual_seed(hetero.seed)
         out = Path(run_dir)
         out.mkdir(parents=True, exist_ok=True)
-        (out / "metrics.jsonl").unlink(missing_ok=True)
+        (out / METRICS_FILE).unlink(missing_ok=True)
         (out / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
         logger = MetricLogger(settings.run_dir, settings, cfg)
         try:
@@ -300,14 +302,6 @@ def stability_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def load_metrics(run_dir: Path) -> list[dict]:
-    rows = []
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        if line.strip():
-            rows.append(json.loads(line))
-    return rows
-
-
 def collect(out: Path, plan: Plan) -> list[dict]:
     per_run = []
     for task in plan.tasks:
@@ -315,9 +309,9 @@ def collect(out: Path, plan: Plan) -> list[dict]:
             for delay in plan.delays:
                 for seed in plan.seeds:
                     d = out / "runs" / task / algo / f"d{delay}" / f"s{seed}"
-                    if (d / "DONE").is_file() and (d / "metrics.jsonl").is_file():
+                    if (d / "DONE").is_file() and (d / METRICS_FILE).is_file():
                         per_run.append({"task": task, "algo": algo, "delay": delay, "seed": seed, "dir": d,
-                                        **run_numbers(load_metrics(d), plan.steps)})  # fmt: skip
+                                        **run_numbers(read_metric_rows(d), plan.steps)})  # fmt: skip
     return per_run
 
 
@@ -350,8 +344,8 @@ def write_outputs(out: Path, plan: Plan, per_run: list[dict], figures: bool = Tr
 
 def _figures(out: Path, task: str, per_run: list[dict], log) -> None:
     from recipe.gepo.plot import make_figures
-    from recipe.gepo.report import load_run
     from verl_ext.analysis.run_diagnostics import make_diag_figures
+    from verl_ext.rundir import load_run
 
     runs, labels = [], []
     for r in per_run:

@@ -1,6 +1,5 @@
 """The E[A] estimation-error diagnostic: hand-computed values on a tiny batch, and in replay mode."""
 
-import json
 import math
 
 import pytest
@@ -12,6 +11,7 @@ from verl_ext.analysis.run_diagnostics import (
     main_weight_kind,
     weighted_advantage_estimates,
 )
+from verl_ext.rundir import read_metric_rows
 
 from .conftest import compose_cfg
 
@@ -59,7 +59,7 @@ def _run(cfg):
 
 
 def _lines(path):
-    return [json.loads(x) for x in (path / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    return read_metric_rows(path)
 
 
 BASE = ["task.name=toy_addition", "task.digits=1", "task.eval_size=16", "data.train_batch_size=2",

@@ -27,7 +27,7 @@ error of the fresh mean) is logged beside it, so an error near that level means 
 error". In replay mode ``task.diagnostics_every=k`` turns it on (see ``recipe/gepo/local/replay.py``).
 
 **Scatter plots.** ``python -m verl_ext.analysis.run_diagnostics RUN_DIR... --out DIR`` draws,
-with Pearson's r per run and pooled (:mod:`recipe.gepo.plot`'s functions), the error against
+with Pearson's r per run and pooled (:mod:`verl_ext.analysis.run_figures`), the error against
 staleness, KL(sampler||learner) and IS-weight variance, and the IS-weight variance and KL
 against staleness and each other, and prints the correlation table.
 """
@@ -44,6 +44,8 @@ import pandas as pd
 import torch
 
 from verl_ext.algos.importance import group_expectation_log_denominator
+from verl_ext.analysis import run_figures
+from verl_ext.rundir import RunDirError, load_runs
 
 ERROR = "diag/adv_estimation_error"
 WEIGHT_KINDS = ("ratio", "group_expectation", "ratio_full", "none")
@@ -139,10 +141,8 @@ def estimation_errors(
 
 
 def diag_correlations(runs, labels, pairs=DIAG_PAIRS) -> pd.DataFrame:
-    """Pearson r per pair of :data:`DIAG_PAIRS`, per run and pooled (:func:`recipe.gepo.plot.correlations`)."""
-    from recipe.gepo.plot import correlations
-
-    return correlations(runs, labels, pairs)
+    """Pearson r per pair of :data:`DIAG_PAIRS`, per run and pooled (:func:`run_figures.correlations`)."""
+    return run_figures.correlations(runs, labels, pairs)
 
 
 def _name(x: str, y: str) -> str:
@@ -151,13 +151,11 @@ def _name(x: str, y: str) -> str:
 
 def make_diag_figures(runs, labels, out: Path, fmt: str = "png", log=print) -> tuple[dict[str, Path], pd.DataFrame]:
     """Scatter plots of :data:`DIAG_PAIRS` and ``diag_correlations.csv`` into ``out``."""
-    from recipe.gepo.plot import plot_scatter
-
     out.mkdir(parents=True, exist_ok=True)
     corr = diag_correlations(runs, labels)
     written = {}
     for x, y in DIAG_PAIRS:
-        p = plot_scatter(runs, labels, corr, x, y, out / f"{_name(x, y)}.{fmt}")
+        p = run_figures.plot_scatter(runs, labels, corr, x, y, out / f"{_name(x, y)}.{fmt}")
         if p is None:
             log(f"note: skipped {_name(x, y)}: no run logged both {x} and {y}")
         else:
@@ -189,9 +187,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--labels", nargs="+", default=None)
     parser.add_argument("--format", default="png", choices=("png", "pdf", "svg"))
     args = parser.parse_args(argv)
-    from recipe.gepo.plot import correlation_table, load_runs
-    from recipe.gepo.report import RunDirError
-
     try:
         runs, labels = load_runs(args.run_dirs, args.labels)
     except (RunDirError, ValueError) as exc:
@@ -200,7 +195,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     written, corr = make_diag_figures(runs, labels, Path(args.out), args.format)
     for name, path in written.items():
         print(f"{name}: {path}")
-    print(correlation_table(corr))
+    print(run_figures.correlation_table(corr))
     print(error_summary(runs, labels).to_string(index=False, float_format=lambda v: f"{v:.4f}"))
     return 0
 

@@ -1,5 +1,5 @@
 """What every embedded-engine run shares: the run directory, metric logging, checkpoints, settings
-read from verl's config keys.
+read from verl's config keys. The files' format is :mod:`verl_ext.rundir`'s.
 
 Metrics go to ``<run_dir>/metrics.jsonl`` always (one JSON object per line, with ``step``) and
 to verl's ``Tracking`` backends listed in ``trainer.logger`` (console, tensorboard, wandb, ...);
@@ -9,15 +9,17 @@ TensorBoard events go to ``<run_dir>/tensorboard/`` unless ``TENSORBOARD_DIR`` i
 from __future__ import annotations
 
 import contextlib
-import json
-import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-import torch
 from omegaconf import DictConfig, OmegaConf
+
+# the run directory's format has one owner; the drivers import these names from here
+from verl_ext.rundir import MetricsWriter, load_latest_checkpoint, save_checkpoint, truncate_metrics
+
+__all__ = ["RunSettings", "MetricLogger", "save_checkpoint", "load_latest_checkpoint", "truncate_metrics"]
 
 
 @dataclass
@@ -94,15 +96,15 @@ def _env_default(name: str, value: str):
 
 
 class MetricLogger:
-    """Appends metrics to ``metrics.jsonl`` and forwards them to verl's Tracking backends.
+    """Appends metrics to ``metrics.jsonl`` (:class:`verl_ext.rundir.MetricsWriter`) and forwards
+    them to verl's Tracking backends.
 
     verl's TensorBoard backend writes to ``$TENSORBOARD_DIR``, by default ``tensorboard_log/`` in
     the working directory; here the default is ``<run_dir>/tensorboard/``, beside the metrics."""
 
     def __init__(self, run_dir: Path, settings: RunSettings, config: Optional[DictConfig] = None):
-        run_dir.mkdir(parents=True, exist_ok=True)
-        self.path = run_dir / "metrics.jsonl"
-        self._file = open(self.path, "a", buffering=1)
+        self._writer = MetricsWriter(run_dir)
+        self.path = self._writer.path
         self._tracking = None
         if settings.loggers:
             from verl.utils.tracking import Tracking
@@ -116,48 +118,11 @@ class MetricLogger:
                 )
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
-        clean = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and math.isfinite(float(v))}
-        self._file.write(json.dumps({"step": step, **clean}) + "\n")
+        clean = self._writer.write(metrics, step)
         if self._tracking is not None:
             self._tracking.log(data=clean, step=step)
 
     def close(self) -> None:
-        self._file.close()
+        self._writer.close()
         if self._tracking is not None:
             self._tracking.finish()
-
-
-def save_checkpoint(run_dir: Path, step: int, state: dict[str, Any]) -> Path:
-    """Atomically write ``checkpoints/step_<k>.pt`` and point ``checkpoints/latest`` at it."""
-    ckpt_dir = run_dir / "checkpoints"
-    ckpt_dir.mkdir(parents=True, exist_ok=True)
-    path = ckpt_dir / f"step_{step:06d}.pt"
-    tmp = path.with_suffix(".pt.tmp")
-    torch.save(state, tmp)
-    os.replace(tmp, path)
-    latest_tmp = ckpt_dir / "latest.tmp"
-    latest_tmp.write_text(path.name)
-    os.replace(latest_tmp, ckpt_dir / "latest")
-    return path
-
-
-def load_latest_checkpoint(run_dir: Path) -> Optional[dict[str, Any]]:
-    """The state saved by the latest :func:`save_checkpoint`, or None if the run has none."""
-    pointer = run_dir / "checkpoints" / "latest"
-    if not pointer.exists():
-        return None
-    return torch.load(run_dir / "checkpoints" / pointer.read_text().strip(), weights_only=False)
-
-
-def truncate_metrics(path: Path, after_step: int) -> None:
-    """Drop metric lines past ``after_step`` (a resumed run re-logs them)."""
-    if not path.exists():
-        return
-    kept = []
-    for line in path.read_text().splitlines():
-        try:
-            if json.loads(line)["step"] <= after_step:
-                kept.append(line)
-        except (json.JSONDecodeError, KeyError):
-            continue  # a line cut by a crash
-    path.write_text("".join(line + "\n" for line in kept))

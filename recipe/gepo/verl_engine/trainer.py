@@ -23,8 +23,6 @@ What it adds to verl's loop, each on one of verl's own extension points:
 
 from __future__ import annotations
 
-import json
-import math
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +46,7 @@ from recipe.gepo.verl_engine.loss import bridge_loss_fn
 from recipe.gepo.verl_engine.plan import delay_unit
 from recipe.gepo.verl_engine.staleness import hetero_step_metrics, stale_group_uids
 from verl_ext.cpu.patches import fix_separate_async_logger
+from verl_ext.rundir import MetricsWriter
 from verl_ext.verl_plugin import loss_option
 
 fix_separate_async_logger()  # verl 0.9.1's separate_async crashes at init otherwise (any device)
@@ -60,20 +59,11 @@ class MetricsTee:
 
     def __init__(self, tracking: Any, run_dir: str | Path):
         self.tracking = tracking
-        self.path = Path(run_dir) / "metrics.jsonl"
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._writer = MetricsWriter(run_dir)
+        self.path = self._writer.path
 
     def log(self, data: dict, step: int, *args: Any, **kwargs: Any) -> None:
-        clean = {}
-        for key, value in data.items():
-            try:
-                value = float(value)
-            except (TypeError, ValueError):
-                continue
-            if math.isfinite(value):
-                clean[key] = value
-        with open(self.path, "a") as f:
-            f.write(json.dumps({"step": int(step), **clean}) + "\n")
+        self._writer.write(data, step)
         self.tracking.log(data=data, step=step, *args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:

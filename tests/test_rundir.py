@@ -1,0 +1,80 @@
+"""The run directory has one owner (issue #12, item 2): both engines write metrics.jsonl through
+``verl_ext.rundir`` and every reader parses it there."""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from recipe.gepo.local.run_utils import MetricLogger, RunSettings
+from verl_ext import rundir
+
+METRICS = {"a": 1, "b": np.float32(0.5), "c": torch.tensor(2.0), "flag": True, "nan": float("nan"),
+           "inf": float("inf"), "text": "0.5", "none": None, "vec": [1.0, 2.0]}
+WRITTEN = {"step": 3, "a": 1.0, "b": 0.5, "c": 2.0, "flag": 1.0}
+
+
+def settings(run_dir) -> RunSettings:
+    cfg = OmegaConf.create({
+        "actor_rollout_ref": {"model": {"path": ""}, "rollout": {"n": 2, "temperature": 1.0}},
+        "data": {"train_batch_size": 1, "max_response_length": 4},
+        "trainer": {"total_training_steps": 1, "default_local_dir": str(run_dir), "save_freq": 0, "test_freq": 0,
+                    "resume_mode": "disable", "logger": [], "project_name": "p", "experiment_name": "e"},
+    })  # fmt: skip
+    return RunSettings.from_config(cfg)
+
+
+def test_both_engines_write_the_same_line(tmp_path):
+    from verl.utils.tracking import Tracking
+
+    from recipe.gepo.verl_engine.trainer import MetricsTee
+
+    embedded = MetricLogger(tmp_path / "embedded", settings(tmp_path / "embedded"))
+    embedded.log(METRICS, step=3)
+    embedded.close()
+    tee = MetricsTee(Tracking(project_name="p", experiment_name="e", default_backend=[]), tmp_path / "verl")
+    tee.log(METRICS, step=3)
+    lines = [(tmp_path / d / "metrics.jsonl").read_text() for d in ("embedded", "verl")]
+    assert lines[0] == lines[1] == json.dumps(WRITTEN) + "\n"
+    assert rundir.read_metric_rows(tmp_path / "verl") == [WRITTEN]
+
+
+def test_truncate_keeps_the_original_lines_up_to_the_step(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 0, "x": 1}\n{"step": 1, "x": 2.50}\nnot json\n{"step": 2, "x": 3}\n{"step": 1, "y"')
+    rundir.truncate_metrics(path, after_step=1)
+    assert path.read_text() == '{"step": 0, "x": 1}\n{"step": 1, "x": 2.50}\n'
+    rundir.truncate_metrics(tmp_path / "absent.jsonl", 0)  # no file: nothing to do
+    assert not (tmp_path / "absent.jsonl").exists()
+
+
+def test_row_reader_and_frame_reader_agree_and_name_bad_lines(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text(
+        '{"step": 0, "x": 1}\n[1]\n{"step": 1, "x": "0.5"}\n{"step": 1, "e": 0.25}\n{"step": "a"}\n{"step": 2, "x"'
+    )
+    with pytest.warns(UserWarning, match=r"skipped 3 unreadable line\(s\): line 2: not a JSON object.*line 6: truncated"):
+        rows = rundir.read_metric_rows(tmp_path)
+    assert rows == [{"step": 0, "x": 1.0}, {"step": 1, "x": 0.5}, {"step": 1, "e": 0.25}]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        df = rundir.load_metrics(tmp_path)
+    assert df["step"].tolist() == [0, 1] and df["x"].tolist() == [1.0, 0.5]
+    assert df.attrs["skipped_lines"] == [2, 5, 6]
+    assert rundir.read_metric_rows(tmp_path / "nowhere", missing_ok=True) == []
+    with pytest.raises(rundir.RunDirError, match="nowhere"):
+        rundir.read_metric_rows(tmp_path / "nowhere")
+
+
+def test_checkpoint_round_trip_and_latest_pointer(tmp_path):
+    assert rundir.load_latest_checkpoint(tmp_path) is None
+    rundir.save_checkpoint(tmp_path, 1, {"step": 1, "w": torch.ones(2)})
+    path = rundir.save_checkpoint(tmp_path, 2, {"step": 2, "w": torch.zeros(2)})
+    assert (tmp_path / "checkpoints" / "latest").read_text() == path.name == "step_000002.pt"
+    state = rundir.load_latest_checkpoint(tmp_path)
+    assert state["step"] == 2 and torch.equal(state["w"], torch.zeros(2))
+    assert not list((tmp_path / "checkpoints").glob("*.tmp"))

@@ -1,0 +1,366 @@
+"""The run directory: the one place that writes and reads its files.
+
+A run directory (``trainer.default_local_dir``) holds
+
+* ``metrics.jsonl`` -- one JSON object per line, ``{"step": int, "<metric>": float, ...}``, appended
+  by :class:`MetricsWriter` (the embedded engine's ``MetricLogger`` and the verl engine's
+  ``MetricsTee`` both write through it). Evaluation lines carry ``eval/...`` keys, possibly on lines
+  of their own; a resumed run re-logs the steps after its checkpoint (:func:`truncate_metrics`
+  first drops them); a killed run may leave a torn last line.
+* ``config.yaml`` -- the composed hydra config (:func:`read_run_config` reads the algorithm and
+  delay from it).
+* ``checkpoints/step_<k>.pt`` and ``checkpoints/latest`` (the name of the newest) --
+  :func:`save_checkpoint` / :func:`load_latest_checkpoint`.
+
+Readers: :func:`read_metric_rows` (the lines as dicts, for scripts), :func:`load_metrics` (one
+pandas row per step, for reports and figures), :func:`load_run` / :func:`load_runs` (metrics plus
+what the config says). Every reader skips unreadable lines the same way (:func:`iter_metric_lines`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import warnings
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional, Union
+
+METRICS_FILE = "metrics.jsonl"
+CONFIG_FILE = "config.yaml"
+CHECKPOINT_DIR = "checkpoints"
+LATEST_POINTER = "latest"
+
+LOSS_MODE_KEY = "actor_rollout_ref.actor.policy_loss.loss_mode"
+MAX_DELAY_KEY = "hetero.max_delay"
+PRESET_KEY = "algorithm_preset"
+SEED_KEY = "hetero.seed"
+
+PathLike = Union[str, os.PathLike]
+
+
+class RunDirError(ValueError):
+    """A run directory that cannot be read (missing, not a directory, no ``metrics.jsonl``)."""
+
+
+# --------------------------------------------------------------------------- writing
+
+
+def clean_metrics(metrics: Mapping[str, Any]) -> dict[str, float]:
+    """The values a metrics line keeps: everything ``float()`` accepts (Python and numpy numbers,
+    one-element tensors, bools) that is finite; text, None, NaN and infinities are left out."""
+    clean: dict[str, float] = {}
+    for key, value in metrics.items():
+        if isinstance(value, (str, bytes)) or value is None:
+            continue
+        try:
+            value = float(value)
+        except (TypeError, ValueError):
+            continue
+        if math.isfinite(value):
+            clean[key] = value
+    return clean
+
+
+def metric_line(metrics: Mapping[str, Any], step: int) -> str:
+    """One ``metrics.jsonl`` line (with its newline): ``step`` first, then :func:`clean_metrics`."""
+    return json.dumps({"step": int(step), **clean_metrics(metrics)}) + "\n"
+
+
+class MetricsWriter:
+    """Appends lines to ``<run_dir>/metrics.jsonl`` (line-buffered: a reader sees whole lines)."""
+
+    def __init__(self, run_dir: PathLike):
+        run_dir = Path(run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.path = run_dir / METRICS_FILE
+        self._file = open(self.path, "a", buffering=1)
+
+    def write(self, metrics: Mapping[str, Any], step: int) -> dict[str, float]:
+        """Append one line; returns the values written (see :func:`clean_metrics`)."""
+        self._file.write(metric_line(metrics, step))
+        return clean_metrics(metrics)
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def truncate_metrics(path: PathLike, after_step: int) -> None:
+    """Keep only the lines of ``path`` whose step is at most ``after_step`` (a resumed run
+    re-logs the later ones); unreadable lines (a line cut by a crash) go too."""
+    path = Path(path)
+    if not path.exists():
+        return
+    kept = [line.text for line in iter_metric_lines(path) if line.row is not None and line.row["step"] <= after_step]
+    path.write_text("".join(text + "\n" for text in kept))
+
+
+# --------------------------------------------------------------------------- checkpoints
+
+
+def save_checkpoint(run_dir: PathLike, step: int, state: dict[str, Any]) -> Path:
+    """Atomically write ``checkpoints/step_<k>.pt`` and point ``checkpoints/latest`` at it."""
+    import torch
+
+    ckpt_dir = Path(run_dir) / CHECKPOINT_DIR
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    path = ckpt_dir / f"step_{step:06d}.pt"
+    tmp = path.with_suffix(".pt.tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+    latest_tmp = ckpt_dir / f"{LATEST_POINTER}.tmp"
+    latest_tmp.write_text(path.name)
+    os.replace(latest_tmp, ckpt_dir / LATEST_POINTER)
+    return path
+
+
+def load_latest_checkpoint(run_dir: PathLike) -> Optional[dict[str, Any]]:
+    """The state saved by the latest :func:`save_checkpoint`, or None if the run has none."""
+    import torch
+
+    ckpt_dir = Path(run_dir) / CHECKPOINT_DIR
+    pointer = ckpt_dir / LATEST_POINTER
+    if not pointer.exists():
+        return None
+    return torch.load(ckpt_dir / pointer.read_text().strip(), weights_only=False)
+
+
+# --------------------------------------------------------------------------- reading
+
+
+def metrics_path(run_dir: PathLike) -> Path:
+    """``<run_dir>/metrics.jsonl``; raises :class:`RunDirError` naming ``run_dir`` if the
+    directory or the file does not exist. A path to the ``.jsonl`` file itself is accepted."""
+    p = Path(run_dir)
+    if p.is_file() and p.suffix == ".jsonl":
+        return p
+    if not p.exists():
+        raise RunDirError(f"run directory {str(run_dir)!r} does not exist")
+    if not p.is_dir():
+        raise RunDirError(f"run directory {str(run_dir)!r} is not a directory (nor a .jsonl file)")
+    f = p / METRICS_FILE
+    if not f.is_file():
+        raise RunDirError(f"run directory {str(run_dir)!r} has no {METRICS_FILE}")
+    return f
+
+
+def to_float(v: Any) -> float:
+    """A metric value as float: numbers as they are, numeric strings ("0.5", "nan", "inf")
+    parsed, everything else (null, booleans, text, lists, dicts) NaN."""
+    if isinstance(v, bool) or v is None:
+        return math.nan
+    if isinstance(v, (int, float)):
+        return float(v)
+    if isinstance(v, str):
+        try:
+            return float(v.strip())
+        except ValueError:
+            return math.nan
+    return math.nan
+
+
+def to_step(v: Any) -> Optional[int]:
+    """``step`` as int, or None if it is not an integral number (bools rejected)."""
+    if isinstance(v, bool) or v is None:
+        return None
+    if isinstance(v, str):
+        try:
+            v = float(v.strip())
+        except ValueError:
+            return None
+    if isinstance(v, (int, float)) and math.isfinite(v) and float(v).is_integer():
+        return int(v)
+    return None
+
+
+@dataclass(frozen=True)
+class MetricLine:
+    """One non-blank line of ``metrics.jsonl``.
+
+    ``row`` is ``{"step": int, <metric>: float, ...}`` (values through :func:`to_float`), or None
+    when the line is unreadable; ``why`` then says why."""
+
+    lineno: int
+    """1-based line number."""
+    text: str
+    row: Optional[dict[str, Any]]
+    why: str = ""
+
+
+def iter_metric_lines(path: PathLike) -> Iterator[MetricLine]:
+    """Every non-blank line of a ``metrics.jsonl`` file, parsed. A line that is not a JSON object
+    with an integral ``step`` -- typically the torn last line of a killed run -- comes with
+    ``row=None`` and the reason."""
+    text = Path(path).read_bytes().decode("utf-8", errors="replace")
+    ends_with_newline = text.endswith("\n")
+    lines = text.split("\n")
+    last_nonblank = max((i for i, ln in enumerate(lines) if ln.strip()), default=-1)
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            torn = i == last_nonblank and not ends_with_newline
+            yield MetricLine(i + 1, line, None, "truncated last line" if torn else f"invalid JSON ({e.msg})")
+            continue
+        if not isinstance(obj, dict):
+            yield MetricLine(i + 1, line, None, f"not a JSON object ({type(obj).__name__})")
+            continue
+        step = to_step(obj.get("step"))
+        if step is None:
+            yield MetricLine(i + 1, line, None, f"no integral 'step' (got {obj.get('step')!r})")
+            continue
+        yield MetricLine(i + 1, line, {"step": step, **{k: to_float(v) for k, v in obj.items() if k != "step"}})
+
+
+def _warn_skipped(path: Path, skipped: Sequence[MetricLine]) -> None:
+    if skipped:
+        shown = "; ".join(f"line {s.lineno}: {s.why}" for s in skipped[:5])
+        more = f" (+{len(skipped) - 5} more)" if len(skipped) > 5 else ""
+        warnings.warn(f"{path}: skipped {len(skipped)} unreadable line(s): {shown}{more}", stacklevel=3)
+
+
+def read_metric_rows(run_dir: PathLike, missing_ok: bool = False) -> list[dict[str, Any]]:
+    """The readable lines of ``<run_dir>/metrics.jsonl`` in file order, each ``{"step": int,
+    <metric>: float, ...}`` (one per log call: a step may appear on several lines). Unreadable
+    lines are skipped with a :class:`UserWarning` naming them. With ``missing_ok`` a run without
+    the file gives ``[]``; otherwise :class:`RunDirError`."""
+    try:
+        path = metrics_path(run_dir)
+    except RunDirError:
+        if missing_ok:
+            return []
+        raise
+    lines = list(iter_metric_lines(path))
+    _warn_skipped(path, [ln for ln in lines if ln.row is None])
+    return [ln.row for ln in lines if ln.row is not None]
+
+
+def load_metrics(run_dir: PathLike):
+    """Read ``<run_dir>/metrics.jsonl`` into a pandas DataFrame with one row per step.
+
+    Columns: ``step`` (int, sorted ascending) and one float64 column per metric key seen
+    (NaN where a step did not log it). Lines with the same step (a separate evaluation line,
+    or a resumed run that re-logged steps) are merged: per column, the last non-missing value
+    wins. Values that are not numbers become NaN (numeric strings such as ``"0.5"``/``"nan"``
+    are parsed). Unreadable lines are skipped with a :class:`UserWarning` naming the file and
+    line numbers; their 1-based line numbers are in ``df.attrs["skipped_lines"]``.
+    ``df.attrs["path"]`` is the file read.
+
+    Raises :class:`RunDirError` (a ValueError) naming ``run_dir`` if it or its metrics file
+    does not exist.
+    """
+    import pandas as pd
+
+    path = metrics_path(run_dir)
+    lines = list(iter_metric_lines(path))
+    skipped = [ln for ln in lines if ln.row is None]
+    _warn_skipped(path, skipped)
+    records = [ln.row for ln in lines if ln.row is not None]
+    if records:
+        df = pd.DataFrame.from_records(records)
+        metric_cols = [c for c in df.columns if c != "step"]
+        df = pd.concat([df[["step"]], df[metric_cols].astype("float64")], axis=1)  # one block, not many
+        # last non-missing value per column and step (groupby.last skips NaN)
+        df = df.groupby("step", sort=True)[metric_cols].last().reset_index()
+        df["step"] = df["step"].astype("int64")
+    else:
+        df = pd.DataFrame({"step": pd.Series([], dtype="int64")})
+    df.attrs["path"] = str(path)
+    df.attrs["skipped_lines"] = [ln.lineno for ln in skipped]
+    return df
+
+
+@dataclass
+class Run:
+    """One run directory: its metrics and what the config says about the algorithm.
+
+    ``loss_mode``/``max_delay``/``preset``/``seed`` are None when ``config.yaml`` is missing,
+    unreadable or lacks the key (``preset`` is usually absent: presets are merged into the
+    global config)."""
+
+    run_dir: Path
+    metrics: Any
+    """pandas DataFrame from :func:`load_metrics`."""
+    loss_mode: Optional[str] = None
+    max_delay: Optional[int] = None
+    preset: Optional[str] = None
+    seed: Optional[int] = None
+
+    @property
+    def algorithm(self) -> str:
+        """Algorithm name: the loss mode, with the preset in front when the config records one
+        that differs (``dr_grpo`` and ``grpo`` share loss mode ``vanilla``): ``"dr_grpo
+        (vanilla)"``; ``"unknown"`` without a loss mode."""
+        loss = self.loss_mode or "unknown"
+        if self.preset and self.preset != loss:
+            return f"{self.preset} ({loss})"
+        return loss
+
+    @property
+    def label(self) -> str:
+        """``"<algorithm>, d=<max_delay>"`` (``d=?`` when the config has no max delay)."""
+        d = "?" if self.max_delay is None else str(self.max_delay)
+        return f"{self.algorithm}, d={d}"
+
+
+def read_run_config(run_dir: PathLike) -> dict[str, Any]:
+    """``loss_mode``, ``max_delay``, ``preset``, ``seed`` from ``<run_dir>/config.yaml``
+    (values None if absent). A missing file gives all None; an unreadable one a warning too."""
+    out: dict[str, Any] = {"loss_mode": None, "max_delay": None, "preset": None, "seed": None}
+    path = Path(run_dir) / CONFIG_FILE
+    if not path.is_file():
+        return out
+    try:
+        from omegaconf import DictConfig, OmegaConf
+
+        cfg = OmegaConf.load(path)
+    except Exception as e:  # noqa: BLE001 -- any parse failure: report, keep going
+        warnings.warn(f"{path}: cannot read config ({type(e).__name__}: {e}); algorithm and delay unknown",
+                      stacklevel=2)
+        return out
+
+    def get(key: str) -> Any:
+        try:
+            v = OmegaConf.select(cfg, key, default=None, throw_on_resolution_failure=False)
+        except Exception:  # noqa: BLE001 -- e.g. an interpolation to a custom resolver
+            return None
+        return None if isinstance(v, DictConfig) else v
+
+    loss = get(LOSS_MODE_KEY)
+    out["loss_mode"] = None if loss is None else str(loss)
+    preset = get(PRESET_KEY)
+    out["preset"] = preset if isinstance(preset, str) and preset else None
+    for name, key in (("max_delay", MAX_DELAY_KEY), ("seed", SEED_KEY)):
+        v = to_step(get(key))
+        if v is None and get(key) is not None:
+            warnings.warn(f"{path}: {key}={get(key)!r} is not an integer; ignored", stacklevel=2)
+        out[name] = v
+    return out
+
+
+def load_run(run_dir: PathLike) -> Run:
+    """:func:`load_metrics` plus :func:`read_run_config` for one run directory."""
+    df = load_metrics(run_dir)
+    cfg = read_run_config(metrics_path(run_dir).parent)
+    return Run(run_dir=Path(run_dir), metrics=df, **cfg)
+
+
+def load_runs(run_dirs: Sequence[PathLike], labels: Optional[Sequence[str]] = None) -> tuple[list[Run], list[str]]:
+    """Load every run directory and give each a legend label.
+
+    Default labels are ``Run.label`` (``"<algorithm>, d=<delay>"``); labels shared by several
+    runs (seeds) get the run directory's name appended. Raises :class:`RunDirError` naming the
+    first bad directory, ValueError if ``labels`` does not have one entry per run."""
+    if labels is not None and len(labels) != len(run_dirs):
+        raise ValueError(f"--labels has {len(labels)} entries for {len(run_dirs)} RUN_DIRs; give one per RUN_DIR")
+    for d in run_dirs:
+        metrics_path(d)  # validate all before the (slower) loading
+    runs = [load_run(d) for d in run_dirs]
+    if labels is not None:
+        return runs, list(labels)
+    base = [r.label for r in runs]
+    return runs, [f"{b} [{r.run_dir.name}]" if base.count(b) > 1 else b for b, r in zip(base, runs)]
