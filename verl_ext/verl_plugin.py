@@ -22,7 +22,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
-import numpy as np
 import torch
 from verl.trainer.ppo.core_algos import agg_loss, register_adv_est, register_policy_loss
 from verl.workers.config import PolicyLossConfig
@@ -31,6 +30,7 @@ from verl_ext.algos import advantages as adv_lib
 from verl_ext.algos import importance as iw
 from verl_ext.algos import losses
 from verl_ext.algos.diagnostics import importance_weight_stats, sampler_learner_kl
+from verl_ext.group_index import uid_group_index
 
 HETERORL_LOSS_MODES = ("gepo", "eqp", "gepo_adaptive", "topr", "delta_l")
 HETERORL_ADV_ESTIMATORS = ("bnpo",)
@@ -325,12 +325,6 @@ def compute_policy_loss_delta_l(
     return _finish(terms, old_log_prob, log_prob, response_mask, loss_agg_mode, config, None, loss=loss)
 
 
-def _group_labels(index: Any, device: torch.device) -> torch.Tensor:
-    """verl's ``uid`` array (any hashable labels) -> dense integer group labels [B]."""
-    _, inverse = np.unique(np.asarray(index, dtype=object).astype(str), return_inverse=True)
-    return torch.as_tensor(inverse, dtype=torch.long, device=device)
-
-
 @register_adv_est("bnpo")
 def compute_bnpo_outcome_advantage(
     token_level_rewards: torch.Tensor,
@@ -353,7 +347,7 @@ def compute_bnpo_outcome_advantage(
         raise ValueError("bnpo needs the prompt uid index to form groups")
     scores = token_level_rewards.sum(dim=-1)
     with torch.no_grad():
-        adv = adv_lib.bnpo_advantages(scores, _group_labels(index, scores.device))
+        adv = adv_lib.bnpo_advantages(scores, uid_group_index(index, scores.device))
     adv = adv.unsqueeze(-1) * response_mask
     return adv, adv
 

@@ -18,21 +18,10 @@ import numpy as np
 import torch
 
 from verl_ext.algos import importance as iw
+from verl_ext.group_index import uid_group_index  # noqa: F401 -- also this module's API
 
 GROUP_LOG_DENOMINATOR = "group_log_denominator"
 """Name of the per-sequence field [B] that carries log E_q[q] from the driver to the loss."""
-
-
-def uid_group_index(uids: Sequence[Any] | np.ndarray) -> torch.Tensor:
-    """Dense integer group labels [B] from verl's ``non_tensor_batch["uid"]`` (any hashable labels,
-    typically a numpy object array of str). Equal uid = same prompt group; order is irrelevant."""
-    labels = np.asarray(list(uids), dtype=object)
-    if labels.ndim != 1:
-        raise ValueError(f"uid must be a 1-D array of per-sequence prompt ids, got shape {labels.shape}")
-    if any(u is None for u in labels):
-        raise ValueError("uid contains None: every sequence needs its prompt group id")
-    _, inverse = np.unique(labels.astype(str), return_inverse=True)
-    return torch.as_tensor(inverse.reshape(-1), dtype=torch.long)
 
 
 def group_log_denominator(
