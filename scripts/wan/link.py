@@ -1,0 +1,321 @@
+#!/usr/bin/env python3
+"""A real, rate-limited network link between the learner and the samplers, on one Linux box.
+
+    python scripts/wan/link.py up --rate-mbit 100    # namespace + veth pair + tbf on both ends
+    python scripts/wan/link.py set-rate --rate-mbit 10
+    python scripts/wan/link.py status [--json]
+    python scripts/wan/link.py down                  # idempotent: removes whatever is left
+
+What it builds (``LinkConfig``): a network namespace for the samplers (``heterorl-smp``) joined to
+the root namespace (the learner's) by a veth pair with two private addresses on a /30
+(10.213.0.1 learner side, 10.213.0.2 sampler side), and a token-bucket filter (``tc tbf``) at the
+chosen rate on *both* veth ends, so each direction is limited. The namespace has no default
+route and no other interface than its loopback and its veth end: a process inside can reach only
+10.213.0.1 and itself. Nothing here touches any other interface or address.
+
+Needs CAP_NET_ADMIN (veth, addresses, qdiscs) and CAP_SYS_ADMIN (``ip netns add`` bind-mounts
+the namespace under /run/netns), plus ``ip`` and ``tc`` on PATH; without them every command exits
+with ``EXIT_REFUSED`` and a message naming what is missing, before changing anything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import json
+import shutil
+import subprocess
+import sys
+from dataclasses import asdict, dataclass
+from typing import Optional, Sequence
+
+EXIT_USAGE = 2
+EXIT_REFUSED = 3  # no capability / tools: nothing was changed
+EXIT_FAILED = 4  # a command failed half-way; run `down` to clean up
+
+CAP_NET_ADMIN = 12  # bit numbers in /proc/<pid>/status CapEff (linux/capability.h)
+CAP_SYS_ADMIN = 21
+MIN_RATE_MBIT = 0.1
+MAX_RATE_MBIT = 100_000.0
+
+
+@dataclass(frozen=True)
+class LinkConfig:
+    """Names and addresses of the link; the defaults are what every other script assumes."""
+
+    netns: str = "heterorl-smp"
+    """Network namespace of the sampler side."""
+    host_if: str = "hrl-veth0"
+    """veth end in the root (learner) namespace."""
+    ns_if: str = "hrl-veth1"
+    """veth end inside ``netns``."""
+    host_ip: str = "10.213.0.1"
+    """Learner-side address (the Ray head binds here)."""
+    ns_ip: str = "10.213.0.2"
+    """Sampler-side address (the Ray worker node binds here)."""
+    prefix: int = 30
+    """Both addresses share this subnet; no other address is in it."""
+
+    @property
+    def subnet(self) -> ipaddress.IPv4Network:
+        return ipaddress.ip_network(f"{self.host_ip}/{self.prefix}", strict=False)
+
+    def validate(self) -> None:
+        """Raise ValueError naming the bad field."""
+        for name in ("netns", "host_if", "ns_if"):
+            value = getattr(self, name)
+            # IFNAMSIZ is 16 including the NUL; netns names become file names under /run/netns
+            if not value or len(value) > 15 or not all(c.isalnum() or c in "-_." for c in value):
+                raise ValueError(f"{name}={value!r}: 1-15 characters from [A-Za-z0-9-_.]")
+        host, ns = ipaddress.ip_address(self.host_ip), ipaddress.ip_address(self.ns_ip)
+        if not (host.is_private and ns.is_private) or host.is_loopback or ns.is_loopback:
+            raise ValueError(f"host_ip={self.host_ip}, ns_ip={self.ns_ip}: both must be private, non-loopback")
+        if host == ns or ns not in self.subnet:
+            raise ValueError(f"ns_ip={self.ns_ip} must differ from host_ip and be in {self.subnet}")
+
+
+def parse_rate_mbit(text: str | float) -> float:
+    """'100', '100mbit', '1gbit', '500kbit' -> Mbit/s (float); ValueError naming the value otherwise."""
+    raw = str(text).strip().lower()
+    scale = 1.0
+    for suffix, factor in (("gbit", 1000.0), ("mbit", 1.0), ("kbit", 0.001)):
+        if raw.endswith(suffix):
+            raw, scale = raw[: -len(suffix)], factor
+            break
+    try:
+        rate = float(raw) * scale
+    except ValueError:
+        raise ValueError(f"rate {text!r}: expected a number of Mbit/s, e.g. 100 or 1gbit") from None
+    if not (MIN_RATE_MBIT <= rate <= MAX_RATE_MBIT):
+        raise ValueError(f"rate {text!r} = {rate:g} Mbit/s: must be within [{MIN_RATE_MBIT:g}, {MAX_RATE_MBIT:g}]")
+    return rate
+
+
+def tbf_args(rate_mbit: float) -> list[str]:
+    """The ``tc qdisc ... tbf`` parameters for a rate.
+
+    burst: 4 ms of traffic, at least 32 KiB (a token bucket smaller than a GSO segment burst
+    throttles far below the rate at Gbit speeds); latency: at most 50 ms queued per direction, so
+    the link adds a bounded queueing delay and drops beyond it, as a real bottleneck does.
+    """
+    rate_bytes = rate_mbit * 1e6 / 8
+    burst = max(32 * 1024, int(rate_bytes * 0.004))
+    return ["tbf", "rate", f"{int(round(rate_mbit * 1000))}kbit", "burst", str(burst), "latency", "50ms"]
+
+
+def missing_requirements(capeff: int, which=shutil.which) -> list[str]:
+    """What stops this script from running: missing capabilities (from a CapEff bit mask) and tools."""
+    problems = []
+    if not capeff >> CAP_NET_ADMIN & 1:
+        problems.append("CAP_NET_ADMIN (create veth pairs, set addresses, add tc qdiscs)")
+    if not capeff >> CAP_SYS_ADMIN & 1:
+        problems.append("CAP_SYS_ADMIN (`ip netns add` mounts the namespace under /run/netns)")
+    for tool in ("ip", "tc"):
+        if which(tool) is None:
+            problems.append(f"`{tool}` not on PATH (iproute2)")
+    return problems
+
+
+def refusal_message(problems: Sequence[str]) -> str:
+    lines = ["scripts/wan/link.py refuses to run: it needs root-like network privileges. Missing:"]
+    lines += [f"  - {p}" for p in problems]
+    lines.append("Run as root (or with CAP_NET_ADMIN and CAP_SYS_ADMIN) on Linux with iproute2; nothing was changed.")
+    return "\n".join(lines)
+
+
+def effective_caps(status_path: str = "/proc/self/status") -> int:
+    """CapEff of this process (0 when unreadable, e.g. not Linux)."""
+    try:
+        with open(status_path) as f:
+            for line in f:
+                if line.startswith("CapEff:"):
+                    return int(line.split()[1], 16)
+    except OSError:
+        pass
+    return 0
+
+
+def conflicting_routes(routes: list[dict], cfg: LinkConfig) -> list[str]:
+    """Routes (``ip -j route`` entries) that overlap the link's subnet and are not the link's own."""
+    out = []
+    for route in routes:
+        dst = route.get("dst", "")
+        if dst == "default" or route.get("dev") == cfg.host_if:
+            continue
+        try:
+            net = ipaddress.ip_network(dst if "/" in dst else f"{dst}/32", strict=False)
+        except ValueError:
+            continue
+        if net.version == 4 and net.overlaps(cfg.subnet):
+            out.append(f"{dst} dev {route.get('dev', '?')}")
+    return out
+
+
+# --- side effects -------------------------------------------------------------------------------
+
+
+class CommandError(RuntimeError):
+    pass
+
+
+def _run(args: list[str], check: bool = True) -> subprocess.CompletedProcess:
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=30)
+    if check and proc.returncode != 0:
+        raise CommandError(f"`{' '.join(args)}` failed ({proc.returncode}): {proc.stderr.strip()}")
+    return proc
+
+
+def _in_ns(cfg: LinkConfig, args: list[str]) -> list[str]:
+    return ["ip", "netns", "exec", cfg.netns, *args]
+
+
+def netns_exists(cfg: LinkConfig) -> bool:
+    out = _run(["ip", "netns", "list"], check=False).stdout
+    return any(line.split()[0] == cfg.netns for line in out.splitlines() if line.strip())
+
+
+def host_if_exists(cfg: LinkConfig) -> bool:
+    return _run(["ip", "link", "show", "dev", cfg.host_if], check=False).returncode == 0
+
+
+def _qdisc(cfg: LinkConfig, inside: bool) -> Optional[dict]:
+    args = ["tc", "-j", "qdisc", "show", "dev", cfg.ns_if if inside else cfg.host_if]
+    proc = _run(_in_ns(cfg, args) if inside else args, check=False)
+    if proc.returncode != 0:
+        return None
+    for q in json.loads(proc.stdout or "[]"):
+        if q.get("kind") == "tbf" and q.get("root", False):
+            return q
+    return None
+
+
+def _addr(cfg: LinkConfig, inside: bool) -> list[str]:
+    args = ["ip", "-j", "-4", "addr", "show", "dev", cfg.ns_if if inside else cfg.host_if]
+    proc = _run(_in_ns(cfg, args) if inside else args, check=False)
+    if proc.returncode != 0:
+        return []
+    return [f"{a['local']}/{a['prefixlen']}" for link in json.loads(proc.stdout or "[]") for a in link.get("addr_info", [])]
+
+
+def status(cfg: LinkConfig) -> dict:
+    """The link's state as a dict: what exists, addresses, tbf rate (bytes/s) on each end."""
+    ns = netns_exists(cfg)
+    state = {"config": asdict(cfg), "netns": ns, "host_if": host_if_exists(cfg)}
+    state["host_addr"] = _addr(cfg, inside=False) if state["host_if"] else []
+    state["ns_addr"] = _addr(cfg, inside=True) if ns else []
+    host_q = _qdisc(cfg, inside=False) if state["host_if"] else None
+    ns_q = _qdisc(cfg, inside=True) if ns else None
+    state["host_tbf_bytes_s"] = host_q["options"]["rate"] if host_q else None
+    state["ns_tbf_bytes_s"] = ns_q["options"]["rate"] if ns_q else None
+    state["up"] = bool(
+        ns and state["host_if"] and f"{cfg.host_ip}/{cfg.prefix}" in state["host_addr"]
+        and f"{cfg.ns_ip}/{cfg.prefix}" in state["ns_addr"] and host_q and ns_q
+    )  # fmt: skip
+    return state
+
+
+def set_rate(cfg: LinkConfig, rate_mbit: float) -> None:
+    """Replace the tbf on both veth ends (each limits its own egress: together, both directions)."""
+    args = tbf_args(rate_mbit)
+    _run(["tc", "qdisc", "replace", "dev", cfg.host_if, "root", *args])
+    _run(_in_ns(cfg, ["tc", "qdisc", "replace", "dev", cfg.ns_if, "root", *args]))
+
+
+def down(cfg: LinkConfig) -> None:
+    """Remove the namespace (which destroys its veth end and so the pair); idempotent."""
+    if netns_exists(cfg):
+        _run(["ip", "netns", "delete", cfg.netns])
+    if host_if_exists(cfg):  # only if the pair was never moved into the namespace
+        _run(["ip", "link", "delete", "dev", cfg.host_if])
+
+
+def up(cfg: LinkConfig, rate_mbit: float) -> None:
+    """Create the link at ``rate_mbit``; if it is already up, only the rate changes (idempotent)."""
+    if status(cfg)["up"]:
+        set_rate(cfg, rate_mbit)
+        return
+    down(cfg)  # a half-built link from an interrupted run: start clean
+    routes = json.loads(_run(["ip", "-j", "-4", "route", "show", "table", "all"]).stdout or "[]")
+    clash = conflicting_routes(routes, cfg)
+    if clash:
+        raise CommandError(f"subnet {cfg.subnet} is already routed here ({'; '.join(clash)}); pick another --subnet")
+    try:
+        _run(["ip", "netns", "add", cfg.netns])
+        _run(["ip", "link", "add", cfg.host_if, "type", "veth", "peer", "name", cfg.ns_if])
+        _run(["ip", "link", "set", cfg.ns_if, "netns", cfg.netns])
+        _run(["ip", "addr", "add", f"{cfg.host_ip}/{cfg.prefix}", "dev", cfg.host_if])
+        _run(["ip", "link", "set", cfg.host_if, "up"])
+        _run(_in_ns(cfg, ["ip", "addr", "add", f"{cfg.ns_ip}/{cfg.prefix}", "dev", cfg.ns_if]))
+        _run(_in_ns(cfg, ["ip", "link", "set", cfg.ns_if, "up"]))
+        _run(_in_ns(cfg, ["ip", "link", "set", "lo", "up"]))  # Ray's own processes talk over loopback
+        set_rate(cfg, rate_mbit)
+    except BaseException:
+        down(cfg)
+        raise
+
+
+def config_from_args(args: argparse.Namespace) -> LinkConfig:
+    net = ipaddress.ip_network(args.subnet, strict=True)
+    if net.prefixlen != 30 or net.version != 4:
+        raise ValueError(f"--subnet {args.subnet}: expected an IPv4 /30, e.g. 10.213.0.0/30")
+    hosts = list(net.hosts())
+    cfg = LinkConfig(netns=args.netns, host_ip=str(hosts[0]), ns_ip=str(hosts[1]), prefix=30)
+    cfg.validate()
+    return cfg
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="link.py", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--netns", default=LinkConfig.netns, help="sampler namespace name")
+    parser.add_argument("--subnet", default="10.213.0.0/30", help="private IPv4 /30 of the link")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name in ("up", "set-rate"):
+        p = sub.add_parser(name)
+        p.add_argument("--rate-mbit", required=True, help="bandwidth per direction: Mbit/s, or e.g. 1gbit")
+    p = sub.add_parser("status")
+    p.add_argument("--json", action="store_true")
+    sub.add_parser("down")
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        cfg = config_from_args(args)
+        rate = parse_rate_mbit(args.rate_mbit) if args.command in ("up", "set-rate") else None
+    except ValueError as err:
+        print(f"link.py: {err}", file=sys.stderr)
+        return EXIT_USAGE
+    problems = missing_requirements(effective_caps())
+    if problems:
+        print(refusal_message(problems), file=sys.stderr)
+        return EXIT_REFUSED
+    try:
+        if args.command == "up":
+            up(cfg, rate)
+        elif args.command == "set-rate":
+            if not status(cfg)["up"]:
+                print("link.py: the link is not up; run `link.py up --rate-mbit R` first", file=sys.stderr)
+                return EXIT_FAILED
+            set_rate(cfg, rate)
+        elif args.command == "down":
+            down(cfg)
+        state = status(cfg)
+    except CommandError as err:
+        print(f"link.py: {err}", file=sys.stderr)
+        return EXIT_FAILED
+    if args.command == "status" and args.json:
+        print(json.dumps(state, indent=1))
+    else:
+        rate_txt = f"{state['host_tbf_bytes_s'] * 8 / 1e6:g} Mbit/s" if state["host_tbf_bytes_s"] else "-"
+        print(
+            f"link {'UP' if state['up'] else 'DOWN'}: netns {cfg.netns} {'present' if state['netns'] else 'absent'}, "
+            f"{cfg.host_if} {','.join(state['host_addr']) or '-'} <-> {cfg.ns_if} {','.join(state['ns_addr']) or '-'}, "
+            f"tbf {rate_txt}"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,260 @@
+#!/usr/bin/env python3
+"""Bytes and seconds of one weight version over the rate-limited link (issue 14, item 4).
+
+    python scripts/wan/sync_bench.py --rates 10,100,1000 --trials 3 [--out runs/wan/sync.json]
+
+Brings up the link and the two-node Ray cluster (``cluster.py``), places a receiver actor on the
+sampler node (``resources={"sampler_node": ...}``: it runs inside the namespace), and for each
+rate and wire form puts one encoded weight version into the head's object store and times the
+receiver's ``ray.get`` of it (the object crosses the veth pair and its tbf limit) plus decoding.
+Tears everything down at the end, also on failure or Ctrl-C.
+
+Wire forms (the toy model's state dict; version v+1 is v after one real AdamW step):
+  fp32       the engine's weight message (``serialize_state_dict``, safetensors), float32
+  bf16       the same with ``wire_dtype="bf16"`` (what ``hetero.weights_bf16=true`` sends)
+  bf16-xor   bf16 bit patterns of v+1 XOR those of v (the sampler holds v), zlib level 1:
+             exact reconstruction of the bf16 weights, checked by SHA-256 on the receiver
+
+Also one raw TCP transfer of the same size as the fp32 message (``probe.py``), to show how much
+of the link Ray's object transfer uses. Bounded: ``--trials`` x forms x rates transfers, each
+with a timeout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+import time
+import zlib
+from pathlib import Path
+from typing import Optional, Sequence
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import cluster  # noqa: E402
+import link  # noqa: E402
+import probe  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+FORMS = ("fp32", "bf16", "bf16-xor")
+BIG_MODELS = {"1.7B": 1.7e9, "8B": 8.0e9}  # parameters, for the extrapolated sync times
+BIG_RATES_GBIT = (1.0, 10.0)
+
+
+# --- encodings (pure) -----------------------------------------------------------------------------
+
+
+def bf16_bits(state: dict[str, torch.Tensor]) -> np.ndarray:
+    """All floating tensors, in name order, as one flat uint16 array of bf16 bit patterns. [P]"""
+    parts = [state[k].detach().to(torch.bfloat16).reshape(-1).view(torch.int16) for k in sorted(state)
+             if state[k].is_floating_point()]  # fmt: skip
+    return torch.cat(parts).numpy().view(np.uint16)
+
+
+def encode_xor(new_bits: np.ndarray, base_bits: np.ndarray, level: int = 1) -> bytes:
+    """zlib(new XOR base): unchanged bf16 values become zero bits, which compress away. [P], [P] -> bytes"""
+    if new_bits.shape != base_bits.shape:
+        raise ValueError(f"shapes differ: new {new_bits.shape}, base {base_bits.shape} (a full version is needed)")
+    return zlib.compress(np.bitwise_xor(new_bits, base_bits).tobytes(), level)
+
+
+def decode_xor(blob: bytes, base_bits: np.ndarray) -> np.ndarray:
+    """Inverse of :func:`encode_xor`: the new bf16 bit patterns, bit-exact. -> [P]"""
+    return np.bitwise_xor(np.frombuffer(zlib.decompress(blob), dtype=np.uint16), base_bits)
+
+
+def sha256(data: bytes | np.ndarray) -> str:
+    return hashlib.sha256(data.tobytes() if isinstance(data, np.ndarray) else data).hexdigest()
+
+
+def two_versions(model_path: str, lr: float, seed: int = 0) -> tuple[dict, dict]:
+    """State dicts of versions v and v+1 of the model: one AdamW step on a next-token loss over
+    random token sequences (Adam's first step moves every weight with a gradient by about lr)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    before = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    ids = torch.randint(3, model.config.vocab_size, (8, 16))
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    return before, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+# --- the receiver, on the sampler node ------------------------------------------------------------
+
+
+class Receiver:
+    """Lives on the sampler node; holds the sampler's current bf16 weights (the delta base)."""
+
+    def __init__(self):
+        self.base: Optional[np.ndarray] = None
+
+    def node_ip(self) -> str:
+        import ray
+
+        return ray.util.get_node_ip_address()
+
+    def set_base(self, box: list) -> str:
+        import ray
+
+        self.base = np.frombuffer(ray.get(box[0]), dtype=np.uint16).copy()
+        return sha256(self.base)
+
+    def fetch(self, box: list, form: str) -> dict:
+        """Pull the object (``box`` keeps Ray from resolving it before the clock starts), decode
+        it, and return seconds and the checksum of what was reconstructed."""
+        import ray
+
+        from verl_ext.hetero.weights import deserialize_state_dict
+
+        t0 = time.perf_counter()
+        data = ray.get(box[0], timeout=300)
+        t1 = time.perf_counter()
+        if form == "bf16-xor":
+            digest = sha256(decode_xor(data, self.base))
+        else:
+            _, state = deserialize_state_dict(data)
+            digest = sha256(bf16_bits(state)) if form == "bf16" else sha256(
+                b"".join(state[k].numpy().tobytes() for k in sorted(state)))
+        return {"bytes": len(data), "transfer_s": t1 - t0, "decode_s": time.perf_counter() - t1, "sha256": digest}
+
+
+# --- the run --------------------------------------------------------------------------------------
+
+
+def encode_forms(v0: dict, v1: dict) -> dict[str, dict]:
+    """Each form's wire bytes for version v+1, encode seconds and the checksum the receiver must get."""
+    from verl_ext.hetero.weights import serialize_state_dict
+
+    out = {}
+    t0 = time.perf_counter()
+    out["fp32"] = {"blob": serialize_state_dict(v1, 1, wire_dtype=None)}
+    out["fp32"]["encode_s"] = time.perf_counter() - t0
+    out["fp32"]["sha256"] = sha256(b"".join(v1[k].numpy().tobytes() for k in sorted(v1)))
+    t0 = time.perf_counter()
+    out["bf16"] = {"blob": serialize_state_dict(v1, 1, wire_dtype="bf16")}
+    out["bf16"]["encode_s"] = time.perf_counter() - t0
+    new_bits = bf16_bits(v1)
+    out["bf16"]["sha256"] = sha256(new_bits)
+    t0 = time.perf_counter()
+    out["bf16-xor"] = {"blob": encode_xor(new_bits, bf16_bits(v0))}
+    out["bf16-xor"]["encode_s"] = time.perf_counter() - t0
+    out["bf16-xor"]["sha256"] = out["bf16"]["sha256"]
+    changed = int(np.count_nonzero(new_bits != bf16_bits(v0)))
+    out["bf16-xor"]["changed_frac"] = changed / new_bits.size
+    return out
+
+
+def extrapolate(bytes_per_param: float) -> dict[str, dict[str, float]]:
+    """Seconds per version for the big models at 1 and 10 Gbit/s, from measured bytes/parameter
+    (wire rate only: no protocol overhead, no latency)."""
+    return {name: {f"{g:g}Gbit": n * bytes_per_param * 8 / (g * 1e9) for g in BIG_RATES_GBIT}
+            for name, n in BIG_MODELS.items()}  # fmt: skip
+
+
+def run(rates: list[float], trials: int, model_path: str, lr: float) -> dict:
+    cluster.join_env()
+    import ray
+
+    link_cfg, cfg = link.LinkConfig(), cluster.ClusterConfig()
+    v0, v1 = two_versions(model_path, lr)
+    params = sum(t.numel() for t in v1.values() if t.is_floating_point())
+    forms = encode_forms(v0, v1)
+    result: dict = {"model_path": model_path, "params": params, "lr": lr, "trials": trials,
+                    "loadavg_before": Path("/proc/loadavg").read_text().split()[:3], "rows": []}  # fmt: skip
+    for name, f in forms.items():
+        result.setdefault("forms", {})[name] = {
+            "bytes": len(f["blob"]), "bytes_per_param": len(f["blob"]) / params, "encode_s": f["encode_s"],
+            **({"changed_frac": f["changed_frac"]} if "changed_frac" in f else {}),
+            "extrapolated_s": extrapolate(len(f["blob"]) / params),
+        }  # fmt: skip
+    address = cluster.up(cfg, link_cfg, rates[0])
+    try:
+        ray.init(address=address, _node_ip_address=link_cfg.host_ip, log_to_driver=False, logging_level="ERROR",
+                 runtime_env={"env_vars": {"PYTHONPATH": f"{REPO}:{REPO / 'scripts' / 'wan'}"}})  # fmt: skip
+        receiver = ray.remote(num_cpus=0)(Receiver).options(resources={"sampler_node": 0.01}).remote()
+        result["receiver_ip"] = ray.get(receiver.node_ip.remote(), timeout=120)
+        if result["receiver_ip"] != link_cfg.ns_ip:
+            raise RuntimeError(f"receiver runs on {result['receiver_ip']}, not the sampler node {link_cfg.ns_ip}")
+        for rate in rates:
+            link.set_rate(link_cfg, rate)
+            base = bf16_bits(v0).tobytes()
+            ray.get(receiver.set_base.remote([ray.put(base)]), timeout=300)  # the sampler holds version v
+            tcp = probe.transfer(link_cfg, len(forms["fp32"]["blob"]), timeout=300)
+            result["rows"].append({"rate_mbit": rate, "form": "raw-tcp", "bytes": tcp["bytes"], "transfer_s": tcp["seconds"]})
+            for name in FORMS:
+                for trial in range(trials):
+                    ref = ray.put(forms[name]["blob"])  # a new object each time: nothing cached on the worker
+                    got = ray.get(receiver.fetch.remote([ref], name), timeout=300)
+                    if got["sha256"] != forms[name]["sha256"]:
+                        raise RuntimeError(f"{name} at {rate} Mbit/s: checksum mismatch after reconstruction")
+                    del ref
+                    result["rows"].append({"rate_mbit": rate, "form": name, "trial": trial, **got})
+                    print(json.dumps(result["rows"][-1]), flush=True)
+        result["loadavg_after"] = Path("/proc/loadavg").read_text().split()[:3]
+    finally:
+        if ray.is_initialized():
+            ray.shutdown()
+        cluster.down(cfg, link_cfg)
+    return result
+
+
+def summarize(result: dict) -> list[dict]:
+    """Median transfer seconds and effective Mbit/s per (rate, form)."""
+    groups: dict[tuple, list] = {}
+    for row in result["rows"]:
+        groups.setdefault((row["rate_mbit"], row["form"]), []).append(row)
+    out = []
+    for (rate, form), rows in groups.items():
+        t = float(np.median([r["transfer_s"] for r in rows]))
+        out.append({"rate_mbit": rate, "form": form, "bytes": rows[0]["bytes"], "transfer_s": t,
+                    "decode_s": float(np.median([r.get("decode_s", 0.0) for r in rows])),
+                    "effective_mbit_s": rows[0]["bytes"] * 8 / 1e6 / t})  # fmt: skip
+    return out
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rates", default="10,100,1000", help="comma-separated Mbit/s")
+    parser.add_argument("--trials", type=int, default=3, help="transfers per rate and form (1-10)")
+    parser.add_argument("--model-path", default="", help="HF folder; default: the cached toy model")
+    parser.add_argument("--lr", type=float, default=1e-4, help="AdamW lr of the step between versions")
+    parser.add_argument("--out", default="", help="write the full result as JSON here")
+    args = parser.parse_args(argv)
+    try:
+        rates = [link.parse_rate_mbit(r) for r in args.rates.split(",")]
+    except ValueError as err:
+        parser.error(str(err))
+    if not 1 <= args.trials <= 10:
+        parser.error(f"--trials {args.trials}: must be in [1, 10]")
+    problems = link.missing_requirements(link.effective_caps())
+    if problems:
+        print(link.refusal_message(problems), file=sys.stderr)
+        return link.EXIT_REFUSED
+    model_path = args.model_path or default_toy_model()
+    result = run(rates, args.trials, model_path, args.lr)
+    result["summary"] = summarize(result)
+    print(json.dumps({k: result[k] for k in ("params", "forms", "summary", "loadavg_before", "loadavg_after")}, indent=1))
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=1))
+    return 0
+
+
+def default_toy_model() -> str:
+    """The toy warm start cached by ``make demo`` / any toy run (never trained here: bounded time)."""
+    found = sorted((REPO / ".cache" / "heterorl").glob("toy_add*/config.json"))
+    if not found:
+        raise SystemExit("no cached toy model under .cache/heterorl; run `make demo` once or pass --model-path")
+    return str(found[0].parent)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

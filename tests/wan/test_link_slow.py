@@ -1,0 +1,128 @@
+"""The real link and a real two-node Ray cluster across it (needs CAP_NET_ADMIN, ip, tc; slow).
+
+    nice -n 10 .venv/bin/pytest -q -m slow tests/wan/test_link_slow.py
+
+Sets the link up at 20 Mbit/s, checks a bounded TCP transfer runs near that rate, starts the Ray
+head (learner side) and worker (inside the sampler namespace), checks an actor asking for the
+``sampler_node`` resource runs in the namespace and that an object it pulls from the head is
+held to the link's rate, then tears down and checks nothing is left: no namespace, no veth, no
+Ray process of ours.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+WAN = Path(__file__).resolve().parents[2] / "scripts" / "wan"
+
+
+def _load(name: str):
+    if str(WAN) not in sys.path:
+        sys.path.insert(0, str(WAN))  # the scripts import each other by module name
+    spec = importlib.util.spec_from_file_location(name, WAN / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+link = _load("link")
+cluster = _load("cluster")
+probe = _load("probe")
+
+RATE_MBIT = 20.0
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not sys.platform.startswith("linux"), reason="network namespaces are Linux-only"),
+    pytest.mark.skipif(
+        bool(link.missing_requirements(link.effective_caps())),
+        reason="needs " + "; ".join(link.missing_requirements(link.effective_caps())),
+    ),
+]
+
+# a driver in its own process (Ray's auth mode is read at import; this keeps pytest's env clean)
+DRIVER = textwrap.dedent(
+    """
+    import json, sys, time, ray
+    address, host_ip, nbytes = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    ray.init(address=address, _node_ip_address=host_ip, log_to_driver=False, logging_level="ERROR")
+
+    @ray.remote(num_cpus=0, resources={"sampler_node": 0.01})
+    class Sampler:
+        def ip(self):
+            return ray.util.get_node_ip_address()
+        def pull(self, box):
+            t0 = time.perf_counter()
+            data = ray.get(box[0], timeout=120)
+            return len(data), time.perf_counter() - t0
+
+    actor = Sampler.remote()
+    ip = ray.get(actor.ip.remote(), timeout=120)
+    size, seconds = ray.get(actor.pull.remote([ray.put(bytes(nbytes))]), timeout=180)
+    print(json.dumps({"ip": ip, "bytes": size, "seconds": seconds}))
+    ray.shutdown()
+    """
+)
+
+
+def _our_ray_processes(state: dict) -> list[int]:
+    return [pid for sid in state.get("sessions", {}).values() for pid in cluster._session_pids(int(sid))]
+
+
+@pytest.fixture
+def wan():
+    link_cfg, cfg = link.LinkConfig(), cluster.ClusterConfig()
+    if link.status(link_cfg)["netns"] or cluster.STATE_FILE.exists():
+        pytest.skip(f"netns {link_cfg.netns} or {cluster.STATE_FILE} already exists: another run owns the link")
+    try:
+        address = cluster.up(cfg, link_cfg, RATE_MBIT)
+        state = json.loads(cluster.STATE_FILE.read_text())
+        yield link_cfg, address
+    finally:
+        cluster.down(cfg, link_cfg)
+    # nothing left behind
+    assert not link.netns_exists(link_cfg)
+    assert not link.host_if_exists(link_cfg)
+    assert _our_ray_processes(state) == []
+    assert not cluster.STATE_FILE.exists() and not cluster.TOKEN_FILE.exists()
+
+
+def test_link_rate_and_ray_actor_in_the_sampler_namespace(wan):
+    link_cfg, address = wan
+    state = link.status(link_cfg)
+    assert state["up"] and state["host_tbf_bytes_s"] == state["ns_tbf_bytes_s"] == RATE_MBIT * 1e6 / 8
+
+    # raw TCP, 5 MB: 2 s at 20 Mbit/s; the tbf holds it near the rate (generous band: shared box)
+    tcp = probe.transfer(link_cfg, 5_000_000, timeout=60)
+    assert tcp["bytes"] == 5_000_000
+    assert 0.6 * RATE_MBIT <= tcp["mbit_s"] <= 1.1 * RATE_MBIT, tcp
+
+    # the namespace has no way out but the link: no default route
+    routes = subprocess.run(["ip", "netns", "exec", link_cfg.netns, "ip", "-j", "route"], capture_output=True, text=True)
+    assert [r["dst"] for r in json.loads(routes.stdout)] == [str(link_cfg.subnet)]
+
+    # Ray: the actor asking for sampler_node runs in the namespace; its pull is held to the rate
+    nbytes = 2_500_000  # 1 s at 20 Mbit/s
+    proc = subprocess.run(
+        [sys.executable, "-c", DRIVER, address, link_cfg.host_ip, str(nbytes)],
+        capture_output=True, text=True, timeout=300, env=cluster.ray_env(),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["ip"] == link_cfg.ns_ip and got["bytes"] == nbytes
+    mbit_s = nbytes * 8 / 1e6 / got["seconds"]
+    assert 0.5 * RATE_MBIT <= mbit_s <= 1.1 * RATE_MBIT, got
+
+    # `up` on a link that is up only changes the rate (idempotent)
+    link.up(link_cfg, 2 * RATE_MBIT)
+    again = link.status(link_cfg)
+    assert again["up"] and again["host_tbf_bytes_s"] == again["ns_tbf_bytes_s"] == 2 * RATE_MBIT * 1e6 / 8
+
