@@ -18,6 +18,7 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
+from verl_ext.hetero.safetensors_meta import read_metadata
 from verl_ext.hetero.transport import CorruptMessage, Transport
 
 WEIGHTS_FORMAT = "heterorl.weights/1"
@@ -62,8 +63,7 @@ def serialize_state_dict(state_dict: Mapping[str, torch.Tensor], version: int, w
 
 def deserialize_state_dict(data: bytes) -> tuple[int, dict[str, torch.Tensor]]:
     """Inverse of :func:`serialize_state_dict`: (version, state_dict in the original dtypes)."""
-    header_len = int.from_bytes(data[:8], "little")
-    metadata = json.loads(data[8:8 + header_len]).get("__metadata__", {})
+    metadata = read_metadata(data)
     if metadata.get("format") != WEIGHTS_FORMAT:
         raise ValueError(f"not a weights message: format={metadata.get('format')!r}, expected {WEIGHTS_FORMAT!r}")
     dtypes = json.loads(metadata["dtypes"])
