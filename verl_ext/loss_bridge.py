@@ -1,19 +1,35 @@
-"""The one place where an engine turns a batch into the actor's policy loss.
+"""The actor objective: the one place where an engine turns a batch into the actor's loss.
 
-Both engines call :func:`compute_actor_loss`: it looks the loss up in verl's registry by
-``policy_loss.loss_mode`` (so any registered loss works, verl's or the project's), forwards the
-per-sequence group information to the losses that take it, adds the KL(sampler || learner)
-penalty when ``policy_loss.sampler_kl_coef`` > 0, and makes sure every loss reports the same
-``is/*`` metrics. The trainer loop never knows which algorithm it runs.
+Both engines call :func:`compute_actor_loss` -- the embedded learner
+(``recipe/gepo/local/learner.py``) on its whole batch, the verl engine's worker
+(``recipe/gepo/verl_engine/loss.py``, verl's ``ppo_loss`` replacement) on each micro-batch after
+unpadding. It owns every term of the objective:
+
+- the policy loss, looked up in verl's registry by ``policy_loss.loss_mode`` (verl's losses or
+  the project's), with GEPO's per-sequence group denominators forwarded to the losses that take
+  them;
+- the KL(sampler || learner) penalty, ``policy_loss.sampler_kl_coef`` > 0;
+- the entropy bonus, ``- actor.entropy_coeff x entropy`` (verl's ``agg_loss`` of the token
+  entropies under ``loss_agg_mode``), whenever the engine supplies ``entropy``;
+- the KL-to-reference term, ``+ actor.kl_loss_coef x KL(learner || reference)`` when
+  ``actor.use_kl_loss`` (verl's ``kl_penalty`` with ``actor.kl_loss_type``);
+- rollout correction: verl's ``rollout_is_weights`` passed in, or (embedded engine)
+  ``algorithm.rollout_correction``'s decoupled truncated IS computed here with verl's
+  ``compute_rollout_correction_weights`` (:class:`RolloutCorrection`);
+- uniform metrics: ``actor/*`` and the ``is/*`` weight statistics whatever the loss.
+
+The terms are added in verl's ``ppo_loss`` order, so for verl's own losses the result equals
+verl's ``ppo_loss`` exactly. The trainer loop never knows which algorithm it runs.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Optional
 
 import torch
 from omegaconf import DictConfig
-from verl.trainer.ppo.core_algos import agg_loss, get_policy_loss_fn
+from verl.trainer.ppo.core_algos import agg_loss, get_policy_loss_fn, kl_penalty
 
 from verl_ext.algos import importance as iw
 from verl_ext.algos.diagnostics import importance_weight_stats, sampler_learner_kl
@@ -21,6 +37,76 @@ from verl_ext.verl_plugin import HETERORL_LOSS_MODES, loss_option
 
 # verl's built-in losses whose importance weight is per sequence (length-normalised), not per token
 _SEQUENCE_LEVEL_BUILTINS = {"gspo", "geo_mean"}
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutCorrection:
+    """verl's ``algorithm.rollout_correction`` as the embedded engine applies it: decoupled
+    truncated IS. The proximal ("old") policy is the learner itself before the update, so the
+    loss's ratio is p / sg(p), and the weight min(sg(p) / q, C) multiplies the per-token loss.
+    Field names are verl's keys (they are passed to verl's ``compute_rollout_correction_weights``)."""
+
+    # "token": one weight per token; "sequence": one per sequence (product of the token ratios)
+    rollout_is: str
+    # C, the truncation threshold (a single float: TIS)
+    rollout_is_threshold: float = 2.0
+    # rescale the weights to mean 1 over the batch
+    rollout_is_batch_normalize: bool = False
+
+    def __post_init__(self) -> None:
+        if self.rollout_is not in ("token", "sequence"):
+            raise ValueError(
+                f"algorithm.rollout_correction.rollout_is={self.rollout_is!r}: the embedded engine supports token | sequence"
+            )
+        if not self.rollout_is_threshold > 0:
+            raise ValueError(f"algorithm.rollout_correction.rollout_is_threshold={self.rollout_is_threshold!r} must be > 0")
+
+
+def rollout_correction_settings(algorithm_config: Any) -> Optional[RolloutCorrection]:
+    """verl's ``algorithm.rollout_correction`` (a DictConfig or dict) as the embedded engine
+    supports it, or None when it is off (``rollout_is`` null). Anything the embedded engine does
+    not implement (bypass mode, rejection sampling, IcePop's "lower_upper" thresholds) is refused
+    here, naming the key."""
+    rc = algorithm_config.get("rollout_correction", None) if hasattr(algorithm_config, "get") else None
+    if rc is None or rc.get("rollout_is", None) in (None, "", "null"):
+        return None
+    if rc.get("bypass_mode", False):
+        raise ValueError(
+            "algorithm.rollout_correction.bypass_mode=true: the embedded engine supports the decoupled truncated IS "
+            "only (bypass_mode=false)"
+        )
+    if rc.get("rollout_rs", None):
+        raise ValueError(
+            f"algorithm.rollout_correction.rollout_rs={rc.get('rollout_rs')!r}: rejection sampling is not supported "
+            "by the embedded engine (set it to null)"
+        )
+    threshold = rc.get("rollout_is_threshold", 2.0)
+    try:
+        threshold = float(threshold)
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"algorithm.rollout_correction.rollout_is_threshold={threshold!r}: the embedded engine supports a single "
+            "float (TIS)"
+        ) from None
+    return RolloutCorrection(
+        rollout_is=rc.get("rollout_is"), rollout_is_threshold=threshold,
+        rollout_is_batch_normalize=bool(rc.get("rollout_is_batch_normalize", False)),
+    )  # fmt: skip
+
+
+def truncated_is_weights(
+    proximal_log_prob: torch.Tensor, sampler_log_prob: torch.Tensor, response_mask: torch.Tensor,
+    settings: RolloutCorrection,
+) -> torch.Tensor:  # fmt: skip
+    """min(p / q, C) by verl's ``compute_rollout_correction_weights``: [B, T] (no gradient), zero
+    on padding; a per-sequence weight is repeated on each of the sequence's tokens."""
+    from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_weights
+
+    mask = response_mask.bool()
+    weights, _ = compute_rollout_correction_weights(
+        (proximal_log_prob.detach() - sampler_log_prob) * mask, mask.float(), **dataclasses.asdict(settings)
+    )
+    return weights.detach()
 
 
 def sampler_kl_penalty(
@@ -54,33 +140,17 @@ def builtin_weight_stats(
     return importance_weight_stats(weight, response_mask)
 
 
-def compute_actor_loss(
+def _policy_loss(
     config: Any,
     log_prob: torch.Tensor,
     old_log_prob: torch.Tensor,
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
-    group_log_denominator: Optional[torch.Tensor] = None,
-    group_index: Optional[torch.Tensor] = None,
-    rollout_is_weights: Optional[torch.Tensor] = None,
+    group_log_denominator: Optional[torch.Tensor],
+    group_index: Optional[torch.Tensor],
+    rollout_is_weights: Optional[torch.Tensor],
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Policy loss of the configured algorithm, plus the sampler-KL penalty, with uniform metrics.
-
-    Args:
-        config: verl ``ActorConfig`` (``omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)``).
-            The project's own losses also take the actor DictConfig; verl's built-ins do not.
-        log_prob: [B, T] learner token log-probs, with gradient.
-        old_log_prob: [B, T] the sampler's token log-probs (the distribution the tokens came from).
-        advantages: [B, T].
-        response_mask: [B, T] bool.
-        group_log_denominator: [B] GEPO's log E_q[q] over each sequence's whole prompt group.
-        group_index: [B] prompt-group labels.
-        rollout_is_weights: [B, T] verl rollout-correction weights, if any.
-
-    Returns:
-        (scalar loss, metrics) with ``actor/pg_loss``, ``actor/loss``, ``is/*`` keys and, when the
-        penalty is on, ``actor/sampler_kl_penalty``.
-    """
+    """The registered policy loss with ``is/*`` metrics filled in for losses that do not report them."""
     loss_mode = config.policy_loss.get("loss_mode", "vanilla")
     loss_fn = get_policy_loss_fn(loss_mode)
     if isinstance(config, DictConfig) and loss_mode not in HETERORL_LOSS_MODES:
@@ -91,7 +161,6 @@ def compute_actor_loss(
     extra = {}
     if getattr(loss_fn, "accepts_group_info", False):
         extra = {"group_log_denominator": group_log_denominator, "group_index": group_index}
-    response_mask = response_mask.bool()
     pg_loss, metrics = loss_fn(
         old_log_prob=old_log_prob,
         log_prob=log_prob,
@@ -107,16 +176,110 @@ def compute_actor_loss(
         metrics.update(builtin_weight_stats(loss_mode, log_prob, old_log_prob, response_mask))
     if "is/kl_sampler_learner" not in metrics:
         metrics["is/kl_sampler_learner"] = sampler_learner_kl(log_prob, old_log_prob, response_mask)
+    return pg_loss, metrics
+
+
+def compute_actor_loss(
+    config: Any,
+    log_prob: torch.Tensor,
+    old_log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    group_log_denominator: Optional[torch.Tensor] = None,
+    group_index: Optional[torch.Tensor] = None,
+    rollout_is_weights: Optional[torch.Tensor] = None,
+    entropy: Optional[torch.Tensor] = None,
+    ref_log_prob: Optional[torch.Tensor] = None,
+    rollout_correction: Optional[RolloutCorrection] = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """The whole actor objective of one (micro-)batch; see the module docstring for the terms.
+
+    loss = policy_loss + sampler_kl_coef x sampler_KL - entropy_coeff x entropy + kl_loss_coef x KL_ref
+
+    Args:
+        config: verl ``ActorConfig`` (``omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)``).
+            The project's own losses also take the actor DictConfig; verl's built-ins do not.
+            ``config.global_batch_info`` (filled by verl's engine per micro-batch, by the embedded
+            learner once) sets the aggregation's normalisation, as in verl.
+        log_prob: [B, T] learner token log-probs, with gradient.
+        old_log_prob: [B, T] the sampler's token log-probs q (verl engine: ``old_log_probs``).
+        advantages: [B, T].
+        response_mask: [B, T] (bool or 0/1).
+        group_log_denominator: [B] GEPO's log E_q[q] over each sequence's whole prompt group.
+        group_index: [B] prompt-group labels.
+        rollout_is_weights: [B, T] rollout-correction weights computed elsewhere (verl's driver).
+        entropy: [B, T] token entropies of the learner's softmax(logits / T), with gradient. The
+            bonus is subtracted whenever given (as verl's ppo_loss does); required when
+            ``actor.entropy_coeff`` != 0.
+        ref_log_prob: [B, T] the reference policy's token log-probs; required when
+            ``actor.use_kl_loss``.
+        rollout_correction: decoupled truncated IS computed here: the loss's old policy becomes
+            sg(log_prob) and its per-token loss is weighted by min(sg(p) / q, C); ``is/*`` metrics
+            stay sampler-vs-learner. Not together with ``rollout_is_weights``.
+
+    Returns:
+        (scalar loss, metrics): ``actor/pg_loss`` (policy loss alone), ``actor/loss`` (the total),
+        the loss's own metrics, ``is/*``; ``actor/sampler_kl_penalty`` when that penalty is on,
+        ``actor/entropy_loss`` when entropy is given, ``actor/kl_loss`` and ``actor/kl_coef`` with
+        ``use_kl_loss``, ``is/tis_weight_mean`` and ``is/tis_truncated_frac`` with rollout correction.
+    """
+    response_mask = response_mask.bool()
+    entropy_coeff = float(config.get("entropy_coeff", 0.0) or 0.0)
+    if entropy is None and entropy_coeff != 0:
+        raise ValueError(
+            f"actor_rollout_ref.actor.entropy_coeff={entropy_coeff} needs the learner's token entropies; the engine "
+            "passed none"
+        )
+    use_kl_loss = bool(config.get("use_kl_loss", False))
+    if use_kl_loss and ref_log_prob is None:
+        raise ValueError(
+            "actor_rollout_ref.actor.use_kl_loss=true needs the reference policy's log-probs (ref_log_prob); the "
+            "engine passed none"
+        )
+
+    sampler_log_prob = old_log_prob
+    if rollout_correction is not None:
+        if rollout_is_weights is not None:
+            raise ValueError("pass either rollout_is_weights (computed by verl's driver) or rollout_correction, not both")
+        # verl's decoupled mode with the learner before this update as the proximal policy
+        old_log_prob = log_prob.detach()
+        rollout_is_weights = truncated_is_weights(old_log_prob, sampler_log_prob, response_mask, rollout_correction)
+
+    pg_loss, metrics = _policy_loss(
+        config, log_prob, old_log_prob, advantages, response_mask, group_log_denominator, group_index,
+        rollout_is_weights,
+    )  # fmt: skip
     metrics["actor/pg_loss"] = pg_loss.detach().item()
 
+    info = config.get("global_batch_info", None) or {}
     loss = pg_loss
     coef = float(loss_option(config, "sampler_kl_coef"))
     if coef > 0:
+        # against the loss's old policy: with rollout correction that is the proximal policy, as the
+        # sampler enters verl's decoupled objective through the IS weight only
         penalty = sampler_kl_penalty(
-            log_prob, old_log_prob, response_mask, loss_option(config, "sampler_kl_estimator"),
-            config.get("global_batch_info", None),
+            log_prob, old_log_prob, response_mask, loss_option(config, "sampler_kl_estimator"), info or None
         )
         loss = loss + coef * penalty
         metrics["actor/sampler_kl_penalty"] = penalty.detach().item()
+    if entropy is not None:
+        entropy_loss = agg_loss(loss_mat=entropy, loss_mask=response_mask, loss_agg_mode=config.loss_agg_mode, **info)
+        loss = loss - entropy_coeff * entropy_loss
+        metrics["actor/entropy_loss"] = entropy_loss.detach().item()
+    if use_kl_loss:
+        kld = kl_penalty(logprob=log_prob, ref_logprob=ref_log_prob, kl_penalty=config.kl_loss_type)
+        kl_loss = agg_loss(loss_mat=kld, loss_mask=response_mask, loss_agg_mode=config.loss_agg_mode, **info)
+        loss = loss + kl_loss * config.kl_loss_coef
+        metrics["actor/kl_loss"] = kl_loss.detach().item()
+        metrics["actor/kl_coef"] = float(config.kl_loss_coef)
     metrics["actor/loss"] = loss.detach().item()
+    if rollout_correction is not None:
+        # the loss saw old = the learner itself: report weights and KL against the sampler
+        raw = torch.exp((old_log_prob - sampler_log_prob).clamp(-20.0, 20.0))
+        metrics.update(importance_weight_stats(raw, response_mask))
+        metrics["is/kl_sampler_learner"] = sampler_learner_kl(old_log_prob, sampler_log_prob, response_mask)
+        metrics["is/tis_weight_mean"] = float(rollout_is_weights[response_mask].mean())
+        metrics["is/tis_truncated_frac"] = float(
+            (raw[response_mask] > rollout_correction.rollout_is_threshold).double().mean()
+        )
     return loss, metrics

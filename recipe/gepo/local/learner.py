@@ -1,21 +1,27 @@
 """Learner side of the embedded engine: rollout groups -> one optimizer step.
 
-The learner does not know which algorithm it runs: the loss comes from verl's registry through
-``verl_ext.loss_bridge.compute_actor_loss``. It computes GEPO's group denominators here, over
-whole prompt groups, and hands them to the loss (exact whatever the batch layout).
+The learner does not know which algorithm it runs: the whole objective (registered policy loss,
+sampler-KL penalty, entropy bonus, KL-to-reference term, rollout correction, metrics) is
+``verl_ext.loss_bridge.compute_actor_loss``, the function the verl engine's worker calls too. The
+learner supplies what the objective needs from the model: the log-probs, GEPO's group
+denominators (over whole prompt groups, exact whatever the batch layout), the token entropies
+when ``actor.entropy_coeff`` != 0, and a frozen reference model's log-probs when
+``actor.use_kl_loss``.
 """
 
 from __future__ import annotations
 
+import copy
 import math
-from typing import Any
+from typing import Any, Optional
 
 import torch
+from verl.utils.torch_functional import entropy_from_logits
 
 from recipe.gepo.local.policy import sequence_token_log_probs
 from verl_ext.algos.importance import group_expectation_log_denominator, sequence_log_prob
 from verl_ext.hetero.records import RolloutGroup
-from verl_ext.loss_bridge import compute_actor_loss
+from verl_ext.loss_bridge import RolloutCorrection, compute_actor_loss
 from verl_ext.verl_plugin import loss_option
 
 
@@ -66,23 +72,71 @@ def collate_groups(groups: list[RolloutGroup], pad_token_id: int) -> dict[str, t
     }  # fmt: skip
 
 
+def log_probs_and_entropy(
+    model, batch: dict[str, torch.Tensor], temperature: float, with_entropy: bool
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """The learner's token log-probs [B, R] (with gradient) of ``batch`` (from :func:`collate_groups`)
+    and, if ``with_entropy``, the entropies [B, R] of softmax(logits / temperature) at the same
+    positions, from the same forward pass (verl's ``entropy_from_logits``, as verl's engine)."""
+    captured: dict[str, torch.Tensor] = {}
+    hook = None
+    if with_entropy:
+        hook = model.register_forward_hook(lambda _m, _args, out: captured.__setitem__("logits", out.logits))
+    try:
+        log_prob = sequence_token_log_probs(
+            model, batch["prompt_ids"], batch["prompt_mask"], batch["response_ids"], batch["response_mask"],
+            temperature,
+        )  # fmt: skip
+    finally:
+        if hook is not None:
+            hook.remove()
+    if not with_entropy:
+        return log_prob, None
+    # logits at position t predict token t+1: the response is predicted by positions P-1 .. P+R-2
+    prompt_len = batch["prompt_ids"].shape[1]
+    response_logits = captured["logits"][:, prompt_len - 1 : -1].float() / temperature
+    return log_prob, entropy_from_logits(response_logits)
+
+
 class Learner:
     """Owns the trained model and its optimizer; ``train_step`` is one policy update.
 
     Args:
         model: the HF causal LM being trained (its parameters get updated in place).
-        actor_config: verl ``ActorConfig`` (loss mode, aggregation, clip, optim, grad_clip).
+        actor_config: verl ``ActorConfig`` (loss mode, aggregation, clip, optim, grad_clip,
+            entropy_coeff, use_kl_loss / kl_loss_coef / kl_loss_type, loss_scale_factor).
         temperature: the sampling temperature (the learner's p uses the same softmax(logits / T)).
         pad_token_id: for collation.
         max_nonfinite_steps: consecutive skipped (NaN/Inf) steps after which the run stops loudly.
+        rollout_correction: verl's decoupled truncated IS (``algorithm.rollout_correction``, parsed
+            by :func:`verl_ext.loss_bridge.rollout_correction_settings`), or None for none.
+
+    With ``actor.use_kl_loss`` the reference policy is a frozen copy of ``model`` as it is here,
+    at construction (verl's reference is the initial model too): construct the learner from the
+    initial weights and load a checkpoint afterwards (``load_state_dict``), as the drivers do; the
+    reference is then the same on resume and is not stored in checkpoints.
     """
 
-    def __init__(self, model, actor_config: Any, temperature: float, pad_token_id: int, max_nonfinite_steps: int = 5):
+    def __init__(
+        self,
+        model,
+        actor_config: Any,
+        temperature: float,
+        pad_token_id: int,
+        max_nonfinite_steps: int = 5,
+        rollout_correction: Optional[RolloutCorrection] = None,
+    ):
+        if rollout_correction is not None and not isinstance(rollout_correction, RolloutCorrection):
+            raise TypeError(
+                f"rollout_correction must be a RolloutCorrection (verl_ext.loss_bridge.rollout_correction_settings), "
+                f"got {rollout_correction!r}"
+            )
         self.model = model
         self.actor_config = actor_config
         self.temperature = temperature
         self.pad_token_id = pad_token_id
         self.max_nonfinite_steps = max_nonfinite_steps
+        self.rollout_correction = rollout_correction
         optim = actor_config.optim
         self.optimizer = torch.optim.AdamW(
             model.parameters(),
@@ -91,9 +145,39 @@ class Learner:
             weight_decay=float(optim.get("weight_decay", 0.01)),
         )
         self.grad_clip = float(actor_config.get("grad_clip", 1.0) or 0.0)
+        self.with_entropy = float(actor_config.get("entropy_coeff", 0.0) or 0.0) != 0.0
+        self.reference = None
+        if bool(actor_config.get("use_kl_loss", False)):
+            self.reference = copy.deepcopy(model).eval().requires_grad_(False)
+        # the whole batch is one micro-batch, so the only global normaliser verl's ppo_loss would set
+        # that differs from the local one is the constant of seq-mean-token-sum-norm
+        scale = actor_config.get("loss_scale_factor", None)
+        info = actor_config.get("global_batch_info", None)
+        if scale is not None and isinstance(info, dict):
+            info["loss_scale_factor"] = scale
         self.version = 0  # optimizer steps taken = the policy version of the current weights
         self.nonfinite_skipped = 0
         self._consecutive_nonfinite = 0
+
+    def loss(self, groups: list[RolloutGroup]) -> tuple[torch.Tensor, dict[str, float], dict[str, torch.Tensor]]:
+        """The objective on ``groups`` for the current weights: (scalar loss with gradient,
+        metrics, the collated batch)."""
+        batch = collate_groups(groups, self.pad_token_id)
+        mask = batch["response_mask"].bool()
+        reduction = loss_option(self.actor_config, "seq_reduction")
+        seq_log_q = sequence_log_prob(batch["sampler_logprobs"], mask, reduction)
+        group_log_denominator = group_expectation_log_denominator(seq_log_q, batch["group_index"])
+        log_prob, entropy = log_probs_and_entropy(self.model, batch, self.temperature, self.with_entropy)
+        if entropy is not None:
+            batch["entropy"] = entropy
+        if self.reference is not None:
+            with torch.no_grad():
+                batch["ref_log_prob"] = sequence_token_log_probs(
+                    self.reference, batch["prompt_ids"], batch["prompt_mask"], batch["response_ids"],
+                    batch["response_mask"], self.temperature,
+                )  # fmt: skip
+        loss, metrics = self.policy_loss(log_prob, batch, group_log_denominator)
+        return loss, metrics, batch
 
     def train_step(self, groups: list[RolloutGroup]) -> dict[str, float]:
         """One optimizer step on ``groups``. Returns ``actor/*``, ``is/*``, ``reward/*`` metrics.
@@ -102,16 +186,7 @@ class Learner:
         ``max_nonfinite_steps`` in a row raise :class:`NonFiniteStepError`.
         """
         self.model.train()
-        batch = collate_groups(groups, self.pad_token_id)
-        mask = batch["response_mask"].bool()
-        reduction = loss_option(self.actor_config, "seq_reduction")
-        seq_log_q = sequence_log_prob(batch["sampler_logprobs"], mask, reduction)
-        group_log_denominator = group_expectation_log_denominator(seq_log_q, batch["group_index"])
-        log_prob = sequence_token_log_probs(
-            self.model, batch["prompt_ids"], batch["prompt_mask"], batch["response_ids"], batch["response_mask"],
-            self.temperature,
-        )  # fmt: skip
-        loss, metrics = self.policy_loss(log_prob, batch, group_log_denominator)
+        loss, metrics, batch = self.loss(groups)
         self.optimizer.zero_grad(set_to_none=True)
         finite = math.isfinite(loss.item())
         grad_norm = float("nan")
@@ -150,15 +225,17 @@ class Learner:
     def policy_loss(
         self, log_prob: torch.Tensor, batch: dict[str, torch.Tensor], group_log_denominator: torch.Tensor
     ) -> tuple[torch.Tensor, dict[str, float]]:
-        """The loss of one step; subclasses change what the loss sees (e.g. truncated IS).
+        """The objective of one step (:func:`verl_ext.loss_bridge.compute_actor_loss`).
 
-        Args: ``log_prob`` (B, T) learner log-probs with grad; ``batch`` from :func:`collate_groups`;
+        Args: ``log_prob`` (B, T) learner log-probs with grad; ``batch`` from :func:`collate_groups`,
+        plus ``entropy`` (B, T) and ``ref_log_prob`` (B, T) when those terms are on;
         ``group_log_denominator`` (B,) log E_q[q] of each sequence's group.
         """
         return compute_actor_loss(
             self.actor_config, log_prob, batch["sampler_logprobs"], batch["advantages"],
             batch["response_mask"].bool(), group_log_denominator=group_log_denominator,
-            group_index=batch["group_index"],
+            group_index=batch["group_index"], entropy=batch.get("entropy"), ref_log_prob=batch.get("ref_log_prob"),
+            rollout_correction=self.rollout_correction,
         )  # fmt: skip
 
     def state_dict(self) -> dict[str, Any]:

@@ -1,15 +1,16 @@
-"""Worker-side actor loss for verl's engine workers that carries the per-sequence denominator.
+"""Worker-side actor loss for verl's engine workers: verl's ``ppo_loss`` with the project's objective.
 
 verl's ``verl.workers.utils.losses.ppo_loss`` keeps only response_mask, old_log_probs, advantages
 (+ rollout_is_weights, ref_log_prob) and calls the registered policy loss without any group
 information, so GEPO's exact denominator (computed on the driver over whole prompt groups, see
 :mod:`recipe.gepo.verl_engine.denominator`) would be lost. :func:`hetero_ppo_loss` has the same
-signature and the same inputs (a micro-batch TensorDict and the engine's model output) and the
-same extra terms (entropy bonus, KL-to-reference loss, global-batch normalisation, metric
-aggregation types), but computes the policy loss with
-:func:`verl_ext.loss_bridge.compute_actor_loss` -- the function the embedded engine uses -- and
-forwards ``group_log_denominator`` [B] when the batch carries it. So both engines give the same
-loss on the same batch.
+signature and the same inputs (a micro-batch TensorDict and the engine's model output) and keeps
+only what is verl-specific: unpadding the model output, the global-batch normalisation info, and
+wrapping metrics in verl's ``Metric`` aggregation types. The objective itself -- policy loss,
+sampler-KL penalty, entropy bonus, KL-to-reference term, rollout-correction weights, ``is/*``
+metrics -- is :func:`verl_ext.loss_bridge.compute_actor_loss`, the function the embedded engine's
+learner calls, with ``group_log_denominator`` [B] forwarded when the batch carries it. So both
+engines give the same loss on the same batch.
 
 Without the field (e.g. a batch from a trainer that does not add it) the losses fall back to
 contiguous groups of ``policy_loss.group_size`` inside the micro-batch, and fail loudly if the
@@ -23,13 +24,21 @@ from typing import Any
 
 import torch
 from tensordict import TensorDict
-from verl.trainer.ppo.core_algos import agg_loss, kl_penalty
 from verl.utils.metric import AggregationType, Metric
 from verl.workers.utils.losses import ppo_loss as verl_ppo_loss
 from verl.workers.utils.padding import no_padding_2_padding
 
 from recipe.gepo.verl_engine.denominator import GROUP_LOG_DENOMINATOR
 from verl_ext.loss_bridge import compute_actor_loss
+
+# compute_actor_loss's loss-valued metrics -> the names this worker reports (verl's where it has one)
+_LOSS_METRICS = {
+    "actor/pg_loss": "actor/pg_loss",
+    "actor/loss": "actor/policy_loss",
+    "actor/sampler_kl_penalty": "actor/sampler_kl_penalty",
+    "actor/entropy_loss": "actor/entropy_loss",
+    "actor/kl_loss": "kl_loss",
+}
 
 
 def _per_sequence(data: TensorDict, key: str) -> torch.Tensor | None:
@@ -83,7 +92,7 @@ def hetero_ppo_loss(config: Any, model_output: dict, data: TensorDict, dp_group:
             f"{response_mask.shape[0]} sequences"
         )
 
-    loss, loss_metrics = compute_actor_loss(
+    loss, values = compute_actor_loss(
         config,
         log_prob=log_prob,
         old_log_prob=padded["old_log_probs"],
@@ -91,28 +100,20 @@ def hetero_ppo_loss(config: Any, model_output: dict, data: TensorDict, dp_group:
         response_mask=response_mask,
         group_log_denominator=denominator,
         rollout_is_weights=padded.get("rollout_is_weights", None),
+        entropy=entropy,
+        ref_log_prob=padded.get("ref_log_prob", None),
     )
-    pg_loss_value = loss_metrics.pop("actor/pg_loss")
-    total_value = loss_metrics.pop("actor/loss")
-    metrics: dict[str, Any] = dict(Metric.from_dict(loss_metrics, aggregation=AggregationType.MEAN))
-    metrics["actor/pg_loss"] = Metric(value=pg_loss_value, aggregation=loss_aggregation)
-    metrics["actor/policy_loss"] = Metric(value=total_value, aggregation=loss_aggregation)
+    # loss-valued metrics are shares of the global batch when it is normalised globally (summed
+    # over micro-batches); verl's own names where verl has one
+    summed = {name: values.pop(key) for key, name in _LOSS_METRICS.items() if key in values}
+    kl_coef = values.pop("actor/kl_coef", None)
+    metrics: dict[str, Any] = dict(Metric.from_dict(values, aggregation=AggregationType.MEAN))
+    metrics.update({name: Metric(value=value, aggregation=loss_aggregation) for name, value in summed.items()})
+    if kl_coef is not None:
+        metrics["kl_coef"] = kl_coef
     metrics["actor/has_group_denominator"] = Metric(
         value=float(denominator is not None), aggregation=AggregationType.MEAN
     )
-
-    if entropy is not None:
-        entropy_loss = agg_loss(loss_mat=entropy, loss_mask=response_mask, loss_agg_mode=config.loss_agg_mode, **info)
-        loss = loss - config.entropy_coeff * entropy_loss
-        metrics["actor/entropy_loss"] = Metric(value=entropy_loss, aggregation=loss_aggregation)
-
-    if config.use_kl_loss:
-        kld = kl_penalty(logprob=log_prob, ref_logprob=padded["ref_log_prob"], kl_penalty=config.kl_loss_type)
-        kl_loss = agg_loss(loss_mat=kld, loss_mask=response_mask, loss_agg_mode=config.loss_agg_mode, **info)
-        loss = loss + config.kl_loss_coef * kl_loss
-        metrics["kl_loss"] = Metric(value=kl_loss, aggregation=loss_aggregation)
-        metrics["kl_coef"] = config.kl_loss_coef
-
     return loss, metrics
 
 
