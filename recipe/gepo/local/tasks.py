@@ -128,16 +128,21 @@ class Task:
         picks = rng.choice(len(self._train_pool), size=n, replace=len(self._train_pool) < n)
         return [self._train_pool[i] for i in picks]
 
-    def score(self, response: str, item: dict) -> float:
-        if self.config.name == "toy_addition" and self.config.answer_format == "scratchpad":
-            from verl_ext.data.toy import scratchpad_score
-
-            return scratchpad_score(response, item["answer"])
+    @property
+    def data_source(self) -> str:
+        """The ``data_source`` of this task's rows, as verl's data files carry it (toy:
+        ``toy_add<d>`` / ``toy_add<d>_scratch``, see ``verl_ext.data.toy.make_problems``; math:
+        the dataset name): it picks the reward in :mod:`verl_ext.rewards.dispatch`."""
         if self.config.name == "toy_addition":
-            from verl_ext.rewards.toy_reward import compute_score
-        else:
-            from verl_ext.rewards.math_reward import compute_score
-        return float(compute_score(self.eval_name, response, item["answer"])["score"])
+            suffix = "" if self.config.answer_format == "short" else "_scratch"
+            return f"toy_add{self.config.digits}{suffix}"
+        return self.config.eval_dataset
+
+    def score(self, response: str, item: dict) -> float:
+        """The reward of ``response`` to ``item``, through the reward dispatch both engines share."""
+        from verl_ext.rewards.dispatch import compute_score
+
+        return float(compute_score(self.data_source, response, item["answer"])["score"])
 
     def target_response(self, item: dict) -> str:
         """The correct response text for a toy item (the sum, or the scratchpad then the sum)."""
