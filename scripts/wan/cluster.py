@@ -3,6 +3,7 @@
 
     python scripts/wan/cluster.py up --rate-mbit 100   # link (link.py up) + Ray head + Ray worker
     python scripts/wan/cluster.py status
+    python scripts/wan/cluster.py worker-gone --seconds 20   # fault: sampler node gone and back
     python scripts/wan/cluster.py down                 # Ray processes of this script, then the link
 
 The head runs in the root namespace bound to the learner-side address with the custom resource
@@ -178,32 +179,63 @@ def alive_nodes(address: str, node_ip: str, timeout_s: float = 30.0) -> list[dic
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def _start(role: str, cmd: list[str]) -> subprocess.Popen:
+    """Start one node's ``ray start --block`` in a session of its own, recorded in STATE_FILE."""
+    with open(ROOT / f"{role}.log", "a") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=ray_env(), start_new_session=True)
+    state = _read_state()
+    state.setdefault("sessions", {})[role] = proc.pid  # start_new_session: pid == sid == pgid
+    STATE_FILE.write_text(json.dumps(state))
+    return proc
+
+
+def _wait_worker(cfg: ClusterConfig, link_cfg: LinkConfig, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        nodes = alive_nodes(cfg.address(link_cfg), link_cfg.host_ip)
+        if link_cfg.ns_ip in {n["ip"] for n in nodes}:
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"worker node {link_cfg.ns_ip} did not join in {timeout_s}s; see {ROOT}/worker.log")
+        time.sleep(1.0)
+
+
 def up(cfg: ClusterConfig, link_cfg: LinkConfig, rate_mbit: float, timeout_s: float = 90.0) -> str:
     """Link up at ``rate_mbit``, then head and worker; returns the head address. On any failure
     everything started here is torn down again."""
     down(cfg, link_cfg, keep_link=True)  # Ray left from an interrupted run: start clean
     link.up(link_cfg, rate_mbit)
     write_token()
-    state: dict = {"cluster": asdict(cfg), "link": asdict(link_cfg), "sessions": {}}
+    for role in ("head", "worker"):
+        (ROOT / f"{role}.log").unlink(missing_ok=True)
+    STATE_FILE.write_text(json.dumps({"cluster": asdict(cfg), "link": asdict(link_cfg), "sessions": {}}))
     try:
-        for role, cmd in (("head", head_command(cfg, link_cfg)), ("worker", worker_command(cfg, link_cfg))):
-            with open(ROOT / f"{role}.log", "w") as log:
-                proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=ray_env(), start_new_session=True)
-            state["sessions"][role] = proc.pid  # start_new_session: pid == sid == pgid
-            STATE_FILE.write_text(json.dumps(state))
-            if role == "head":
-                _wait_port(link_cfg.host_ip, cfg.port, timeout_s, proc)
-        deadline = time.monotonic() + timeout_s
-        while True:
-            nodes = alive_nodes(cfg.address(link_cfg), link_cfg.host_ip)
-            if {n["ip"] for n in nodes} >= {link_cfg.host_ip, link_cfg.ns_ip}:
-                return cfg.address(link_cfg)
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"worker node {link_cfg.ns_ip} did not join in {timeout_s}s; see {ROOT}/worker.log")
-            time.sleep(1.0)
+        _wait_port(link_cfg.host_ip, cfg.port, timeout_s, _start("head", head_command(cfg, link_cfg)))
+        _start("worker", worker_command(cfg, link_cfg))
+        _wait_worker(cfg, link_cfg, timeout_s)
+        return cfg.address(link_cfg)
     except BaseException:
         down(cfg, link_cfg)
         raise
+
+
+def worker_gone(cfg: ClusterConfig, link_cfg: LinkConfig, seconds: float, timeout_s: float = 90.0) -> None:
+    """Fault injection: the sampler node disappears (its Ray processes end, its namespace and veth
+    are deleted) for ``seconds``, then comes back at the same rate and rejoins the head as a new
+    node with the same ``sampler_node`` resource. Actors that lived on it are dead."""
+    if not 0 <= seconds <= 600:
+        raise ValueError(f"seconds={seconds}: must be within [0, 600] (bounded faults only)")
+    rate_bytes = link.status(link_cfg)["host_tbf_bytes_s"]
+    if rate_bytes is None:
+        raise link.CommandError("the link is not up; run `cluster.py up` first")
+    sessions = _read_state().get("sessions", {})
+    if "worker" in sessions:
+        _end_session(int(sessions["worker"]))
+    link.down(link_cfg)
+    time.sleep(seconds)
+    link.up(link_cfg, rate_bytes * 8 / 1e6)
+    _start("worker", worker_command(cfg, link_cfg))
+    _wait_worker(cfg, link_cfg, timeout_s)
 
 
 def down(cfg: ClusterConfig, link_cfg: LinkConfig, keep_link: bool = False) -> None:
@@ -238,6 +270,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--port", type=int, default=ClusterConfig.port, help="GCS port of the head")
     sub.add_parser("status")
     sub.add_parser("down")
+    p = sub.add_parser("worker-gone", help="fault: end the sampler node and its namespace, bring both back")
+    p.add_argument("--seconds", type=float, default=20.0, help="how long it stays gone (0-600)")
     args = parser.parse_args(argv)
     link_cfg = LinkConfig()
     cfg = ClusterConfig(port=getattr(args, "port", ClusterConfig.port))
@@ -255,8 +289,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(f"Ray head at {up(cfg, link_cfg, rate)}; join with RAY_ADDRESS={cfg.address(link_cfg)}")
         elif args.command == "down":
             down(cfg, link_cfg)
+        elif args.command == "worker-gone":
+            worker_gone(cfg, link_cfg, args.seconds)
         print(json.dumps(status(cfg, link_cfg), indent=1))
-    except (link.CommandError, RuntimeError, TimeoutError) as err:
+    except (link.CommandError, RuntimeError, TimeoutError, ValueError) as err:
         print(f"cluster.py: {err}", file=sys.stderr)
         return link.EXIT_FAILED
     return 0

@@ -4,6 +4,8 @@
     python scripts/wan/link.py up --rate-mbit 100    # namespace + veth pair + tbf on both ends
     python scripts/wan/link.py set-rate --rate-mbit 10
     python scripts/wan/link.py status [--json]
+    python scripts/wan/link.py cut                   # fault: the cable is pulled (both directions)
+    python scripts/wan/link.py heal                  # and plugged back in
     python scripts/wan/link.py down                  # idempotent: removes whatever is left
 
 What it builds (``LinkConfig``): a network namespace for the samplers (``heterorl-smp``) joined to
@@ -26,6 +28,7 @@ import json
 import shutil
 import subprocess
 import sys
+import time
 from dataclasses import asdict, dataclass
 from typing import Optional, Sequence
 
@@ -198,9 +201,11 @@ def _addr(cfg: LinkConfig, inside: bool) -> list[str]:
 
 
 def status(cfg: LinkConfig) -> dict:
-    """The link's state as a dict: what exists, addresses, tbf rate (bytes/s) on each end."""
+    """The link's state as a dict: what exists, addresses, tbf rate (bytes/s) on each end,
+    ``up`` (configured) and ``cut`` (configured, but the learner-side end is down)."""
     ns = netns_exists(cfg)
     state = {"config": asdict(cfg), "netns": ns, "host_if": host_if_exists(cfg)}
+    state["cut"] = state["host_if"] and not _admin_up(cfg)
     state["host_addr"] = _addr(cfg, inside=False) if state["host_if"] else []
     state["ns_addr"] = _addr(cfg, inside=True) if ns else []
     host_q = _qdisc(cfg, inside=False) if state["host_if"] else None
@@ -214,6 +219,22 @@ def status(cfg: LinkConfig) -> dict:
     return state
 
 
+def _admin_up(cfg: LinkConfig) -> bool:
+    proc = _run(["ip", "-j", "link", "show", "dev", cfg.host_if], check=False)
+    return proc.returncode == 0 and "UP" in json.loads(proc.stdout or "[{}]")[0].get("flags", [])
+
+
+def cut(cfg: LinkConfig) -> None:
+    """Fault injection: take the learner-side end down. Nothing crosses in either direction (the
+    peer loses carrier); open TCP connections stay open and retransmit, as over a pulled cable."""
+    _run(["ip", "link", "set", "dev", cfg.host_if, "down"])
+
+
+def heal(cfg: LinkConfig) -> None:
+    """Undo :func:`cut` (addresses, routes and the tbf are kept while the end is down)."""
+    _run(["ip", "link", "set", "dev", cfg.host_if, "up"])
+
+
 def set_rate(cfg: LinkConfig, rate_mbit: float) -> None:
     """Replace the tbf on both veth ends (each limits its own egress: together, both directions)."""
     args = tbf_args(rate_mbit)
@@ -225,14 +246,23 @@ def down(cfg: LinkConfig) -> None:
     """Remove the namespace (which destroys its veth end and so the pair); idempotent."""
     if netns_exists(cfg):
         _run(["ip", "netns", "delete", cfg.netns])
-    if host_if_exists(cfg):  # only if the pair was never moved into the namespace
-        _run(["ip", "link", "delete", "dev", cfg.host_if])
+    # the kernel destroys the namespace (and so the pair) asynchronously, once its last process is gone
+    deadline = time.monotonic() + 10.0
+    while host_if_exists(cfg) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if host_if_exists(cfg):  # the pair was never moved into the namespace, or a process holds it
+        _run(["ip", "link", "delete", "dev", cfg.host_if], check=False)
+        if host_if_exists(cfg):
+            raise CommandError(f"{cfg.host_if} is still there after deleting netns {cfg.netns}")
 
 
 def up(cfg: LinkConfig, rate_mbit: float) -> None:
     """Create the link at ``rate_mbit``; if it is already up, only the rate changes (idempotent)."""
-    if status(cfg)["up"]:
+    state = status(cfg)
+    if state["up"]:
         set_rate(cfg, rate_mbit)
+        if state["cut"]:
+            heal(cfg)
         return
     down(cfg)  # a half-built link from an interrupted run: start clean
     routes = json.loads(_run(["ip", "-j", "-4", "route", "show", "table", "all"]).stdout or "[]")
@@ -275,6 +305,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("status")
     p.add_argument("--json", action="store_true")
     sub.add_parser("down")
+    sub.add_parser("cut", help="fault: no traffic either way until `heal`")
+    sub.add_parser("heal")
     return parser
 
 
@@ -294,11 +326,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         if args.command == "up":
             up(cfg, rate)
-        elif args.command == "set-rate":
+        elif args.command in ("set-rate", "cut", "heal"):
             if not status(cfg)["up"]:
                 print("link.py: the link is not up; run `link.py up --rate-mbit R` first", file=sys.stderr)
                 return EXIT_FAILED
-            set_rate(cfg, rate)
+            {"set-rate": lambda: set_rate(cfg, rate), "cut": lambda: cut(cfg), "heal": lambda: heal(cfg)}[args.command]()
         elif args.command == "down":
             down(cfg)
         state = status(cfg)
@@ -310,7 +342,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     else:
         rate_txt = f"{state['host_tbf_bytes_s'] * 8 / 1e6:g} Mbit/s" if state["host_tbf_bytes_s"] else "-"
         print(
-            f"link {'UP' if state['up'] else 'DOWN'}: netns {cfg.netns} {'present' if state['netns'] else 'absent'}, "
+            f"link {('CUT' if state['cut'] else 'UP') if state['up'] else 'DOWN'}: netns {cfg.netns} {'present' if state['netns'] else 'absent'}, "
             f"{cfg.host_if} {','.join(state['host_addr']) or '-'} <-> {cfg.ns_if} {','.join(state['ns_addr']) or '-'}, "
             f"tbf {rate_txt}"
         )

@@ -163,3 +163,9 @@ def test_extrapolation_is_bytes_times_params_over_rate():
     times = sync.extrapolate(2.0)  # bf16: 2 bytes per parameter
     assert times["8B"]["1Gbit"] == pytest.approx(8e9 * 2 * 8 / 1e9)
     assert times["1.7B"]["10Gbit"] == pytest.approx(1.7e9 * 2 * 8 / 10e9)
+
+
+def test_worker_gone_is_bounded():
+    cluster = _load("cluster")
+    with pytest.raises(ValueError, match="seconds=1000"):
+        cluster.worker_gone(cluster.ClusterConfig(), link.LinkConfig(), 1000)

@@ -121,6 +121,14 @@ def test_link_rate_and_ray_actor_in_the_sampler_namespace(wan):
     mbit_s = nbytes * 8 / 1e6 / got["seconds"]
     assert 0.5 * RATE_MBIT <= mbit_s <= 1.1 * RATE_MBIT, got
 
+    # fault: a cut link carries nothing (the transfer times out); healed, it carries again
+    link.cut(link_cfg)
+    assert link.status(link_cfg)["cut"]
+    with pytest.raises(OSError):  # socket.timeout / TimeoutError are OSErrors
+        probe.transfer(link_cfg, 100_000, timeout=3)
+    link.heal(link_cfg)
+    assert probe.transfer(link_cfg, 500_000, timeout=30)["bytes"] == 500_000
+
     # `up` on a link that is up only changes the rate (idempotent)
     link.up(link_cfg, 2 * RATE_MBIT)
     again = link.status(link_cfg)
