@@ -72,19 +72,49 @@ def sha256(data: bytes | np.ndarray) -> str:
     return hashlib.sha256(data.tobytes() if isinstance(data, np.ndarray) else data).hexdigest()
 
 
-def two_versions(model_path: str, lr: float, seed: int = 0) -> tuple[dict, dict]:
-    """State dicts of versions v and v+1 of the model: one AdamW step on a next-token loss over
-    random token sequences (Adam's first step moves every weight with a gradient by about lr)."""
+def versions(model_path: str, lr: float, steps: int, seed: int = 0) -> list[dict]:
+    """State dicts of versions 0..steps of the model: each one AdamW step (next-token loss on a
+    fresh batch of random token sequences) after the previous. Adam's first step moves every
+    weight with a gradient by about lr; later steps by at most about lr."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-    before = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    ids = torch.randint(3, model.config.vocab_size, (8, 16))
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    model(input_ids=ids, labels=ids).loss.backward()
-    opt.step()
-    return before, {k: v.detach().clone() for k, v in model.state_dict().items()}
+    out = [{k: v.detach().clone() for k, v in model.state_dict().items()}]
+    for _ in range(steps):
+        ids = torch.randint(3, model.config.vocab_size, (8, 16))
+        opt.zero_grad()
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        out.append({k: v.detach().clone() for k, v in model.state_dict().items()})
+    return out
+
+
+def two_versions(model_path: str, lr: float, seed: int = 0) -> tuple[dict, dict]:
+    """Versions v and v+1 (one AdamW step apart)."""
+    v0, v1 = versions(model_path, lr, 1, seed)
+    return v0, v1
+
+
+def delta_vs_behind(model_path: str, lr: float, behind: list[int]) -> list[dict]:
+    """For a sampler holding version 0 and k in ``behind``: bytes of the direct bf16-xor delta
+    0 -> k, of the chain of one-step deltas 0 -> 1 -> ... -> k, and of the full bf16 message (where
+    a full version becomes the cheaper fetch). Pure CPU, no network."""
+    from verl_ext.hetero.weights import serialize_state_dict
+
+    states = versions(model_path, lr, max(behind))
+    bits = [bf16_bits(state) for state in states]
+    full = len(serialize_state_dict(states[-1], 0, wire_dtype="bf16"))
+    # a learner keeping only consecutive deltas sends the chain v0->v1->...->vk instead
+    step_bytes = [len(encode_xor(bits[i], bits[i - 1])) for i in range(1, len(bits))]
+    rows = []
+    for k in behind:
+        blob = encode_xor(bits[k], bits[0])
+        assert np.array_equal(decode_xor(blob, bits[0]), bits[k])
+        rows.append({"behind": k, "lr": lr, "delta_bytes": len(blob), "chain_bytes": sum(step_bytes[:k]),
+                     "bf16_full_bytes": full, "changed_frac": float(np.mean(bits[k] != bits[0]))})  # fmt: skip
+    return rows
 
 
 # --- the receiver, on the sampler node ------------------------------------------------------------
@@ -227,7 +257,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--model-path", default="", help="HF folder; default: the cached toy model")
     parser.add_argument("--lr", type=float, default=1e-4, help="AdamW lr of the step between versions")
     parser.add_argument("--out", default="", help="write the full result as JSON here")
+    parser.add_argument("--behind", default="", help="e.g. 1,2,4,8,16: only print the bf16-xor delta's bytes "
+                        "for a sampler k versions behind (no network, no privileges), then exit")  # fmt: skip
     args = parser.parse_args(argv)
+    if args.behind:
+        behind = [int(k) for k in args.behind.split(",")]
+        if not all(1 <= k <= 64 for k in behind):
+            parser.error(f"--behind {args.behind}: each k must be in [1, 64]")
+        for row in delta_vs_behind(args.model_path or default_toy_model(), args.lr, behind):
+            print(json.dumps(row))
+        return 0
     try:
         rates = [link.parse_rate_mbit(r) for r in args.rates.split(",")]
     except ValueError as err:
