@@ -1,20 +1,117 @@
-"""Sampling continuations of token-id prompts with a HF causal LM, with the sampler's log-probs.
+"""Sampling from a HF causal LM: the one ``model.generate`` call of the project, with the sampler's
+log-probs.
 
 q is ``log_softmax(logits / temperature)`` at each sampled token -- what verl's actor computes as
-the learner's p (``logprobs_mode=processed_logprobs`` without top-k/top-p truncation) -- so p/q
-compares like with like. Used by the ``hf_cpu`` rollout server (:mod:`verl_ext.cpu.rollout`).
+the learner's p (``logprobs_mode=processed_logprobs`` without top-k/top-p truncation) and what the
+embedded learner scores (:func:`token_log_probs`) -- so p/q compares like with like.
 
-Shapes: N prompts of varying length; each continuation is at most ``max_new_tokens`` tokens and
-ends at (and includes) the first EOS.
+* :func:`generate` -- one batched ``model.generate`` on left-padded prompts, seeded, with log q;
+  every sampler calls it: the embedded engine's ``sample_groups`` (``recipe.gepo.local.policy``),
+  evaluation's ``HFGenerator`` (:mod:`verl_ext.eval.generate`) and, through
+  :func:`sample_continuations`, the ``hf_cpu`` rollout server (:mod:`verl_ext.cpu.rollout`).
+* :func:`eos_mask` -- where each continuation ends (its first stop token, kept).
+
+Shapes: N prompts of P tokens (left-padded), R generated tokens, V the vocabulary.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 import torch.nn.functional as F
+
+
+def token_log_probs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
+    """log softmax(logits / T) at ``tokens``, in float32: logits [N, R, V], tokens [N, R] -> [N, R]."""
+    log_probs = F.log_softmax(logits.float() / temperature, dim=-1)
+    return torch.gather(log_probs, -1, tokens.unsqueeze(-1)).squeeze(-1)
+
+
+def eos_mask(tokens: torch.Tensor, eos_token_ids: int | Sequence[int]) -> torch.Tensor:
+    """int64 [N, R]: 1 on generated tokens up to and including the first stop token, 0 after it."""
+    stop = torch.as_tensor([eos_token_ids] if isinstance(eos_token_ids, int) else list(eos_token_ids),
+                           device=tokens.device)  # fmt: skip
+    is_eos = torch.isin(tokens, stop).long()
+    eos_before = torch.cumsum(is_eos, dim=-1) - is_eos  # a stop token strictly before this position
+    return (eos_before == 0).long()
+
+
+@dataclass(frozen=True)
+class Generation:
+    """What one :func:`generate` call produced."""
+
+    tokens: torch.Tensor
+    """int64 [N, R]: the generated tokens (after the prompt); a row that stopped early is filled
+    with the pad token up to R."""
+    log_q: Optional[torch.Tensor]
+    """float32 [N, R]: log softmax(logits / T) at each generated token (T = 1 when greedy), or
+    None when not asked for."""
+
+
+@torch.no_grad()
+def generate(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    *,
+    max_new_tokens: int,
+    eos_token_ids: int | Sequence[int],
+    pad_token_id: int,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    seed: Optional[int] = None,
+    with_log_q: bool = True,
+) -> Generation:
+    """Continue every prompt once.
+
+    Args:
+        model: a HF ``PreTrainedModel`` with ``generate``.
+        input_ids, attention_mask: [N, P], left-padded (new tokens follow the prompt directly).
+        max_new_tokens: >= 1.
+        eos_token_ids: id(s) that end a continuation.
+        pad_token_id: fills a finished row.
+        temperature: 0 = greedy; > 0 samples softmax(logits / T).
+        top_p, top_k: nucleus / top-k truncation of the sampling (k <= 0: off). log q stays that of
+            the untruncated softmax(logits / T), as verl's actor computes it.
+        seed: seeds the sampling (same seed, model and batch -> same tokens) and leaves the caller's
+            torch RNG as it was; None draws from torch's global RNG.
+        with_log_q: also return log q (keeps the logits of every step: off for long generations
+            that need only the tokens).
+    """
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
+    if temperature < 0:
+        raise ValueError(f"temperature={temperature} must be >= 0")
+    greedy = temperature == 0
+    kwargs = dict(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        do_sample=not greedy,
+        temperature=None if greedy else temperature,
+        top_p=None if greedy else top_p,
+        top_k=None if greedy else (top_k if top_k and top_k > 0 else 0),
+        max_new_tokens=max_new_tokens,
+        pad_token_id=pad_token_id,
+        eos_token_id=eos_token_ids if isinstance(eos_token_ids, int) else list(eos_token_ids),
+        output_logits=with_log_q,
+        return_dict_in_generate=True,
+    )
+    if seed is None:
+        out = model.generate(**kwargs)
+    else:
+        fork_devices = [input_ids.device] if input_ids.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=fork_devices):  # leave the caller's RNG alone
+            torch.manual_seed(int(seed))
+            out = model.generate(**kwargs)
+    tokens = out.sequences[:, input_ids.shape[1] :]
+    log_q = None
+    if with_log_q:
+        logits = torch.stack(out.logits, dim=1)  # [N, R, V], raw (before temperature or truncation)
+        log_q = token_log_probs(logits, tokens, 1.0 if greedy else temperature)
+    return Generation(tokens, log_q)
 
 
 @dataclass(frozen=True)
@@ -63,37 +160,17 @@ def sample_continuations(
         temperature: 0 = greedy (log-probs then of softmax(logits)); > 0 samples softmax(logits / T).
         top_p, top_k: nucleus / top-k truncation of the sampling (k <= 0: off). The reported
             log-probs stay those of the untruncated softmax(logits / T), as verl's actor computes.
-        generator_seed: reseed torch's RNG first (reproducible sampling), or None.
+        generator_seed: seed of the sampling (reproducible; the caller's RNG is left alone), or
+            None (torch's global RNG).
     """
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
-    if temperature < 0:
-        raise ValueError(f"temperature={temperature} must be >= 0")
     input_ids, attention_mask = left_pad(prompts, pad_token_id)
-    if generator_seed is not None:
-        torch.manual_seed(generator_seed)
-    greedy = temperature == 0
-    out = model.generate(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        do_sample=not greedy,
-        temperature=None if greedy else temperature,
-        top_p=None if greedy else top_p,
-        top_k=None if greedy else (top_k if top_k and top_k > 0 else 0),
-        max_new_tokens=max_new_tokens,
-        pad_token_id=pad_token_id,
-        eos_token_id=list(eos_token_ids),
-        output_logits=True,
-        return_dict_in_generate=True,
-    )
-    generated = out.sequences[:, input_ids.shape[1] :]
-    logits = torch.stack(out.logits, dim=1).float()  # [N, R, V], before any processing
-    log_q = F.log_softmax(logits / (1.0 if greedy else temperature), dim=-1)
-    token_log_q = torch.gather(log_q, -1, generated.unsqueeze(-1)).squeeze(-1)
+    gen = generate(
+        model, input_ids, attention_mask, max_new_tokens=max_new_tokens, eos_token_ids=eos_token_ids,
+        pad_token_id=pad_token_id, temperature=temperature, top_p=top_p, top_k=top_k, seed=generator_seed,
+    )  # fmt: skip
     eos = set(int(t) for t in eos_token_ids)
+    lengths = eos_mask(gen.tokens, eos_token_ids).sum(dim=-1).tolist()  # up to and including the first EOS
     results = []
-    for row, row_log_q in zip(generated.tolist(), token_log_q.tolist()):
-        end = next((i + 1 for i, t in enumerate(row) if t in eos), None)
-        n = end if end is not None else len(row)
-        results.append(Continuation(row[:n], row_log_q[:n], end is not None))
+    for row, row_log_q, n in zip(gen.tokens.tolist(), gen.log_q.tolist(), lengths):
+        results.append(Continuation(row[:n], row_log_q[:n], finished=row[n - 1] in eos))
     return results

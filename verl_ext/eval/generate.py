@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch
 
+from verl_ext.sampling import eos_mask, generate
+
 __all__ = [
     "SamplingParams",
     "Completion",
@@ -186,34 +188,20 @@ class HFGenerator:
         out: list[list[Completion | None]] = [[None] * n for _ in prompts]
         p = self.params
         device = next(self.model.parameters()).device
-        stop = torch.tensor(self.stop_ids, device=device)
-        fork_devices = [device] if device.type == "cuda" else []
         with tqdm(total=len(rows), desc=desc, unit="seq", disable=not self.show_progress, leave=False) as bar:
             for b, start in enumerate(range(0, len(rows), self.batch_size)):
                 batch = rows[start:start + self.batch_size]
                 enc = self._encode([prompts[i] for i, _ in batch]).to(device)
-                with torch.random.fork_rng(devices=fork_devices):  # leave the caller's RNG alone
-                    torch.manual_seed(int(seed) + b)
-                    gen = self.model.generate(
-                        **enc,
-                        do_sample=True,
-                        temperature=p.temperature,
-                        top_p=p.top_p,
-                        top_k=p.top_k,
-                        max_new_tokens=p.max_new_tokens,
-                        eos_token_id=self.stop_ids,
-                        pad_token_id=self.pad_id,
-                    )
-                new = gen[:, enc["input_ids"].shape[1]:]
-                is_stop = torch.isin(new, stop)
+                gen = generate(
+                    self.model, enc["input_ids"], enc["attention_mask"], max_new_tokens=p.max_new_tokens,
+                    eos_token_ids=self.stop_ids, pad_token_id=self.pad_id, temperature=p.temperature,
+                    top_p=p.top_p, top_k=p.top_k, seed=int(seed) + b, with_log_q=False,
+                )  # fmt: skip
+                lengths = eos_mask(gen.tokens, self.stop_ids).sum(dim=-1).tolist()  # up to and including the stop
                 for r, (i, j) in enumerate(batch):
-                    hits = torch.nonzero(is_stop[r]).flatten()
-                    if len(hits):
-                        n_tok, truncated = int(hits[0]) + 1, False
-                        ids = new[r, : int(hits[0])]
-                    else:
-                        n_tok, truncated = int(new.shape[1]), True
-                        ids = new[r]
+                    n_tok = lengths[r]
+                    truncated = gen.tokens[r, n_tok - 1].item() not in self.stop_ids
+                    ids = gen.tokens[r, :n_tok] if truncated else gen.tokens[r, : n_tok - 1]
                     text = self.tokenizer.decode(ids, skip_special_tokens=True)
                     out[i][j] = Completion(text=text, n_tokens=n_tok, truncated=truncated)
                 bar.update(len(batch))

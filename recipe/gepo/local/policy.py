@@ -13,8 +13,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+# the sampling call and the log-prob rule are verl_ext.sampling's; the learner scores with the same
+from verl_ext.sampling import eos_mask, generate, token_log_probs
 
 
 @dataclass
@@ -48,19 +50,6 @@ def load_policy(path: str, dtype: torch.dtype = torch.float32) -> tuple[PreTrain
     return model, tokenizer
 
 
-def response_mask_from_eos(response_ids: torch.Tensor, eos_token_id: int) -> torch.Tensor:
-    """1 on generated tokens up to and including the first EOS, 0 after it. [B, R] -> [B, R]."""
-    is_eos = (response_ids == eos_token_id).long()
-    eos_before = torch.cumsum(is_eos, dim=-1) - is_eos  # EOS strictly before this position
-    return (eos_before == 0).long()
-
-
-def token_log_probs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
-    """log softmax(logits / T) at ``tokens``: logits [B, R, V], tokens [B, R] -> [B, R]."""
-    log_probs = F.log_softmax(logits.float() / temperature, dim=-1)
-    return torch.gather(log_probs, -1, tokens.unsqueeze(-1)).squeeze(-1)
-
-
 @torch.no_grad()
 def sample_groups(
     model: PreTrainedModel,
@@ -71,7 +60,8 @@ def sample_groups(
     max_new_tokens: int,
     seed: int,
 ) -> SampledBatch:
-    """G samples per prompt at ``temperature`` (no top-k/top-p: q is exactly softmax(logits / T)).
+    """G samples per prompt at ``temperature`` (no top-k/top-p: q is exactly softmax(logits / T)),
+    through :func:`verl_ext.sampling.generate`.
 
     ``seed`` fixes the sampling, so replay runs and resumed runs regenerate the same tokens.
     """
@@ -79,26 +69,13 @@ def sample_groups(
         raise ValueError(f"temperature={temperature} must be > 0 for sampling")
     repeated = [p for p in prompts for _ in range(group_size)]
     enc = tokenizer(repeated, return_tensors="pt", padding=True)
-    torch.manual_seed(seed)
-    out = model.generate(
-        input_ids=enc["input_ids"],
-        attention_mask=enc["attention_mask"],
-        do_sample=True,
-        temperature=temperature,
-        top_k=0,
-        top_p=1.0,
-        max_new_tokens=max_new_tokens,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        output_logits=True,
-        return_dict_in_generate=True,
-    )
-    prompt_len = enc["input_ids"].shape[1]
-    response_ids = out.sequences[:, prompt_len:]
-    logits = torch.stack(out.logits, dim=1)  # [B, R, V], raw (before temperature)
-    response_mask = response_mask_from_eos(response_ids, tokenizer.eos_token_id)
-    logprobs = token_log_probs(logits, response_ids, temperature) * response_mask
-    response_ids = torch.where(response_mask.bool(), response_ids, torch.full_like(response_ids, tokenizer.pad_token_id))
+    gen = generate(
+        model, enc["input_ids"], enc["attention_mask"], max_new_tokens=max_new_tokens,
+        eos_token_ids=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, temperature=temperature, seed=seed,
+    )  # fmt: skip
+    response_mask = eos_mask(gen.tokens, tokenizer.eos_token_id)
+    logprobs = gen.log_q * response_mask
+    response_ids = torch.where(response_mask.bool(), gen.tokens, torch.full_like(gen.tokens, tokenizer.pad_token_id))
     texts = tokenizer.batch_decode(response_ids, skip_special_tokens=True)
     return SampledBatch(enc["input_ids"], enc["attention_mask"], response_ids, response_mask, logprobs, texts)
 
