@@ -122,6 +122,19 @@ def mc_gaussian_weight_variance(mu_p: float, mu_q: float, n_samples: int, rng: n
     )
 
 
+def _single_pair_draws(caller: str, p, q, advantage, n_samples: int, rng: np.random.Generator):
+    """Checked inputs of a one-pair estimator and its samples: ``(p, q, A, E_q[q], y, x)`` with
+    ``p, q, A`` shape ``(n,)``, ``y ~ q`` and then ``x ~ p`` index arrays of ``n_samples``."""
+    p, q = _pair(p, q)
+    if p.ndim != 1:
+        raise ValueError(f"{caller} takes single distributions (n,); got {p.shape}")
+    adv = _advantage(advantage, p.shape)
+    n = _check_n(n_samples)
+    y = rng.choice(p.size, size=n, p=q)
+    x = rng.choice(p.size, size=n, p=p)
+    return p, q, adv, float((q**2).sum()), y, x
+
+
 def mc_discrete_weight_variance(
     p, q, n_samples: int, rng: np.random.Generator, advantage=None
 ) -> dict:
@@ -130,14 +143,7 @@ def mc_discrete_weight_variance(
     Args: ``p, q`` shape ``(n,)``; ``advantage`` shape ``(n,)`` or ``None`` (``A = 1``).
     Returns ``"ratio"``, ``"group_expectation"``, ``"expectation"``, ``"kl"`` and ``*_se``.
     """
-    p, q = _pair(p, q)
-    if p.ndim != 1:
-        raise ValueError(f"mc_discrete_weight_variance takes single distributions (n,); got {p.shape}")
-    adv = _advantage(advantage, p.shape)
-    n = _check_n(n_samples)
-    c = float((q**2).sum())
-    y = rng.choice(p.size, size=n, p=q)
-    x = rng.choice(p.size, size=n, p=p)
+    p, q, adv, c, y, x = _single_pair_draws("mc_discrete_weight_variance", p, q, advantage, n_samples, rng)
     return _pack(
         ratio=variance_and_se(adv[y] * p[y] / q[y]),
         group_expectation=variance_and_se(adv[y] * p[y] / c),
@@ -153,14 +159,7 @@ def mc_gepo_bias(p, q, advantage, n_samples: int, rng: np.random.Generator) -> d
     ``p(y) A(y)/E_q[q]``, ``y ~ q``; ``"gspo"`` = mean of ``p(y) A(y)/q(y)``, ``y ~ q``.  The
     bias is ``|target - gepo|``; each estimate comes with ``*_se``.
     """
-    p, q = _pair(p, q)
-    if p.ndim != 1:
-        raise ValueError(f"mc_gepo_bias takes single distributions (n,); got {p.shape}")
-    adv = _advantage(advantage, p.shape)
-    n = _check_n(n_samples)
-    c = float((q**2).sum())
-    y = rng.choice(p.size, size=n, p=q)
-    x = rng.choice(p.size, size=n, p=p)
+    p, q, adv, c, y, x = _single_pair_draws("mc_gepo_bias", p, q, advantage, n_samples, rng)
     return _pack(
         target=mean_and_se(adv[x]),
         gepo=mean_and_se(p[y] * adv[y] / c),
