@@ -36,6 +36,7 @@ from collections import Counter
 import numpy as np
 
 from verl_ext.hetero.records import RecordRejected, RecordSpec, RolloutGroup, validate_group
+from verl_ext.hetero.staleness import check_max_delay, is_stale, staleness_metrics
 
 STALE_POLICIES = ("drop", "wait")
 ORDERS = ("oldest", "newest")
@@ -110,8 +111,10 @@ class RolloutBuffer:
         capacity: int | None = None,
         wait_timeout_s: float = 600.0,
     ):
-        if isinstance(max_delay, bool) or not isinstance(max_delay, (int, np.integer)) or max_delay < 0:
-            raise ValueError(f"RolloutBuffer: max_delay={max_delay!r} must be an int >= 0")
+        try:
+            check_max_delay(max_delay)
+        except ValueError:
+            raise ValueError(f"RolloutBuffer: max_delay={max_delay!r} must be an int >= 0") from None
         if stale_policy not in STALE_POLICIES:
             raise ValueError(f"RolloutBuffer: stale_policy={stale_policy!r} must be one of {STALE_POLICIES}")
         if order not in ORDERS:
@@ -171,7 +174,7 @@ class RolloutBuffer:
             self._expected.pop(uid, None)
             self._groups[uid] = group
             self.ledger.mark(uid, BUFFERED)
-            if self._learner_version - group.policy_version > self.max_delay:
+            if is_stale(self._learner_version, group.policy_version, self.max_delay):
                 self._drop(uid, "stale")  # past the bound on arrival: it can never be used
             elif self.capacity is not None and len(self._groups) > self.capacity:
                 self._drop(next(iter(self._groups)), "overflow")
@@ -184,6 +187,18 @@ class RolloutBuffer:
         with self._cond:
             if uid not in self.ledger.status:
                 self._expected[uid] = (int(policy_version), str(sampler_id))
+
+    def sync_expected(self, announced: dict[str, tuple[int, str]]) -> None:
+        """Make the announced groups exactly ``announced`` (uid -> (policy_version, sampler_id)):
+        new ones are expected, withdrawn ones (their sampler died, or the announcement was
+        cleared) forgotten. Uids the ledger already knows are ignored."""
+        with self._cond:
+            for uid in [uid for uid in self._expected if uid not in announced]:
+                del self._expected[uid]
+            for uid, (version, sampler) in announced.items():
+                if uid not in self.ledger.status:
+                    self._expected[uid] = (int(version), str(sampler))
+            self._cond.notify_all()
 
     def forget(self, uid: str) -> None:
         """Withdraw an :meth:`expect` (the sampler gave up on the group)."""
@@ -241,7 +256,7 @@ class RolloutBuffer:
         if version < self._learner_version:
             raise ValueError(f"learner_version={version} went backwards (buffer is at {self._learner_version})")
         self._learner_version = int(version)
-        for uid in [uid for uid, g in self._groups.items() if version - g.policy_version > self.max_delay]:
+        for uid in [uid for uid, g in self._groups.items() if is_stale(version, g.policy_version, self.max_delay)]:
             self._drop(uid, "stale")
 
     def _blocking_expected(self) -> list[tuple[str, int, str]]:
@@ -288,21 +303,17 @@ class RolloutBuffer:
         ``rejected/<reason>``. Gauges: ``queue_depth``, ``expected``. Run totals: ``consumed_total``,
         ``dropped_total``, ``rejected_total``, ``generated_total``."""
         with self._cond:
-            staleness = np.asarray(self._window_staleness, dtype=np.float64)
+            stats = staleness_metrics(self._window_staleness, self.max_delay)
+            hist = {k: v for k, v in stats.items() if k.startswith("hetero/staleness_hist/")}
             out: dict[str, float] = {
                 "hetero/queue_depth": float(len(self._groups)),
                 "hetero/expected": float(len(self._expected)),
-                "hetero/consumed": float(staleness.size),
-                "hetero/staleness_mean": float(staleness.mean()) if staleness.size else 0.0,
-                "hetero/staleness_max": float(staleness.max()) if staleness.size else 0.0,
-                "hetero/staleness_min": float(staleness.min()) if staleness.size else 0.0,
+                **{k: v for k, v in stats.items() if k not in hist},
                 "hetero/wait_s": float(self._window_wait_s),
                 "hetero/dropped": float(sum(self._window_dropped.values())),
                 "hetero/rejected": float(sum(self._window_rejected.values())),
+                **hist,
             }
-            hist = np.bincount(staleness.astype(np.int64), minlength=self.max_delay + 1) if staleness.size \
-                else np.zeros(self.max_delay + 1, dtype=np.int64)
-            out.update({f"hetero/staleness_hist/{k}": float(c) for k, c in enumerate(hist)})
             out.update({f"hetero/dropped/{r}": float(c) for r, c in self._window_dropped.items()})
             out.update({f"hetero/rejected/{r}": float(c) for r, c in self._window_rejected.items()})
             totals = self.ledger.counts()

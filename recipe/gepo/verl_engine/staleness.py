@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
+from verl_ext.hetero.staleness import check_max_delay, is_stale, oldest_versions, staleness_metrics
+
 
 def group_weight_versions(trajectory_tags: Mapping[str, Mapping[str, Any]]) -> dict[str, int]:
     """Oldest generating weight version per prompt group.
@@ -28,14 +30,11 @@ def group_weight_versions(trajectory_tags: Mapping[str, Mapping[str, Any]]) -> d
         ``{uid: min over the group's trajectories of min_global_steps}`` (groups whose
         trajectories carry no version are left out).
     """
-    oldest: dict[str, int] = {}
-    for key, tag in trajectory_tags.items():
-        version = tag.get("min_global_steps", None)
-        if version is None:
-            continue
-        uid = key.split("_")[0]
-        oldest[uid] = min(int(version), oldest.get(uid, int(version)))
-    return oldest
+    return oldest_versions(
+        (key.split("_")[0], tag["min_global_steps"])
+        for key, tag in trajectory_tags.items()
+        if tag.get("min_global_steps", None) is not None
+    )
 
 
 def stale_group_uids(
@@ -46,20 +45,17 @@ def stale_group_uids(
     The learner in verl step ``global_steps`` holds weights of version ``global_steps - 1``;
     a group generated from version w is ``(global_steps - 1) - w`` versions stale.
     """
-    if max_delay < 0:
-        raise ValueError(f"hetero.max_delay={max_delay} must be >= 0")
+    check_max_delay(max_delay)
     learner_version = global_steps - 1
     versions = group_weight_versions(trajectory_tags)
-    return {uid for uid in candidate_uids if uid in versions and learner_version - versions[uid] > max_delay}
+    return {uid for uid in candidate_uids if uid in versions and is_stale(learner_version, versions[uid], max_delay)}
 
 
 def verl_threshold(max_delay: int) -> int:
     """verl's ``max_off_policy_threshold`` (a span of submission steps, >= 1) implied by the bound:
     a prompt generated from version w was submitted at a step s >= w + 1, so a weight staleness
     <= max_delay implies a span ``global_steps - s + 1 <= max_delay + 1``."""
-    if max_delay < 0:
-        raise ValueError(f"hetero.max_delay={max_delay} must be >= 0")
-    return max_delay + 1
+    return check_max_delay(max_delay) + 1
 
 
 def hetero_step_metrics(
@@ -80,23 +76,11 @@ def hetero_step_metrics(
         ``hetero/staleness_hist/<k>`` over groups (a group's staleness is that of its oldest
         trajectory), ``hetero/dropped`` and ``hetero/dropped/stale``.
     """
-    oldest: dict[str, int] = {}
     if len(keys) != len(tags):
         raise ValueError(f"{len(keys)} keys but {len(tags)} tags")
-    for key, tag in zip(keys, tags):
-        if tag.get("is_padding", False) or tag.get("min_global_steps", None) is None:
-            continue
-        uid, version = str(key).split("_")[0], int(tag["min_global_steps"])
-        oldest[uid] = min(version, oldest.get(uid, version))
-    staleness = [global_steps - 1 - v for v in oldest.values()]
-    out = {
-        "hetero/consumed": float(len(staleness)),
-        "hetero/staleness_mean": float(sum(staleness) / len(staleness)) if staleness else 0.0,
-        "hetero/staleness_max": float(max(staleness)) if staleness else 0.0,
-        "hetero/staleness_min": float(min(staleness)) if staleness else 0.0,
-        "hetero/dropped": float(evicted_stale),
-        "hetero/dropped/stale": float(evicted_stale),
-    }
-    for k in range(max_delay + 1):
-        out[f"hetero/staleness_hist/{k}"] = float(sum(1 for s in staleness if s == k))
+    oldest = group_weight_versions(
+        {str(key): tag for key, tag in zip(keys, tags) if not tag.get("is_padding", False)}
+    )
+    out = staleness_metrics([global_steps - 1 - v for v in oldest.values()], max_delay)
+    out.update({"hetero/dropped": float(evicted_stale), "hetero/dropped/stale": float(evicted_stale)})
     return out
