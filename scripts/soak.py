@@ -62,18 +62,24 @@ if str(REPO) not in sys.path:
 
 import numpy as np  # noqa: E402
 
-from verl_ext.hetero.exchange import ROLLOUT_TOPIC, send_group  # noqa: E402
+from verl_ext.hetero.exchange import send_group  # noqa: E402
+from verl_ext.hetero.protocol import (  # noqa: E402
+    LEARNER_ACTOR,
+    ROLLOUT_TOPIC,
+    SAMPLER_ACTOR_PREFIX,
+    WEIGHTS_TOPIC,
+    parse_version_key,
+    sampler_actor_name,
+    version_key,
+)
 from verl_ext.hetero.records import RolloutGroup  # noqa: E402
 from verl_ext.hetero.transport import COMMIT_SUFFIX, DATA_SUFFIX, TEMP_PREFIX, FsspecTransport, checksum  # noqa: E402
-from verl_ext.hetero.weights import _parse_key, version_key  # noqa: E402
 
 CONFIG_DIR = REPO / "recipe" / "gepo" / "config"
 # sampler uids: "s<i>-b<batch>-<j>", or "s<i>-<launch id>-b<batch>-<j>" when the engine namespaces
 # each sampler launch; everything the injector writes starts with "fault-"
 SAMPLER_UID = re.compile(r"^s\d+-(?:[0-9A-Za-z]+-)?b\d+-\d+$")
-SAMPLER_ACTOR = re.compile(r"^heterorl-sampler-(\d+)-(\d+)$")
-LEARNER_ACTOR = "heterorl-learner"
-WEIGHTS_TOPIC = "weights"
+SAMPLER_ACTOR = re.compile(rf"^{re.escape(SAMPLER_ACTOR_PREFIX)}(\d+)-(\d+)$")
 
 # fault kind -> relative frequency (learner_crash is scheduled separately)
 FAULT_WEIGHTS = {
@@ -272,7 +278,7 @@ class Injector(threading.Thread):
         return None
 
     def _latest_weights(self) -> Optional[int]:
-        versions = [v for v in map(_parse_key, self.transport.keys(WEIGHTS_TOPIC)) if v is not None]
+        versions = [v for v in map(parse_version_key, self.transport.keys(WEIGHTS_TOPIC)) if v is not None]
         return max(versions) if versions else None
 
     def _fault_key(self, kind: str) -> str:
@@ -329,7 +335,7 @@ class Injector(threading.Thread):
                 return None  # already gone
             index, incarnation = SAMPLER_ACTOR.match(name).groups()
             fault.key = name
-            fault.detail = {"segment": self.segment, "restart_name": f"heterorl-sampler-{index}-{int(incarnation) + 1}"}
+            fault.detail = {"segment": self.segment, "restart_name": sampler_actor_name(int(index), int(incarnation) + 1)}
             return fault
         if kind == "learner_crash":
             try:

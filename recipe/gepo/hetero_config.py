@@ -74,13 +74,20 @@ class HeteroConfig:
     num_samplers: int = 2
     """Sampler actors (async mode)."""
     delay: DelayConfig = field(default_factory=DelayConfig)
-    """How stale weights reach samplers: steps in replay mode, seconds in async mode."""
+    """How stale weights reach samplers: steps in replay mode, seconds in async mode. One rule
+    (``verl_ext.hetero.delay.DelaySchedule``) turns it into delays in every engine and mode."""
     max_delay: int = 8
     """Staleness bound: the learner at version v trains only on groups from versions >= v - max_delay."""
     stale_policy: str = "drop"
-    """Groups past the bound: drop (counted in hetero/dropped) or wait (block for fresher data)."""
+    """Groups past the bound: drop (counted in hetero/dropped) or wait. async: under wait, samplers
+    announce each group before generating it and the learner does not step past the version that
+    would make an announced group stale until it arrives (or wait_timeout_s passes: then it fails
+    naming the group); a dead sampler's announcements are withdrawn when it is restarted. replay:
+    the drawn staleness is capped at max_delay, which is what waiting for that group means there,
+    so no replay group is ever stale and drop and wait give the same run."""
     wait_timeout_s: float = 600.0
-    """How long the learner waits for admissible rollouts before failing with a clear error."""
+    """How long the learner waits for admissible rollouts (and, under stale_policy=wait, for
+    announced groups at the edge of the bound) before failing with a clear error."""
     order: str = "oldest"
     """Which admissible groups the learner takes first: oldest or newest."""
     transport: str = "ray"

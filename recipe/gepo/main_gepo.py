@@ -71,14 +71,10 @@ def run_local(cfg: DictConfig) -> dict[str, Any]:
         previous.rename(previous.with_name(f"metrics.{int(time.time())}.jsonl"))
     logger = MetricLogger(settings.run_dir, settings, cfg)
     try:
-        if hetero.mode == "replay":
-            from recipe.gepo.local.replay import run_replay
+        from recipe.gepo.local.driver import EngineConfig, run_engine
 
-            metrics = run_replay(hetero, settings, task, model_path, actor_config, algorithm_config, logger)
-        else:
-            from recipe.gepo.local.async_mode import run_async
-
-            metrics = run_async(cfg, hetero, settings, task_config, model_path, logger)
+        engine = EngineConfig(hetero, settings, task_config, actor_config, algorithm_config)
+        metrics = run_engine(engine, model_path, logger, task=task)  # replay or async: one loop
     finally:
         logger.close()
     from recipe.gepo.report import write_report

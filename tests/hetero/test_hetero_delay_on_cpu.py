@@ -11,13 +11,17 @@ import pytest
 from scipy import stats
 
 from verl_ext.hetero.delay import (
+    DelaySchedule,
     LogNormalDelay,
-    SamplerDelays,
     WeibullDelay,
     main,
     make_delay_model,
-    sampler_rngs,
+    to_steps,
 )
+from verl_ext.hetero.delay_channel import DelayChannel
+from verl_ext.hetero.seeding import sampler_stream
+from verl_ext.hetero.transport import make_transport
+from verl_ext.hetero.weights import version_key
 
 REPO = Path(__file__).resolve().parents[2]
 PAPER_SETTINGS = [(60.0, 1920.0, 400.0), (400.0, 3600.0, 400.0)]
@@ -70,34 +74,56 @@ def test_delay_is_clipped_shifted_underlying(cls, low, high, offset):
 
 def test_same_seed_same_draws_and_each_sampler_its_own_stream():
     model = make_delay_model("lognormal", low=60, high=1920, offset=400)
-    first = [model.sample(64, rng) for rng in sampler_rngs(seed=7, n_samplers=3)]
-    again = [model.sample(64, rng) for rng in sampler_rngs(seed=7, n_samplers=3)]
-    for a, b in zip(first, again):
-        np.testing.assert_array_equal(a, b)
+    first = [[DelaySchedule(model, seed=7).delay(k, stream) for k in range(64)] for stream in range(3)]
+    again = [[DelaySchedule(model, seed=7).delay(k, stream) for k in range(64)] for stream in range(3)]
+    assert first == again
     # the reference code gave every sampler the same list; here streams differ
-    assert not np.array_equal(first[0], first[1]) and not np.array_equal(first[1], first[2])
-    other_seed = [model.sample(64, rng) for rng in sampler_rngs(seed=8, n_samplers=3)]
-    assert not np.array_equal(first[0], other_seed[0])
+    assert first[0] != first[1] and first[1] != first[2]
+    assert first[0] != [DelaySchedule(model, seed=8).delay(k, 0) for k in range(64)]
+    # a draw does not depend on which draws were asked for before it (resume continues exactly)
+    assert DelaySchedule(model, seed=7).delay(40, 2) == first[2][40]
 
 
 def test_sampler_speed_factors_scale_that_samplers_delays():
     model = make_delay_model("weibull", low=400, high=3600, offset=400)
-    delays = SamplerDelays(model, n_samplers=2, seed=5, speed_factors=[1.0, 2.5])
-    reference = [model.sample(100, rng) for rng in sampler_rngs(seed=5, n_samplers=2)]
-    np.testing.assert_allclose(delays.draw(0, 100), reference[0])
-    np.testing.assert_allclose(delays.draw(1, 100), 2.5 * reference[1])
-    with pytest.raises(ValueError, match=r"speed_factors\[1\]=0.0"):
-        SamplerDelays(model, n_samplers=2, speed_factors=[1.0, 0.0])
-    with pytest.raises(ValueError, match="sampler=2 out of range"):
-        delays.draw(2)
+    schedule = DelaySchedule(model, seed=5)
+    for k in range(20):
+        assert schedule.delay(k, 2, speed_factor=2.5) == pytest.approx(2.5 * schedule.delay(k, 2))
+    with pytest.raises(ValueError, match="speed_factor=0.0"):
+        schedule.delay(0, 1, speed_factor=0.0)
+    with pytest.raises(ValueError, match="stream=-1"):
+        schedule.delay(0, -1)
 
 
 def test_none_constant_and_steps():
     rng = np.random.default_rng(0)
     np.testing.assert_array_equal(make_delay_model("none").sample(5, rng), np.zeros(5))
     np.testing.assert_array_equal(make_delay_model("constant", value=3.5).sample(3, rng), [3.5, 3.5, 3.5])
-    steps = make_delay_model("lognormal", low=1, high=64).sample_steps(10_000, rng, max_delay=8)
-    assert steps.dtype == np.int64 and steps.min() >= 1 and steps.max() == 8
+    schedule = DelaySchedule(make_delay_model("lognormal", low=1, high=64), seed=0)
+    steps = [schedule.steps(k, 1, cap=8) for k in range(2000)]
+    assert min(steps) >= 1 and max(steps) == 8
+    assert [to_steps(x) for x in (0.5, 1.5, 2.5, 2.6)] == [0, 2, 2, 3]  # half to even, like round()
+    with pytest.raises(ValueError, match="cap=-1"):
+        to_steps(1.0, cap=-1)
+
+
+def test_one_delay_rule_for_replay_the_delay_channel_and_delayed_sync(tmp_path):
+    """Version v's delay for sampler 0 is one number whoever asks: replay mode's staleness draw,
+    the async delay channel of sampler 0 (seconds) and the verl engine's delayed weight sync."""
+    from recipe.gepo.local.replay import draw_staleness
+    from recipe.gepo.verl_engine.delayed_sync import DelayedSyncSchedule
+
+    model = make_delay_model("lognormal", low=1, high=30)
+    schedule = DelaySchedule(model, seed=11)
+    channel = DelayChannel(make_transport("fsspec", url=str(tmp_path)), model, seed=11, stream=sampler_stream(0))
+    sync_seconds = DelayedSyncSchedule(model, "seconds", max_pending=4, seed=11)
+    sync_steps = DelayedSyncSchedule(model, "steps", max_pending=4, seed=11)
+    for v in range(1, 30):
+        d = schedule.delay(v, sampler_stream(0))
+        assert channel.delay_for("weights", version_key(v)) == d
+        assert sync_seconds.draw(v) == d
+        assert sync_steps.draw(v) == float(round(d))
+        assert draw_staleness(schedule, step=v, max_delay=8, available=v) == min(round(d), 8, v)
 
 
 def test_trace_from_text_and_csv(tmp_path):

@@ -11,9 +11,10 @@ import zlib
 
 import numpy as np
 import pytest
-from omegaconf import OmegaConf
 
 from recipe.gepo.local.async_mode import LearnerWorker
+from recipe.gepo.local.driver import EngineConfig
+from verl_ext.hetero.protocol import TransportSpec
 from verl_ext.hetero.exchange import ROLLOUT_TOPIC, send_group
 from verl_ext.hetero.records import RolloutGroup
 from verl_ext.hetero.transport import FsspecTransport, checksum
@@ -62,9 +63,9 @@ def bad(kind):
 def worker(tmp_path_factory, toy_model_path):
     root = tmp_path_factory.mktemp("exchange")
     cfg = compose_trainer("hetero.transport=fs", f"trainer.default_local_dir={root / 'run'}", "task.eval_size=4")
-    spec = {"kind": "fsspec", "url": str(root / "exchange")}
-    learner = LearnerWorker(OmegaConf.to_container(cfg, resolve=True), toy_model_path, spec)
-    return learner, FsspecTransport(spec["url"])
+    spec = TransportSpec("fsspec", url=str(root / "exchange"))
+    learner = LearnerWorker(EngineConfig.from_omegaconf(cfg), toy_model_path, spec)
+    return learner, FsspecTransport(spec.url)
 
 
 KINDS = ["nonfinite_logprob", "positive_logprob", "group_size", "empty_response", "nonfinite_reward",
@@ -75,7 +76,7 @@ def test_bad_groups_are_rejected_by_reason_counted_and_never_trained_on(worker):
     learner, transport = worker
     for kind in KINDS:
         send_group(transport, bad(kind))
-    good = [group(f"good-{i}") for i in range(learner.settings.prompts_per_step)]
+    good = [group(f"good-{i}") for i in range(learner.engine.settings.prompts_per_step)]
     for g in good:
         send_group(transport, g)
     # files a dying sampler or a bad disk leaves: truncated and bit-flipped payloads
@@ -88,12 +89,12 @@ def test_bad_groups_are_rejected_by_reason_counted_and_never_trained_on(worker):
             json.dump({"topic": ROLLOUT_TOPIC, "key": key, "size": len(payload), "sha256": checksum(payload),
                        "sent_at": 0.0}, f)
 
-    learner.inbox.poll()
+    learner.source.inbox.poll()
     status = learner.buffer.ledger.status
     for kind in KINDS:
         assert status[f"bad-{kind}"] == f"rejected:{kind}", kind
     assert "torn-1" not in status and "flipped-1" not in status
-    assert learner.inbox.stats["corrupt"] == 2
+    assert learner.source.inbox.stats["corrupt"] == 2
 
     metrics = learner.step()  # one real learner step: it may only see the good groups
     assert {uid for uid, s in status.items() if s == "consumed"} == {g.group_uid for g in good}
@@ -107,6 +108,6 @@ def test_rewards_outside_the_tasks_range_are_rejected(worker):
     learner, transport = worker
     send_group(transport, group("reward-too-high", rewards=np.full(G, 100.0, dtype=np.float32)))
     send_group(transport, group("reward-negative", rewards=np.full(G, -3.0, dtype=np.float32)))
-    learner.inbox.poll()
+    learner.source.inbox.poll()
     assert learner.buffer.ledger.status["reward-too-high"] == "rejected:reward_range"
     assert learner.buffer.ledger.status["reward-negative"] == "rejected:reward_range"

@@ -6,9 +6,10 @@ Exactly-once of the inbox alone is unit-tested in tests/hetero/test_hetero_trans
 here it is the engine's wiring: checkpoint_state -> acknowledge -> crash -> start(checkpoint)."""
 
 import pytest
-from omegaconf import OmegaConf
 
 from recipe.gepo.local.async_mode import LearnerWorker
+from recipe.gepo.local.driver import EngineConfig
+from verl_ext.hetero.protocol import TransportSpec
 from verl_ext.hetero.exchange import send_group
 
 from .conftest import compose_trainer
@@ -18,9 +19,9 @@ from .test_bad_data_on_cpu import group
 def new_worker(root, model_path, batch):
     cfg = compose_trainer("hetero.transport=fs", f"data.train_batch_size={batch}", "task.eval_size=4",
                           f"trainer.default_local_dir={root / 'run'}")
-    spec = {"kind": "fsspec", "url": str(root / "exchange")}
-    worker = LearnerWorker(OmegaConf.to_container(cfg, resolve=True), model_path, spec)
-    worker._stop.set()  # no background poller: the test polls by hand, deterministically
+    spec = TransportSpec("fsspec", url=str(root / "exchange"))
+    worker = LearnerWorker(EngineConfig.from_omegaconf(cfg), model_path, spec)
+    worker.source._stop.set()  # no background poller: the test polls by hand, deterministically
     return worker
 
 
@@ -30,23 +31,23 @@ def test_crash_after_a_checkpoint_loses_nothing_and_uses_nothing_twice(tmp_path,
     a.start()
     sent = [group(f"r-{i}") for i in range(7)]
     for g in sent[:5]:
-        send_group(a.transport, g)
-    a.inbox.poll()
+        send_group(a.source.transport, g)
+    a.source.inbox.poll()
     a.step()  # consumes 2
     checkpoint = a.checkpoint_state()  # "saved"
     assert a.acknowledge(checkpoint["buffer"]) == 5  # the 2 consumed + 3 buffered leave the exchange
     a.step()  # consumes 2 more, never checkpointed
     for g in sent[5:]:
-        send_group(a.transport, g)
-    a.inbox.poll()
+        send_group(a.source.transport, g)
+    a.source.inbox.poll()
     used_before_crash = {uid for uid, s in a.buffer.ledger.status.items() if s == "consumed"}
-    a._stop.set()  # the crash: the actor is gone, nothing else happens
+    a.source._stop.set()  # the crash: the actor is gone, nothing else happens
 
     b = new_worker(tmp_path, toy_model_path, batch)
     b.start(checkpoint)
     assert b.learner.version == 1
-    b._stop.set()
-    b.inbox.poll()
+    b.source._stop.set()
+    b.source.inbox.poll()
     consumed_runs = [uid for uid, s in b.buffer.ledger.status.items() if s == "consumed"]
     while len(b.buffer) >= batch:
         before = {uid for uid, s in b.buffer.ledger.status.items() if s == "consumed"}
@@ -71,23 +72,23 @@ def test_resume_withdraws_the_crashed_learners_later_weight_versions(tmp_path, t
     a.start()
     checkpoint = a.checkpoint_state()  # version 0
     for version in (1, 2, 3):  # the crashed learner went on after its last checkpoint
-        a.weights.publish(version, a.model.state_dict())
-    a._stop.set()
+        a.source.weights.publish(version, a.model.state_dict())
+    a.source._stop.set()
 
     b = new_worker(tmp_path, toy_model_path, 2)
     b.start(checkpoint)
-    b._stop.set()
-    assert b.weights.versions() == [0]
+    b.source._stop.set()
+    assert b.source.weights.versions() == [0]
 
 
 def test_a_group_from_just_published_weights_is_accepted(tmp_path, toy_model_path):
     worker = new_worker(tmp_path, toy_model_path, 2)
     worker.start()
     for i in range(2):
-        send_group(worker.transport, group(f"v0-{i}"))
-    worker.inbox.poll()
+        send_group(worker.source.transport, group(f"v0-{i}"))
+    worker.source.inbox.poll()
     worker.step()
-    assert worker.weights.latest_version() == 1
-    send_group(worker.transport, group("made-with-v1", version=1))  # a sampler that loaded v1 at once
-    worker.inbox.poll()
+    assert worker.source.weights.latest_version() == 1
+    send_group(worker.source.transport, group("made-with-v1", version=1))  # a sampler that loaded v1 at once
+    worker.source.inbox.poll()
     assert worker.buffer.ledger.status["made-with-v1"] == "buffered"

@@ -1,5 +1,6 @@
-"""Heterogeneity core, engine-agnostic: delay models, rollout records, the staleness-bounded
-buffer, versioned weights, transports and the delay channel. See docs/heterogeneity.md.
+"""Heterogeneity core, engine-agnostic: delay models and the one delay schedule, rollout records,
+the staleness rule and the staleness-bounded buffer, versioned weights, transports, the delay
+channel, the async wire protocol and the run's seeds. See docs/heterogeneity.md.
 
 Names are imported lazily (PEP 562), so ``import verl_ext.hetero.delay`` does not pay for torch
 or Ray.
@@ -9,10 +10,12 @@ import importlib
 
 _EXPORTS = {
     "buffer": ["BufferTimeout", "Ledger", "RolloutBuffer", "make_buffer_actor"],
-    "delay": ["DelayModel", "DelaySummary", "SamplerDelays", "make_delay_model", "sampler_rngs"],
+    "delay": ["DelayModel", "DelaySchedule", "DelaySummary", "make_delay_model", "to_steps"],
     "delay_channel": ["DelayChannel"],
     "exchange": ["RolloutInbox", "send_group"],
+    "protocol": ["Announcement", "LearnerStatus", "TransportSpec"],
     "records": ["RecordRejected", "RecordSpec", "RolloutGroup", "validate_group"],
+    "staleness": ["is_stale", "staleness_metrics"],
     "transport": ["CorruptMessage", "FsspecTransport", "MessageInfo", "RayTransport", "Transport", "make_transport"],
     "weights": ["WeightStore"],
 }

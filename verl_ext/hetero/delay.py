@@ -14,9 +14,13 @@ many policy versions behind a batch is). Models:
 
 Every model exposes ``sample(n, rng) -> np.ndarray`` of shape (n,), float64, and ``summary()``.
 Reproducibility: draws depend only on the ``numpy.random.Generator`` passed in.
-:func:`sampler_rngs` gives each sampler its own independent stream from one seed (the reference
-code handed every sampler the same pre-drawn list, so their delays were perfectly correlated).
-:class:`SamplerDelays` adds per-sampler speed factors for heterogeneous compute.
+
+:class:`DelaySchedule` is the one rule from a model to the delays of a run, used by every engine
+and mode: the delay of item ``key`` (a weight version, a replay step, a message) for receiver
+``stream`` is one draw from ``default_rng([seed, key, stream])``, times the receiver's speed
+factor; in learner steps it is rounded half to even and capped. Each receiver thus has its own
+independent delays (the reference code handed every sampler the same pre-drawn list, so their
+delays were perfectly correlated), and a delay never depends on when or how often it is asked.
 
 CLI: ``python -m verl_ext.hetero.delay --dist lognormal --low 60 --high 1920 --offset 400``
 prints the summary; ``--plot PATH`` saves a histogram.
@@ -72,16 +76,6 @@ class DelayModel(ABC):
     def params(self) -> dict:
         """The parameters that define this model (for logs and the CLI)."""
         return {}
-
-    def sample_steps(self, n: int, rng: np.random.Generator, max_delay: int | None = None) -> np.ndarray:
-        """Draw ``n`` delays in whole learner steps (replay mode): rounded to the nearest integer
-        and, if ``max_delay`` is given, capped at it. Returns int64 array of shape (n,)."""
-        if max_delay is not None and max_delay < 0:
-            raise ValueError(f"max_delay={max_delay} must be >= 0")
-        steps = np.rint(self.sample(n, rng)).astype(np.int64)
-        if max_delay is not None:
-            steps = np.minimum(steps, max_delay)
-        return steps
 
     def summary(self, n_samples: int = 200_000, seed: int = 0) -> DelaySummary:
         """Median, mean, p95, max (and min, clip fractions) over ``n_samples`` seeded draws."""
@@ -341,42 +335,43 @@ def make_delay_model(dist: str, **params) -> DelayModel:
         raise ValueError(f"{dist}: bad parameters {sorted(params)}: {err}") from None
 
 
-def sampler_rngs(seed: int, n_samplers: int) -> list[np.random.Generator]:
-    """One independent random stream per sampler, all derived from ``seed``."""
-    if n_samplers < 1:
-        raise ValueError(f"n_samplers={n_samplers} must be >= 1")
-    return [np.random.default_rng(child) for child in np.random.SeedSequence(seed).spawn(n_samplers)]
+def to_steps(delay: float, cap: int | None = None) -> int:
+    """A delay in whole learner steps: rounded half to even (Python's ``round``), then capped at
+    ``cap`` (>= 0) if given."""
+    if cap is not None and cap < 0:
+        raise ValueError(f"cap={cap} must be >= 0")
+    steps = int(round(float(delay)))
+    return steps if cap is None else min(steps, int(cap))
 
 
-class SamplerDelays:
-    """Per-sampler delay streams with speed factors (heterogeneous compute).
-
-    Sampler ``i`` draws from its own stream (see :func:`sampler_rngs`); each draw is multiplied
-    by ``speed_factors[i]`` (1.0 = reference hardware, 2.0 = takes twice as long).
+class DelaySchedule:
+    """The delays of one run (see the module docstring): a pure function of (seed, key, stream).
 
     Args:
-        model: the shared delay model.
-        n_samplers: number of samplers.
-        seed: root seed; the same seed gives the same per-sampler sequences.
-        speed_factors: one positive factor per sampler; default all 1.0.
+        model: the delay model (``hetero.delay``).
+        seed: root seed (``hetero.seed``).
+
+    Streams (:mod:`verl_ext.hetero.seeding`): 0 = the learner receiving rollouts, i + 1 =
+    sampler i. Replay mode's emulated sampler and the verl engine's rollout replicas are
+    sampler 0, so ``delay(k, 1)`` is the same number in all three.
     """
 
-    def __init__(self, model: DelayModel, n_samplers: int, seed: int = 0,
-                 speed_factors: Sequence[float] | None = None):
-        factors = [1.0] * n_samplers if speed_factors is None else [float(f) for f in speed_factors]
-        if len(factors) != n_samplers:
-            raise ValueError(f"speed_factors has {len(factors)} entries, expected n_samplers={n_samplers}")
-        for i, factor in enumerate(factors):
-            if not (math.isfinite(factor) and factor > 0):
-                raise ValueError(f"speed_factors[{i}]={factor} must be finite and > 0")
-        self.model, self.speed_factors = model, factors
-        self._rngs = sampler_rngs(seed, n_samplers)
+    def __init__(self, model: DelayModel, seed: int = 0):
+        self.model, self.seed = model, int(seed)
 
-    def draw(self, sampler: int, n: int = 1) -> np.ndarray:
-        """Next ``n`` delays of sampler ``sampler``; float64 array of shape (n,)."""
-        if not 0 <= sampler < len(self._rngs):
-            raise ValueError(f"sampler={sampler} out of range [0, {len(self._rngs)})")
-        return self.model.sample(n, self._rngs[sampler]) * self.speed_factors[sampler]
+    def delay(self, key: int, stream: int = 0, speed_factor: float = 1.0) -> float:
+        """The delay of item ``key`` (>= 0) for receiver ``stream`` (>= 0), in the model's unit,
+        times ``speed_factor`` (> 0: how much slower/farther this receiver is)."""
+        if key < 0 or stream < 0:
+            raise ValueError(f"DelaySchedule: key={key} and stream={stream} must be >= 0")
+        if not (math.isfinite(speed_factor) and speed_factor > 0):
+            raise ValueError(f"DelaySchedule: speed_factor={speed_factor} must be finite and > 0")
+        draw = float(self.model.sample(1, np.random.default_rng([self.seed, int(key), int(stream)]))[0])
+        return draw * speed_factor
+
+    def steps(self, key: int, stream: int = 0, cap: int | None = None) -> int:
+        """:meth:`delay` in whole learner steps (:func:`to_steps`), capped at ``cap``."""
+        return to_steps(self.delay(key, stream), cap)
 
 
 def _build_parser() -> argparse.ArgumentParser:

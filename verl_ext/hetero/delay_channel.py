@@ -6,8 +6,10 @@ Typical use: each sampler wraps the shared transport in its own channel (``strea
 ``speed_factor`` = its relative slowness) around the weights topic, so every sampler sees each
 new policy version after its own delay; the learner may wrap the rollouts topic the same way.
 
-Delays are in seconds of ``clock``. The delay of a message depends only on (seed, stream,
-topic, key): it is reproducible and does not depend on when or how often the receiver polls.
+Delays are in seconds of ``clock``, drawn by the run's one rule
+(:class:`~verl_ext.hetero.delay.DelaySchedule`): a weight version's delay depends only on (seed,
+version, stream), any other message's on (seed, topic and key, stream). It is reproducible and
+does not depend on when or how often the receiver polls.
 It is counted from:
 
 - ``timebase="sender"``: the sender's commit time (``MessageInfo.sent_at``). Exact, but assumes
@@ -27,10 +29,21 @@ from typing import Callable, Iterable
 
 import numpy as np
 
-from verl_ext.hetero.delay import DelayModel
+from verl_ext.hetero.delay import DelayModel, DelaySchedule
+from verl_ext.hetero.protocol import WEIGHTS_TOPIC, parse_version_key
 from verl_ext.hetero.transport import MessageInfo, Transport, check_name
 
 TIMEBASES = ("sender", "receiver")
+
+
+def message_index(topic: str, key: str) -> int:
+    """The :class:`DelaySchedule` key of a message: a weight version's number (so version v is
+    delayed as in replay mode and the verl engine), else 64 bits of SHA-256 of ``topic/key``."""
+    if topic == WEIGHTS_TOPIC:
+        version = parse_version_key(key)
+        if version is not None:
+            return version
+    return int.from_bytes(hashlib.sha256(f"{topic}/{key}".encode()).digest()[:8], "little")
 
 
 class DelayChannel(Transport):
@@ -40,8 +53,9 @@ class DelayChannel(Transport):
         transport: the real transport; writes pass straight through.
         delay_model: draws delays in seconds.
         seed: root seed of the delay draws.
-        stream: this receiver's stream id (e.g. sampler index): receivers with different
-            streams draw independent delays for the same message.
+        stream: this receiver's delay stream (:mod:`verl_ext.hetero.seeding`: sampler i is
+            ``sampler_stream(i)``): receivers with different streams draw independent delays for
+            the same message.
         speed_factor: multiplies every delay (> 0; 2.0 = this receiver is twice as far/slow).
         topics: topics to delay; others are visible at once. None = every topic.
         timebase: ``"sender"`` or ``"receiver"`` (see module docstring).
@@ -67,6 +81,7 @@ class DelayChannel(Transport):
         if stream < 0:
             raise ValueError(f"DelayChannel: stream={stream} must be >= 0")
         self.inner, self.delay_model = transport, delay_model
+        self.schedule = DelaySchedule(delay_model, seed)
         self.seed, self.stream, self.speed_factor, self.timebase = int(seed), int(stream), float(speed_factor), timebase
         self.topics = None if topics is None else frozenset(check_name("topic", t) for t in topics)
         self._lock = threading.Lock()
@@ -77,9 +92,7 @@ class DelayChannel(Transport):
         """The delay (seconds, speed factor applied) this channel gives message (topic, key)."""
         if self.topics is not None and topic not in self.topics:
             return 0.0
-        digest = hashlib.sha256(f"{topic}/{key}".encode()).digest()
-        entropy = [self.seed, self.stream, int.from_bytes(digest[:8], "little")]
-        return float(self.delay_model.sample(1, np.random.default_rng(entropy))[0]) * self.speed_factor
+        return self.schedule.delay(message_index(topic, key), self.stream, self.speed_factor)
 
     def visible_at(self, topic: str, key: str) -> float:
         """Clock time at which a committed message becomes visible here (KeyError if it is

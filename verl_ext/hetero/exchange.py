@@ -23,10 +23,11 @@ from __future__ import annotations
 from collections import Counter
 
 from verl_ext.hetero.buffer import REJECTED, RolloutBuffer
+from verl_ext.hetero.protocol import EXPECTED_TOPIC, ROLLOUT_TOPIC, Announcement
 from verl_ext.hetero.records import RolloutGroup
 from verl_ext.hetero.transport import CorruptMessage, MessageInfo, Transport, check_name
 
-ROLLOUT_TOPIC = "rollouts"
+__all__ = ["ROLLOUT_TOPIC", "RolloutInbox", "send_group"]
 
 
 def send_group(transport: Transport, group: RolloutGroup, topic: str = ROLLOUT_TOPIC) -> MessageInfo:
@@ -50,10 +51,39 @@ class RolloutInbox:
     uid differs from its key), ``acknowledged`` (deleted after a checkpoint).
     """
 
-    def __init__(self, transport: Transport, buffer: RolloutBuffer, topic: str = ROLLOUT_TOPIC):
+    def __init__(self, transport: Transport, buffer: RolloutBuffer, topic: str = ROLLOUT_TOPIC,
+                 announcements: Transport | None = None):
         self.transport, self.buffer, self.topic = transport, buffer, check_name("topic", topic)
+        self.announcements = announcements
         self.stats: Counter[str] = Counter()
         self._processed: set[tuple[str, str]] = set()  # (key, sha256) already handled this session
+        self._announced: dict[str, tuple[int, str]] = {}  # uid -> (version, sampler), parsed once
+
+    def poll_announcements(self) -> int:
+        """``stale_policy=wait``: mirror the ``expected`` topic into the buffer's expected groups
+        (:meth:`RolloutBuffer.sync_expected`) and delete announcements of groups the ledger
+        already knows. Returns how many groups are expected. A no-op without ``announcements``
+        (the transport they are read from: undelayed, since an announcement is a few bytes)."""
+        if self.announcements is None:
+            return 0
+        current: dict[str, tuple[int, str]] = {}
+        for key in self.announcements.keys(EXPECTED_TOPIC):
+            status = self.buffer.ledger.status.get(key)
+            if status is not None and not status.startswith(REJECTED):
+                self.announcements.delete(EXPECTED_TOPIC, key)  # arrived: nothing left to wait for
+                self._announced.pop(key, None)
+                continue
+            if key not in self._announced:
+                try:
+                    record = Announcement.from_bytes(self.announcements.get(EXPECTED_TOPIC, key))
+                except (KeyError, CorruptMessage, ValueError, TypeError):
+                    continue  # gone, or not fully written yet: read it at the next poll
+                self._announced[key] = (int(record.policy_version), str(record.sampler_id))
+            current[key] = self._announced[key]
+        for key in [k for k in self._announced if k not in current]:
+            del self._announced[key]
+        self.buffer.sync_expected(current)
+        return len(current)
 
     def poll(self, max_groups: int | None = None) -> int:
         """Hand new messages to the buffer; returns how many the buffer accepted. Bad messages

@@ -1,93 +1,93 @@
 """Async mode: one learner actor and N sampler actors on Ray, exchanging through a transport.
 
+The loop, the learner and every option live in :mod:`recipe.gepo.local.driver`; this module is
+async mode's rollout source (:class:`TransportSource`), the actors, and the supervision of the
+samplers. The messages they exchange are defined in :mod:`verl_ext.hetero.protocol`.
+
 Weights: the learner publishes every new version to a ``WeightStore``; each sampler reads it
-through its own ``DelayChannel``, so version v becomes visible to sampler i only after a delay
-drawn for (i, v) (seconds, times the sampler's speed factor); the sampler always takes the newest
-version it can see. Rollouts: samplers send finished groups (rewards and advantages computed
-locally) over the same transport; a thread in the learner moves them into the staleness-bounded
-``RolloutBuffer``; the learner takes whole groups within ``max_delay`` versions.
+through its own ``DelayChannel``, so version v becomes visible to sampler i only after the delay
+the run's delay schedule gives (v, sampler i) (seconds, times the sampler's speed factor); the
+sampler always takes the newest version it can see. Rollouts: samplers send finished groups
+(rewards and advantages computed locally) over the same transport; a thread in the learner moves
+them into the staleness-bounded ``RolloutBuffer``; the learner takes whole groups within
+``max_delay`` versions. Under ``hetero.stale_policy=wait`` samplers also announce each group
+before generating it, and the learner does not step past the version that would make an
+announced group stale until it arrives (or ``hetero.wait_timeout_s`` passes).
 
 The transport is Ray's object store (``hetero.transport=ray``) or an fsspec URL
 (``hetero.transport=fs``); on an fsspec URL any process that builds a :class:`SamplerWorker` on
 the same URL joins, which is how a sampler in another data centre takes part.
 
-The driver (this process) owns logging, evaluation, checkpoints and the progress bar; it
-notices a dead sampler, reports it and restarts it (it rejoins with the newest weights it can see).
+The driver (this process) runs the one loop against the learner actor and owns logging,
+evaluation cadence, checkpoints and the progress bar; it notices a dead sampler, reports it,
+withdraws its announcements and restarts it (it rejoins with the newest weights it can see).
 """
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 import uuid
-from dataclasses import asdict
 from typing import Any, Optional
 
 import ray
-from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from recipe.gepo.hetero_config import HeteroConfig
-from recipe.gepo.local.learner import Learner
+from recipe.gepo.local.driver import Batch, EngineConfig, LearnerRuntime, run_loop
 from recipe.gepo.local.policy import load_policy
 from recipe.gepo.local.rollout import RolloutSettings, generate_groups
-from recipe.gepo.local.run_utils import MetricLogger, RunSettings, load_latest_checkpoint, save_checkpoint, truncate_metrics
-from recipe.gepo.local.tasks import Task, TaskConfig
-from verl_ext.hetero.buffer import RolloutBuffer
+from recipe.gepo.local.run_utils import MetricLogger, RunSettings
+from recipe.gepo.local.tasks import Task
 from verl_ext.hetero.delay_channel import DelayChannel
-from verl_ext.hetero.exchange import ROLLOUT_TOPIC, RolloutInbox, send_group
-from verl_ext.hetero.records import RecordSpec
-from verl_ext.hetero.transport import CorruptMessage, make_transport
+from verl_ext.hetero.exchange import RolloutInbox, send_group
+from verl_ext.hetero.protocol import (
+    CONTROL_TOPIC,
+    EXPECTED_TOPIC,
+    LEARNER_ACTOR,
+    ROLLOUT_TOPIC,
+    STATUS_KEY,
+    WEIGHTS_TOPIC,
+    LearnerStatus,
+    TransportSpec,
+    announce,
+    clear_stop,
+    clear_topic,
+    publish_status,
+    read_record,
+    request_stop,
+    sampler_actor_name,
+    stop_requested,
+)
+from verl_ext.hetero.seeding import LEARNER_STREAM, sampler_sampling_seed, sampler_stream
 from verl_ext.hetero.weights import WeightStore, version_key
 from verl_ext.torch_threads import set_torch_threads
 
-CONTROL_TOPIC = "control"
-STOP_KEY = "stop"
-STATUS_KEY = "learner-status"  # {"version": v, "queue_depth": n}, for back-pressure
 
-
-def transport_spec(hetero: HeteroConfig, settings: RunSettings) -> dict[str, Any]:
-    """How every process reaches the shared transport (picklable)."""
+def transport_spec(hetero: HeteroConfig, settings: RunSettings) -> TransportSpec:
+    """How every process reaches the shared transport."""
     if hetero.transport == "fs":
-        url = hetero.transport_url or str((settings.run_dir / "exchange").resolve())
-        return {"kind": "fsspec", "url": url}
-    return {"kind": "ray", "name": f"heterorl-mailbox-{settings.experiment_name}-{hetero.seed}"}
-
-
-def open_transport(spec: dict[str, Any]):
-    kwargs = {k: v for k, v in spec.items() if k != "kind"}
-    return make_transport(spec["kind"], **kwargs)
-
-
-def _actor_and_algo_configs(cfg_container: dict) -> tuple[Any, Any]:
-    from verl.utils.config import omega_conf_to_dataclass
-
-    cfg = OmegaConf.create(cfg_container)
-    return omega_conf_to_dataclass(cfg.actor_rollout_ref.actor), omega_conf_to_dataclass(cfg.algorithm)
+        return TransportSpec("fsspec", url=hetero.transport_url or str((settings.run_dir / "exchange").resolve()))
+    return TransportSpec("ray", name=f"heterorl-mailbox-{settings.experiment_name}-{hetero.seed}")
 
 
 class SamplerWorker:
     """Generates rollout groups with the newest weights its delay lets it see, until told to stop."""
 
-    def __init__(
-        self, index: int, cfg_container: dict, model_path: str, transport: dict, speed_factor: float, uid_namespace: str
-    ):
+    def __init__(self, index: int, engine: EngineConfig, model_path: str, spec: TransportSpec,
+                 speed_factor: float, uid_namespace: str):
         set_torch_threads(1)  # OMP_NUM_THREADS wins when set
-        cfg = OmegaConf.create(cfg_container)
         self.index, self.sampler_id = index, f"sampler-{index}"
         self.uid_namespace = uid_namespace  # unique per launch: a restarted sampler never reuses a uid
-        self.hetero = HeteroConfig.from_omegaconf(cfg.hetero)
-        self.settings = RunSettings.from_config(cfg)
-        self.task = Task(TaskConfig.from_omegaconf(cfg.task), self.hetero.seed)
-        _, self.algorithm_config = _actor_and_algo_configs(cfg_container)
+        self.hetero, self.settings, self.algorithm_config = engine.hetero, engine.settings, engine.algorithm
+        self.task = Task(engine.task, self.hetero.seed)
         self.rollout = RolloutSettings(self.settings.group_size, self.settings.temperature, self.settings.max_new_tokens)
         self.model, self.tokenizer = load_policy(model_path)
         self.model.eval()
-        self.transport = open_transport(transport)
+        self.transport = spec.open()
         channel = DelayChannel(
-            self.transport, self.hetero.delay.build(), seed=self.hetero.seed, stream=index,
-            speed_factor=speed_factor, topics=["weights"],
+            self.transport, self.hetero.delay.build(), seed=self.hetero.seed, stream=sampler_stream(index),
+            speed_factor=speed_factor, topics=[WEIGHTS_TOPIC],
         )  # fmt: skip
         self.weights = WeightStore(channel, keep_last=self.hetero.keep_weight_versions)
         # what exists, undelayed: only the version numbers are read from it, never the weights
@@ -115,14 +115,11 @@ class SamplerWorker:
         """Back-pressure: the learner's last published queue depth is at ``max_queued_groups``."""
         if self.hetero.max_queued_groups <= 0:
             return False
-        try:
-            status = json.loads(self.transport.get(CONTROL_TOPIC, STATUS_KEY))
-        except (KeyError, CorruptMessage, ValueError):
-            return False  # not published yet, or being rewritten: do not stall on it
-        return int(status.get("queue_depth", 0)) >= self.hetero.max_queued_groups
+        status = read_record(self.transport, LearnerStatus, CONTROL_TOPIC, STATUS_KEY)
+        return status is not None and status.queue_depth >= self.hetero.max_queued_groups
 
     def stopped(self) -> bool:
-        return STOP_KEY in self.transport.keys(CONTROL_TOPIC)
+        return stop_requested(self.transport)
 
     def run(self, start_batch: int = 0, max_batches: Optional[int] = None) -> dict[str, float]:
         """Generate until the stop marker appears (or ``max_batches``); returns counters."""
@@ -142,12 +139,15 @@ class SamplerWorker:
                 self.stats[wait] += time.perf_counter() - t0
                 continue
             items = self.task.train_items(self.settings.prompts_per_step, stream=self.index + 1, index=batch_index)
+            uid_prefix = f"{self.uid_namespace}-b{batch_index}"
+            if self.hetero.stale_policy == "wait":  # the learner waits for these before they go stale
+                for i in range(len(items)):
+                    announce(self.transport, f"{uid_prefix}-{i}", self.version, self.sampler_id)
             t0 = time.perf_counter()
             groups = generate_groups(
                 self.model, self.tokenizer, items, self.task.score, self.rollout, self.algorithm_config,
                 policy_version=self.version, sampler_id=self.sampler_id,
-                seed=(self.hetero.seed * 1_000_003 + batch_index) * 64 + self.index,
-                uid_prefix=f"{self.uid_namespace}-b{batch_index}",
+                seed=sampler_sampling_seed(self.hetero.seed, batch_index, self.index), uid_prefix=uid_prefix,
             )  # fmt: skip
             gen_s = time.perf_counter() - t0
             if self.speed_factor > 1:
@@ -165,104 +165,75 @@ class SamplerWorker:
         return dict(self.stats)
 
 
-class LearnerWorker:
-    """The learner: consumes whole groups within the staleness bound, updates, publishes weights."""
+class TransportSource:
+    """Async mode's :class:`~recipe.gepo.local.driver.RolloutSource`: groups arrive from sampler
+    actors over the transport (a background thread polls them into the buffer); weights go out
+    through a ``WeightStore``; the learner's status is published after every step."""
 
-    def __init__(self, cfg_container: dict, model_path: str, transport: dict):
-        set_torch_threads(1)  # OMP_NUM_THREADS wins when set
-        cfg = OmegaConf.create(cfg_container)
-        self.hetero = HeteroConfig.from_omegaconf(cfg.hetero)
-        self.settings = RunSettings.from_config(cfg)
-        self.task = Task(TaskConfig.from_omegaconf(cfg.task), self.hetero.seed)
-        actor_config, _ = _actor_and_algo_configs(cfg_container)
-        self.model, self.tokenizer = load_policy(model_path)
-        self.learner = Learner(
-            self.model, actor_config, self.settings.temperature, self.tokenizer.pad_token_id,
-            max_nonfinite_steps=self.hetero.max_nonfinite_steps,
-        )  # fmt: skip
-        self.transport = open_transport(transport)
-        self.buffer = RolloutBuffer(
-            max_delay=self.hetero.max_delay, stale_policy=self.hetero.stale_policy, order=self.hetero.order,
-            spec=RecordSpec(group_size=self.settings.group_size, reward_range=self.task.reward_range),
-            wait_timeout_s=self.hetero.wait_timeout_s,
-        )  # fmt: skip
+    def __init__(self, runtime: LearnerRuntime, spec: TransportSpec):
+        hetero = runtime.engine.hetero
+        self.hetero, self.buffer = hetero, runtime.buffer
+        self.transport = spec.open()
         inbox_transport = self.transport
-        if self.hetero.delay_rollouts:
-            inbox_transport = DelayChannel(
-                self.transport, self.hetero.delay.build(), seed=self.hetero.seed + 1, stream=0, topics=["rollouts"]
-            )
-        self.inbox = RolloutInbox(inbox_transport, self.buffer)
-        self.weights = WeightStore(
-            self.transport, keep_last=self.hetero.keep_weight_versions,
-            wire_dtype="bf16" if self.hetero.weights_bf16 else None,
-        )  # fmt: skip
+        if hetero.delay_rollouts:
+            inbox_transport = DelayChannel(self.transport, hetero.delay.build(), seed=hetero.seed,
+                                           stream=LEARNER_STREAM, topics=[ROLLOUT_TOPIC])  # fmt: skip
+        announcements = self.transport if hetero.stale_policy == "wait" else None
+        self.inbox = RolloutInbox(inbox_transport, self.buffer, announcements=announcements)
+        self.weights = WeightStore(self.transport, keep_last=hetero.keep_weight_versions,
+                                   wire_dtype="bf16" if hetero.weights_bf16 else None)  # fmt: skip
         self._stop = threading.Event()
         self._poller = threading.Thread(target=self._poll_loop, daemon=True)
 
-    def start(self, checkpoint: Optional[dict] = None) -> int:
-        """Restore a checkpoint if given, publish the current weights, start receiving rollouts."""
-        if checkpoint is not None:
-            self.learner.load_state_dict(checkpoint["learner"])
-            self.buffer.load_state_dict(checkpoint["buffer"])
-        else:
+    def start(self, checkpoint: Optional[dict], learner_version: int) -> None:
+        if checkpoint is None:
             # a fresh run on a used exchange: the previous run's rollouts are not ours
-            for key in self.transport.keys(ROLLOUT_TOPIC):
-                self.transport.delete(ROLLOUT_TOPIC, key)
+            clear_topic(self.transport, ROLLOUT_TOPIC)
+        # announcements of samplers that are gone (every sampler of this run announces anew)
+        clear_topic(self.transport, EXPECTED_TOPIC)
         # versions newer than ours (published after the checkpoint we resume from, or by a
         # previous run) would look like the future to samplers and to the buffer
         for version in self.weights.versions():
-            if version > self.learner.version:
+            if version > learner_version:
                 self.transport.delete(self.weights.topic, version_key(version))
-        self.buffer.set_learner_version(self.learner.version)
-        self.weights.publish(self.learner.version, self.model.state_dict())
-        self._publish_status()
         self._poller.start()
-        return self.learner.version
-
-    def _publish_status(self) -> None:
-        if self.hetero.max_queued_groups > 0:
-            status = {"version": self.learner.version, "queue_depth": len(self.buffer)}
-            self.transport.put(CONTROL_TOPIC, STATUS_KEY, json.dumps(status).encode())
 
     def _poll_loop(self) -> None:
         while not self._stop.is_set():
             self.inbox.poll()
+            self.inbox.poll_announcements()
             time.sleep(0.02)
 
-    def step(self) -> dict[str, float]:
-        """Take one batch of groups (blocking within the bound), update, publish."""
+    def next_batch(self, step: int, n: int, learner_version: int) -> Batch:
         t0 = time.perf_counter()
-        groups = self.buffer.take(self.settings.prompts_per_step, learner_version=self.learner.version)
-        waited = time.perf_counter() - t0
-        metrics = self.learner.train_step(groups)
-        # the buffer must accept groups made with version v before any sampler can load v
-        self.buffer.set_learner_version(self.learner.version)
-        self.weights.publish(self.learner.version, self.model.state_dict())
-        self._publish_status()
-        step_s = time.perf_counter() - t0
-        metrics.update(self.buffer.metrics())
-        metrics.update({"perf/step_s": step_s, "perf/learner_idle_frac": waited / max(step_s, 1e-9)})
-        metrics.update({f"hetero/inbox_{k}": float(v) for k, v in self.inbox.stats.items()})
-        return metrics
+        groups = self.buffer.take(n, learner_version=learner_version)
+        return Batch(groups, wait_s=time.perf_counter() - t0,
+                     metrics={f"hetero/inbox_{k}": float(v) for k, v in self.inbox.stats.items()})  # fmt: skip
 
-    def evaluate(self, seed: int) -> dict[str, float]:
-        return self.task.evaluate(self.model, self.tokenizer, self.settings.max_new_tokens, seed=seed)
+    def publish(self, weights, version: int) -> None:
+        self.weights.publish(version, weights)
+        if self.hetero.max_queued_groups > 0:
+            publish_status(self.transport, LearnerStatus(version=int(version), queue_depth=len(self.buffer)))
 
-    def checkpoint_state(self) -> dict[str, Any]:
-        return {"learner": self.learner.state_dict(), "buffer": self.buffer.state_dict()}
+    def state_dict(self) -> dict[str, Any]:
+        return {}
 
     def acknowledge(self, buffer_state: dict) -> int:
-        """After a checkpoint is durable: delete the rollouts it accounts for from the transport."""
         return self.inbox.acknowledge(buffer_state)
 
-    def ledger_counts(self) -> dict[str, int]:
-        return self.buffer.ledger.counts()
-
-    def shutdown(self) -> None:
+    def close(self) -> None:
         self._stop.set()
-        self.transport.put(CONTROL_TOPIC, STOP_KEY, b"stop")
+        request_stop(self.transport)
         if self._poller.is_alive():
             self._poller.join(timeout=5)
+
+
+class LearnerWorker(LearnerRuntime):
+    """The learner actor: the driver's :class:`LearnerRuntime` with a :class:`TransportSource`."""
+
+    def __init__(self, engine: EngineConfig, model_path: str, spec: TransportSpec):
+        set_torch_threads(1)  # OMP_NUM_THREADS wins when set
+        super().__init__(engine, model_path, lambda runtime: TransportSource(runtime, spec))
 
 
 class _SamplerCounters:
@@ -291,108 +262,119 @@ class _SamplerCounters:
                 "perf/sampler_queue_wait_s_total": totals["queue_wait_s"]}  # fmt: skip
 
 
-def run_async(
-    cfg: DictConfig,
-    hetero: HeteroConfig,
-    settings: RunSettings,
-    task_config: TaskConfig,
-    model_path: str,
-    logger: MetricLogger,
-) -> dict[str, float]:
-    """Train for ``settings.total_steps`` learner steps with real learner and sampler actors."""
-    container = OmegaConf.to_container(cfg, resolve=True)
-    spec = transport_spec(hetero, settings)
+class RemoteRuntime:
+    """The driver's view of the learner actor: :class:`LearnerRuntime`'s methods for
+    :func:`~recipe.gepo.local.driver.run_loop`, plus the samplers' supervision while a step waits."""
+
+    def __init__(self, engine: EngineConfig, model_path: str, spec: TransportSpec):
+        self.engine, self.model_path, self.spec = engine, model_path, spec
+        self.transport = spec.open()
+        clear_stop(self.transport)  # a previous run of this exchange stopped it
+        # actors hold no CPU reservation: on a 2-core laptop the learner and samplers share the cores
+        self.learner = ray.remote(num_cpus=0)(LearnerWorker).options(name=LEARNER_ACTOR).remote(
+            engine, model_path, spec
+        )
+        # two threads: run() generates while counters() answers the driver
+        self._sampler_cls = ray.remote(num_cpus=0, max_restarts=0, max_concurrency=2)(SamplerWorker)
+        self.samplers: dict[int, Any] = {}
+        self.namespaces: dict[int, str] = {}
+        self.runs: dict[Any, int] = {}
+        self.restarts = {i: 0 for i in range(engine.hetero.num_samplers)}
+        self.next_batch: dict[int, int] = {}
+        self.failures = 0
+        self.counters = _SamplerCounters()
+
+    def _launch(self, i: int) -> None:
+        # named, so an operator (or a fault-injection test) can find and kill a sampler
+        self.namespaces[i] = f"s{i}-{uuid.uuid4().hex[:8]}"
+        self.samplers[i] = self._sampler_cls.options(name=sampler_actor_name(i, self.restarts[i])).remote(
+            i, self.engine, self.model_path, self.spec, self.engine.hetero.speed_factors()[i], self.namespaces[i]
+        )
+        self.restarts[i] += 1
+        self.runs[self.samplers[i].run.remote(self.next_batch[i])] = i
+
+    def start(self, checkpoint: Optional[dict]) -> int:
+        version = ray.get(self.learner.start.remote(checkpoint))
+        start = 0 if checkpoint is None else int(checkpoint["step"])
+        for i in range(self.engine.hetero.num_samplers):
+            self.next_batch[i] = start * 1000  # fresh prompts after a resume
+            self._launch(i)
+        return version
+
+    def _check_samplers(self, bar_write) -> None:
+        """A sampler whose run() returned before the stop marker died (or was killed)."""
+        finished, _ = ray.wait(list(self.runs), timeout=0, num_returns=len(self.runs)) if self.runs else ([], [])
+        for ref in finished:
+            i = self.runs.pop(ref)
+            try:
+                ray.get(ref)
+            except Exception as err:  # noqa: BLE001 - any actor failure is reported the same way
+                self.failures += 1
+                bar_write(f"[heterorl] sampler-{i} failed ({type(err).__name__}); restarting it")
+                # its announced groups will never come: the learner must not wait for them
+                clear_topic(self.transport, EXPECTED_TOPIC, prefix=f"{self.namespaces[i]}-")
+                self.next_batch[i] += 1000  # a restarted sampler draws fresh prompts
+                self._launch(i)
+
+    def step(self, step: int) -> dict[str, float]:
+        hetero = self.engine.hetero
+        status_every = min(30.0, hetero.wait_timeout_s / 3)  # how often a blocked learner is reported
+        pending = self.learner.step.remote(step)
+        waiting_since, next_status = time.monotonic(), status_every
+        while True:
+            ready, _ = ray.wait([pending], timeout=0.5)
+            waited = time.monotonic() - waiting_since
+            if not ready and waited >= next_status:
+                tqdm.write(
+                    f"[heterorl] step {step + 1}: waiting for rollouts for {waited:.0f}s "
+                    f"({len(self.runs)} sampler(s) running; the learner fails after "
+                    f"hetero.wait_timeout_s={hetero.wait_timeout_s:g})"
+                )
+                next_status += status_every
+            self._check_samplers(tqdm.write)
+            if ready:
+                break
+        metrics = ray.get(pending)
+        metrics["hetero/sampler_failures"] = float(self.failures)
+        metrics.update(self.counters.update(self.samplers))
+        return metrics
+
+    def evaluate(self, seed: int) -> dict[str, float]:
+        return ray.get(self.learner.evaluate.remote(seed))
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        return ray.get(self.learner.checkpoint_state.remote())
+
+    def acknowledge(self, buffer_state: dict) -> int:
+        return ray.get(self.learner.acknowledge.remote(buffer_state))
+
+    def ledger_counts(self) -> dict[str, int]:
+        return ray.get(self.learner.ledger_counts.remote())
+
+    def shutdown(self) -> None:
+        # samplers stop on the marker even if the learner actor is gone (the driver writes it too)
+        request_stop(self.transport)
+        try:
+            ray.get(self.learner.shutdown.remote(), timeout=30)
+        except Exception:  # noqa: BLE001 - a dead learner must not keep the samplers running
+            pass
+        for actor in self.samplers.values():
+            ray.kill(actor)
+
+
+def run_async(engine: EngineConfig, model_path: str, logger: MetricLogger) -> dict[str, float]:
+    """Train for ``trainer.total_training_steps`` learner steps with real learner and sampler actors."""
+    hetero = engine.hetero
     started_ray = False
     if not ray.is_initialized():
         ray.init(num_cpus=max(2, hetero.num_samplers + 1), include_dashboard=False, log_to_driver=False)
         started_ray = True
-    transport = open_transport(spec)
-    if STOP_KEY in transport.keys(CONTROL_TOPIC):
-        transport.delete(CONTROL_TOPIC, STOP_KEY)  # a previous run of this exchange stopped it
-
-    checkpoint = load_latest_checkpoint(settings.run_dir) if settings.resume_mode == "auto" else None
-    start = 0 if checkpoint is None else int(checkpoint["step"])
-    if checkpoint is not None:
-        truncate_metrics(logger.path, start)
-    # actors hold no CPU reservation: on a 2-core laptop the learner and samplers share the cores
-    learner = ray.remote(num_cpus=0)(LearnerWorker).options(name="heterorl-learner").remote(container, model_path, spec)
-    ray.get(learner.start.remote(checkpoint))
-    if checkpoint is None:
-        logger.log(ray.get(learner.evaluate.remote(hetero.seed)), step=0)
-
-    # two threads: run() generates while counters() answers the driver
-    sampler_cls = ray.remote(num_cpus=0, max_restarts=0, max_concurrency=2)(SamplerWorker)
-    speeds = hetero.speed_factors()
-    samplers: dict[int, Any] = {}
-    runs: dict[Any, int] = {}
-    next_batch = {i: start * 1000 for i in range(hetero.num_samplers)}  # fresh prompts after a resume
-    failures = 0
-    restarts = {i: 0 for i in range(hetero.num_samplers)}
-
-    def launch(i: int) -> None:
-        # named, so an operator (or a fault-injection test) can find and kill a sampler
-        samplers[i] = sampler_cls.options(name=f"heterorl-sampler-{i}-{restarts[i]}").remote(
-            i, container, model_path, spec, speeds[i], f"s{i}-{uuid.uuid4().hex[:8]}"
-        )
-        restarts[i] += 1
-        runs[samplers[i].run.remote(next_batch[i])] = i
-
-    for i in range(hetero.num_samplers):
-        launch(i)
-
-    sampler_counters = _SamplerCounters()
-    status_every = min(30.0, hetero.wait_timeout_s / 3)  # how often a blocked learner is reported
-    metrics: dict[str, float] = {}
-    bar = tqdm(range(start, settings.total_steps), desc="async", initial=start, total=settings.total_steps)
+    runtime = None
     try:
-        for step in bar:
-            pending = learner.step.remote()
-            waiting_since, next_status = time.monotonic(), status_every
-            while True:
-                ready, _ = ray.wait([pending], timeout=0.5)
-                waited = time.monotonic() - waiting_since
-                if not ready and waited >= next_status:
-                    bar.write(
-                        f"[heterorl] step {step + 1}: waiting for rollouts for {waited:.0f}s "
-                        f"({len(runs)} sampler(s) running; the learner fails after "
-                        f"hetero.wait_timeout_s={hetero.wait_timeout_s:g})"
-                    )
-                    next_status += status_every
-                # a sampler whose run() returned before the stop marker died (or was killed)
-                finished, _ = ray.wait(list(runs), timeout=0, num_returns=len(runs)) if runs else ([], [])
-                for ref in finished:
-                    i = runs.pop(ref)
-                    try:
-                        ray.get(ref)
-                    except Exception as err:  # noqa: BLE001 - any actor failure is reported the same way
-                        failures += 1
-                        bar.write(f"[heterorl] sampler-{i} failed ({type(err).__name__}); restarting it")
-                        next_batch[i] += 1000  # a restarted sampler draws fresh prompts
-                        launch(i)
-                if ready:
-                    break
-            metrics = ray.get(pending)
-            done = step + 1
-            metrics["hetero/sampler_failures"] = float(failures)
-            metrics.update(sampler_counters.update(samplers))
-            if (settings.test_freq > 0 and done % settings.test_freq == 0) or done == settings.total_steps:
-                metrics.update(ray.get(learner.evaluate.remote(hetero.seed)))
-            logger.log(metrics, step=done)
-            bar.set_postfix(reward=f"{metrics['reward/mean']:.2f}", stale=f"{metrics['hetero/staleness_mean']:.1f}")
-            if (settings.save_freq > 0 and done % settings.save_freq == 0) or done == settings.total_steps:
-                state = ray.get(learner.checkpoint_state.remote())
-                save_checkpoint(settings.run_dir, done, {"step": done, **state})
-                ray.get(learner.acknowledge.remote(state["buffer"]))
-        metrics.update({f"hetero/ledger_{k}": float(v) for k, v in ray.get(learner.ledger_counts.remote()).items()})
+        runtime = RemoteRuntime(engine, model_path, transport_spec(hetero, engine.settings))
+        return run_loop(runtime, engine, logger, desc="async")
     finally:
-        # samplers stop on the marker even if the learner actor is gone (the driver writes it too)
-        transport.put(CONTROL_TOPIC, STOP_KEY, b"stop")
-        try:
-            ray.get(learner.shutdown.remote(), timeout=30)
-        except Exception:  # noqa: BLE001 - a dead learner must not keep the samplers running
-            pass
-        for actor in samplers.values():
-            ray.kill(actor)
+        if runtime is not None:
+            runtime.shutdown()
         if started_ray:
             ray.shutdown()
-    return metrics

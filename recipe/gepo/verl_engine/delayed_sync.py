@@ -24,7 +24,8 @@ from __future__ import annotations
 import time
 from typing import Any, Callable, Optional
 
-from verl_ext.hetero.delay import DelayModel, SamplerDelays
+from verl_ext.hetero.delay import DelayModel, DelaySchedule, to_steps
+from verl_ext.hetero.seeding import sampler_stream
 
 UNITS = ("steps", "seconds")
 
@@ -37,7 +38,10 @@ class DelayedSyncSchedule:
         unit: "steps" (delays rounded to whole learner steps; ``now`` is the learner version) or
             "seconds" (``now`` is ``clock()``).
         max_pending: most versions kept waiting for release (CPU snapshots), >= 1.
-        seed: seed of the delay stream.
+        seed: root seed of the delays (``hetero.seed``): version v's delay is
+            ``DelaySchedule(model, seed).delay(v, sampler_stream(0))``, the same draw replay mode
+            and the embedded engine's sampler 0 get for v (the replicas receive each version
+            together, as one sampler).
         clock: time source for unit="seconds".
     """
 
@@ -54,7 +58,7 @@ class DelayedSyncSchedule:
         if max_pending < 1:
             raise ValueError(f"hetero.keep_weight_versions={max_pending} must be >= 1")
         self.model, self.unit, self.max_pending, self.clock = model, unit, max_pending, clock
-        self._delays = SamplerDelays(model, 1, seed=seed)
+        self._delays = DelaySchedule(model, seed)
         self.pending: dict[int, float] = {}  # version -> release time (steps or seconds)
         self.served: Optional[int] = None
         self.published: Optional[int] = None
@@ -66,9 +70,10 @@ class DelayedSyncSchedule:
         """The current time in the schedule's unit, at learner version ``version``."""
         return float(version) if self.unit == "steps" else float(self.clock())
 
-    def draw(self) -> float:
-        delay = float(self._delays.draw(0, 1)[0])
-        return float(round(delay)) if self.unit == "steps" else delay
+    def draw(self, version: int) -> float:
+        """The delay of ``version`` in the schedule's unit (whole steps for ``unit="steps"``)."""
+        delay = self._delays.delay(version, sampler_stream(0))
+        return float(to_steps(delay)) if self.unit == "steps" else delay
 
     def publish(self, version: int, now: float, immediate: bool = False) -> float:
         """The learner finished ``version``; returns its release time. ``immediate`` (the
@@ -76,7 +81,7 @@ class DelayedSyncSchedule:
         if self.published is not None and version <= self.published:
             raise ValueError(f"version {version} published after version {self.published}: versions must increase")
         self.published = version
-        self.last_delay = 0.0 if immediate else self.draw()
+        self.last_delay = 0.0 if immediate else self.draw(version)
         release = now + self.last_delay
         self.pending[version] = release
         while len(self.pending) > self.max_pending:

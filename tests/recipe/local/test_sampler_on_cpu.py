@@ -7,21 +7,21 @@ version number is read undelayed. Real toy model, real fsspec transport in a tem
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 
-from omegaconf import OmegaConf
-
-from recipe.gepo.local.async_mode import (
+from recipe.gepo.local.async_mode import LearnerWorker, SamplerWorker
+from recipe.gepo.local.driver import EngineConfig
+from verl_ext.hetero.protocol import (
     CONTROL_TOPIC,
+    ROLLOUT_TOPIC,
     STATUS_KEY,
-    STOP_KEY,
-    LearnerWorker,
-    SamplerWorker,
-    open_transport,
+    LearnerStatus,
+    TransportSpec,
+    clear_stop,
+    read_record,
+    request_stop,
 )
-from verl_ext.hetero.exchange import ROLLOUT_TOPIC
 from verl_ext.hetero.weights import WeightStore
 
 DELAY_S = 2.0
@@ -30,24 +30,22 @@ DELAY_S = 2.0
 def _sampler(tiny_cfg, tmp_path, *overrides):
     cfg = tiny_cfg(tmp_path / "run", "hetero.mode=async", "hetero.max_delay=1", "hetero.delay.dist=constant",
                    f"hetero.delay.value={DELAY_S}", *overrides)  # fmt: skip
-    spec = {"kind": "fsspec", "url": str(tmp_path / "exchange")}
-    container = OmegaConf.to_container(cfg, resolve=True)
-    transport = open_transport(spec)
+    spec = TransportSpec("fsspec", url=str(tmp_path / "exchange"))
+    transport = spec.open()
     published = WeightStore(transport, keep_last=8)
-    sampler = SamplerWorker(0, container, cfg.actor_rollout_ref.model.path, spec, 1.0, "s0-test")
+    sampler = SamplerWorker(0, EngineConfig.from_omegaconf(cfg), cfg.actor_rollout_ref.model.path, spec, 1.0, "s0-test")
     return sampler, published, transport
 
 
 def _run_for(sampler, transport, seconds: float) -> dict:
     """``sampler.run()`` until a stop marker written after ``seconds``."""
-    stopper = threading.Timer(seconds, lambda: transport.put(CONTROL_TOPIC, STOP_KEY, b"stop"))
+    stopper = threading.Timer(seconds, lambda: request_stop(transport))
     stopper.start()
     try:
         return sampler.run()
     finally:
         stopper.cancel()
-        if STOP_KEY in transport.keys(CONTROL_TOPIC):
-            transport.delete(CONTROL_TOPIC, STOP_KEY)
+        clear_stop(transport)
 
 
 def test_sampler_waits_instead_of_generating_groups_past_the_bound(tiny_cfg, tmp_path):
@@ -87,30 +85,30 @@ def test_sampler_generates_stale_groups_when_the_gate_is_off(tiny_cfg, tmp_path)
 def test_sampler_pauses_while_the_learner_queue_is_full(tiny_cfg, tmp_path):
     sampler, published, transport = _sampler(tiny_cfg, tmp_path, "hetero.max_queued_groups=4", "hetero.delay.value=0")
     published.publish(0, {k: v.clone() for k, v in sampler.model.state_dict().items()})
-    transport.put(CONTROL_TOPIC, STATUS_KEY, json.dumps({"version": 0, "queue_depth": 4}).encode())
+    transport.put(CONTROL_TOPIC, STATUS_KEY, LearnerStatus(version=0, queue_depth=4).to_bytes())
     counters = _run_for(sampler, transport, 1.0)
     assert counters["batches"] == 0 and counters["queue_wait_s"] >= 0.5 and counters["stale_wait_s"] == 0.0
 
-    transport.put(CONTROL_TOPIC, STATUS_KEY, json.dumps({"version": 0, "queue_depth": 3}).encode())
+    transport.put(CONTROL_TOPIC, STATUS_KEY, LearnerStatus(version=0, queue_depth=3).to_bytes())
     counters = _run_for(sampler, transport, 1.0)
     assert counters["batches"] >= 1 and len(transport.keys(ROLLOUT_TOPIC)) == counters["groups"]
 
 
 def test_learner_publishes_its_queue_depth_for_back_pressure(tiny_cfg, tmp_path):
     cfg = tiny_cfg(tmp_path / "run", "hetero.mode=async", "hetero.max_queued_groups=4")
-    spec = {"kind": "fsspec", "url": str(tmp_path / "exchange")}
-    learner = LearnerWorker(OmegaConf.to_container(cfg, resolve=True), cfg.actor_rollout_ref.model.path, spec)
-    transport = open_transport(spec)
+    spec = TransportSpec("fsspec", url=str(tmp_path / "exchange"))
+    learner = LearnerWorker(EngineConfig.from_omegaconf(cfg), cfg.actor_rollout_ref.model.path, spec)
+    transport = spec.open()
     try:
         assert learner.start() == 0
-        assert json.loads(transport.get(CONTROL_TOPIC, STATUS_KEY)) == {"version": 0, "queue_depth": 0}
-        sampler = SamplerWorker(0, OmegaConf.to_container(cfg, resolve=True), cfg.actor_rollout_ref.model.path,
+        assert read_record(transport, LearnerStatus, CONTROL_TOPIC, STATUS_KEY) == LearnerStatus(version=0, queue_depth=0)
+        sampler = SamplerWorker(0, EngineConfig.from_omegaconf(cfg), cfg.actor_rollout_ref.model.path,
                                 spec, 1.0, "s0-test")  # fmt: skip
         sampler.run(max_batches=2)  # 2 prompts a batch: 4 groups reach the learner's buffer
         deadline = time.monotonic() + 30
         while len(learner.buffer) < 4 and time.monotonic() < deadline:
             time.sleep(0.05)
         learner.step()  # consumes 2, publishes the depth left
-        assert json.loads(transport.get(CONTROL_TOPIC, STATUS_KEY)) == {"version": 1, "queue_depth": 2}
+        assert read_record(transport, LearnerStatus, CONTROL_TOPIC, STATUS_KEY) == LearnerStatus(version=1, queue_depth=2)
     finally:
         learner.shutdown()

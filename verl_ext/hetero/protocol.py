@@ -1,0 +1,167 @@
+"""The async wire protocol, in one place: every topic, every control key, every control record.
+
+Learner and samplers (and the soak test that injects faults into their exchange) talk only
+through a :class:`~verl_ext.hetero.transport.Transport`; a message is ``(topic, key) -> bytes``.
+
+=================  ==========================  =================================================
+topic              key                         payload
+=================  ==========================  =================================================
+``weights``        ``version_key(v)``          safetensors state dict of policy version v
+                                               (:mod:`verl_ext.hetero.weights`), learner -> samplers
+``rollouts``       the group uid               :class:`~verl_ext.hetero.records.RolloutGroup`
+                                               bytes, sampler -> learner
+``expected``       the group uid               :class:`Announcement`: a group a sampler is
+                                               generating (``stale_policy=wait`` only)
+``control``        ``stop``                    anything: every sampler stops (driver/learner)
+``control``        ``learner-status``          :class:`LearnerStatus`, after every learner step
+=================  ==========================  =================================================
+
+On Ray, the learner actor is named :data:`LEARNER_ACTOR` and sampler i's n-th launch
+:func:`sampler_actor_name` (i, n).
+
+Records are small JSON objects; a reader that finds one missing, half-written or malformed
+treats it as absent (:func:`read_record` returns None) instead of stalling on it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, fields
+from typing import Optional, TypeVar
+
+from verl_ext.hetero.transport import CorruptMessage, Transport
+
+WEIGHTS_TOPIC = "weights"
+ROLLOUT_TOPIC = "rollouts"
+EXPECTED_TOPIC = "expected"
+CONTROL_TOPIC = "control"
+STOP_KEY = "stop"
+STATUS_KEY = "learner-status"
+
+# Ray actor names (async mode on Ray): an operator, or a fault injector, finds the actors by them
+LEARNER_ACTOR = "heterorl-learner"
+SAMPLER_ACTOR_PREFIX = "heterorl-sampler-"
+
+
+def sampler_actor_name(index: int, launch: int) -> str:
+    """Name of the ``launch``-th incarnation (0 = first) of sampler ``index``."""
+    return f"{SAMPLER_ACTOR_PREFIX}{index}-{launch}"
+
+
+def version_key(version: int) -> str:
+    """Transport key of weight version ``version`` (``weights`` topic)."""
+    from verl_ext.hetero.weights import version_key as _key  # the weight store's own naming
+
+    return _key(version)
+
+
+def parse_version_key(key: str) -> Optional[int]:
+    """The version of a ``weights`` key, or None for any other key."""
+    from verl_ext.hetero.weights import _parse_key
+
+    return _parse_key(key)
+
+
+@dataclass(frozen=True)
+class TransportSpec:
+    """How every process reaches the shared exchange (picklable, sent to every actor).
+
+    ``kind="ray"``: a named Ray mailbox actor ``name``; ``kind="fsspec"``: the folder/URL ``url``."""
+
+    kind: str
+    """ray | fsspec."""
+    url: str = ""
+    """fsspec: folder or URL shared by learner and samplers."""
+    name: str = ""
+    """ray: name of the mailbox actor."""
+
+    def open(self) -> Transport:
+        from verl_ext.hetero.transport import make_transport
+
+        if self.kind == "fsspec":
+            return make_transport("fsspec", url=self.url)
+        if self.kind == "ray":
+            return make_transport("ray", name=self.name)
+        raise ValueError(f"TransportSpec.kind={self.kind!r}; expected 'ray' or 'fsspec'")
+
+
+R = TypeVar("R", bound="_Record")
+
+
+class _Record:
+    """JSON encoding shared by the control records."""
+
+    def to_bytes(self) -> bytes:
+        return json.dumps(asdict(self), sort_keys=True).encode()
+
+    @classmethod
+    def from_bytes(cls: type[R], data: bytes) -> R:
+        raw = json.loads(data)
+        if not isinstance(raw, dict):
+            raise ValueError(f"{cls.__name__}: expected a JSON object, got {type(raw).__name__}")
+        names = {f.name for f in fields(cls)}
+        missing = names - set(raw)
+        if missing:
+            raise ValueError(f"{cls.__name__}: missing fields {sorted(missing)}")
+        return cls(**{k: raw[k] for k in names})
+
+
+@dataclass(frozen=True)
+class LearnerStatus(_Record):
+    """What the learner publishes after every step (``control/learner-status``)."""
+
+    version: int
+    """The learner's policy version (optimizer steps taken)."""
+    queue_depth: int
+    """Groups waiting in its buffer; samplers pause while it is >= ``hetero.max_queued_groups``."""
+
+
+@dataclass(frozen=True)
+class Announcement(_Record):
+    """A group a sampler has started generating (``expected/<uid>``): under
+    ``stale_policy=wait`` the learner does not step past the version that would make it stale
+    before it arrives (or ``hetero.wait_timeout_s`` passes)."""
+
+    policy_version: int
+    """The weight version generating the group."""
+    sampler_id: str
+    """Who generates it (named in the learner's timeout error)."""
+
+
+def read_record(transport: Transport, cls: type[R], topic: str, key: str) -> Optional[R]:
+    """The record at (topic, key), or None if it is absent, being rewritten or malformed."""
+    try:
+        return cls.from_bytes(transport.get(topic, key))
+    except (KeyError, CorruptMessage, ValueError, TypeError):
+        return None
+
+
+def publish_status(transport: Transport, status: LearnerStatus) -> None:
+    transport.put(CONTROL_TOPIC, STATUS_KEY, status.to_bytes())
+
+
+def request_stop(transport: Transport) -> None:
+    """Tell every sampler on this exchange to stop after its current batch."""
+    transport.put(CONTROL_TOPIC, STOP_KEY, b"stop")
+
+
+def stop_requested(transport: Transport) -> bool:
+    return STOP_KEY in transport.keys(CONTROL_TOPIC)
+
+
+def clear_stop(transport: Transport) -> None:
+    """A new run on a used exchange: the previous run's stop marker is not for us."""
+    if stop_requested(transport):
+        transport.delete(CONTROL_TOPIC, STOP_KEY)
+
+
+def clear_topic(transport: Transport, topic: str, prefix: str = "") -> int:
+    """Delete every message of ``topic`` (whose key starts with ``prefix``); returns how many."""
+    keys = [key for key in transport.keys(topic) if key.startswith(prefix)]
+    for key in keys:
+        transport.delete(topic, key)
+    return len(keys)
+
+
+def announce(transport: Transport, uid: str, policy_version: int, sampler_id: str) -> None:
+    transport.put(EXPECTED_TOPIC, uid, Announcement(int(policy_version), str(sampler_id)).to_bytes())
