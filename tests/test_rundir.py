@@ -65,6 +65,9 @@ def test_row_reader_and_frame_reader_agree_and_name_bad_lines(tmp_path):
         df = rundir.load_metrics(tmp_path)
     assert df["step"].tolist() == [0, 1] and df["x"].tolist() == [1.0, 0.5]
     assert df.attrs["skipped_lines"] == [2, 5, 6]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a live run's torn line, polled: no warning asked for
+        assert rundir.read_metric_rows(tmp_path / "metrics.jsonl", warn=False) == rows
     assert rundir.read_metric_rows(tmp_path / "nowhere", missing_ok=True) == []
     with pytest.raises(rundir.RunDirError, match="nowhere"):
         rundir.read_metric_rows(tmp_path / "nowhere")

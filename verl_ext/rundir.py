@@ -223,11 +223,12 @@ def _warn_skipped(path: Path, skipped: Sequence[MetricLine]) -> None:
         warnings.warn(f"{path}: skipped {len(skipped)} unreadable line(s): {shown}{more}", stacklevel=3)
 
 
-def read_metric_rows(run_dir: PathLike, missing_ok: bool = False) -> list[dict[str, Any]]:
-    """The readable lines of ``<run_dir>/metrics.jsonl`` in file order, each ``{"step": int,
-    <metric>: float, ...}`` (one per log call: a step may appear on several lines). Unreadable
-    lines are skipped with a :class:`UserWarning` naming them. With ``missing_ok`` a run without
-    the file gives ``[]``; otherwise :class:`RunDirError`."""
+def read_metric_rows(run_dir: PathLike, missing_ok: bool = False, warn: bool = True) -> list[dict[str, Any]]:
+    """The readable lines of ``<run_dir>/metrics.jsonl`` (or of that file, given its path) in file
+    order, each ``{"step": int, <metric>: float, ...}`` (one per log call: a step may appear on
+    several lines). Unreadable lines are skipped, with a :class:`UserWarning` naming them unless
+    ``warn`` is off (polling a live run, whose last line may be half written). With
+    ``missing_ok`` a run without the file gives ``[]``; otherwise :class:`RunDirError`."""
     try:
         path = metrics_path(run_dir)
     except RunDirError:
@@ -235,7 +236,8 @@ def read_metric_rows(run_dir: PathLike, missing_ok: bool = False) -> list[dict[s
             return []
         raise
     lines = list(iter_metric_lines(path))
-    _warn_skipped(path, [ln for ln in lines if ln.row is None])
+    if warn:
+        _warn_skipped(path, [ln for ln in lines if ln.row is None])
     return [ln.row for ln in lines if ln.row is not None]
 
 
