@@ -17,7 +17,12 @@ Wire forms (the toy model's state dict; version v+1 is v after one real AdamW st
 
 Also one raw TCP transfer of the same size as the fp32 message (``probe.py``), to show how much
 of the link Ray's object transfer uses. Bounded: ``--trials`` x forms x rates transfers, each
-with a timeout.
+with a timeout; SIGTERM and Ctrl-C tear down too.
+
+    python scripts/wan/sync_bench.py --behind 1,2,4,8 [--lr 1e-6]
+
+only prints, for a sampler k versions behind, the bytes of the direct delta, of a chain of
+one-step deltas and of a full bf16 version (no network, no privileges).
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
+import signal
 import sys
 import time
 import zlib
@@ -278,6 +283,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(link.refusal_message(problems), file=sys.stderr)
         return link.EXIT_REFUSED
     model_path = args.model_path or default_toy_model()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run()'s finally tears down
     result = run(rates, args.trials, model_path, args.lr)
     result["summary"] = summarize(result)
     print(json.dumps({k: result[k] for k in ("params", "forms", "summary", "loadavg_before", "loadavg_after")}, indent=1))
