@@ -56,10 +56,13 @@ class RolloutCorrection:
     def __post_init__(self) -> None:
         if self.rollout_is not in ("token", "sequence"):
             raise ValueError(
-                f"algorithm.rollout_correction.rollout_is={self.rollout_is!r}: the embedded engine supports token | sequence"
+                f"algorithm.rollout_correction.rollout_is={self.rollout_is!r}: "
+                "the embedded engine supports token | sequence"
             )
         if not self.rollout_is_threshold > 0:
-            raise ValueError(f"algorithm.rollout_correction.rollout_is_threshold={self.rollout_is_threshold!r} must be > 0")
+            raise ValueError(
+                f"algorithm.rollout_correction.rollout_is_threshold={self.rollout_is_threshold!r} must be > 0"
+            )
 
 
 def rollout_correction_settings(algorithm_config: Any) -> Optional[RolloutCorrection]:
@@ -240,7 +243,9 @@ def compute_actor_loss(
     sampler_log_prob = old_log_prob
     if rollout_correction is not None:
         if rollout_is_weights is not None:
-            raise ValueError("pass either rollout_is_weights (computed by verl's driver) or rollout_correction, not both")
+            raise ValueError(
+                "pass either rollout_is_weights (computed by verl's driver) or rollout_correction, not both"
+            )
         # verl's decoupled mode with the learner before this update as the proximal policy
         old_log_prob = log_prob.detach()
         rollout_is_weights = truncated_is_weights(old_log_prob, sampler_log_prob, response_mask, rollout_correction)
