@@ -1,7 +1,8 @@
 """The worker-side loss bridge, driven exactly as verl's engine drives ``ppo_loss``: a CPU
 TensorDict micro-batch (padded prompts/responses, flat model output over all tokens) plus the
 driver-side ``group_log_denominator``. It must give the loss of ``compute_actor_loss`` (the
-embedded engine's) with that denominator, and reproduce verl's ``ppo_loss`` for verl's own losses."""
+embedded engine's) with that denominator, and reproduce verl's ``ppo_loss`` for verl's own losses (entropy bonus and KL-to-reference included),
+apply the driver's rollout-correction weights, and refuse an entropy bonus it cannot compute."""
 
 from functools import partial
 from pathlib import Path
@@ -13,6 +14,7 @@ from hydra import compose, initialize_config_dir
 from tensordict import TensorDict
 from verl.utils import tensordict_utils as tu
 from verl.utils.config import omega_conf_to_dataclass
+from verl.utils.metric import AggregationType
 from verl.workers.utils.losses import ppo_loss
 
 from recipe.gepo.verl_engine.denominator import GROUP_LOG_DENOMINATOR, group_log_denominator
@@ -160,3 +162,44 @@ def test_bridge_loss_fn_wraps_verls_partial_and_refuses_anything_else():
     assert wrapped.func is hetero_ppo_loss and wrapped.keywords["config"] is config
     with pytest.raises(TypeError, match="distillation"):
         bridge_loss_fn(partial(hetero_ppo_loss, config=config))
+
+
+def test_bridge_applies_the_drivers_rollout_is_weights():
+    """verl's trainer puts ``rollout_is_weights`` [B, T] into the batch (rollout correction on the
+    driver); the bridged loss hands them to the objective: it equals compute_actor_loss with the
+    weights and differs from the loss without them."""
+    config = actor_config("actor_rollout_ref.actor.policy_loss.loss_mode=vanilla")
+    batch = make_batch(seed=4)
+    rows = list(range(0, 24, 3))
+    gen = torch.Generator().manual_seed(5)
+    weights = (0.5 + torch.rand(24, T, generator=gen, dtype=torch.float64)) * batch["response_mask"]
+    td, out = micro_batch(batch, rows, with_denominator=False)
+    td["rollout_is_weights"] = weights[rows]
+    loss, metrics = hetero_ppo_loss(config, out, td)
+    plain, _ = hetero_ppo_loss(actor_config("actor_rollout_ref.actor.policy_loss.loss_mode=vanilla"),
+                               *reversed(micro_batch(batch, rows, with_denominator=False)))  # fmt: skip
+    new = batch["new"][rows].clone().requires_grad_(True)
+    want, _ = compute_actor_loss(
+        actor_config("actor_rollout_ref.actor.policy_loss.loss_mode=vanilla"), new, batch["old"][rows],
+        batch["adv"][rows], batch["response_mask"][rows].bool(), rollout_is_weights=weights[rows],
+        entropy=batch["entropy"][rows],
+    )  # fmt: skip
+    # compute_actor_loss without verl's global-batch info normalises locally: the same here (one micro-batch)
+    torch.testing.assert_close(loss, want, rtol=1e-12, atol=1e-12)
+    assert not torch.allclose(loss, plain)
+
+
+def test_bridge_refuses_an_entropy_bonus_without_entropies_and_sums_loss_metrics():
+    config = actor_config("actor_rollout_ref.actor.entropy_coeff=0.01")
+    batch = make_batch(seed=6)
+    td, out = micro_batch(batch, list(range(8)), with_denominator=False)
+    del out["entropy"]
+    with pytest.raises(ValueError, match="entropy_coeff=0.01"):
+        hetero_ppo_loss(config, out, td)
+    # globally normalised (batch_num_tokens / global_batch_size set): the loss-valued metrics are
+    # micro-batch shares, summed by verl; the rest are means
+    td, out = micro_batch(batch, list(range(8)), with_denominator=False)
+    _, metrics = hetero_ppo_loss(actor_config("actor_rollout_ref.actor.entropy_coeff=0.01"), out, td)
+    for name in ("actor/pg_loss", "actor/policy_loss", "actor/sampler_kl_penalty", "actor/entropy_loss"):
+        assert metrics[name].aggregation == AggregationType.SUM, name
+    assert metrics["is/weight_mean"].aggregation == AggregationType.MEAN
