@@ -81,3 +81,10 @@ def test_checkpoint_round_trip_and_latest_pointer(tmp_path):
     state = rundir.load_latest_checkpoint(tmp_path)
     assert state["step"] == 2 and torch.equal(state["w"], torch.zeros(2))
     assert not list((tmp_path / "checkpoints").glob("*.tmp"))
+
+
+def test_run_config_round_trip(tmp_path):
+    cfg = OmegaConf.create({"actor_rollout_ref": {"actor": {"policy_loss": {"loss_mode": "gepo"}}},
+                            "hetero": {"max_delay": 8, "seed": "${seed}"}, "seed": 3})  # fmt: skip
+    assert rundir.write_run_config(tmp_path, cfg) == tmp_path / "config.yaml"
+    assert rundir.read_run_config(tmp_path) == {"loss_mode": "gepo", "max_delay": 8, "preset": None, "seed": 3}

@@ -97,6 +97,17 @@ def truncate_metrics(path: PathLike, after_step: int) -> None:
     path.write_text("".join(text + "\n" for text in kept))
 
 
+def write_run_config(run_dir: PathLike, cfg: Any) -> Path:
+    """Write the composed config (an OmegaConf node, interpolations resolved) to
+    ``<run_dir>/config.yaml``, what :func:`read_run_config` reads back; returns the path."""
+    from omegaconf import OmegaConf
+
+    path = Path(run_dir) / CONFIG_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    return path
+
+
 # --------------------------------------------------------------------------- checkpoints
 
 

@@ -36,7 +36,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
-from verl_ext.rundir import METRICS_FILE, read_metric_rows  # noqa: E402 -- after the path fix
+from verl_ext.rundir import METRICS_FILE, read_metric_rows, write_run_config  # noqa: E402 -- after the path fix
 
 CONFIG_DIR = REPO / "recipe" / "gepo" / "config"
 
@@ -123,7 +123,6 @@ def run_one(job: tuple[list[str], str]) -> tuple[str, float, str]:
 
         set_torch_threads(1)  # one thread unless the user set OMP_NUM_THREADS
         from hydra import compose, initialize_config_dir
-        from omegaconf import OmegaConf
         from verl.utils.config import omega_conf_to_dataclass
 
         from recipe.gepo.hetero_config import HeteroConfig
@@ -142,7 +141,7 @@ def run_one(job: tuple[list[str], str]) -> tuple[str, float, str]:
         out = Path(run_dir)
         out.mkdir(parents=True, exist_ok=True)
         (out / METRICS_FILE).unlink(missing_ok=True)
-        (out / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+        write_run_config(out, cfg)
         logger = MetricLogger(settings.run_dir, settings, cfg)
         try:
             run_replay(hetero, settings, task, settings.model_path, actor_config, algorithm_config, logger)
