@@ -70,9 +70,24 @@ def test_effective_caps_reads_capeff(tmp_path):
     assert link.effective_caps(str(tmp_path / "missing")) == 0
 
 
-def test_without_privileges_every_command_refuses_and_changes_nothing():
+UNPRIVILEGED_COMMANDS = [
+    ["link.py", "up", "--rate-mbit", "10"],
+    ["link.py", "set-rate", "--rate-mbit", "10"],
+    ["link.py", "status"],
+    ["link.py", "cut"],
+    ["link.py", "heal"],
+    ["link.py", "down"],
+    ["cluster.py", "up", "--rate-mbit", "10"],
+    ["cluster.py", "worker-gone", "--seconds", "1"],
+    ["cluster.py", "down"],
+    ["sync_bench.py", "--rates", "10", "--trials", "1"],
+]
+
+
+@pytest.mark.parametrize("argv", UNPRIVILEGED_COMMANDS, ids=lambda argv: " ".join(argv[:2]))
+def test_without_privileges_every_command_refuses_and_changes_nothing(argv):
     """A real unprivileged run: drop every capability with setpriv (as root), or run as is (as a user)."""
-    cmd = [sys.executable, str(WAN / "link.py"), "up", "--rate-mbit", "10"]
+    cmd = [sys.executable, str(WAN / argv[0]), *argv[1:]]
     if os.geteuid() == 0:
         setpriv = shutil.which("setpriv")
         if not setpriv:
@@ -80,7 +95,7 @@ def test_without_privileges_every_command_refuses_and_changes_nothing():
         cmd = [setpriv, "--inh-caps=-all", "--bounding-set=-all", *cmd]
     has_ip = shutil.which("ip") is not None
     netns_before = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout if has_ip else ""
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert proc.returncode == link.EXIT_REFUSED, proc.stderr
     assert "CAP_NET_ADMIN" in proc.stderr and "nothing was changed" in proc.stderr
     if has_ip:
