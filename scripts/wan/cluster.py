@@ -251,12 +251,15 @@ def down(cfg: ClusterConfig, link_cfg: LinkConfig, keep_link: bool = False) -> N
 
 
 def status(cfg: ClusterConfig, link_cfg: LinkConfig) -> dict:
+    """The link's state, live processes per recorded Ray session, and the alive nodes."""
     state = _read_state()
     sessions = {role: len(_session_pids(int(sid))) for role, sid in state.get("sessions", {}).items()}
     out = {"link": link.status(link_cfg), "ray_processes": sessions, "nodes": []}
     if sessions.get("head"):
+        address = f"{link_cfg.host_ip}:{state.get('cluster', {}).get('port', cfg.port)}"  # as started
+        out["address"] = address
         try:
-            out["nodes"] = alive_nodes(cfg.address(link_cfg), link_cfg.host_ip)
+            out["nodes"] = alive_nodes(address, link_cfg.host_ip)
         except (RuntimeError, subprocess.TimeoutExpired) as err:
             out["nodes_error"] = str(err)
     return out
@@ -274,7 +277,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--seconds", type=float, default=20.0, help="how long it stays gone (0-600)")
     args = parser.parse_args(argv)
     link_cfg = LinkConfig()
-    cfg = ClusterConfig(port=getattr(args, "port", ClusterConfig.port))
+    # `up` takes --port; the other commands use the port the running cluster was started with
+    port = args.port if args.command == "up" else _read_state().get("cluster", {}).get("port", ClusterConfig.port)
+    cfg = ClusterConfig(port=int(port))
     try:
         rate = link.parse_rate_mbit(args.rate_mbit) if args.command == "up" else None
     except ValueError as err:
