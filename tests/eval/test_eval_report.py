@@ -112,3 +112,28 @@ def test_history_formats_and_cli(tmp_path, capsys):
         load_history(bad)
     with pytest.raises(FileNotFoundError, match="nope.jsonl"):
         load_history(tmp_path / "nope.jsonl")
+
+
+def test_history_from_a_training_run_directory(tmp_path, capsys):
+    """Format 4: a run directory of either engine, read through verl_ext.rundir (torn last line
+    skipped): the embedded engine's eval/<bench>/acc lines and the verl engine's val-core keys."""
+    run = tmp_path / "gepo_run"
+    run.mkdir()
+    lines = [
+        {"step": 0, "eval/toy/acc": 0.25, "eval/acc_mean": 0.25},
+        {"step": 1, "reward/mean": 0.5},  # a training line: no evaluation
+        {"step": 2, "reward/mean": 0.6, "eval/toy/acc": 0.75, "eval/acc_mean": 0.75},
+        {"step": 4, "val-core/toy/acc/mean@1": 0.5, "val-core/gsm8k/reward/mean@4": 0.125},
+    ]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines) + '{"step": 5, "eval/toy/a')
+    with pytest.warns(UserWarning, match="truncated last line"):
+        hist = load_history(run)
+    assert hist == [EvalPoint(0, {"toy": 0.25}), EvalPoint(2, {"toy": 0.75}),
+                    EvalPoint(4, {"toy": 0.5, "gsm8k": 0.125})]  # fmt: skip
+    with pytest.warns(UserWarning):
+        assert load_history(run / "metrics.jsonl") == hist
+    res = best_last(hist, ["toy"])["benchmarks"]["toy"]
+    assert (res["best"], res["best_step"], res["last"], res["last_step"]) == (0.75, 2, 0.5, 4)
+    with pytest.warns(UserWarning):
+        main([str(run), "--benchmarks", "toy"])
+    assert "gepo_run" in capsys.readouterr().out  # a bare run directory is labelled by its name

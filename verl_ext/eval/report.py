@@ -16,7 +16,10 @@ A history can be read from
 2. verl's file logger (``trainer.logger=[file]``): lines ``{"step": s, "data": {...}}``; the
    validation keys ``val-core/<data_source>/acc/mean@<n>`` (or ``.../reward/mean@<n>`` when no
    ``acc`` is logged) are used, lines without them are skipped;
-3. ``summary.json`` files written by ``recipe.gepo.evaluate`` (each needs a ``step``).
+3. ``summary.json`` files written by ``recipe.gepo.evaluate`` (each needs a ``step``);
+4. a training run directory (or its ``metrics.jsonl``, read by :mod:`verl_ext.rundir`): the
+   embedded engine's ``eval/<benchmark>/acc`` and the verl engine's ``val-core/...`` keys of
+   format 2, one evaluation per line that has them.
 
 CLI::
 
@@ -32,6 +35,8 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+from verl_ext.rundir import METRICS_FILE, read_metric_rows
 
 __all__ = [
     "EvalPoint",
@@ -116,12 +121,30 @@ def parse_history_lines(lines: Iterable[str], source: str = "<history>") -> list
     return points
 
 
+_RUN_EVAL_KEY = re.compile(r"^eval/(?P<bench>.+)/acc$")
+
+
+def _from_run_dir(path: Path) -> list[EvalPoint]:
+    """Format 4: the evaluations a training run logged to its ``metrics.jsonl``."""
+    points = []
+    for row in read_metric_rows(path):
+        scores = {m["bench"]: v for k, v in row.items() if (m := _RUN_EVAL_KEY.match(k)) and math.isfinite(v)}
+        scores.update(_from_verl_data(row))
+        if scores:
+            points.append(EvalPoint(step=row["step"], scores=scores))
+    return points
+
+
 def load_history(paths: str | Path | Sequence[str | Path]) -> list[EvalPoint]:
-    """Read an evaluation history from a jsonl file, or from one or more ``summary.json``."""
+    """Read an evaluation history from a jsonl file, one or more ``summary.json``, or a training
+    run directory (formats 1-4 of the module doc)."""
     if isinstance(paths, (str, Path)):
         paths = [paths]
     points: list[EvalPoint] = []
     for p in map(Path, paths):
+        if p.is_dir() or p.name == METRICS_FILE:
+            points.extend(_from_run_dir(p))
+            continue
         if not p.is_file():
             raise FileNotFoundError(f"history file {str(p)!r} does not exist")
         text = p.read_text()
@@ -224,7 +247,8 @@ def best_last_table(
 def main(argv: Sequence[str] | None = None) -> str:
     ap = argparse.ArgumentParser(prog="python -m verl_ext.eval.report", description=__doc__.split("\n")[0])
     ap.add_argument("runs", nargs="+", help="LABEL=PATH[,PATH...] (a history jsonl, a verl file-logger "
-                    "jsonl, or summary.json files); a bare PATH uses its parent folder's name as label")
+                    "jsonl, summary.json files, or a training run directory); a bare PATH uses its "
+                    "folder's name as label")
     ap.add_argument("--benchmarks", default=None, help="comma-separated, e.g. amc23,aime24,aime25,math500")
     ap.add_argument("--scale", type=float, default=100.0, help="multiply accuracies (100 = percent)")
     ap.add_argument("--digits", type=int, default=1)
@@ -236,7 +260,8 @@ def main(argv: Sequence[str] | None = None) -> str:
     for spec in args.runs:
         label, _, paths = spec.rpartition("=")
         files = paths.split(",")
-        label = label or Path(files[0]).resolve().parent.name
+        first = Path(files[0]).resolve()
+        label = label or (first.name if first.is_dir() else first.parent.name)
         results[label] = best_last(load_history(files), benches)
     table = best_last_table(results, benches, scale=args.scale, digits=args.digits)
     print(table, end="")
