@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 from hydra import compose, initialize_config_dir
@@ -52,3 +53,12 @@ STEP_METRICS = (
     "perf/sampler_tokens_per_s",
     "perf/learner_idle_frac",
 )
+
+
+def wait_until(predicate, what: str, timeout_s: float = 20.0, poll_s: float = 0.02) -> None:
+    """Poll ``predicate`` until it is true; AssertionError naming ``what`` after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+        time.sleep(poll_s)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import re
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -17,17 +16,11 @@ import torch
 
 from recipe.gepo.main_gepo import run
 
-from .helpers import read_metrics, train_lines
+from verl_ext.hetero.protocol import sampler_actor_name
+
+from .helpers import read_metrics, train_lines, wait_until
 
 STEPS = 14  # well past what sampler-0's backlog (versions <= kill step, max_delay 2) can serve
-
-
-def _wait_for(predicate, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
-        time.sleep(0.2)
 
 
 def _trained_steps(run_dir: Path) -> int:
@@ -61,15 +54,15 @@ def test_killed_sampler_does_not_stop_training(tiny_cfg, tmp_path):
     thread = threading.Thread(target=driver, daemon=True)
     try:
         thread.start()
-        _wait_for(lambda: _trained_steps(tmp_path) >= 1 or not thread.is_alive(), 180, "the first learner step")
-        victim = "heterorl-sampler-0-0"
+        wait_until(lambda: _trained_steps(tmp_path) >= 1 or not thread.is_alive(), "the first learner step", 180, 0.2)
+        victim = sampler_actor_name(0, 0)
         assert victim in ray.util.list_named_actors()  # names in this job's namespace
         ray.kill(ray.get_actor(victim), no_restart=True)
         killed_at = _trained_steps(tmp_path)
         assert killed_at < STEPS, "the run ended before the kill: the test would prove nothing"
-        _wait_for(
-            lambda: "heterorl-sampler-0-1" in ray.util.list_named_actors() or not thread.is_alive(),
-            120, "the replacement of sampler-0",
+        wait_until(
+            lambda: sampler_actor_name(0, 1) in ray.util.list_named_actors() or not thread.is_alive(),
+            "the replacement of sampler-0", 120, 0.2,
         )  # fmt: skip
         thread.join(timeout=300)
         assert not thread.is_alive(), "the run did not finish"

@@ -25,6 +25,7 @@ from verl_ext.hetero.protocol import EXPECTED_TOPIC, ROLLOUT_TOPIC, Announcement
 from verl_ext.hetero.records import RolloutGroup
 
 from .helpers import read_metrics, train_lines
+from .helpers import wait_until as _until
 
 LATE_S = 1.5  # the straggler arrives this long after the learner wants to step
 
@@ -47,14 +48,6 @@ def _groups(worker: LearnerWorker, prefix: str, version: int, n: int) -> list[Ro
     return generate_groups(worker.model, worker.tokenizer, items, worker.task.score,
                            RolloutSettings(s.group_size, s.temperature, s.max_new_tokens), worker.engine.algorithm,
                            policy_version=version, sampler_id="sampler-7", seed=version, uid_prefix=prefix)  # fmt: skip
-
-
-def _until(predicate, what: str, timeout_s: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.02)
 
 
 def _to_version_1(worker: LearnerWorker) -> None:
