@@ -8,6 +8,10 @@ reference copy of the initial weights) and through verl's real FSDP2 engine on t
 the verl engine installs it). For every algorithm preset, with the entropy bonus and the
 KL-to-reference term on, the loss and the gradient of every parameter must agree.
 
+Rollout correction in both engines: ``Learner(rollout_correction=...)`` against verl's driver-side
+weights (``compute_rollout_correction_and_add_to_batch`` on the recomputed proximal log-probs)
+handed to the worker loss.
+
 Per option, in the embedded engine: ``entropy_coeff`` adds exactly -coef x grad(entropy),
 ``use_kl_loss`` pulls the weights toward the reference, ``rollout_correction`` weights the loss
 with verl's truncated IS weights (and the learner equals the replay engine's TruncatedISLearner).
@@ -26,7 +30,12 @@ import numpy as np
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
-from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_weights
+from verl import DataProto
+from verl.trainer.config import RolloutCorrectionConfig
+from verl.trainer.ppo.rollout_corr_helper import (
+    compute_rollout_correction_and_add_to_batch,
+    compute_rollout_correction_weights,
+)
 from verl.utils.config import omega_conf_to_dataclass
 
 from recipe.gepo.local.learner import Learner, collate_groups, log_probs_and_entropy
@@ -55,6 +64,13 @@ MICRO_BATCH_SIZES = [12, 6]
 NOT_SPLITTABLE = {
     "delta_l": "delta_l normalises its length weights x_i within the micro-batch (delta_l_aggregate's docstring)",
     "gmpo": "verl's geo_mean averages over the micro-batch's sequences, ignoring global_batch_size",
+}
+
+# rollout correction in both engines: the embedded Learner(rollout_correction=...) vs verl's
+# driver-side weights handed to the worker loss (verl_engine.old_log_prob=recompute)
+CORRECTED = {
+    "grpo": RolloutCorrection(rollout_is="token", rollout_is_threshold=1.1),
+    "gspo": RolloutCorrection(rollout_is="sequence", rollout_is_threshold=1.5),
 }
 
 
@@ -148,6 +164,24 @@ def setup(tiny_model_path, tmp_path_factory):
         "response_mask": batch["response_mask"], "old_log_probs": batch["sampler_logprobs"],
         "advantages": batch["advantages"], "ref_log_prob": ref * batch["response_mask"],
     }  # fmt: skip
+    # rollout correction, verl's way: the driver recomputes old_log_probs with the actor (the
+    # proximal policy: the trained weights before the update) and computes rollout_is_weights from
+    # them and the sampler's rollout_log_probs with verl's own helper
+    with torch.no_grad():
+        proximal = sequence_token_log_probs(
+            trained, batch["prompt_ids"], batch["prompt_mask"], batch["response_ids"], batch["response_mask"],
+            TEMPERATURE,
+        ) * batch["response_mask"]  # fmt: skip
+    inp["corrected"] = []
+    for preset, settings in CORRECTED.items():
+        driver = DataProto.from_dict(tensors={
+            "old_log_probs": proximal, "rollout_log_probs": batch["sampler_logprobs"],
+            "response_mask": batch["response_mask"].long(),
+        })  # fmt: skip
+        rc_config = RolloutCorrectionConfig(**dataclasses.asdict(settings))
+        driver, _ = compute_rollout_correction_and_add_to_batch(driver, rc_config)
+        inp["corrected"].append({"key": f"{preset}-tis", "preset": preset, "old_log_probs": proximal,
+                                 "rollout_is_weights": driver.batch["rollout_is_weights"]})  # fmt: skip
     torch.save(inp, tmp / "in.pt")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     script = ROOT / "tests" / "algos" / "verl_fsdp_objective.py"
@@ -191,6 +225,24 @@ def test_both_engines_give_the_same_loss_and_gradient(setup, preset, micro_batch
         torch.testing.assert_close(theirs["grads"][name], grad, rtol=1e-3, atol=1e-4 * float(total), msg=name)
 
 
+@pytest.mark.parametrize("preset", list(CORRECTED))
+@pytest.mark.parametrize("micro_batch_size", MICRO_BATCH_SIZES)
+def test_both_engines_apply_the_same_rollout_correction(setup, preset, micro_batch_size):
+    settings = CORRECTED[preset]
+    learner = Learner(copy.deepcopy(setup["initial"]), actor_config(preset), TEMPERATURE,
+                      setup["tokenizer"].pad_token_id, rollout_correction=settings)  # fmt: skip
+    perturb_(learner.model)
+    loss, metrics, grads, _ = learner_loss_and_grads(learner, setup["groups"])
+    assert 0 < metrics["is/tis_truncated_frac"] < 1  # the threshold bites somewhere
+    theirs = setup["verl"][f"{preset}-tis"][micro_batch_size]
+    plain = setup["verl"][preset][micro_batch_size]
+    assert abs(plain["loss"] - theirs["loss"]) > 1e-4  # the correction changes the objective
+    assert theirs["loss"] == pytest.approx(loss.item(), rel=1e-4, abs=1e-6)
+    total = sum(g.square().sum() for g in grads.values()).sqrt()
+    for name, grad in grads.items():
+        torch.testing.assert_close(theirs["grads"][name], grad, rtol=1e-3, atol=1e-4 * float(total), msg=name)
+
+
 # ---- each option in the embedded engine ---------------------------------------------------------
 
 
@@ -227,7 +279,8 @@ def test_entropy_coeff_adds_minus_coef_times_the_entropy_gradient(model_and_grou
     for name in g_off:
         torch.testing.assert_close(g_on[name], g_off[name] - 0.3 * g_entropy[name], rtol=1e-4, atol=1e-6)
     # and a few steps of pure entropy bonus raise the entropy
-    pure = _learner(model_and_groups, f"{ACTOR}.entropy_coeff=1.0", f"{ACTOR}.use_kl_loss=false", f"{ACTOR}.optim.lr=3e-3")
+    pure = _learner(model_and_groups, f"{ACTOR}.entropy_coeff=1.0", f"{ACTOR}.use_kl_loss=false",
+                    f"{ACTOR}.optim.lr=3e-3")  # fmt: skip
     before = pure.loss(groups)[1]["actor/entropy_loss"]
     for _ in range(3):
         pure.train_step(groups)
@@ -236,7 +289,8 @@ def test_entropy_coeff_adds_minus_coef_times_the_entropy_gradient(model_and_grou
 
 def test_use_kl_loss_keeps_a_frozen_reference_and_pulls_toward_it(model_and_groups):
     initial, tokenizer, groups = model_and_groups
-    learner = _learner(model_and_groups, f"{ACTOR}.entropy_coeff=0", f"{ACTOR}.kl_loss_coef=1.0", f"{ACTOR}.optim.lr=1e-3")
+    learner = _learner(model_and_groups, f"{ACTOR}.entropy_coeff=0", f"{ACTOR}.kl_loss_coef=1.0",
+                       f"{ACTOR}.optim.lr=1e-3")  # fmt: skip
     assert learner.reference is not None and learner.reference is not learner.model
     assert not any(p.requires_grad for p in learner.reference.parameters())
     # at the reference the KL term is 0 and adds no gradient

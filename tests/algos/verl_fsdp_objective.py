@@ -16,7 +16,9 @@ parameter and the worker's metrics are saved to OUT.pt as
 IN.pt: ``model_path``, ``presets`` (list), ``micro_batch_sizes`` (list), ``overrides`` (list of
 hydra overrides), ``temperature``, ``uids`` (list [B]) and the padded [B, *] tensors
 ``prompts``, ``prompt_mask``, ``responses``, ``response_mask``, ``old_log_probs``,
-``advantages``, ``ref_log_prob``, optionally ``rollout_is_weights``.
+``advantages``, ``ref_log_prob``; optionally ``corrected``, a list of runs
+``{"key", "preset", "old_log_probs", "rollout_is_weights"}`` with those two tensors replaced
+(results under ``key``).
 """
 
 from __future__ import annotations
@@ -102,7 +104,11 @@ def main(in_path: str, out_path: str) -> None:
     batch_size = inp["prompts"].shape[0]
     worker = None
     results = {}
-    for preset in inp["presets"]:
+    # one run per preset, plus the rollout-corrected runs: their own old_log_probs (the recomputed
+    # proximal policy) and rollout_is_weights (computed by verl's driver-side helper)
+    runs = [(preset, preset, {}) for preset in inp["presets"]]
+    runs += [(run["key"], run["preset"], run) for run in inp.get("corrected", [])]
+    for key, preset, replaced in runs:
         cfg = compose(preset, inp["model_path"], inp["overrides"])
         actor_config = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
         if worker is None:  # the engine does not depend on the preset: build it once
@@ -131,15 +137,15 @@ def main(in_path: str, out_path: str) -> None:
             "attention_mask": attention_mask,
             "position_ids": (attention_mask.cumsum(dim=-1) - 1).clamp(min=0),
             "response_mask": inp["response_mask"].long(),
-            "old_log_probs": inp["old_log_probs"],
+            "old_log_probs": replaced.get("old_log_probs", inp["old_log_probs"]),
             "advantages": inp["advantages"],
             "ref_log_prob": inp["ref_log_prob"],
         }
-        if inp.get("rollout_is_weights") is not None:
-            tensors["rollout_is_weights"] = inp["rollout_is_weights"]
+        if replaced.get("rollout_is_weights") is not None:
+            tensors["rollout_is_weights"] = replaced["rollout_is_weights"]
         reduction = actor_config.policy_loss.get("seq_reduction", "mean")
         tensors[GROUP_LOG_DENOMINATOR] = group_log_denominator(
-            inp["old_log_probs"], inp["response_mask"], np.array(inp["uids"], dtype=object), reduction
+            tensors["old_log_probs"], inp["response_mask"], np.array(inp["uids"], dtype=object), reduction
         )
         data = DataProto.from_dict(tensors=tensors).to_tensordict()
         data = left_right_2_no_padding(data)  # ray_trainer._update_actor
@@ -151,13 +157,13 @@ def main(in_path: str, out_path: str) -> None:
             max_token_len_per_gpu=worker.engine_config.max_token_len_per_gpu,
             use_fused_kernels=worker.engine_config.use_fused_kernels,
         )  # fmt: skip
-        results[preset] = {}
+        results[key] = {}
         for micro_batch_size in inp["micro_batch_sizes"]:
             # train_batch's default for this key is engine_config.micro_batch_size_per_gpu
             # (actor.ppo_micro_batch_size_per_gpu); set per call to split the same batch differently
             micro = data.clone()
             tu.assign_non_tensor(micro, micro_batch_size_per_gpu=micro_batch_size)
-            results[preset][micro_batch_size] = run_forward_backward(worker, micro)
+            results[key][micro_batch_size] = run_forward_backward(worker, micro)
     torch.save(results, out_path)
 
 
