@@ -76,3 +76,54 @@ def test_hetero_engine_verl_does_not_stall_and_keeps_the_bound(tmp_path):
     assert all(r["is/group_log_denominator_mean"] < 0 for r in train)  # driver-side GEPO denominators
     assert all(r["actor/has_group_denominator"] == 1.0 for r in train)
     assert (run_dir / "report.md").is_file() and (run_dir / "curves.png").is_file()
+
+
+def _main_gepo(run_dir: Path, steps: int, *overrides: str) -> list[dict]:
+    proc = _run(
+        [
+            sys.executable, "-m", "recipe.gepo.main_gepo", "--config-dir", "configs", "+verl_preset=cpu_toy",
+            "hetero.engine=verl", f"trainer.total_training_steps={steps}", f"trainer.default_local_dir={run_dir}",
+            f"task.cache_dir={ROOT / '.cache' / 'heterorl'}", *overrides,
+        ],
+        timeout=900,
+    )  # fmt: skip
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_delays_follow_the_model_and_a_resumed_run_loses_no_step(tmp_path):
+    """Delayed sync observed in a real run: every pushed version's delay is the delay model's draw
+    for it (same seed, same stream as replay mode), the samplers got it no earlier than that and
+    at most one step (plus polling) later. Then the run crashes after step 4 with its last
+    checkpoint at step 2 (simulated: checkpoint 4 removed) and resumes: steps 3-4 are trained and
+    logged again, every step from 1 to 6 appears once, and steps 1-2 are untouched."""
+    from verl_ext.hetero.delay import DelaySchedule, make_delay_model
+    from verl_ext.hetero.seeding import sampler_stream
+
+    run_dir = tmp_path / "run"
+    delay = ["hetero.delay.dist=lognormal", "hetero.delay.low=0.3", "hetero.delay.high=2.0", "hetero.seed=3"]
+    first = _main_gepo(run_dir, 4, "trainer.save_freq=2", *delay)
+    assert [r["step"] for r in first if "actor/pg_loss" in r] == [1, 2, 3, 4]
+
+    import shutil
+
+    shutil.rmtree(run_dir / "global_step_4")
+    (run_dir / "latest_checkpointed_iteration.txt").write_text("2")
+    rows = _main_gepo(run_dir, 6, "trainer.save_freq=2", *delay)
+    train = [r for r in rows if "actor/pg_loss" in r]
+    assert [r["step"] for r in train] == [1, 2, 3, 4, 5, 6]
+    assert train[:2] == [r for r in first if "actor/pg_loss" in r][:2]  # nothing produced before the checkpoint lost
+
+    schedule = DelaySchedule(make_delay_model("lognormal", low=0.3, high=2.0, confidence=0.995, offset=0.0), seed=3)
+    step_time = max(r["timing_s/step"] for r in first + train if "timing_s/step" in r)
+    pushed = lambda rows: {int(r["hetero/sync_pushed_version"]): r for r in rows if "hetero/sync_pushed_version" in r}
+    resumed = pushed(train[2:])
+    # the resumed weights (version 2) go to the samplers at once, as the initial weights do
+    assert resumed[2]["hetero/sync_drawn_delay"] == 0.0
+    pushes = [(v, r) for v, r in pushed(first).items() if v > 0] + [(v, r) for v, r in resumed.items() if v > 2]
+    assert pushes, "no delayed version reached the samplers"
+    for version, r in pushes:
+        assert r["hetero/sync_drawn_delay"] == pytest.approx(schedule.delay(version, sampler_stream(0)), rel=1e-9)
+        late = r["hetero/sync_observed_delay"] - r["hetero/sync_drawn_delay"]
+        assert 0.0 <= late <= step_time + 1.0, (version, r)

@@ -15,8 +15,10 @@ weights: they are kept as CPU snapshots on the actor workers (verl's
 more versions are in flight, the oldest unreleased one is skipped and counted
 (``hetero/sync_skipped``) -- raise ``keep_weight_versions`` if that counter moves.
 
-:class:`DelayedSyncSchedule` is the decision logic (pure Python, tested on CPU);
-:class:`DelayedCheckpointManager` applies it to verl's manager (GPU clusters only).
+:class:`DelayedSyncSchedule` is the decision logic (pure Python); :class:`DelayedCheckpointManager`
+applies it to verl's manager and reports each push (``hetero/sync_pushed_version``,
+``hetero/sync_drawn_delay``, ``hetero/sync_observed_delay``). Both run on the CPU with verl's real
+workers (tests/cpu/).
 """
 
 from __future__ import annotations
@@ -150,6 +152,9 @@ class DelayedCheckpointManager:
         self._current: Optional[int] = None  # the learner's newest version (its live weights)
         self._saved: set[int] = set()  # versions with a snapshot on the workers
         self.pushed: list[int] = []  # versions pushed to the samplers, in order
+        # version -> (publication time, drawn delay), in the schedule's unit, until it is pushed
+        self._published: dict[int, tuple[float, float]] = {}
+        self.last_push: dict[str, float] = {}  # the newest push, as hetero/sync_* metrics
 
     def _free(self, version: int) -> None:
         if version in self._saved:
@@ -161,6 +166,7 @@ class DelayedCheckpointManager:
         schedule = self.schedule
         now = schedule.now(global_steps)
         schedule.publish(global_steps, now, immediate=not self._initialised)
+        self._published[global_steps] = (now, schedule.last_delay)
         self._initialised = True
         self._current = global_steps
         if schedule.needs_snapshot(global_steps, now):
@@ -168,6 +174,7 @@ class DelayedCheckpointManager:
             self._saved.add(global_steps)
         metrics = self._push_due(now)
         metrics.update(schedule.metrics(global_steps))
+        metrics.update(self.last_push)  # this step's push, or the newest one made while waiting
         return metrics
 
     def release_due(self) -> dict[str, float]:
@@ -197,8 +204,16 @@ class DelayedCheckpointManager:
                 self.actor_wg.clear_cpu_model(CURRENT_SLOT)
             self._free(version)
             self.pushed.append(version)
+            published_at, drawn = self._published.pop(version)
+            # what the samplers saw: drawn <= observed, late by at most one sync point
+            self.last_push = {
+                "hetero/sync_pushed_version": float(version),
+                "hetero/sync_drawn_delay": drawn,
+                "hetero/sync_observed_delay": now - published_at,
+            }
         for old in schedule.pop_retired():
             self._free(old)
+            self._published.pop(old, None)
         return metrics
 
     def __getattr__(self, name: str) -> Any:

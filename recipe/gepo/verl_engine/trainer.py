@@ -1,8 +1,9 @@
 """The verl engine's trainer: verl 0.9.1's v1 ``separate_async`` trainer plus HeteroRL.
 
 Importing this module registers :class:`HeteroSeparateAsyncTrainer` in verl's v1 trainer registry
-as ``hetero_separate_async`` (``trainer.v1.trainer_mode``). It needs verl's v1 trainer, which
-imports TransferQueue (``pip install "verl[verl-core]==0.9.1"``); it runs only on GPU clusters.
+as ``hetero_separate_async`` (``trainer.v1.trainer_mode``). It needs verl's v1 trainer (which
+imports TransferQueue); it runs on GPU clusters and, with the ``cpu_toy`` preset, on this CPU
+(docs/scale-out.md).
 
 What it adds to verl's loop, each on one of verl's own extension points:
 
@@ -46,7 +47,7 @@ from recipe.gepo.verl_engine.loss import bridge_loss_fn
 from recipe.gepo.verl_engine.plan import delay_unit
 from recipe.gepo.verl_engine.staleness import hetero_step_metrics, stale_group_uids
 from verl_ext.cpu.patches import fix_separate_async_logger
-from verl_ext.rundir import MetricsWriter
+from verl_ext.rundir import METRICS_FILE, MetricsWriter, truncate_metrics
 from verl_ext.verl_plugin import loss_option
 
 fix_separate_async_logger()  # verl 0.9.1's separate_async crashes at init otherwise (any device)
@@ -153,6 +154,12 @@ class HeteroSeparateAsyncTrainer(PPOTrainerSeparateAsync):
         manager = getattr(self, "standalone_checkpoint_manager", None)
         if isinstance(manager, DelayedCheckpointManager):
             manager.release_due()
+
+    # ---- resume ----------------------------------------------------------------------------
+    def _load_checkpoint(self):
+        super()._load_checkpoint()
+        if self.global_steps > 0:  # resumed: the steps after the checkpoint are trained (and logged) again
+            truncate_metrics(Path(self.config.trainer.default_local_dir) / METRICS_FILE, self.global_steps)
 
     # ---- workers and delayed sync ----------------------------------------------------------
     def _init_resource_pool_mgr(self):
