@@ -55,7 +55,7 @@ OBJECTIVE = [
     "actor_rollout_ref.actor.kl_loss_type=low_var_kl",
     f"actor_rollout_ref.rollout.temperature={TEMPERATURE}",
     "actor_rollout_ref.rollout.n=4",
-    "data.max_response_length=6",
+    "data.max_response_length=8",  # > the batch's response width (6): loss_scale_factor is not the padded length
 ]
 # verl's engine runs the 12 sequences as one micro-batch, and as two of 6 (partial prompt
 # groups), where the global-batch normalisation must make their sum the whole batch's objective
