@@ -138,9 +138,28 @@ class _Probe:
             self.proc.wait()
 
 
+# the first import is the rollout module itself (a Ray actor process unpickling HFCPUServer): verl's
+# plugin runs from inside it, while the module is half-initialised
+_ROLLOUT_FIRST_PROBE = """
+import json, logging, io
+stream = io.StringIO()
+logging.basicConfig(stream=stream, level=logging.WARNING)
+import verl_ext.cpu.rollout
+from verl.workers.rollout import base
+from verl.workers.rollout.replica import RolloutReplicaRegistry
+print("PROBE=" + json.dumps({
+    "rollout_class": base._ROLLOUT_REGISTRY.get(("hf_cpu", "async")),
+    "replica_registered": "hf_cpu" in RolloutReplicaRegistry._registry,
+    "warnings": stream.getvalue(),
+}))
+"""
+
+
 @pytest.fixture(scope="module")
 def probes():
-    running = {"platform": _Probe(_PLATFORM_PROBE), "order": _Probe(_ORDER_PROBE)}
+    running = {
+        "platform": _Probe(_PLATFORM_PROBE), "order": _Probe(_ORDER_PROBE), "rollout_first": _Probe(_ROLLOUT_FIRST_PROBE),
+    }  # fmt: skip
     yield running
     for probe in running.values():
         probe.kill()
@@ -165,6 +184,13 @@ def test_fresh_process_registers_hf_cpu_rollout_and_ray_mailbox(probes):
     assert out["rollout_registered"]
     assert out["rollout_class"] == "verl_ext.cpu.rollout.HFCPUServerAdapter"
     assert out["ckpt_engine_class"] == "verl_ext.cpu.checkpoint_engine.RayMailboxCheckpointEngine"
+
+
+def test_fresh_process_importing_the_rollout_module_first_still_registers_it(probes):
+    out = probes["rollout_first"].result()
+    assert out["rollout_class"] == "verl_ext.cpu.rollout.HFCPUServerAdapter"
+    assert out["replica_registered"]
+    assert "not registered" not in out["warnings"], out["warnings"]
 
 
 def test_fresh_process_patches_verl_workers_and_finds_fsdp_engine_on_cpu(probes):

@@ -21,9 +21,7 @@ from __future__ import annotations
 
 def register() -> None:
     """Register the CPU platform, the hf_cpu rollout and the ray_mailbox weight sync with verl."""
-    from verl_ext.cpu import checkpoint_engine, platform, rollout  # noqa: F401  (registers on import)
-
-    rollout.register()
+    from verl_ext.cpu import checkpoint_engine, platform, rollout  # noqa: F401  (each registers on import)
 
 
 __all__ = ["register"]

@@ -319,3 +319,8 @@ def register() -> None:
 
     rollout_base._ROLLOUT_REGISTRY[(ROLLOUT_NAME, "async")] = f"{__name__}.HFCPUServerAdapter"
     RolloutReplicaRegistry.register(ROLLOUT_NAME, lambda: HFCPUReplica)
+
+
+# On import, like the platform and the checkpoint engine: a process whose first import is this
+# module (Ray unpickling HFCPUServer) reaches the plugin from inside it, before ``register`` exists.
+register()

@@ -106,11 +106,13 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     from verl.utils.device import auto_set_device
 
     from recipe.gepo.report import write_report
+    from verl_ext.rundir import write_run_config
 
     settings = engine_settings(resolve_task_files(cfg))
     auto_set_device(settings)
-    run_ppo(settings, task_runner_class=task_runner_class())
     run_dir = Path(str(settings.trainer.default_local_dir))
+    write_run_config(run_dir, settings)  # what report.md reads (algorithm, delay, ...), as the embedded engine
+    run_ppo(settings, task_runner_class=task_runner_class())
     if (run_dir / "metrics.jsonl").is_file():
         write_report(run_dir)  # report.md + curves.png next to metrics.jsonl, as the embedded engine
     return {"run_dir": str(run_dir)}
