@@ -65,6 +65,15 @@ _PLATFORM_PROBE = textwrap.dedent(
     import torch
     import torch.distributed as dist
     ew.initialize_global_process_group_ray(timeout_second=60)
+
+    # a CPU weight snapshot of an FSDP2 module is a copy, not the live parameters
+    from torch.distributed.fsdp import fully_shard
+    from verl.utils import fsdp_utils
+    module = fully_shard(torch.nn.Linear(2, 2))
+    snapshot, _ = fsdp_utils.fsdp2_sharded_save_to_cpu(module)
+    with torch.no_grad():
+        module.weight.add_(1.0)
+    out["snapshot_is_copy"] = not torch.equal(snapshot["weight"][0], module.weight._local_tensor)
     out["dist_initialized"] = dist.is_initialized()
     out["dist_backend"] = str(dist.get_backend())
     t = torch.tensor([1.0, 2.0])
@@ -198,6 +207,7 @@ def test_fresh_process_patches_verl_workers_and_finds_fsdp_engine_on_cpu(probes)
     post-import hook, and verl's EngineRegistry returns the FSDP LM engine for device cpu."""
     out = probes["platform"].result()
     assert out["engine_workers_patched"]
+    assert out["snapshot_is_copy"]  # verl/utils/fsdp_utils.py:1180 aliases on the CPU unpatched
     assert out["lm_engine_class"] == "verl.workers.engine.fsdp.transformer_impl.FSDPEngineWithLMHead"
 
 

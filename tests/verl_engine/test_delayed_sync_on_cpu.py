@@ -1,15 +1,10 @@
-"""Delayed parameter sync: the samplers see version v only after its delay, never go back in
-time, and older versions are pushed from their CPU snapshots."""
+"""Delayed parameter sync, the schedule: the samplers see version v only after its delay and never
+go back in time."""
 
 import numpy as np
 import pytest
 
-from recipe.gepo.verl_engine.delayed_sync import (
-    CURRENT_SLOT,
-    DelayedCheckpointManager,
-    DelayedSyncSchedule,
-    snapshot_slot,
-)
+from recipe.gepo.verl_engine.delayed_sync import DelayedSyncSchedule
 from verl_ext.hetero.delay import make_delay_model
 
 
@@ -70,61 +65,5 @@ def test_bad_settings_are_named():
         DelayedSyncSchedule(model, "hours", max_pending=1)
 
 
-class RecordingWorkers:
-    """Test double for verl's GPU-only pieces (the checkpoint engine manager and the actor worker
-    group's CPU snapshot calls): records the calls and tracks which weights are 'loaded'."""
-
-    def __init__(self):
-        self.calls, self.snapshots, self.loaded = [], {}, "w0"
-
-    # actor worker group (DetachActorWorker API)
-    def save_model_to_cpu(self, n):
-        self.calls.append(("save", n))
-        self.snapshots[n] = self.loaded
-
-    def restore_model_from_cpu(self, n):
-        self.calls.append(("restore", n))
-        self.loaded = self.snapshots[n]
-
-    def clear_cpu_model(self, n):
-        self.calls.append(("clear", n))
-        self.snapshots.pop(n, None)
-
-    # checkpoint engine manager
-    def update_weights(self, global_steps):
-        self.calls.append(("push", global_steps, self.loaded))
-        return {"sync/bytes": 1.0}
-
-    def sleep_replicas(self):
-        self.calls.append(("sleep",))
-
-
-def test_manager_pushes_old_versions_from_their_snapshots_and_restores_the_learner():
-    w = RecordingWorkers()
-    schedule = DelayedSyncSchedule(make_delay_model("constant", value=2.0), "steps", max_pending=4)
-    mgr = DelayedCheckpointManager(w, w, schedule)
-    pushes = []
-    for step in range(6):
-        w.loaded = f"w{step}"  # the learner's weights after `step` updates
-        metrics = mgr.update_weights(step)
-        assert w.loaded == f"w{step}"  # the learner always continues with its own weights
-        assert "hetero/sync_lag" in metrics
-        pushes += [c for c in w.calls if c[0] == "push"]
-        w.calls.clear()
-    # initial weights at once, then version v (its own weights, not newer) at step v + 2
-    assert pushes == [("push", 0, "w0"), ("push", 1, "w1"), ("push", 2, "w2"), ("push", 3, "w3")]
-    assert set(w.snapshots) == {snapshot_slot(4), snapshot_slot(5)}  # pending only; others freed
-    assert CURRENT_SLOT not in w.snapshots
-    mgr.sleep_replicas()  # everything else is verl's manager, unchanged
-    assert w.calls == [("sleep",)]
-
-
-def test_no_delay_pushes_every_version_at_once_without_snapshots():
-    w = RecordingWorkers()
-    mgr = DelayedCheckpointManager(w, w, DelayedSyncSchedule(make_delay_model("none"), "seconds", 4))
-    for step in range(3):
-        w.loaded = f"w{step}"
-        mgr.update_weights(step)
-    assert [c for c in w.calls if c[0] != "push"] == []
-    assert [c[1] for c in w.calls] == [0, 1, 2]
-    assert np.isfinite(mgr.schedule.metrics(2)["hetero/sync_lag"])
+# DelayedCheckpointManager runs against verl's real CheckpointEngineManager, hf_cpu replica and
+# actor workers in tests/cpu/test_verl_actor_on_cpu.py (slow).

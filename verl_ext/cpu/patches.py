@@ -146,6 +146,26 @@ def _register_fsdp_engines_for_cpu(module: Any) -> None:
             EngineRegistry.register(model_type=model_type, backend=["fsdp", "fsdp2"], device="cpu")(engine)
 
 
+def _patch_fsdp2_snapshot_copies(module: Any) -> None:
+    """``verl/utils/fsdp_utils.py:1167`` and ``:1180`` snapshot each parameter shard with
+    ``tensor.detach().cpu()``: a copy from a GPU, but on the CPU ``.cpu()`` returns the parameter
+    itself, so the "snapshot" keeps following training. ``DetachActorWorker.save_model_to_cpu``
+    (verl's separate_async, the verl engine's delayed weight sync) then pushes the current
+    weights under an old version's name. The FSDP1 helper copies (``copy=True``); this makes the
+    FSDP2 one copy too."""
+    save = module.fsdp2_sharded_save_to_cpu
+    if getattr(save, "_heterorl_copies", False):
+        return
+
+    @wraps(save)
+    def fsdp2_sharded_save_to_cpu(model):
+        state, global_spec = save(model)
+        return {name: (shard.clone(), spec) for name, (shard, spec) in state.items()}, global_spec
+
+    fsdp2_sharded_save_to_cpu._heterorl_copies = True
+    module.fsdp2_sharded_save_to_cpu = fsdp2_sharded_save_to_cpu
+
+
 def check_verl_version() -> None:
     import verl
 
@@ -167,5 +187,6 @@ def apply_patches() -> None:
     after_import("verl.utils.distributed", _patch_gloo_default)
     after_import("verl.workers.engine_workers", _patch_gloo_default)
     after_import("verl.workers.engine.fsdp.transformer_impl", _register_fsdp_engines_for_cpu)
+    after_import("verl.utils.fsdp_utils", _patch_fsdp2_snapshot_copies)
     fix_separate_async_logger()
     _applied = True
