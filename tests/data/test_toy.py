@@ -205,3 +205,61 @@ def test_three_digit_warm_start_reaches_the_window(tmp_path):
     fresh = make_problems(512, digits=3, seed=99)
     acc = toy_accuracy(model, tok, fresh, temperature=1.0, seed=1)
     assert 0.1 <= acc <= 0.8  # the window, measured again on other problems (sampling noise allowed)
+
+
+# ---------------------------------------------------------------------------------------------
+# pinned warm start
+
+
+def test_pinned_warm_start_is_a_pure_function_of_its_settings(tmp_path):
+    """Two trainings in separate caches give bit-identical weights (same sha256), recorded in the
+    info file; another seed or step count gives other weights."""
+    from verl_ext.data.toy import weights_sha256
+
+    kw = dict(digits=1, steps=12, seed=0, batch_size=16, warmup_steps=2, n_eval=16)
+    a = warm_start(tmp_path / "a", **kw)
+    b = warm_start(tmp_path / "b", **kw)
+    info = json.loads((a / WARM_START_INFO).read_text())
+    assert info["stop_reason"] == "steps" and info["steps"] == 12 and info["in_target"] is None
+    assert info["weights_sha256"] == weights_sha256(a) == weights_sha256(b)
+    assert json.loads((b / WARM_START_INFO).read_text())["weights_sha256"] == info["weights_sha256"]
+    assert a.name.startswith("toy_add1-pin12-") and warm_start(tmp_path / "a", **kw) == a  # cached
+    assert weights_sha256(warm_start(tmp_path / "a", **{**kw, "seed": 1})) != info["weights_sha256"]
+    assert weights_sha256(warm_start(tmp_path / "a", **{**kw, "steps": 13})) != info["weights_sha256"]
+    # the recorded accuracy is toy_accuracy's on the documented problems and seed
+    model, tok = load_toy_model(a)
+    held_out = make_problems(16, digits=1, seed=10**6)
+    assert toy_accuracy(model, tok, held_out, temperature=1.0, seed=12) == info["accuracy"]
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"target_accuracy": (0.2, 0.7)}, "target_accuracy"),
+        ({"max_seconds": 60}, "max_seconds"),
+        ({"max_steps": 5}, "max_steps"),
+        ({"eval_every": 5}, "eval_every"),
+        ({"num_threads": 2}, "num_threads"),
+        ({"steps": 0}, "steps"),
+    ],
+)
+def test_pinned_warm_start_refuses_window_settings(tmp_path, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        warm_start(tmp_path, digits=1, **{"steps": 3, **kwargs})
+
+
+def test_weights_sha256_hashes_tensors_not_files(tmp_path):
+    from safetensors.torch import save_file
+
+    from verl_ext.data.toy import weights_sha256
+
+    x, y = torch.arange(6, dtype=torch.float32).reshape(2, 3), torch.ones(2)
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    save_file({"x": x, "y": y}, str(tmp_path / "a" / "model.safetensors"), metadata={"format": "pt"})
+    save_file({"y": y, "x": x}, str(tmp_path / "b" / "model.safetensors"))  # other order and metadata
+    assert weights_sha256(tmp_path / "a") == weights_sha256(tmp_path / "b")
+    save_file({"x": x.reshape(3, 2), "y": y}, str(tmp_path / "b" / "model.safetensors"))
+    assert weights_sha256(tmp_path / "a") != weights_sha256(tmp_path / "b")  # the shape counts
+    with pytest.raises(FileNotFoundError, match="safetensors"):
+        weights_sha256(tmp_path)

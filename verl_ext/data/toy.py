@@ -14,8 +14,11 @@ Pieces:
   embeddings).
 * :func:`make_problems` -- benchmark records (same format as :func:`verl_ext.data.datasets.load_benchmark`).
 * :func:`toy_accuracy` -- sampled accuracy through ``model.generate`` and the toy reward.
-* :func:`warm_start` -- supervised training until the sampled accuracy (temperature 1.0) first lands
-  inside a target window, saved as a normal HF folder and cached.
+* :func:`warm_start` -- supervised training, saved as a normal HF folder and cached: *pinned*
+  (``steps=N``: exactly N optimizer steps from a seed, the same weights on any machine, identified
+  by :func:`weights_sha256`) or, the older way, until the sampled accuracy (temperature 1.0) first
+  lands inside a target window (depends on the machine's speed through its time budget).
+* :func:`weights_sha256` -- the identity of a model folder's weights.
 
 Long answers (``answer_format="scratchpad"``): the response first writes out every column of the
 addition, least significant first, as five digits ``a_i b_i c_i s_i`` (the two operand digits,
@@ -55,6 +58,7 @@ __all__ = [
     "response_length",
     "toy_accuracy",
     "warm_start",
+    "weights_sha256",
     "load_toy_model",
     "WARM_START_INFO",
 ]
@@ -184,16 +188,11 @@ def response_length(digits: int, answer_format: str = "short") -> int:
 
 def scratchpad_score(response: str, answer: str) -> float:
     """1.0 iff the response has an ``=`` and the leading digits after the first one equal
-    ``answer`` exactly (the toy reward's rule applied to the part after ``=``); the scratchpad
-    itself is not checked."""
-    from verl_ext.rewards.toy_reward import compute_score
+    ``answer`` exactly; the scratchpad itself is not checked. The long-answer reward
+    (:func:`verl_ext.rewards.scratchpad_reward.compute_score`), as a float."""
+    from verl_ext.rewards import scratchpad_reward
 
-    if not isinstance(response, str):
-        raise TypeError(f"response must be a str, got {type(response).__name__}")
-    head, sep, tail = response.strip().partition("=")
-    if not sep:
-        return 0.0
-    return float(compute_score("toy", tail, answer)["acc"])
+    return float(scratchpad_reward.compute_score("toy_scratch", response, answer)["acc"])
 
 
 def make_problems(n: int, digits: int = 3, seed: int = 0, answer_format: str = "short") -> list[dict]:
@@ -266,7 +265,8 @@ def toy_accuracy(
     """
     import torch
 
-    from verl_ext.rewards.toy_reward import compute_score
+    from verl_ext.rewards.dispatch import compute_score
+    from verl_ext.sampling import generate
 
     if not problems:
         raise ValueError("toy_accuracy needs at least one problem")
@@ -277,30 +277,23 @@ def toy_accuracy(
     was_training = model.training
     model.eval()
     completions: list[str] = []
-    gen_kwargs = dict(
-        max_new_tokens=max_new_tokens,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-    )
-    if temperature > 0:
-        gen_kwargs.update(do_sample=True, temperature=float(temperature), top_k=0, top_p=1.0)
-    else:
-        gen_kwargs.update(do_sample=False)
     try:
-        with torch.random.fork_rng(devices=[]), torch.no_grad():
+        # one seeded random stream across the batches (generate(seed=None) draws from it), in a
+        # forked RNG state so the caller's stream is untouched
+        with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             for start in range(0, len(problems), batch_size):
                 chunk = problems[start : start + batch_size]
                 enc = tokenizer([p["problem"] for p in chunk], return_tensors="pt", padding=True)
-                out = model.generate(**enc, **gen_kwargs)
-                new = out[:, enc["input_ids"].shape[1] :]
-                completions.extend(tokenizer.batch_decode(new, skip_special_tokens=True))
+                gen = generate(
+                    model, enc["input_ids"], enc["attention_mask"], max_new_tokens=max_new_tokens,
+                    eos_token_ids=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                    temperature=float(temperature), with_log_q=False,
+                )  # fmt: skip
+                completions.extend(tokenizer.batch_decode(gen.tokens, skip_special_tokens=True))
     finally:
         model.train(was_training)
-    correct = sum(
-        scratchpad_score(c, p["answer"]) if _is_scratchpad(p) else compute_score("toy", c, p["answer"])["acc"]
-        for c, p in zip(completions, problems)
-    )
+    correct = sum(compute_score(p["data_source"], c, p["answer"])["acc"] for c, p in zip(completions, problems))
     acc = correct / len(problems)
     return (acc, completions) if return_completions else acc
 
@@ -370,14 +363,15 @@ def _train_batch(rng: random.Random, batch_size: int, digits: int, tokenizer, an
 def warm_start(
     cache_dir: str | os.PathLike,
     digits: int = 3,
-    target_accuracy: tuple[float, float] = (0.3, 0.7),
-    max_seconds: float = 900.0,
+    target_accuracy: tuple[float, float] | None = None,
+    max_seconds: float | None = None,
     seed: int = 0,
     *,
+    steps: int | None = None,
     batch_size: int = 64,
     lr: float = 1e-3,
     warmup_steps: int = 50,
-    eval_every: int = 25,
+    eval_every: int | None = None,
     n_eval: int = 256,
     max_steps: int | None = None,
     num_threads: int | None = None,
@@ -385,7 +379,17 @@ def warm_start(
 ) -> Path:
     """Supervised warm start of the tiny model; returns the cached HF folder.
 
-    Trains on fresh random problems (cross-entropy on the answer and ``</s>`` only) and every
+    **Pinned** (``steps=N``): exactly N optimizer steps on the problem stream of ``seed``, with
+    deterministic torch ops and one torch thread, then one evaluation (``n_eval`` held-out
+    problems, seed ``seed + 10**6``, sampled at temperature 1 with seed ``seed + N``) for the
+    record. No clock and no accuracy decide anything, so the weights are the same on any machine
+    with the same torch/transformers versions (recorded), checked by ``weights_sha256`` in
+    :data:`WARM_START_INFO`. ``target_accuracy``, ``max_seconds``, ``max_steps`` and
+    ``eval_every`` belong to the window mode and are refused with ``steps``; ``num_threads``
+    must be None or 1 (one and two threads gave the same weights here, ``docs/study.md``, but
+    other BLAS builds may sum differently, and two threads ran 13x slower on a loaded machine).
+
+    **Window** (``steps=None``, the older way): trains on fresh random problems (cross-entropy on the answer and ``</s>`` only) and every
     ``eval_every`` steps measures sampled accuracy at temperature 1.0 on ``n_eval`` held-out
     problems (seed ``seed + 10**6``); training stops at the FIRST evaluation whose accuracy lies in
     ``target_accuracy`` (inclusive). To keep evaluations cheap during the long initial plateau,
@@ -403,13 +407,16 @@ def warm_start(
     Args:
         cache_dir: folder for cached checkpoints (created if missing).
         digits: operand digits (1..9).
-        target_accuracy: (low, high) window of held-out sampled accuracy, 0 <= low <= high <= 1.
-        max_seconds: wall-clock training budget in seconds (evaluation time included).
+        target_accuracy: window mode: (low, high) window of held-out sampled accuracy,
+            0 <= low <= high <= 1 (None: (0.3, 0.7)).
+        max_seconds: window mode: wall-clock training budget in seconds, evaluation time
+            included (None: 900).
         seed: seeds the model init, the training problems and the evaluation sampling.
+        steps: pinned mode: optimizer steps (>= 1); None = window mode.
         batch_size: problems per optimizer step.
         lr: AdamW peak learning rate (linear warm-up over ``warmup_steps`` steps, then constant).
         warmup_steps: optimizer steps of linear learning-rate warm-up.
-        eval_every: optimizer steps between accuracy evaluations.
+        eval_every: window mode: optimizer steps between accuracy evaluations (None: 25).
         n_eval: held-out problems per evaluation (one sample each).
         max_steps: optional cap on optimizer steps (None: only the time budget).
         num_threads: torch intra-op threads while training (restored afterwards). None (default):
@@ -420,6 +427,16 @@ def warm_start(
     """
     digits = _check_digits(digits)
     answer_format = _check_format(answer_format)
+    if steps is not None:
+        return _pinned_warm_start(
+            cache_dir, digits, seed, steps, answer_format, batch_size=batch_size, lr=lr, warmup_steps=warmup_steps,
+            n_eval=n_eval, num_threads=num_threads,
+            window_args={"target_accuracy": target_accuracy, "max_seconds": max_seconds, "max_steps": max_steps,
+                         "eval_every": eval_every},
+        )  # fmt: skip
+    target_accuracy = (0.3, 0.7) if target_accuracy is None else target_accuracy
+    max_seconds = 900.0 if max_seconds is None else max_seconds
+    eval_every = 25 if eval_every is None else eval_every
     lo, hi = _check_window(target_accuracy)
     for name, value, minimum in (
         ("batch_size", batch_size, 1),
@@ -480,6 +497,162 @@ def warm_start(
     return final
 
 
+def _check_int(name: str, value: Any, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+    return value
+
+
+def _pinned_warm_start(cache_dir, digits: int, seed: int, steps: int, answer_format: str, *, batch_size: int,
+                       lr: float, warmup_steps: int, n_eval: int, num_threads: int | None, window_args: dict) -> Path:
+    """:func:`warm_start` with ``steps`` (see there)."""
+    given = [k for k, v in window_args.items() if v is not None]
+    if given:
+        raise ValueError(f"warm_start(steps={steps!r}) is the pinned mode; {', '.join(given)} belong to the "
+                         f"accuracy-window mode (steps=None) and are not used here: drop them")
+    _check_int("steps", steps, 1)
+    _check_int("seed", seed, 0)
+    for name, value, minimum in (("batch_size", batch_size, 1), ("warmup_steps", warmup_steps, 0), ("n_eval", n_eval, 1)):
+        _check_int(name, value, minimum)
+    if num_threads not in (None, 1):
+        raise ValueError(f"num_threads={num_threads!r}: a pinned warm start trains with one torch thread "
+                         "(thread counts may change float sums on other builds; two ran 13x slower here)")
+    if not (isinstance(lr, (int, float)) and lr > 0 and math.isfinite(lr)):
+        raise ValueError(f"lr must be a finite number > 0, got {lr!r}")
+    settings = {
+        "recipe_version": _RECIPE_VERSION,
+        "mode": "pinned",
+        "digits": digits,
+        "answer_format": answer_format,
+        "steps": steps,
+        "seed": seed,
+        "batch_size": batch_size,
+        "lr": float(lr),
+        "warmup_steps": warmup_steps,
+        "n_eval": n_eval,
+        "eval_temperature": 1.0,
+    }
+    name = f"toy_add{digits}" + ("" if answer_format == "short" else "_scratch") + f"-pin{steps}"
+    key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
+    cache_dir = Path(cache_dir)
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    final = cache_dir / f"{name}-{key}"
+    if (final / WARM_START_INFO).is_file():
+        return final
+    with _file_lock(cache_dir / f".{name}-{key}.lock"):
+        if (final / WARM_START_INFO).is_file():
+            return final
+        with _torch_threads(1), _deterministic_torch():
+            model, tok, info = _train_pinned(settings)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=cache_dir))
+        try:
+            model.save_pretrained(tmp)
+            tok.save_pretrained(tmp)
+            info["weights_sha256"] = weights_sha256(tmp)
+            (tmp / WARM_START_INFO).write_text(json.dumps(info, indent=2) + "\n")
+            if final.exists():
+                shutil.rmtree(final)
+            os.rename(tmp, final)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    return final
+
+
+@contextlib.contextmanager
+def _deterministic_torch():
+    """``torch.use_deterministic_algorithms(True)`` inside the block, the previous setting after."""
+    import torch
+
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before)
+
+
+def _new_toy_model(seed: int):
+    import torch
+    from transformers import GenerationConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    tok = build_tokenizer()
+    model = LlamaForCausalLM(toy_model_config(tok))
+    model.generation_config = GenerationConfig(
+        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id
+    )
+    return model, tok
+
+
+def _train_pinned(settings: dict):
+    """Exactly ``settings["steps"]`` AdamW steps (linear warm-up, then constant; grad clip 1),
+    one held-out evaluation at the end."""
+    import torch
+    import transformers
+
+    digits, answer_format, seed = settings["digits"], settings["answer_format"], settings["seed"]
+    model, tok = _new_toy_model(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=settings["lr"], betas=(0.9, 0.98), weight_decay=0.0)
+    warmup = settings["warmup_steps"]
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, (step + 1) / max(1, warmup)))
+    rng = random.Random(seed)
+    t0, c0 = time.monotonic(), time.process_time()
+    model.train()
+    losses = []
+    for _ in range(settings["steps"]):
+        ids, labels = _train_batch(rng, settings["batch_size"], digits, tok, answer_format)
+        loss = model(input_ids=ids, labels=labels).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        losses.append(loss.item())
+    train_seconds = time.monotonic() - t0
+    model.eval()
+    held_out = make_problems(settings["n_eval"], digits=digits, seed=seed + 10**6, answer_format=answer_format)
+    acc = toy_accuracy(model, tok, held_out, temperature=1.0, seed=seed + settings["steps"])
+    logger.info("toy pinned warm start: %d steps, %.1f s, last loss %.3f, accuracy %.3f",
+                settings["steps"], train_seconds, losses[-1], acc)  # fmt: skip
+    info = {
+        "accuracy": acc,
+        "in_target": None,
+        "stop_reason": "steps",
+        "steps": settings["steps"],
+        "seconds": round(time.monotonic() - t0, 2),
+        "train_seconds": round(train_seconds, 2),
+        "cpu_seconds": round(time.process_time() - c0, 2),
+        "eval_temperature": 1.0,
+        "n_eval": settings["n_eval"],
+        "final_loss": losses[-1],
+        "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
+        "settings": settings,
+    }
+    return model, tok, info
+
+
+def weights_sha256(path: str | os.PathLike) -> str:
+    """sha256 (hex) of a model folder's weights: over every ``*.safetensors`` tensor, in sorted
+    name order, of its name, dtype, shape and raw bytes -- independent of the file's metadata and
+    tensor layout, so equal weights give equal hashes on any machine."""
+    import torch
+    from safetensors.torch import load_file
+
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {str(path)!r}")
+    tensors: dict = {}
+    for f in files:
+        tensors.update(load_file(str(f)))
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name].contiguous()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(t.view(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
 def resolve_toy_model(model_path: str, task_name: str, **warm_start_kwargs: Any) -> str:
     """The model both engines train: ``model_path`` if given (a local HF folder), else for
     ``task.name=toy_addition`` the cached :func:`warm_start` (``warm_start_kwargs`` are its arguments)."""
@@ -504,18 +677,12 @@ def _check_window(target_accuracy) -> tuple[float, float]:
 
 def _train(settings: dict):
     import torch
-    from transformers import GenerationConfig, LlamaForCausalLM
 
     digits = settings["digits"]
     answer_format = settings.get("answer_format", "short")
     lo, hi = settings["target_accuracy"]
     seed = settings["seed"]
-    torch.manual_seed(seed)
-    tok = build_tokenizer()
-    model = LlamaForCausalLM(toy_model_config(tok))
-    model.generation_config = GenerationConfig(
-        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id
-    )
+    model, tok = _new_toy_model(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=settings["lr"], betas=(0.9, 0.98), weight_decay=0.0)
     warmup = settings["warmup_steps"]
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, (step + 1) / max(1, warmup)))
@@ -592,28 +759,36 @@ def _train(settings: dict):
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m verl_ext.data.toy --cache-dir DIR [--digits 3] [--low 0.3 --high 0.7]``: warm start, print the folder."""
+    """``python -m verl_ext.data.toy --cache-dir DIR [--digits 3] (--steps N | --low 0.3 --high 0.7)``:
+    warm start, print the folder (and, pinned, its weights' sha256)."""
     import argparse
 
     parser = argparse.ArgumentParser(prog="python -m verl_ext.data.toy", description="toy addition warm start")
     parser.add_argument("--cache-dir", required=True, help="folder for cached checkpoints")
     parser.add_argument("--digits", type=int, default=3, help="operand digits")
-    parser.add_argument("--low", type=float, default=0.3, help="low end of the target accuracy window")
-    parser.add_argument("--high", type=float, default=0.7, help="high end of the target accuracy window")
-    parser.add_argument("--max-seconds", type=float, default=900.0, help="wall-clock training budget")
+    parser.add_argument("--steps", type=int, default=None, help="pinned: exactly this many optimizer steps")
+    parser.add_argument("--low", type=float, default=None, help="window mode: low end of the accuracy window (0.3)")
+    parser.add_argument("--high", type=float, default=None, help="window mode: high end of the accuracy window (0.7)")
+    parser.add_argument("--max-seconds", type=float, default=None, help="window mode: wall-clock budget (900)")
     parser.add_argument("--seed", type=int, default=0, help="seed of init, data and evaluation")
     parser.add_argument("--answer-format", default="short", choices=ANSWER_FORMATS, help="short sums or scratchpad")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     t0 = time.monotonic()
-    path = warm_start(args.cache_dir, args.digits, (args.low, args.high), args.max_seconds, args.seed,
-                      answer_format=args.answer_format)
+    window = None
+    if args.low is not None or args.high is not None:
+        window = (0.3 if args.low is None else args.low, 0.7 if args.high is None else args.high)
+    path = warm_start(args.cache_dir, args.digits, window, args.max_seconds, args.seed, steps=args.steps,
+                      answer_format=args.answer_format)  # fmt: skip
     info = json.loads((path / WARM_START_INFO).read_text())
+    where = "pinned" if info["stop_reason"] == "steps" else f"in target: {info['in_target']}"
     print(
-        f"{path}\naccuracy {info['accuracy']:.3f} (in target: {info['in_target']}), {info['steps']} steps, "
+        f"{path}\naccuracy {info['accuracy']:.3f} ({where}), {info['steps']} steps, "
         f"training {info['seconds']:.1f} s wall / {info['cpu_seconds']:.1f} s CPU; this call {time.monotonic() - t0:.1f} s"
     )
-    return 0 if info["in_target"] else 1
+    if "weights_sha256" in info:
+        print(f"weights sha256 {info['weights_sha256']}")
+    return 0 if info["in_target"] is not False else 1
 
 
 if __name__ == "__main__":
