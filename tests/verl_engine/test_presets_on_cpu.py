@@ -139,6 +139,7 @@ def test_engine_settings_set_the_trainer_and_verl_threshold():
         (["actor_rollout_ref.hybrid_engine=true"], VerlEngineConfigError, "hybrid_engine"),
         (["actor_rollout_ref.rollout.name=hf"], VerlEngineConfigError, "rollout.name='hf'"),
         (["actor_rollout_ref.rollout.calculate_log_probs=false"], VerlEngineConfigError, "calculate_log_probs"),
+        (["algorithm.rollout_correction.rollout_is=token"], VerlEngineConfigError, "old_log_prob=recompute"),
         (["actor_rollout_ref.rollout.tensor_model_parallel_size=3"], VerlEngineConfigError, "TP x DP x PP = 3"),
         (["actor_rollout_ref.rollout.checkpoint_engine.backend=naive"], VerlEngineConfigError, "backend=naive"),
         (["actor_rollout_ref.rollout.nnodes=0"], VerlEngineConfigError, "rollout.nnodes=0"),

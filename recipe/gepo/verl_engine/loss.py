@@ -107,7 +107,7 @@ def hetero_ppo_loss(config: Any, model_output: dict, data: TensorDict, dp_group:
     # over micro-batches); verl's own names where verl has one
     summed = {name: values.pop(key) for key, name in _LOSS_METRICS.items() if key in values}
     kl_coef = values.pop("actor/kl_coef", None)
-    metrics: dict[str, Any] = dict(Metric.from_dict(values, aggregation=AggregationType.MEAN))
+    metrics: dict[str, Any] = {name: Metric(value=v, aggregation=_aggregation(name)) for name, v in values.items()}
     metrics.update({name: Metric(value=value, aggregation=loss_aggregation) for name, value in summed.items()})
     if kl_coef is not None:
         metrics["kl_coef"] = kl_coef
@@ -115,6 +115,16 @@ def hetero_ppo_loss(config: Any, model_output: dict, data: TensorDict, dp_group:
         value=float(denominator is not None), aggregation=AggregationType.MEAN
     )
     return loss, metrics
+
+
+def _aggregation(name: str) -> AggregationType:
+    """How verl combines a per-micro-batch metric over micro-batches and ranks: extremes stay
+    extremes (``is/weight_max`` is the batch's largest weight, not a mean of maxima)."""
+    if name.endswith("_max"):
+        return AggregationType.MAX
+    if name.endswith("_min"):
+        return AggregationType.MIN
+    return AggregationType.MEAN
 
 
 def bridge_loss_fn(loss_fn: Any) -> partial:
