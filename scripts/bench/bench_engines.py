@@ -1,0 +1,120 @@
+"""Start-up and per-step time of the two engines on the same toy run, and of the verl engine with
+1 vs 2 FSDP2 learner ranks (issue 11's measurements; results in docs/scale-out.md).
+
+    python scripts/bench/bench_engines.py [--steps 8] [--out docs/bench_engines.md] [--only NAME ...]
+
+Every row is ``main_gepo --config-dir configs +verl_preset=cpu_toy`` with the same toy model, batch
+(4 prompts x 4 responses), loss (gepo) and no weight delay, so the rows differ only in the engine:
+
+- embedded, async: the embedded engine's learner + 1 sampler actor on Ray;
+- verl, dp=1 / dp=2: verl 0.9.1's trainer (``hetero.engine=verl``), 1 hf_cpu sampler replica, the
+  learner on 1 or 2 FSDP2 ranks over gloo (``trainer.n_gpus_per_node``, logical GPUs).
+
+Start-up = wall time of the whole command minus the sum of its step times (Ray, workers, model
+loading, and for the verl engine TransferQueue); per-step = median of the step times after the
+first (the first step includes warm-up). The machine's load average is recorded with each row:
+run it on a quiet machine (nothing else started), since two cores are shared by every process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[2]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+from verl_ext.rundir import read_metric_rows  # noqa: E402 -- after the path fix
+
+COMMON = [
+    "--config-dir", "configs", "+verl_preset=cpu_toy", "algorithm_preset=gepo", "hetero.delay.dist=none",
+    "trainer.resume_mode=disable", f"task.cache_dir={REPO / '.cache' / 'heterorl'}",
+]  # fmt: skip
+ROWS = {
+    "embedded, async, 1 sampler": ["hetero.engine=local", "hetero.mode=async", "hetero.num_samplers=1", "trainer.test_freq=0"],
+    "verl, dp=1": ["hetero.engine=verl", "trainer.n_gpus_per_node=1"],
+    "verl, dp=2": ["hetero.engine=verl", "trainer.n_gpus_per_node=2"],
+}
+# the per-step wall time each engine logs
+STEP_KEYS = ("timing_s/step", "perf/step_s")
+
+
+def step_times(run_dir: Path) -> list[float]:
+    times = []
+    for row in read_metric_rows(run_dir, missing_ok=True, warn=False):
+        for key in STEP_KEYS:
+            if key in row:
+                times.append(float(row[key]))
+                break
+    return times
+
+
+def measure(name: str, steps: int, workdir: Path) -> dict:
+    run_dir = workdir / name.replace(" ", "_").replace(",", "").replace("=", "")
+    cmd = [sys.executable, "-m", "recipe.gepo.main_gepo", *COMMON, *ROWS[name],
+           f"trainer.total_training_steps={steps}", f"trainer.default_local_dir={run_dir}"]  # fmt: skip
+    load_before = os.getloadavg()[0]
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    wall = time.perf_counter() - start
+    if proc.returncode != 0:
+        raise SystemExit(f"{name}: exit {proc.returncode}\n{' '.join(cmd)}\n{proc.stderr[-3000:]}")
+    times = step_times(run_dir)
+    if len(times) != steps:
+        raise SystemExit(f"{name}: {len(times)} step times in {run_dir}/metrics.jsonl, expected {steps}")
+    return {
+        "name": name,
+        "wall_s": wall,
+        "startup_s": wall - sum(times),
+        "first_step_s": times[0],
+        "step_s": float(np.median(times[1:])) if len(times) > 1 else times[0],
+        "load": f"{load_before:.2f} -> {os.getloadavg()[0]:.2f}",
+    }
+
+
+def table(results: list[dict], steps: int) -> str:
+    lines = [
+        f"{steps} steps each; {platform.node()}, {os.cpu_count()} cores, torch threads from OMP_NUM_THREADS="
+        f"{os.environ.get('OMP_NUM_THREADS', 'unset')}",
+        "",
+        "| run | wall (s) | start-up (s) | first step (s) | step, median of the rest (s) | load avg (before -> after) |",
+        "|---|---:|---:|---:|---:|---|",
+    ]
+    for r in results:
+        lines.append(
+            f"| {r['name']} | {r['wall_s']:.1f} | {r['startup_s']:.1f} | {r['first_step_s']:.2f} | {r['step_s']:.2f} "
+            f"| {r['load']} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=8, help="learner steps per run (>= 2)")
+    parser.add_argument("--out", type=Path, default=None, help="also write the table to this markdown file")
+    parser.add_argument("--only", nargs="*", choices=sorted(ROWS), default=None, help="run only these rows")
+    args = parser.parse_args(argv)
+    if args.steps < 2:
+        parser.error(f"--steps={args.steps}: need >= 2 (the first step is reported apart)")
+    results = []
+    with tempfile.TemporaryDirectory(prefix="bench_engines_") as tmp:
+        for name in args.only or list(ROWS):
+            print(f"running: {name} ...", flush=True)
+            results.append(measure(name, args.steps, Path(tmp)))
+            print(table(results[-1:], args.steps).splitlines()[-1], flush=True)
+    text = table(results, args.steps)
+    print(text)
+    if args.out:
+        args.out.write_text(text)
+
+
+if __name__ == "__main__":
+    main()
