@@ -1,6 +1,7 @@
 """Every algorithm preset composes on verl's ppo_trainer defaults, validates against verl's config
 dataclasses, and drives its loss through the loss bridge."""
 
+import math
 from pathlib import Path
 
 import pytest
@@ -25,6 +26,8 @@ EXPECTED = {
     "delta_l": ("delta_l", "grpo", True, "token-mean"),
     "topr": ("topr", "grpo", False, "seq-mean-token-sum-norm"),
     "cispo": ("cispo", "grpo", True, "token-mean"),
+    "grpo_paper": ("vanilla", "grpo", True, "seq-mean-token-mean"),
+    "gspo_wide": ("gspo", "grpo", True, "seq-mean-token-mean"),
 }
 
 
@@ -95,3 +98,44 @@ def test_bad_loss_option_names_the_field():
     cfg = compose_trainer("actor_rollout_ref.actor.policy_loss.group_scope=everything")
     with pytest.raises(Exception, match="group_scope"):
         omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
+
+
+def test_paper_baselines_differ_from_their_presets_only_in_the_clip():
+    """grpo_paper = grpo without verl's dual clip; gspo_wide = gspo at clip 0.2 (the GEPO paper's)."""
+    from omegaconf import OmegaConf
+
+    def actor(preset):
+        return OmegaConf.to_container(compose_trainer(f"algorithm_preset={preset}").actor_rollout_ref.actor, resolve=True)
+
+    grpo, paper = actor("grpo"), actor("grpo_paper")
+    assert grpo["clip_ratio_c"] == 3.0 and paper["clip_ratio_c"] == 1e9
+    assert {k: v for k, v in paper.items() if k != "clip_ratio_c"} == {k: v for k, v in grpo.items() if k != "clip_ratio_c"}
+    gspo, wide = actor("gspo"), actor("gspo_wide")
+    assert (wide["clip_ratio_low"], wide["clip_ratio_high"]) == (0.2, 0.2)
+    drop = ("clip_ratio", "clip_ratio_low", "clip_ratio_high")
+    assert {k: v for k, v in wide.items() if k not in drop} == {k: v for k, v in gspo.items() if k not in drop}
+
+
+def test_grpo_paper_loss_is_the_plain_clipped_surrogate_and_grpo_dual_clips():
+    """On a batch with a very stale negative-advantage token (ratio e^3 > clip_ratio_c = 3),
+    grpo_paper's loss is mean over sequences of token-means of max(-A r, -A clip(r, 0.8, 1.2)) --
+    no cap -- while verl's default (grpo) caps that token's loss at 3 |A|."""
+    losses = {}
+    for preset in ("grpo", "grpo_paper"):
+        cfg = compose_trainer(f"algorithm_preset={preset}", "actor_rollout_ref.actor.policy_loss.sampler_kl_coef=0.0")
+        actor = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
+        old = torch.zeros(8, 3, dtype=torch.float64)
+        new = torch.zeros(8, 3, dtype=torch.float64)
+        new[0, 0] = 3.0  # ratio e^3 ~ 20.1
+        adv = torch.full((8, 3), 0.5, dtype=torch.float64)
+        adv[0] = -1.0
+        mask = torch.ones(8, 3, dtype=torch.bool)
+        losses[preset], _ = compute_actor_loss(actor, new, old, adv, mask)
+    ratio = torch.ones(8, 3, dtype=torch.float64)
+    ratio[0, 0] = math.exp(3.0)
+    adv = torch.full((8, 3), 0.5, dtype=torch.float64)
+    adv[0] = -1.0
+    plain = torch.maximum(-adv * ratio, -adv * ratio.clamp(0.8, 1.2)).mean(-1).mean()
+    assert float(losses["grpo_paper"]) == pytest.approx(float(plain))
+    capped = plain - (math.exp(3.0) - 3.0) / 3 / 8  # token (0, 0): loss e^3 -> 3, a third of row 0, 1/8 of the batch
+    assert float(losses["grpo"]) == pytest.approx(float(capped))
