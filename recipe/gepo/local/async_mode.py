@@ -296,10 +296,16 @@ class RemoteRuntime:
     def start(self, checkpoint: Optional[dict]) -> int:
         version = ray.get(self.learner.start.remote(checkpoint))
         start = 0 if checkpoint is None else int(checkpoint["step"])
-        for i in range(self.engine.hetero.num_samplers):
-            self.next_batch[i] = start * 1000  # fresh prompts after a resume
-            self._launch(i)
+        self.next_batch = {i: start * 1000 for i in range(self.engine.hetero.num_samplers)}  # fresh prompts after a resume
         return version
+
+    def _launch_all(self) -> None:
+        # at the first step, after the initial evaluation: samplers started during it only slow
+        # it down on shared cores, and the soak (scripts/soak.py) showed that samplers killed
+        # while still starting, plus version 0 re-sent with a skewed clock, stall the learner at
+        # version 0 for good (it needs a first batch to publish a version the samplers can see)
+        for i in range(self.engine.hetero.num_samplers):
+            self._launch(i)
 
     def _check_samplers(self, bar_write) -> None:
         """A sampler whose run() returned before the stop marker died (or was killed)."""
@@ -319,6 +325,8 @@ class RemoteRuntime:
     def step(self, step: int) -> dict[str, float]:
         hetero = self.engine.hetero
         status_every = min(30.0, hetero.wait_timeout_s / 3)  # how often a blocked learner is reported
+        if not self.samplers:
+            self._launch_all()
         pending = self.learner.step.remote(step)
         waiting_since, next_status = time.monotonic(), status_every
         while True:
