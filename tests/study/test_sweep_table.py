@@ -86,7 +86,9 @@ def test_table_matches_hand_computation(tmp_path):
     assert "| gepo | 0.500 | 0.500 | 0.050 | 0.333 ± 0.120 | 3/3 |" in sw.stability_table([stable])
     sw.write_outputs(tmp_path, plan, per_run, figures=False, log=lambda *a: None)
     seeds = (tmp_path / "runs_short.csv").read_text().splitlines()
-    assert seeds[0] == "task,algo,delay,seed,start,best,last,lq_mean,gap,kl,var,weight_mean,clipfrac,staleness,err" and len(seeds) == 6
+    assert seeds[0] == ("task,algo,delay,seed,start,best,last,lq_mean,gap,kl,var,weight_mean,clipfrac,staleness,"
+                        "staleness_max,err,clipfrac_pos,clipfrac_neg,zero_grad_stale,weight_right,weight_wrong")
+    assert len(seeds) == 6
 
 
 def test_run_numbers_last_quarter_uses_steps_after_three_quarters():

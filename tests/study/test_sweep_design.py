@@ -1,0 +1,154 @@
+"""The powered sweep's pieces: staleness conditions mean what they say (through the real config and
+replay's draw), rows make the study resumable, the learning-rate rule, paired comparisons."""
+
+import math
+import random
+from pathlib import Path
+
+import pytest
+
+from tests.study.conftest import compose_cfg
+from tests.study.test_sweep_table import _sweep, _write_run
+
+
+def _staleness(overrides: list[str], steps: int, seed: int = 0) -> list[int]:
+    """The staleness replay mode trains step k on, for steps 0..steps-1 (replay's own rule)."""
+    from recipe.gepo.hetero_config import HeteroConfig
+    from recipe.gepo.local.replay import draw_staleness
+    from verl_ext.hetero.delay import DelaySchedule
+
+    hetero = HeteroConfig.from_omegaconf(compose_cfg(overrides + ["hetero.mode=replay", f"hetero.seed={seed}"]).hetero)
+    schedule = DelaySchedule(hetero.delay.build(), hetero.seed)
+    return [draw_staleness(schedule, k, hetero.max_delay, available=k) for k in range(steps)]
+
+
+def test_fixed_staleness_is_exactly_k_once_k_versions_exist(tmp_path):
+    sw = _sweep()
+    taus = _staleness(sw.condition_overrides("fix16", tmp_path), 60)
+    assert taus[:16] == list(range(16)) and set(taus[16:]) == {16}
+
+
+def test_uniform_staleness_covers_0_to_K_evenly(tmp_path):
+    sw = _sweep()
+    taus = _staleness(sw.condition_overrides("uni8", tmp_path), 2000)[8:]
+    assert set(taus) == set(range(9))
+    counts = [taus.count(k) for k in range(9)]
+    assert max(counts) - min(counts) < 0.35 * len(taus) / 9  # about 221 each
+    assert (tmp_path / "delay_traces" / "uniform_0_8.txt").read_text().split() == [str(i) for i in range(9)]
+
+
+def test_lognormal_and_on_policy_conditions(tmp_path):
+    sw = _sweep()
+    assert set(_staleness(sw.condition_overrides(0, tmp_path), 50)) == {0}
+    legacy, named = (_staleness(sw.condition_overrides(c, tmp_path), 200) for c in (64, "logn64"))
+    assert legacy == named and 5 < sum(legacy[64:]) / len(legacy[64:]) < 15  # median 8
+
+
+@pytest.mark.parametrize("bad", ["fix0", "uniform8", "-3", "fix", 2.5])
+def test_bad_conditions_are_refused(bad):
+    with pytest.raises(ValueError, match="staleness condition"):
+        _sweep().parse_condition(bad)
+
+
+def test_conditions_sort_and_normalise():
+    sw = _sweep()
+    labels = ["uni64", "fix16", 0, "logn64", "fix4", 8]
+    assert sorted(labels, key=sw.condition_key) == [0, "fix4", "fix16", "uni64", 8, "logn64"]
+    assert sw.normalize_condition("0") == 0 and sw.normalize_condition("fix4") == "fix4"
+
+
+def test_run_numbers_last_k_evaluations_and_realised_staleness():
+    sw = _sweep()
+    metrics = [{"step": 0, "eval/acc_mean": 0.1}]
+    for s in range(1, 11):
+        metrics.append({"step": s, "hetero/staleness_mean": float(min(s - 1, 4)), "hetero/staleness_max": float(min(s - 1, 4))})
+        if s % 2 == 0:
+            metrics.append({"step": s, "eval/acc_mean": s / 10})
+    n = sw.run_numbers(metrics, total_steps=10, last_evals=3)
+    assert n["lq_mean"] == pytest.approx((0.6 + 0.8 + 1.0) / 3)
+    assert n["staleness"] == pytest.approx((0 + 1 + 2 + 3 + 4 * 6) / 10) and n["staleness_max"] == 4.0
+    assert math.isnan(n["clipfrac_pos"])  # not logged: NaN, not 0
+
+
+def _plan(sw, **kw):
+    base = dict(tasks=["long"], algos=["gepo", "grpo_paper"], delays=[0, "fix4"], seeds=[0, 1, 2], steps=8,
+                lr=1e-4, test_freq=2, eval_size=8, prompts=2, diagnostics_every=0, diagnostics_samples=1,
+                last_evals=2, design="dry")  # fmt: skip
+    return sw.Plan(**{**base, **kw})
+
+
+def test_rows_resume_and_filter_by_design_and_warm_start(tmp_path):
+    sw = _sweep()
+    plan = _plan(sw)
+    d = sw.run_dir(tmp_path, plan, "long", "gepo", 1e-4, "fix4", 1)
+    _write_run(d, {0: 0.3, 2: 0.4, 4: 0.5, 6: 0.6, 8: 0.7}, {s: 0.01 for s in range(1, 9)}, {s: 0.1 for s in range(1, 9)})
+    rows = tmp_path / "rows.csv"
+    sw.append_row(rows, sw.make_row(plan, "long", "gepo", 1e-4, "fix4", 1, d, "abc", 12.5))
+    (r,) = sw.load_rows(rows)
+    assert (r["algo"], r["lr"], r["delay"], r["seed"], r["ws_sha256"]) == ("gepo", 1e-4, "fix4", 1, "abc")
+    assert r["lq_mean"] == pytest.approx(0.65) and r["seconds"] == 12.5
+    import shutil
+
+    shutil.rmtree(d)  # the row alone keeps the run: a moved study does not re-run it
+    (got,) = sw.collect(tmp_path, plan, rows, {"long": "abc"})
+    assert got["dir"] is None and got["lq_mean"] == pytest.approx(0.65)
+    assert sw.collect(tmp_path, plan, rows, {"long": "other warm start"}) == []
+    assert sw.collect(tmp_path, _plan(sw, steps=9), rows, {"long": "abc"}) == []  # another design id
+
+
+def test_lr_rule_prefers_the_smaller_rate_within_tolerance():
+    sw = _sweep()
+    plan = _plan(sw, lr_grid=[5e-5, 1e-4, 2e-4], lr_seeds=[0, 1])
+    scores = {("gepo", 5e-5): [0.40, 0.42], ("gepo", 1e-4): [0.50, 0.52], ("gepo", 2e-4): [0.51, 0.52],
+              ("grpo_paper", 5e-5): [0.40, 0.40], ("grpo_paper", 1e-4): [0.45, 0.47], ("grpo_paper", 2e-4): [0.60, 0.62]}
+    per_run = [{"task": "long", "algo": a, "lr": lr, "delay": 0, "seed": s, "lq_mean": v}
+               for (a, lr), vals in scores.items() for s, v in enumerate(vals)]  # fmt: skip
+    table, chosen = sw.choose_lrs(per_run, plan)
+    assert chosen == {"gepo": 1e-4, "grpo_paper": 2e-4}  # gepo: 1e-4 is within 0.01 of 2e-4's 0.515
+    assert sum(r["chosen"] for r in table) == 2
+    _, partial = sw.choose_lrs([r for r in per_run if not (r["algo"] == "gepo" and r["lr"] == 2e-4)], plan)
+    assert partial == {"grpo_paper": 2e-4}  # gepo's grid unfinished: no choice yet
+    _, pinned = sw.choose_lrs(per_run, _plan(sw, lr_grid=[5e-5, 1e-4, 2e-4], lr_seeds=[0, 1], lrs={"gepo": 3e-5}))
+    assert pinned["gepo"] == 3e-5
+
+
+def test_comparison_rows_match_hand_computation():
+    from scipy import stats
+
+    sw = _sweep()
+    rng = random.Random(0)
+    lq = {}
+    for s in range(5):
+        for algo, drop in (("gepo", 0.10), ("grpo_paper", 0.02)):
+            base = 0.5 + rng.gauss(0, 0.02)
+            lq[(algo, 0, s)] = base
+            lq[(algo, "fix4", s)] = base - drop + rng.gauss(0, 0.02)
+    per_run = [{"task": "long", "algo": a, "lr": 1e-4, "delay": c, "seed": s, "lq_mean": v, "staleness": 3.0 if c else 0.0,
+                "staleness_max": 4.0 if c else 0.0} for (a, c, s), v in lq.items()]  # fmt: skip
+    rows = sw.comparison_rows(per_run, "gepo")
+    stale = next(r for r in rows if r["condition"] == "fix4")
+    diffs = [(lq[("gepo", 0, s)] - lq[("gepo", "fix4", s)]) - (lq[("grpo_paper", 0, s)] - lq[("grpo_paper", "fix4", s)])
+             for s in range(5)]  # fmt: skip
+    ref = stats.ttest_1samp(diffs, 0.0)
+    assert stale["n_drop"] == 5 and stale["drop_diff"] == pytest.approx(sum(diffs) / 5)
+    assert stale["drop_p"] == pytest.approx(ref.pvalue)
+    assert (stale["drop_lo"], stale["drop_hi"]) == pytest.approx(tuple(ref.confidence_interval(0.95)))
+    assert stale["staleness_mean"] == 3.0 and stale["staleness_max"] == 4.0 and stale["drop_mde"] > 0
+    on = next(r for r in rows if r["condition"] == 0)
+    assert on["n_drop"] == 0 and on["n_score"] == 5
+    dm = sw.design_mde(per_run, 5)
+    assert dm["sigma"] > 0 and dm["mde_drop_diff"] > 2 * dm["sigma"]  # 5 seeds: MDE ~ 1.7 x (2 sigma)
+
+
+def test_study_markdown_has_every_section(tmp_path):
+    sw = _sweep()
+    plan = _plan(sw, lr_grid=[1e-4], lr_seeds=[0])
+    per_run = [{"task": "long", "algo": a, "lr": 1e-4, "delay": c, "seed": s, "lq_mean": 0.4 + 0.01 * s - (0.05 if c else 0),
+                **{k: math.nan for k in sw.RUN_KEYS if k != "lq_mean"}}
+               for a in ("gepo", "grpo_paper") for c in (0, "fix4") for s in range(3)]  # fmt: skip
+    table, chosen = sw.choose_lrs(per_run, plan)
+    md = sw.study_markdown("long", plan, per_run, table, chosen, {"long": "f" * 64})
+    for needle in ("weights sha256 `" + "f" * 64, "**Learning rates**", "**Drops from on-policy**",
+                   "**Paired differences, gepo minus each baseline**", "| fix4 |", "**Power of the design.**"):
+        assert needle in md, needle
+    assert Path(sw.staleness_figure(tmp_path / "fig", per_run)).is_file()
