@@ -28,7 +28,8 @@ def _run(args: list[str], timeout: int) -> subprocess.CompletedProcess:
     return subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
-def test_verl_stock_main_ppo_trains_gepo_for_two_steps(tmp_path):
+def _stock_main_ppo(tmp_path, *overrides: str) -> str:
+    """verl's own ``main_ppo`` on the toy assets with the cpu_toy preset, colocated (sync) mode."""
     from verl_ext.data.toy_assets import prepare_toy_assets
 
     assets = prepare_toy_assets(tmp_path / "toy", n_train=64, n_val=8)
@@ -37,14 +38,27 @@ def test_verl_stock_main_ppo_trains_gepo_for_two_steps(tmp_path):
             sys.executable, "-m", "verl.trainer.main_ppo", "--config-dir", "configs", "+verl_preset=cpu_toy",
             f"actor_rollout_ref.model.path={assets.model_path}", f"data.train_files={assets.train_file}",
             f"data.val_files={assets.val_file}", "actor_rollout_ref.hybrid_engine=true",
-            "actor_rollout_ref.rollout.checkpoint_engine.backend=naive", "algorithm.adv_estimator=grpo",
-            "actor_rollout_ref.actor.policy_loss.loss_mode=gepo", "trainer.total_training_steps=2",
-            f"trainer.default_local_dir={tmp_path / 'run'}",
+            "actor_rollout_ref.rollout.checkpoint_engine.backend=naive", "trainer.total_training_steps=2",
+            f"trainer.default_local_dir={tmp_path / 'run'}", *overrides,
         ],
         timeout=900,
     )  # fmt: skip
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
+    return out
+
+
+def test_verl_stock_main_ppo_trains_ppo_with_a_critic(tmp_path):
+    """PPO/GAE: a critic (value model, loaded with sdpa on the CPU) trains beside the actor."""
+    out = _stock_main_ppo(tmp_path, "algorithm.adv_estimator=gae")
+    losses = [float(v) for v in re.findall(r"critic/vf_loss:([-0-9.e]+)", out)]
+    assert len(losses) == 2 and all(0 < v < 10 for v in losses), out[-4000:]
+
+
+def test_verl_stock_main_ppo_trains_gepo_for_two_steps(tmp_path):
+    out = _stock_main_ppo(
+        tmp_path, "algorithm.adv_estimator=grpo", "actor_rollout_ref.actor.policy_loss.loss_mode=gepo"
+    )
     steps = re.findall(r"step:(\d+) - .*", out)
     assert steps[:2] == ["1", "2"], out[-4000:]
     step2 = re.search(r"step:2 - (.*)", out).group(1)

@@ -166,6 +166,32 @@ def _patch_fsdp2_snapshot_copies(module: Any) -> None:
     module.fsdp2_sharded_save_to_cpu = fsdp2_sharded_save_to_cpu
 
 
+def _patch_valuehead_attention(module: Any) -> None:
+    """``verl/utils/model.py:649`` loads a critic's value model with
+    ``attn_implementation="flash_attention_2"`` whatever the config says; flash-attention is
+    CUDA-only. On the CPU the value model is loaded with ``sdpa``, as the actor is (cpu_toy's
+    ``override_config.attn_implementation``); a checkpoint that is not a token-classification model
+    still takes verl's own TRL value-head path."""
+    load = module.load_valuehead_model
+    if getattr(load, "_heterorl_sdpa", False):
+        return
+
+    @wraps(load)
+    def load_valuehead_model(local_path, torch_dtype, model_config, trust_remote_code):
+        from transformers import AutoModelForTokenClassification
+
+        try:
+            return AutoModelForTokenClassification.from_pretrained(
+                pretrained_model_name_or_path=local_path, torch_dtype=torch_dtype, config=model_config,
+                attn_implementation="sdpa", trust_remote_code=trust_remote_code,
+            )  # fmt: skip
+        except (ValueError, OSError, KeyError):
+            return load(local_path, torch_dtype, model_config, trust_remote_code)
+
+    load_valuehead_model._heterorl_sdpa = True
+    module.load_valuehead_model = load_valuehead_model
+
+
 def check_verl_version() -> None:
     import verl
 
@@ -188,5 +214,6 @@ def apply_patches() -> None:
     after_import("verl.workers.engine_workers", _patch_gloo_default)
     after_import("verl.workers.engine.fsdp.transformer_impl", _register_fsdp_engines_for_cpu)
     after_import("verl.utils.fsdp_utils", _patch_fsdp2_snapshot_copies)
+    after_import("verl.utils.model", _patch_valuehead_attention)
     fix_separate_async_logger()
     _applied = True
