@@ -37,11 +37,12 @@ def _check_registered(loss_mode: str, adv_estimator: Any) -> None:
 
 def run_local(cfg: DictConfig) -> dict[str, Any]:
     """Validate everything, then train with the embedded engine; returns the final metrics."""
-    import torch
     from verl.utils.config import omega_conf_to_dataclass
 
     from recipe.gepo.local.run_utils import MetricLogger, RunSettings
     from recipe.gepo.local.tasks import Task, TaskConfig, resolve_model_path
+    from verl_ext.hetero.seeding import seed_process
+    from verl_ext.rundir import write_run_config
     from verl_ext.torch_threads import set_torch_threads
 
     hetero = HeteroConfig.from_omegaconf(cfg.hetero)
@@ -59,10 +60,9 @@ def run_local(cfg: DictConfig) -> dict[str, Any]:
         print(OmegaConf.to_yaml(cfg.hetero))
         return {}
 
-    torch.manual_seed(hetero.seed)
+    seed_process(hetero.seed)
     set_torch_threads(2)  # min(2, cores), unless the user set OMP_NUM_THREADS
-    settings.run_dir.mkdir(parents=True, exist_ok=True)
-    (settings.run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    write_run_config(settings.run_dir, cfg)
     model_path = resolve_model_path(settings.model_path, task_config, hetero.seed)
     task = Task(task_config, hetero.seed)
     previous = settings.run_dir / "metrics.jsonl"

@@ -22,6 +22,8 @@ import numpy as np
 from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
 
+from verl_ext.hetero.safetensors_meta import read_metadata
+
 RECORD_FORMAT = "heterorl.rollout_group/1"
 
 _ARRAY_FIELDS = ("prompt_ids", "prompt_mask", "response_ids", "response_mask", "sampler_logprobs",
@@ -118,9 +120,7 @@ class RolloutGroup:
         """Inverse of :meth:`to_bytes`. Raises ValueError on bytes that are not a rollout group."""
         try:
             tensors = st_load(data)
-            header_len = int.from_bytes(data[:8], "little")
-            header = json.loads(data[8:8 + header_len])
-            meta_block = header.get("__metadata__", {})
+            meta_block = read_metadata(data)
         except Exception as err:  # safetensors raises several types for garbage input
             raise ValueError(f"not a safetensors rollout group: {err}") from None
         if meta_block.get("format") != RECORD_FORMAT:

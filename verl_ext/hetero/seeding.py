@@ -44,3 +44,10 @@ def sampler_sampling_seed(seed: int, batch_index: int, sampler_index: int) -> in
 def diagnostics_seed(seed: int, step: int) -> int:
     """The fresh learner samples of the E[A] diagnostics at step ``step``."""
     return seed * STRIDE + step + DIAGNOSTICS_OFFSET
+
+
+def seed_process(seed: int) -> None:
+    """The driver process's global torch generator (anything not drawn from a per-use seed above)."""
+    import torch
+
+    torch.manual_seed(seed)

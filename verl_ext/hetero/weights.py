@@ -18,6 +18,7 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
+from verl_ext.hetero.protocol import WEIGHTS_TOPIC
 from verl_ext.hetero.safetensors_meta import read_metadata
 from verl_ext.hetero.transport import CorruptMessage, Transport
 
@@ -84,7 +85,7 @@ class WeightStore:
     """
 
     def __init__(self, transport: Transport, keep_last: int = 2, wire_dtype: str | None = None,
-                 topic: str = "weights"):
+                 topic: str = WEIGHTS_TOPIC):
         if keep_last < 1:
             raise ValueError(f"WeightStore: keep_last={keep_last} must be >= 1")
         if wire_dtype not in WIRE_DTYPES:
