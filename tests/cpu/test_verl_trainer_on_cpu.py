@@ -10,7 +10,6 @@ workers, 60-90 s). Run with ``make test-all`` or ``pytest -m slow tests/cpu``.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import subprocess
@@ -18,6 +17,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from verl_ext.rundir import read_metric_rows
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
@@ -81,7 +82,7 @@ def test_hetero_engine_verl_does_not_stall_and_keeps_the_bound(tmp_path):
     )  # fmt: skip
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = read_metric_rows(run_dir)
     train = [r for r in rows if "hetero/staleness_max" in r]
     assert [r["step"] for r in train] == list(range(1, 11))
     assert max(r["hetero/staleness_max"] for r in train) <= 3  # the exact bound over weight versions
@@ -103,7 +104,7 @@ def _main_gepo(run_dir: Path, steps: int, *overrides: str) -> list[dict]:
     )  # fmt: skip
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return read_metric_rows(run_dir)
 
 
 def test_delays_follow_the_model_and_a_resumed_run_loses_no_step(tmp_path):
