@@ -16,7 +16,9 @@ unpadding. It owns every term of the objective:
 - rollout correction: verl's ``rollout_is_weights`` passed in, or (embedded engine)
   ``algorithm.rollout_correction``'s decoupled truncated IS computed here with verl's
   ``compute_rollout_correction_weights`` (:class:`RolloutCorrection`);
-- uniform metrics: ``actor/*`` and the ``is/*`` weight statistics whatever the loss.
+- uniform metrics: ``actor/*`` and the ``is/*`` weight statistics whatever the loss, and what
+  the loss does to each token's gradient (:func:`gradient_mechanism_metrics`: removed shares by
+  advantage sign, relative weights of right vs wrong answers).
 
 The terms are added in verl's ``ppo_loss`` order, so for verl's own losses the result equals
 verl's ``ppo_loss`` exactly. The trainer loop never knows which algorithm it runs.
@@ -143,6 +145,62 @@ def builtin_weight_stats(
     return importance_weight_stats(weight, response_mask)
 
 
+def gradient_mechanism_metrics(
+    pg_loss: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str,
+    global_batch_info: Optional[dict] = None,
+) -> dict[str, float]:
+    """What the policy loss does to each token's gradient, whatever the loss: g = d pg_loss /
+    d log_prob [B, T] (autograd through the loss only, not the model; the graph is kept for the
+    engine's backward) against the plain REINFORCE gradient under the same aggregation,
+    g_ref = d agg_loss(-A x log_prob) / d log_prob. Only tokens with A != 0 count.
+
+    - ``is/clipfrac_pos_adv`` / ``is/clipfrac_neg_adv``: share of tokens with A > 0 / A < 0 whose
+      gradient the loss removes (g == 0 exactly: a PPO / sequence clip or a dual clip acted).
+    - ``is/zero_grad_seq_frac``: share of sequences (A != 0) whose every token's gradient is removed.
+    - ``is/grad_weight_pos_adv`` / ``is/grad_weight_neg_adv``: mean over sequences with A > 0
+      (right answers in a mixed group) / A < 0 (wrong ones) of the token-mean of g / g_ref: the
+      weight the loss gives a sequence relative to on-policy REINFORCE (1 for GRPO on-policy,
+      q_i / E_q[q] for GEPO).
+
+    A key is left out when it is undefined (no token of that sign); empty dict when ``log_prob``
+    has no gradient (a metrics-only call). Shapes: [B, T] inputs.
+    """
+    if not (log_prob.requires_grad and pg_loss.requires_grad):
+        return {}
+    (grad,) = torch.autograd.grad(pg_loss, log_prob, retain_graph=True, allow_unused=True)
+    if grad is None:
+        return {}
+    with torch.enable_grad():
+        unit = torch.zeros_like(log_prob, dtype=torch.float64, requires_grad=True)
+        ref = agg_loss(loss_mat=-advantages.double() * unit, loss_mask=response_mask, loss_agg_mode=loss_agg_mode,
+                       **(global_batch_info or {}))  # fmt: skip
+        (grad_ref,) = torch.autograd.grad(ref, unit)
+    with torch.no_grad():
+        mask = response_mask.bool()
+        adv = advantages.detach()
+        live = mask & (adv != 0) & (grad_ref != 0)
+        zero = grad.detach() == 0
+        out: dict[str, float] = {}
+        for name, side in (("pos", adv > 0), ("neg", adv < 0)):
+            tokens = live & side
+            if not tokens.any():
+                continue  # undefined (no such token): left out rather than a NaN in metrics.jsonl
+            out[f"is/clipfrac_{name}_adv"] = float(zero[tokens].double().mean())
+            weight = torch.where(tokens, grad.detach().double() / torch.where(tokens, grad_ref, 1.0), 0.0)
+            n_tok = tokens.sum(-1)
+            seqs = n_tok > 0
+            out[f"is/grad_weight_{name}_adv"] = float((weight.sum(-1)[seqs] / n_tok[seqs]).mean())
+        seq_live = live.any(-1)
+        if seq_live.any():
+            seq_zero = (zero | ~live).all(-1) & seq_live
+            out["is/zero_grad_seq_frac"] = float(seq_zero[seq_live].double().mean())
+    return out
+
+
 def _policy_loss(
     config: Any,
     log_prob: torch.Tensor,
@@ -257,6 +315,7 @@ def compute_actor_loss(
     metrics["actor/pg_loss"] = pg_loss.detach().item()
 
     info = config.get("global_batch_info", None) or {}
+    metrics.update(gradient_mechanism_metrics(pg_loss, log_prob, advantages, response_mask, config.loss_agg_mode, info))
     loss = pg_loss
     coef = float(loss_option(config, "sampler_kl_coef"))
     if coef > 0:
