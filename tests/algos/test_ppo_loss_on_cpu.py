@@ -13,18 +13,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hydra import compose, initialize_config_module
-from omegaconf import OmegaConf
 from tensordict import TensorDict
 from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY, get_policy_loss_fn
 from verl.utils import tensordict_utils as tu
-from verl.utils.config import omega_conf_to_dataclass
 from verl.workers.utils.losses import ppo_loss
 
 from verl_ext.algos import losses
 from verl_ext.verl_plugin import HETERORL_LOSS_MODES, HeteroPolicyLossConfig
 
 from . import reference as ref
+from .verl_helpers import actor_from_section, composed_actor_section
 
 VERL_BUILTINS = ("vanilla", "gspo", "geo_mean", "cispo")
 # the required project losses; grpo_token is checked when the plugin declares it
@@ -36,25 +34,16 @@ IS_KEYS = {"is/weight_mean", "is/weight_min", "is/weight_max", "is/weight_var", 
 
 @pytest.fixture(scope="module")
 def actor_yaml():
-    with initialize_config_module(config_module="verl.trainer.config", version_base=None):
-        cfg = compose(
-            config_name="ppo_trainer",
-            overrides=[
-                "actor_rollout_ref.actor.policy_loss._target_=verl_ext.verl_plugin.HeteroPolicyLossConfig",
-                f"+actor_rollout_ref.actor.policy_loss.group_size={GROUP}",
-                "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
-                "actor_rollout_ref.actor.clip_ratio_high=0.28",
-            ],
-        )
-    return cfg.actor_rollout_ref.actor
+    return composed_actor_section(
+        "actor_rollout_ref.actor.policy_loss._target_=verl_ext.verl_plugin.HeteroPolicyLossConfig",
+        f"+actor_rollout_ref.actor.policy_loss.group_size={GROUP}",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+        "actor_rollout_ref.actor.clip_ratio_high=0.28",
+    )
 
 
 def make_config(actor_yaml, loss_mode, **overrides):
-    node = OmegaConf.create(OmegaConf.to_container(actor_yaml, resolve=True))
-    node.policy_loss.loss_mode = loss_mode
-    for key, value in overrides.items():
-        OmegaConf.update(node, key, value, force_add=True)
-    config = omega_conf_to_dataclass(node)
+    config = actor_from_section(actor_yaml, **{"policy_loss.loss_mode": loss_mode, **overrides})
     assert isinstance(config.policy_loss, HeteroPolicyLossConfig)
     return config
 

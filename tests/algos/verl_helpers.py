@@ -3,12 +3,33 @@
 from __future__ import annotations
 
 import torch
+from hydra import compose, initialize_config_module
+from omegaconf import DictConfig, OmegaConf
 from verl.trainer.ppo.core_algos import get_policy_loss_fn
+from verl.utils.config import omega_conf_to_dataclass
 from verl.workers.config.actor import ActorConfig
 
 from verl_ext.verl_plugin import HeteroPolicyLossConfig
 
 CLIP_LOW, CLIP_HIGH = 0.2, 0.28  # asymmetric, so a swapped clip range shows
+
+
+def composed_actor_section(*overrides: str) -> DictConfig:
+    """``actor_rollout_ref.actor`` of verl's packaged ``ppo_trainer`` config, composed by hydra
+    with ``overrides`` (interpolations resolved, so it stands alone)."""
+    with initialize_config_module(config_module="verl.trainer.config", version_base=None):
+        cfg = compose(config_name="ppo_trainer", overrides=list(overrides))
+    return OmegaConf.create(OmegaConf.to_container(cfg.actor_rollout_ref.actor, resolve=True))
+
+
+def actor_from_section(section: DictConfig, **overrides) -> ActorConfig:
+    """verl's ActorConfig from a composed actor section, with dotted ``key=value`` overrides."""
+    node = OmegaConf.create(OmegaConf.to_container(section, resolve=True))
+    for key, value in overrides.items():
+        OmegaConf.update(node, key, value, force_add=True)
+    config = omega_conf_to_dataclass(node)
+    assert isinstance(config, ActorConfig)
+    return config
 
 
 def actor_config(

@@ -19,12 +19,11 @@ import re
 
 import pytest
 import torch
-from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 from verl.trainer.ppo.core_algos import get_policy_loss_fn
-from verl.utils.config import omega_conf_to_dataclass
 from verl.workers.config import ActorConfig
 
+from tests.algos.verl_helpers import actor_from_section, composed_actor_section
 from verl_ext.verl_plugin import check_contiguous_groups
 
 ROLLOUT_N = 4
@@ -37,27 +36,17 @@ DYNAMIC = "actor_rollout_ref.actor.use_dynamic_bsz=true"
 
 @pytest.fixture(scope="module")
 def actor_yaml():
-    with initialize_config_module(config_module="verl.trainer.config", version_base=None):
-        cfg = compose(
-            config_name="ppo_trainer",
-            overrides=[
-                f"actor_rollout_ref.rollout.n={ROLLOUT_N}",
-                "actor_rollout_ref.actor.policy_loss.loss_mode=gepo",
-                f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={BATCH}",
-                "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean",
-            ],
-        )
-    return OmegaConf.to_container(cfg.actor_rollout_ref.actor, resolve=True)
+    return composed_actor_section(
+        f"actor_rollout_ref.rollout.n={ROLLOUT_N}",
+        "actor_rollout_ref.actor.policy_loss.loss_mode=gepo",
+        f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={BATCH}",
+        "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean",
+    )
 
 
 def actor_config(actor_yaml, **overrides) -> ActorConfig:
     """verl's ActorConfig from the composed actor section, with ``key=value`` overrides."""
-    node = OmegaConf.create(actor_yaml)
-    for key, value in overrides.items():
-        OmegaConf.update(node, key, value, force_add=True)
-    config = omega_conf_to_dataclass(node)
-    assert isinstance(config, ActorConfig)
-    return config
+    return actor_from_section(actor_yaml, **overrides)
 
 
 def test_composed_config_is_verls_with_no_group_size(actor_yaml):
