@@ -331,9 +331,8 @@ MECHANISMS = {
     "clipfrac": "actor/pg_clipfrac",
     "clipfrac_pos": "is/clipfrac_pos_adv",
     "clipfrac_neg": "is/clipfrac_neg_adv",
-    "zero_grad_stale": "is/zero_grad_frac_stale",
-    "weight_right": "is/weight_mean_right",
-    "weight_wrong": "is/weight_mean_wrong",
+    "weight_right": "is/grad_weight_pos_adv",
+    "weight_wrong": "is/grad_weight_neg_adv",
 }
 
 
@@ -344,8 +343,12 @@ def run_numbers(metrics: list[dict], total_steps: int, last_evals: int = 0) -> d
     start, reported as ``start``). ``best`` = max, ``last`` = the final one, ``gap`` = best - last,
     ``lq_mean`` (the run's score) = mean of the last ``last_evals`` evaluations, or with
     ``last_evals=0`` of the evaluations at steps > 0.75 * total_steps. The :data:`MECHANISMS`
-    (``kl``, ``var``, ``weight_mean``, ``clipfrac``, ...) are means over the training steps >
-    0.75 * total_steps; ``staleness`` and ``err`` = means of ``hetero/staleness_mean`` and
+    (``kl``, ``var``, ``weight_mean``, ``clipfrac``, the clip fractions by advantage sign
+    ``clipfrac_pos`` / ``clipfrac_neg`` and the relative gradient weights of right / wrong answers
+    ``weight_right`` / ``weight_wrong``, see ``verl_ext.loss_bridge.gradient_mechanism_metrics``)
+    are means over the training steps > 0.75 * total_steps; ``zero_grad_stale`` = mean share of
+    sequences whose whole gradient the loss removed over the steps trained on stale data
+    (staleness > 0); ``staleness`` and ``err`` = means of ``hetero/staleness_mean`` and
     ``diag/adv_estimation_error`` over all training steps that logged them, ``staleness_max`` the
     largest ``hetero/staleness_max``.
     """
@@ -371,6 +374,10 @@ def run_numbers(metrics: list[dict], total_steps: int, last_evals: int = 0) -> d
 
     for name, key in MECHANISMS.items():
         out[name] = tail_mean(key)
+    # replay trains each step on one version: a step's sequences are all as stale as the step
+    stale_steps = {r["step"] for r in metrics if r.get("hetero/staleness_mean", 0) and r["step"] > 0}
+    zero = [r["is/zero_grad_seq_frac"] for r in metrics if r["step"] in stale_steps and "is/zero_grad_seq_frac" in r]
+    out["zero_grad_stale"] = sum(zero) / len(zero) if zero else math.nan
     out["staleness"] = tail_mean("hetero/staleness_mean", all_steps=True)
     out["staleness_max"] = max(tail("hetero/staleness_max", all_steps=True), default=math.nan)
     out["err"] = tail_mean("diag/adv_estimation_error", all_steps=True)
