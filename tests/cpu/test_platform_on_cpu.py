@@ -76,6 +76,8 @@ _PLATFORM_PROBE = textwrap.dedent(
     out["snapshot_is_copy"] = not torch.equal(snapshot["weight"][0], module.weight._local_tensor)
     import verl.utils.model as verl_model
     out["valuehead_sdpa"] = bool(getattr(verl_model.load_valuehead_model, "_heterorl_sdpa", False))
+    import verl.workers.engine.fsdp.transformer_impl as fsdp_impl
+    out["offload_unpinned"] = fsdp_impl.CPUOffloadPolicy(pin_memory=True).pin_memory is False
     out["dist_initialized"] = dist.is_initialized()
     out["dist_backend"] = str(dist.get_backend())
     t = torch.tensor([1.0, 2.0])
@@ -211,6 +213,7 @@ def test_fresh_process_patches_verl_workers_and_finds_fsdp_engine_on_cpu(probes)
     assert out["engine_workers_patched"]
     assert out["snapshot_is_copy"]  # verl/utils/fsdp_utils.py:1180 aliases on the CPU unpatched
     assert out["valuehead_sdpa"]  # verl/utils/model.py:649 forces flash-attention-2 for a critic
+    assert out["offload_unpinned"]  # transformer_impl.py:462 pins the reference model's memory
     assert out["lm_engine_class"] == "verl.workers.engine.fsdp.transformer_impl.FSDPEngineWithLMHead"
 
 

@@ -142,3 +142,16 @@ def test_delays_follow_the_model_and_a_resumed_run_loses_no_step(tmp_path):
         assert r["hetero/sync_drawn_delay"] == pytest.approx(schedule.delay(version, sampler_stream(0)), rel=1e-9)
         late = r["hetero/sync_observed_delay"] - r["hetero/sync_drawn_delay"]
         assert 0.0 <= late <= step_time + 1.0, (version, r)
+
+
+def test_hetero_engine_verl_trains_with_entropy_and_kl_to_reference(tmp_path):
+    """actor.entropy_coeff and actor.use_kl_loss reach the verl engine's objective: verl builds the
+    reference model (forward-only FSDP2, its memory unpinned on the CPU) and the KL term starts
+    at 0 (learner = reference) and grows once the learner has moved."""
+    rows = _main_gepo(
+        tmp_path / "run", 2, "actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.actor.entropy_coeff=0.01"
+    )
+    train = [r for r in rows if "actor/pg_loss" in r]
+    assert [r["actor/kl_loss"] for r in train][0] == pytest.approx(0.0, abs=1e-6)
+    assert train[1]["actor/kl_loss"] > 1e-4
+    assert all(r["actor/entropy_loss"] > 0 for r in train)

@@ -192,6 +192,22 @@ def _patch_valuehead_attention(module: Any) -> None:
     module.load_valuehead_model = load_valuehead_model
 
 
+def _patch_offload_pinning(module: Any) -> None:
+    """``verl/workers/engine/fsdp/transformer_impl.py:462`` gives a forward-only FSDP2 model (the
+    reference policy of ``actor.use_kl_loss``) ``CPUOffloadPolicy(pin_memory=True)``; pinning
+    needs an accelerator ("Cannot access accelerator device"). On the CPU the policy keeps its
+    meaning without pinned memory."""
+    policy = module.CPUOffloadPolicy
+    if getattr(policy, "_heterorl_unpinned", False):
+        return
+
+    def CPUOffloadPolicy(pin_memory: bool = True):  # noqa: N802 -- stands in for the class verl calls
+        return policy(pin_memory=False)
+
+    CPUOffloadPolicy._heterorl_unpinned = True
+    module.CPUOffloadPolicy = CPUOffloadPolicy
+
+
 def check_verl_version() -> None:
     import verl
 
@@ -213,6 +229,7 @@ def apply_patches() -> None:
     after_import("verl.utils.distributed", _patch_gloo_default)
     after_import("verl.workers.engine_workers", _patch_gloo_default)
     after_import("verl.workers.engine.fsdp.transformer_impl", _register_fsdp_engines_for_cpu)
+    after_import("verl.workers.engine.fsdp.transformer_impl", _patch_offload_pinning)
     after_import("verl.utils.fsdp_utils", _patch_fsdp2_snapshot_copies)
     after_import("verl.utils.model", _patch_valuehead_attention)
     fix_separate_async_logger()
