@@ -50,6 +50,7 @@ def prepare_toy_assets(
     seed: int = 0,
     warm_start_cache: str | Path | None = None,
     model_path: str | Path | None = None,
+    answer_format: str = "short",
 ) -> ToyAssets:
     """Write (or find) the model folder and the parquet files under ``out_dir``.
 
@@ -61,7 +62,16 @@ def prepare_toy_assets(
         warm_start_cache: if given, use the cached supervised warm start from that folder
             (:func:`verl_ext.data.toy.warm_start`, trained on first use) instead of an untrained model.
         model_path: use this model folder (e.g. a warm start resolved elsewhere); overrides the above.
+        answer_format: ``short`` or ``scratchpad`` (:data:`verl_ext.data.toy.ANSWER_FORMATS`): the
+            problems' ``data_source`` (``toy_add<d>`` / ``toy_add<d>_scratch``) picks the reward,
+            and the parquet names carry ``_scratch``. The model is the caller's to match (a
+            scratchpad warm start for scratchpad data).
     """
+    from verl_ext.data.toy import ANSWER_FORMATS
+
+    if answer_format not in ANSWER_FORMATS:
+        raise ValueError(f"answer_format={answer_format!r}; expected one of {ANSWER_FORMATS}")
+    suffix = "" if answer_format == "short" else "_scratch"
     out = Path(out_dir).resolve()
     out.mkdir(parents=True, exist_ok=True)
     if model_path is not None:
@@ -69,16 +79,17 @@ def prepare_toy_assets(
     elif warm_start_cache is not None:
         from verl_ext.data.toy import warm_start
 
-        model_path = Path(warm_start(warm_start_cache, digits=digits, seed=seed)).resolve()
+        model_path = Path(warm_start(warm_start_cache, digits=digits, seed=seed, answer_format=answer_format)).resolve()
     else:
         model_path = out / f"model_add{digits}_seed{seed}"
         if not (model_path / "config.json").is_file():
             _save_untrained_model(model_path, seed)
     files = {}
     for split, n, split_seed in (("train", n_train, seed), ("val", n_val, seed + 1)):
-        path = out / f"{split}_add{digits}_n{n}_seed{split_seed}.parquet"
+        path = out / f"{split}_add{digits}{suffix}_n{n}_seed{split_seed}.parquet"
         if not path.is_file():
-            write_verl_parquet(make_problems(n, digits=digits, seed=split_seed), path, template="toy", split=split)
+            problems = make_problems(n, digits=digits, seed=split_seed, answer_format=answer_format)
+            write_verl_parquet(problems, path, template="toy", split=split)
         files[split] = path
     return ToyAssets(model_path, files["train"], files["val"])
 
@@ -91,9 +102,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--n-val", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--warm-start", default=None, metavar="CACHE_DIR", help="use the cached supervised warm start")
+    parser.add_argument("--answer-format", default="short", choices=("short", "scratchpad"), help="short sums or scratchpad")
     parser.add_argument("--print-overrides", action="store_true", help="print verl hydra overrides for the files")
     args = parser.parse_args(argv)
-    assets = prepare_toy_assets(args.out, args.digits, args.n_train, args.n_val, args.seed, args.warm_start)
+    assets = prepare_toy_assets(args.out, args.digits, args.n_train, args.n_val, args.seed, args.warm_start,
+                                answer_format=args.answer_format)
     if args.print_overrides:
         print(
             f"actor_rollout_ref.model.path={assets.model_path} data.train_files={assets.train_file} "
