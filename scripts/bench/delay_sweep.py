@@ -732,15 +732,15 @@ def study_markdown(task: str, plan: Plan, per_run: list[dict], lr_table: list[di
         lines.append("")
     lines += ["**Drops from on-policy** (score on-policy minus score at the condition, paired by seed):", "",
               "| algo | lr | condition | realised staleness mean / max | n | score | drop [95% CI] | p | KL(q‖p) "
-              "| clip frac | clip frac A>0 / A<0 | mean weight | weight right / wrong | zero-grad share (stale) |",
-              "|" + "---|" * 14]  # fmt: skip
+              "| IS-weight var | clip frac | clip frac A>0 / A<0 | mean weight | weight right / wrong "
+              "| zero-grad share (stale) |", "|" + "---|" * 15]  # fmt: skip
     for r in sorted(drop_rows(mine), key=lambda r: (r["algo"], condition_key(r["delay"]))):
         t = r["drop_test"]
         lines.append(
             f"| {r['algo']} | {r.get('lr', plan.lr):g} | {r['delay']} | {_cell(r['staleness_mean'], math.nan, 1)} / "
             f"{_cell(r['staleness_max_mean'], math.nan, 0)} | {r['n']} | {_cell(r['lq_mean_mean'], r['lq_mean_std'])} | "
             f"{_ci(t.mean, t.ci_low, t.ci_high)} | {_p(t.p)} | {_cell(r['kl_mean'], math.nan, sci=True)} | "
-            f"{_cell(r['clipfrac_mean'], math.nan)} | {_cell(r['clipfrac_pos_mean'], math.nan)} / "
+            f"{_cell(r['var_mean'], math.nan, sci=True)} | {_cell(r['clipfrac_mean'], math.nan)} | {_cell(r['clipfrac_pos_mean'], math.nan)} / "
             f"{_cell(r['clipfrac_neg_mean'], math.nan)} | {_cell(r['weight_mean_mean'], math.nan)} | "
             f"{_cell(r['weight_right_mean'], math.nan)} / {_cell(r['weight_wrong_mean'], math.nan)} | "
             f"{_cell(r['zero_grad_stale_mean'], math.nan)} |"
