@@ -9,7 +9,8 @@ start, steps and evaluation for all; designs from the 252-run legacy sweep to th
 Each run is ``recipe.gepo.main_gepo``'s replay engine (same config, same code path) in a worker
 process with one torch thread (``OMP_NUM_THREADS`` if set). A run's directory is
 ``OUT/runs/<task>/<algo>[@<lr>]/d<condition>/s<seed>/`` (``metrics.jsonl``, ``config.yaml``,
-``DONE``); the ``@<lr>`` part appears when a design tries several learning rates.
+``DONE`` with the run's seconds and its warm start's weight hash); the ``@<lr>`` part appears when
+a design tries several learning rates.
 
 **Staleness conditions** (``--delays``; the realised mean and max of each run are in its row):
 
@@ -300,7 +301,11 @@ def run_one(job: tuple[list[str], str]) -> tuple[str, float, str]:
                 shutil.rmtree(ckpt, ignore_errors=True)
             else:
                 ckpt.unlink(missing_ok=True)
-        (out / "DONE").write_text(json.dumps({"seconds": time.time() - t0}))
+        from verl_ext.data.toy import weights_sha256
+
+        # the run's own record of what it started from (rows carry it too)
+        sha = weights_sha256(settings.model_path) if settings.model_path else ""
+        (out / "DONE").write_text(json.dumps({"seconds": time.time() - t0, "ws_sha256": sha}))
         return run_dir, time.time() - t0, ""
     except Exception as exc:  # noqa: BLE001 - a failed run is reported, the sweep goes on
         import traceback

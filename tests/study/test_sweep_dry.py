@@ -33,6 +33,7 @@ def test_dry_design_runs_rows_tables_and_resumes(tmp_path):
     assert all(float(r["staleness"]) == 0.0 for r in rows if r["delay"] == "0")
     md = (tmp_path / "study_long.md").read_text()
     assert "**Paired differences, gepo minus each baseline**" in md and "| fix2 |" in md and sha in md
+    assert {json.loads(p.read_text())["ws_sha256"] for p in tmp_path.glob("runs/*/*/*/*/DONE")} == {sha}
     again = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert again.returncode == 0 and "stage 1: 0 runs" in again.stdout and "stage 2: 0 runs" in again.stdout
     with open(tmp_path / "rows.csv", newline="") as fh:
