@@ -113,6 +113,24 @@ class HeteroConfig:
     max_nonfinite_steps: int = 5
     """Consecutive optimizer steps with a NaN/Inf loss or gradient (each skipped and counted in
     actor/nonfinite_skipped) after which the run stops with an error."""
+    learner_cpus: list[int] = field(default_factory=list)
+    """Core ids the learner process is pinned to (``os.sched_setaffinity``; torch threads = their
+    number); empty = not pinned (the default). With ``sampler_cpus`` this makes one machine a
+    learner node and a sampler node. replay mode: the one process trains on these cores."""
+    sampler_cpus: list[int] = field(default_factory=list)
+    """Core ids every sampler process is pinned to (all samplers share them); empty = not
+    pinned. replay mode: the one process moves to these cores while it generates a batch, so
+    the synchronous learner waits while "the sampler node" generates, as it would across machines."""
+    ray_address: str = ""
+    """async: "" = start a local Ray instance (``ray.init(num_cpus=...)``); else the address of a
+    running Ray cluster to join (``ray.init(address=...)``, e.g. the two-node cluster of
+    scripts/wan/cluster.py; "auto" = the cluster ``ray start`` recorded on this machine)."""
+    learner_ray_resources: Optional[dict[str, float]] = field(default_factory=dict)
+    """async: Ray custom resources the learner actor (and the Ray transport's mailbox) requests,
+    which places it on the node that has them, e.g. {learner_node: 0.01}; empty/null = anywhere."""
+    sampler_ray_resources: Optional[dict[str, float]] = field(default_factory=dict)
+    """async: Ray custom resources every sampler actor (restarts too) requests, e.g.
+    {sampler_node: 0.01}; empty/null = anywhere."""
     dry_run: bool = False
     """Validate the config, print the plan and exit without running."""
     seed: int = 0
@@ -121,6 +139,10 @@ class HeteroConfig:
     def __post_init__(self):
         if isinstance(self.delay, dict):
             self.delay = DelayConfig(**self.delay)
+        # the YAML declares them null (so `hetero.learner_ray_resources={name: amount}` composes)
+        for key in ("learner_ray_resources", "sampler_ray_resources"):
+            if getattr(self, key) is None:
+                setattr(self, key, {})
         self.validate()
 
     def validate(self) -> None:
@@ -155,6 +177,25 @@ class HeteroConfig:
             bad = [f for f in self.sampler_speed_factors if not f > 0]
             if bad:
                 raise ValueError(f"hetero.sampler_speed_factors must be > 0, got {bad}")
+        from verl_ext.hetero.affinity import check_cpus, machine_cpus
+
+        # local cores can only be checked when the processes run on this machine
+        local = machine_cpus() if not self.ray_address else None
+        for key in ("learner_cpus", "sampler_cpus"):
+            check_cpus(f"hetero.{key}", getattr(self, key), local)
+        for key in ("learner_ray_resources", "sampler_ray_resources"):
+            resources = getattr(self, key)
+            if not isinstance(resources, dict):
+                raise ValueError(f"hetero.{key}={resources!r} must be a mapping of resource name to amount")
+            for name, amount in resources.items():
+                if name in ("CPU", "GPU", "memory", "object_store_memory"):
+                    raise ValueError(f"hetero.{key}: {name!r} is a built-in Ray resource; name a custom one "
+                                     f"(e.g. learner_node) given to the node by `ray start --resources`")
+                if isinstance(amount, bool) or not isinstance(amount, (int, float)) or not amount > 0:
+                    raise ValueError(f"hetero.{key}.{name}={amount!r} must be a number > 0")
+        if (self.learner_ray_resources or self.sampler_ray_resources) and not self.ray_address:
+            raise ValueError("hetero.learner_ray_resources / hetero.sampler_ray_resources place actors on the "
+                             "nodes of a Ray cluster: set hetero.ray_address to join one")
         try:
             self.delay.build()
         except ValueError as err:

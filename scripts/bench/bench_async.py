@@ -1,12 +1,30 @@
-"""Async (decoupled learner + samplers) against synchronous generate-then-train, same model and steps.
+"""Async against synchronous generate-then-train on "separated hardware": same work, same model.
 
-    python scripts/bench/bench_async.py [--steps 60] [--out docs/bench_async.md] [extra hydra overrides ...]
+    python scripts/bench/bench_async.py [--steps 60] [--delays 0 1 5] [--learner-cpus 0] [--sampler-cpus 1]
+                                        [--warmup 5] [--out FILE] [extra hydra overrides ...]
 
-Synchronous = replay mode with no delay: one process generates a batch with the current weights,
-then trains on it, so the learner is idle while generating. Async = one learner and N sampler
-actors on Ray with the same loss, batch size and steps. Reports wall time of the training loop
-(sum of perf/step_s), steps/s, learner idle fraction and held-out accuracy after training.
-Both runs use the cached toy warm start (created on first use, not timed).
+The learner process is pinned to ``--learner-cpus`` and the samplers to ``--sampler-cpus``
+(``hetero.learner_cpus`` / ``hetero.sampler_cpus``), so one machine behaves like a learner node
+and a sampler node (``--no-pin``: both share every core, as before issue 14).
+
+- Synchronous = replay mode, no delay, with the same pinning: the process generates a batch with
+  the current weights on the sampler cores, then trains on the learner cores; the learner waits
+  while the sampler generates. A synchronous loop also waits for every weight transfer, so its
+  wall time at a transfer delay of d seconds per version is the measured wall + steps x d
+  (computed, not re-run: nothing in a synchronous step overlaps the transfer).
+- Async = one learner actor and one sampler actor (``--samplers``) with a constant weight
+  delay of d seconds per version (``hetero.delay.dist=constant``), the staleness bound and kept
+  versions wide enough to hold d seconds of versions, and back-pressure at two batches.
+
+Same work: both consume ``steps x prompts_per_step`` groups with the same model, loss and batch
+size. The first ``--warmup`` steps (sampler start-up; at delay d the first version reaches the
+sampler after d s) are reported apart; the table's times are the steps after them.
+
+Reported per delay: async wall, synchronous wall, async / max(pure sampling, pure training)
+(both from the synchronous run: generation time on the sampler core and ``learner.train_step``
+time on the learner core, for the same steps), the speed-up over synchronous, the learner's
+async step over its pure training step, and its idle fraction. The load average is recorded
+before and after every run.
 """
 
 from __future__ import annotations
@@ -26,52 +44,97 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 from verl_ext.rundir import read_metric_rows  # noqa: E402 -- after the path fix
 
-COMMON = ["algorithm_preset=gepo", "trainer.resume_mode=disable", "trainer.test_freq=0", "task.eval_size=256"]
-SETTINGS = {
-    "synchronous (replay, no delay)": ["hetero.mode=replay", "hetero.delay.dist=none", "hetero.max_delay=0"],
-    "async, 2 samplers": ["hetero.mode=async", "hetero.num_samplers=2", "hetero.delay.dist=none", "hetero.max_delay=4"],
-}
+COMMON = ["algorithm_preset=gepo", "trainer.resume_mode=disable", "trainer.test_freq=0", "trainer.save_freq=0",
+          "task.eval_size=64"]  # fmt: skip
+SYNC = ["hetero.mode=replay", "hetero.delay.dist=none", "hetero.max_delay=0"]
 
 
-def run(overrides: list[str], run_dir: Path) -> dict:
+def async_overrides(delay_s: float, samplers: int) -> list[str]:
+    # versions a sampler can be behind: d seconds of learner steps (~0.1-0.3 s each here) + a margin
+    bound = 16 + int(delay_s * 12)
+    delay = ["hetero.delay.dist=none"] if delay_s == 0 else ["hetero.delay.dist=constant", f"hetero.delay.value={delay_s}"]
+    return ["hetero.mode=async", f"hetero.num_samplers={samplers}", *delay, f"hetero.max_delay={bound}",
+            f"hetero.keep_weight_versions={bound + 2}", "hetero.max_queued_groups=16"]  # fmt: skip
+
+
+def loadavg() -> str:
+    return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+
+
+def run(overrides: list[str], run_dir: Path, warmup: int) -> dict:
     cmd = [sys.executable, "-m", "recipe.gepo.main_gepo", *overrides, f"trainer.default_local_dir={run_dir}",
            f"hydra.run.dir={run_dir}/hydra"]  # fmt: skip
+    load_before = loadavg()
     start = time.perf_counter()
-    proc = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=REPO)
     if proc.returncode != 0:
         raise SystemExit(f"run failed ({' '.join(cmd)}):\n{proc.stderr[-3000:]}")
     total = time.perf_counter() - start
-    rows = read_metric_rows(run_dir)
-    steps = [r for r in rows if "perf/step_s" in r]
-    loop_s = float(sum(r["perf/step_s"] for r in steps))
+    steps = [r for r in read_metric_rows(run_dir) if "perf/step_s" in r]
+    timed = steps[warmup:]
+
+    def total_of(key: str, rows=timed) -> float:
+        return float(sum(r[key] for r in rows))
+
     return {
         "process_s": total,
-        "loop_s": loop_s,
-        "steps_per_s": len(steps) / loop_s,
-        "idle": float(np.mean([r["perf/learner_idle_frac"] for r in steps])),
-        "acc": rows[-1].get("eval/acc_mean", float("nan")),
+        "steps": len(timed),
+        "warmup_s": total_of("perf/wall_s", steps[:warmup]),
+        "wall_s": total_of("perf/wall_s"),
+        "step_s": total_of("perf/step_s"),
+        "train_s": total_of("perf/train_s"),
+        "publish_s": total_of("perf/publish_s"),
+        "wait_s": float(sum(r["perf/step_s"] * r["perf/learner_idle_frac"] for r in timed)),
+        "consumed": total_of("hetero/consumed", steps),
+        "staleness": float(np.mean([r["hetero/staleness_mean"] for r in timed])),
+        "load": f"{load_before} -> {loadavg()}",
     }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--delays", type=float, nargs="+", default=[0.0, 1.0, 5.0])
+    parser.add_argument("--samplers", type=int, default=1)
+    parser.add_argument("--learner-cpus", default="0")
+    parser.add_argument("--sampler-cpus", default="1")
+    parser.add_argument("--no-pin", action="store_true")
     parser.add_argument("--out", type=Path, default=None)
     args, extra = parser.parse_known_args()
-    results = {}
+    pin = [] if args.no_pin else [f"hetero.learner_cpus=[{args.learner_cpus}]", f"hetero.sampler_cpus=[{args.sampler_cpus}]"]
+    base = COMMON + pin + [f"trainer.total_training_steps={args.steps}"]
     with tempfile.TemporaryDirectory() as tmp:
-        for name, overrides in SETTINGS.items():
-            results[name] = run(COMMON + overrides + [f"trainer.total_training_steps={args.steps}", *extra],
-                                Path(tmp) / name.split()[0].strip(","))  # fmt: skip
+        sync = run(base + SYNC + extra, Path(tmp) / "sync", args.warmup)
+        runs = {d: run(base + async_overrides(d, args.samplers) + extra, Path(tmp) / f"async{d:g}", args.warmup)
+                for d in args.delays}  # fmt: skip
+    pure_sampling, pure_training = sync["wait_s"], sync["train_s"]
+    bound = max(pure_sampling, pure_training)
+    n = sync["steps"]
     lines = [
-        f"{args.steps} learner steps, toy addition (3 digits), GEPO, 8 prompts x G=8 per step; "
-        f"{platform.machine()}, torch threads per process 1-2",
+        f"{args.steps} learner steps (the first {args.warmup} reported apart), toy addition (3 digits), GEPO, "
+        f"8 prompts x G=8 per step; {platform.machine()}; "
+        + ("no pinning" if args.no_pin else f"learner on cores [{args.learner_cpus}], samplers on [{args.sampler_cpus}]")
+        + f"; async: {args.samplers} sampler(s)",
         "",
-        "| setting | training loop s | steps/s | learner idle fraction | held-out acc after |",
-        "|---|---:|---:|---:|---:|",
+        f"synchronous run: generation (pure sampling) {pure_sampling:.2f} s, learner.train_step (pure training) "
+        f"{pure_training:.2f} s, loop wall {sync['wall_s']:.2f} s for {n} steps, {sync['consumed']:.0f} groups consumed; "
+        f"load {sync['load']}",
+        "",
+        "| weight delay s/version | async wall s | sync wall s | async / max(sampling, training) | speed-up over sync "
+        "| async step / pure train step | learner idle | staleness | publish s | first steps s (async) | load before -> after |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
-    for name, r in results.items():
-        lines.append(f"| {name} | {r['loop_s']:.1f} | {r['steps_per_s']:.2f} | {r['idle']:.2f} | {r['acc']:.3f} |")
+    for d, r in runs.items():
+        sync_wall = sync["wall_s"] + n * d  # a synchronous step also waits for the transfer
+        lines.append(
+            f"| {d:g} | {r['wall_s']:.2f} | {sync_wall:.2f} (measured {sync['wall_s']:.2f} + {n} x {d:g}) "
+            f"| {r['wall_s'] / bound:.2f} | {sync_wall / r['wall_s']:.2f} | {r['step_s'] / pure_training:.2f} "
+            f"| {r['wait_s'] / r['step_s']:.3f} | {r['staleness']:.1f} | {r['publish_s']:.2f} | {r['warmup_s']:.1f} "
+            f"| {r['load']} |"
+        )
+        if r["consumed"] != sync["consumed"]:
+            lines.append(f"| (consumed {r['consumed']:.0f} groups, synchronous {sync['consumed']:.0f}: not the same work) |")
     table = "\n".join(lines)
     print(table)
     if args.out is not None:

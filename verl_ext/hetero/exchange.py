@@ -90,17 +90,18 @@ class RolloutInbox:
         are counted and skipped, never raised."""
         accepted = 0
         handled = 0
-        for key in self.transport.keys(self.topic):
+        # one listing with checksums: messages already handled cost no further round trip
+        for info in self.transport.infos(self.topic):
+            key = info.key
             if max_groups is not None and handled >= max_groups:
                 break
             status = self.buffer.ledger.status.get(key)
             if status is not None and not status.startswith(REJECTED):
                 continue  # already buffered, consumed or dropped: never twice
+            if (key, info.sha256) in self._processed:
+                continue
+            self._processed.add((key, info.sha256))
             try:
-                info = self.transport.info(self.topic, key)
-                if (key, info.sha256) in self._processed:
-                    continue
-                self._processed.add((key, info.sha256))
                 data = self.transport.get(self.topic, key)
                 group = RolloutGroup.from_bytes(data)
             except KeyError:
@@ -120,13 +121,10 @@ class RolloutInbox:
         """Delete messages whose uid appears in the ledger of ``buffer_state`` (a
         ``RolloutBuffer.state_dict()`` that has been saved durably). Returns how many."""
         known = buffer_state["ledger"]["status"]
-        deleted = 0
-        for key in self.transport.keys(self.topic):
-            if key in known:
-                self.transport.delete(self.topic, key)
-                deleted += 1
-        self.stats["acknowledged"] += deleted
-        return deleted
+        keys = [key for key in self.transport.keys(self.topic) if key in known]
+        self.transport.delete_many(self.topic, keys)
+        self.stats["acknowledged"] += len(keys)
+        return len(keys)
 
     def metrics(self) -> dict[str, float]:
         """``hetero/transport_corrupt`` and ``hetero/transport_received`` (run totals)."""

@@ -74,6 +74,8 @@ class TransportSpec:
     """fsspec: folder or URL shared by learner and samplers."""
     name: str = ""
     """ray: name of the mailbox actor."""
+    resources: tuple[tuple[str, float], ...] = ()
+    """ray: custom resources of the mailbox actor (placement: the learner's node), as pairs."""
 
     def open(self) -> Transport:
         from verl_ext.hetero.transport import make_transport
@@ -81,7 +83,7 @@ class TransportSpec:
         if self.kind == "fsspec":
             return make_transport("fsspec", url=self.url)
         if self.kind == "ray":
-            return make_transport("ray", name=self.name)
+            return make_transport("ray", name=self.name, resources=dict(self.resources))
         raise ValueError(f"TransportSpec.kind={self.kind!r}; expected 'ray' or 'fsspec'")
 
 

@@ -102,6 +102,23 @@ class Transport(ABC):
         """Remove a message (no error if absent). The commit marker goes first, so a reader
         never sees a committed key without its payload."""
 
+    def infos(self, topic: str) -> list[MessageInfo]:
+        """Metadata of every committed message of ``topic``, sorted by key (a key deleted while
+        listing is left out). Backends override it with one round trip (the learner's inbox
+        lists its topic many times a second)."""
+        out = []
+        for key in self.keys(topic):
+            try:
+                out.append(self.info(topic, key))
+            except KeyError:
+                continue
+        return out
+
+    def delete_many(self, topic: str, keys: list[str]) -> None:
+        """:meth:`delete` each of ``keys`` (one round trip where the backend can)."""
+        for key in keys:
+            self.delete(topic, key)
+
     def get(self, topic: str, key: str) -> bytes:
         """Payload of a committed message, verified against its checksum.
 
@@ -262,8 +279,15 @@ class _Mailbox:
     def keys(self, topic: str) -> list[str]:
         return sorted(key for t, key in self._messages if t == topic)
 
+    def infos(self, topic: str) -> list[MessageInfo]:
+        return [info for (t, key), (info, _) in sorted(self._messages.items()) if t == topic]
+
     def delete(self, topic: str, key: str) -> None:
         self._messages.pop((topic, key), None)
+
+    def delete_many(self, topic: str, keys: list[str]) -> None:
+        for key in keys:
+            self._messages.pop((topic, key), None)
 
 
 class RayTransport(Transport):
@@ -279,20 +303,23 @@ class RayTransport(Transport):
         name: name of the mailbox actor (created on first use).
         namespace: Ray namespace of the actor; None = the current job's namespace.
         clock: see :class:`Transport`.
+        resources: Ray custom resources of the mailbox actor (where it is created decides which
+            node holds every message: the learner's, ``hetero.learner_ray_resources``); None = anywhere.
     """
 
     def __init__(self, name: str = "heterorl-mailbox", namespace: str | None = None,
-                 clock: Callable[[], float] = time.time):
+                 clock: Callable[[], float] = time.time, resources: dict[str, float] | None = None):
         super().__init__(clock)
         import ray
 
-        self.name, self.namespace = name, namespace
-        self._mailbox = ray.remote(_Mailbox).options(
-            name=name, namespace=namespace, get_if_exists=True, lifetime="detached", num_cpus=0,
-        ).remote()
+        self.name, self.namespace, self.resources = name, namespace, dict(resources or {})
+        options = dict(name=name, namespace=namespace, get_if_exists=True, lifetime="detached", num_cpus=0)
+        if self.resources:
+            options["resources"] = self.resources
+        self._mailbox = ray.remote(_Mailbox).options(**options).remote()
 
     def __reduce__(self):
-        return (RayTransport, (self.name, self.namespace))
+        return (_rebuild_ray, (self.name, self.namespace, self.resources))
 
     def put(self, topic: str, key: str, data: bytes) -> MessageInfo:
         import ray
@@ -307,6 +334,17 @@ class RayTransport(Transport):
         import ray
 
         return ray.get(self._mailbox.keys.remote(check_name("topic", topic)))
+
+    def infos(self, topic: str) -> list[MessageInfo]:
+        import ray
+
+        return ray.get(self._mailbox.infos.remote(check_name("topic", topic)))
+
+    def delete_many(self, topic: str, keys: list[str]) -> None:
+        import ray
+
+        if keys:
+            ray.get(self._mailbox.delete_many.remote(check_name("topic", topic), [check_name("key", k) for k in keys]))
 
     def _entry(self, topic: str, key: str):
         import ray
@@ -337,9 +375,13 @@ class RayTransport(Transport):
         ray.kill(self._mailbox)
 
 
+def _rebuild_ray(name: str, namespace: str | None, resources: dict) -> RayTransport:
+    return RayTransport(name, namespace, resources=resources)
+
+
 def make_transport(kind: str, **kwargs) -> Transport:
     """Build a transport by name: ``"fsspec"`` (kwargs: url, storage options) or ``"ray"``
-    (kwargs: name, namespace)."""
+    (kwargs: name, namespace, resources)."""
     if kind == "fsspec":
         if "url" not in kwargs:
             raise ValueError("fsspec transport needs url= (e.g. file:///shared/run1 or memory://run1)")

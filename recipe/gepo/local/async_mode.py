@@ -39,6 +39,7 @@ from recipe.gepo.local.policy import load_policy
 from recipe.gepo.local.rollout import RolloutSettings, generate_groups
 from recipe.gepo.local.run_utils import MetricLogger, RunSettings
 from recipe.gepo.local.tasks import Task
+from verl_ext.hetero.affinity import pin_process
 from verl_ext.hetero.delay_channel import DelayChannel
 from verl_ext.hetero.exchange import RolloutInbox, send_group
 from verl_ext.hetero.protocol import (
@@ -68,15 +69,30 @@ def transport_spec(hetero: HeteroConfig, settings: RunSettings) -> TransportSpec
     """How every process reaches the shared transport."""
     if hetero.transport == "fs":
         return TransportSpec("fsspec", url=hetero.transport_url or str((settings.run_dir / "exchange").resolve()))
-    return TransportSpec("ray", name=f"heterorl-mailbox-{settings.experiment_name}-{hetero.seed}")
+    # the mailbox holds every message: on the learner's node (custom resources), as the learner
+    return TransportSpec("ray", name=f"heterorl-mailbox-{settings.experiment_name}-{hetero.seed}",
+                         resources=tuple(sorted(hetero.learner_ray_resources.items())))  # fmt: skip
+
+
+def pin_worker(cpus: list[int], key: str) -> None:
+    """Thread rule of every actor: pinned to ``cpus`` with that many torch threads
+    (``hetero.learner_cpus`` / ``hetero.sampler_cpus``), else one torch thread (OMP_NUM_THREADS
+    wins when set): more threads than the process's share of cores only makes them wait."""
+    if cpus:
+        pin_process(cpus, key)
+    else:
+        set_torch_threads(1)
 
 
 class SamplerWorker:
     """Generates rollout groups with the newest weights its delay lets it see, until told to stop."""
 
+    WAIT_POLL_S = 0.1
+    """Seconds between checks while waiting for newer weights or for room in the learner's queue."""
+
     def __init__(self, index: int, engine: EngineConfig, model_path: str, spec: TransportSpec,
                  speed_factor: float, uid_namespace: str):
-        set_torch_threads(1)  # OMP_NUM_THREADS wins when set
+        pin_worker(engine.hetero.sampler_cpus, "hetero.sampler_cpus")
         self.index, self.sampler_id = index, f"sampler-{index}"
         self.uid_namespace = uid_namespace  # unique per launch: a restarted sampler never reuses a uid
         self.hetero, self.settings, self.algorithm_config = engine.hetero, engine.settings, engine.algorithm
@@ -134,8 +150,10 @@ class SamplerWorker:
             if wait is None and self.learner_queue_full():
                 wait = "queue_wait_s"
             if wait is not None:
+                # each check is a few round trips to the mailbox (on the learner's node): a
+                # waiting sampler asks 10 times a second, not 20
                 t0 = time.perf_counter()
-                time.sleep(0.05)
+                time.sleep(self.WAIT_POLL_S)
                 self.stats[wait] += time.perf_counter() - t0
                 continue
             items = self.task.train_items(self.settings.prompts_per_step, stream=self.index + 1, index=batch_index)
@@ -183,6 +201,7 @@ class TransportSource:
         self.weights = WeightStore(self.transport, keep_last=hetero.keep_weight_versions,
                                    wire_dtype="bf16" if hetero.weights_bf16 else None)  # fmt: skip
         self._stop = threading.Event()
+        self._hungry = threading.Event()  # set while the learner is blocked in take()
         self._poller = threading.Thread(target=self._poll_loop, daemon=True)
 
     def start(self, checkpoint: Optional[dict], learner_version: int) -> None:
@@ -198,15 +217,34 @@ class TransportSource:
                 self.transport.delete(self.weights.topic, version_key(version))
         self._poller.start()
 
+    # Poll intervals (s). The transport has no notification, so the inbox lists it: every
+    # POLL_HUNGRY_S while the learner waits for groups; otherwise the interval doubles after
+    # every empty listing up to POLL_IDLE_MAX_S. A listing costs a round trip to the mailbox
+    # actor and CPU in two processes; at a fixed 20 ms it took a third of the learner's CPU.
+    POLL_HUNGRY_S = 0.02
+    POLL_IDLE_MAX_S = 0.2
+
     def _poll_loop(self) -> None:
+        interval = self.POLL_HUNGRY_S
         while not self._stop.is_set():
-            self.inbox.poll()
+            accepted = self.inbox.poll()
             self.inbox.poll_announcements()
-            time.sleep(0.02)
+            if accepted or self._hungry.is_set():
+                interval = self.POLL_HUNGRY_S
+            else:
+                interval = min(2 * interval, self.POLL_IDLE_MAX_S)
+            # next_batch sets _hungry: a learner starting to wait wakes the poller at once
+            if not self._hungry.wait(timeout=interval):
+                continue
+            self._stop.wait(self.POLL_HUNGRY_S)
 
     def next_batch(self, step: int, n: int, learner_version: int) -> Batch:
         t0 = time.perf_counter()
-        groups = self.buffer.take(n, learner_version=learner_version)
+        self._hungry.set()
+        try:
+            groups = self.buffer.take(n, learner_version=learner_version)
+        finally:
+            self._hungry.clear()
         return Batch(groups, wait_s=time.perf_counter() - t0,
                      metrics={f"hetero/inbox_{k}": float(v) for k, v in self.inbox.stats.items()})  # fmt: skip
 
@@ -232,34 +270,52 @@ class LearnerWorker(LearnerRuntime):
     """The learner actor: the driver's :class:`LearnerRuntime` with a :class:`TransportSource`."""
 
     def __init__(self, engine: EngineConfig, model_path: str, spec: TransportSpec):
-        set_torch_threads(1)  # OMP_NUM_THREADS wins when set
+        pin_worker(engine.hetero.learner_cpus, "hetero.learner_cpus")
         super().__init__(engine, model_path, lambda runtime: TransportSource(runtime, spec))
 
 
 class _SamplerCounters:
     """Sums over all samplers: response tokens per wall-clock second since the last update, and
     the seconds samplers have waited for weights within the bound (``sampler_skip_stale``) and
-    for room in the learner's queue (``max_queued_groups``)."""
+    for room in the learner's queue (``max_queued_groups``).
+
+    Never blocks the step: each update collects the answers that have arrived and asks again
+    (one request in flight per sampler), so the numbers lag by up to one step."""
 
     def __init__(self):
         self._counters: dict[Any, dict] = {}
+        self._pending: dict[Any, Any] = {}  # ObjectRef -> actor
         self._last = time.perf_counter()
 
     def update(self, samplers: dict[int, Any]) -> dict[str, float]:
         total_new = 0.0
+        if self._pending:
+            ready, _ = ray.wait(list(self._pending), num_returns=len(self._pending), timeout=0)
+            for ref in ready:
+                actor = self._pending.pop(ref)
+                try:
+                    counters = ray.get(ref)
+                except Exception:  # noqa: BLE001 - a dead sampler contributes nothing
+                    continue
+                total_new += float(counters["tokens"]) - float(self._counters.get(actor, {}).get("tokens", 0.0))
+                self._counters[actor] = counters
+        asked = set(self._pending.values())
         for actor in samplers.values():
-            try:
-                counters = ray.get(actor.counters.remote(), timeout=5.0)
-            except Exception:  # noqa: BLE001 - a dead or busy sampler contributes nothing this step
-                continue
-            total_new += float(counters["tokens"]) - float(self._counters.get(actor, {}).get("tokens", 0.0))
-            self._counters[actor] = counters
+            if actor not in asked:
+                self._pending[actor.counters.remote()] = actor
+        live = set(samplers.values())  # a replaced sampler's requests are dropped
+        self._pending = {ref: a for ref, a in self._pending.items() if a in live}
         now = time.perf_counter()
         rate = total_new / max(now - self._last, 1e-9)
         self._last = now
         totals = {k: sum(float(c.get(k, 0.0)) for c in self._counters.values()) for k in ("stale_wait_s", "queue_wait_s")}
         return {"perf/sampler_tokens_per_s": rate, "perf/sampler_stale_wait_s_total": totals["stale_wait_s"],
                 "perf/sampler_queue_wait_s_total": totals["queue_wait_s"]}  # fmt: skip
+
+
+def _placement(resources: dict[str, float]) -> dict[str, Any]:
+    """Ray actor options placing an actor on the node(s) holding ``resources`` (none: anywhere)."""
+    return {"resources": dict(resources)} if resources else {}
 
 
 class RemoteRuntime:
@@ -270,10 +326,12 @@ class RemoteRuntime:
         self.engine, self.model_path, self.spec = engine, model_path, spec
         self.transport = spec.open()
         clear_stop(self.transport)  # a previous run of this exchange stopped it
-        # actors hold no CPU reservation: on a 2-core laptop the learner and samplers share the cores
-        self.learner = ray.remote(num_cpus=0)(LearnerWorker).options(name=LEARNER_ACTOR).remote(
-            engine, model_path, spec
-        )
+        hetero = engine.hetero
+        # actors hold no CPU reservation: on a 2-core laptop the learner and samplers share the
+        # cores (hetero.*_cpus pins them); custom resources place them on a cluster's nodes
+        self.learner = ray.remote(num_cpus=0)(LearnerWorker).options(
+            name=LEARNER_ACTOR, **_placement(hetero.learner_ray_resources)
+        ).remote(engine, model_path, spec)
         # two threads: run() generates while counters() answers the driver
         self._sampler_cls = ray.remote(num_cpus=0, max_restarts=0, max_concurrency=2)(SamplerWorker)
         self.samplers: dict[int, Any] = {}
@@ -287,7 +345,9 @@ class RemoteRuntime:
     def _launch(self, i: int) -> None:
         # named, so an operator (or a fault-injection test) can find and kill a sampler
         self.namespaces[i] = f"s{i}-{uuid.uuid4().hex[:8]}"
-        self.samplers[i] = self._sampler_cls.options(name=sampler_actor_name(i, self.restarts[i])).remote(
+        self.samplers[i] = self._sampler_cls.options(
+            name=sampler_actor_name(i, self.restarts[i]), **_placement(self.engine.hetero.sampler_ray_resources)
+        ).remote(
             i, self.engine, self.model_path, self.spec, self.engine.hetero.speed_factors()[i], self.namespaces[i]
         )
         self.restarts[i] += 1
@@ -370,12 +430,30 @@ class RemoteRuntime:
             ray.kill(actor)
 
 
+def _worker_env() -> dict[str, str]:
+    import os
+    from pathlib import Path
+
+    repo = str(Path(__file__).resolve().parents[3])
+    path = os.environ.get("PYTHONPATH", "")
+    env = {"PYTHONPATH": repo + (os.pathsep + path if path else "")}
+    if os.environ.get("OMP_NUM_THREADS"):
+        env["OMP_NUM_THREADS"] = os.environ["OMP_NUM_THREADS"]
+    return env
+
+
 def run_async(engine: EngineConfig, model_path: str, logger: MetricLogger) -> dict[str, float]:
     """Train for ``trainer.total_training_steps`` learner steps with real learner and sampler actors."""
     hetero = engine.hetero
     started_ray = False
     if not ray.is_initialized():
-        ray.init(num_cpus=max(2, hetero.num_samplers + 1), include_dashboard=False, log_to_driver=False)
+        if hetero.ray_address:
+            # join a running cluster: its nodes have their own CPUs and custom resources; the
+            # actors import this repo, so its root goes on their path
+            ray.init(address=hetero.ray_address, log_to_driver=False, logging_level="ERROR",
+                     runtime_env={"env_vars": _worker_env()})  # fmt: skip
+        else:
+            ray.init(num_cpus=max(2, hetero.num_samplers + 1), include_dashboard=False, log_to_driver=False)
         started_ray = True
     runtime = None
     try:

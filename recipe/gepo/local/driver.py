@@ -38,6 +38,7 @@ from recipe.gepo.local.policy import load_policy, sample_groups, sequence_token_
 from recipe.gepo.local.run_utils import MetricLogger, RunSettings
 from recipe.gepo.local.tasks import Task, TaskConfig
 from verl_ext.algos.importance import sequence_log_prob
+from verl_ext.hetero.affinity import Pinned
 from verl_ext.hetero.buffer import RolloutBuffer
 from verl_ext.hetero.records import RecordSpec, RolloutGroup
 from verl_ext.hetero.seeding import diagnostics_seed
@@ -110,6 +111,22 @@ class RolloutSource(Protocol):
         """After a checkpoint holding ``buffer_state`` is durable."""
 
     def close(self) -> None: ...
+
+
+class GenerateOn:
+    """Replay mode with ``hetero.sampler_cpus``: the process moves to the sampler cores while it
+    generates a batch and back after, so the synchronous learner waits while "the sampler node"
+    works (the same pinning as async mode's actors). Everything else is the wrapped source's."""
+
+    def __init__(self, source: RolloutSource, cpus: list[int]):
+        self.source, self.cpus = source, list(cpus)
+
+    def next_batch(self, step: int, n: int, learner_version: int) -> Batch:
+        with Pinned(self.cpus, "hetero.sampler_cpus"):
+            return self.source.next_batch(step, n, learner_version)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.source, name)
 
 
 def check_supported(engine: EngineConfig) -> None:
@@ -230,12 +247,16 @@ class LearnerRuntime:
             )  # fmt: skip
             staleness = [self.learner.version - g.policy_version for g in batch.groups]
             diag["diag/staleness"] = float(sum(staleness) / len(staleness))
+        t_train = time.perf_counter()
         metrics = self.learner.train_step(batch.groups)
         metrics.update(diag)
+        t_publish = time.perf_counter()
         self._publish()
         metrics.update(self.buffer.metrics())
         step_s = time.perf_counter() - t0
-        metrics.update({"perf/step_s": step_s, "perf/learner_idle_frac": batch.wait_s / max(step_s, 1e-9)})
+        # where the step went: waiting for groups, the update itself, publishing the weights
+        metrics.update({"perf/step_s": step_s, "perf/learner_idle_frac": batch.wait_s / max(step_s, 1e-9),
+                        "perf/train_s": t_publish - t_train, "perf/publish_s": step_s - (t_publish - t0)})
         metrics.update(batch.metrics)
         return metrics
 
@@ -274,8 +295,13 @@ def run_loop(runtime: Any, engine: EngineConfig, logger: MetricLogger, desc: str
 
     metrics: dict[str, float] = {}
     bar = tqdm(range(start, settings.total_steps), desc=desc, initial=start, total=settings.total_steps)
+    last = time.perf_counter()
     for step in bar:
         metrics = runtime.step(step)
+        # the loop's wall clock per step: the step plus the previous step's logging, evaluation
+        # and checkpoint, and (async) the round trip to the learner actor
+        now = time.perf_counter()
+        metrics["perf/wall_s"], last = now - last, now
         done = step + 1
         if (settings.test_freq > 0 and done % settings.test_freq == 0) or done == settings.total_steps:
             metrics.update(runtime.evaluate(hetero.seed))
@@ -295,11 +321,19 @@ def run_engine(engine: EngineConfig, model_path: str, logger: MetricLogger, task
     if engine.hetero.mode == "replay":
         from recipe.gepo.local.replay import ReplaySource
 
-        runtime = LearnerRuntime(engine, model_path, ReplaySource, task=task)
-        try:
-            return run_loop(runtime, engine, logger, desc="replay")
-        finally:
-            runtime.shutdown()
+        hetero = engine.hetero
+
+        def source(runtime: LearnerRuntime) -> RolloutSource:
+            replay = ReplaySource(runtime)
+            return GenerateOn(replay, hetero.sampler_cpus) if hetero.sampler_cpus else replay
+
+        # the learner node's cores for the whole run (the process's own affinity comes back after)
+        with Pinned(hetero.learner_cpus, "hetero.learner_cpus", threads=True):
+            runtime = LearnerRuntime(engine, model_path, source, task=task)
+            try:
+                return run_loop(runtime, engine, logger, desc="replay")
+            finally:
+                runtime.shutdown()
     if engine.hetero.mode == "async":
         from recipe.gepo.local.async_mode import run_async
 

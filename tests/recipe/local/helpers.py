@@ -52,6 +52,9 @@ STEP_METRICS = (
     "perf/step_s",
     "perf/sampler_tokens_per_s",
     "perf/learner_idle_frac",
+    "perf/train_s",
+    "perf/publish_s",
+    "perf/wall_s",
 )
 
 
