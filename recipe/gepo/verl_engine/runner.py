@@ -68,6 +68,7 @@ def resolve_task_files(cfg: DictConfig) -> DictConfig:
                 n_val=int(task.eval_size),
                 seed=int(cfg.hetero.seed),
                 model_path=model_path,
+                answer_format=str(task.get("answer_format", "short")),  # scratchpad rows for the long-answer task
             )
             out.data.train_files = str(assets.train_file)
             out.data.val_files = str(assets.val_file)
