@@ -29,6 +29,23 @@ Faults (one every ``--fault-every`` seconds on average, kind drawn at random):
 
 One sampler runs 4x slower than the others (``hetero.sampler_speed_factors=[1,1,4]``).
 
+``--wan`` (opt-in; needs root / CAP_NET_ADMIN, refused clearly without it): the samplers run on
+the sampler node of scripts/wan/cluster.py (a Ray worker in its own network namespace behind a
+rate-limited veth pair, ``--wan-rate-mbit``), the learner and the Ray transport's mailbox on the
+head, so weights and rollouts cross the link (``hetero.transport=ray``, ``hetero.ray_address``,
+``hetero.{learner,sampler}_ray_resources``). The file-level faults (``rollout_*``, ``weights_*``)
+need the fs transport and are left out; three network faults join the others:
+
+- ``link_cut``: nothing crosses the link for ``--wan-cut-s`` seconds (``link.py cut``/``heal``);
+- ``link_slow``: the link's rate drops 100x for ``--wan-cut-s`` seconds (``link.py set-rate``);
+- ``worker_gone``: the sampler node's Ray processes end and its namespace is deleted for 20 s,
+  then it comes back and rejoins (``cluster.py worker-gone``).
+
+After each, if the head has declared the sampler node dead (a cut longer than Ray's health
+check), the node is started again as an operator's supervisor would (recorded in the fault). A
+network fault survives when the learner trains at least ``max_delay + 1`` more versions after it.
+The cluster is torn down at the end (``cluster.py down``).
+
 At the end: every group a sampler committed to the exchange (seen by a watcher thread that
 scans the rollouts folder every 50 ms, plus every sampler uid in the learner's ledger) must be
 consumed, dropped with a reason, rejected with a reason, still buffered, or still in the
@@ -73,7 +90,14 @@ from verl_ext.hetero.protocol import (  # noqa: E402
     version_key,
 )
 from verl_ext.hetero.records import RolloutGroup  # noqa: E402
-from verl_ext.hetero.transport import COMMIT_SUFFIX, DATA_SUFFIX, TEMP_PREFIX, FsspecTransport, checksum  # noqa: E402
+from verl_ext.hetero.transport import (  # noqa: E402
+    COMMIT_SUFFIX,
+    DATA_SUFFIX,
+    TEMP_PREFIX,
+    FsspecTransport,
+    Transport,
+    checksum,
+)
 
 CONFIG_DIR = REPO / "recipe" / "gepo" / "config"
 # sampler uids: "s<i>-b<batch>-<j>", or "s<i>-<launch id>-b<batch>-<j>" when the engine namespaces
@@ -102,6 +126,9 @@ FAULT_WEIGHTS = {
     "clock_skew_rollout": 0.8,
     "clock_skew_weights": 0.6,
 }
+# --wan: the fs transport's file-level faults cannot be injected into Ray's object store
+FS_ONLY = {k for k in FAULT_WEIGHTS if k.startswith(("rollout_", "weights_"))}
+WAN_FAULT_WEIGHTS = {"link_cut": 2.0, "link_slow": 2.0, "worker_gone": 1.5}
 # bad-group kind -> the ledger's rejection reason it must produce
 BAD_REASON = {
     "bad_nonfinite_logprob": "nonfinite_logprob",
@@ -142,12 +169,18 @@ class SoakResult:
 
 
 # --------------------------------------------------------------------------- config
-def soak_config(run_dir: Path, seed: int, save_freq: int, wait_timeout_s: float, extra: list[str]):
+def soak_config(run_dir: Path, seed: int, save_freq: int, wait_timeout_s: float, extra: list[str],
+                wan_address: str = ""):
     from hydra import compose, initialize_config_dir
 
+    if wan_address:  # learner + mailbox on the head, samplers across the link
+        transport = ["hetero.transport=ray", f"hetero.ray_address={wan_address}",
+                     "hetero.learner_ray_resources={learner_node: 0.01}",
+                     "hetero.sampler_ray_resources={sampler_node: 0.01}"]  # fmt: skip
+    else:
+        transport = ["hetero.transport=fs", f"hetero.transport_url={run_dir / 'exchange'}"]
     overrides = [
-        "hetero.mode=async", "hetero.num_samplers=3", "hetero.transport=fs",
-        f"hetero.transport_url={run_dir / 'exchange'}",
+        "hetero.mode=async", "hetero.num_samplers=3", *transport,
         "hetero.delay.low=0.2", "hetero.delay.high=2", "hetero.max_delay=4",
         "hetero.sampler_speed_factors=[1.0,1.0,4.0]",
         f"hetero.wait_timeout_s={wait_timeout_s}", f"hetero.seed={seed}",
@@ -170,6 +203,37 @@ def soak_config(run_dir: Path, seed: int, save_freq: int, wait_timeout_s: float,
 
 
 # --------------------------------------------------------------------------- watcher
+class TransportWatcher(threading.Thread):
+    """Records every committed rollout message of any transport (one listing with checksums,
+    ``Transport.infos``): key -> {sha256}; every ``interval`` s. Used with --wan (Ray transport)."""
+
+    def __init__(self, transport: Transport, interval: float = 0.05):
+        super().__init__(daemon=True, name="soak-watcher")
+        self.transport, self.interval = transport, interval
+        self.seen: dict[str, set[str]] = defaultdict(set)
+        self._halt = threading.Event()
+        self.lock = threading.Lock()
+
+    def scan(self) -> None:
+        try:
+            infos = self.transport.infos(ROLLOUT_TOPIC)
+        except Exception:  # noqa: BLE001 - the mailbox busy or restarting: the next scan sees it
+            return
+        with self.lock:
+            for info in infos:
+                self.seen[info.key].add(info.sha256)
+
+    def run(self) -> None:
+        while not self._halt.is_set():
+            self.scan()
+            time.sleep(self.interval)
+
+    def stop(self) -> None:
+        self._halt.set()
+        self.join(timeout=5)
+        self.scan()
+
+
 class Watcher(threading.Thread):
     """Records every committed rollout message: key -> {sha256}; scans every ``interval`` s."""
 
@@ -220,10 +284,15 @@ class Injector(threading.Thread):
 
     def __init__(self, exchange: Path, run_dir: Path, watcher: Watcher, seed: int, t0: float, duration: float,
                  mean_interval: float, learner_crashes: int, save_freq: int, in_run: threading.Event,
-                 crash_flag: threading.Event):
+                 crash_flag: threading.Event, transport: Optional[Transport] = None, wan: Optional["WanLink"] = None):
         super().__init__(daemon=True, name="soak-injector")
         self.exchange, self.run_dir, self.watcher = exchange, run_dir, watcher
-        self.transport = FsspecTransport(str(exchange))
+        self.transport = transport if transport is not None else FsspecTransport(str(exchange))
+        self.wan = wan
+        self.fault_weights = dict(FAULT_WEIGHTS)
+        if wan is not None:
+            self.fault_weights = {k: v for k, v in FAULT_WEIGHTS.items() if k not in FS_ONLY}
+            self.fault_weights.update(WAN_FAULT_WEIGHTS)
         self.rng = random.Random(seed * 7919 + 1)
         self.t0, self.duration, self.mean_interval = t0, duration, mean_interval
         self.save_freq = save_freq
@@ -319,11 +388,26 @@ class Injector(threading.Thread):
             data[i] ^= 0xFF
         return bytes(data)
 
+    def _skewed(self, skew: float) -> Transport:
+        """A second handle on the exchange whose sender clock is ``skew`` seconds off."""
+        if self.wan is None:
+            return FsspecTransport(str(self.exchange), clock=lambda: time.time() + skew)
+        from verl_ext.hetero.transport import RayTransport
+
+        return RayTransport(self.transport.name, self.transport.namespace, clock=lambda: time.time() + skew,
+                            resources=self.transport.resources)  # fmt: skip
+
     # -- faults
     def inject(self, kind: str) -> Optional[Fault]:
         import ray
 
         fault = Fault(kind, self.now())
+        if kind in WAN_FAULT_WEIGHTS:
+            fault.detail = {"version_at_fault": self._latest_weights()}
+            fault.detail.update(self.wan.inject(kind, self.rng))
+            fault.detail["version_after_fault"] = self._latest_weights()
+            fault.detail["ended_s"] = round(self.now(), 1)
+            return fault
         if kind == "sampler_kill":
             names = [n for n in self._named_actors() if SAMPLER_ACTOR.match(n)]
             if not names:
@@ -359,7 +443,7 @@ class Injector(threading.Thread):
                 except (KeyError, ValueError):
                     return None
                 skew = self.rng.choice([-1, 1]) * self.rng.uniform(60, 600)
-                FsspecTransport(str(self.exchange), clock=lambda: time.time() + skew).put(WEIGHTS_TOPIC, key, payload)
+                self._skewed(skew).put(WEIGHTS_TOPIC, key, payload)
                 fault.key, fault.detail["skew_s"] = key, round(skew, 1)
                 return fault
             # a version the learner has not published yet (it replaces it when it gets there)
@@ -426,7 +510,7 @@ class Injector(threading.Thread):
         elif kind == "clock_skew_rollout":
             skew = self.rng.choice([-1, 1]) * self.rng.uniform(60, 3600)
             group.created_at = time.time() + skew
-            send_group(FsspecTransport(str(self.exchange), clock=lambda: time.time() + skew), group)
+            send_group(self._skewed(skew), group)
             fault.detail["skew_s"] = round(skew, 1)
             return fault
         else:
@@ -435,7 +519,7 @@ class Injector(threading.Thread):
         return fault
 
     def run(self) -> None:
-        kinds, weights = zip(*FAULT_WEIGHTS.items())
+        kinds, weights = zip(*self.fault_weights.items())
         next_at = self.now() + self.rng.expovariate(1.0 / self.mean_interval)
         while not self._halt.is_set():
             time.sleep(0.2)
@@ -465,6 +549,75 @@ class Injector(threading.Thread):
             return int(re.search(r"(\d+)", pointer.read_text()).group(1))
         except (FileNotFoundError, AttributeError):
             return 0
+
+
+# --------------------------------------------------------------------------- the real link (--wan)
+class WanLink:
+    """The two-node cluster of scripts/wan/cluster.py and its network faults (see the module
+    docstring). Check :meth:`refusal` before :meth:`up`: it names the missing privileges."""
+
+    def __init__(self, rate_mbit: float, fault_s: float):
+        sys.path.insert(0, str(REPO / "scripts" / "wan"))
+        import cluster
+        import link
+
+        self.cluster, self.link = cluster, link
+        self.link_cfg, self.cluster_cfg = link.LinkConfig(), cluster.ClusterConfig()
+        self.rate_mbit, self.fault_s = float(rate_mbit), float(fault_s)
+        self.address = ""
+
+    def refusal(self) -> Optional[str]:
+        problems = self.link.missing_requirements(self.link.effective_caps())
+        return self.link.refusal_message(problems) if problems else None
+
+    def up(self) -> str:
+        self.cluster.join_env()  # the cluster's auth environment, before this process joins it
+        self.address = self.cluster.up(self.cluster_cfg, self.link_cfg, self.rate_mbit)
+        return self.address
+
+    def down(self) -> None:
+        self.cluster.down(self.cluster_cfg, self.link_cfg)
+
+    def _sampler_node_alive(self) -> bool:
+        try:
+            nodes = self.cluster.alive_nodes(self.address, self.link_cfg.host_ip)
+        except Exception:  # noqa: BLE001 - the head busy: count it as not known to be alive
+            return False
+        return any(n["ip"] == self.link_cfg.ns_ip for n in nodes)
+
+    def inject(self, kind: str, rng: random.Random) -> dict:
+        """Inject one network fault and wait it out; returns its details."""
+        seconds = round(rng.uniform(self.fault_s, 1.5 * self.fault_s), 1)
+        if kind == "link_cut":
+            self.link.cut(self.link_cfg)
+            try:
+                time.sleep(seconds)
+            finally:
+                self.link.heal(self.link_cfg)
+            detail = {"seconds": seconds}
+        elif kind == "link_slow":
+            slow = self.rate_mbit / 100
+            self.link.set_rate(self.link_cfg, slow)
+            try:
+                time.sleep(seconds)
+            finally:
+                self.link.set_rate(self.link_cfg, self.rate_mbit)
+            detail = {"seconds": seconds, "rate_mbit": slow}
+        elif kind == "worker_gone":
+            seconds = 20.0
+            self.cluster.worker_gone(self.cluster_cfg, self.link_cfg, seconds)
+            detail = {"seconds": seconds}
+        else:
+            raise ValueError(f"unknown network fault {kind!r}")
+        # a cut past Ray's health check leaves the head believing the sampler node dead, and the
+        # node's raylet exits when it learns so: start it again, as a node supervisor would
+        deadline = time.monotonic() + 30
+        while not self._sampler_node_alive() and time.monotonic() < deadline:
+            time.sleep(2)
+        if not self._sampler_node_alive():
+            self.cluster.worker_gone(self.cluster_cfg, self.link_cfg, 0)
+            detail["node_restarted"] = True
+        return detail
 
 
 # --------------------------------------------------------------------------- driver
@@ -506,7 +659,8 @@ def _metrics(path: Path) -> list[dict]:
 
 def soak(minutes: float = 10.0, seed: int = 0, run_dir: Optional[Path] = None, fault_every: float = 5.0,
          learner_crashes: int = 2, save_freq: int = 5, wait_timeout_s: float = 120.0,
-         overrides: Optional[list[str]] = None, log=print) -> SoakResult:
+         overrides: Optional[list[str]] = None, log=print, wan: Optional[WanLink] = None) -> SoakResult:
+    """Run the soak; with ``wan`` (a :class:`WanLink` already ``up``) across the real link."""
     import ray
 
     from recipe.gepo.main_gepo import run
@@ -514,21 +668,33 @@ def soak(minutes: float = 10.0, seed: int = 0, run_dir: Optional[Path] = None, f
     run_dir = Path(run_dir or f"/tmp/heterorl-soak-{seed}-{int(time.time())}").resolve()
     exchange = run_dir / "exchange"
     exchange.mkdir(parents=True, exist_ok=True)
-    cfg = soak_config(run_dir, seed, save_freq, wait_timeout_s, overrides or [])
+    cfg = soak_config(run_dir, seed, save_freq, wait_timeout_s, overrides or [],
+                      wan_address=wan.address if wan is not None else "")  # fmt: skip
     batch = int(cfg.data.train_batch_size)
     duration = minutes * 60.0
     started_ray = not ray.is_initialized()
-    if started_ray:
+    if started_ray and wan is not None:
+        from recipe.gepo.local.async_mode import _worker_env
+
+        ray.init(address=wan.address, log_to_driver=False, logging_level="ERROR", runtime_env={"env_vars": _worker_env()})
+    elif started_ray:
         ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    transport: Optional[Transport] = None
+    if wan is not None:  # the engine's own mailbox (same name and placement as the run's)
+        from recipe.gepo.hetero_config import HeteroConfig
+        from recipe.gepo.local.async_mode import transport_spec
+        from recipe.gepo.local.run_utils import RunSettings
+
+        transport = transport_spec(HeteroConfig.from_omegaconf(cfg.hetero), RunSettings.from_config(cfg)).open()
 
     # the time limit ends run(cfg) with a simulated SIGINT, which does nothing while SIGINT is
     # ignored -- as it is for a background job of a non-interactive shell (nohup ... &)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     t0 = time.monotonic()
-    watcher = Watcher(exchange / ROLLOUT_TOPIC)
+    watcher = Watcher(exchange / ROLLOUT_TOPIC) if transport is None else TransportWatcher(transport)
     in_run, crash_flag = threading.Event(), threading.Event()
     injector = Injector(exchange, run_dir / "run", watcher, seed, t0, duration, fault_every, learner_crashes,
-                        save_freq, in_run, crash_flag)
+                        save_freq, in_run, crash_flag, transport=transport, wan=wan)
     errors: list[str] = []
     segments: list[dict] = []
     stop, done = threading.Event(), threading.Event()
@@ -603,9 +769,12 @@ def soak(minutes: float = 10.0, seed: int = 0, run_dir: Optional[Path] = None, f
     injector.learner_handle = None
     leftovers = [n for n in _kill_leftover_actors() if n != LEARNER_ACTOR]  # the learner was kept on purpose
 
-    transport = FsspecTransport(str(exchange))
+    if transport is None:
+        transport = FsspecTransport(str(exchange))
+        temporaries = transport.incomplete(ROLLOUT_TOPIC) + transport.incomplete(WEIGHTS_TOPIC)
+    else:
+        temporaries = []  # Ray's object store has no partial writes
     in_transport = set(transport.keys(ROLLOUT_TOPIC))
-    temporaries = transport.incomplete(ROLLOUT_TOPIC) + transport.incomplete(WEIGHTS_TOPIC)
 
     # ------------------------------------------------------------------ accounting by uid
     sampler_seen = {k for k in watcher.seen if SAMPLER_UID.match(k)}
@@ -691,6 +860,15 @@ def soak(minutes: float = 10.0, seed: int = 0, run_dir: Optional[Path] = None, f
                 fault.outcome = "survived"
             else:
                 fault.outcome = "NOT SURVIVED: the uid vanished"
+        elif kind in WAN_FAULT_WEIGHTS:
+            after = fault.detail.get("version_after_fault") or 0
+            needed = after + int(cfg.hetero.max_delay) + 1
+            if final_version >= needed:
+                fault.outcome = "survived"  # the learner kept training on groups from across the link
+            elif end_s - fault.detail.get("ended_s", fault.at) < 90:
+                fault.outcome = "not judged: run ended too soon after it"
+            else:
+                fault.outcome = f"NOT SURVIVED: learner stuck below version {needed}"
         elif kind == "clock_skew_rollout":
             status = ledger.get(key)
             if status is not None and not status.startswith("rejected"):
@@ -727,6 +905,8 @@ def soak(minutes: float = 10.0, seed: int = 0, run_dir: Optional[Path] = None, f
         steps_done=steps_done, steps_executed=len(step_rows), faults=injector.faults, accounting=accounting,
         lost=lost, consumed_twice=consumed_twice, errors=errors, wall_s=time.monotonic() - t0, run_dir=str(run_dir),
     )
+    if wan is not None and transport is not None:
+        transport.shutdown()  # the detached mailbox (the cluster goes down next anyway)
     if started_ray:
         ray.shutdown()
     return result
@@ -786,14 +966,33 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--fault-every", type=float, default=5.0, help="mean seconds between faults (default 5)")
     parser.add_argument("--learner-crashes", type=int, default=2, help="learner kills, after a checkpoint (default 2)")
     parser.add_argument("--save-freq", type=int, default=5, help="checkpoint every k steps (default 5)")
+    parser.add_argument("--wan", action="store_true",
+                        help="samplers across the real rate-limited link of scripts/wan (needs CAP_NET_ADMIN)")
+    parser.add_argument("--wan-rate-mbit", type=float, default=100.0, help="--wan: link rate (default 100)")
+    parser.add_argument("--wan-cut-s", type=float, default=20.0,
+                        help="--wan: a link cut / slow spell lasts this to 1.5x this many seconds (default 20)")
     parser.add_argument("overrides", nargs="*", help="extra hydra overrides, e.g. hetero.max_delay=2")
     args = parser.parse_args(argv)
     if not args.minutes > 0:
         parser.error(f"--minutes={args.minutes} must be > 0")
     if not args.fault_every > 0:
         parser.error(f"--fault-every={args.fault_every} must be > 0")
-    result = soak(args.minutes, args.seed, args.run_dir, args.fault_every, args.learner_crashes, args.save_freq,
-                  overrides=args.overrides)
+    wan = None
+    if args.wan:
+        if not 0 < args.wan_cut_s <= 120:
+            parser.error(f"--wan-cut-s={args.wan_cut_s} must be in (0, 120] (bounded faults only)")
+        wan = WanLink(args.wan_rate_mbit, args.wan_cut_s)
+        refusal = wan.refusal()
+        if refusal:
+            print(f"soak --wan: {refusal}", file=sys.stderr)
+            return 2
+        wan.up()
+    try:
+        result = soak(args.minutes, args.seed, args.run_dir, args.fault_every, args.learner_crashes, args.save_freq,
+                      overrides=args.overrides, wan=wan)
+    finally:
+        if wan is not None:
+            wan.down()
     report(result)
     return 0 if result.ok else 1
 

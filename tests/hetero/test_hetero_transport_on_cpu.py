@@ -1,4 +1,5 @@
-"""fsspec transport, weight store, delay channel and rollout inbox (no Ray)."""
+"""fsspec transport, weight store, delay channel and rollout inbox; the batched reads (infos,
+get_many, delete_many) on both transports."""
 
 import itertools
 import posixpath
@@ -244,3 +245,48 @@ def test_rollout_inbox_exactly_once_across_a_learner_crash(transport):
     bad_uid = build_group("s0 g7", version=0)
     with pytest.raises(ValueError, match="group_uid='s0 g7' is not a valid name"):
         send_group(transport, bad_uid)
+
+
+@pytest.fixture(scope="module")
+def ray_transport():
+    import ray
+
+    from verl_ext.hetero.transport import RayTransport
+
+    ray.init(num_cpus=1, include_dashboard=False, namespace="hetero-transport-many", log_to_driver=False)
+    transport = RayTransport("heterorl-test-many")
+    yield transport
+    transport.shutdown()
+    ray.shutdown()
+
+
+def _check_batched_reads(transport):
+    """infos / get_many / delete_many answer as info / get / delete one by one would."""
+    for key in ("a", "b", "c"):
+        transport.put("rollouts", key, key.encode() * 10)
+    infos = transport.infos("rollouts")
+    assert [i.key for i in infos] == ["a", "b", "c"]
+    assert [i.sha256 for i in infos] == [transport.info("rollouts", k).sha256 for k in "abc"]
+    got = transport.get_many("rollouts", ["c", "missing", "a"])
+    assert got["c"] == b"c" * 10 and got["a"] == b"a" * 10
+    assert isinstance(got["missing"], KeyError)
+    transport.delete_many("rollouts", ["a", "c", "missing"])
+    assert transport.keys("rollouts") == ["b"]
+    transport.delete("rollouts", "b")
+
+
+def test_batched_reads_fsspec(transport):
+    _check_batched_reads(transport)
+
+
+def test_batched_reads_ray(ray_transport):
+    _check_batched_reads(ray_transport)
+    # a committed payload that no longer matches its checksum comes back as CorruptMessage
+    import ray
+
+    info = ray_transport.put("rollouts", "x", b"good bytes")
+    ray.get(ray_transport._mailbox.put_ref.remote(info, [ray.put(b"evil bytes")]))
+    before = ray_transport.stats["corrupt"]
+    assert isinstance(ray_transport.get_many("rollouts", ["x"])["x"], CorruptMessage)
+    assert ray_transport.stats["corrupt"] == before + 1
+    ray_transport.delete("rollouts", "x")

@@ -86,14 +86,14 @@ class RolloutInbox:
         return len(current)
 
     def poll(self, max_groups: int | None = None) -> int:
-        """Hand new messages to the buffer; returns how many the buffer accepted. Bad messages
-        are counted and skipped, never raised."""
-        accepted = 0
-        handled = 0
+        """Hand new messages to the buffer (at most ``max_groups`` new messages read); returns how
+        many the buffer accepted. Bad messages are counted and skipped, never raised. One listing
+        and one read per call, however many groups arrived."""
+        fresh = []
         # one listing with checksums: messages already handled cost no further round trip
         for info in self.transport.infos(self.topic):
             key = info.key
-            if max_groups is not None and handled >= max_groups:
+            if max_groups is not None and len(fresh) >= max_groups:
                 break
             status = self.buffer.ledger.status.get(key)
             if status is not None and not status.startswith(REJECTED):
@@ -101,15 +101,19 @@ class RolloutInbox:
             if (key, info.sha256) in self._processed:
                 continue
             self._processed.add((key, info.sha256))
-            try:
-                data = self.transport.get(self.topic, key)
-                group = RolloutGroup.from_bytes(data)
-            except KeyError:
+            fresh.append(key)
+        accepted = 0
+        # and one read for all new messages
+        for key, data in self.transport.get_many(self.topic, fresh).items():
+            if isinstance(data, KeyError):
                 continue  # deleted or hidden since listing
+            try:
+                if isinstance(data, Exception):
+                    raise data
+                group = RolloutGroup.from_bytes(data)
             except (CorruptMessage, ValueError):
                 self.stats["corrupt"] += 1
                 continue
-            handled += 1
             if group.group_uid != key:
                 self.stats["uid_mismatch"] += 1
                 continue

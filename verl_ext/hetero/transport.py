@@ -126,11 +126,26 @@ class Transport(ABC):
         not match the committed size and checksum.
         """
         info, data = self._read(check_name("topic", topic), check_name("key", key))
+        return self._verified(info, data)
+
+    def get_many(self, topic: str, keys: list[str]) -> dict[str, bytes | Exception]:
+        """:meth:`get` of each key: key -> its payload, or the KeyError / :class:`CorruptMessage`
+        :meth:`get` would have raised. One round trip where the backend can (the learner's inbox
+        reads every new group this way)."""
+        out: dict[str, bytes | Exception] = {}
+        for key in keys:
+            try:
+                out[key] = self.get(topic, key)
+            except (KeyError, CorruptMessage) as err:
+                out[key] = err
+        return out
+
+    def _verified(self, info: MessageInfo, data: bytes) -> bytes:
         self.stats["get"] += 1
         if len(data) != info.size or checksum(data) != info.sha256:
             self.stats["corrupt"] += 1
-            raise CorruptMessage(f"message {topic}/{key}: {len(data)} bytes with sha256 {checksum(data)[:12]}..., "
-                                 f"committed {info.size} bytes with sha256 {info.sha256[:12]}...")
+            raise CorruptMessage(f"message {info.topic}/{info.key}: {len(data)} bytes with sha256 "
+                                 f"{checksum(data)[:12]}..., committed {info.size} bytes with sha256 {info.sha256[:12]}...")
         return data
 
     def _new_info(self, topic: str, key: str, data: bytes) -> MessageInfo:
@@ -276,6 +291,9 @@ class _Mailbox:
     def get(self, topic: str, key: str):
         return self._messages.get((topic, key))
 
+    def get_many(self, topic: str, keys: list[str]) -> list:
+        return [self._messages.get((topic, key)) for key in keys]
+
     def keys(self, topic: str) -> list[str]:
         return sorted(key for t, key in self._messages if t == topic)
 
@@ -345,6 +363,21 @@ class RayTransport(Transport):
 
         if keys:
             ray.get(self._mailbox.delete_many.remote(check_name("topic", topic), [check_name("key", k) for k in keys]))
+
+    def get_many(self, topic: str, keys: list[str]) -> dict[str, bytes | Exception]:
+        import ray
+
+        topic = check_name("topic", topic)
+        entries = ray.get(self._mailbox.get_many.remote(topic, [check_name("key", k) for k in keys])) if keys else []
+        present = [(key, entry) for key, entry in zip(keys, entries) if entry is not None]
+        payloads = ray.get([entry[1][0] for _, entry in present]) if present else []
+        out: dict[str, bytes | Exception] = {key: KeyError(f"{topic}/{key} is not committed") for key in keys}
+        for (key, (info, _)), data in zip(present, payloads):
+            try:
+                out[key] = self._verified(info, data)
+            except CorruptMessage as err:
+                out[key] = err
+        return out
 
     def _entry(self, topic: str, key: str):
         import ray

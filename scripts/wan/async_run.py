@@ -1,0 +1,85 @@
+#!/usr/bin/env python3
+"""A short async run of the embedded engine across the rate-limited link (issue 14 item 3).
+
+    sudo .venv/bin/python scripts/wan/async_run.py --rate-mbit 100 --steps 10 [--out /tmp/heterorl-wan-async]
+
+Brings the two-node cluster up (``cluster.py up``), runs ``recipe.gepo.main_gepo`` with the
+learner and the Ray mailbox on the head and two samplers in the sampler namespace
+(``hetero.ray_address``, ``hetero.learner_ray_resources``, ``hetero.sampler_ray_resources``),
+prints one JSON line (where Ray placed each actor, per-step times, idle fractions, the ledger,
+the load average before and after) and always tears the cluster down. Bounded: ``--steps`` <= 200.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+sys.path[:0] = [str(HERE), str(REPO)]
+import cluster  # noqa: E402
+import link  # noqa: E402
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rate-mbit", type=float, default=100.0)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--out", default="/tmp/heterorl-wan-async")
+    parser.add_argument("overrides", nargs="*", help="extra hydra overrides")
+    args = parser.parse_args(argv)
+    if not 1 <= args.steps <= 200:
+        parser.error(f"--steps={args.steps} must be in [1, 200]")
+    problems = link.missing_requirements(link.effective_caps())
+    if problems:
+        print(link.refusal_message(problems), file=sys.stderr)
+        return 2
+    cluster.join_env()  # the cluster's auth environment, before Ray is imported
+    link_cfg, cluster_cfg = link.LinkConfig(), cluster.ClusterConfig()
+    address = cluster.up(cluster_cfg, link_cfg, args.rate_mbit)
+    try:
+        from hydra import compose, initialize_config_dir
+
+        overrides = [
+            "algorithm_preset=gepo", "hetero.mode=async", "hetero.num_samplers=2", "hetero.delay.dist=none",
+            "hetero.max_delay=4", f"trainer.total_training_steps={args.steps}", f"trainer.test_freq={args.steps}",
+            f"trainer.save_freq={args.steps}", "trainer.resume_mode=disable", f"trainer.default_local_dir={args.out}",
+            "task.eval_size=64", f"hetero.ray_address={address}", "hetero.learner_ray_resources={learner_node: 0.01}",
+            "hetero.sampler_ray_resources={sampler_node: 0.01}", *args.overrides,
+        ]  # fmt: skip
+        with initialize_config_dir(config_dir=str(REPO / "recipe" / "gepo" / "config"), version_base=None):
+            cfg = compose(config_name="gepo_trainer", overrides=overrides)
+        from recipe.gepo.main_gepo import run
+
+        load_before = Path("/proc/loadavg").read_text().split()[:3]
+        t0 = time.perf_counter()
+        final = run(cfg)
+        wall = time.perf_counter() - t0
+        load_after = Path("/proc/loadavg").read_text().split()[:3]
+        import ray
+        from ray._private.state import actors
+
+        ray.init(address=address, log_to_driver=False, logging_level="ERROR")
+        placed = sorted((a["ActorClassName"], a["Address"]["IPAddress"]) for a in actors().values()
+                        if a["ActorClassName"] in ("SamplerWorker", "LearnerWorker", "_Mailbox"))  # fmt: skip
+        ray.shutdown()
+        rows = [json.loads(line) for line in (Path(args.out) / "metrics.jsonl").read_text().splitlines() if line.strip()]
+        steps = [r for r in rows if "perf/step_s" in r]
+        print(json.dumps({
+            "rate_mbit": args.rate_mbit, "placed": placed, "steps": len(steps), "wall_s": round(wall, 1),
+            "load_before": load_before, "load_after": load_after,
+            "step_s": [round(r["perf/step_s"], 2) for r in steps], "train_s": [round(r["perf/train_s"], 2) for r in steps],
+            "idle": [round(r["perf/learner_idle_frac"], 2) for r in steps],
+            "ledger": {k.removeprefix("hetero/ledger_"): v for k, v in final.items() if k.startswith("hetero/ledger_")},
+        }))  # fmt: skip
+    finally:
+        cluster.down(cluster_cfg, link_cfg)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,33 @@
+"""``scripts/soak.py --wan`` refuses clearly, before touching anything, without the network
+privileges the real link needs (issue 14 item 3). Run as an unprivileged user via setpriv."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None,
+                    reason="needs root and setpriv to drop to an unprivileged user")  # fmt: skip
+def test_soak_wan_refuses_without_cap_net_admin():
+    proc = subprocess.run(
+        ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--inh-caps=-all", "--bounding-set=-all",
+         sys.executable, str(REPO / "scripts" / "soak.py"), "--wan", "--minutes", "0.1"],
+        capture_output=True, text=True, timeout=120, cwd="/",
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "CAP_NET_ADMIN" in proc.stderr and "nothing was changed" in proc.stderr
+    assert "soak:" not in proc.stdout  # no soak ran
+
+
+def test_soak_wan_cut_must_be_bounded():
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "soak.py"), "--wan", "--wan-cut-s", "1000"],
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 2 and "--wan-cut-s=1000.0 must be in (0, 120]" in proc.stderr
