@@ -263,3 +263,37 @@ def test_weights_sha256_hashes_tensors_not_files(tmp_path):
     assert weights_sha256(tmp_path / "a") != weights_sha256(tmp_path / "b")  # the shape counts
     with pytest.raises(FileNotFoundError, match="safetensors"):
         weights_sha256(tmp_path)
+
+
+_THREADS_SCRIPT = """
+import hashlib, json, sys, torch
+from verl_ext.data import toy
+torch.set_num_threads(int(sys.argv[1]))
+settings = {"recipe_version": 1, "mode": "pinned", "digits": 3, "answer_format": "scratchpad", "steps": 20, "seed": 0,
+            "batch_size": 64, "lr": 1e-3, "warmup_steps": 50, "n_eval": 8, "eval_temperature": 1.0}
+with toy._deterministic_torch():
+    model, _, _ = toy._train_pinned(settings)
+h = hashlib.sha256()
+for k, v in sorted(model.state_dict().items()):
+    h.update(k.encode()); h.update(v.contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+print(json.dumps({"threads": torch.get_num_threads(), "sha": h.hexdigest()}))
+"""
+
+
+@pytest.mark.slow
+def test_pinned_training_gives_the_same_weights_with_one_and_two_threads():
+    """The claim of docs/study.md: the pinned recipe's weights do not depend on the thread count
+    (here; pinned warm starts still train with one thread, as other BLAS builds may differ)."""
+    import os
+    import subprocess
+    import sys
+
+    out = []
+    for n in (1, 2):
+        env = {**os.environ, "OMP_NUM_THREADS": str(n)}
+        proc = subprocess.run([sys.executable, "-c", _THREADS_SCRIPT, str(n)], capture_output=True, text=True, env=env,
+                              timeout=900)  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        out.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    assert [o["threads"] for o in out] == [1, 2]
+    assert out[0]["sha"] == out[1]["sha"]
