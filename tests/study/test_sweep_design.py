@@ -152,3 +152,23 @@ def test_study_markdown_has_every_section(tmp_path):
                    "**Paired differences, gepo minus each baseline**", "| fix4 |", "**Power of the design.**"):
         assert needle in md, needle
     assert Path(sw.staleness_figure(tmp_path / "fig", per_run)).is_file()
+
+
+def test_budget_estimate_uses_finished_runs_else_the_measured_defaults():
+    sw = _sweep()
+    plan = _plan(sw, steps=200, test_freq=20, eval_size=512, prompts=16)
+    secs, how = sw.estimate_seconds(plan, [])
+    assert secs == pytest.approx(200 * sw.SECONDS_PER_STEP_16 + 11 * 512 * sw.SECONDS_PER_EVAL_PROBLEM)
+    assert "measured defaults" in how
+    secs, how = sw.estimate_seconds(plan, [{"seconds": 100.0}, {"seconds": 300.0}, {"seconds": 200.0}])
+    assert secs == 200.0 and "3 finished runs" in how
+
+
+def test_powered_design_meets_the_issue_minimums():
+    """Issue 13 item 4: >= 512 evaluation problems, >= 5 evaluations averaged, >= 5 seeds, >= 200
+    steps; item 2: conditions 0, 4, 16, 64 with fixed and uniform staleness."""
+    p = _sweep().POWERED
+    assert p["eval_size"] >= 512 and p["last_evals"] >= 5 and len(p["seeds"]) >= 5 and p["steps"] >= 200
+    assert p["steps"] // p["test_freq"] >= p["last_evals"]
+    assert {0, "fix4", "fix16", "fix64", "uni64", "logn64"} <= set(p["delays"])
+    assert {"gepo", "grpo_paper", "gspo_wide", "gspo", "grpo"} <= set(p["algos"]) and len(p["lr_grid"]) >= 2
