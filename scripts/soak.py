@@ -128,7 +128,7 @@ FAULT_WEIGHTS = {
 }
 # --wan: the fs transport's file-level faults cannot be injected into Ray's object store
 FS_ONLY = {k for k in FAULT_WEIGHTS if k.startswith(("rollout_", "weights_"))}
-WAN_FAULT_WEIGHTS = {"link_cut": 2.0, "link_slow": 2.0, "worker_gone": 1.5}
+WAN_FAULT_WEIGHTS = {"link_cut": 3.0, "link_slow": 3.0, "worker_gone": 4.0}  # ~40% of the faults
 # bad-group kind -> the ledger's rejection reason it must produce
 BAD_REASON = {
     "bad_nonfinite_logprob": "nonfinite_logprob",

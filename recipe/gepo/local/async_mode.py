@@ -377,6 +377,12 @@ class RemoteRuntime:
             except Exception as err:  # noqa: BLE001 - any actor failure is reported the same way
                 self.failures += 1
                 bar_write(f"[heterorl] sampler-{i} failed ({type(err).__name__}); restarting it")
+                # unreachable is not dead (ActorUnavailableError across a cut link): end it for
+                # good, so it does not keep generating beside its replacement when the link heals
+                try:
+                    ray.kill(self.samplers[i], no_restart=True)
+                except Exception:  # noqa: BLE001 - already gone
+                    pass
                 # its announced groups will never come: the learner must not wait for them
                 clear_topic(self.transport, EXPECTED_TOPIC, prefix=f"{self.namespaces[i]}-")
                 self.next_batch[i] += 1000  # a restarted sampler draws fresh prompts
