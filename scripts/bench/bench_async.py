@@ -138,6 +138,12 @@ def main() -> None:
         )
         if r["consumed"] != sync["consumed"]:
             lines.append(f"| (consumed {r['consumed']:.0f} groups, synchronous {sync['consumed']:.0f}: not the same work) |")
+    lines += ["", "Where the async learner's wall time went (s, steps after the warm-up):", "",
+              "| weight delay s/version | wall | train_step | publish | idle (waiting for groups) | between steps (driver) |",
+              "|---:|---:|---:|---:|---:|---:|"]
+    for d, r in runs.items():
+        lines.append(f"| {d:g} | {r['wall_s']:.2f} | {r['train_s']:.2f} | {r['publish_s']:.2f} | {r['wait_s']:.2f} "
+                     f"| {r['wall_s'] - r['step_s']:.2f} |")
     table = "\n".join(lines)
     print(table)
     if args.out is not None:
