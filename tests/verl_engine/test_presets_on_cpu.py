@@ -158,6 +158,17 @@ def test_bad_configs_fail_before_anything_runs_naming_the_key(overrides, error, 
         build_plan(cfg)
 
 
+@pytest.mark.parametrize(
+    "override", ["hetero.num_samplers=4", "hetero.learner_cpus=[0]", "hetero.max_queued_groups=8",
+                 "hetero.sampler_speed_factors=[2.0,3.0]", "hetero.wait_timeout_s=5"],
+)  # fmt: skip
+def test_embedded_engine_options_are_refused_not_ignored(override):
+    cfg = preset_cfg("qwen3_1p7b_fsdp", override)
+    key = override.split("=")[0]
+    with pytest.raises(VerlEngineConfigError, match=f"{key}=.*embedded-engine option"):
+        build_plan(cfg)
+
+
 def test_megatron_parallel_sizes_must_divide_the_learner_gpus():
     cfg = preset_cfg("qwen3_8b_megatron", "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=3")
     with pytest.raises((AssertionError, VerlEngineConfigError), match="divisible"):

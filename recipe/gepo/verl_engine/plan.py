@@ -73,6 +73,34 @@ def _sampler_parallelism(cfg: DictConfig) -> dict[str, int]:
     return {"gpus": n_gpus, "tp": tp, "dp": dp, "pp": pp, "replicas": n_gpus // per_replica}
 
 
+# hetero: keys of the embedded engine that the verl engine has no counterpart for -> what to use
+# instead. Set to anything but their default they are refused, not silently ignored.
+EMBEDDED_ONLY_KEYS = {
+    "num_samplers": "the sampler pool is actor_rollout_ref.rollout.nnodes x n_gpus_per_node (/ TP x DP x PP)",
+    "wait_timeout_s": "verl's wait strategy has no timeout",
+    "order": "verl's replay buffer decides the order",
+    "transport_url": "weights and rollouts stay inside one Ray cluster",
+    "sampler_speed_factors": "the rollout replicas receive each version together",
+    "delay_rollouts": "only the weight path is delayed",
+    "sampler_skip_stale": "verl's replicas always generate",
+    "max_queued_groups": "verl's replay buffer bounds itself (trainer.v1.sampler)",
+    "max_nonfinite_steps": "verl does not skip non-finite steps",
+    "learner_cpus": "verl places workers through Ray resources",
+    "sampler_cpus": "verl places workers through Ray resources",
+    "ray_address": "set ray_kwargs.ray_init.address",
+    "learner_ray_resources": "verl's resource pools place the workers",
+    "sampler_ray_resources": "verl's resource pools place the workers",
+}
+
+
+def _check_embedded_only(hetero: HeteroConfig) -> None:
+    default = HeteroConfig()
+    for key, instead in EMBEDDED_ONLY_KEYS.items():
+        value = getattr(hetero, key)
+        if value != getattr(default, key):
+            _fail(f"hetero.{key}={value!r} is an embedded-engine option (hetero.engine=local); with hetero.engine=verl {instead}")
+
+
 def validate(cfg: DictConfig) -> Validated:
     """Check everything the verl engine needs; raise :class:`VerlEngineConfigError` (or verl's /
     HeteroConfig's own ValueError) naming the first bad key."""
@@ -95,6 +123,7 @@ def validate(cfg: DictConfig) -> Validated:
             "exchanging through an fsspec URL run with hetero.engine=local (docs/scale-out.md)"
         )
     check_no_forced_bypass(cfg)
+    _check_embedded_only(hetero)
 
     r = cfg.actor_rollout_ref.rollout
     if r.name not in ROLLOUT_BACKENDS:
