@@ -92,6 +92,7 @@ from verl_ext.hetero.protocol import (  # noqa: E402
     version_key,
 )
 from verl_ext.hetero.records import RolloutGroup  # noqa: E402
+from verl_ext.rundir import read_metric_rows  # noqa: E402
 from verl_ext.hetero.transport import (  # noqa: E402
     COMMIT_SUFFIX,
     DATA_SUFFIX,
@@ -669,14 +670,8 @@ def steps_done_guard(rows: list[dict]) -> bool:
 
 
 def _metrics(path: Path) -> list[dict]:
-    rows = []
-    if path.exists():
-        for line in path.read_text().splitlines():
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-    return rows
+    # a live run's last line may be half written: skipped quietly
+    return read_metric_rows(path, missing_ok=True, warn=False)
 
 
 def soak(minutes: float = 10.0, seed: int = 0, run_dir: Optional[Path] = None, fault_every: float = 5.0,
@@ -778,7 +773,7 @@ def soak(minutes: float = 10.0, seed: int = 0, run_dir: Optional[Path] = None, f
         state = ray.get(injector.learner_handle.checkpoint_state.remote(), timeout=120)
         source = "live learner"
     except Exception as err:  # noqa: BLE001 - learner dead: fall back to the latest checkpoint
-        from recipe.gepo.local.run_utils import load_latest_checkpoint
+        from verl_ext.rundir import load_latest_checkpoint
 
         state = load_latest_checkpoint(run_dir / "run") or {"step": 0, "learner": {"version": 0},
                                                             "buffer": {"ledger": {"status": {}, "duplicates": {}}}}
