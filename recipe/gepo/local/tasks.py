@@ -45,6 +45,12 @@ class TaskConfig:
     """toy_addition: the supervised warm start stops once held-out accuracy is inside this window."""
     warm_start_max_seconds: float = 600.0
     """toy_addition: wall-clock budget of the warm start."""
+    warm_start_steps: int = 0
+    """toy_addition: > 0 = the pinned warm start, exactly this many supervised steps from seed
+    ``hetero.seed`` with deterministic ops, the same weights on any machine (its sha256 in the
+    folder's ``warm_start.json``; ``verl_ext.data.toy.warm_start(steps=...)``); the two
+    ``warm_start_accuracy`` / ``warm_start_max_seconds`` keys are then not used. 0 = the older
+    accuracy-window warm start, whose time budget makes it depend on the machine's speed."""
     cache_dir: str = ".cache/heterorl"
     """Where warm-started checkpoints are cached (reused across runs with the same settings)."""
     dataset: str = "math_train"
@@ -70,6 +76,8 @@ class TaskConfig:
             )
         if self.eval_size < 1:
             raise ValueError(f"task.eval_size={self.eval_size} must be >= 1")
+        if isinstance(self.warm_start_steps, bool) or not isinstance(self.warm_start_steps, int) or self.warm_start_steps < 0:
+            raise ValueError(f"task.warm_start_steps={self.warm_start_steps!r} must be an int >= 0 (0 = accuracy window)")
         if len(self.warm_start_accuracy) != 2 or not 0 <= self.warm_start_accuracy[0] <= self.warm_start_accuracy[1] <= 1:
             raise ValueError(f"task.warm_start_accuracy={self.warm_start_accuracy} must be [low, high] in [0, 1]")
 
@@ -180,13 +188,9 @@ def resolve_model_path(model_path: str, task_config: TaskConfig, seed: int) -> s
     """The model to train: ``model_path`` if given, else (toy task) the cached warm start."""
     from verl_ext.data.toy import resolve_toy_model
 
-    return resolve_toy_model(
-        model_path,
-        task_config.name,
-        cache_dir=task_config.cache_dir,
-        digits=task_config.digits,
-        target_accuracy=tuple(task_config.warm_start_accuracy),
-        max_seconds=task_config.warm_start_max_seconds,
-        seed=seed,
-        answer_format=task_config.answer_format,
-    )
+    if task_config.warm_start_steps > 0:  # pinned: no window, no clock
+        how = {"steps": task_config.warm_start_steps}
+    else:
+        how = {"target_accuracy": tuple(task_config.warm_start_accuracy), "max_seconds": task_config.warm_start_max_seconds}
+    return resolve_toy_model(model_path, task_config.name, cache_dir=task_config.cache_dir, digits=task_config.digits,
+                             seed=seed, answer_format=task_config.answer_format, **how)  # fmt: skip
