@@ -199,3 +199,21 @@ def test_cpu_toy_preset_validates_for_the_verl_engine(capsys):
     assert cfg.actor_rollout_ref.rollout.checkpoint_engine.backend == "ray_mailbox"
     assert cfg.actor_rollout_ref.hybrid_engine is False
     assert cfg.trainer.device == "cpu"
+
+
+def test_both_engines_train_the_same_pinned_warm_start(tmp_path):
+    """task.warm_start_steps reaches the verl engine's model resolution as it does the embedded
+    engine's: one rule (verl_ext.data.toy.resolve_task_model), the same cached folder."""
+    from pathlib import Path
+
+    from recipe.gepo.local.tasks import TaskConfig, resolve_model_path
+    from recipe.gepo.verl_engine.runner import resolve_task_files
+
+    cfg = compose_config(
+        "+verl_preset=cpu_toy", "hetero.engine=verl", "task.warm_start_steps=3", f"task.cache_dir={tmp_path}",
+        f"trainer.default_local_dir={tmp_path / 'run'}",
+    )  # fmt: skip
+    verl_model = Path(resolve_task_files(cfg).actor_rollout_ref.model.path)
+    local_model = Path(resolve_model_path("", TaskConfig.from_omegaconf(cfg.task), seed=int(cfg.hetero.seed)))
+    assert verl_model == local_model.resolve() and verl_model.is_relative_to(tmp_path)
+    assert '"steps": 3' in (verl_model / "warm_start.json").read_text().replace("'", '"')

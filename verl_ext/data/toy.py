@@ -665,6 +665,21 @@ def resolve_toy_model(model_path: str, task_name: str, **warm_start_kwargs: Any)
     return str(warm_start(**warm_start_kwargs))
 
 
+def resolve_task_model(model_path: str, task: Any, seed: int) -> str:
+    """:func:`resolve_toy_model` from a ``task:`` section (the typed ``TaskConfig`` or its
+    DictConfig: both engines pass theirs). ``task.warm_start_steps`` > 0 pins the warm start (N
+    steps, no accuracy window, no clock); 0 keeps the window/time-budget warm start."""
+    steps = int(getattr(task, "warm_start_steps", 0) or 0)
+    if steps > 0:
+        how: dict[str, Any] = {"steps": steps}
+    else:
+        how = {"target_accuracy": tuple(task.warm_start_accuracy), "max_seconds": float(task.warm_start_max_seconds)}
+    return resolve_toy_model(
+        str(model_path or ""), str(task.name), cache_dir=str(task.cache_dir), digits=int(task.digits), seed=int(seed),
+        answer_format=str(getattr(task, "answer_format", "short")), **how,
+    )  # fmt: skip
+
+
 def _check_window(target_accuracy) -> tuple[float, float]:
     try:
         lo, hi = (float(x) for x in target_accuracy)

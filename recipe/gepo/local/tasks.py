@@ -186,11 +186,6 @@ class Task:
 
 def resolve_model_path(model_path: str, task_config: TaskConfig, seed: int) -> str:
     """The model to train: ``model_path`` if given, else (toy task) the cached warm start."""
-    from verl_ext.data.toy import resolve_toy_model
+    from verl_ext.data.toy import resolve_task_model
 
-    if task_config.warm_start_steps > 0:  # pinned: no window, no clock
-        how = {"steps": task_config.warm_start_steps}
-    else:
-        how = {"target_accuracy": tuple(task_config.warm_start_accuracy), "max_seconds": task_config.warm_start_max_seconds}
-    return resolve_toy_model(model_path, task_config.name, cache_dir=task_config.cache_dir, digits=task_config.digits,
-                             seed=seed, answer_format=task_config.answer_format, **how)  # fmt: skip
+    return resolve_task_model(model_path, task_config, seed)

@@ -44,21 +44,12 @@ def resolve_task_files(cfg: DictConfig) -> DictConfig:
     files written under ``task.cache_dir``); returns a copy."""
     from omegaconf import OmegaConf, open_dict
 
-    from verl_ext.data.toy import resolve_toy_model
+    from verl_ext.data.toy import resolve_task_model
     from verl_ext.data.toy_assets import prepare_toy_assets
 
     out = OmegaConf.create(OmegaConf.to_container(cfg, resolve=False))
     task = cfg.task
-    model_path = resolve_toy_model(
-        str(cfg.actor_rollout_ref.model.path or ""),
-        str(task.name),
-        cache_dir=str(task.cache_dir),
-        digits=int(task.digits),
-        target_accuracy=tuple(task.warm_start_accuracy),
-        max_seconds=float(task.warm_start_max_seconds),
-        seed=int(cfg.hetero.seed),
-        answer_format=str(task.get("answer_format", "short")),
-    )
+    model_path = resolve_task_model(str(cfg.actor_rollout_ref.model.path or ""), task, int(cfg.hetero.seed))
     with open_dict(out):
         out.actor_rollout_ref.model.path = str(Path(model_path).resolve())
         if task.name == "toy_addition" and not cfg.data.get("train_files", None):  # "" in the cpu_toy preset
