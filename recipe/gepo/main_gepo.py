@@ -56,6 +56,10 @@ def run_local(cfg: DictConfig) -> dict[str, Any]:
             f"actor_rollout_ref.rollout.n={settings.group_size}: the group-normalised estimator "
             f"{algorithm_config.adv_estimator!r} needs at least 2 responses per prompt"
         )
+    from recipe.gepo.local.driver import EngineConfig, check_supported, run_engine
+
+    engine = EngineConfig(hetero, settings, task_config, actor_config, algorithm_config)
+    check_supported(engine)  # before the warm start or any other work
     if hetero.dry_run:
         print(OmegaConf.to_yaml(cfg.hetero))
         return {}
@@ -71,9 +75,6 @@ def run_local(cfg: DictConfig) -> dict[str, Any]:
         previous.rename(previous.with_name(f"metrics.{int(time.time())}.jsonl"))
     logger = MetricLogger(settings.run_dir, settings, cfg)
     try:
-        from recipe.gepo.local.driver import EngineConfig, run_engine
-
-        engine = EngineConfig(hetero, settings, task_config, actor_config, algorithm_config)
         metrics = run_engine(engine, model_path, logger, task=task)  # replay or async: one loop
     finally:
         logger.close()

@@ -50,6 +50,9 @@ def run_must_fail_early(tmp_path, overrides, match):
         (["trainer.total_training_steps=0"], r"trainer\.total_training_steps=0"),
         (["actor_rollout_ref.rollout.temperature=0"], r"temperature=0"),
         (["hetero.mode=sometimes"], r"hetero\.mode='sometimes'"),
+        # verl optimizer schedules the embedded learner does not run
+        (["actor_rollout_ref.actor.optim.lr_warmup_steps=20"], r"optim\.lr_warmup_steps=20"),
+        (["actor_rollout_ref.actor.optim.lr_scheduler_type=cosine"], r"optim\.lr_scheduler_type='cosine'"),
     ],
 )
 def test_bad_value_fails_before_any_work_naming_it(tmp_path, overrides, match):

@@ -134,6 +134,33 @@ def check_supported(engine: EngineConfig) -> None:
     modes support the same options (rollout correction, diagnostics, resume, both stale
     policies), so the checks are the same for both."""
     rollout_correction_settings(engine.algorithm)  # names a bad algorithm.rollout_correction value
+    check_optimizer_supported(engine.actor)
+
+
+# actor.optim keys the learner's AdamW honours: lr, betas, weight_decay (and actor.grad_clip). The
+# schedule keys below must stay at verl's defaults (constant lr, no warm-up): refused otherwise.
+_OPTIM_DEFAULTS = {
+    "optimizer": "AdamW", "lr_warmup_steps": -1, "lr_warmup_steps_ratio": 0.0, "lr_scheduler_type": "constant",
+    "warmup_style": None, "override_optimizer_config": None,
+}  # fmt: skip
+
+
+def check_optimizer_supported(actor: Any) -> None:
+    """The embedded learner runs AdamW at a constant learning rate; a verl schedule or another
+    optimizer would be silently ignored, so it is refused naming the key."""
+    optim = actor.optim
+    for key, default in _OPTIM_DEFAULTS.items():
+        value = optim.get(key, default) if hasattr(optim, "get") else getattr(optim, key, default)
+        if key == "lr_warmup_steps" and value is not None and int(value) <= 0:
+            continue  # -1 / 0: no warm-up
+        if key == "warmup_style" and value in (None, "constant"):
+            continue
+        if value != default:
+            raise ValueError(
+                f"actor_rollout_ref.actor.optim.{key}={value!r}: the embedded engine's learner runs "
+                f"{_OPTIM_DEFAULTS['optimizer']} at a constant lr (no warm-up or schedule); use hetero.engine=verl, "
+                f"or leave it at {default!r}"
+            )
 
 
 # ---------------------------------------------------------------------------- learner
