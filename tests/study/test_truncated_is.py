@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from recipe.gepo.local.replay import rollout_correction_settings
+from verl_ext.loss_bridge import RolloutCorrection, rollout_correction_settings
 
 from .conftest import compose_cfg
 from .test_adv_diagnostic import BASE, _lines, _run
@@ -15,8 +15,7 @@ def test_settings_parsing():
     assert rollout_correction_settings(off) is None
     on = compose_cfg(["algorithm_preset=grpo", "algorithm.rollout_correction.rollout_is=token",
                       "algorithm.rollout_correction.rollout_is_threshold=3.5"]).algorithm  # fmt: skip
-    assert rollout_correction_settings(on) == {"rollout_is": "token", "rollout_is_threshold": 3.5,
-                                               "rollout_is_batch_normalize": False}  # fmt: skip
+    assert rollout_correction_settings(on) == RolloutCorrection("token", 3.5, rollout_is_batch_normalize=False)
     bypass = compose_cfg(["algorithm_preset=grpo", "algorithm.rollout_correction.rollout_is=token",
                           "algorithm.rollout_correction.bypass_mode=true"]).algorithm  # fmt: skip
     with pytest.raises(ValueError, match="bypass"):

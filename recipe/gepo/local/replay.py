@@ -89,18 +89,6 @@ class ReplaySource:
         pass
 
 
-def rollout_correction_settings(algorithm_config: Any) -> Optional[dict]:
-    """``algorithm.rollout_correction`` as a dict, or None when off. Parsing and refusal live in
-    :func:`verl_ext.loss_bridge.rollout_correction_settings`; this view is kept for callers that
-    read it from here (``tests/study/test_truncated_is.py``)."""
-    from dataclasses import asdict
-
-    from verl_ext.loss_bridge import rollout_correction_settings as settings
-
-    parsed = settings(algorithm_config)
-    return None if parsed is None else asdict(parsed)
-
-
 def run_replay(
     hetero: HeteroConfig,
     settings: RunSettings,
