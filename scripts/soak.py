@@ -206,25 +206,18 @@ def soak_config(run_dir: Path, seed: int, save_freq: int, wait_timeout_s: float,
 
 
 # --------------------------------------------------------------------------- watcher
-class TransportWatcher(threading.Thread):
-    """Records every committed rollout message of any transport (one listing with checksums,
-    ``Transport.infos``): key -> {sha256}; every ``interval`` s. Used with --wan (Ray transport)."""
+class _Watcher(threading.Thread):
+    """Calls ``scan()`` every ``interval`` s until stopped, and once more after (the last messages)."""
 
-    def __init__(self, transport: Transport, interval: float = 0.05):
+    def __init__(self, interval: float):
         super().__init__(daemon=True, name="soak-watcher")
-        self.transport, self.interval = transport, interval
+        self.interval = interval
         self.seen: dict[str, set[str]] = defaultdict(set)
         self._halt = threading.Event()
         self.lock = threading.Lock()
 
     def scan(self) -> None:
-        try:
-            infos = self.transport.infos(ROLLOUT_TOPIC)
-        except Exception:  # noqa: BLE001 - the mailbox busy or restarting: the next scan sees it
-            return
-        with self.lock:
-            for info in infos:
-                self.seen[info.key].add(info.sha256)
+        raise NotImplementedError
 
     def run(self) -> None:
         while not self._halt.is_set():
@@ -237,16 +230,33 @@ class TransportWatcher(threading.Thread):
         self.scan()
 
 
-class Watcher(threading.Thread):
-    """Records every committed rollout message: key -> {sha256}; scans every ``interval`` s."""
+class TransportWatcher(_Watcher):
+    """Records every committed rollout message of any transport (one listing with checksums,
+    ``Transport.infos``): key -> {sha256}; every ``interval`` s. Used with --wan (Ray transport)."""
+
+    def __init__(self, transport: Transport, interval: float = 0.05):
+        super().__init__(interval)
+        self.transport = transport
+
+    def scan(self) -> None:
+        try:
+            infos = self.transport.infos(ROLLOUT_TOPIC)
+        except Exception:  # noqa: BLE001 - the mailbox busy or restarting: the next scan sees it
+            return
+        with self.lock:
+            for info in infos:
+                self.seen[info.key].add(info.sha256)
+
+
+
+class Watcher(_Watcher):
+    """Records every committed rollout message of the fs transport: key -> {sha256}; scans every
+    ``interval`` s."""
 
     def __init__(self, folder: Path, interval: float = 0.05):
-        super().__init__(daemon=True, name="soak-watcher")
-        self.folder, self.interval = folder, interval
-        self.seen: dict[str, set[str]] = defaultdict(set)
+        super().__init__(interval)
+        self.folder = folder
         self._markers: dict[str, tuple[int, int]] = {}
-        self._halt = threading.Event()
-        self.lock = threading.Lock()
 
     def scan(self) -> None:
         try:
@@ -270,15 +280,6 @@ class Watcher(threading.Thread):
             with self.lock:
                 self.seen[key].add(sha)
 
-    def run(self) -> None:
-        while not self._halt.is_set():
-            self.scan()
-            time.sleep(self.interval)
-
-    def stop(self) -> None:
-        self._halt.set()
-        self.join(timeout=5)
-        self.scan()
 
 
 # --------------------------------------------------------------------------- injector

@@ -43,7 +43,7 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 __all__ = [
     "SPECIAL_TOKENS",
@@ -472,6 +472,18 @@ def warm_start(
     if answer_format != "short":  # only then: the short task's cache keys stay what they were
         settings["answer_format"] = answer_format
         name = f"toy_add{digits}_scratch"
+    def train():
+        with _torch_threads(num_threads):
+            return _train(settings)
+
+    return _cached_warm_start(cache_dir, name, settings, train, with_hash=False)
+
+
+def _cached_warm_start(cache_dir, name: str, settings: dict, train: Callable[[], tuple], with_hash: bool) -> Path:
+    """``<cache_dir>/<name>-<hash of settings>``: trained by ``train()`` -> (model, tokenizer, info)
+    the first time, under a file lock (one process trains, the others wait), written to a
+    temporary folder and renamed into place, so a killed run never leaves a folder that looks
+    finished. ``with_hash`` records the weights' sha256 in the info file."""
     key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
     cache_dir = Path(cache_dir)
     cache_dir.mkdir(parents=True, exist_ok=True)
@@ -481,12 +493,13 @@ def warm_start(
     with _file_lock(cache_dir / f".{name}-{key}.lock"):
         if (final / WARM_START_INFO).is_file():  # another process finished it while we waited
             return final
-        with _torch_threads(num_threads):
-            model, tok, info = _train(settings)
+        model, tok, info = train()
         tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=cache_dir))
         try:
             model.save_pretrained(tmp)
             tok.save_pretrained(tmp)
+            if with_hash:
+                info["weights_sha256"] = weights_sha256(tmp)
             (tmp / WARM_START_INFO).write_text(json.dumps(info, indent=2) + "\n")
             if final.exists():  # a partial folder from a killed run (no info file): replace it
                 shutil.rmtree(final)
@@ -533,12 +546,12 @@ def _pinned_warm_start(cache_dir, digits: int, seed: int, steps: int, answer_for
         "eval_temperature": 1.0,
     }
     name = f"toy_add{digits}" + ("" if answer_format == "short" else "_scratch") + f"-pin{steps}"
-    key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
-    cache_dir = Path(cache_dir)
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    final = cache_dir / f"{name}-{key}"
-    if (final / WARM_START_INFO).is_file():
-        return final
+
+    def train():
+        with _torch_threads(1), _deterministic_torch():
+            return _train_pinned(settings)
+
+    return _cached_warm_start(cache_dir, name, settings, train, with_hash=True)
     with _file_lock(cache_dir / f".{name}-{key}.lock"):
         if (final / WARM_START_INFO).is_file():
             return final
