@@ -103,6 +103,11 @@ def hetero_ppo_loss(config: Any, model_output: dict, data: TensorDict, dp_group:
         entropy=entropy,
         ref_log_prob=padded.get("ref_log_prob", None),
     )
+    # metrics a micro-batch may or may not define (the gradient-mechanism ones: no token with A > 0
+    # -> no is/clipfrac_pos_adv) cannot go through verl's cross-rank aggregation, which needs the
+    # same number of values from every rank; they are the embedded engine's (the study's)
+    for key in _OPTIONAL_METRICS:
+        values.pop(key, None)
     # loss-valued metrics are shares of the global batch when it is normalised globally (summed
     # over micro-batches); verl's own names where verl has one
     summed = {name: values.pop(key) for key, name in _LOSS_METRICS.items() if key in values}
@@ -115,6 +120,12 @@ def hetero_ppo_loss(config: Any, model_output: dict, data: TensorDict, dp_group:
         value=float(denominator is not None), aggregation=AggregationType.MEAN
     )
     return loss, metrics
+
+
+_OPTIONAL_METRICS = (
+    "is/clipfrac_pos_adv", "is/clipfrac_neg_adv", "is/grad_weight_pos_adv", "is/grad_weight_neg_adv",
+    "is/zero_grad_seq_frac",
+)  # fmt: skip
 
 
 def _aggregation(name: str) -> AggregationType:
