@@ -614,14 +614,7 @@ def _train_pinned(settings: dict):
     model.train()
     losses = []
     for _ in range(settings["steps"]):
-        ids, labels = _train_batch(rng, settings["batch_size"], digits, tok, answer_format)
-        loss = model(input_ids=ids, labels=labels).loss
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        losses.append(loss.item())
+        losses.append(_supervised_step(model, tok, opt, sched, rng, settings["batch_size"], digits, answer_format))
     train_seconds = time.monotonic() - t0
     model.eval()
     held_out = make_problems(settings["n_eval"], digits=digits, seed=seed + 10**6, answer_format=answer_format)
@@ -693,6 +686,21 @@ def resolve_task_model(model_path: str, task: Any, seed: int) -> str:
     )  # fmt: skip
 
 
+def _supervised_step(model, tok, opt, sched, rng, batch_size: int, digits: int, answer_format: str) -> float:
+    """One warm-start step (both modes): next-token loss on a fresh batch, grad clip 1.0, AdamW and
+    schedule step; returns the loss."""
+    import torch
+
+    ids, labels = _train_batch(rng, batch_size, digits, tok, answer_format)
+    loss = model(input_ids=ids, labels=labels).loss
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    sched.step()
+    return loss.item()
+
+
 def _check_window(target_accuracy) -> tuple[float, float]:
     try:
         lo, hi = (float(x) for x in target_accuracy)
@@ -726,13 +734,7 @@ def _train(settings: dict):
     stop_reason = "time"
     model.train()
     while True:
-        ids, labels = _train_batch(rng, settings["batch_size"], digits, tok, answer_format)
-        loss = model(input_ids=ids, labels=labels).loss
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
+        loss = _supervised_step(model, tok, opt, sched, rng, settings["batch_size"], digits, answer_format)
         step += 1
         out_of_steps = settings["max_steps"] is not None and step >= settings["max_steps"]
         out_of_time = time.monotonic() - t0 >= settings["max_seconds"]
@@ -747,7 +749,7 @@ def _train(settings: dict):
             acc = toy_accuracy(model, tok, held_out, temperature=1.0, seed=seed + step)
             elapsed = time.monotonic() - t0
             history.append([step, round(elapsed, 2), acc, len(held_out)])
-            logger.info("toy warm start: step %d, %.1f s, loss %.3f, accuracy %.3f", step, elapsed, loss.item(), acc)
+            logger.info("toy warm start: step %d, %.1f s, loss %.3f, accuracy %.3f", step, elapsed, loss, acc)
             if lo <= acc <= hi:
                 stop_reason = "in_target"
                 break
