@@ -3,7 +3,6 @@ route-clash detection, the delta encoding). These run in the default suite on an
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import shutil
 import subprocess
@@ -14,20 +13,10 @@ import numpy as np
 import pytest
 import torch
 
-WAN = Path(__file__).resolve().parents[2] / "scripts" / "wan"
+from tests.wan.wan_scripts import WAN, load
 
 
-def _load(name: str):
-    if str(WAN) not in sys.path:
-        sys.path.insert(0, str(WAN))  # the scripts import each other by module name
-    spec = importlib.util.spec_from_file_location(name, WAN / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-link = _load("link")
+link = load("link")
 
 
 @pytest.mark.parametrize(
@@ -145,7 +134,7 @@ def test_conflicting_routes_finds_overlaps_but_not_the_links_own():
 
 
 def test_cluster_commands_bind_to_the_link_addresses_only():
-    cluster = _load("cluster")
+    cluster = load("cluster")
     cfg, link_cfg = cluster.ClusterConfig(), link.LinkConfig()
     head, worker = cluster.head_command(cfg, link_cfg), cluster.worker_command(cfg, link_cfg)
     assert f"--node-ip-address={link_cfg.host_ip}" in head and '--resources={"learner_node": 1}' in head
@@ -158,7 +147,7 @@ def test_cluster_commands_bind_to_the_link_addresses_only():
 
 
 def test_xor_delta_reconstructs_bf16_bit_exactly_and_compresses_unchanged_weights():
-    sync = _load("sync_bench")
+    sync = load("sync_bench")
     torch.manual_seed(0)
     v0 = {"w": torch.randn(64, 64), "b": torch.randn(64), "step": torch.tensor(3)}
     v1 = {k: (v + 1e-3 * torch.randn_like(v) if v.is_floating_point() else v) for k, v in v0.items()}
@@ -174,13 +163,13 @@ def test_xor_delta_reconstructs_bf16_bit_exactly_and_compresses_unchanged_weight
 
 
 def test_extrapolation_is_bytes_times_params_over_rate():
-    sync = _load("sync_bench")
+    sync = load("sync_bench")
     times = sync.extrapolate(2.0)  # bf16: 2 bytes per parameter
     assert times["8B"]["1Gbit"] == pytest.approx(8e9 * 2 * 8 / 1e9)
     assert times["1.7B"]["10Gbit"] == pytest.approx(1.7e9 * 2 * 8 / 10e9)
 
 
 def test_worker_gone_is_bounded():
-    cluster = _load("cluster")
+    cluster = load("cluster")
     with pytest.raises(ValueError, match="seconds=1000"):
         cluster.worker_gone(cluster.ClusterConfig(), link.LinkConfig(), 1000)

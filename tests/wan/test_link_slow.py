@@ -11,31 +11,19 @@ Ray process of ours.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 
-WAN = Path(__file__).resolve().parents[2] / "scripts" / "wan"
+from tests.wan.wan_scripts import load
 
 
-def _load(name: str):
-    if str(WAN) not in sys.path:
-        sys.path.insert(0, str(WAN))  # the scripts import each other by module name
-    spec = importlib.util.spec_from_file_location(name, WAN / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-link = _load("link")
-cluster = _load("cluster")
-probe = _load("probe")
+link = load("link")
+cluster = load("cluster")
+probe = load("probe")
 
 RATE_MBIT = 20.0
 
