@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-REQUIRED_LOSSES = {"gepo", "eqp", "gepo_adaptive", "topr", "delta_l"}
+REQUIRED_LOSSES = {"gepo", "eqp", "gepo_adaptive", "gepo_tr", "topr", "delta_l"}
 REQUIRED_ESTIMATORS = {"bnpo"}
 
 _PROBE = textwrap.dedent(

@@ -5,7 +5,7 @@ verl only logs a failing plugin at DEBUG level, so ``tests/test_verl_plugin_on_c
 that the names below arrived.
 
 Registered policy losses (``actor_rollout_ref.actor.policy_loss.loss_mode``):
-    gepo, eqp, gepo_adaptive, topr, delta_l. verl's own vanilla (GRPO, Dr.GRPO, BNPO's surrogate),
+    gepo, eqp, gepo_adaptive, gepo_tr, topr, delta_l. verl's own vanilla (GRPO, Dr.GRPO, BNPO's surrogate),
     gspo, geo_mean (GMPO) and cispo are used as they are (docs/algorithms.md: where they differ
     from their papers).
 Registered advantage estimators (``algorithm.adv_estimator``): bnpo.
@@ -32,7 +32,7 @@ from verl_ext.algos import losses
 from verl_ext.algos.diagnostics import importance_weight_stats, sampler_learner_kl
 from verl_ext.group_index import uid_group_index
 
-HETERORL_LOSS_MODES = ("gepo", "eqp", "gepo_adaptive", "topr", "delta_l")
+HETERORL_LOSS_MODES = ("gepo", "eqp", "gepo_adaptive", "gepo_tr", "topr", "delta_l")
 HETERORL_ADV_ESTIMATORS = ("bnpo",)
 
 
@@ -275,6 +275,31 @@ def compute_policy_loss_gepo_adaptive(
         log_prob, old_log_prob, advantages, response_mask,
         clip_low=low, clip_high=high, kl_threshold=float(loss_option(config, "adaptive_kl_threshold")),
         group_index=gi, log_denominator=log_den, reduction=loss_option(config, "seq_reduction"),
+    )  # fmt: skip
+    return _finish(terms, old_log_prob, log_prob, response_mask, loss_agg_mode, config, rollout_is_weights)
+
+
+@register_policy_loss("gepo_tr")
+@_group_aware
+def compute_policy_loss_gepo_tr(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str = "seq-mean-token-mean",
+    config: Any = None,
+    rollout_is_weights: Optional[torch.Tensor] = None,
+    group_log_denominator: Optional[torch.Tensor] = None,
+    group_index: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """GEPO-TR: GEPO's gradient p_i/E_q[q] inside PPO's clip band on p_i/q_i. All tensors [B, T]
+    but the optional group arguments [B]. See :func:`verl_ext.algos.losses.gepo_tr_loss_terms`."""
+    low, high = clip_range(config)
+    gi, log_den = resolve_groups(config, log_prob.shape[0], group_index, group_log_denominator, log_prob.device)
+    terms = losses.gepo_tr_loss_terms(
+        log_prob, old_log_prob, advantages, response_mask,
+        clip_low=low, clip_high=high, group_index=gi, log_denominator=log_den,
+        reduction=loss_option(config, "seq_reduction"),
     )  # fmt: skip
     return _finish(terms, old_log_prob, log_prob, response_mask, loss_agg_mode, config, rollout_is_weights)
 

@@ -75,6 +75,7 @@ ALGOS: dict[str, list[str]] = {
     "dr_grpo": ["algorithm_preset=dr_grpo"],
     "bnpo": ["algorithm_preset=bnpo"],
     "gepo_adaptive": ["algorithm_preset=gepo", "actor_rollout_ref.actor.policy_loss.loss_mode=gepo_adaptive"],
+    "gepo_tr": ["algorithm_preset=gepo", "actor_rollout_ref.actor.policy_loss.loss_mode=gepo_tr"],
     "gmpo": ["algorithm_preset=gmpo"],
     "cispo": ["algorithm_preset=cispo"],
     "topr": ["algorithm_preset=topr"],
@@ -85,7 +86,7 @@ ALGOS: dict[str, list[str]] = {
     "grpo_tis": ["algorithm_preset=grpo", "algorithm.rollout_correction.rollout_is=token",
                  "algorithm.rollout_correction.rollout_is_threshold=2.0"],
 }
-LEGACY_ALGOS = [a for a in ALGOS if a not in ("gspo_wide", "grpo_paper")]
+LEGACY_ALGOS = [a for a in ALGOS if a not in ("gspo_wide", "grpo_paper", "gepo_tr")]
 
 
 @dataclass(frozen=True)
@@ -145,8 +146,9 @@ LEGACY = dict(tasks=["long", "short"], algos=LEGACY_ALGOS, delays=[0, 8, 64], se
 QUICK = dict(tasks=["long", "short"], algos=["gepo", "gspo", "grpo"], delays=[0, 64], seeds=[0], steps=16, lr=1e-4,
              test_freq=8, eval_size=32, prompts=4, diagnostics_every=8, diagnostics_samples=8)  # fmt: skip
 #: the powered study (docs/study.md): 16 prompts x G=8, 200 steps, 512 held-out problems every 20
-#: steps, score = mean of the last 5 evaluations, 5 seeds, each method's rate chosen on-policy
-POWERED = dict(tasks=["long"], algos=["gepo", "grpo_paper", "grpo", "gspo_wide", "gspo", "gepo_adaptive"],
+#: steps, score = mean of the last 5 evaluations, 5 seeds, each method's rate chosen on-policy.
+#: Cut to fit the budget (docs/study.md): verl's dual-clip grpo and gepo_adaptive (--algos adds them).
+POWERED = dict(tasks=["long"], algos=["gepo", "grpo_paper", "gspo_wide", "gepo_tr", "gspo"],
                delays=[0, "fix4", "fix16", "fix64", "uni64", "logn64"], seeds=[0, 1, 2, 3, 4], steps=200, lr=1e-4,
                test_freq=20, eval_size=512, prompts=16, diagnostics_every=0, diagnostics_samples=8,
                warm_start_steps=210, last_evals=5, lr_grid=[5e-5, 1e-4, 2e-4], lr_seeds=[0, 1, 2],

@@ -195,6 +195,26 @@ def gepo_adaptive(b: Batch, threshold: float, lo=0.2, hi=0.2, reduction="mean"):
     return _broadcast_seq(ws, b.advantages, b.mask, lo, hi)
 
 
+def gepo_tr(b: Batch, lo=0.2, hi=0.2, reduction="mean"):
+    """c_i * max(-A r_i, -A clip(r_i)) with r_i = p_i / q_i and c_i = q_i / E_q[q]; weight c_i r_i."""
+    labels = b.groups.tolist()
+    slp = seq_log_prob(b.log_p, b.mask, reduction)
+    slq = seq_log_prob(b.log_q, b.mask, reduction)
+    den = group_log_denominator(slq, labels)
+    loss_rows, clip_rows, ws = [], [], []
+    for i, (arow, mrow) in enumerate(zip(_rows(b.advantages), _mask_rows(b.mask))):
+        r, c = math.exp(slp[i] - slq[i]), math.exp(slq[i] - den[i])
+        ws.append(c * r)
+        lr, cr = [], []
+        for a, keep in zip(arow, mrow):
+            l, was_clipped = clipped(r, a, lo, hi) if keep else (0.0, False)
+            lr.append(c * l)
+            cr.append(was_clipped)
+        loss_rows.append(lr)
+        clip_rows.append(cr)
+    return loss_rows, ws, clip_rows
+
+
 def topr(b: Batch, reduction="sum"):
     """-w_i A_it log p_it, w_i = 1 if A_i >= 0 else min(p_i / q_i, 1)."""
     slp = seq_log_prob(b.log_p, b.mask, reduction)

@@ -34,6 +34,8 @@ def _ref_terms(loss_mode, b, **kw):
         return ref.eqp(b, CLIP_LOW, CLIP_HIGH, reduction=kw.get("seq_reduction", "mean"))
     if loss_mode == "gepo_adaptive":
         return ref.gepo_adaptive(b, kw.get("adaptive_kl_threshold", 0.002), CLIP_LOW, CLIP_HIGH, kw.get("seq_reduction", "mean"))
+    if loss_mode == "gepo_tr":
+        return ref.gepo_tr(b, CLIP_LOW, CLIP_HIGH, reduction=kw.get("seq_reduction", "mean"))
     if loss_mode == "topr":
         return ref.topr(b, kw.get("topr_reduction", "sum"))
     raise KeyError(loss_mode)
@@ -87,6 +89,61 @@ def test_gepo_adaptive_terms_match_reference(threshold):
     torch.testing.assert_close(terms.weight, _t(ws), **F64)
 
 
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_gepo_tr_loss_terms_match_reference(reduction):
+    b = ref.make_batch(seed=23, drift=0.6 if reduction == "mean" else 0.15)
+    terms = losses.gepo_tr_loss_terms(
+        b.log_p, b.log_q, b.advantages, b.mask, clip_low=CLIP_LOW, clip_high=CLIP_HIGH, group_index=b.groups, reduction=reduction
+    )
+    rows, ws, clip_rows = ref.gepo_tr(b, CLIP_LOW, CLIP_HIGH, reduction=reduction)
+    torch.testing.assert_close(terms.loss_mat * b.mask, _t(rows), **F64)
+    torch.testing.assert_close(terms.weight, _t(ws), **F64)
+    assert torch.equal(terms.clipped & b.mask, torch.tensor(clip_rows))
+    assert (terms.clipped & b.mask).any() and not (terms.clipped & b.mask).all()  # both branches exercised
+
+
+def _sequence_grads(fn, b, **kw):
+    lp = b.log_p.clone().requires_grad_(True)
+    terms = fn(lp, b.log_q, b.advantages, b.mask, clip_low=CLIP_LOW, clip_high=CLIP_HIGH, group_index=b.groups, **kw)
+    (terms.loss_mat * b.mask).sum().backward()
+    return (lp.grad * b.mask).sum(-1), terms
+
+
+def test_gepo_tr_is_gepos_gradient_inside_the_trust_region_and_none_outside():
+    """Where neither clip binds both losses give -A p_i / E_q[q] d log p_i; GEPO-TR stops a
+    sequence exactly when r_i = p_i / q_i leaves the band in the advantage's direction, whatever
+    GEPO's own weight says."""
+    b = ref.make_batch(seed=24, n_groups=4, drift=0.3)
+    g_tr, tr = _sequence_grads(losses.gepo_tr_loss_terms, b)
+    g_gepo, gepo = _sequence_grads(losses.gepo_loss_terms, b)
+    torch.testing.assert_close(tr.weight, gepo.weight, **F64)  # both report p_i / E_q[q]
+    ratio = torch.exp(ref_seq(b.log_p, b) - ref_seq(b.log_q, b))
+    adv = b.advantages[:, 0]
+    outside = ((adv > 0) & (ratio > 1 + CLIP_HIGH)) | ((adv < 0) & (ratio < 1 - CLIP_LOW))
+    gepo_stopped = ((adv > 0) & (gepo.weight > 1 + CLIP_HIGH)) | ((adv < 0) & (gepo.weight < 1 - CLIP_LOW))
+    assert outside.any() and (~outside).any() and (outside != gepo_stopped).any()
+    assert torch.all(g_tr[outside] == 0) and torch.all(g_tr[~outside] != 0)
+    both_free = ~outside & ~gepo_stopped
+    assert both_free.any()
+    torch.testing.assert_close(g_tr[both_free], g_gepo[both_free], **F64)
+
+
+def test_gepo_tr_on_policy_never_clips_and_scales_by_the_group_factor():
+    """p = q: r_i = 1, so no sequence is stopped (GEPO stops those whose q_i / E_q[q] is out of band)."""
+    b = ref.make_batch(seed=25, n_groups=4, drift=0.0)
+    g_tr, tr = _sequence_grads(losses.gepo_tr_loss_terms, b)
+    assert not (tr.clipped & b.mask).any()
+    _, gepo = _sequence_grads(losses.gepo_loss_terms, b)
+    assert (gepo.clipped & b.mask).any()  # the on-policy bias GEPO-TR removes from the clip
+    # every token carries the sequence's loss, each token's log-prob enters r_i with 1/L_i
+    lengths = b.mask.sum(-1).to(torch.float64)
+    torch.testing.assert_close(g_tr, -b.advantages[:, 0] * tr.weight * lengths, **F64)
+
+
+def ref_seq(token_lp, b):
+    return torch.tensor(ref.seq_log_prob(token_lp, b.mask, "mean"), dtype=torch.float64)
+
+
 def test_gepo_adaptive_limits():
     """Threshold 0: never fresh -> GEPO. Threshold huge: always fresh -> the sequence weight p_i / q_i."""
     b = ref.make_batch(seed=25, drift=0.1)
@@ -132,6 +189,7 @@ def test_token_clipped_terms_match_reference():
         ("gepo", {"seq_reduction": "sum"}),
         ("eqp", {}),
         ("gepo_adaptive", {"adaptive_kl_threshold": 0.02}),
+        ("gepo_tr", {}),
         ("topr", {}),
         ("topr", {"topr_reduction": "mean"}),
     ],
@@ -231,7 +289,7 @@ def _accumulated(loss_mode, b, mode, n_micro, **opts):
     return total
 
 
-@pytest.mark.parametrize("loss_mode", ["gepo", "eqp", "topr", "gepo_adaptive"])
+@pytest.mark.parametrize("loss_mode", ["gepo", "eqp", "topr", "gepo_adaptive", "gepo_tr"])
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
 def test_micro_batch_accumulation_equals_whole_batch(loss_mode, mode):
     b = ref.make_batch(seed=36, n_groups=4, drift=0.25)
@@ -400,7 +458,7 @@ def _long_batch(dtype=torch.float64, seed=51, T=500, centre=-5000.0, token_drift
     return ref.Batch(log_p.to(dtype), log_q.to(dtype), adv.to(dtype), mask, torch.arange(B) // G)
 
 
-@pytest.mark.parametrize("loss_mode", ["gepo", "eqp", "gepo_adaptive"])
+@pytest.mark.parametrize("loss_mode", ["gepo", "eqp", "gepo_adaptive", "gepo_tr"])
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
 def test_sequence_sum_log_probs_near_minus_5000(loss_mode, mode):
     b = _long_batch()

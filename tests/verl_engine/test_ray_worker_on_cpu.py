@@ -21,7 +21,7 @@ def registries_in_worker():
 
     from recipe.gepo.verl_engine.loss import hetero_ppo_loss
 
-    losses = sorted(k for k in ("gepo", "eqp", "gepo_adaptive", "topr", "delta_l") if k in core_algos.POLICY_LOSS_REGISTRY)
+    losses = sorted(k for k in ("gepo", "eqp", "gepo_adaptive", "gepo_tr", "topr", "delta_l") if k in core_algos.POLICY_LOSS_REGISTRY)
     gepo = core_algos.get_policy_loss_fn("gepo")
     return {
         "pid": os.getpid(),
@@ -35,6 +35,6 @@ def registries_in_worker():
 def test_plugin_registered_inside_a_ray_worker(ray_cluster):
     got = ray.get(registries_in_worker.remote(), timeout=240)
     assert got["pid"] != os.getpid()
-    assert got["losses"] == sorted(["gepo", "eqp", "gepo_adaptive", "topr", "delta_l"])
+    assert got["losses"] == sorted(["gepo", "eqp", "gepo_adaptive", "gepo_tr", "topr", "delta_l"])
     assert got["gepo_group_aware"] and got["bnpo"]
     assert got["bridge"] == "recipe.gepo.verl_engine.loss"

@@ -140,6 +140,41 @@ def gepo_adaptive_loss_terms(
     return LossTerms(*clipped_surrogate(log_weight, advantages, clip_low, clip_high))
 
 
+def gepo_tr_loss_terms(
+    log_p: torch.Tensor,
+    log_q: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    clip_low: float,
+    clip_high: float,
+    group_index: torch.Tensor | None = None,
+    log_denominator: torch.Tensor | None = None,
+    reduction: iw.SequenceReduction = "mean",
+) -> LossTerms:
+    """GEPO-TR: GEPO's group-expectation gradient inside PPO's trust region on p_i / q_i.
+
+    GEPO clips w_i = p_i / E_q[q] against a per-group constant, so it bounds nothing about how
+    far p has moved from the q that drew the sample. Here the clip decision is PPO's on the
+    sequence ratio r_i = p_i / q_i, and the detached group factor c_i = q_i / E_q[q] scales it:
+
+        loss_i = c_i * max(-A r_i, -A clip(r_i, 1 - low, 1 + high)),   c_i = sg(q_i / E_q[q])
+
+    Inside the trust region the gradient is -A (p_i / E_q[q]) grad log p_i, exactly GEPO's; once
+    r_i leaves the band in the advantage's direction the sequence gives no gradient. c_i lies in
+    (0, G] (q_i / E_q[q] <= sum_j q_j / max_j q_j). ``weight`` reports c_i r_i = p_i / E_q[q].
+    """
+    seq_log_q = iw.sequence_log_prob(log_q.detach(), response_mask, reduction)
+    if log_denominator is None:
+        if group_index is None:
+            raise ValueError("gepo_tr needs group_index or log_denominator")
+        log_denominator = iw.group_expectation_log_denominator(seq_log_q, group_index)
+    seq_log_ratio = iw.sequence_log_prob(log_p, response_mask, reduction) - seq_log_q
+    loss_mat, ratio, clipped = clipped_surrogate(seq_log_ratio, advantages, clip_low, clip_high)
+    group_factor = torch.exp(seq_log_q - log_denominator.detach())
+    return LossTerms(group_factor.unsqueeze(-1) * loss_mat, group_factor * ratio, clipped)
+
+
 def topr_loss_terms(
     log_p: torch.Tensor,
     log_q: torch.Tensor,

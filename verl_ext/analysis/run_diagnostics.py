@@ -49,7 +49,7 @@ from verl_ext.rundir import RunDirError, load_runs
 
 ERROR = "diag/adv_estimation_error"
 WEIGHT_KINDS = ("ratio", "group_expectation", "ratio_full", "none")
-GROUP_EXPECTATION_LOSSES = ("gepo", "gepo_adaptive", "eqp")
+GROUP_EXPECTATION_LOSSES = ("gepo", "gepo_adaptive", "gepo_tr", "eqp")
 STALENESS = "hetero/staleness_mean"
 KL = "is/kl_sampler_learner"
 VAR = "is/weight_var"
