@@ -38,10 +38,9 @@ need the fs transport and are left out; three network faults join the others:
 
 - ``link_cut``: nothing crosses the link for ``--wan-cut-s`` seconds (``link.py cut``/``heal``);
 - ``link_slow``: the link's rate drops 100x for ``--wan-cut-s`` seconds (``link.py set-rate``);
-- ``worker_gone``: the sampler node's Ray processes end and nothing reaches its namespace for
-  20 s, then a new node starts there and rejoins. (The namespace is kept: ``cluster.py
-  worker-gone`` deletes it, and with it the veth pair carrying the head's own address, which
-  breaks the head's connections to the learner actor.)
+- ``worker_gone``: the sampler node's Ray processes end and its namespace and veth pair are
+  deleted for 20 s (``cluster.py worker-gone``), then rebuilt and a new node joins. The head's
+  address lives on the link's bridge, so the head's own connections survive the gap.
 
 After each, if the head has declared the sampler node dead (a cut longer than Ray's health
 check), the node is started again as an operator's supervisor would (recorded in the fault). A
@@ -608,18 +607,11 @@ class WanLink:
                 self.link.set_rate(self.link_cfg, self.rate_mbit)
             detail = {"seconds": seconds, "rate_mbit": slow}
         elif kind == "worker_gone":
-            # the sampler node's Ray processes end and nothing reaches its namespace for 20 s; the
-            # namespace itself stays: deleting it deletes the veth pair and with it the head's own
-            # address (10.213.0.1), which broke the head's connections to the learner (a soak run
-            # with `cluster.worker_gone` failed so, docs/reliability.md)
+            # the sampler node gone for 20 s: its Ray processes end, its namespace and veth pair are
+            # deleted, then rebuilt and a new node joins (the head's address lives on the link's
+            # bridge, so the head's own connections survive; docs/reliability.md)
             seconds = 20.0
-            self._end_worker()
-            self.link.cut(self.link_cfg)
-            try:
-                time.sleep(seconds)
-            finally:
-                self.link.heal(self.link_cfg)
-            self._start_worker()
+            self.cluster.worker_gone(self.cluster_cfg, self.link_cfg, seconds)
             detail = {"seconds": seconds}
         else:
             raise ValueError(f"unknown network fault {kind!r}")

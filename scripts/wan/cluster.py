@@ -222,7 +222,8 @@ def up(cfg: ClusterConfig, link_cfg: LinkConfig, rate_mbit: float, timeout_s: fl
 def worker_gone(cfg: ClusterConfig, link_cfg: LinkConfig, seconds: float, timeout_s: float = 90.0) -> None:
     """Fault injection: the sampler node disappears (its Ray processes end, its namespace and veth
     are deleted) for ``seconds``, then comes back at the same rate and rejoins the head as a new
-    node with the same ``sampler_node`` resource. Actors that lived on it are dead."""
+    node with the same ``sampler_node`` resource. Actors that lived on it are dead. The head keeps
+    its address (it lives on the link's bridge, not on the deleted veth)."""
     if not 0 <= seconds <= 600:
         raise ValueError(f"seconds={seconds}: must be within [0, 600] (bounded faults only)")
     rate_bytes = link.status(link_cfg)["host_tbf_bytes_s"]
@@ -231,9 +232,9 @@ def worker_gone(cfg: ClusterConfig, link_cfg: LinkConfig, seconds: float, timeou
     sessions = _read_state().get("sessions", {})
     if "worker" in sessions:
         _end_session(int(sessions["worker"]))
-    link.down(link_cfg)
+    link.ns_down(link_cfg)
     time.sleep(seconds)
-    link.up(link_cfg, rate_bytes * 8 / 1e6)
+    link.ns_up(link_cfg, rate_bytes * 8 / 1e6)
     _start("worker", worker_command(cfg, link_cfg))
     _wait_worker(cfg, link_cfg, timeout_s)
 

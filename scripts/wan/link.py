@@ -6,12 +6,16 @@
     python scripts/wan/link.py status [--json]
     python scripts/wan/link.py cut                   # fault: the cable is pulled (both directions)
     python scripts/wan/link.py heal                  # and plugged back in
+    python scripts/wan/link.py ns-gone --seconds 20  # fault: the sampler namespace deleted, then rebuilt
     python scripts/wan/link.py down                  # idempotent: removes whatever is left
 
 What it builds (``LinkConfig``): a network namespace for the samplers (``heterorl-smp``) joined to
 the root namespace (the learner's) by a veth pair with two private addresses on a /30
 (10.213.0.1 learner side, 10.213.0.2 sampler side), and a token-bucket filter (``tc tbf``) at the
-chosen rate on *both* veth ends, so each direction is limited. The namespace has no default
+chosen rate on *both* veth ends, so each direction is limited. The learner-side address lives on
+a bridge (``hrl-br0``) whose one port is the learner's veth end, not on the veth itself: deleting
+the sampler namespace destroys the veth pair, and the Ray head bound to 10.213.0.1 must keep its
+address while the sampler node is gone (``ns-gone``, ``cluster.py worker-gone``). The namespace has no default
 route and no other interface than its loopback and its veth end: a process inside can reach only
 10.213.0.1 and itself. Nothing here touches any other interface or address.
 
@@ -49,7 +53,9 @@ class LinkConfig:
     netns: str = "heterorl-smp"
     """Network namespace of the sampler side."""
     host_if: str = "hrl-veth0"
-    """veth end in the root (learner) namespace."""
+    """veth end in the root (learner) namespace, a port of ``bridge``."""
+    bridge: str = "hrl-br0"
+    """Bridge in the root namespace holding ``host_ip`` (outlives the veth pair)."""
     ns_if: str = "hrl-veth1"
     """veth end inside ``netns``."""
     host_ip: str = "10.213.0.1"
@@ -65,7 +71,7 @@ class LinkConfig:
 
     def validate(self) -> None:
         """Raise ValueError naming the bad field."""
-        for name in ("netns", "host_if", "ns_if"):
+        for name in ("netns", "host_if", "ns_if", "bridge"):
             value = getattr(self, name)
             # IFNAMSIZ is 16 including the NUL; netns names become file names under /run/netns
             if not value or len(value) > 15 or not all(c.isalnum() or c in "-_." for c in value):
@@ -143,7 +149,7 @@ def conflicting_routes(routes: list[dict], cfg: LinkConfig) -> list[str]:
     out = []
     for route in routes:
         dst = route.get("dst", "")
-        if dst == "default" or route.get("dev") == cfg.host_if:
+        if dst == "default" or route.get("dev") in (cfg.host_if, cfg.bridge):
             continue
         try:
             net = ipaddress.ip_network(dst if "/" in dst else f"{dst}/32", strict=False)
@@ -181,6 +187,10 @@ def host_if_exists(cfg: LinkConfig) -> bool:
     return _run(["ip", "link", "show", "dev", cfg.host_if], check=False).returncode == 0
 
 
+def bridge_exists(cfg: LinkConfig) -> bool:
+    return _run(["ip", "link", "show", "dev", cfg.bridge], check=False).returncode == 0
+
+
 def _qdisc(cfg: LinkConfig, inside: bool) -> Optional[dict]:
     args = ["tc", "-j", "qdisc", "show", "dev", cfg.ns_if if inside else cfg.host_if]
     proc = _run(_in_ns(cfg, args) if inside else args, check=False)
@@ -193,7 +203,8 @@ def _qdisc(cfg: LinkConfig, inside: bool) -> Optional[dict]:
 
 
 def _addr(cfg: LinkConfig, inside: bool) -> list[str]:
-    args = ["ip", "-j", "-4", "addr", "show", "dev", cfg.ns_if if inside else cfg.host_if]
+    """IPv4 addresses of the sampler's veth end (``inside``) or of the learner side's bridge."""
+    args = ["ip", "-j", "-4", "addr", "show", "dev", cfg.ns_if if inside else cfg.bridge]
     proc = _run(_in_ns(cfg, args) if inside else args, check=False)
     if proc.returncode != 0:
         return []
@@ -204,19 +215,25 @@ def status(cfg: LinkConfig) -> dict:
     """The link's state as a dict: what exists, addresses, tbf rate (bytes/s) on each end,
     ``up`` (configured) and ``cut`` (configured, but the learner-side end is down)."""
     ns = netns_exists(cfg)
-    state = {"config": asdict(cfg), "netns": ns, "host_if": host_if_exists(cfg)}
+    state = {"config": asdict(cfg), "netns": ns, "host_if": host_if_exists(cfg), "bridge": bridge_exists(cfg)}
     state["cut"] = state["host_if"] and not _admin_up(cfg)
-    state["host_addr"] = _addr(cfg, inside=False) if state["host_if"] else []
+    state["host_addr"] = _addr(cfg, inside=False) if state["bridge"] else []
     state["ns_addr"] = _addr(cfg, inside=True) if ns else []
     host_q = _qdisc(cfg, inside=False) if state["host_if"] else None
     ns_q = _qdisc(cfg, inside=True) if ns else None
     state["host_tbf_bytes_s"] = host_q["options"]["rate"] if host_q else None
     state["ns_tbf_bytes_s"] = ns_q["options"]["rate"] if ns_q else None
     state["up"] = bool(
-        ns and state["host_if"] and f"{cfg.host_ip}/{cfg.prefix}" in state["host_addr"]
+        ns and state["host_if"] and _master(cfg) == cfg.bridge and f"{cfg.host_ip}/{cfg.prefix}" in state["host_addr"]
         and f"{cfg.ns_ip}/{cfg.prefix}" in state["ns_addr"] and host_q and ns_q
     )  # fmt: skip
     return state
+
+
+def _master(cfg: LinkConfig) -> Optional[str]:
+    """The bridge the learner's veth end is a port of, or None."""
+    proc = _run(["ip", "-j", "link", "show", "dev", cfg.host_if], check=False)
+    return json.loads(proc.stdout or "[{}]")[0].get("master") if proc.returncode == 0 else None
 
 
 def _admin_up(cfg: LinkConfig) -> bool:
@@ -242,8 +259,9 @@ def set_rate(cfg: LinkConfig, rate_mbit: float) -> None:
     _run(_in_ns(cfg, ["tc", "qdisc", "replace", "dev", cfg.ns_if, "root", *args]))
 
 
-def down(cfg: LinkConfig) -> None:
-    """Remove the namespace (which destroys its veth end and so the pair); idempotent."""
+def ns_down(cfg: LinkConfig) -> None:
+    """Remove the namespace (which destroys its veth end and so the pair); the bridge and the
+    learner-side address stay. Idempotent."""
     if netns_exists(cfg):
         _run(["ip", "netns", "delete", cfg.netns])
     # the kernel destroys the namespace (and so the pair) asynchronously, once its last process is gone
@@ -254,6 +272,51 @@ def down(cfg: LinkConfig) -> None:
         _run(["ip", "link", "delete", "dev", cfg.host_if], check=False)
         if host_if_exists(cfg):
             raise CommandError(f"{cfg.host_if} is still there after deleting netns {cfg.netns}")
+
+
+def down(cfg: LinkConfig) -> None:
+    """Remove the namespace (and so the veth pair), then the bridge; idempotent."""
+    ns_down(cfg)
+    if bridge_exists(cfg):
+        _run(["ip", "link", "delete", "dev", cfg.bridge])
+
+
+def _bridge_up(cfg: LinkConfig) -> None:
+    """The learner side's bridge with ``host_ip``, if it is not there yet."""
+    if not bridge_exists(cfg):
+        _run(["ip", "link", "add", cfg.bridge, "type", "bridge"])
+    if f"{cfg.host_ip}/{cfg.prefix}" not in _addr(cfg, inside=False):
+        _run(["ip", "addr", "add", f"{cfg.host_ip}/{cfg.prefix}", "dev", cfg.bridge])
+    _run(["ip", "link", "set", cfg.bridge, "up"])
+
+
+def ns_up(cfg: LinkConfig, rate_mbit: float) -> None:
+    """The sampler namespace and the veth pair, attached to the existing bridge, at ``rate_mbit``."""
+    if not bridge_exists(cfg):
+        raise CommandError(f"bridge {cfg.bridge} is missing; run `link.py up` first")
+    ns_down(cfg)
+    _run(["ip", "netns", "add", cfg.netns])
+    _run(["ip", "link", "add", cfg.host_if, "type", "veth", "peer", "name", cfg.ns_if])
+    _run(["ip", "link", "set", cfg.ns_if, "netns", cfg.netns])
+    _run(["ip", "link", "set", cfg.host_if, "master", cfg.bridge])
+    _run(["ip", "link", "set", cfg.host_if, "up"])
+    _run(_in_ns(cfg, ["ip", "addr", "add", f"{cfg.ns_ip}/{cfg.prefix}", "dev", cfg.ns_if]))
+    _run(_in_ns(cfg, ["ip", "link", "set", cfg.ns_if, "up"]))
+    _run(_in_ns(cfg, ["ip", "link", "set", "lo", "up"]))  # Ray's own processes talk over loopback
+    set_rate(cfg, rate_mbit)
+
+
+def ns_gone(cfg: LinkConfig, seconds: float) -> None:
+    """Fault injection: the sampler namespace (and the veth pair) deleted for ``seconds``, then
+    rebuilt at the same rate. The learner side keeps its address on the bridge throughout."""
+    if not 0 <= seconds <= 600:
+        raise ValueError(f"seconds={seconds}: must be within [0, 600] (bounded faults only)")
+    rate_bytes = status(cfg)["host_tbf_bytes_s"]
+    if rate_bytes is None:
+        raise CommandError("the link is not up; run `link.py up` first")
+    ns_down(cfg)
+    time.sleep(seconds)
+    ns_up(cfg, rate_bytes * 8 / 1e6)
 
 
 def up(cfg: LinkConfig, rate_mbit: float) -> None:
@@ -270,15 +333,8 @@ def up(cfg: LinkConfig, rate_mbit: float) -> None:
     if clash:
         raise CommandError(f"subnet {cfg.subnet} is already routed here ({'; '.join(clash)}); pick another --subnet")
     try:
-        _run(["ip", "netns", "add", cfg.netns])
-        _run(["ip", "link", "add", cfg.host_if, "type", "veth", "peer", "name", cfg.ns_if])
-        _run(["ip", "link", "set", cfg.ns_if, "netns", cfg.netns])
-        _run(["ip", "addr", "add", f"{cfg.host_ip}/{cfg.prefix}", "dev", cfg.host_if])
-        _run(["ip", "link", "set", cfg.host_if, "up"])
-        _run(_in_ns(cfg, ["ip", "addr", "add", f"{cfg.ns_ip}/{cfg.prefix}", "dev", cfg.ns_if]))
-        _run(_in_ns(cfg, ["ip", "link", "set", cfg.ns_if, "up"]))
-        _run(_in_ns(cfg, ["ip", "link", "set", "lo", "up"]))  # Ray's own processes talk over loopback
-        set_rate(cfg, rate_mbit)
+        _bridge_up(cfg)
+        ns_up(cfg, rate_mbit)
     except BaseException:
         down(cfg)
         raise
@@ -307,6 +363,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("down")
     sub.add_parser("cut", help="fault: no traffic either way until `heal`")
     sub.add_parser("heal")
+    p = sub.add_parser("ns-gone", help="fault: delete the sampler namespace for --seconds, then rebuild it")
+    p.add_argument("--seconds", type=float, required=True)
     return parser
 
 
@@ -331,6 +389,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 print("link.py: the link is not up; run `link.py up --rate-mbit R` first", file=sys.stderr)
                 return EXIT_FAILED
             {"set-rate": lambda: set_rate(cfg, rate), "cut": lambda: cut(cfg), "heal": lambda: heal(cfg)}[args.command]()
+        elif args.command == "ns-gone":
+            ns_gone(cfg, args.seconds)
         elif args.command == "down":
             down(cfg)
         state = status(cfg)

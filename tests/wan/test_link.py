@@ -65,6 +65,7 @@ UNPRIVILEGED_COMMANDS = [
     ["link.py", "status"],
     ["link.py", "cut"],
     ["link.py", "heal"],
+    ["link.py", "ns-gone", "--seconds", "1"],
     ["link.py", "down"],
     ["cluster.py", "up", "--rate-mbit", "10"],
     ["cluster.py", "worker-gone", "--seconds", "1"],

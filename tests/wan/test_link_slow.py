@@ -5,8 +5,9 @@
 Sets the link up at 20 Mbit/s, checks a bounded TCP transfer runs near that rate, starts the Ray
 head (learner side) and worker (inside the sampler namespace), checks an actor asking for the
 ``sampler_node`` resource runs in the namespace and that an object it pulls from the head is
-held to the link's rate, then tears down and checks nothing is left: no namespace, no veth, no
-Ray process of ours.
+held to the link's rate, takes the sampler node away and back (the head keeps its address and a new
+actor runs on the new node), then tears down and checks nothing is left: no namespace, no veth, no
+bridge, no Ray process of ours.
 """
 
 from __future__ import annotations
@@ -78,7 +79,7 @@ def wan():
         cluster.down(cfg, link_cfg)
     # nothing left behind
     assert not link.netns_exists(link_cfg)
-    assert not link.host_if_exists(link_cfg)
+    assert not link.host_if_exists(link_cfg) and not link.bridge_exists(link_cfg)
     assert _our_ray_processes(state) == []
     assert not cluster.STATE_FILE.exists() and not cluster.TOKEN_FILE.exists()
 
@@ -122,3 +123,18 @@ def test_link_rate_and_ray_actor_in_the_sampler_namespace(wan):
     again = link.status(link_cfg)
     assert again["up"] and again["host_tbf_bytes_s"] == again["ns_tbf_bytes_s"] == 2 * RATE_MBIT * 1e6 / 8
 
+    # fault: the sampler node gone (namespace and veth deleted) -- the head's address stays on the
+    # bridge the whole time, and the node that comes back runs sampler actors again
+    link.ns_down(link_cfg)
+    gone = link.status(link_cfg)
+    assert not gone["netns"] and not gone["host_if"] and f"{link_cfg.host_ip}/30" in gone["host_addr"]
+    link.ns_up(link_cfg, RATE_MBIT)
+    cluster.worker_gone(cluster.ClusterConfig(), link_cfg, seconds=1)
+    back = link.status(link_cfg)
+    assert back["up"] and back["host_tbf_bytes_s"] == RATE_MBIT * 1e6 / 8
+    proc = subprocess.run(
+        [sys.executable, "-c", DRIVER, address, link_cfg.host_ip, "250000"],
+        capture_output=True, text=True, timeout=300, env=cluster.ray_env(),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1])["ip"] == link_cfg.ns_ip
