@@ -18,6 +18,7 @@ MODES = ("replay", "async")
 STALE_POLICIES = ("drop", "wait")
 ORDERS = ("oldest", "newest")
 TRANSPORTS = ("ray", "fs")
+WEIGHT_SYNCS = ("full", "delta")
 
 
 @dataclass
@@ -26,11 +27,14 @@ class DelayConfig:
     learner steps (policy versions behind) in replay mode, seconds in async mode."""
 
     dist: str = "lognormal"
-    """none | constant | lognormal | weibull | trace."""
+    """none | constant | uniform | lognormal | weibull | trace."""
     low: float = 1.0
-    """lognormal/weibull: the (1-c)/2 quantile L of the underlying delay, and the clip floor."""
+    """lognormal/weibull: the (1-c)/2 quantile L of the underlying delay, and the clip floor;
+    uniform: the lower bound (>= 0)."""
     high: float = 8.0
-    """lognormal/weibull: the 1-(1-c)/2 quantile U, and the clip ceiling."""
+    """lognormal/weibull: the 1-(1-c)/2 quantile U, and the clip ceiling; uniform: the upper bound."""
+    integer: bool = False
+    """uniform: draw the whole numbers low..high, each equally likely (replay: uniform staleness)."""
     confidence: float = 0.995
     """lognormal/weibull: c, the mass between L and U."""
     offset: float = 0.0
@@ -48,6 +52,8 @@ class DelayConfig:
             return {"low": self.low, "high": self.high, "confidence": self.confidence, "offset": self.offset}
         if self.dist == "constant":
             return {"value": self.value}
+        if self.dist == "uniform":
+            return {"low": self.low, "high": self.high, "integer": self.integer}
         if self.dist == "trace":
             params: dict[str, Any] = {"path": self.trace_path}
             if self.trace_column is not None:
@@ -110,6 +116,16 @@ class HeteroConfig:
     """Weight versions kept by the weight store (async) / snapshots beyond max_delay (replay)."""
     weights_bf16: bool = False
     """Send weights as bf16 over the transport (halves the bytes; the learner keeps fp32)."""
+    weight_sync: str = "full"
+    """async: full = every sampler fetches each version it loads whole; delta = the learner also
+    publishes each version as an XOR delta from the one before (wire-dtype bits, zlib), and a
+    sampler up to max_delta_chain versions behind applies the deltas instead, checked bit-exact
+    by SHA-256; too far behind, or a delta missing, pruned or corrupt: the full version
+    (docs/network.md). replay mode and the verl engine move no weights over a transport: they
+    refuse delta."""
+    max_delta_chain: int = 8
+    """async, weight_sync=delta: the most deltas a sampler applies to catch up (>= 1); deltas
+    are kept for the same keep_weight_versions as full versions, so at most that many apply."""
     max_nonfinite_steps: int = 5
     """Consecutive optimizer steps with a NaN/Inf loss or gradient (each skipped and counted in
     actor/nonfinite_skipped) after which the run stops with an error."""
@@ -153,6 +169,7 @@ class HeteroConfig:
             ("stale_policy", STALE_POLICIES),
             ("order", ORDERS),
             ("transport", TRANSPORTS),
+            ("weight_sync", WEIGHT_SYNCS),
         ):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"hetero.{name}={getattr(self, name)!r}; expected one of {allowed}")
@@ -168,6 +185,8 @@ class HeteroConfig:
             raise ValueError(f"hetero.max_queued_groups={self.max_queued_groups} must be >= 0 (0 = off)")
         if self.keep_weight_versions < 1:
             raise ValueError(f"hetero.keep_weight_versions={self.keep_weight_versions} must be >= 1")
+        if isinstance(self.max_delta_chain, bool) or not isinstance(self.max_delta_chain, int) or self.max_delta_chain < 1:
+            raise ValueError(f"hetero.max_delta_chain={self.max_delta_chain!r} must be an int >= 1")
         if self.sampler_speed_factors:
             if len(self.sampler_speed_factors) != self.num_samplers:
                 raise ValueError(

@@ -17,8 +17,9 @@ a design tries several learning rates.
 * ``0`` -- on-policy.
 * ``fix<k>`` -- every batch exactly k versions old (``hetero.delay.dist=constant``, value k,
   ``max_delay`` k), except the first k steps, when only that many versions exist.
-* ``uni<K>`` -- staleness uniform on {0, ..., K}: a delay trace of the values 0..K resampled
-  i.i.d. (``dist=trace``, file ``OUT/delay_traces/uniform_0_<K>.txt``), ``max_delay`` K.
+* ``uni<K>`` -- staleness uniform on {0, ..., K} (``hetero.delay.dist=uniform``, low 0, high K,
+  ``integer=true``; ``max_delay`` K). Rows made before the named model read a trace file of the
+  values 0..K resampled i.i.d.: the same draws (tests/hetero/test_hetero_delay_on_cpu.py).
 * ``logn<K>`` or a bare integer K (the legacy sweep's "max delay K") -- the paper's log-normal
   in learner steps (99.5% of the mass in [1, 64], median 8), rounded, capped at K.
 
@@ -194,22 +195,14 @@ def condition_key(label) -> tuple[int, int, str]:
     return ({"on": 0, "fix": 1, "uni": 2, "logn": 3}[kind], k, str(label))
 
 
-def uniform_trace(out: Path, k: int) -> Path:
-    """The file of the values 0..k (one a line) that ``uni<k>`` resamples."""
-    path = out / "delay_traces" / f"uniform_0_{k}.txt"
-    if not path.is_file():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text("".join(f"{i}\n" for i in range(k + 1)))
-    return path
-
-
 def condition_overrides(label, out: Path) -> list[str]:
     kind, k = parse_condition(label)
     if kind in ("on", "logn"):
         return ["hetero.delay.dist=lognormal", "hetero.delay.low=1", "hetero.delay.high=64", f"hetero.max_delay={k}"]
     if kind == "fix":
         return ["hetero.delay.dist=constant", f"hetero.delay.value={k}", f"hetero.max_delay={k}"]
-    return ["hetero.delay.dist=trace", f"hetero.delay.trace_path={uniform_trace(out, k)}", f"hetero.max_delay={k}"]
+    return ["hetero.delay.dist=uniform", "hetero.delay.low=0", f"hetero.delay.high={k}", "hetero.delay.integer=true",
+            f"hetero.max_delay={k}"]
 
 
 def warm_start_path(task: str, cache_dir: str, steps: int = 0) -> str:

@@ -161,7 +161,31 @@ def test_trace_bad_input_names_the_line(tmp_path):
         make_delay_model("trace", path=str(table), column="c")
 
 
+def test_uniform_integer_is_replays_uniform_staleness_draw_for_draw(tmp_path):
+    """``uniform`` with integer=True covers low..high evenly, and gives the same delay for every
+    (seed, key, stream) as the trace file of the values 0..K the study's ``uni<K>`` resamples."""
+    K = 64
+    trace = tmp_path / "uniform_0_64.txt"
+    trace.write_text("".join(f"{i}\n" for i in range(K + 1)))
+    named = DelaySchedule(make_delay_model("uniform", low=0, high=K, integer=True), seed=3)
+    traced = DelaySchedule(make_delay_model("trace", path=str(trace)), seed=3)
+    keys = range(2000)
+    draws = [named.steps(k, stream=1) for k in keys]
+    assert draws == [traced.steps(k, stream=1) for k in keys]
+    counts = np.bincount(draws, minlength=K + 1)
+    assert len(counts) == K + 1 and counts.min() > 0
+    assert stats.chisquare(counts).pvalue > 1e-3  # flat over 0..64
+
+
+def test_uniform_continuous_bounds_and_mean():
+    draws = make_delay_model("uniform", low=2.0, high=6.0).sample(100_000, np.random.default_rng(0))
+    assert draws.min() >= 2.0 and draws.max() <= 6.0 and abs(draws.mean() - 4.0) < 0.02
+    assert not np.all(draws == np.round(draws))
+
+
 @pytest.mark.parametrize("dist,params,message", [
+    ("uniform", dict(low=5, high=3), "uniform: low=5, high=3 must be finite with 0 <= low <= high"),
+    ("uniform", dict(low=0, high=2.5, integer=True), "uniform: integer=True needs whole bounds"),
     ("lognormal", dict(low=5, high=3), "lognormal: low=5 must be < high=3"),
     ("weibull", dict(low=0, high=3), "weibull: low=0 must be finite and > 0"),
     ("lognormal", dict(low=1, high=3, confidence=1.0), "confidence=1.0 must be in"),

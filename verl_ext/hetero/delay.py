@@ -10,6 +10,8 @@ many policy versions behind a batch is). Models:
   are its (1-c)/2 and 1-(1-c)/2 quantiles (c = ``confidence``, default 0.995); the delay is
   ``clip(T - offset, low, high)``. This matches the GEPO paper's emulation (L=60 s, U=1920 s,
   offset 400 for the 1.7B run; L=400 s, U=3600 s, offset 400 for the 8B run).
+- ``uniform``: uniform on [``low``, ``high``]; with ``integer=True`` the whole numbers
+  low, low+1, ..., high, each equally likely (replay's "uniform staleness in [0, K]").
 - ``trace``: replays measured delays from a file (one number a line, or one CSV column).
 
 Every model exposes ``sample(n, rng) -> np.ndarray`` of shape (n,), float64, and ``summary()``.
@@ -41,7 +43,7 @@ from typing import Sequence
 import numpy as np
 from scipy.special import ndtri  # standard normal quantile; far lighter to import than scipy.stats
 
-DISTRIBUTIONS = ("none", "constant", "lognormal", "weibull", "trace")
+DISTRIBUTIONS = ("none", "constant", "uniform", "lognormal", "weibull", "trace")
 DEFAULT_CONFIDENCE = 0.995
 
 
@@ -129,6 +131,29 @@ class ConstantDelay(DelayModel):
 
     def params(self) -> dict:
         return {"value": self.value}
+
+
+class UniformDelay(DelayModel):
+    """Uniform on [low, high] (0 <= low <= high, finite); ``integer=True``: the whole numbers
+    low..high, each with probability 1 / (high - low + 1) (both bounds must then be whole)."""
+
+    name = "uniform"
+
+    def __init__(self, low: float, high: float, integer: bool = False):
+        if not (math.isfinite(low) and math.isfinite(high) and 0 <= low <= high):
+            raise ValueError(f"uniform: low={low}, high={high} must be finite with 0 <= low <= high")
+        if integer and (float(low) != int(low) or float(high) != int(high)):
+            raise ValueError(f"uniform: integer=True needs whole bounds, got low={low}, high={high}")
+        self.low, self.high, self.integer = float(low), float(high), bool(integer)
+
+    def sample(self, n: int, rng: np.random.Generator) -> np.ndarray:
+        n = _check_n(n)
+        if self.integer:  # the same draws as a trace of the values low..high resampled (uni<K>)
+            return self.low + rng.integers(0, int(self.high - self.low) + 1, size=n).astype(np.float64)
+        return rng.uniform(self.low, self.high, size=n)
+
+    def params(self) -> dict:
+        return {"low": self.low, "high": self.high, "integer": self.integer}
 
 
 def _check_bounds(name: str, low: float, high: float, confidence: float, offset: float) -> None:
@@ -318,6 +343,7 @@ def _read_trace(path: Path, column: str | int | None) -> list[tuple[str, int, st
 _MODELS = {
     "none": NoDelay,
     "constant": ConstantDelay,
+    "uniform": UniformDelay,
     "lognormal": LogNormalDelay,
     "weibull": WeibullDelay,
     "trace": TraceDelay,
@@ -325,7 +351,7 @@ _MODELS = {
 
 
 def make_delay_model(dist: str, **params) -> DelayModel:
-    """Build a delay model by name. ``dist`` in none, constant, lognormal, weibull, trace;
+    """Build a delay model by name. ``dist`` in none, constant, uniform, lognormal, weibull, trace;
     ``params`` are the model's constructor arguments (see each class)."""
     if dist not in _MODELS:
         raise ValueError(f"unknown delay dist={dist!r}; expected one of {', '.join(DISTRIBUTIONS)}")
@@ -378,8 +404,9 @@ def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m verl_ext.hetero.delay",
                                      description="Summarise (and plot) a delay model.")
     parser.add_argument("--dist", choices=DISTRIBUTIONS, required=True)
-    parser.add_argument("--low", type=float, help="lognormal/weibull: lower quantile L (also the clip floor)")
-    parser.add_argument("--high", type=float, help="lognormal/weibull: upper quantile U (also the clip ceiling)")
+    parser.add_argument("--low", type=float, help="lognormal/weibull: lower quantile L (also the clip floor); uniform: lower bound")
+    parser.add_argument("--high", type=float, help="lognormal/weibull: upper quantile U (also the clip ceiling); uniform: upper bound")
+    parser.add_argument("--integer", action="store_true", help="uniform: whole numbers low..high")
     parser.add_argument("--confidence", type=float, default=DEFAULT_CONFIDENCE,
                         help="lognormal/weibull: mass between L and U (default 0.995)")
     parser.add_argument("--offset", type=float, default=0.0, help="lognormal/weibull: subtracted before the clip")
@@ -400,6 +427,10 @@ def _params_from_args(args: argparse.Namespace) -> dict:
         if args.low is None or args.high is None:
             raise ValueError(f"{args.dist}: --low and --high are required")
         return {"low": args.low, "high": args.high, "confidence": args.confidence, "offset": args.offset}
+    if args.dist == "uniform":
+        if args.low is None or args.high is None:
+            raise ValueError("uniform: --low and --high are required")
+        return {"low": args.low, "high": args.high, "integer": args.integer}
     if args.dist == "constant":
         if args.value is None:
             raise ValueError("constant: --value is required")
