@@ -139,6 +139,9 @@ class Plan:
     """seeds of stage 1."""
     reference: str = "gepo"
     """the method every other one is compared with in the paired tables."""
+    variants: list = field(default_factory=lambda: ["gepo_tr"])
+    """methods that also get a paired table against every other one (the project's variants:
+    issue 13 asks whether one beats every baseline), when the rows hold them."""
     design: str = "legacy"
 
 
@@ -745,19 +748,21 @@ def study_markdown(task: str, plan: Plan, per_run: list[dict], lr_table: list[di
             f"{_cell(r['weight_right_mean'], math.nan)} / {_cell(r['weight_wrong_mean'], math.nan)} | "
             f"{_cell(r['zero_grad_stale_mean'], math.nan)} |"
         )
-    comp = [c for c in comparison_rows(mine, plan.reference) if c["task"] == task]
-    lines += ["", f"**Paired differences, {plan.reference} minus each baseline** (drop diff > 0: {plan.reference} "
-              "loses more to staleness; score diff > 0: it scores higher at that condition). MDE: the true "
-              "difference a 5% two-sided paired t test on these n seeds detects with 80% power at the observed sd.",
-              "", "| condition | staleness mean / max | baseline | n | drop diff [95% CI] | p | MDE | score diff [95% CI] "
-              "| p | MDE |", "|" + "---|" * 10]  # fmt: skip
-    for c in comp:
-        lines.append(
-            f"| {c['condition']} | {_cell(c['staleness_mean'], math.nan, 1)} / {_cell(c['staleness_max'], math.nan, 0)} | "
-            f"{c['baseline']} | {c['n_score']} | {_ci(c['drop_diff'], c['drop_lo'], c['drop_hi'])} | {_p(c['drop_p'])} | "
-            f"{_cell(c['drop_mde'], math.nan)} | {_ci(c['score_diff'], c['score_lo'], c['score_hi'])} | "
-            f"{_p(c['score_p'])} | {_cell(c['score_mde'], math.nan)} |"
-        )
+    present = {r["algo"] for r in mine}
+    for reference in [plan.reference] + [v for v in plan.variants if v in present and v != plan.reference]:
+        comp = [c for c in comparison_rows(mine, reference) if c["task"] == task]
+        lines += ["", f"**Paired differences, {reference} minus each baseline** (drop diff > 0: {reference} "
+                  "loses more to staleness; score diff > 0: it scores higher at that condition). MDE: the true "
+                  "difference a 5% two-sided paired t test on these n seeds detects with 80% power at the observed sd.",
+                  "", "| condition | staleness mean / max | baseline | n | drop diff [95% CI] | p | MDE | score diff [95% CI] "
+                  "| p | MDE |", "|" + "---|" * 10]  # fmt: skip
+        for c in comp:
+            lines.append(
+                f"| {c['condition']} | {_cell(c['staleness_mean'], math.nan, 1)} / {_cell(c['staleness_max'], math.nan, 0)} | "
+                f"{c['baseline']} | {c['n_score']} | {_ci(c['drop_diff'], c['drop_lo'], c['drop_hi'])} | {_p(c['drop_p'])} | "
+                f"{_cell(c['drop_mde'], math.nan)} | {_ci(c['score_diff'], c['score_lo'], c['score_hi'])} | "
+                f"{_p(c['score_p'])} | {_cell(c['score_mde'], math.nan)} |"
+            )
     dm = design_mde(mine, len(plan.seeds))
     acc = _mean_std([r["lq_mean"] for r in mine])[0]
     floor = binomial_eval_sd(min(max(acc, 0.0), 1.0), plan.eval_size, 1, max(plan.last_evals, 1)) if math.isfinite(acc) else math.nan
