@@ -22,7 +22,8 @@ with a timeout; SIGTERM and Ctrl-C tear down too.
     python scripts/wan/sync_bench.py --behind 1,2,4,8 [--lr 1e-6]
 
 only prints, for a sampler k versions behind, the bytes of the direct delta, of a chain of
-one-step deltas and of a full bf16 version (no network, no privileges).
+one-step deltas (raw, and as the engine's delta messages) and of a full bf16 version (no network,
+no privileges). The XOR encoding is the engine's (``verl_ext.hetero.weights``), one implementation.
 """
 
 from __future__ import annotations
@@ -33,7 +34,6 @@ import json
 import signal
 import sys
 import time
-import zlib
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -45,6 +45,9 @@ import cluster  # noqa: E402
 import link  # noqa: E402
 import probe  # noqa: E402
 
+# the engine's XOR delta (hetero.weight_sync=delta): what is measured here is what the engine sends
+from verl_ext.hetero.weights import decode_xor, encode_xor, floating_bits  # noqa: E402,F401
+
 REPO = Path(__file__).resolve().parents[2]
 FORMS = ("fp32", "bf16", "bf16-xor")
 BIG_MODELS = {"1.7B": 1.7e9, "8B": 8.0e9}  # parameters, for the extrapolated sync times
@@ -55,22 +58,9 @@ BIG_RATES_GBIT = (1.0, 10.0)
 
 
 def bf16_bits(state: dict[str, torch.Tensor]) -> np.ndarray:
-    """All floating tensors, in name order, as one flat uint16 array of bf16 bit patterns. [P]"""
-    parts = [state[k].detach().to(torch.bfloat16).reshape(-1).view(torch.int16) for k in sorted(state)
-             if state[k].is_floating_point()]  # fmt: skip
-    return torch.cat(parts).numpy().view(np.uint16)
-
-
-def encode_xor(new_bits: np.ndarray, base_bits: np.ndarray, level: int = 1) -> bytes:
-    """zlib(new XOR base): unchanged bf16 values become zero bits, which compress away. [P], [P] -> bytes"""
-    if new_bits.shape != base_bits.shape:
-        raise ValueError(f"shapes differ: new {new_bits.shape}, base {base_bits.shape} (a full version is needed)")
-    return zlib.compress(np.bitwise_xor(new_bits, base_bits).tobytes(), level)
-
-
-def decode_xor(blob: bytes, base_bits: np.ndarray) -> np.ndarray:
-    """Inverse of :func:`encode_xor`: the new bf16 bit patterns, bit-exact. -> [P]"""
-    return np.bitwise_xor(np.frombuffer(zlib.decompress(blob), dtype=np.uint16), base_bits)
+    """All floating tensors, in name order, as one flat uint16 array of bf16 bit patterns (the
+    engine's :func:`floating_bits` with a bf16 wire, one value per element). [P]"""
+    return floating_bits(state, "bf16").view(np.uint16)
 
 
 def sha256(data: bytes | np.ndarray) -> str:
@@ -104,20 +94,29 @@ def two_versions(model_path: str, lr: float, seed: int = 0) -> tuple[dict, dict]
 
 def delta_vs_behind(model_path: str, lr: float, behind: list[int]) -> list[dict]:
     """For a sampler holding version 0 and k in ``behind``: bytes of the direct bf16-xor delta
-    0 -> k, of the chain of one-step deltas 0 -> 1 -> ... -> k, and of the full bf16 message (where
+    0 -> k, of the chain of one-step deltas 0 -> 1 -> ... -> k, of the engine's delta messages for
+    that chain (``hetero.weight_sync=delta`` with ``weights_bf16``: the XOR plus header and
+    non-floating tensors; applied and checked bit-exact here), and of the full bf16 message (where
     a full version becomes the cheaper fetch). Pure CPU, no network."""
-    from verl_ext.hetero.weights import serialize_state_dict
+    from verl_ext.hetero.weights import apply_delta, encode_delta, serialize_state_dict, wire_sha256, wire_tensors
 
     states = versions(model_path, lr, max(behind))
     bits = [bf16_bits(state) for state in states]
     full = len(serialize_state_dict(states[-1], 0, wire_dtype="bf16"))
     # a learner keeping only consecutive deltas sends the chain v0->v1->...->vk instead
     step_bytes = [len(encode_xor(bits[i], bits[i - 1])) for i in range(1, len(bits))]
+    wires = [wire_tensors(state, "bf16") for state in states]
+    messages = [encode_delta(wires[i - 1][0], wires[i][0], wires[i][1], i - 1, i) for i in range(1, len(wires))]
+    held = wires[0][0]
+    for i, message in enumerate(messages, start=1):  # what a sampler does: apply, check the SHA-256
+        _, held, _, sha = apply_delta(message, held)
+        assert sha == wire_sha256(wires[i][0])
     rows = []
     for k in behind:
         blob = encode_xor(bits[k], bits[0])
         assert np.array_equal(decode_xor(blob, bits[0]), bits[k])
         rows.append({"behind": k, "lr": lr, "delta_bytes": len(blob), "chain_bytes": sum(step_bytes[:k]),
+                     "engine_chain_bytes": sum(len(m) for m in messages[:k]),
                      "bf16_full_bytes": full, "changed_frac": float(np.mean(bits[k] != bits[0]))})  # fmt: skip
     return rows
 

@@ -30,7 +30,7 @@ from typing import Callable, Iterable
 import numpy as np
 
 from verl_ext.hetero.delay import DelayModel, DelaySchedule
-from verl_ext.hetero.protocol import WEIGHTS_TOPIC, parse_version_key
+from verl_ext.hetero.protocol import WEIGHTS_DELTA_TOPIC, WEIGHTS_TOPIC, parse_version_key
 from verl_ext.hetero.transport import MessageInfo, Transport, check_name
 
 TIMEBASES = ("sender", "receiver")
@@ -38,8 +38,9 @@ TIMEBASES = ("sender", "receiver")
 
 def message_index(topic: str, key: str) -> int:
     """The :class:`DelaySchedule` key of a message: a weight version's number (so version v is
-    delayed as in replay mode and the verl engine), else 64 bits of SHA-256 of ``topic/key``."""
-    if topic == WEIGHTS_TOPIC:
+    delayed as in replay mode and the verl engine; its delta, ``weights_delta``, exactly like it),
+    else 64 bits of SHA-256 of ``topic/key``."""
+    if topic in (WEIGHTS_TOPIC, WEIGHTS_DELTA_TOPIC):
         version = parse_version_key(key)
         if version is not None:
             return version

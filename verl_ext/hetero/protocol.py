@@ -8,6 +8,8 @@ topic              key                         payload
 =================  ==========================  =================================================
 ``weights``        ``version_key(v)``          safetensors state dict of policy version v
                                                (:mod:`verl_ext.hetero.weights`), learner -> samplers
+``weights_delta``  ``version_key(v)``          XOR delta of the weights from v-1 to v
+                                               (``hetero.weight_sync=delta``), learner -> samplers
 ``rollouts``       the group uid               :class:`~verl_ext.hetero.records.RolloutGroup`
                                                bytes, sampler -> learner
 ``expected``       the group uid               :class:`Announcement`: a group a sampler is
@@ -32,6 +34,7 @@ from typing import Optional, TypeVar
 from verl_ext.hetero.transport import CorruptMessage, Transport
 
 WEIGHTS_TOPIC = "weights"
+WEIGHTS_DELTA_TOPIC = WEIGHTS_TOPIC + "_delta"  # = weights.delta_topic(WEIGHTS_TOPIC)
 ROLLOUT_TOPIC = "rollouts"
 EXPECTED_TOPIC = "expected"
 CONTROL_TOPIC = "control"
