@@ -120,9 +120,10 @@ class HeteroConfig:
     """async: full = every sampler fetches each version it loads whole; delta = the learner also
     publishes each version as an XOR delta from the one before (wire-dtype bits, zlib), and a
     sampler up to max_delta_chain versions behind applies the deltas instead, checked bit-exact
-    by SHA-256; too far behind, or a delta missing, pruned or corrupt: the full version
-    (docs/network.md). replay mode and the verl engine move no weights over a transport: they
-    refuse delta."""
+    by SHA-256, when they add up to fewer bytes than the full version; too far behind, the chain
+    heavier, or a delta missing, pruned or corrupt: the full version (docs/network.md). Metrics:
+    perf/sampler_weight_{full,delta}_loads_total, perf/sampler_weight_bytes_fetched_total.
+    replay mode and the verl engine move no weights over a transport: they refuse delta."""
     max_delta_chain: int = 8
     """async, weight_sync=delta: the most deltas a sampler applies to catch up (>= 1); deltas
     are kept for the same keep_weight_versions as full versions, so at most that many apply."""

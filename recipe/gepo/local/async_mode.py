@@ -7,12 +7,15 @@ samplers. The messages they exchange are defined in :mod:`verl_ext.hetero.protoc
 Weights: the learner publishes every new version to a ``WeightStore``; each sampler reads it
 through its own ``DelayChannel``, so version v becomes visible to sampler i only after the delay
 the run's delay schedule gives (v, sampler i) (seconds, times the sampler's speed factor); the
-sampler always takes the newest version it can see. Rollouts: samplers send finished groups
-(rewards and advantages computed locally) over the same transport; a thread in the learner moves
-them into the staleness-bounded ``RolloutBuffer``; the learner takes whole groups within
-``max_delay`` versions. Under ``hetero.stale_policy=wait`` samplers also announce each group
-before generating it, and the learner does not step past the version that would make an
-announced group stale until it arrives (or ``hetero.wait_timeout_s`` passes).
+sampler always takes the newest version it can see. Under ``hetero.weight_sync=delta`` the
+learner also publishes each version as a delta from the one before (delayed exactly like the
+version) and a sampler a few versions behind applies deltas instead of fetching it whole.
+Rollouts: samplers send finished groups (rewards and advantages computed locally) over the same
+transport; a thread in the learner moves them into the staleness-bounded ``RolloutBuffer``; the
+learner takes whole groups within ``max_delay`` versions. Under ``hetero.stale_policy=wait``
+samplers also announce each group before generating it, and the learner does not step past the
+version that would make an announced group stale until it arrives (or ``hetero.wait_timeout_s``
+passes).
 
 The transport is Ray's object store (``hetero.transport=ray``) or an fsspec URL
 (``hetero.transport=fs``); on an fsspec URL any process that builds a :class:`SamplerWorker` on
@@ -48,6 +51,7 @@ from verl_ext.hetero.protocol import (
     LEARNER_ACTOR,
     ROLLOUT_TOPIC,
     STATUS_KEY,
+    WEIGHTS_DELTA_TOPIC,
     WEIGHTS_TOPIC,
     LearnerStatus,
     TransportSpec,
@@ -61,7 +65,7 @@ from verl_ext.hetero.protocol import (
     stop_requested,
 )
 from verl_ext.hetero.seeding import LEARNER_STREAM, sampler_sampling_seed, sampler_stream
-from verl_ext.hetero.weights import WeightStore, version_key
+from verl_ext.hetero.weights import WeightStore
 from verl_ext.torch_threads import set_torch_threads
 
 
@@ -72,6 +76,15 @@ def transport_spec(hetero: HeteroConfig, settings: RunSettings) -> TransportSpec
     # the mailbox holds every message: on the learner's node (custom resources), as the learner
     return TransportSpec("ray", name=f"heterorl-mailbox-{settings.experiment_name}-{hetero.seed}",
                          resources=tuple(sorted(hetero.learner_ray_resources.items())))  # fmt: skip
+
+
+def weight_store(hetero: HeteroConfig, transport) -> WeightStore:
+    """The weight store of the learner (publishes) and of every sampler (fetches, through its
+    delay channel): ``hetero.keep_weight_versions``, ``weights_bf16``, ``weight_sync``,
+    ``max_delta_chain``."""
+    return WeightStore(transport, keep_last=hetero.keep_weight_versions,
+                       wire_dtype="bf16" if hetero.weights_bf16 else None,
+                       delta=hetero.weight_sync == "delta", max_delta_chain=hetero.max_delta_chain)  # fmt: skip
 
 
 def pin_worker(cpus: list[int], key: str) -> None:
@@ -90,6 +103,11 @@ class SamplerWorker:
     WAIT_POLL_S = 0.1
     """Seconds between checks while waiting for newer weights or for room in the learner's queue."""
 
+    WEIGHT_STATS = {"full_loads": "weight_full_loads", "delta_loads": "weight_delta_loads",
+                    "bytes_fetched": "weight_bytes_fetched", "delta_fallbacks": "weight_delta_fallbacks",
+                    "delta_larger": "weight_delta_larger"}  # fmt: skip
+    """Weight store counter -> sampler stat: which path each load took (hetero.weight_sync)."""
+
     def __init__(self, index: int, engine: EngineConfig, model_path: str, spec: TransportSpec,
                  speed_factor: float, uid_namespace: str):
         pin_worker(engine.hetero.sampler_cpus, "hetero.sampler_cpus")
@@ -103,15 +121,15 @@ class SamplerWorker:
         self.transport = spec.open()
         channel = DelayChannel(
             self.transport, self.hetero.delay.build(), seed=self.hetero.seed, stream=sampler_stream(index),
-            speed_factor=speed_factor, topics=[WEIGHTS_TOPIC],
+            speed_factor=speed_factor, topics=[WEIGHTS_TOPIC, WEIGHTS_DELTA_TOPIC],  # delta v: delayed as v
         )  # fmt: skip
-        self.weights = WeightStore(channel, keep_last=self.hetero.keep_weight_versions)
+        self.weights = weight_store(self.hetero, channel)
         # what exists, undelayed: only the version numbers are read from it, never the weights
         self.published = WeightStore(self.transport, keep_last=self.hetero.keep_weight_versions)
         self.speed_factor = speed_factor
         self.version = -1
         self.stats = {"batches": 0, "groups": 0, "tokens": 0, "gen_s": 0.0, "weight_loads": 0,
-                      "stale_wait_s": 0.0, "queue_wait_s": 0.0}
+                      "stale_wait_s": 0.0, "queue_wait_s": 0.0, **{k: 0 for k in self.WEIGHT_STATS.values()}}
 
     def _refresh_weights(self) -> None:
         newest = self.weights.latest(newer_than=self.version if self.version >= 0 else None)
@@ -119,6 +137,8 @@ class SamplerWorker:
             self.version, state = newest
             self.model.load_state_dict(state)
             self.stats["weight_loads"] += 1
+        for counter, stat in self.WEIGHT_STATS.items():
+            self.stats[stat] = self.weights.stats[counter]
 
     def weights_too_stale(self) -> bool:
         """Groups made now would be past the bound on arrival (the learner only moves forward)."""
@@ -198,8 +218,7 @@ class TransportSource:
                                            stream=LEARNER_STREAM, topics=[ROLLOUT_TOPIC])  # fmt: skip
         announcements = self.transport if hetero.stale_policy == "wait" else None
         self.inbox = RolloutInbox(inbox_transport, self.buffer, announcements=announcements)
-        self.weights = WeightStore(self.transport, keep_last=hetero.keep_weight_versions,
-                                   wire_dtype="bf16" if hetero.weights_bf16 else None)  # fmt: skip
+        self.weights = weight_store(hetero, self.transport)
         self._stop = threading.Event()
         self._hungry = threading.Event()  # set while the learner is blocked in take()
         self._poller = threading.Thread(target=self._poll_loop, daemon=True)
@@ -212,9 +231,7 @@ class TransportSource:
         clear_topic(self.transport, EXPECTED_TOPIC)
         # versions newer than ours (published after the checkpoint we resume from, or by a
         # previous run) would look like the future to samplers and to the buffer
-        for version in self.weights.versions():
-            if version > learner_version:
-                self.transport.delete(self.weights.topic, version_key(version))
+        self.weights.delete_newer_than(learner_version)
         self._poller.start()
 
     # Poll intervals (s). The transport has no notification, so the inbox lists it: every
@@ -275,9 +292,10 @@ class LearnerWorker(LearnerRuntime):
 
 
 class _SamplerCounters:
-    """Sums over all samplers: response tokens per wall-clock second since the last update, and
-    the seconds samplers have waited for weights within the bound (``sampler_skip_stale``) and
-    for room in the learner's queue (``max_queued_groups``).
+    """Sums over all samplers: response tokens per wall-clock second since the last update, the
+    seconds samplers have waited for weights within the bound (``sampler_skip_stale``) and for
+    room in the learner's queue (``max_queued_groups``), and their weight loads by path (full
+    version or deltas, ``weight_sync``) with the payload bytes they fetched.
 
     Never blocks the step: each update collects the answers that have arrived and asks again
     (one request in flight per sampler), so the numbers lag by up to one step."""
@@ -308,9 +326,9 @@ class _SamplerCounters:
         now = time.perf_counter()
         rate = total_new / max(now - self._last, 1e-9)
         self._last = now
-        totals = {k: sum(float(c.get(k, 0.0)) for c in self._counters.values()) for k in ("stale_wait_s", "queue_wait_s")}
-        return {"perf/sampler_tokens_per_s": rate, "perf/sampler_stale_wait_s_total": totals["stale_wait_s"],
-                "perf/sampler_queue_wait_s_total": totals["queue_wait_s"]}  # fmt: skip
+        summed = ("stale_wait_s", "queue_wait_s", *SamplerWorker.WEIGHT_STATS.values())
+        totals = {k: sum(float(c.get(k, 0.0)) for c in self._counters.values()) for k in summed}
+        return {"perf/sampler_tokens_per_s": rate, **{f"perf/sampler_{k}_total": v for k, v in totals.items()}}
 
 
 def _placement(resources: dict[str, float]) -> dict[str, Any]:

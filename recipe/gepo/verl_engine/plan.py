@@ -90,6 +90,8 @@ EMBEDDED_ONLY_KEYS = {
     "ray_address": "set ray_kwargs.ray_init.address",
     "learner_ray_resources": "verl's resource pools place the workers",
     "sampler_ray_resources": "verl's resource pools place the workers",
+    "weight_sync": "verl's checkpoint engine sends every version whole",
+    "max_delta_chain": "verl's checkpoint engine sends every version whole",
 }
 
 

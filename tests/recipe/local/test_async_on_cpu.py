@@ -1,7 +1,9 @@
 """Async mode end to end: a real learner actor and 2 sampler actors on a local Ray.
 
 One run (module fixture, ~30 s on 2 shared cores, most of it Ray and actor start-up) is shared by
-the checks: the staleness bound at every step, the ledger balance, the metric names.
+the checks: the staleness bound at every step, the ledger balance, the metric names. It sends
+weights as deltas (``hetero.weight_sync=delta``; the other async tests run the default, full
+versions), so the delta path runs end to end through the Ray transport and delay channels.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ def async_run(tiny_model_path, tmp_path_factory):
         "hetero.mode=async", "hetero.num_samplers=2", f"hetero.max_delay={MAX_DELAY}",
         # seconds: weights reach samplers late, so groups arrive stale and some past the bound
         "hetero.delay.low=0.2", "hetero.delay.high=2", "hetero.wait_timeout_s=120",
+        "hetero.weight_sync=delta", "hetero.weights_bf16=true",
         f"trainer.total_training_steps={STEPS}", "trainer.test_freq=0", "trainer.save_freq=0",
         "trainer.experiment_name=test-async",
     ])  # fmt: skip
@@ -80,3 +83,13 @@ def test_async_ledger_balances(async_run):
 def test_async_logs_the_fixed_metric_names(async_run):
     missing = {line["step"]: [n for n in STEP_METRICS if n not in line] for line in train_lines(async_run[2])}
     assert not any(missing.values()), missing
+
+
+def test_async_metrics_say_which_path_weight_loads_took(async_run):
+    lines = train_lines(async_run[2])
+    paths = ("perf/sampler_weight_full_loads_total", "perf/sampler_weight_delta_loads_total",
+             "perf/sampler_weight_bytes_fetched_total", "perf/sampler_weight_delta_fallbacks_total")  # fmt: skip
+    assert all(name in line for line in lines for name in paths)
+    last = lines[-1]  # the samplers' counters lag a step; by the last one each has loaded a first, full version
+    assert last["perf/sampler_weight_full_loads_total"] >= 1
+    assert last["perf/sampler_weight_bytes_fetched_total"] > 0

@@ -1,5 +1,6 @@
 """The async sampler and learner in-process (no Ray): samplers do not generate groups the
-learner must drop, and pause while the learner's queue is full (back-pressure).
+learner must drop, pause while the learner's queue is full (back-pressure), and catch up
+through weight deltas under ``hetero.weight_sync=delta``.
 
 Weights reach the sampler after a constant 2 s delay through its ``DelayChannel``; the newest
 version number is read undelayed. Real toy model, real fsspec transport in a temp folder.
@@ -10,7 +11,9 @@ from __future__ import annotations
 import threading
 import time
 
-from recipe.gepo.local.async_mode import LearnerWorker, SamplerWorker
+import torch
+
+from recipe.gepo.local.async_mode import LearnerWorker, SamplerWorker, weight_store
 from recipe.gepo.local.driver import EngineConfig
 from verl_ext.hetero.protocol import (
     CONTROL_TOPIC,
@@ -112,3 +115,34 @@ def test_learner_publishes_its_queue_depth_for_back_pressure(tiny_cfg, tmp_path)
         assert read_record(transport, LearnerStatus, CONTROL_TOPIC, STATUS_KEY) == LearnerStatus(version=1, queue_depth=2)
     finally:
         learner.shutdown()
+
+
+def test_sampler_catches_up_through_deltas_and_counts_the_path(tiny_cfg, tmp_path):
+    """hetero.weight_sync=delta: the sampler's first load is a full version, catching up 2
+    versions is one delta load of fewer bytes, and its weights are bit-identical to the full
+    version's; the counters the driver sums into perf/sampler_weight_* say which path ran."""
+    sampler, _, transport = _sampler(tiny_cfg, tmp_path, "hetero.weight_sync=delta", "hetero.weights_bf16=true")
+    learner = weight_store(sampler.hetero, transport)  # what the learner actor publishes with
+    assert learner.delta and learner.wire_dtype == "bf16" and sampler.weights.delta
+    trainee = {k: v.clone() for k, v in sampler.model.state_dict().items()}
+    params = [v.requires_grad_() for k, v in trainee.items() if v.is_floating_point()]
+    opt = torch.optim.AdamW(params, lr=1e-6, weight_decay=0.0)
+    learner.publish(0, trainee)
+    time.sleep(DELAY_S + 0.2)
+    sampler._refresh_weights()
+    assert sampler.version == 0
+    full_bytes = sampler.stats["weight_bytes_fetched"]
+    for version in (1, 2):  # two small optimizer steps
+        opt.zero_grad()
+        sum((p.float() ** 2).sum() for p in params).backward()
+        opt.step()
+        learner.publish(version, trainee)
+    time.sleep(DELAY_S + 0.2)
+    sampler._refresh_weights()
+    counters = sampler.counters()
+    assert sampler.version == 2
+    assert counters["weight_full_loads"] == 1 and counters["weight_delta_loads"] == 1 and counters["weight_loads"] == 2
+    assert 0 < counters["weight_bytes_fetched"] - full_bytes < full_bytes / 2  # two deltas, < half a version
+    want = WeightStore(transport).get(2)
+    for name, tensor in sampler.model.state_dict().items():  # bit patterns, not values
+        assert torch.equal(tensor.reshape(-1).view(torch.uint8), want[name].reshape(-1).view(torch.uint8)), name
