@@ -138,6 +138,13 @@ class HeteroConfig:
     """Core ids every sampler process is pinned to (all samplers share them); empty = not
     pinned. replay mode: the one process moves to these cores while it generates a batch, so
     the synchronous learner waits while "the sampler node" generates, as it would across machines."""
+    system_cpus: list[int] = field(default_factory=list)
+    """async: core ids for the driver process and the Ray processes it starts (GCS, raylet, the Ray
+    transport's mailbox): everything that is neither the learner nor a sampler. Empty = the cores
+    not in ``learner_cpus`` when that is set (nothing else shares the learner node's cores; Ray's
+    own processes took 15-40% of a pinned learner core otherwise, docs/benchmarks.md), else not
+    pinned. With ``ray_address`` only the driver is pinned (the cluster's processes are not this
+    run's). replay mode: refused (one process)."""
     ray_address: str = ""
     """async: "" = start a local Ray instance (``ray.init(num_cpus=...)``); else the address of a
     running Ray cluster to join (``ray.init(address=...)``, e.g. the two-node cluster of
@@ -201,7 +208,7 @@ class HeteroConfig:
 
         # local cores can only be checked when the processes run on this machine
         local = machine_cpus() if not self.ray_address else None
-        for key in ("learner_cpus", "sampler_cpus"):
+        for key in ("learner_cpus", "sampler_cpus", "system_cpus"):
             check_cpus(f"hetero.{key}", getattr(self, key), local)
         for key in ("learner_ray_resources", "sampler_ray_resources"):
             resources = getattr(self, key)

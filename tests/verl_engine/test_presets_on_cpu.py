@@ -161,7 +161,7 @@ def test_bad_configs_fail_before_anything_runs_naming_the_key(overrides, error, 
 @pytest.mark.parametrize(
     "override", ["hetero.num_samplers=4", "hetero.learner_cpus=[0]", "hetero.max_queued_groups=8",
                  "hetero.sampler_speed_factors=[2.0,3.0]", "hetero.wait_timeout_s=5", "hetero.weight_sync=delta",
-                 "hetero.max_delta_chain=2"],
+                 "hetero.max_delta_chain=2", "hetero.system_cpus=[0]", "hetero.weights_bf16=true"],
 )  # fmt: skip
 def test_embedded_engine_options_are_refused_not_ignored(override):
     cfg = preset_cfg("qwen3_1p7b_fsdp", override)

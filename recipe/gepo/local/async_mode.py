@@ -42,7 +42,7 @@ from recipe.gepo.local.policy import load_policy
 from recipe.gepo.local.rollout import RolloutSettings, generate_groups
 from recipe.gepo.local.run_utils import MetricLogger, RunSettings
 from recipe.gepo.local.tasks import Task
-from verl_ext.hetero.affinity import pin_process
+from verl_ext.hetero.affinity import Pinned, machine_cpus, pin_process
 from verl_ext.hetero.delay_channel import DelayChannel
 from verl_ext.hetero.exchange import RolloutInbox, send_group
 from verl_ext.hetero.protocol import (
@@ -468,6 +468,23 @@ def _worker_env() -> dict[str, str]:
 
 def run_async(engine: EngineConfig, model_path: str, logger: MetricLogger) -> dict[str, float]:
     """Train for ``trainer.total_training_steps`` learner steps with real learner and sampler actors."""
+    hetero = engine.hetero
+    # the driver on the system cores before ray.init, so the GCS, raylet and mailbox it starts
+    # inherit them and stay off the learner's cores (the actors re-pin themselves)
+    with Pinned(system_cores(hetero), "hetero.system_cpus"):
+        return _run_async(engine, model_path, logger)
+
+
+def system_cores(hetero: HeteroConfig) -> list[int]:
+    """``hetero.system_cpus``, or by default the machine's cores not in ``learner_cpus`` (none of
+    them pinned when ``learner_cpus`` is empty)."""
+    if hetero.system_cpus or not hetero.learner_cpus:
+        return list(hetero.system_cpus)
+    rest = [c for c in machine_cpus() if c not in hetero.learner_cpus]
+    return rest or list(hetero.learner_cpus)  # a one-core machine: nowhere else to go
+
+
+def _run_async(engine: EngineConfig, model_path: str, logger: MetricLogger) -> dict[str, float]:
     hetero = engine.hetero
     started_ray = False
     if not ray.is_initialized():

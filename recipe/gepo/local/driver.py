@@ -129,26 +129,30 @@ class GenerateOn:
         return getattr(self.source, name)
 
 
-# hetero keys of async mode's weight transport: replay mode hands weights over in memory, so a
-# value other than the default would be silently ignored there -> refused
-ASYNC_ONLY_KEYS = ("weight_sync", "max_delta_chain")
+# hetero keys only async mode acts on: a value other than the default would be silently ignored
+# in replay mode -> refused, with what replay does instead
+ASYNC_ONLY_KEYS = {
+    "weight_sync": "replay mode hands weights over in memory, no transport",
+    "max_delta_chain": "replay mode hands weights over in memory, no transport",
+    "weights_bf16": "replay mode hands weights over in memory (the sampler uses the learner's own dtype)",
+    "system_cpus": "replay mode is one process, on hetero.learner_cpus while it trains and hetero.sampler_cpus while it generates",
+}
 
 
 def check_supported(engine: EngineConfig) -> None:
     """Refuse, before any work and naming the key, what the embedded engine cannot do. Both
     modes support the same options (rollout correction, diagnostics, resume, both stale
-    policies), so the checks are the same for both, except the weight transport's keys
-    (:data:`ASYNC_ONLY_KEYS`), which replay mode refuses."""
+    policies), so the checks are the same for both, except the keys of :data:`ASYNC_ONLY_KEYS`
+    (the weight transport's, the Ray processes' cores), which replay mode refuses."""
     rollout_correction_settings(engine.algorithm)  # names a bad algorithm.rollout_correction value
     check_optimizer_supported(engine.actor)
     if engine.hetero.mode == "replay":
         default = HeteroConfig()
-        for key in ASYNC_ONLY_KEYS:
+        for key, instead in ASYNC_ONLY_KEYS.items():
             value = getattr(engine.hetero, key)
             if value != getattr(default, key):
-                raise ValueError(f"hetero.{key}={value!r} configures async mode's weight transport; replay mode "
-                                 f"(hetero.mode=replay) moves no weights over a transport: leave it at "
-                                 f"{getattr(default, key)!r} or use hetero.mode=async")
+                raise ValueError(f"hetero.{key}={value!r} is an async-mode option; {instead} (hetero.mode=replay): "
+                                 f"leave it at {getattr(default, key)!r} or use hetero.mode=async")
 
 
 # actor.optim keys the learner's AdamW honours: lr, betas, weight_decay (and actor.grad_clip). The

@@ -87,6 +87,8 @@ EMBEDDED_ONLY_KEYS = {
     "max_nonfinite_steps": "verl does not skip non-finite steps",
     "learner_cpus": "verl places workers through Ray resources",
     "sampler_cpus": "verl places workers through Ray resources",
+    "system_cpus": "verl places workers through Ray resources",
+    "weights_bf16": "verl's checkpoint engine decides the wire dtype",
     "ray_address": "set ray_kwargs.ray_init.address",
     "learner_ray_resources": "verl's resource pools place the workers",
     "sampler_ray_resources": "verl's resource pools place the workers",

@@ -33,9 +33,13 @@ REPO = Path(__file__).resolve().parents[3]
         # replay mode moves no weights over a transport: a delta setting would do nothing there
         (["hetero.mode=replay", "hetero.weight_sync=delta"], ValueError, "hetero.weight_sync='delta'.*hetero.mode=replay"),
         (["hetero.mode=replay", "hetero.max_delta_chain=2"], ValueError, "hetero.max_delta_chain=2.*hetero.mode=replay"),
+        (["hetero.mode=replay", "hetero.weights_bf16=true"], ValueError, "hetero.weights_bf16=True.*hetero.mode=replay"),
+        (["hetero.mode=replay", "hetero.system_cpus=[0]"], ValueError, r"hetero.system_cpus=\[0\].*hetero.mode=replay"),
+        (["hetero.system_cpus=[0,0]"], ValueError, "hetero.system_cpus=.*repeat"),
     ],
     ids=["max_delay", "grpo_group_size_1", "total_steps_null", "missing_model", "mode", "speed_factors",
-         "weight_sync", "max_delta_chain", "replay_weight_sync", "replay_max_delta_chain"],
+         "weight_sync", "max_delta_chain", "replay_weight_sync", "replay_max_delta_chain", "replay_weights_bf16",
+         "replay_system_cpus", "system_cpus_repeat"],
 )
 def test_bad_config_fails_fast_naming_the_field(overrides, error, field, tmp_path, tiny_model_path):
     model = [] if any("model.path" in o for o in overrides) else [f"actor_rollout_ref.model.path={tiny_model_path}"]

@@ -117,3 +117,31 @@ def test_replay_generates_on_the_sampler_cores_and_gives_the_same_run(tiny_cfg, 
     assert _RecordingReplay.seen == [{1}, {1}]
     assert os.sched_getaffinity(0) == before
     assert len(train_lines(read_metrics(tmp_path / "probe"))) == 2
+
+
+@TWO_CORES
+def test_ray_processes_stay_off_the_learner_cores():
+    """Async mode's default ``hetero.system_cpus``: the cores not in ``learner_cpus``. The driver
+    moves there before ``ray.init``, so the GCS, the raylet and the Ray transport's mailbox it
+    starts inherit them (they took 15-40% of a pinned learner core before)."""
+    from recipe.gepo.local.async_mode import system_cores
+    from verl_ext.hetero.transport import RayTransport
+
+    assert system_cores(HeteroConfig(learner_cpus=[0])) == [c for c in range(os.cpu_count()) if c != 0]
+    assert system_cores(HeteroConfig(learner_cpus=[0], system_cpus=[0])) == [0]  # explicit wins
+    assert system_cores(HeteroConfig()) == []  # nothing pinned, nothing moved
+    before = os.sched_getaffinity(0)
+    with Pinned(system_cores(HeteroConfig(learner_cpus=[0], sampler_cpus=[1])), "hetero.system_cpus"):
+        ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+        try:
+            node = ray._private.worker._global_node
+            pids = [p.process.pid for procs in node.all_processes.values() for p in procs if p.process is not None]
+            ray_cores = {pid: os.sched_getaffinity(pid) for pid in pids}
+            mailbox = RayTransport(name="pinning-test-mailbox", namespace="pinning-test")
+            mailbox_cores = ray.get(mailbox._mailbox.__ray_call__.remote(lambda self: os.sched_getaffinity(0)))
+            ray.kill(mailbox._mailbox)
+        finally:
+            ray.shutdown()
+    assert os.sched_getaffinity(0) == before
+    assert len(ray_cores) >= 2 and all(0 not in cores for cores in ray_cores.values()), ray_cores
+    assert 0 not in mailbox_cores
