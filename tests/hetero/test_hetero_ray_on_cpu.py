@@ -78,6 +78,39 @@ def test_weight_store_over_ray(transport):
     assert state["w"].dtype == torch.float32 and torch.equal(state["w"], torch.full((4, 4), 2.0))
 
 
+def test_pipelined_writes_apply_in_order_and_stay_bounded(transport):
+    """put_nowait / delete_many_nowait return before the mailbox confirms; this process's later
+    reads still see them (the mailbox runs a caller's calls in order), at most MAX_PENDING are in
+    flight, and after flush another handle sees them too."""
+    for i in range(10):
+        transport.put_nowait("pipe", f"k{i:02d}", bytes([i]) * 1000)
+        assert len(transport._pending) <= RayTransport.MAX_PENDING
+    assert transport.get("pipe", "k09") == bytes([9]) * 1000  # ordered after the writes
+    transport.delete_many_nowait("pipe", [f"k{i:02d}" for i in range(5)])
+    transport.flush()
+    assert transport._pending == []
+    assert RayTransport(name="hetero-test-mailbox").keys("pipe") == [f"k{i:02d}" for i in range(5, 10)]
+    transport.delete_many("pipe", transport.keys("pipe"))
+
+
+def test_pipelined_weight_store_prunes_as_the_waiting_one(transport):
+    """The learner's pipelined store lists once (an earlier run's versions and deltas are pruned
+    too) and then prunes from what it published: after flush the same versions and deltas remain
+    as with the store that waits, and a sampler's store loads the newest bit-exactly."""
+    state = lambda v: {"w": torch.full((4, 4), float(v)) + torch.arange(16.0).reshape(4, 4) * 1e-3, "b": torch.zeros(4)}
+    left = {}
+    for topic, pipelined in (("pipe-w0", False), ("pipe-w1", True)):
+        WeightStore(transport, keep_last=3, topic=topic, delta=True).publish(0, state(0))  # an earlier run's
+        store = WeightStore(transport, keep_last=3, topic=topic, delta=True, pipelined=pipelined)
+        for version in range(1, 9):
+            store.publish(version, state(version))
+        store.flush()
+        left[pipelined] = (store.versions(), store.delta_versions())
+        version, loaded = WeightStore(RayTransport(name="hetero-test-mailbox"), topic=topic).latest()
+        assert version == 8 and torch.equal(loaded["w"], state(8)["w"])
+    assert left[True] == left[False] == ([6, 7, 8], [6, 7, 8])
+
+
 def test_buffer_actor_samplers_add_while_learner_blocks_in_take(samplers):
     buffer = make_buffer_actor(max_delay=1, wait_timeout_s=30)
     take_ref = buffer.take.remote(4, 0, 30)  # the learner blocks first: nothing is there yet

@@ -141,8 +141,9 @@ def read_record(transport: Transport, cls: type[R], topic: str, key: str) -> Opt
         return None
 
 
-def publish_status(transport: Transport, status: LearnerStatus) -> None:
-    transport.put(CONTROL_TOPIC, STATUS_KEY, status.to_bytes())
+def publish_status(transport: Transport, status: LearnerStatus, wait: bool = True) -> None:
+    """The learner's status; ``wait=False``: a pipelined write (:meth:`Transport.put_nowait`)."""
+    (transport.put if wait else transport.put_nowait)(CONTROL_TOPIC, STATUS_KEY, status.to_bytes())
 
 
 def request_stop(transport: Transport) -> None:

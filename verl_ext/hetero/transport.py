@@ -22,6 +22,7 @@ import hashlib
 import json
 import posixpath
 import re
+import threading
 import time
 import uuid
 from abc import ABC, abstractmethod
@@ -118,6 +119,23 @@ class Transport(ABC):
         """:meth:`delete` each of ``keys`` (one round trip where the backend can)."""
         for key in keys:
             self.delete(topic, key)
+
+    # Pipelined writes: the learner publishes a weight version every step, and waiting for the
+    # store to confirm each one was most of the publish time (docs/benchmarks.md). A backend that
+    # can (Ray) returns at once; one sender's writes still apply in the order it made them and
+    # before its own later reads. Others write synchronously.
+
+    def put_nowait(self, topic: str, key: str, data: bytes) -> MessageInfo:
+        """:meth:`put`, without waiting for the store to confirm where the backend can. A failed
+        write raises at a later ``*_nowait`` call or at :meth:`flush`."""
+        return self.put(topic, key, data)
+
+    def delete_many_nowait(self, topic: str, keys: list[str]) -> None:
+        """:meth:`delete_many`, without waiting where the backend can (see :meth:`put_nowait`)."""
+        self.delete_many(topic, keys)
+
+    def flush(self) -> None:
+        """Wait for this sender's pending writes; raise the first one's error."""
 
     def get(self, topic: str, key: str) -> bytes:
         """Payload of a committed message, verified against its checksum.
@@ -331,6 +349,8 @@ class RayTransport(Transport):
         import ray
 
         self.name, self.namespace, self.resources = name, namespace, dict(resources or {})
+        self._pending: list = []  # refs of writes not yet confirmed (``*_nowait``), oldest first
+        self._pending_lock = threading.Lock()
         options = dict(name=name, namespace=namespace, get_if_exists=True, lifetime="detached", num_cpus=0)
         if self.resources:
             options["resources"] = self.resources
@@ -347,6 +367,38 @@ class RayTransport(Transport):
         ray.get(self._mailbox.put.remote(info, bytes(data)))
         self.stats["put"] += 1
         return info
+
+    #: unconfirmed writes a sender may have in flight; the next one waits for the oldest
+    MAX_PENDING = 4
+
+    def put_nowait(self, topic: str, key: str, data: bytes) -> MessageInfo:
+        check_name("topic", topic), check_name("key", key)
+        info = self._new_info(topic, key, data)
+        self._submit(self._mailbox.put.remote(info, bytes(data)))
+        self.stats["put"] += 1
+        return info
+
+    def delete_many_nowait(self, topic: str, keys: list[str]) -> None:
+        if keys:
+            self._submit(self._mailbox.delete_many.remote(check_name("topic", topic), [check_name("key", k) for k in keys]))
+
+    def flush(self) -> None:
+        import ray
+
+        with self._pending_lock:
+            pending, self._pending = self._pending, []
+        ray.get(pending)
+
+    def _submit(self, ref) -> None:
+        # the mailbox runs one call at a time in each caller's submission order, so a pending
+        # write is applied before any later call of this process
+        import ray
+
+        with self._pending_lock:
+            self._pending.append(ref)
+            oldest = self._pending.pop(0) if len(self._pending) > self.MAX_PENDING else None
+        if oldest is not None:
+            ray.get(oldest)
 
     def keys(self, topic: str) -> list[str]:
         import ray

@@ -232,10 +232,16 @@ class WeightStore:
             tensors (the base of the next delta).
         max_delta_chain: the most deltas a fetch applies; further behind, it fetches the full
             version (>= 1).
+        pipelined: the publisher does not wait for the transport to confirm its writes
+            (:meth:`Transport.put_nowait`; the async learner's choice: the Ray mailbox stores a
+            version while the learner trains the next one). It then lists the topic once, at its
+            first publish, and prunes from what it published since. A failed write raises at a
+            later publish or at :meth:`flush`.
     """
 
     def __init__(self, transport: Transport, keep_last: int = 2, wire_dtype: str | None = None,
-                 topic: str = WEIGHTS_TOPIC, delta: bool = False, max_delta_chain: int = 8):
+                 topic: str = WEIGHTS_TOPIC, delta: bool = False, max_delta_chain: int = 8,
+                 pipelined: bool = False):
         if keep_last < 1:
             raise ValueError(f"WeightStore: keep_last={keep_last} must be >= 1")
         if wire_dtype not in WIRE_DTYPES:
@@ -244,6 +250,9 @@ class WeightStore:
             raise ValueError(f"WeightStore: max_delta_chain={max_delta_chain!r} must be an int >= 1")
         self.transport, self.keep_last, self.wire_dtype, self.topic = transport, keep_last, wire_dtype, topic
         self.delta, self.max_delta_chain, self.delta_topic = bool(delta), max_delta_chain, delta_topic(topic)
+        self.pipelined = bool(pipelined)
+        # publisher, pipelined: (versions, deltas) it knows to exist; None until the first publish
+        self._known: tuple[list[int], list[int]] | None = None
         self.stats: Counter[str] = Counter()
         self._bad: set[tuple[int, str]] = set()  # (version, sha256) already counted as corrupt
         self._sent: tuple[int, dict[str, torch.Tensor]] | None = None  # publisher: last version's wire tensors
@@ -259,6 +268,10 @@ class WeightStore:
             raise ValueError(f"WeightStore.publish: version={version!r} must be an int >= 0")
         tensors, dtypes = wire_tensors(state_dict, self.wire_dtype)
         key = version_key(version)
+        put = self.transport.put_nowait if self.pipelined else self.transport.put
+        delete_many = self.transport.delete_many_nowait if self.pipelined else self.transport.delete_many
+        if self.pipelined and self._known is None:  # what an earlier run left: listed once
+            self._known = (self.versions(), self.delta_versions() if self.delta else [])
         if self.delta:
             delta = None
             if self._sent is not None and self._sent[0] == version - 1:
@@ -269,25 +282,37 @@ class WeightStore:
             if delta is not None:
                 # before the full version: it has the same delay, so a receiver that can see full
                 # version n can see delta n too
-                self.transport.put(self.delta_topic, key, delta)
+                put(self.delta_topic, key, delta)
                 self.stats["deltas_published"] += 1
                 self.stats["delta_bytes_published"] += len(delta)
             else:
-                self.transport.delete(self.delta_topic, key)
+                delete_many(self.delta_topic, [key])
             self._sent = (version, tensors)
         data = _serialize_wire(tensors, dtypes, version)
-        self.transport.put(self.topic, key, data)
+        put(self.topic, key, data)
         self.stats["published"] += 1
         self.stats["bytes_published"] += len(data)
-        kept = self.versions()
-        for old in kept[: -self.keep_last]:
-            self.transport.delete(self.topic, version_key(old))
+        if self._known is not None:
+            versions = sorted(set(self._known[0]) | {version})
+            deltas = sorted((set(self._known[1]) - {version}) | ({version} if self.delta and delta is not None else set()))
+        else:
+            versions, deltas = self.versions(), self.delta_versions() if self.delta else []
+        kept = versions[-self.keep_last:]
+        delete_many(self.topic, [version_key(v) for v in versions[: -self.keep_last]])
         if self.delta and kept:
-            oldest = kept[-self.keep_last:][0]
-            self.transport.delete_many(self.delta_topic, [version_key(v) for v in self.delta_versions() if v < oldest])
+            delete_many(self.delta_topic, [version_key(v) for v in deltas if v < kept[0]])
+            deltas = [v for v in deltas if v >= kept[0]]
+        if self._known is not None:
+            self._known = (kept, deltas)
+
+    def flush(self) -> None:
+        """Wait until every write of this publisher is confirmed (pipelined); raise a failed one's error."""
+        self.transport.flush()
 
     def delete_newer_than(self, version: int) -> None:
         """Delete every version (and delta) newer than ``version``: a resumed learner's future."""
+        self.transport.flush()
+        self._known = None  # listed again at the next publish
         for topic, versions in ((self.topic, self.versions()), (self.delta_topic, self.delta_versions())):
             self.transport.delete_many(topic, [version_key(v) for v in versions if v > version])
         if self._sent is not None and self._sent[0] > version:

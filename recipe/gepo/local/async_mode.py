@@ -78,13 +78,14 @@ def transport_spec(hetero: HeteroConfig, settings: RunSettings) -> TransportSpec
                          resources=tuple(sorted(hetero.learner_ray_resources.items())))  # fmt: skip
 
 
-def weight_store(hetero: HeteroConfig, transport) -> WeightStore:
-    """The weight store of the learner (publishes) and of every sampler (fetches, through its
-    delay channel): ``hetero.keep_weight_versions``, ``weights_bf16``, ``weight_sync``,
-    ``max_delta_chain``."""
+def weight_store(hetero: HeteroConfig, transport, pipelined: bool = False) -> WeightStore:
+    """The weight store of the learner (publishes, ``pipelined``: without waiting for the mailbox
+    to confirm each version) and of every sampler (fetches, through its delay channel):
+    ``hetero.keep_weight_versions``, ``weights_bf16``, ``weight_sync``, ``max_delta_chain``."""
     return WeightStore(transport, keep_last=hetero.keep_weight_versions,
                        wire_dtype="bf16" if hetero.weights_bf16 else None,
-                       delta=hetero.weight_sync == "delta", max_delta_chain=hetero.max_delta_chain)  # fmt: skip
+                       delta=hetero.weight_sync == "delta", max_delta_chain=hetero.max_delta_chain,
+                       pipelined=pipelined)  # fmt: skip
 
 
 def pin_worker(cpus: list[int], key: str) -> None:
@@ -218,7 +219,7 @@ class TransportSource:
                                            stream=LEARNER_STREAM, topics=[ROLLOUT_TOPIC])  # fmt: skip
         announcements = self.transport if hetero.stale_policy == "wait" else None
         self.inbox = RolloutInbox(inbox_transport, self.buffer, announcements=announcements)
-        self.weights = weight_store(hetero, self.transport)
+        self.weights = weight_store(hetero, self.transport, pipelined=True)
         self._stop = threading.Event()
         self._hungry = threading.Event()  # set while the learner is blocked in take()
         self._poller = threading.Thread(target=self._poll_loop, daemon=True)
@@ -268,7 +269,7 @@ class TransportSource:
     def publish(self, weights, version: int) -> None:
         self.weights.publish(version, weights)
         if self.hetero.max_queued_groups > 0:
-            publish_status(self.transport, LearnerStatus(version=int(version), queue_depth=len(self.buffer)))
+            publish_status(self.transport, LearnerStatus(version=int(version), queue_depth=len(self.buffer)), wait=False)
 
     def state_dict(self) -> dict[str, Any]:
         return {}
@@ -278,6 +279,7 @@ class TransportSource:
 
     def close(self) -> None:
         self._stop.set()
+        self.transport.flush()  # the last versions reach the mailbox (or their error is raised)
         request_stop(self.transport)
         if self._poller.is_alive():
             self._poller.join(timeout=5)
