@@ -102,13 +102,17 @@ def main() -> None:
     parser.add_argument("--learner-cpus", default="0")
     parser.add_argument("--sampler-cpus", default="1")
     parser.add_argument("--no-pin", action="store_true")
+    parser.add_argument("--system-cpus", default=None,
+                        help="async runs: hetero.system_cpus (cores of the driver and Ray's processes, e.g. 0,1); "
+                             "default: the engine's (the cores not in --learner-cpus)")
     parser.add_argument("--out", type=Path, default=None)
     args, extra = parser.parse_known_args()
     pin = [] if args.no_pin else [f"hetero.learner_cpus=[{args.learner_cpus}]", f"hetero.sampler_cpus=[{args.sampler_cpus}]"]
     base = COMMON + pin + [f"trainer.total_training_steps={args.steps}"]
     with tempfile.TemporaryDirectory() as tmp:
         sync = run(base + SYNC + extra, Path(tmp) / "sync", args.warmup)
-        runs = {d: run(base + async_overrides(d, args.samplers) + extra, Path(tmp) / f"async{d:g}", args.warmup)
+        system = [] if args.system_cpus is None else [f"hetero.system_cpus=[{args.system_cpus}]"]
+        runs = {d: run(base + async_overrides(d, args.samplers) + system + extra, Path(tmp) / f"async{d:g}", args.warmup)
                 for d in args.delays}  # fmt: skip
     pure_sampling, pure_training = sync["wait_s"], sync["train_s"]
     bound = max(pure_sampling, pure_training)
@@ -117,6 +121,7 @@ def main() -> None:
         f"{args.steps} learner steps (the first {args.warmup} reported apart), toy addition (3 digits), GEPO, "
         f"8 prompts x G=8 per step; {platform.machine()}; "
         + ("no pinning" if args.no_pin else f"learner on cores [{args.learner_cpus}], samplers on [{args.sampler_cpus}]")
+        + ("" if args.no_pin else f", driver and Ray's processes on [{args.system_cpus or 'the rest'}]")
         + f"; async: {args.samplers} sampler(s)",
         "",
         f"synchronous run: generation (pure sampling) {pure_sampling:.2f} s, learner.train_step (pure training) "

@@ -98,12 +98,14 @@ class DelayChannel(Transport):
     def visible_at(self, topic: str, key: str) -> float:
         """Clock time at which a committed message becomes visible here (KeyError if it is
         not committed)."""
-        info = self.inner.info(topic, key)
-        mark = (topic, key, info.sha256)
+        return self._visible_at_info(self.inner.info(topic, key))
+
+    def _visible_at_info(self, info: MessageInfo) -> float:
+        mark = (info.topic, info.key, info.sha256)
         with self._lock:
             if mark not in self._visible_at:
                 base = info.sent_at if self.timebase == "sender" else self.clock()
-                self._visible_at[mark] = base + self.delay_for(topic, key)
+                self._visible_at[mark] = base + self.delay_for(info.topic, info.key)
             return self._visible_at[mark]
 
     def _is_visible(self, topic: str, key: str, now: float) -> bool:
@@ -112,22 +114,25 @@ class DelayChannel(Transport):
         except KeyError:  # deleted between listing and checking
             return False
 
+    def infos(self, topic: str) -> list[MessageInfo]:
+        """Metadata of the committed messages whose delay has elapsed, sorted by key: one listing
+        of the inner transport (a sampler lists the weights topic on every poll; one round trip
+        per kept version made the sampler's polls cost more the longer the delay)."""
+        now = self.clock()
+        return [info for info in self.inner.infos(topic) if self._visible_at_info(info) <= now]
+
     def keys(self, topic: str) -> list[str]:
         """Committed keys whose delay has elapsed."""
-        now = self.clock()
-        return [key for key in self.inner.keys(topic) if self._is_visible(topic, key, now)]
+        return [info.key for info in self.infos(topic)]
 
     def pending(self, topic: str) -> dict[str, float]:
         """Committed but not yet visible keys -> seconds until visible."""
         now = self.clock()
         out = {}
-        for key in self.inner.keys(topic):
-            try:
-                remaining = self.visible_at(topic, key) - now
-            except KeyError:
-                continue
+        for info in self.inner.infos(topic):
+            remaining = self._visible_at_info(info) - now
             if remaining > 0:
-                out[key] = remaining
+                out[info.key] = remaining
         return out
 
     def info(self, topic: str, key: str) -> MessageInfo:
