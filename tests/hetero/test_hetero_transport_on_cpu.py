@@ -2,7 +2,6 @@
 get_many, delete_many) on both transports."""
 
 import itertools
-from collections import Counter
 import posixpath
 
 import numpy as np
@@ -186,28 +185,6 @@ def test_delay_channel_hides_messages_until_their_delay(transport):
     assert [c.keys("weights") for c in channels].count(["v1"]) == 1
     clock.now += max(delays)
     assert all(c.keys("weights") == ["v1"] for c in channels)
-
-
-def test_delay_channel_lists_a_topic_in_one_call(transport):
-    """A sampler lists the weights topic on every poll; with a message's info fetched one by one
-    that cost a round trip per kept version (78 at a 5 s delay in bench_async). Now keys(),
-    infos() and pending() make one listing of the inner transport and no per-key calls."""
-    calls = Counter()
-    inner_info, inner_infos = transport.info, transport.infos
-    transport.info = lambda topic, key: calls.update(["info"]) or inner_info(topic, key)
-    transport.infos = lambda topic: calls.update(["infos"]) or inner_infos(topic)
-    clock = FakeClock()
-    transport.clock = clock
-    channel = DelayChannel(transport, make_delay_model("constant", value=5.0), clock=clock)
-    for v in range(40):
-        transport.put("weights", f"v{v:03d}", b"w")
-        clock.now += 0.25
-    calls.clear()
-    visible = channel.keys("weights")
-    assert visible == [f"v{v:03d}" for v in range(21)]  # sent at least 5 s ago
-    assert [i.key for i in channel.infos("weights")] == visible
-    assert len(channel.pending("weights")) == 19
-    assert calls == Counter(infos=3)
 
 
 def test_delay_channel_receiver_timebase_topics_and_speed(transport):
