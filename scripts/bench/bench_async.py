@@ -102,6 +102,9 @@ def main() -> None:
     parser.add_argument("--learner-cpus", default="0")
     parser.add_argument("--sampler-cpus", default="1")
     parser.add_argument("--no-pin", action="store_true")
+    parser.add_argument("--weights-bf16", action="store_true",
+                        help="async runs: hetero.weights_bf16=true (half the bytes to publish and load; the "
+                             "synchronous run hands weights over in memory)")
     parser.add_argument("--system-cpus", default=None,
                         help="async runs: hetero.system_cpus (cores of the driver and Ray's processes, e.g. 0,1); "
                              "default: the engine's (the cores not in --learner-cpus)")
@@ -112,6 +115,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         sync = run(base + SYNC + extra, Path(tmp) / "sync", args.warmup)
         system = [] if args.system_cpus is None else [f"hetero.system_cpus=[{args.system_cpus}]"]
+        system += ["hetero.weights_bf16=true"] if args.weights_bf16 else []
         runs = {d: run(base + async_overrides(d, args.samplers) + system + extra, Path(tmp) / f"async{d:g}", args.warmup)
                 for d in args.delays}  # fmt: skip
     pure_sampling, pure_training = sync["wait_s"], sync["train_s"]
@@ -122,7 +126,7 @@ def main() -> None:
         f"8 prompts x G=8 per step; {platform.machine()}; "
         + ("no pinning" if args.no_pin else f"learner on cores [{args.learner_cpus}], samplers on [{args.sampler_cpus}]")
         + ("" if args.no_pin else f", driver and Ray's processes on [{args.system_cpus or 'the rest'}]")
-        + f"; async: {args.samplers} sampler(s)",
+        + f"; async: {args.samplers} sampler(s)" + (", bf16 weights" if args.weights_bf16 else ""),
         "",
         f"synchronous run: generation (pure sampling) {pure_sampling:.2f} s, learner.train_step (pure training) "
         f"{pure_training:.2f} s, loop wall {sync['wall_s']:.2f} s for {n} steps, {sync['consumed']:.0f} groups consumed; "
