@@ -20,7 +20,7 @@ optional keyword arguments that verl never passes but the project's engines do:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from verl.trainer.ppo.core_algos import agg_loss, register_adv_est, register_policy_loss
@@ -205,29 +205,54 @@ def _group_aware(fn):
     return fn
 
 
-@register_policy_loss("gepo")
-@_group_aware
-def compute_policy_loss_gepo(
-    old_log_prob: torch.Tensor,
-    log_prob: torch.Tensor,
-    advantages: torch.Tensor,
-    response_mask: torch.Tensor,
-    loss_agg_mode: str = "seq-mean-token-mean",
-    config: Any = None,
-    rollout_is_weights: Optional[torch.Tensor] = None,
-    group_log_denominator: Optional[torch.Tensor] = None,
-    group_index: Optional[torch.Tensor] = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """GEPO (Group Expectation Policy Optimization, arXiv 2508.17850). All tensors [B, T] but the
-    optional group arguments [B]. See :func:`verl_ext.algos.losses.gepo_loss_terms`."""
-    low, high = clip_range(config)
-    gi, log_den = resolve_groups(config, log_prob.shape[0], group_index, group_log_denominator, log_prob.device)
-    terms = losses.gepo_loss_terms(
-        log_prob, old_log_prob, advantages, response_mask,
-        clip_low=low, clip_high=high, group_index=gi, log_denominator=log_den,
-        reduction=loss_option(config, "seq_reduction"),
-    )  # fmt: skip
-    return _finish(terms, old_log_prob, log_prob, response_mask, loss_agg_mode, config, rollout_is_weights)
+def _group_denominator_loss(name: str, terms_fn: Callable[..., losses.LossTerms], doc: str,
+                            options: Callable[[Any], dict] = lambda config: {}):
+    """Register ``name``: a loss whose terms take the clip range and GEPO's group denominator
+    (from upstream per-sequence values, a ``group_index``, or contiguous ``group_size`` groups, as
+    :func:`resolve_groups` finds them); ``options(config)`` adds its own keyword arguments."""
+
+    @_group_aware
+    def loss(
+        old_log_prob: torch.Tensor,
+        log_prob: torch.Tensor,
+        advantages: torch.Tensor,
+        response_mask: torch.Tensor,
+        loss_agg_mode: str = "seq-mean-token-mean",
+        config: Any = None,
+        rollout_is_weights: Optional[torch.Tensor] = None,
+        group_log_denominator: Optional[torch.Tensor] = None,
+        group_index: Optional[torch.Tensor] = None,
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        low, high = clip_range(config)
+        gi, log_den = resolve_groups(config, log_prob.shape[0], group_index, group_log_denominator, log_prob.device)
+        terms = terms_fn(
+            log_prob, old_log_prob, advantages, response_mask,
+            clip_low=low, clip_high=high, group_index=gi, log_denominator=log_den,
+            reduction=loss_option(config, "seq_reduction"), **options(config),
+        )  # fmt: skip
+        return _finish(terms, old_log_prob, log_prob, response_mask, loss_agg_mode, config, rollout_is_weights)
+
+    loss.__name__ = loss.__qualname__ = f"compute_policy_loss_{name}"
+    loss.__doc__ = doc + " All tensors [B, T] but the optional group arguments [B]."
+    return register_policy_loss(name)(loss)
+
+
+compute_policy_loss_gepo = _group_denominator_loss(
+    "gepo", losses.gepo_loss_terms,
+    "GEPO (Group Expectation Policy Optimization, arXiv 2508.17850): "
+    ":func:`verl_ext.algos.losses.gepo_loss_terms`.",
+)  # fmt: skip
+compute_policy_loss_gepo_adaptive = _group_denominator_loss(
+    "gepo_adaptive", losses.gepo_adaptive_loss_terms,
+    "GEPO-adaptive (the reference code's \"gepo+\"): p_i/q_i for fresh sequences, p_i/E_q[q] for stale; "
+    ":func:`verl_ext.algos.losses.gepo_adaptive_loss_terms`.",
+    lambda config: {"kl_threshold": float(loss_option(config, "adaptive_kl_threshold"))},
+)  # fmt: skip
+compute_policy_loss_gepo_tr = _group_denominator_loss(
+    "gepo_tr", losses.gepo_tr_loss_terms,
+    "GEPO-TR: GEPO's gradient p_i/E_q[q] inside PPO's clip band on p_i/q_i; "
+    ":func:`verl_ext.algos.losses.gepo_tr_loss_terms`.",
+)  # fmt: skip
 
 
 @register_policy_loss("eqp")
@@ -251,55 +276,6 @@ def compute_policy_loss_eqp(
     terms = losses.eqp_loss_terms(
         log_prob, old_log_prob, advantages, response_mask,
         clip_low=low, clip_high=high, group_index=gi, reduction=loss_option(config, "seq_reduction"),
-    )  # fmt: skip
-    return _finish(terms, old_log_prob, log_prob, response_mask, loss_agg_mode, config, rollout_is_weights)
-
-
-@register_policy_loss("gepo_adaptive")
-@_group_aware
-def compute_policy_loss_gepo_adaptive(
-    old_log_prob: torch.Tensor,
-    log_prob: torch.Tensor,
-    advantages: torch.Tensor,
-    response_mask: torch.Tensor,
-    loss_agg_mode: str = "seq-mean-token-mean",
-    config: Any = None,
-    rollout_is_weights: Optional[torch.Tensor] = None,
-    group_log_denominator: Optional[torch.Tensor] = None,
-    group_index: Optional[torch.Tensor] = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """GEPO-adaptive (the reference code's "gepo+"): p_i/q_i for fresh sequences, p_i/E_q[q] for stale."""
-    low, high = clip_range(config)
-    gi, log_den = resolve_groups(config, log_prob.shape[0], group_index, group_log_denominator, log_prob.device)
-    terms = losses.gepo_adaptive_loss_terms(
-        log_prob, old_log_prob, advantages, response_mask,
-        clip_low=low, clip_high=high, kl_threshold=float(loss_option(config, "adaptive_kl_threshold")),
-        group_index=gi, log_denominator=log_den, reduction=loss_option(config, "seq_reduction"),
-    )  # fmt: skip
-    return _finish(terms, old_log_prob, log_prob, response_mask, loss_agg_mode, config, rollout_is_weights)
-
-
-@register_policy_loss("gepo_tr")
-@_group_aware
-def compute_policy_loss_gepo_tr(
-    old_log_prob: torch.Tensor,
-    log_prob: torch.Tensor,
-    advantages: torch.Tensor,
-    response_mask: torch.Tensor,
-    loss_agg_mode: str = "seq-mean-token-mean",
-    config: Any = None,
-    rollout_is_weights: Optional[torch.Tensor] = None,
-    group_log_denominator: Optional[torch.Tensor] = None,
-    group_index: Optional[torch.Tensor] = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """GEPO-TR: GEPO's gradient p_i/E_q[q] inside PPO's clip band on p_i/q_i. All tensors [B, T]
-    but the optional group arguments [B]. See :func:`verl_ext.algos.losses.gepo_tr_loss_terms`."""
-    low, high = clip_range(config)
-    gi, log_den = resolve_groups(config, log_prob.shape[0], group_index, group_log_denominator, log_prob.device)
-    terms = losses.gepo_tr_loss_terms(
-        log_prob, old_log_prob, advantages, response_mask,
-        clip_low=low, clip_high=high, group_index=gi, log_denominator=log_den,
-        reduction=loss_option(config, "seq_reduction"),
     )  # fmt: skip
     return _finish(terms, old_log_prob, log_prob, response_mask, loss_agg_mode, config, rollout_is_weights)
 

@@ -362,20 +362,24 @@ class RayTransport(Transport):
     def put(self, topic: str, key: str, data: bytes) -> MessageInfo:
         import ray
 
+        info, ref = self._send(topic, key, data)
+        ray.get(ref)
+        return info
+
+    def _send(self, topic: str, key: str, data: bytes):
+        """Hand ``data`` to the mailbox: (its MessageInfo, the ref of the mailbox's put call)."""
         check_name("topic", topic), check_name("key", key)
         info = self._new_info(topic, key, data)
-        ray.get(self._mailbox.put.remote(info, bytes(data)))
+        ref = self._mailbox.put.remote(info, bytes(data))
         self.stats["put"] += 1
-        return info
+        return info, ref
 
     #: unconfirmed writes a sender may have in flight; the next one waits for the oldest
     MAX_PENDING = 4
 
     def put_nowait(self, topic: str, key: str, data: bytes) -> MessageInfo:
-        check_name("topic", topic), check_name("key", key)
-        info = self._new_info(topic, key, data)
-        self._submit(self._mailbox.put.remote(info, bytes(data)))
-        self.stats["put"] += 1
+        info, ref = self._send(topic, key, data)
+        self._submit(ref)
         return info
 
     def delete_many_nowait(self, topic: str, keys: list[str]) -> None:
