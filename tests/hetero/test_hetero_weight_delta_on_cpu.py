@@ -220,6 +220,30 @@ def test_delta_fetch_moves_fewer_bytes_than_full_on_a_small_lr_update(transport)
         assert delta_bytes < 0.7 * full_bytes, (wire, delta_bytes, full_bytes)
 
 
+@pytest.mark.parametrize("wire", [None, "fp32", "bf16"])
+def test_publishing_live_parameters_updated_in_place(transport, wire):
+    """The learner publishes ``model.state_dict()`` itself -- tensors the optimizer then changes
+    in place. The publisher's delta base must be a copy: an alias made every next delta the XOR
+    of the new weights with themselves, so each one failed its checksum and the sampler fell back
+    to full versions (never wrong weights, but never a delta either)."""
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    learner = WeightStore(transport, keep_last=8, wire_dtype=wire, delta=True)
+    sampler = WeightStore(transport, keep_last=8, delta=True)
+    for version in range(4):
+        learner.publish(version, model.state_dict())
+        want, _ = wire_tensors({k: v.detach().clone() for k, v in model.state_dict().items()}, wire)
+        got_version, state = sampler.latest()  # one version behind each time: a chain of one delta
+        assert got_version == version
+        _assert_bit_equal(wire_tensors(state, wire)[0], want)
+        opt.zero_grad()
+        model(torch.randn(8, 256)).pow(2).mean().backward()
+        opt.step()  # in place: the tensors just published change
+    assert sampler.stats["full_loads"] == 1 and sampler.stats["delta_loads"] == 3, dict(sampler.stats)
+    assert sampler.stats["delta_fallbacks"] == 0
+
+
 def test_bad_max_delta_chain_is_refused(transport):
     with pytest.raises(ValueError, match="max_delta_chain=0"):
         WeightStore(transport, delta=True, max_delta_chain=0)

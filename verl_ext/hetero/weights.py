@@ -287,7 +287,9 @@ class WeightStore:
                 self.stats["delta_bytes_published"] += len(delta)
             else:
                 delete_many(self.delta_topic, [key])
-            self._sent = (version, tensors)
+            # the next delta's base: copies, since uncast CPU wire tensors are the caller's live
+            # parameters, which the optimizer updates in place before the next publish
+            self._sent = (version, {name: t.clone() for name, t in tensors.items()})
         data = _serialize_wire(tensors, dtypes, version)
         put(self.topic, key, data)
         self.stats["published"] += 1
