@@ -28,6 +28,7 @@ EXPECTED = {
     "cispo": ("cispo", "grpo", True, "token-mean"),
     "grpo_paper": ("vanilla", "grpo", True, "seq-mean-token-mean"),
     "gspo_wide": ("gspo", "grpo", True, "seq-mean-token-mean"),
+    "gepo_tr": ("gepo_tr", "grpo", False, "seq-mean-token-mean"),
 }
 
 
