@@ -95,7 +95,7 @@ def test_killed_sampler_does_not_stop_training(tiny_cfg, tmp_path):
 def test_second_fresh_async_run_on_a_used_exchange_completes(tiny_cfg, tmp_path):
     overrides = (
         "hetero.mode=async", "hetero.transport=fs", "hetero.num_samplers=1", "hetero.max_delay=2",
-        "hetero.delay.dist=constant", "hetero.delay.value=0.0", "hetero.wait_timeout_s=20",
+        "hetero.delay.dist=constant", "hetero.delay.value=0.0", "hetero.wait_timeout_s=60",  # a loaded 2-core box starts a sampler in 20-40 s
         "trainer.total_training_steps=6", "trainer.test_freq=0",
     )  # fmt: skip
     for _ in range(2):
