@@ -15,9 +15,9 @@ the root namespace (the learner's) by a veth pair with two private addresses on 
 chosen rate on *both* veth ends, so each direction is limited. The learner-side address lives on
 a bridge (``hrl-br0``) whose one port is the learner's veth end, not on the veth itself: deleting
 the sampler namespace destroys the veth pair, and the Ray head bound to 10.213.0.1 must keep its
-address while the sampler node is gone (``ns-gone``, ``cluster.py worker-gone``). The namespace has no default
-route and no other interface than its loopback and its veth end: a process inside can reach only
-10.213.0.1 and itself. Nothing here touches any other interface or address.
+address while the sampler node is gone (``ns-gone``, ``cluster.py worker-gone``). The namespace
+has no default route and no other interface than its loopback and its veth end: a process inside
+can reach only 10.213.0.1 and itself. Nothing here touches any other interface or address.
 
 Needs CAP_NET_ADMIN (veth, addresses, qdiscs) and CAP_SYS_ADMIN (``ip netns add`` bind-mounts
 the namespace under /run/netns), plus ``ip`` and ``tc`` on PATH; without them every command exits
@@ -374,6 +374,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         cfg = config_from_args(args)
         rate = parse_rate_mbit(args.rate_mbit) if args.command in ("up", "set-rate") else None
+        if args.command == "ns-gone" and not 0 <= args.seconds <= 600:
+            raise ValueError(f"--seconds {args.seconds:g}: must be within [0, 600] (bounded faults only)")
     except ValueError as err:
         print(f"link.py: {err}", file=sys.stderr)
         return EXIT_USAGE

@@ -100,6 +100,7 @@ def test_without_privileges_every_command_refuses_and_changes_nothing(argv):
         (["--subnet", "10.213.0.0/24", "status"], "expected an IPv4 /30"),
         (["--subnet", "8.8.8.0/30", "status"], "private"),
         (["--netns", "a/b", "status"], "netns='a/b'"),
+        (["ns-gone", "--seconds", "4000"], "--seconds 4000: must be within [0, 600]"),
         (["frobnicate"], "invalid choice"),
     ],
 )
