@@ -37,7 +37,8 @@ held fixed in stage 2 (every condition x seed). ``--lrs algo=lr`` pins rates and
 ``stability_<task>.md``, ``runs_<task>.csv`` (one row per run), and for the powered designs
 ``study_<task>.md``: warm start, learning-rate choice, drops with 95% t intervals, paired
 differences of drops GEPO minus each baseline (interval, p-value, minimum detectable effect), the
-design's MDE; ``figures_<task>/acc_vs_staleness.png``.
+design's MDE, the correlation of IS-weight variance with KL per method;
+``figures_<task>/acc_vs_staleness.png`` and ``kl_vs_weight_var.png``.
 """
 
 from __future__ import annotations
@@ -703,6 +704,69 @@ def design_mde(per_run: list[dict], n_seeds: int, alpha: float = 0.05, power: fl
     return {"sigma": sigma, "df": den, "n_seeds": n_seeds, "mde_drop_diff": value, "alpha": alpha, "power": power}
 
 
+def kl_variance_rows(per_run: list[dict]) -> list[dict]:
+    """The paper's "the importance weights' variance tracks KL" (its Figure 5e: r = 0.96), per
+    method: over its runs (every condition and seed, one point a run: the run's mean
+    KL(sampler || learner) and mean variance of the loss's own weights -- token p/q for GRPO,
+    sequence ratio for GSPO, p_i / E_q[q] for GEPO), Pearson r and Spearman rho with their
+    two-sided p-values, and the mean variance on-policy and at the method's highest-KL condition."""
+    from scipy import stats
+
+    out = []
+    for algo in sorted({r["algo"] for r in per_run}):
+        runs = [r for r in per_run if r["algo"] == algo and math.isfinite(r.get("kl", math.nan))
+                and math.isfinite(r.get("var", math.nan))]  # fmt: skip
+        x, y = [r["kl"] for r in runs], [r["var"] for r in runs]
+        row = {"algo": algo, "n": len(runs), "pearson_r": math.nan, "pearson_p": math.nan, "spearman_r": math.nan,
+               "spearman_p": math.nan}  # fmt: skip
+        if len(runs) >= 3 and len(set(x)) > 1 and len(set(y)) > 1:
+            pr, sr = stats.pearsonr(x, y), stats.spearmanr(x, y)
+            row.update(pearson_r=float(pr.statistic), pearson_p=float(pr.pvalue), spearman_r=float(sr.statistic),
+                       spearman_p=float(sr.pvalue))  # fmt: skip
+        by_cond: dict = {}
+        for r in runs:
+            by_cond.setdefault(r["delay"], []).append(r)
+        on = by_cond.get(0, [])
+        row["var_on_policy"] = _mean_std([r["var"] for r in on])[0] if on else math.nan
+        stale = {c: v for c, v in by_cond.items() if c != 0}
+        if stale:
+            top = max(stale, key=lambda c: _mean_std([r["kl"] for r in stale[c]])[0])
+            row.update(top_condition=top, kl_top=_mean_std([r["kl"] for r in stale[top]])[0],
+                       var_top=_mean_std([r["var"] for r in stale[top]])[0])  # fmt: skip
+        else:
+            row.update(top_condition="-", kl_top=math.nan, var_top=math.nan)
+        out.append(row)
+    return out
+
+
+def kl_variance_figure(folder: Path, per_run: list[dict]) -> Path:
+    """IS-weight variance against KL(sampler || learner), one point a run, per method (log axes;
+    on-policy runs, whose KL is ~0, sit at the left edge)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    folder.mkdir(parents=True, exist_ok=True)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for algo in sorted({r["algo"] for r in per_run}):
+        pts = [(max(r["kl"], 1e-6), max(r["var"], 1e-6)) for r in per_run if r["algo"] == algo
+               and math.isfinite(r.get("kl", math.nan)) and math.isfinite(r.get("var", math.nan))]  # fmt: skip
+        if pts:
+            ax.scatter([p[0] for p in pts], [p[1] for p in pts], s=12, label=algo)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("KL(sampler || learner), run mean (floored at 1e-6)")
+    ax.set_ylabel("IS-weight variance, run mean (floored at 1e-6)")
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = folder / "kl_vs_weight_var.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def _ci(m: float, lo: float, hi: float) -> str:
     if not math.isfinite(m):
         return "-"
@@ -763,6 +827,15 @@ def study_markdown(task: str, plan: Plan, per_run: list[dict], lr_table: list[di
                 f"{_cell(c['drop_mde'], math.nan)} | {_ci(c['score_diff'], c['score_lo'], c['score_hi'])} | "
                 f"{_p(c['score_p'])} | {_cell(c['score_mde'], math.nan)} |"
             )
+    lines += ["", "**Importance-weight variance against KL** (the paper's \"variance tracks KL\"; one point a run, "
+              "every condition and seed; the variance is of each loss's own weights, so compare methods by r, not by "
+              "level):", "", "| algo | runs | Pearson r (p) | Spearman rho (p) | var on-policy | stalest condition by KL "
+              "| KL there | var there |", "|" + "---|" * 8]  # fmt: skip
+    for r in kl_variance_rows(mine):
+        lines.append(f"| {r['algo']} | {r['n']} | {_cell(r['pearson_r'], math.nan, 2)} ({_p(r['pearson_p'])}) | "
+                     f"{_cell(r['spearman_r'], math.nan, 2)} ({_p(r['spearman_p'])}) | "
+                     f"{_cell(r['var_on_policy'], math.nan, sci=True)} | {r['top_condition']} | "
+                     f"{_cell(r['kl_top'], math.nan, sci=True)} | {_cell(r['var_top'], math.nan, sci=True)} |")  # fmt: skip
     dm = design_mde(mine, len(plan.seeds))
     acc = _mean_std([r["lq_mean"] for r in mine])[0]
     floor = binomial_eval_sd(min(max(acc, 0.0), 1.0), plan.eval_size, 1, max(plan.last_evals, 1)) if math.isfinite(acc) else math.nan
@@ -807,6 +880,7 @@ def write_outputs(out: Path, plan: Plan, per_run: list[dict], figures: bool = Tr
             log("\n" + section)
             if figures:
                 staleness_figure(out / f"figures_{task}", task_runs)
+                kl_variance_figure(out / f"figures_{task}", task_runs)
         elif figures:
             _figures(out, task, task_runs, log)
 

@@ -148,9 +148,36 @@ def test_study_markdown_has_every_section(tmp_path):
     table, chosen = sw.choose_lrs(per_run, plan)
     md = sw.study_markdown("long", plan, per_run, table, chosen, {"long": "f" * 64})
     for needle in ("weights sha256 `" + "f" * 64, "**Learning rates**", "**Drops from on-policy**",
-                   "**Paired differences, gepo minus each baseline**", "| fix4 |", "**Power of the design.**"):
+                   "**Paired differences, gepo minus each baseline**", "| fix4 |", "**Power of the design.**",
+                   "**Importance-weight variance against KL**"):
         assert needle in md, needle
     assert Path(sw.staleness_figure(tmp_path / "fig", per_run)).is_file()
+    assert Path(sw.kl_variance_figure(tmp_path / "fig", per_run)).is_file()  # NaN KL everywhere: an empty plot
+
+
+def test_kl_variance_rows_correlate_each_methods_runs():
+    """Per method: Pearson and Spearman over its runs (scipy's values), the on-policy variance and
+    the condition with the highest mean KL; a method whose variance does not move gets no r."""
+    from scipy import stats
+
+    sw = _sweep()
+    rng = random.Random(1)
+    per_run = []
+    for c, kl in ((0, 0.0), ("fix4", 0.01), ("fix16", 0.05), ("uni64", 0.03)):
+        for s in range(4):
+            k = kl * (1 + 0.1 * rng.random())
+            per_run.append({"algo": "grpo_paper", "delay": c, "seed": s, "kl": k, "var": 2.0 * k + 0.001 * rng.random()})
+            per_run.append({"algo": "gepo", "delay": c, "seed": s, "kl": k, "var": 0.03})  # flat
+    per_run.append({"algo": "gepo", "delay": "fix4", "seed": 9, "kl": math.nan, "var": 0.03})  # skipped
+    rows = {r["algo"]: r for r in sw.kl_variance_rows(per_run)}
+    grpo = [r for r in per_run if r["algo"] == "grpo_paper"]
+    x, y = [r["kl"] for r in grpo], [r["var"] for r in grpo]
+    assert rows["grpo_paper"]["n"] == 16
+    assert rows["grpo_paper"]["pearson_r"] == pytest.approx(stats.pearsonr(x, y).statistic)
+    assert rows["grpo_paper"]["spearman_p"] == pytest.approx(stats.spearmanr(x, y).pvalue)
+    assert rows["grpo_paper"]["pearson_r"] > 0.99 and rows["grpo_paper"]["top_condition"] == "fix16"
+    assert rows["grpo_paper"]["var_top"] > rows["grpo_paper"]["var_on_policy"]
+    assert rows["gepo"]["n"] == 16 and math.isnan(rows["gepo"]["pearson_r"]) and rows["gepo"]["var_on_policy"] == 0.03
 
 
 def test_budget_estimate_uses_finished_runs_else_the_measured_defaults():
