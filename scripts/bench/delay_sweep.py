@@ -35,7 +35,7 @@ held fixed in stage 2 (every condition x seed). ``--lrs algo=lr`` pins rates and
 
 **Outputs** per task: ``table_<task>.md`` / ``summary_<task>.csv`` (per algorithm and condition),
 ``stability_<task>.md``, ``runs_<task>.csv`` (one row per run), and for the powered designs
-``study_<task>.md``: warm start, learning-rate choice, drops with 95% t intervals, paired
+``study_<task>.md``: the methods x conditions matrices (score, drop, paired differences), warm start, learning-rate choice, drops with 95% t intervals, paired
 differences of drops GEPO minus each baseline (interval, p-value, minimum detectable effect), the
 design's MDE, the correlation of IS-weight variance with KL per method;
 ``figures_<task>/acc_vs_staleness.png`` and ``kl_vs_weight_var.png``.
@@ -704,6 +704,52 @@ def design_mde(per_run: list[dict], n_seeds: int, alpha: float = 0.05, power: fl
     return {"sigma": sigma, "df": den, "n_seeds": n_seeds, "mde_drop_diff": value, "alpha": alpha, "power": power}
 
 
+def glance_markdown(per_run: list[dict], references: list[str]) -> str:
+    """The study's numbers as methods x conditions matrices (what docs/results.md quotes): the
+    realised staleness of each condition, each method's score (mean ± sd over seeds, n) and its
+    drop from on-policy (mean [95% t interval], paired by seed), and for each reference method the
+    paired difference of drops against every other method (> 0: the reference loses more)."""
+    conds = sorted({r["delay"] for r in per_run}, key=condition_key)
+    algos = sorted({r["algo"] for r in per_run})
+    head = "| | " + " | ".join(f"`{c}`" for c in conds) + " |"
+    rule = "|---|" + "---|" * len(conds)
+    stale = []
+    for c in conds:
+        runs = [r for r in per_run if r["delay"] == c]
+        mx = max((r["staleness_max"] for r in runs if math.isfinite(r.get("staleness_max", math.nan))), default=math.nan)
+        stale.append(f"{_cell(_mean_std([r.get('staleness', math.nan) for r in runs])[0], math.nan, 1)} / "
+                     f"{_cell(mx, math.nan, 0)}")  # fmt: skip
+    rows = {(r["algo"], r["delay"]): r for r in drop_rows(per_run)}
+    score = [head, rule, "| realised staleness mean / max | " + " | ".join(stale) + " |"]
+    drop = [head, rule]
+    for a in algos:
+        cells_s, cells_d = [], []
+        for c in conds:
+            r = rows.get((a, c))
+            cells_s.append(f"{_cell(r['lq_mean_mean'], r['lq_mean_std'])} ({r['n']})" if r else "")
+            t = r["drop_test"] if r else None
+            cells_d.append(_ci(t.mean, t.ci_low, t.ci_high) if t and t.n else ("-" if c == 0 else ""))
+        score.append(f"| {a} | " + " | ".join(cells_s) + " |")
+        drop.append(f"| {a} | " + " | ".join(cells_d) + " |")
+    out = ["Score (mean of the last evaluations; mean ± sd over seeds, number of seeds):", "", *score, "",
+           "Drop from on-policy (on-policy score minus the condition's, paired by seed; mean [95% t interval]):", "",
+           *drop]  # fmt: skip
+    for ref in references:
+        comp = {(c["baseline"], c["condition"]): c for c in comparison_rows(per_run, ref)}
+        stale_conds = [c for c in conds if c != 0]
+        lines = ["| baseline | " + " | ".join(f"`{c}`" for c in stale_conds) + " |", "|---|" + "---|" * len(stale_conds)]
+        for b in [a for a in algos if a != ref]:
+            cells = []
+            for c in stale_conds:
+                x = comp.get((b, c))
+                p = f", p {_p(x['drop_p'])}" if x and math.isfinite(x["drop_p"]) else ""
+                cells.append(f"{_ci(x['drop_diff'], x['drop_lo'], x['drop_hi'])}{p}" if x and x["n_drop"] else "")
+            lines.append(f"| {b} | " + " | ".join(cells) + " |")
+        out += ["", f"{ref}'s drop minus each baseline's (paired by seed; > 0: {ref} loses more to staleness):", "",
+                *lines]  # fmt: skip
+    return "\n".join(out)
+
+
 def kl_variance_rows(per_run: list[dict]) -> list[dict]:
     """The paper's "the importance weights' variance tracks KL" (its Figure 5e: r = 0.96), per
     method: over its runs (every condition and seed, one point a run: the run's mean
@@ -789,6 +835,9 @@ def study_markdown(task: str, plan: Plan, per_run: list[dict], lr_table: list[di
     lines += [f"{plan.steps} learner steps, {plan.prompts} prompts x G=8, evaluation every {plan.test_freq} steps on "
               f"{plan.eval_size} held-out problems (one sample each, temperature 1); a run's score = mean of its last "
               f"{plan.last_evals or 'quarter of'} evaluations. Intervals: 95% t over seeds, paired by seed.", ""]  # fmt: skip
+    present = {r["algo"] for r in mine}
+    refs = [plan.reference] + [v for v in plan.variants if v in present and v != plan.reference]
+    lines += ["**At a glance**", "", glance_markdown(mine, refs), ""]
     grid = [r for r in lr_table if r["task"] == task]
     if grid:
         lines += ["**Learning rates** (stage 1, on-policy; rule: highest mean score, a smaller rate within 0.01 of it "
@@ -812,8 +861,7 @@ def study_markdown(task: str, plan: Plan, per_run: list[dict], lr_table: list[di
             f"{_cell(r['weight_right_mean'], math.nan)} / {_cell(r['weight_wrong_mean'], math.nan)} | "
             f"{_cell(r['zero_grad_stale_mean'], math.nan)} |"
         )
-    present = {r["algo"] for r in mine}
-    for reference in [plan.reference] + [v for v in plan.variants if v in present and v != plan.reference]:
+    for reference in refs:
         comp = [c for c in comparison_rows(mine, reference) if c["task"] == task]
         lines += ["", f"**Paired differences, {reference} minus each baseline** (drop diff > 0: {reference} "
                   "loses more to staleness; score diff > 0: it scores higher at that condition). MDE: the true "

@@ -149,10 +149,31 @@ def test_study_markdown_has_every_section(tmp_path):
     md = sw.study_markdown("long", plan, per_run, table, chosen, {"long": "f" * 64})
     for needle in ("weights sha256 `" + "f" * 64, "**Learning rates**", "**Drops from on-policy**",
                    "**Paired differences, gepo minus each baseline**", "| fix4 |", "**Power of the design.**",
-                   "**Importance-weight variance against KL**"):
+                   "**Importance-weight variance against KL**", "**At a glance**"):
         assert needle in md, needle
     assert Path(sw.staleness_figure(tmp_path / "fig", per_run)).is_file()
     assert Path(sw.kl_variance_figure(tmp_path / "fig", per_run)).is_file()  # NaN KL everywhere: an empty plot
+
+
+def test_glance_matrices_hold_each_methods_score_drop_and_paired_difference():
+    sw = _sweep()
+    rng = random.Random(3)
+    per_run, lq = [], {}
+    for a, drop in (("gepo", 0.10), ("grpo_paper", 0.02)):
+        for s in range(4):
+            base = 0.5 + rng.gauss(0, 0.02)
+            for c, v in ((0, base), ("fix16", base - drop + rng.gauss(0, 0.01))):
+                lq[(a, c, s)] = v
+                per_run.append({"task": "long", "algo": a, "delay": c, "seed": s, "lq_mean": v,
+                                "staleness": 15.3 if c else 0.0, "staleness_max": 16.0 if c else 0.0})  # fmt: skip
+    md = sw.glance_markdown(per_run, ["gepo"])
+    lines = md.splitlines()
+    gepo_drop = sum(lq[("gepo", 0, s)] - lq[("gepo", "fix16", s)] for s in range(4)) / 4
+    diff = gepo_drop - sum(lq[("grpo_paper", 0, s)] - lq[("grpo_paper", "fix16", s)] for s in range(4)) / 4
+    assert "| realised staleness mean / max | 0.0 / 0 | 15.3 / 16 |" in lines
+    assert any(l.startswith("| gepo | - | " + f"{gepo_drop:+.3f} [") for l in lines)
+    assert any(l.startswith("| grpo_paper | " + f"{diff:+.3f} [") and ", p " in l for l in lines)
+    assert any(l.startswith("| gepo | ") and "(4)" in l for l in lines)  # the seed count beside each score
 
 
 def test_kl_variance_rows_correlate_each_methods_runs():
