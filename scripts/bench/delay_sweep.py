@@ -35,9 +35,10 @@ held fixed in stage 2 (every condition x seed). ``--lrs algo=lr`` pins rates and
 
 **Outputs** per task: ``table_<task>.md`` / ``summary_<task>.csv`` (per algorithm and condition),
 ``stability_<task>.md``, ``runs_<task>.csv`` (one row per run), and for the powered designs
-``study_<task>.md``: the methods x conditions matrices (score, drop, paired differences), warm start, learning-rate choice, drops with 95% t intervals, paired
-differences of drops GEPO minus each baseline (interval, p-value, minimum detectable effect), the
-design's MDE, the correlation of IS-weight variance with KL per method;
+``study_<task>.md``: the methods x conditions matrices (score, drop, paired differences), warm
+start, learning-rate choice, drops with 95% t intervals, paired differences of drops GEPO minus
+each baseline (interval, p-value, minimum detectable effect), the design's MDE, the correlation of
+IS-weight variance with KL per method;
 ``figures_<task>/acc_vs_staleness.png`` and ``kl_vs_weight_var.png``.
 """
 
