@@ -735,6 +735,14 @@ def glance_markdown(per_run: list[dict], references: list[str]) -> str:
     out = ["Score (mean of the last evaluations; mean ± sd over seeds, number of seeds):", "", *score, "",
            "Drop from on-policy (on-policy score minus the condition's, paired by seed; mean [95% t interval]):", "",
            *drop]  # fmt: skip
+    cells = [r for r in rows.values() if r["delay"] != 0 and r["drop_test"].n
+             and math.isfinite(r["drop_test"].mean) and math.isfinite(r["kl_mean"])]  # fmt: skip
+    if len(cells) >= 3:
+        from scipy import stats
+
+        rho = stats.spearmanr([r["kl_mean"] for r in cells], [r["drop_test"].mean for r in cells])
+        out += ["", f"Across the {len(cells)} stale (method, condition) cells, the drop's Spearman correlation with "
+                f"the cell's mean KL(sampler ‖ learner): rho = {rho.statistic:.2f} (p {_p(float(rho.pvalue))})."]  # fmt: skip
     for ref in references:
         comp = {(c["baseline"], c["condition"]): c for c in comparison_rows(per_run, ref)}
         stale_conds = [c for c in conds if c != 0]

@@ -159,12 +159,12 @@ def test_glance_matrices_hold_each_methods_score_drop_and_paired_difference():
     sw = _sweep()
     rng = random.Random(3)
     per_run, lq = [], {}
-    for a, drop in (("gepo", 0.10), ("grpo_paper", 0.02)):
+    for a, drop in (("gepo", 0.10), ("grpo_paper", 0.02), ("gspo", 0.05)):
         for s in range(4):
             base = 0.5 + rng.gauss(0, 0.02)
             for c, v in ((0, base), ("fix16", base - drop + rng.gauss(0, 0.01))):
                 lq[(a, c, s)] = v
-                per_run.append({"task": "long", "algo": a, "delay": c, "seed": s, "lq_mean": v,
+                per_run.append({"task": "long", "algo": a, "delay": c, "seed": s, "lq_mean": v, "kl": drop if c else 0.0,
                                 "staleness": 15.3 if c else 0.0, "staleness_max": 16.0 if c else 0.0})  # fmt: skip
     md = sw.glance_markdown(per_run, ["gepo"])
     lines = md.splitlines()
@@ -174,6 +174,8 @@ def test_glance_matrices_hold_each_methods_score_drop_and_paired_difference():
     assert any(l.startswith("| gepo | - | " + f"{gepo_drop:+.3f} [") for l in lines)
     assert any(l.startswith("| grpo_paper | " + f"{diff:+.3f} [") and ", p " in l for l in lines)
     assert any(l.startswith("| gepo | ") and "(4)" in l for l in lines)  # the seed count beside each score
+    # the drop ranks with KL here (KL = the planted drop): rho 1 over the 3 stale cells
+    assert "Across the 3 stale (method, condition) cells" in md and "rho = 1.00" in md
 
 
 def test_kl_variance_rows_correlate_each_methods_runs():
