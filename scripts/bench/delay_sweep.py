@@ -846,7 +846,7 @@ def study_markdown(task: str, plan: Plan, per_run: list[dict], lr_table: list[di
               f"{plan.last_evals or 'quarter of'} evaluations. Intervals: 95% t over seeds, paired by seed.", ""]  # fmt: skip
     present = {r["algo"] for r in mine}
     refs = [plan.reference] + [v for v in plan.variants if v in present and v != plan.reference]
-    lines += ["**At a glance**", "", glance_markdown(mine, refs), ""]
+    lines += ["**At a glance**", "", *_block(task, "glance", glance_markdown(mine, refs)), ""]
     grid = [r for r in lr_table if r["task"] == task]
     if grid:
         lines += ["**Learning rates** (stage 1, on-policy; rule: highest mean score, a smaller rate within 0.01 of it "
@@ -859,9 +859,11 @@ def study_markdown(task: str, plan: Plan, per_run: list[dict], lr_table: list[di
               "| algo | lr | condition | realised staleness mean / max | n | score | drop [95% CI] | p | KL(q‖p) "
               "| IS-weight var | clip frac | clip frac A>0 / A<0 | mean weight | weight right / wrong "
               "| zero-grad share (stale) |", "|" + "---|" * 15]  # fmt: skip
+    table = lines[-2:]
+    del lines[-2:]
     for r in sorted(drop_rows(mine), key=lambda r: (r["algo"], condition_key(r["delay"]))):
         t = r["drop_test"]
-        lines.append(
+        table.append(
             f"| {r['algo']} | {r.get('lr', plan.lr):g} | {r['delay']} | {_cell(r['staleness_mean'], math.nan, 1)} / "
             f"{_cell(r['staleness_max_mean'], math.nan, 0)} | {r['n']} | {_cell(r['lq_mean_mean'], r['lq_mean_std'])} | "
             f"{_ci(t.mean, t.ci_low, t.ci_high)} | {_p(t.p)} | {_cell(r['kl_mean'], math.nan, sci=True)} | "
@@ -870,6 +872,7 @@ def study_markdown(task: str, plan: Plan, per_run: list[dict], lr_table: list[di
             f"{_cell(r['weight_right_mean'], math.nan)} / {_cell(r['weight_wrong_mean'], math.nan)} | "
             f"{_cell(r['zero_grad_stale_mean'], math.nan)} |"
         )
+    lines += _block(task, "drops", "\n".join(table))
     for reference in refs:
         comp = [c for c in comparison_rows(mine, reference) if c["task"] == task]
         lines += ["", f"**Paired differences, {reference} minus each baseline** (drop diff > 0: {reference} "
@@ -886,24 +889,51 @@ def study_markdown(task: str, plan: Plan, per_run: list[dict], lr_table: list[di
             )
     lines += ["", "**Importance-weight variance against KL** (the paper's \"variance tracks KL\"; one point a run, "
               "every condition and seed; the variance is of each loss's own weights, so compare methods by r, not by "
-              "level):", "", "| algo | runs | Pearson r (p) | Spearman rho (p) | var on-policy | stalest condition by KL "
-              "| KL there | var there |", "|" + "---|" * 8]  # fmt: skip
+              "level):", ""]  # fmt: skip
+    table = ["| algo | runs | Pearson r (p) | Spearman rho (p) | var on-policy | stalest condition by KL | KL there "
+             "| var there |", "|" + "---|" * 8]  # fmt: skip
     for r in kl_variance_rows(mine):
-        lines.append(f"| {r['algo']} | {r['n']} | {_cell(r['pearson_r'], math.nan, 2)} ({_p(r['pearson_p'])}) | "
+        table.append(f"| {r['algo']} | {r['n']} | {_cell(r['pearson_r'], math.nan, 2)} ({_p(r['pearson_p'])}) | "
                      f"{_cell(r['spearman_r'], math.nan, 2)} ({_p(r['spearman_p'])}) | "
                      f"{_cell(r['var_on_policy'], math.nan, sci=True)} | {r['top_condition']} | "
                      f"{_cell(r['kl_top'], math.nan, sci=True)} | {_cell(r['var_top'], math.nan, sci=True)} |")  # fmt: skip
+    lines += _block(task, "klvar", "\n".join(table))
     dm = design_mde(mine, len(plan.seeds))
     acc = _mean_std([r["lq_mean"] for r in mine])[0]
     floor = binomial_eval_sd(min(max(acc, 0.0), 1.0), plan.eval_size, 1, max(plan.last_evals, 1)) if math.isfinite(acc) else math.nan
     floor_mde = mde(2 * floor, len(plan.seeds)) if math.isfinite(floor) and floor > 0 and len(plan.seeds) >= 2 else math.nan
-    lines += ["", f"**Power of the design.** Pooled seed-to-seed std of a run's score sigma = {_cell(dm['sigma'], math.nan)} "
-              f"({dm['df']:.0f} df); a difference of drops combines four runs (std 2 sigma if independent), so with "
-              f"{len(plan.seeds)} seeds the minimum detectable difference of drops (5% two-sided, 80% power) is "
-              f"**{_cell(dm['mde_drop_diff'], math.nan)}**. The evaluation alone (binomial, {plan.eval_size} problems x "
-              f"{max(plan.last_evals, 1)} evaluations at accuracy {_cell(acc, math.nan)}) gives sigma >= "
-              f"{_cell(floor, math.nan)}, MDE >= {_cell(floor_mde, math.nan)}.", ""]  # fmt: skip
+    power = (f"**Power of the design.** Pooled seed-to-seed std of a run's score sigma = {_cell(dm['sigma'], math.nan)} "
+             f"({dm['df']:.0f} df); a difference of drops combines four runs (std 2 sigma if independent), so with "
+             f"{len(plan.seeds)} seeds the minimum detectable difference of drops (5% two-sided, 80% power) is "
+             f"**{_cell(dm['mde_drop_diff'], math.nan)}**. The evaluation alone (binomial, {plan.eval_size} problems x "
+             f"{max(plan.last_evals, 1)} evaluations at accuracy {_cell(acc, math.nan)}) gives sigma >= "
+             f"{_cell(floor, math.nan)}, MDE >= {_cell(floor_mde, math.nan)}.")  # fmt: skip
+    lines += ["", *_block(task, "power", power), ""]
     return "\n".join(lines)
+
+
+_BLOCK = re.compile(r"<!-- study:(\w+):(\w+) -->\n(.*?)\n<!-- /study -->", re.S)
+
+
+def _block(task: str, name: str, text: str) -> list[str]:
+    """A generated section, between markers that :func:`update_doc` finds (HTML comments: invisible
+    when the markdown is rendered)."""
+    return [f"<!-- study:{task}:{name} -->", text, "<!-- /study -->"]
+
+
+def update_doc(doc: Path, generated: str) -> list[str]:
+    """Replace every ``<!-- study:<task>:<name> -->`` block of ``doc`` with the same block of
+    ``generated`` (a ``study_<task>.md``), so the numbers a page quotes are the study's own output;
+    returns the names replaced. A block the study did not produce raises, naming it, and leaves the
+    page untouched."""
+    fresh = {(m.group(1), m.group(2)): m.group(0) for m in _BLOCK.finditer(generated)}
+    text = doc.read_text()
+    wanted = [(m.group(1), m.group(2)) for m in _BLOCK.finditer(text)]
+    missing = [f"{t}:{n}" for t, n in wanted if (t, n) not in fresh]
+    if missing:
+        raise ValueError(f"{doc}: blocks {missing} are not in the study's output (have {sorted(fresh)})")
+    doc.write_text(_BLOCK.sub(lambda m: fresh[(m.group(1), m.group(2))], text))
+    return [f"{t}:{n}" for t, n in wanted]
 
 
 def write_outputs(out: Path, plan: Plan, per_run: list[dict], figures: bool = True, log=print,
@@ -1058,8 +1088,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--override", nargs="*", default=[], help="extra hydra overrides for every run")
     p.add_argument("--plan-only", action="store_true", help="print the plan and its estimated duration, run nothing")
     p.add_argument("--table-only", action="store_true", help="no runs: tables and figures from finished runs")
+    p.add_argument("--update-doc", type=Path, metavar="MD",
+                   help="after tabulating, replace the page's <!-- study:<task>:<name> --> blocks (e.g. docs/results.md) "
+                        "with the study's own")  # fmt: skip
     p.add_argument("--no-figures", action="store_true")
     a = p.parse_args(argv)
+    if a.update_doc and not a.update_doc.is_file():
+        p.error(f"--update-doc {a.update_doc}: no such file")
     base = dict(DESIGNS["quick" if a.quick else a.design])
     for key, val in (("tasks", a.tasks), ("algos", a.algos), ("delays", a.delays), ("seeds", a.seeds),
                      ("steps", a.steps), ("lr", a.lr), ("eval_size", a.eval_size), ("lr_grid", a.lr_grid),
@@ -1165,6 +1200,9 @@ def main(argv: list[str] | None = None) -> int:
     per_run = finished()
     lr_table, chosen = choose_lrs(per_run, plan)
     write_outputs(out, plan, per_run, figures=not a.no_figures, lr_table=lr_table, chosen=chosen, ws=ws)
+    if a.update_doc:
+        generated = "\n".join(p.read_text() for p in sorted(out.glob("study_*.md")))
+        print(f"updated {a.update_doc}: {', '.join(update_doc(a.update_doc, generated))}", flush=True)
     print(f"\n{len(per_run)} finished runs tabulated; total {time.time() - t0:.0f}s", flush=True)
     return 0
 

@@ -222,3 +222,18 @@ def test_powered_design_meets_the_issue_minimums():
     assert {0, "fix4", "fix16", "fix64", "uni64", "logn64"} <= set(p["delays"])
     # item 3's baselines and item 6's variant (verl's dual-clip grpo and gepo_adaptive were cut for the budget)
     assert {"gepo", "grpo_paper", "gspo_wide", "gspo", "gepo_tr"} <= set(p["algos"]) and len(p["lr_grid"]) >= 2
+
+
+def test_update_doc_replaces_the_pages_study_blocks_and_refuses_unknown_ones(tmp_path):
+    sw = _sweep()
+    generated = "\n".join(["# study", *sw._block("long", "glance", "| new | table |"), "text",
+                           *sw._block("long", "power", "**Power** 0.064")])  # fmt: skip
+    page = tmp_path / "results.md"
+    page.write_text("intro\n" + "\n".join(sw._block("long", "glance", "| old |\n| rows |")) + "\nprose 0.1\n")
+    assert sw.update_doc(page, generated) == ["long:glance"]
+    assert page.read_text() == "intro\n<!-- study:long:glance -->\n| new | table |\n<!-- /study -->\nprose 0.1\n"
+    before = page.read_text() + "\n".join(sw._block("short", "glance", "x")) + "\n"
+    page.write_text(before)
+    with pytest.raises(ValueError, match="short:glance"):
+        sw.update_doc(page, generated)
+    assert page.read_text() == before  # nothing half-written
