@@ -813,13 +813,7 @@ def kl_variance_figure(folder: Path, per_run: list[dict]) -> Path:
     ax.set_yscale("log")
     ax.set_xlabel("KL(sampler || learner), run mean (floored at 1e-6)")
     ax.set_ylabel("IS-weight variance, run mean (floored at 1e-6)")
-    if ax.get_legend_handles_labels()[0]:
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    path = folder / "kl_vs_weight_var.png"
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save_figure(fig, ax, folder / "kl_vs_weight_var.png")
 
 
 def _ci(m: float, lo: float, hi: float) -> str:
@@ -972,6 +966,18 @@ def write_outputs(out: Path, plan: Plan, per_run: list[dict], figures: bool = Tr
             _figures(out, task, task_runs, log)
 
 
+def _save_figure(fig, ax, path: Path) -> Path:
+    """A legend when there is something to name, then write and close the figure."""
+    import matplotlib.pyplot as plt
+
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def staleness_figure(folder: Path, per_run: list[dict]) -> Path:
     """Score against realised mean staleness per method (one point per condition: mean over seeds,
     error bars the 95% t interval of the mean)."""
@@ -998,13 +1004,7 @@ def staleness_figure(folder: Path, per_run: list[dict]) -> Path:
                         label=algo)  # fmt: skip
     ax.set_xlabel("realised mean staleness (versions)")
     ax.set_ylabel("score (mean of the last evaluations)")
-    if ax.get_legend_handles_labels()[0]:
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    path = folder / "acc_vs_staleness.png"
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save_figure(fig, ax, folder / "acc_vs_staleness.png")
 
 
 def _figures(out: Path, task: str, per_run: list[dict], log) -> None:
