@@ -906,7 +906,7 @@ def study_markdown(task: str, plan: Plan, per_run: list[dict], lr_table: list[di
     return "\n".join(lines)
 
 
-_BLOCK = re.compile(r"<!-- study:(\w+):(\w+) -->\n(.*?)\n<!-- /study -->", re.S)
+_BLOCK = re.compile(r"<!-- study:(\w+):(\w+) -->\n(?:.*?\n)??<!-- /study -->", re.S)  # may be empty
 
 
 def _block(task: str, name: str, text: str) -> list[str]:

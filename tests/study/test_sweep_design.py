@@ -232,6 +232,11 @@ def test_update_doc_replaces_the_pages_study_blocks_and_refuses_unknown_ones(tmp
     page.write_text("intro\n" + "\n".join(sw._block("long", "glance", "| old |\n| rows |")) + "\nprose 0.1\n")
     assert sw.update_doc(page, generated) == ["long:glance"]
     assert page.read_text() == "intro\n<!-- study:long:glance -->\n| new | table |\n<!-- /study -->\nprose 0.1\n"
+    # empty blocks, as a new page has: each is filled, none swallows the prose up to the next one
+    page.write_text("a\n<!-- study:long:glance -->\n<!-- /study -->\nprose\n<!-- study:long:power -->\n<!-- /study -->\n")
+    assert sw.update_doc(page, generated) == ["long:glance", "long:power"]
+    assert page.read_text() == ("a\n<!-- study:long:glance -->\n| new | table |\n<!-- /study -->\nprose\n"
+                                "<!-- study:long:power -->\n**Power** 0.064\n<!-- /study -->\n")  # fmt: skip
     before = page.read_text() + "\n".join(sw._block("short", "glance", "x")) + "\n"
     page.write_text(before)
     with pytest.raises(ValueError, match="short:glance"):
