@@ -619,6 +619,13 @@ def _lq_by(per_run: list[dict]) -> dict[tuple, float]:
     return {(r["task"], r["algo"], r["delay"], r["seed"]): r["lq_mean"] for r in per_run}
 
 
+def realised_staleness(runs: list[dict]) -> tuple[float, float]:
+    """Mean over runs of each run's mean staleness, and the largest staleness any run saw (NaN
+    when none recorded one)."""
+    finite_max = [r["staleness_max"] for r in runs if math.isfinite(r.get("staleness_max", math.nan))]
+    return _mean_std([r.get("staleness", math.nan) for r in runs])[0], max(finite_max, default=math.nan)
+
+
 def comparison_rows(per_run: list[dict], reference: str, alpha: float = 0.05) -> list[dict]:
     """Paired over seeds, per (task, condition != 0, baseline != reference): the difference of
     drops (reference's drop minus the baseline's; > 0: the reference loses more to staleness) and
@@ -638,9 +645,7 @@ def comparison_rows(per_run: list[dict], reference: str, alpha: float = 0.05) ->
         conds = sorted({r["delay"] for r in per_run if r["task"] == task}, key=condition_key)
         for cond in conds:
             runs_here = stale.get((task, cond), [])
-            st_mean = _mean_std([r.get("staleness", math.nan) for r in runs_here])[0]
-            st_max = max((r.get("staleness_max", math.nan) for r in runs_here if math.isfinite(r.get("staleness_max", math.nan))),
-                         default=math.nan)  # fmt: skip
+            st_mean, st_max = realised_staleness(runs_here)
             for b in algos:
                 seeds = sorted({r["seed"] for r in per_run if r["task"] == task})
                 drop_d, score_d, ref_drop, b_drop = [], [], [], []
@@ -716,10 +721,8 @@ def glance_markdown(per_run: list[dict], references: list[str]) -> str:
     rule = "|---|" + "---|" * len(conds)
     stale = []
     for c in conds:
-        runs = [r for r in per_run if r["delay"] == c]
-        mx = max((r["staleness_max"] for r in runs if math.isfinite(r.get("staleness_max", math.nan))), default=math.nan)
-        stale.append(f"{_cell(_mean_std([r.get('staleness', math.nan) for r in runs])[0], math.nan, 1)} / "
-                     f"{_cell(mx, math.nan, 0)}")  # fmt: skip
+        mean, mx = realised_staleness([r for r in per_run if r["delay"] == c])
+        stale.append(f"{_cell(mean, math.nan, 1)} / {_cell(mx, math.nan, 0)}")
     rows = {(r["algo"], r["delay"]): r for r in drop_rows(per_run)}
     score = [head, rule, "| realised staleness mean / max | " + " | ".join(stale) + " |"]
     drop = [head, rule]
