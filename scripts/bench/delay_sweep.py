@@ -710,11 +710,13 @@ def design_mde(per_run: list[dict], n_seeds: int, alpha: float = 0.05, power: fl
     return {"sigma": sigma, "df": den, "n_seeds": n_seeds, "mde_drop_diff": value, "alpha": alpha, "power": power}
 
 
-def glance_markdown(per_run: list[dict], references: list[str]) -> str:
+def glance_markdown(per_run: list[dict], drops: list[dict], comparisons: dict[str, list[dict]]) -> str:
     """The study's numbers as methods x conditions matrices (what docs/results.md quotes): the
     realised staleness of each condition, each method's score (mean ± sd over seeds, n) and its
     drop from on-policy (mean [95% t interval], paired by seed), and for each reference method the
-    paired difference of drops against every other method (> 0: the reference loses more)."""
+    paired difference of drops against every other method (> 0: the reference loses more).
+    ``drops`` = :func:`drop_rows` (per_run), ``comparisons`` = reference -> :func:`comparison_rows`
+    (per_run, reference): the same rows the long tables print, computed once by the caller."""
     conds = sorted({r["delay"] for r in per_run}, key=condition_key)
     algos = sorted({r["algo"] for r in per_run})
     head = "| | " + " | ".join(f"`{c}`" for c in conds) + " |"
@@ -723,7 +725,7 @@ def glance_markdown(per_run: list[dict], references: list[str]) -> str:
     for c in conds:
         mean, mx = realised_staleness([r for r in per_run if r["delay"] == c])
         stale.append(f"{_cell(mean, math.nan, 1)} / {_cell(mx, math.nan, 0)}")
-    rows = {(r["algo"], r["delay"]): r for r in drop_rows(per_run)}
+    rows = {(r["algo"], r["delay"]): r for r in drops}
     score = [head, rule, "| realised staleness mean / max | " + " | ".join(stale) + " |"]
     drop = [head, rule]
     for a in algos:
@@ -746,8 +748,8 @@ def glance_markdown(per_run: list[dict], references: list[str]) -> str:
         rho = stats.spearmanr([r["kl_mean"] for r in cells], [r["drop_test"].mean for r in cells])
         out += ["", f"Across the {len(cells)} stale (method, condition) cells, the drop's Spearman correlation with "
                 f"the cell's mean KL(sampler ‖ learner): rho = {rho.statistic:.2f} (p {_p(float(rho.pvalue))})."]  # fmt: skip
-    for ref in references:
-        comp = {(c["baseline"], c["condition"]): c for c in comparison_rows(per_run, ref)}
+    for ref, ref_rows in comparisons.items():
+        comp = {(c["baseline"], c["condition"]): c for c in ref_rows}
         stale_conds = [c for c in conds if c != 0]
         lines = ["| baseline | " + " | ".join(f"`{c}`" for c in stale_conds) + " |", "|---|" + "---|" * len(stale_conds)]
         for b in [a for a in algos if a != ref]:
@@ -843,7 +845,9 @@ def study_markdown(task: str, plan: Plan, per_run: list[dict], lr_table: list[di
               f"{plan.last_evals or 'quarter of'} evaluations. Intervals: 95% t over seeds, paired by seed.", ""]  # fmt: skip
     present = {r["algo"] for r in mine}
     refs = [plan.reference] + [v for v in plan.variants if v in present and v != plan.reference]
-    lines += ["**At a glance**", "", *_block(task, "glance", glance_markdown(mine, refs)), ""]
+    drops = drop_rows(mine)
+    comparisons = {ref: [c for c in comparison_rows(mine, ref) if c["task"] == task] for ref in refs}
+    lines += ["**At a glance**", "", *_block(task, "glance", glance_markdown(mine, drops, comparisons)), ""]
     grid = [r for r in lr_table if r["task"] == task]
     if grid:
         lines += ["**Learning rates** (stage 1, on-policy; rule: highest mean score, a smaller rate within 0.01 of it "
@@ -856,7 +860,7 @@ def study_markdown(task: str, plan: Plan, per_run: list[dict], lr_table: list[di
     table = ["| algo | lr | condition | realised staleness mean / max | n | score | drop [95% CI] | p | KL(q‖p) "
              "| IS-weight var | clip frac | clip frac A>0 / A<0 | mean weight | weight right / wrong "
              "| zero-grad share (stale) |", "|" + "---|" * 15]  # fmt: skip
-    for r in sorted(drop_rows(mine), key=lambda r: (r["algo"], condition_key(r["delay"]))):
+    for r in sorted(drops, key=lambda r: (r["algo"], condition_key(r["delay"]))):
         t = r["drop_test"]
         table.append(
             f"| {r['algo']} | {r.get('lr', plan.lr):g} | {r['delay']} | {_cell(r['staleness_mean'], math.nan, 1)} / "
@@ -868,8 +872,7 @@ def study_markdown(task: str, plan: Plan, per_run: list[dict], lr_table: list[di
             f"{_cell(r['zero_grad_stale_mean'], math.nan)} |"
         )
     lines += _block(task, "drops", "\n".join(table))
-    for reference in refs:
-        comp = [c for c in comparison_rows(mine, reference) if c["task"] == task]
+    for reference, comp in comparisons.items():
         lines += ["", f"**Paired differences, {reference} minus each baseline** (drop diff > 0: {reference} "
                   "loses more to staleness; score diff > 0: it scores higher at that condition). MDE: the true "
                   "difference a 5% two-sided paired t test on these n seeds detects with 80% power at the observed sd.",

@@ -166,7 +166,7 @@ def test_glance_matrices_hold_each_methods_score_drop_and_paired_difference():
                 lq[(a, c, s)] = v
                 per_run.append({"task": "long", "algo": a, "delay": c, "seed": s, "lq_mean": v, "kl": drop if c else 0.0,
                                 "staleness": 15.3 if c else 0.0, "staleness_max": 16.0 if c else 0.0})  # fmt: skip
-    md = sw.glance_markdown(per_run, ["gepo"])
+    md = sw.glance_markdown(per_run, sw.drop_rows(per_run), {"gepo": sw.comparison_rows(per_run, "gepo")})
     lines = md.splitlines()
     gepo_drop = sum(lq[("gepo", 0, s)] - lq[("gepo", "fix16", s)] for s in range(4)) / 4
     diff = gepo_drop - sum(lq[("grpo_paper", 0, s)] - lq[("grpo_paper", "fix16", s)] for s in range(4)) / 4
