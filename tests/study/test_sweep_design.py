@@ -3,17 +3,47 @@ replay's draw), rows make the study resumable, the learning-rate rule, paired co
 
 import math
 import random
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from tests.study.conftest import compose_cfg
-from tests.study.test_sweep_table import _sweep, _write_run
+from sweep.analyse import (
+    RUN_KEYS,
+    choose_lrs,
+    comparison_rows,
+    design_mde,
+    drop_rows,
+    kl_variance_rows,
+    run_numbers,
+)
+from sweep.figures import kl_variance_figure, staleness_figure
+from sweep.plan import (
+    ALGOS,
+    DESIGNS,
+    LEGACY,
+    PINNED_WARM_START_STEPS,
+    POWERED,
+    Plan,
+    condition_key,
+    condition_overrides,
+    design_id,
+    normalize_condition,
+    parse_condition,
+    run_dir,
+    run_overrides,
+)
+from sweep.render import doc_block, glance_markdown, study_markdown, update_doc
+from sweep.rows import append_row, collect, load_rows, make_row
+from sweep.run import SECONDS_PER_EVAL_PROBLEM, SECONDS_PER_STEP_16, estimate_seconds
+from tests.study.conftest import REPO, compose_cfg
+from tests.study.test_sweep_table import _write_run
 
 
 def _staleness(overrides: list[str], steps: int, seed: int = 0) -> list[int]:
     """The staleness replay mode trains step k on, for steps 0..steps-1 (replay's own rule)."""
-    from recipe.gepo.hetero_config import HeteroConfig
+    from recipe.gepo.sections import HeteroConfig
     from recipe.gepo.local.replay import draw_staleness
     from verl_ext.hetero.delay import DelaySchedule
 
@@ -22,99 +52,91 @@ def _staleness(overrides: list[str], steps: int, seed: int = 0) -> list[int]:
     return [draw_staleness(schedule, k, hetero.max_delay, available=k) for k in range(steps)]
 
 
-def test_fixed_staleness_is_exactly_k_once_k_versions_exist(tmp_path):
-    sw = _sweep()
-    taus = _staleness(sw.condition_overrides("fix16", tmp_path), 60)
+def test_fixed_staleness_is_exactly_k_once_k_versions_exist():
+    taus = _staleness(condition_overrides("fix16"), 60)
     assert taus[:16] == list(range(16)) and set(taus[16:]) == {16}
 
 
-def test_uniform_staleness_covers_0_to_K_evenly(tmp_path):
-    sw = _sweep()
-    taus = _staleness(sw.condition_overrides("uni8", tmp_path), 2000)[8:]
+def test_uniform_staleness_covers_0_to_K_evenly():
+    taus = _staleness(condition_overrides("uni8"), 2000)[8:]
     assert set(taus) == set(range(9))
     counts = [taus.count(k) for k in range(9)]
     assert max(counts) - min(counts) < 0.35 * len(taus) / 9  # about 221 each
 
 
-def test_lognormal_and_on_policy_conditions(tmp_path):
-    sw = _sweep()
-    assert set(_staleness(sw.condition_overrides(0, tmp_path), 50)) == {0}
-    legacy, named = (_staleness(sw.condition_overrides(c, tmp_path), 200) for c in (64, "logn64"))
+def test_lognormal_and_on_policy_conditions():
+    assert set(_staleness(condition_overrides(0), 50)) == {0}
+    legacy, named = (_staleness(condition_overrides(c), 200) for c in (64, "logn64"))
     assert legacy == named and 5 < sum(legacy[64:]) / len(legacy[64:]) < 15  # median 8
 
 
 @pytest.mark.parametrize("bad", ["fix0", "uniform8", "-3", "fix", 2.5])
 def test_bad_conditions_are_refused(bad):
     with pytest.raises(ValueError, match="staleness condition"):
-        _sweep().parse_condition(bad)
+        parse_condition(bad)
 
 
 def test_conditions_sort_and_normalise():
-    sw = _sweep()
     labels = ["uni64", "fix16", 0, "logn64", "fix4", 8]
-    assert sorted(labels, key=sw.condition_key) == [0, "fix4", "fix16", "uni64", 8, "logn64"]
-    assert sw.normalize_condition("0") == 0 and sw.normalize_condition("fix4") == "fix4"
+    assert sorted(labels, key=condition_key) == [0, "fix4", "fix16", "uni64", 8, "logn64"]
+    assert normalize_condition("0") == 0 and normalize_condition("fix4") == "fix4"
 
 
 def test_run_numbers_last_k_evaluations_and_realised_staleness():
-    sw = _sweep()
     metrics = [{"step": 0, "eval/acc_mean": 0.1}]
     for s in range(1, 11):
         metrics.append({"step": s, "hetero/staleness_mean": float(min(s - 1, 4)), "hetero/staleness_max": float(min(s - 1, 4))})
         if s % 2 == 0:
             metrics.append({"step": s, "eval/acc_mean": s / 10})
-    n = sw.run_numbers(metrics, total_steps=10, last_evals=3)
+    n = run_numbers(metrics, total_steps=10, last_evals=3)
     assert n["lq_mean"] == pytest.approx((0.6 + 0.8 + 1.0) / 3)
     assert n["staleness"] == pytest.approx((0 + 1 + 2 + 3 + 4 * 6) / 10) and n["staleness_max"] == 4.0
     assert math.isnan(n["clipfrac_pos"])  # not logged: NaN, not 0
 
 
-def _plan(sw, **kw):
+def _plan(**kw):
     base = dict(tasks=["long"], algos=["gepo", "grpo_paper"], delays=[0, "fix4"], seeds=[0, 1, 2], steps=8,
                 lr=1e-4, test_freq=2, eval_size=8, prompts=2, diagnostics_every=0, diagnostics_samples=1,
                 last_evals=2, design="dry")  # fmt: skip
-    return sw.Plan(**{**base, **kw})
+    return Plan(**{**base, **kw})
 
 
 def test_rows_resume_and_filter_by_design_and_warm_start(tmp_path):
-    sw = _sweep()
-    plan = _plan(sw)
-    d = sw.run_dir(tmp_path, plan, "long", "gepo", 1e-4, "fix4", 1)
+    plan = _plan()
+    d = run_dir(tmp_path, plan, "long", "gepo", 1e-4, "fix4", 1)
     _write_run(d, {0: 0.3, 2: 0.4, 4: 0.5, 6: 0.6, 8: 0.7}, {s: 0.01 for s in range(1, 9)}, {s: 0.1 for s in range(1, 9)})
     rows = tmp_path / "rows.csv"
-    sw.append_row(rows, sw.make_row(plan, "long", "gepo", 1e-4, "fix4", 1, d, "abc", 12.5))
-    (r,) = sw.load_rows(rows)
+    append_row(rows, make_row(plan, "long", "gepo", 1e-4, "fix4", 1, d, "abc", 12.5))
+    (r,) = load_rows(rows)
     assert (r["algo"], r["lr"], r["delay"], r["seed"], r["ws_sha256"]) == ("gepo", 1e-4, "fix4", 1, "abc")
     assert r["lq_mean"] == pytest.approx(0.65) and r["seconds"] == 12.5
     import shutil
 
     shutil.rmtree(d)  # the row alone keeps the run: a moved study does not re-run it
-    (got,) = sw.collect(tmp_path, plan, rows, {"long": "abc"})
+    (got,) = collect(tmp_path, plan, rows, {"long": "abc"})
     assert got["dir"] is None and got["lq_mean"] == pytest.approx(0.65)
-    assert sw.collect(tmp_path, plan, rows, {"long": "other warm start"}) == []
-    assert sw.collect(tmp_path, _plan(sw, steps=9), rows, {"long": "abc"}) == []  # another design id
+    assert collect(tmp_path, plan, rows, {"long": "other warm start"}) == []
+    assert collect(tmp_path, _plan(steps=9), rows, {"long": "abc"}) == []  # another design id
 
 
 def test_lr_rule_prefers_the_smaller_rate_within_tolerance():
-    sw = _sweep()
-    plan = _plan(sw, lr_grid=[5e-5, 1e-4, 2e-4], lr_seeds=[0, 1])
+    plan = _plan(lr_grid=[5e-5, 1e-4, 2e-4], lr_seeds=[0, 1])
     scores = {("gepo", 5e-5): [0.40, 0.42], ("gepo", 1e-4): [0.50, 0.52], ("gepo", 2e-4): [0.51, 0.52],
               ("grpo_paper", 5e-5): [0.40, 0.40], ("grpo_paper", 1e-4): [0.45, 0.47], ("grpo_paper", 2e-4): [0.60, 0.62]}
     per_run = [{"task": "long", "algo": a, "lr": lr, "delay": 0, "seed": s, "lq_mean": v}
                for (a, lr), vals in scores.items() for s, v in enumerate(vals)]  # fmt: skip
-    table, chosen = sw.choose_lrs(per_run, plan)
+    table, chosen = choose_lrs(per_run, plan)
     assert chosen == {"gepo": 1e-4, "grpo_paper": 2e-4}  # gepo: 1e-4 is within 0.01 of 2e-4's 0.515
     assert sum(r["chosen"] for r in table) == 2
-    _, partial = sw.choose_lrs([r for r in per_run if not (r["algo"] == "gepo" and r["lr"] == 2e-4)], plan)
+    _, partial = choose_lrs([r for r in per_run if not (r["algo"] == "gepo" and r["lr"] == 2e-4)], plan)
     assert partial == {"grpo_paper": 2e-4}  # gepo's grid unfinished: no choice yet
-    _, pinned = sw.choose_lrs(per_run, _plan(sw, lr_grid=[5e-5, 1e-4, 2e-4], lr_seeds=[0, 1], lrs={"gepo": 3e-5}))
+    _, pinned = choose_lrs(per_run, _plan(lr_grid=[5e-5, 1e-4, 2e-4], lr_seeds=[0, 1], lrs={"gepo": 3e-5}))
     assert pinned["gepo"] == 3e-5
 
 
 def test_comparison_rows_match_hand_computation():
     from scipy import stats
 
-    sw = _sweep()
     rng = random.Random(0)
     lq = {}
     for s in range(5):
@@ -124,7 +146,7 @@ def test_comparison_rows_match_hand_computation():
             lq[(algo, "fix4", s)] = base - drop + rng.gauss(0, 0.02)
     per_run = [{"task": "long", "algo": a, "lr": 1e-4, "delay": c, "seed": s, "lq_mean": v, "staleness": 3.0 if c else 0.0,
                 "staleness_max": 4.0 if c else 0.0} for (a, c, s), v in lq.items()]  # fmt: skip
-    rows = sw.comparison_rows(per_run, "gepo")
+    rows = comparison_rows(per_run, "gepo")
     stale = next(r for r in rows if r["condition"] == "fix4")
     diffs = [(lq[("gepo", 0, s)] - lq[("gepo", "fix4", s)]) - (lq[("grpo_paper", 0, s)] - lq[("grpo_paper", "fix4", s)])
              for s in range(5)]  # fmt: skip
@@ -135,28 +157,26 @@ def test_comparison_rows_match_hand_computation():
     assert stale["staleness_mean"] == 3.0 and stale["staleness_max"] == 4.0 and stale["drop_mde"] > 0
     on = next(r for r in rows if r["condition"] == 0)
     assert on["n_drop"] == 0 and on["n_score"] == 5
-    dm = sw.design_mde(per_run, 5)
+    dm = design_mde(per_run, 5)
     assert dm["sigma"] > 0 and dm["mde_drop_diff"] > 2 * dm["sigma"]  # 5 seeds: MDE ~ 1.7 x (2 sigma)
 
 
 def test_study_markdown_has_every_section(tmp_path):
-    sw = _sweep()
-    plan = _plan(sw, lr_grid=[1e-4], lr_seeds=[0])
+    plan = _plan(lr_grid=[1e-4], lr_seeds=[0])
     per_run = [{"task": "long", "algo": a, "lr": 1e-4, "delay": c, "seed": s, "lq_mean": 0.4 + 0.01 * s - (0.05 if c else 0),
-                **{k: math.nan for k in sw.RUN_KEYS if k != "lq_mean"}}
+                **{k: math.nan for k in RUN_KEYS if k != "lq_mean"}}
                for a in ("gepo", "grpo_paper") for c in (0, "fix4") for s in range(3)]  # fmt: skip
-    table, chosen = sw.choose_lrs(per_run, plan)
-    md = sw.study_markdown("long", plan, per_run, table, chosen, {"long": "f" * 64})
+    table, chosen = choose_lrs(per_run, plan)
+    md = study_markdown("long", plan, per_run, table, chosen, {"long": "f" * 64})
     for needle in ("weights sha256 `" + "f" * 64, "**Learning rates**", "**Drops from on-policy**",
                    "**Paired differences, gepo minus each baseline**", "| fix4 |", "**Power of the design.**",
                    "**Importance-weight variance against KL**", "**At a glance**"):
         assert needle in md, needle
-    assert Path(sw.staleness_figure(tmp_path / "fig", per_run)).is_file()
-    assert Path(sw.kl_variance_figure(tmp_path / "fig", per_run)).is_file()  # NaN KL everywhere: an empty plot
+    assert Path(staleness_figure(tmp_path / "fig", per_run)).is_file()
+    assert Path(kl_variance_figure(tmp_path / "fig", per_run)).is_file()  # NaN KL everywhere: an empty plot
 
 
 def test_glance_matrices_hold_each_methods_score_drop_and_paired_difference():
-    sw = _sweep()
     rng = random.Random(3)
     per_run, lq = [], {}
     for a, drop in (("gepo", 0.10), ("grpo_paper", 0.02), ("gspo", 0.05)):
@@ -166,7 +186,7 @@ def test_glance_matrices_hold_each_methods_score_drop_and_paired_difference():
                 lq[(a, c, s)] = v
                 per_run.append({"task": "long", "algo": a, "delay": c, "seed": s, "lq_mean": v, "kl": drop if c else 0.0,
                                 "staleness": 15.3 if c else 0.0, "staleness_max": 16.0 if c else 0.0})  # fmt: skip
-    md = sw.glance_markdown(per_run, sw.drop_rows(per_run), {"gepo": sw.comparison_rows(per_run, "gepo")})
+    md = glance_markdown(per_run, drop_rows(per_run), {"gepo": comparison_rows(per_run, "gepo")})
     lines = md.splitlines()
     gepo_drop = sum(lq[("gepo", 0, s)] - lq[("gepo", "fix16", s)] for s in range(4)) / 4
     diff = gepo_drop - sum(lq[("grpo_paper", 0, s)] - lq[("grpo_paper", "fix16", s)] for s in range(4)) / 4
@@ -183,7 +203,6 @@ def test_kl_variance_rows_correlate_each_methods_runs():
     the condition with the highest mean KL; a method whose variance does not move gets no r."""
     from scipy import stats
 
-    sw = _sweep()
     rng = random.Random(1)
     per_run = []
     for c, kl in ((0, 0.0), ("fix4", 0.01), ("fix16", 0.05), ("uni64", 0.03)):
@@ -192,7 +211,7 @@ def test_kl_variance_rows_correlate_each_methods_runs():
             per_run.append({"algo": "grpo_paper", "delay": c, "seed": s, "kl": k, "var": 2.0 * k + 0.001 * rng.random()})
             per_run.append({"algo": "gepo", "delay": c, "seed": s, "kl": k, "var": 0.03})  # flat
     per_run.append({"algo": "gepo", "delay": "fix4", "seed": 9, "kl": math.nan, "var": 0.03})  # skipped
-    rows = {r["algo"]: r for r in sw.kl_variance_rows(per_run)}
+    rows = {r["algo"]: r for r in kl_variance_rows(per_run)}
     grpo = [r for r in per_run if r["algo"] == "grpo_paper"]
     x, y = [r["kl"] for r in grpo], [r["var"] for r in grpo]
     assert rows["grpo_paper"]["n"] == 16
@@ -204,19 +223,18 @@ def test_kl_variance_rows_correlate_each_methods_runs():
 
 
 def test_budget_estimate_uses_finished_runs_else_the_measured_defaults():
-    sw = _sweep()
-    plan = _plan(sw, steps=200, test_freq=20, eval_size=512, prompts=16)
-    secs, how = sw.estimate_seconds(plan, [])
-    assert secs == pytest.approx(200 * sw.SECONDS_PER_STEP_16 + 11 * 512 * sw.SECONDS_PER_EVAL_PROBLEM)
+    plan = _plan(steps=200, test_freq=20, eval_size=512, prompts=16)
+    secs, how = estimate_seconds(plan, [])
+    assert secs == pytest.approx(200 * SECONDS_PER_STEP_16 + 11 * 512 * SECONDS_PER_EVAL_PROBLEM)
     assert "measured defaults" in how
-    secs, how = sw.estimate_seconds(plan, [{"seconds": 100.0}, {"seconds": 300.0}, {"seconds": 200.0}])
+    secs, how = estimate_seconds(plan, [{"seconds": 100.0}, {"seconds": 300.0}, {"seconds": 200.0}])
     assert secs == 200.0 and "3 finished runs" in how
 
 
 def test_powered_design_meets_the_issue_minimums():
     """Issue 13 item 4: >= 512 evaluation problems, >= 5 evaluations averaged, >= 5 seeds, >= 200
     steps; item 2: conditions 0, 4, 16, 64 with fixed and uniform staleness."""
-    p = _sweep().POWERED
+    p = POWERED
     assert p["eval_size"] >= 512 and p["last_evals"] >= 5 and len(p["seeds"]) >= 5 and p["steps"] >= 200
     assert p["steps"] // p["test_freq"] >= p["last_evals"]
     assert {0, "fix4", "fix16", "fix64", "uni64", "logn64"} <= set(p["delays"])
@@ -224,21 +242,74 @@ def test_powered_design_meets_the_issue_minimums():
     assert {"gepo", "grpo_paper", "gspo_wide", "gspo", "gepo_tr"} <= set(p["algos"]) and len(p["lr_grid"]) >= 2
 
 
+def test_designs_that_run_start_from_the_pinned_warm_start_and_keep_their_ids():
+    """quick, powered and dry run from the pinned warm start (210 steps); the legacy design has none.
+    The committed rows of the powered study carry its design id, so it must not move."""
+    steps = {name: Plan(**design).warm_start_steps for name, design in DESIGNS.items()}
+    assert steps == {"legacy": 0, "quick": PINNED_WARM_START_STEPS, "powered": 210, "dry": 210}
+    assert {Plan(**design).design for design in DESIGNS.values()} == set(DESIGNS)
+    rows = load_rows(REPO / "docs" / "study_data" / "rows_powered.csv")
+    assert len(rows) == 180 and {r["design_id"] for r in rows} == {design_id(Plan(**POWERED))} == {"19c6d7171502"}
+
+
+@pytest.mark.parametrize("algo", list(ALGOS))
+def test_run_overrides_pass_the_entrys_checks(algo, tmp_path, capsys):
+    """Each algorithm's run overrides compose with recipe/gepo/config and pass
+    ``recipe.gepo.main_gepo.run_local``'s checks (``hetero.dry_run=true``: the checks, no training)."""
+    from recipe.gepo.main_gepo import run_local
+
+    plan = Plan(**POWERED)
+    overrides = run_overrides(plan, "long", algo, "uni64", 0, str(tmp_path / "model"), tmp_path / "run", 2e-4)
+    assert not [o for o in overrides if o.startswith("task.warm_start")]  # the model path is the warm start
+    cfg = compose_cfg(overrides + ["hetero.dry_run=true"])
+    assert cfg.actor_rollout_ref.actor.optim.lr == 2e-4 and cfg.hetero.max_delay == 64
+    assert run_local(cfg) == {}
+
+
+def test_the_entrys_checks_refuse_an_unregistered_loss(tmp_path):
+    from recipe.gepo.main_gepo import run_local
+
+    overrides = run_overrides(Plan(**POWERED), "long", "gepo", 0, 0, str(tmp_path / "model"), tmp_path / "run")
+    cfg = compose_cfg(overrides + ["actor_rollout_ref.actor.policy_loss.loss_mode=no_such_loss", "hetero.dry_run=true"])
+    with pytest.raises(ValueError, match="no_such_loss"):
+        run_local(cfg)
+
+
+def test_the_legacy_design_is_tabulated_but_never_run(tmp_path):
+    """Its accuracy-window warm start is gone: running it fails in one line naming it; its rows
+    still make its tables (figures skip runs known from a row alone)."""
+    cli = [sys.executable, str(REPO / "scripts" / "bench" / "delay_sweep.py"), "--design", "legacy"]
+    proc = subprocess.run(cli + ["--out", str(tmp_path / "ran")], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert "--design legacy is table-only" in proc.stderr and "warm start" in proc.stderr
+    assert not (tmp_path / "ran").exists()
+    rows = tmp_path / "rows.csv"
+    for delay, score in ((0, 0.5), (64, 0.25)):
+        append_row(rows, {"task": "long", "algo": "gepo", "lr": 1e-4, "delay": delay, "seed": 0, "steps": 60,
+                          "design_id": design_id(Plan(**LEGACY)), "ws_sha256": "", "seconds": 1.0, "best": score,
+                          "last": score, "lq_mean": score})  # fmt: skip
+    out = tmp_path / "tables"
+    proc = subprocess.run(cli + ["--out", str(out), "--rows", str(rows), "--table-only", "--tasks", "long",
+                                 "--algos", "gepo"], capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    table = (out / "table_long.md").read_text()
+    assert "| gepo | 0 | 1 | 0.500 |" in table and "| gepo | 64 | 1 | 0.250 | 0.250 | 0.250 | - | 0.250 |" in table
+
+
 def test_update_doc_replaces_the_pages_study_blocks_and_refuses_unknown_ones(tmp_path):
-    sw = _sweep()
-    generated = "\n".join(["# study", *sw._block("long", "glance", "| new | table |"), "text",
-                           *sw._block("long", "power", "**Power** 0.064")])  # fmt: skip
+    generated = "\n".join(["# study", *doc_block("long", "glance", "| new | table |"), "text",
+                           *doc_block("long", "power", "**Power** 0.064")])  # fmt: skip
     page = tmp_path / "results.md"
-    page.write_text("intro\n" + "\n".join(sw._block("long", "glance", "| old |\n| rows |")) + "\nprose 0.1\n")
-    assert sw.update_doc(page, generated) == ["long:glance"]
+    page.write_text("intro\n" + "\n".join(doc_block("long", "glance", "| old |\n| rows |")) + "\nprose 0.1\n")
+    assert update_doc(page, generated) == ["long:glance"]
     assert page.read_text() == "intro\n<!-- study:long:glance -->\n| new | table |\n<!-- /study -->\nprose 0.1\n"
     # empty blocks, as a new page has: each is filled, none swallows the prose up to the next one
     page.write_text("a\n<!-- study:long:glance -->\n<!-- /study -->\nprose\n<!-- study:long:power -->\n<!-- /study -->\n")
-    assert sw.update_doc(page, generated) == ["long:glance", "long:power"]
+    assert update_doc(page, generated) == ["long:glance", "long:power"]
     assert page.read_text() == ("a\n<!-- study:long:glance -->\n| new | table |\n<!-- /study -->\nprose\n"
                                 "<!-- study:long:power -->\n**Power** 0.064\n<!-- /study -->\n")  # fmt: skip
-    before = page.read_text() + "\n".join(sw._block("short", "glance", "x")) + "\n"
+    before = page.read_text() + "\n".join(doc_block("short", "glance", "x")) + "\n"
     page.write_text(before)
     with pytest.raises(ValueError, match="short:glance"):
-        sw.update_doc(page, generated)
+        update_doc(page, generated)
     assert page.read_text() == before  # nothing half-written

@@ -23,7 +23,7 @@ def test_dry_design_runs_rows_tables_and_resumes(tmp_path):
         rows = list(csv.DictReader(fh))
     assert len(rows) == 8  # stage 1: 2 (seed 0 on-policy); stage 2: 2 x 2 x 2 minus those 2
     plan = json.loads((tmp_path / "plan.json").read_text())
-    from verl_ext.data.toy import WARM_START_INFO
+    from verl_ext.data.toy.checkpoints import WARM_START_INFO
 
     ws = next(p for p in (REPO / ".cache" / "heterorl").glob(f"toy_add3_scratch-pin{plan['warm_start_steps']}-*"))
     sha = json.loads((ws / WARM_START_INFO).read_text())["weights_sha256"]

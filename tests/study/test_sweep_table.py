@@ -1,22 +1,15 @@
-"""The delay sweep's table arithmetic against hand computation on synthetic run directories."""
+"""The delay sweep's table arithmetic (scripts/sweep) against hand computation on synthetic run directories."""
 
-import importlib.util
 import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-
-
-def _sweep():
-    spec = importlib.util.spec_from_file_location("delay_sweep", REPO / "scripts" / "bench" / "delay_sweep.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["delay_sweep"] = mod  # dataclasses look their module up
-    spec.loader.exec_module(mod)
-    return mod
+from sweep.analyse import run_numbers, stability_rows, summarize
+from sweep.plan import Plan
+from sweep.render import markdown_table, stability_table, write_outputs
+from sweep.rows import collect
 
 
 def _write_run(d: Path, evals: dict[int, float], kl: dict[int, float], var: dict[int, float], err=None):
@@ -37,7 +30,6 @@ def _write_run(d: Path, evals: dict[int, float], kl: dict[int, float], var: dict
 
 
 def test_table_matches_hand_computation(tmp_path):
-    sw = _sweep()
     kl = {s: 0.01 * s for s in range(1, 9)}
     var = {s: 0.1 * s for s in range(1, 9)}
     root = tmp_path / "runs" / "short" / "gepo"
@@ -47,11 +39,11 @@ def test_table_matches_hand_computation(tmp_path):
     _write_run(root / "d64" / "s0", {0: 0.3, 2: 0.2, 4: 0.1, 6: 0.1, 8: 0.0}, kl, var)
     _write_run(root / "d64" / "s1", {0: 0.3, 2: 0.3, 4: 0.2, 6: 0.2, 8: 0.1}, kl, var)
     _write_run(root / "d8" / "s1", {0: 0.3, 2: 0.4, 4: 0.5, 6: 0.5, 8: 0.5}, kl, var)
-    plan = sw.Plan(tasks=["short"], algos=["gepo"], delays=[0, 8, 64], seeds=[0, 1], steps=8, lr=1e-4, test_freq=2,
+    plan = Plan(tasks=["short"], algos=["gepo"], delays=[0, 8, 64], seeds=[0, 1], steps=8, lr=1e-4, test_freq=2,
                    eval_size=8, prompts=2, diagnostics_every=0, diagnostics_samples=1)  # fmt: skip
-    per_run = sw.collect(tmp_path, plan)
+    per_run = collect(tmp_path, plan)
     assert len(per_run) == 5
-    rows = {r["delay"]: r for r in sw.summarize(per_run)}
+    rows = {r["delay"]: r for r in summarize(per_run)}
 
     def ms(a, b):
         m = (a + b) / 2
@@ -75,16 +67,16 @@ def test_table_matches_hand_computation(tmp_path):
     # delay 8 ran for seed 1 only: its drop pairs that seed alone (0.6 - 0.5)
     assert rows[8]["n"] == 1 and rows[8]["drop_n"] == 1
     assert rows[8]["drop_mean"] == pytest.approx(0.1) and math.isnan(rows[8]["drop_std"])
-    md = sw.markdown_table(sw.summarize(per_run))
+    md = markdown_table(summarize(per_run))
     assert "| gepo | 0 | 2 | 0.650 ± 0.071 |" in md
     # pooled over delays 8 and 64, paired by seed: 0.4, 0.5 (delay 64) and 0.1 (delay 8, seed 1)
-    (stable,) = sw.stability_rows(sw.summarize(per_run), per_run)
+    (stable,) = stability_rows(summarize(per_run), per_run)
     assert (stable["lq_0"], stable["lq_8"], stable["lq_64"]) == pytest.approx((0.5, 0.5, 0.05))
     m, sd = 1.0 / 3, math.sqrt(((0.4 - 1 / 3) ** 2 + (0.5 - 1 / 3) ** 2 + (0.1 - 1 / 3) ** 2) / 2)
     assert (stable["pooled_drop"], stable["pooled_se"]) == pytest.approx((m, sd / math.sqrt(3)))
     assert stable["pooled_n"] == 3 and stable["worse"] == 3
-    assert "| gepo | 0.500 | 0.500 | 0.050 | 0.333 ± 0.120 | 3/3 |" in sw.stability_table([stable])
-    sw.write_outputs(tmp_path, plan, per_run, figures=False, log=lambda *a: None)
+    assert "| gepo | 0.500 | 0.500 | 0.050 | 0.333 ± 0.120 | 3/3 |" in stability_table([stable])
+    write_outputs(tmp_path, plan, per_run, figures=False, log=lambda *a: None)
     seeds = (tmp_path / "runs_short.csv").read_text().splitlines()
     assert seeds[0] == ("task,algo,delay,seed,start,best,last,lq_mean,gap,kl,var,weight_mean,clipfrac,staleness,"
                         "staleness_max,err,clipfrac_pos,clipfrac_neg,zero_grad_stale,weight_right,weight_wrong")
@@ -92,9 +84,8 @@ def test_table_matches_hand_computation(tmp_path):
 
 
 def test_run_numbers_last_quarter_uses_steps_after_three_quarters():
-    sw = _sweep()
     metrics = [{"step": 0, "eval/acc_mean": 0.1}] + [{"step": s, "eval/acc_mean": s / 100} for s in (25, 50, 75, 76, 100)]
-    n = sw.run_numbers(metrics, total_steps=100)
+    n = run_numbers(metrics, total_steps=100)
     assert n["lq_mean"] == pytest.approx((0.76 + 1.0) / 2)  # 75 is not > 75
     assert n["best"] == 1.0 and n["last"] == 1.0 and n["start"] == 0.1 and n["gap"] == 0.0
     assert math.isnan(n["kl"]) and math.isnan(n["err"])

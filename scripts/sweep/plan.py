@@ -1,0 +1,199 @@
+"""What the sweep runs: algorithms, tasks, designs (:class:`Plan` and its defaults), staleness
+conditions, each run's directory and hydra overrides, and the design id rows carry."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+#: algorithm name -> hydra overrides. Controls: gepo_std (std-normalised advantages), *_nokl
+#: (sampler-KL penalty off; presets have 0.005), grpo_tis (verl's decoupled truncated IS, C = 2).
+#: The paper's baselines: grpo_paper (no dual clip), gspo_wide (GSPO at clip 0.2); gspo keeps the
+#: GSPO paper's 3e-4 / 4e-4 and grpo verl's dual clip (c = 3).
+ALGOS: dict[str, list[str]] = {
+    "gepo": ["algorithm_preset=gepo"],
+    "gspo": ["algorithm_preset=gspo"],
+    "gspo_wide": ["algorithm_preset=gspo_wide"],
+    "grpo": ["algorithm_preset=grpo"],
+    "grpo_paper": ["algorithm_preset=grpo_paper"],
+    "dr_grpo": ["algorithm_preset=dr_grpo"],
+    "bnpo": ["algorithm_preset=bnpo"],
+    "gepo_adaptive": ["algorithm_preset=gepo", "actor_rollout_ref.actor.policy_loss.loss_mode=gepo_adaptive"],
+    "gepo_tr": ["algorithm_preset=gepo", "actor_rollout_ref.actor.policy_loss.loss_mode=gepo_tr"],
+    "gmpo": ["algorithm_preset=gmpo"],
+    "cispo": ["algorithm_preset=cispo"],
+    "topr": ["algorithm_preset=topr"],
+    "delta_l": ["algorithm_preset=delta_l"],
+    "gepo_std": ["algorithm_preset=gepo", "algorithm.norm_adv_by_std_in_grpo=true"],
+    "gepo_nokl": ["algorithm_preset=gepo", "actor_rollout_ref.actor.policy_loss.sampler_kl_coef=0.0"],
+    "grpo_nokl": ["algorithm_preset=grpo", "actor_rollout_ref.actor.policy_loss.sampler_kl_coef=0.0"],
+    "grpo_tis": ["algorithm_preset=grpo", "algorithm.rollout_correction.rollout_is=token",
+                 "algorithm.rollout_correction.rollout_is_threshold=2.0"],
+}
+LEGACY_ALGOS = [a for a in ALGOS if a not in ("gspo_wide", "grpo_paper", "gepo_tr")]
+
+
+@dataclass(frozen=True)
+class TaskSpec:
+    """One toy task of the sweep."""
+
+    answer_format: str
+    """``task.answer_format``."""
+    max_len: int
+    """``data.max_response_length`` (a correct answer plus room)."""
+
+
+TASKS: dict[str, TaskSpec] = {
+    "short": TaskSpec("short", 8),
+    "long": TaskSpec("scratchpad", 24),
+}
+
+
+@dataclass
+class Plan:
+    """A sweep design; every field is a default of ``--design`` that a flag can replace."""
+
+    tasks: list[str]
+    algos: list[str]
+    delays: list
+    """staleness conditions: 0, ints (legacy log-normal caps), ``fix<k>``, ``uni<K>``, ``logn<K>``"""
+    seeds: list[int]
+    steps: int
+    lr: float
+    test_freq: int
+    eval_size: int
+    prompts: int
+    diagnostics_every: int
+    diagnostics_samples: int
+    extra: list[str] = field(default_factory=list)
+    warm_start_steps: int = 0
+    """> 0: the pinned warm start of that many supervised steps (seed 0); 0: none the sweep can
+    build -- the legacy design, whose accuracy-window warm start was machine-dependent and is gone,
+    so its rows can be tabulated (``--table-only``) but not run."""
+    last_evals: int = 0
+    """a run's score (``lq_mean``): the mean of its last k evaluations; 0: of the evaluations at
+    steps > 0.75 x steps (the legacy "last-quarter mean")."""
+    lrs: dict = field(default_factory=dict)
+    """algo -> pinned learning rate (overrides ``lr`` and the grid)."""
+    lr_grid: list = field(default_factory=list)
+    """stage 1: on-policy runs at each of these rates, the rule of
+    :func:`sweep.analyse.choose_lrs` picks one."""
+    lr_seeds: list = field(default_factory=list)
+    """seeds of stage 1."""
+    reference: str = "gepo"
+    """the method every other one is compared with in the paired tables."""
+    variants: list = field(default_factory=lambda: ["gepo_tr"])
+    """methods that also get a paired table against every other one (the project's variants:
+    issue 13 asks whether one beats every baseline), when the rows hold them."""
+    design: str = "legacy"
+
+
+#: supervised steps of the pinned warm start (seed 0) of the designs that run
+PINNED_WARM_START_STEPS = 210
+
+#: the 252-run sweep of docs/results_data/legacy_results.md: table-only (no warm start to run it from)
+LEGACY = dict(tasks=["long", "short"], algos=LEGACY_ALGOS, delays=[0, 8, 64], seeds=[0, 1, 2], steps=60, lr=1e-4,
+              test_freq=10, eval_size=64, prompts=8, diagnostics_every=10, diagnostics_samples=8)  # fmt: skip
+QUICK = dict(tasks=["long", "short"], algos=["gepo", "gspo", "grpo"], delays=[0, 64], seeds=[0], steps=16, lr=1e-4,
+             test_freq=8, eval_size=32, prompts=4, diagnostics_every=8, diagnostics_samples=8,
+             warm_start_steps=PINNED_WARM_START_STEPS, design="quick")  # fmt: skip
+#: the powered study (docs/study.md): 16 prompts x G=8, 200 steps, 512 held-out problems every 20
+#: steps, score = mean of the last 5 evaluations, 5 seeds, each method's rate chosen on-policy.
+#: Cut to fit the budget (docs/study.md): verl's dual-clip grpo and gepo_adaptive (--algos adds them).
+POWERED = dict(tasks=["long"], algos=["gepo", "grpo_paper", "gspo_wide", "gepo_tr", "gspo"],
+               delays=[0, "fix4", "fix16", "fix64", "uni64", "logn64"], seeds=[0, 1, 2, 3, 4], steps=200, lr=1e-4,
+               test_freq=20, eval_size=512, prompts=16, diagnostics_every=0, diagnostics_samples=8,
+               warm_start_steps=PINNED_WARM_START_STEPS, last_evals=5, lr_grid=[5e-5, 1e-4, 2e-4], lr_seeds=[0, 1, 2],
+               design="powered")  # fmt: skip
+#: the powered pipeline end to end in minutes: tiny settings, same stages and outputs
+DRY = dict(POWERED, algos=["gepo", "grpo_paper", "gspo_wide"], delays=[0, "fix4", "uni8"], seeds=[0, 1, 2], steps=8,
+           test_freq=2, eval_size=32, prompts=4, last_evals=2, lr_grid=[1e-4, 2e-4], lr_seeds=[0], design="dry")
+DESIGNS = {"legacy": LEGACY, "quick": QUICK, "powered": POWERED, "dry": DRY}
+
+_COND = re.compile(r"^(fix|uni|logn)(\d+)$")
+
+
+def parse_condition(label) -> tuple[str, int]:
+    """``0`` -> ("on", 0); an int K -> ("logn", K); ``fix16`` -> ("fix", 16); ``uni64``; ``logn64``."""
+    if isinstance(label, int) or (isinstance(label, str) and label.isdigit()):
+        k = int(label)
+        if k < 0:
+            raise ValueError(f"staleness condition {label!r}: must be >= 0")
+        return ("on", 0) if k == 0 else ("logn", k)
+    m = _COND.match(str(label))
+    if not m:
+        raise ValueError(f"staleness condition {label!r}: expected 0, an int, fix<k>, uni<K> or logn<K>")
+    kind, k = m.group(1), int(m.group(2))
+    if k < 1:
+        raise ValueError(f"staleness condition {label!r}: k must be >= 1 (use 0 for on-policy)")
+    return kind, k
+
+
+def normalize_condition(label):
+    """Ints stay ints (0 and the legacy caps), the rest stays a validated str."""
+    parse_condition(label)
+    return int(label) if isinstance(label, int) or str(label).isdigit() else str(label)
+
+
+def condition_key(label) -> tuple[int, int, str]:
+    """Sort key of conditions: on-policy, then fixed, uniform and log-normal, each by k."""
+    kind, k = parse_condition(label)
+    return ({"on": 0, "fix": 1, "uni": 2, "logn": 3}[kind], k, str(label))
+
+
+def condition_overrides(label) -> list[str]:
+    """The ``hetero.delay`` / ``hetero.max_delay`` overrides of a staleness condition."""
+    kind, k = parse_condition(label)
+    if kind in ("on", "logn"):
+        return ["hetero.delay.dist=lognormal", "hetero.delay.low=1", "hetero.delay.high=64", f"hetero.max_delay={k}"]
+    if kind == "fix":
+        return ["hetero.delay.dist=constant", f"hetero.delay.value={k}", f"hetero.max_delay={k}"]
+    return ["hetero.delay.dist=uniform", "hetero.delay.low=0", f"hetero.delay.high={k}", "hetero.delay.integer=true",
+            f"hetero.max_delay={k}"]
+
+
+def multi_lr(plan: Plan) -> bool:
+    """Run directories carry the rate when a design tries or pins per-algorithm rates."""
+    return bool(plan.lr_grid or plan.lrs)
+
+
+def lrs_to_try(plan: Plan, algo: str, chosen: dict | None = None) -> list[float]:
+    if algo in plan.lrs:
+        return [float(plan.lrs[algo])]
+    rates = [float(x) for x in plan.lr_grid] or [float(plan.lr)]
+    if chosen and algo in chosen[1]:
+        rates.append(chosen[1][algo])
+    return sorted(set(rates))
+
+
+def run_dir(out: Path, plan: Plan, task: str, algo: str, lr: float, delay, seed: int) -> Path:
+    name = f"{algo}@{lr:g}" if multi_lr(plan) else algo
+    return out / "runs" / task / name / f"d{delay}" / f"s{seed}"
+
+
+def design_id(plan: Plan) -> str:
+    """Hash of the settings a run's outcome depends on besides (task, algo, lr, condition, seed)."""
+    keys = dict(steps=plan.steps, test_freq=plan.test_freq, eval_size=plan.eval_size, prompts=plan.prompts,
+                diagnostics_every=plan.diagnostics_every, diagnostics_samples=plan.diagnostics_samples,
+                extra=list(plan.extra), warm_start_steps=plan.warm_start_steps)  # fmt: skip
+    return hashlib.sha256(json.dumps(keys, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def run_overrides(plan: Plan, task: str, algo: str, delay, seed: int, model_path: str, run_dir: Path,
+                  lr: float | None = None) -> list[str]:  # fmt: skip
+    """The hydra overrides of one run (``recipe/gepo/config/gepo_trainer``): the algorithm, the
+    condition, replay mode on the embedded engine, the warm start and the design's settings."""
+    spec = TASKS[task]
+    lr = plan.lr if lr is None else lr
+    return ALGOS[algo] + condition_overrides(delay) + [
+        "hetero.engine=local", "hetero.mode=replay", f"hetero.seed={seed}",
+        f"actor_rollout_ref.model.path={model_path}", f"actor_rollout_ref.actor.optim.lr={lr}",
+        f"data.train_batch_size={plan.prompts}", f"data.max_response_length={spec.max_len}",
+        f"trainer.total_training_steps={plan.steps}", f"trainer.test_freq={plan.test_freq}", "trainer.save_freq=-1",
+        "trainer.resume_mode=disable", f"trainer.default_local_dir={run_dir}", f"task.eval_size={plan.eval_size}",
+        f"task.answer_format={spec.answer_format}",
+        f"task.diagnostics_every={plan.diagnostics_every}", f"task.diagnostics_samples={plan.diagnostics_samples}",
+    ] + plan.extra  # fmt: skip

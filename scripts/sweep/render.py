@@ -1,0 +1,271 @@
+"""The sweep's outputs: markdown tables, the per-run and summary CSVs, a task's section of
+docs/study.md (:func:`study_markdown`, with the methods x conditions matrices of
+:func:`glance_markdown`), and :func:`update_doc`, which copies its marked blocks into a page."""
+
+from __future__ import annotations
+
+import csv
+import math
+import re
+from pathlib import Path
+
+from sweep.analyse import (
+    RUN_KEYS,
+    comparison_rows,
+    design_mde,
+    drop_rows,
+    kl_variance_rows,
+    main_runs,
+    mean_std,
+    realised_staleness,
+    stability_rows,
+    summarize,
+)
+from sweep.figures import kl_variance_figure, run_figures, staleness_figure
+from sweep.plan import TASKS, Plan, condition_key, design_id, multi_lr, normalize_condition
+
+
+def _cell(m: float, s: float, digits: int = 3, sci: bool = False) -> str:
+    """``m ± s`` (``m`` alone when ``s`` is not finite, ``-`` when ``m`` is not)."""
+    if not math.isfinite(m):
+        return "-"
+    f = (lambda v: f"{v:.2e}") if sci else (lambda v: f"{v:.{digits}f}")
+    return f(m) if not math.isfinite(s) else f"{f(m)} ± {f(s)}"
+
+
+def _ci(m: float, lo: float, hi: float) -> str:
+    """A signed mean with its interval, ``+m [lo, hi]``."""
+    if not math.isfinite(m):
+        return "-"
+    return f"{m:+.3f}" if not math.isfinite(lo) else f"{m:+.3f} [{lo:+.3f}, {hi:+.3f}]"
+
+
+def _p(p: float) -> str:
+    """A p-value: three decimals, scientific below 0.001."""
+    return "-" if not math.isfinite(p) else (f"{p:.3f}" if p >= 0.001 else f"{p:.1e}")
+
+
+def markdown_table(rows: list[dict]) -> str:
+    """``table_<task>.md``: one line per :func:`sweep.analyse.summarize` row."""
+    head = ("| algo | max delay | n | Best | Last | last-quarter mean | best-last gap | drop from delay 0 (lq) "
+            "| KL(q‖p) | IS-weight var | E[A] error |")  # fmt: skip
+    lines = [head, "|" + "---|" * 11]
+    for r in rows:
+        lines.append(
+            f"| {r['algo']} | {r['delay']} | {r['n']} | {_cell(r['best_mean'], r['best_std'])} | "
+            f"{_cell(r['last_mean'], r['last_std'])} | {_cell(r['lq_mean_mean'], r['lq_mean_std'])} | "
+            f"{_cell(r['gap_mean'], r['gap_std'])} | {_cell(r['drop_mean'], r['drop_std'])} | "
+            f"{_cell(r['kl_mean'], r['kl_std'], sci=True)} | {_cell(r['var_mean'], r['var_std'], sci=True)} | "
+            f"{_cell(r['err_mean'], r['err_std'])} |"
+        )
+    return "\n".join(lines)
+
+
+
+def stability_table(rows: list[dict]) -> str:
+    """``stability_<task>.md`` from :func:`sweep.analyse.stability_rows`, largest pooled drop first."""
+    delays = sorted({normalize_condition(k[3:]) for r in rows for k in r if k.startswith("lq_")}, key=condition_key)
+    head = "| algo | " + " | ".join(f"lq, delay {d}" for d in delays) + " | drop over delays > 0 (± s.e.) | pairs worse |"
+    lines = [head, "|" + "---|" * (len(delays) + 3)]
+    for r in sorted(rows, key=lambda r: -r["pooled_drop"] if math.isfinite(r["pooled_drop"]) else 0):
+        cells = " | ".join(_cell(r.get(f"lq_{d}", math.nan), math.nan) for d in delays)
+        lines.append(f"| {r['algo']} | {cells} | {_cell(r['pooled_drop'], r['pooled_se'])} | {r['worse']}/{r['pooled_n']} |")
+    return "\n".join(lines)
+
+
+def glance_markdown(per_run: list[dict], drops: list[dict], comparisons: dict[str, list[dict]]) -> str:
+    """The study's numbers as methods x conditions matrices (what docs/results.md quotes): the
+    realised staleness of each condition, each method's score (mean ± sd over seeds, n) and its
+    drop from on-policy (mean [95% t interval], paired by seed), and for each reference method the
+    paired difference of drops against every other method (> 0: the reference loses more).
+    ``drops`` = :func:`drop_rows` (per_run), ``comparisons`` = reference -> :func:`comparison_rows`
+    (per_run, reference): the same rows the long tables print, computed once by the caller."""
+    conds = sorted({r["delay"] for r in per_run}, key=condition_key)
+    algos = sorted({r["algo"] for r in per_run})
+    head = "| | " + " | ".join(f"`{c}`" for c in conds) + " |"
+    rule = "|---|" + "---|" * len(conds)
+    stale = []
+    for c in conds:
+        mean, mx = realised_staleness([r for r in per_run if r["delay"] == c])
+        stale.append(f"{_cell(mean, math.nan, 1)} / {_cell(mx, math.nan, 0)}")
+    rows = {(r["algo"], r["delay"]): r for r in drops}
+    score = [head, rule, "| realised staleness mean / max | " + " | ".join(stale) + " |"]
+    drop = [head, rule]
+    for a in algos:
+        cells_s, cells_d = [], []
+        for c in conds:
+            r = rows.get((a, c))
+            cells_s.append(f"{_cell(r['lq_mean_mean'], r['lq_mean_std'])} ({r['n']})" if r else "")
+            t = r["drop_test"] if r else None
+            cells_d.append(_ci(t.mean, t.ci_low, t.ci_high) if t and t.n else ("-" if c == 0 else ""))
+        score.append(f"| {a} | " + " | ".join(cells_s) + " |")
+        drop.append(f"| {a} | " + " | ".join(cells_d) + " |")
+    out = ["Score (mean of the last evaluations; mean ± sd over seeds, number of seeds):", "", *score, "",
+           "Drop from on-policy (on-policy score minus the condition's, paired by seed; mean [95% t interval]):", "",
+           *drop]  # fmt: skip
+    cells = [r for r in rows.values() if r["delay"] != 0 and r["drop_test"].n
+             and math.isfinite(r["drop_test"].mean) and math.isfinite(r["kl_mean"])]  # fmt: skip
+    if len(cells) >= 3:
+        from scipy import stats
+
+        rho = stats.spearmanr([r["kl_mean"] for r in cells], [r["drop_test"].mean for r in cells])
+        out += ["", f"Across the {len(cells)} stale (method, condition) cells, the drop's Spearman correlation with "
+                f"the cell's mean KL(sampler ‖ learner): rho = {rho.statistic:.2f} (p {_p(float(rho.pvalue))})."]  # fmt: skip
+    for ref, ref_rows in comparisons.items():
+        comp = {(c["baseline"], c["condition"]): c for c in ref_rows}
+        stale_conds = [c for c in conds if c != 0]
+        lines = ["| baseline | " + " | ".join(f"`{c}`" for c in stale_conds) + " |", "|---|" + "---|" * len(stale_conds)]
+        for b in [a for a in algos if a != ref]:
+            cells = []
+            for c in stale_conds:
+                x = comp.get((b, c))
+                p = f", p {_p(x['drop_p'])}" if x and math.isfinite(x["drop_p"]) else ""
+                cells.append(f"{_ci(x['drop_diff'], x['drop_lo'], x['drop_hi'])}{p}" if x and x["n_drop"] else "")
+            lines.append(f"| {b} | " + " | ".join(cells) + " |")
+        out += ["", f"{ref}'s drop minus each baseline's (paired by seed; > 0: {ref} loses more to staleness):", "",
+                *lines]  # fmt: skip
+    return "\n".join(out)
+
+
+
+def study_markdown(task: str, plan: Plan, per_run: list[dict], lr_table: list[dict], chosen: dict,
+                   ws: dict | None = None) -> str:  # fmt: skip
+    """The section of docs/study.md for one task, from its runs."""
+    from verl_ext.analysis.stats import binomial_eval_sd, mde
+
+    mine = [r for r in main_runs(per_run, plan, chosen) if r["task"] == task]
+    lines = [f"### Task `{task}` ({TASKS[task].answer_format} answers), design `{plan.design}` (id {design_id(plan)})", ""]
+    if ws and task in ws:
+        lines += [f"Warm start: pinned, {plan.warm_start_steps} supervised steps, seed 0; weights sha256 `{ws[task]}`.", ""]
+    lines += [f"{plan.steps} learner steps, {plan.prompts} prompts x G=8, evaluation every {plan.test_freq} steps on "
+              f"{plan.eval_size} held-out problems (one sample each, temperature 1); a run's score = mean of its last "
+              f"{plan.last_evals or 'quarter of'} evaluations. Intervals: 95% t over seeds, paired by seed.", ""]  # fmt: skip
+    present = {r["algo"] for r in mine}
+    refs = [plan.reference] + [v for v in plan.variants if v in present and v != plan.reference]
+    drops = drop_rows(mine)
+    comparisons = {ref: [c for c in comparison_rows(mine, ref) if c["task"] == task] for ref in refs}
+    lines += ["**At a glance**", "", *doc_block(task, "glance", glance_markdown(mine, drops, comparisons)), ""]
+    grid = [r for r in lr_table if r["task"] == task]
+    if grid:
+        lines += ["**Learning rates** (stage 1, on-policy; rule: highest mean score, a smaller rate within 0.01 of it "
+                  "preferred):", "", "| algo | lr | n | score (mean ± sd) | chosen |", "|---|---|---|---|---|"]
+        for r in grid:
+            lines.append(f"| {r['algo']} | {r['lr']:g} | {r['n']} | {_cell(r['mean'], r['sd'])} | "
+                         f"{'**yes**' if r['chosen'] else ''}{' (pinned)' if r['pinned'] else ''} |")  # fmt: skip
+        lines.append("")
+    lines += ["**Drops from on-policy** (score on-policy minus score at the condition, paired by seed):", ""]
+    table = ["| algo | lr | condition | realised staleness mean / max | n | score | drop [95% CI] | p | KL(q‖p) "
+             "| IS-weight var | clip frac | clip frac A>0 / A<0 | mean weight | weight right / wrong "
+             "| zero-grad share (stale) |", "|" + "---|" * 15]  # fmt: skip
+    for r in sorted(drops, key=lambda r: (r["algo"], condition_key(r["delay"]))):
+        t = r["drop_test"]
+        table.append(
+            f"| {r['algo']} | {r.get('lr', plan.lr):g} | {r['delay']} | {_cell(r['staleness_mean'], math.nan, 1)} / "
+            f"{_cell(r['staleness_max_mean'], math.nan, 0)} | {r['n']} | {_cell(r['lq_mean_mean'], r['lq_mean_std'])} | "
+            f"{_ci(t.mean, t.ci_low, t.ci_high)} | {_p(t.p)} | {_cell(r['kl_mean'], math.nan, sci=True)} | "
+            f"{_cell(r['var_mean'], math.nan, sci=True)} | {_cell(r['clipfrac_mean'], math.nan)} | {_cell(r['clipfrac_pos_mean'], math.nan)} / "
+            f"{_cell(r['clipfrac_neg_mean'], math.nan)} | {_cell(r['weight_mean_mean'], math.nan)} | "
+            f"{_cell(r['weight_right_mean'], math.nan)} / {_cell(r['weight_wrong_mean'], math.nan)} | "
+            f"{_cell(r['zero_grad_stale_mean'], math.nan)} |"
+        )
+    lines += doc_block(task, "drops", "\n".join(table))
+    for reference, comp in comparisons.items():
+        lines += ["", f"**Paired differences, {reference} minus each baseline** (drop diff > 0: {reference} "
+                  "loses more to staleness; score diff > 0: it scores higher at that condition). MDE: the true "
+                  "difference a 5% two-sided paired t test on these n seeds detects with 80% power at the observed sd.",
+                  "", "| condition | staleness mean / max | baseline | n | drop diff [95% CI] | p | MDE | score diff [95% CI] "
+                  "| p | MDE |", "|" + "---|" * 10]  # fmt: skip
+        for c in comp:
+            lines.append(
+                f"| {c['condition']} | {_cell(c['staleness_mean'], math.nan, 1)} / {_cell(c['staleness_max'], math.nan, 0)} | "
+                f"{c['baseline']} | {c['n_score']} | {_ci(c['drop_diff'], c['drop_lo'], c['drop_hi'])} | {_p(c['drop_p'])} | "
+                f"{_cell(c['drop_mde'], math.nan)} | {_ci(c['score_diff'], c['score_lo'], c['score_hi'])} | "
+                f"{_p(c['score_p'])} | {_cell(c['score_mde'], math.nan)} |"
+            )
+    lines += ["", "**Importance-weight variance against KL** (the paper's \"variance tracks KL\"; one point a run, "
+              "every condition and seed; the variance is of each loss's own weights, so compare methods by r, not by "
+              "level):", ""]  # fmt: skip
+    table = ["| algo | runs | Pearson r (p) | Spearman rho (p) | var on-policy | stalest condition by KL | KL there "
+             "| var there |", "|" + "---|" * 8]  # fmt: skip
+    for r in kl_variance_rows(mine):
+        table.append(f"| {r['algo']} | {r['n']} | {_cell(r['pearson_r'], math.nan, 2)} ({_p(r['pearson_p'])}) | "
+                     f"{_cell(r['spearman_r'], math.nan, 2)} ({_p(r['spearman_p'])}) | "
+                     f"{_cell(r['var_on_policy'], math.nan, sci=True)} | {r['top_condition']} | "
+                     f"{_cell(r['kl_top'], math.nan, sci=True)} | {_cell(r['var_top'], math.nan, sci=True)} |")  # fmt: skip
+    lines += doc_block(task, "klvar", "\n".join(table))
+    dm = design_mde(mine, len(plan.seeds))
+    acc = mean_std([r["lq_mean"] for r in mine])[0]
+    floor = binomial_eval_sd(min(max(acc, 0.0), 1.0), plan.eval_size, 1, max(plan.last_evals, 1)) if math.isfinite(acc) else math.nan
+    floor_mde = mde(2 * floor, len(plan.seeds)) if math.isfinite(floor) and floor > 0 and len(plan.seeds) >= 2 else math.nan
+    power = (f"**Power of the design.** Pooled seed-to-seed std of a run's score sigma = {_cell(dm['sigma'], math.nan)} "
+             f"({dm['df']:.0f} df); a difference of drops combines four runs (std 2 sigma if independent), so with "
+             f"{len(plan.seeds)} seeds the minimum detectable difference of drops (5% two-sided, 80% power) is "
+             f"**{_cell(dm['mde_drop_diff'], math.nan)}**. The evaluation alone (binomial, {plan.eval_size} problems x "
+             f"{max(plan.last_evals, 1)} evaluations at accuracy {_cell(acc, math.nan)}) gives sigma >= "
+             f"{_cell(floor, math.nan)}, MDE >= {_cell(floor_mde, math.nan)}.")  # fmt: skip
+    lines += ["", *doc_block(task, "power", power), ""]
+    return "\n".join(lines)
+
+
+_BLOCK = re.compile(r"<!-- study:(\w+):(\w+) -->\n(?:.*?\n)??<!-- /study -->", re.S)  # may be empty
+
+
+def doc_block(task: str, name: str, text: str) -> list[str]:
+    """A generated section, between markers that :func:`update_doc` finds (HTML comments: invisible
+    when the markdown is rendered)."""
+    return [f"<!-- study:{task}:{name} -->", text, "<!-- /study -->"]
+
+
+def update_doc(doc: Path, generated: str) -> list[str]:
+    """Replace every ``<!-- study:<task>:<name> -->`` block of ``doc`` with the same block of
+    ``generated`` (a ``study_<task>.md``), so the numbers a page quotes are the study's own output;
+    returns the names replaced. A block the study did not produce raises, naming it, and leaves the
+    page untouched."""
+    fresh = {(m.group(1), m.group(2)): m.group(0) for m in _BLOCK.finditer(generated)}
+    text = doc.read_text()
+    wanted = [(m.group(1), m.group(2)) for m in _BLOCK.finditer(text)]
+    missing = [f"{t}:{n}" for t, n in wanted if (t, n) not in fresh]
+    if missing:
+        raise ValueError(f"{doc}: blocks {missing} are not in the study's output (have {sorted(fresh)})")
+    doc.write_text(_BLOCK.sub(lambda m: fresh[(m.group(1), m.group(2))], text))
+    return [f"{t}:{n}" for t, n in wanted]
+
+
+def write_outputs(out: Path, plan: Plan, per_run: list[dict], figures: bool = True, log=print,
+                  lr_table: list[dict] | None = None, chosen: dict | None = None, ws: dict | None = None) -> None:  # fmt: skip
+    """Every output of a plan's finished runs (``per_run``, from :func:`sweep.rows.collect`) in
+    ``out``, per task: ``table_<task>.md``, ``summary_<task>.csv``, ``runs_<task>.csv``,
+    ``stability_<task>.md``, for the powered designs ``study_<task>.md``, and the figures."""
+    chosen = chosen if chosen is not None else {}
+    main = main_runs(per_run, plan, chosen)
+    rows = summarize(main)
+    for task in plan.tasks:
+        mine = [r for r in rows if r["task"] == task]
+        if not mine:
+            continue
+        md = markdown_table(mine)
+        (out / f"table_{task}.md").write_text(md + "\n")
+        with open(out / f"summary_{task}.csv", "w", newline="") as fh:
+            w = csv.DictWriter(fh, fieldnames=list(mine[0].keys()))
+            w.writeheader()
+            w.writerows(mine)
+        # one row per run, the seed-level numbers behind the summary (every rate tried)
+        with open(out / f"runs_{task}.csv", "w", newline="") as fh:
+            fields = ["task", "algo", *(["lr"] if multi_lr(plan) else []), "delay", "seed", *RUN_KEYS]
+            w = csv.DictWriter(fh, fieldnames=fields, extrasaction="ignore")
+            w.writeheader()
+            w.writerows(r for r in per_run if r["task"] == task)
+        task_runs = [r for r in main if r["task"] == task]
+        stable = stability_table(stability_rows(mine, task_runs))
+        (out / f"stability_{task}.md").write_text(stable + "\n")
+        log(f"\n## {task} answers ({TASKS[task].answer_format})\n{md}\n\nStability (sorted by drop):\n{stable}")
+        if plan.design in ("powered", "dry"):
+            section = study_markdown(task, plan, per_run, lr_table or [], chosen, ws)
+            (out / f"study_{task}.md").write_text(section)
+            log("\n" + section)
+            if figures:
+                staleness_figure(out / f"figures_{task}", task_runs)
+                kl_variance_figure(out / f"figures_{task}", task_runs)
+        elif figures:
+            run_figures(out, task, task_runs, log)
+

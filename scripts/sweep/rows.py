@@ -1,0 +1,83 @@
+"""The rows file: one row per finished run (its numbers, realised staleness, warm-start hash and
+design id), appended as runs finish; a run with a row is never run again, so committing the file
+makes a study resumable anywhere. :func:`collect` gathers a plan's finished runs from it and from
+run directories."""
+
+from __future__ import annotations
+
+import csv
+import math
+from pathlib import Path
+
+from sweep.analyse import RUN_KEYS, run_numbers
+from sweep.plan import Plan, design_id, lrs_to_try, normalize_condition, run_dir
+from verl_ext.rundir import METRICS_FILE, read_metric_rows
+
+ROW_FIELDS = ("task", "algo", "lr", "delay", "seed", "design_id", "ws_sha256", "steps", "seconds", *RUN_KEYS)
+
+
+def row_key(r: dict) -> tuple:
+    return (r["task"], r["algo"], float(r["lr"]), str(r["delay"]), int(r["seed"]))
+
+
+def _parse_row(raw: dict) -> dict:
+    row = dict(raw)
+    row["lr"], row["seed"], row["delay"] = float(row["lr"]), int(row["seed"]), normalize_condition(row["delay"])
+    row["steps"] = int(row["steps"])
+    for k in ("seconds", *RUN_KEYS):
+        v = row.get(k, "")
+        row[k] = float(v) if v not in ("", None) else math.nan
+    return row
+
+
+def load_rows(path: Path) -> list[dict]:
+    """The rows file's runs (empty when it does not exist)."""
+    if not Path(path).is_file():
+        return []
+    with open(path, newline="") as fh:
+        return [_parse_row(r) for r in csv.DictReader(fh)]
+
+
+def append_row(path: Path, row: dict) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    new = not path.is_file() or path.stat().st_size == 0
+    with open(path, "a", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=list(ROW_FIELDS), extrasaction="ignore")
+        if new:
+            w.writeheader()
+        w.writerow({k: (repr(v) if isinstance(v, float) else v) for k, v in row.items()})
+
+
+def make_row(plan: Plan, task: str, algo: str, lr: float, delay, seed: int, d: Path, ws_sha256: str,
+             seconds: float) -> dict:  # fmt: skip
+    return {"task": task, "algo": algo, "lr": float(lr), "delay": delay, "seed": seed, "design_id": design_id(plan),
+            "ws_sha256": ws_sha256, "steps": plan.steps, "seconds": seconds,
+            **run_numbers(read_metric_rows(d), plan.steps, plan.last_evals)}  # fmt: skip
+
+
+def collect(out: Path, plan: Plan, rows_path: Path | None = None, ws: dict | None = None) -> list[dict]:
+    """Every finished run of the plan: the rows file's (same design id, and the warm start's hash
+    when ``ws`` maps task -> hash) and, for runs without a row, finished run directories. Each
+    per-run dict has task, algo, lr, delay, seed, dir (or None) and the :func:`run_numbers` keys."""
+    did = design_id(plan)
+    found: dict[tuple, dict] = {}
+    for r in load_rows(rows_path) if rows_path else []:
+        if r["design_id"] != did or (ws and r["task"] in ws and r["ws_sha256"] != ws[r["task"]]):
+            continue
+        if r["task"] in plan.tasks and r["algo"] in plan.algos and r["delay"] in plan.delays and r["seed"] in plan.seeds:
+            found[row_key(r)] = {**r, "dir": None}
+    for task in plan.tasks:
+        for algo in plan.algos:
+            for lr in lrs_to_try(plan, algo):
+                for delay in plan.delays:
+                    for seed in plan.seeds:
+                        d = run_dir(out, plan, task, algo, lr, delay, seed)
+                        key = (task, algo, float(lr), str(delay), seed)
+                        if key in found:
+                            found[key]["dir"] = d if d.is_dir() else None
+                        elif (d / "DONE").is_file() and (d / METRICS_FILE).is_file():
+                            found[key] = {"task": task, "algo": algo, "lr": float(lr), "delay": delay, "seed": seed,
+                                          "dir": d, **run_numbers(read_metric_rows(d), plan.steps, plan.last_evals)}
+    return list(found.values())
+
