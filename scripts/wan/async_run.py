@@ -53,22 +53,17 @@ def main(argv=None) -> int:
         ]  # fmt: skip
         with initialize_config_dir(config_dir=str(REPO / "recipe" / "gepo" / "config"), version_base=None):
             cfg = compose(config_name="gepo_trainer", overrides=overrides)
+        from recipe.gepo.sections import HeteroConfig
         from recipe.gepo.main_gepo import run
+        from verl_ext.rundir import read_metric_rows
 
         load_before = Path("/proc/loadavg").read_text().split()[:3]
         t0 = time.perf_counter()
         final = run(cfg)
         wall = time.perf_counter() - t0
         load_after = Path("/proc/loadavg").read_text().split()[:3]
-        import ray
-        from ray._private.state import actors
-
-        ray.init(address=address, log_to_driver=False, logging_level="ERROR")
-        placed = sorted((a["ActorClassName"], a["Address"]["IPAddress"]) for a in actors().values()
-                        if a["ActorClassName"] in ("SamplerWorker", "LearnerWorker", "_Mailbox"))  # fmt: skip
-        ray.shutdown()
-        rows = [json.loads(line) for line in (Path(args.out) / "metrics.jsonl").read_text().splitlines() if line.strip()]
-        steps = [r for r in rows if "perf/step_s" in r]
+        placed = placed_actors(HeteroConfig.from_omegaconf(cfg.hetero))
+        steps = [r for r in read_metric_rows(args.out) if "perf/step_s" in r]
         print(json.dumps({
             "rate_mbit": args.rate_mbit, "placed": placed, "steps": len(steps), "wall_s": round(wall, 1),
             "load_before": load_before, "load_after": load_after,
@@ -79,6 +74,18 @@ def main(argv=None) -> int:
     finally:
         cluster.down(cluster_cfg, link_cfg)
     return 0
+
+
+def placed_actors(hetero) -> list[tuple[str, str]]:
+    """(class, node IP) of every engine actor the cluster at ``hetero.ray_address`` has placed,
+    the finished ones too (a read-only look, through the run's own ``ray_session``)."""
+    from ray._private.state import actors
+
+    from recipe.gepo.local.async_mode import ray_session
+
+    with ray_session(hetero):
+        return sorted((a["ActorClassName"], a["Address"]["IPAddress"]) for a in actors().values()
+                      if a["ActorClassName"] in ("SamplerWorker", "LearnerWorker", "_Mailbox"))  # fmt: skip
 
 
 if __name__ == "__main__":

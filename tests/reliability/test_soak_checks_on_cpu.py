@@ -1,0 +1,86 @@
+"""The soak's pieces that need no run (``scripts/soak_harness``): its damaged exchange files are
+never loadable, and its accounting by uid and its fault judges say what they should. The soak
+itself is ``test_soak_slow.py``."""
+
+from __future__ import annotations
+
+import random
+import sys
+from collections import Counter
+
+import pytest
+
+from verl_ext.hetero.transport import CorruptMessage, FsspecTransport
+
+from .conftest import REPO
+
+if str(REPO / "scripts") not in sys.path:
+    sys.path.append(str(REPO / "scripts"))
+
+from soak_harness.checks import FinalState, RunEnd, StepCheck, account_uids, check_steps, judge_faults  # noqa: E402
+from soak_harness.faults import ExchangeDamage, Fault, fault_weights  # noqa: E402
+
+
+@pytest.mark.parametrize("damage", ["truncated", "corrupt", "half_written"])
+def test_damaged_files_are_never_loaded(tmp_path, damage):
+    transport = FsspecTransport(str(tmp_path))
+    payload = bytes(range(256)) * 4
+    transport.put("rollouts", "good", payload)
+    for nonce in range(4):  # half_written: a temporary or an uncommitted payload, at random
+        ExchangeDamage(tmp_path, random.Random(nonce)).write("rollouts", f"fault-{nonce}", payload, damage, nonce)
+    assert transport.get("rollouts", "good") == payload
+    for nonce in range(4):
+        with pytest.raises((KeyError, CorruptMessage)):
+            transport.get("rollouts", f"fault-{nonce}")
+    if damage == "half_written":
+        assert transport.keys("rollouts") == ["good"] and transport.incomplete("rollouts")
+
+
+def test_fault_kinds_across_the_link_leave_out_the_file_faults():
+    kinds = set(fault_weights(wan=True))
+    assert {"link_cut", "link_slow", "worker_gone", "sampler_kill"} <= kinds
+    assert not any(k.startswith(("rollout_", "weights_")) for k in kinds)
+    assert not {"link_cut"} & set(fault_weights(wan=False))
+
+
+def test_accounting_by_uid_counts_lost_reused_and_unknown_keys():
+    seen = {"s0-b1-0": {"a"}, "s1-b1-1": {"b", "c"}, "s2-b1-2": {"d"}, "s0-b2-0": {"e"}, "fault-x-1": {"f"}}
+    ledger = {"s0-b1-0": "consumed", "s1-b1-1": "dropped:stale", "s2-r1-b3-0": "rejected:future_version",
+              "weird": "consumed"}  # fmt: skip
+    account = account_uids(seen, ledger, in_transport={"s2-b1-2"})
+    assert account.generated == {"s0-b1-0", "s1-b1-1", "s2-b1-2", "s0-b2-0", "s2-r1-b3-0"}
+    assert account.outcome == Counter({"consumed": 1, "dropped": 1, "dropped:stale": 1, "rejected": 1,
+                                       "rejected:future_version": 1, "in_transport": 1})  # fmt: skip
+    assert account.lost_uids == ["s0-b2-0"] and account.reused == {"s1-b1-1": 2} and account.lost == 2
+    assert len(account.errors) == 1 and "weird" in account.errors[0]
+
+
+def test_step_metrics_against_the_ledger():
+    final = FinalState({f"s0-b1-{i}": "consumed" for i in range(8)}, {}, 2, "live learner")
+    rows = [{"step": 1, "hetero/consumed": 4.0}, {"step": 1, "eval/x": 0.5}, {"step": 2, "hetero/consumed": 4.0}]
+    assert check_steps(rows, final, 4, {"s0-b1-0"}) == StepCheck(2, 2, 8, 8)
+    twice = check_steps(rows + [{"step": 3, "hetero/consumed": 4.0, "actor/loss": float("nan")}], final, 4, set())
+    assert twice.consumed_twice == 4 and len(twice.errors) == 3  # no group seen; mismatch; NaN loss
+
+
+def test_fault_judges():
+    faults = [
+        Fault("sampler_kill", 10.0, "sampler-0-0", {"segment": 0, "restart_name": "sampler-0-1"}),
+        Fault("sampler_kill", 58.0, "sampler-1-0", {"segment": 0, "restart_name": "sampler-1-1"}),
+        Fault("learner_crash", 20.0, "learner", {"segment": 0}),
+        Fault("bad_group_size", 5.0, "fault-badgroupsize-1"),
+        Fault("rollout_corrupt", 5.0, "fault-rolloutcorrupt-2"),
+        Fault("weights_truncated", 5.0, "v3", {"version_at_fault": 2}),
+        Fault("duplicate_message", 5.0, "s0-b1-0"),
+        Fault("clock_skew_rollout", 5.0, "fault-clockskewrollout-3"),
+    ]
+    end = RunEnd(ledger={"fault-badgroupsize-1": "rejected:group_size", "fault-rolloutcorrupt-2": "consumed",
+                         "s0-b1-0": "consumed"},
+                 in_transport={"fault-clockskewrollout-3"}, final_version=6, max_delay=4,
+                 seen_names={"0:sampler-0-1"}, segment_end={0: 60.0}, segments=1, end_s=70.0)  # fmt: skip
+    judge_faults(faults, end)
+    assert [f.outcome for f in faults] == [
+        "survived", "not judged: run ended before the restart", "not judged: no segment after it", "survived",
+        "NOT SURVIVED: accepted as 'consumed'", "NOT SURVIVED: learner stuck below version 7", "survived",
+        "survived (still in transport)",
+    ]  # fmt: skip
