@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from verl_ext.eval.metrics import group_records, summarize
+from verl_ext.eval.metrics import summarize
 
 
 def _known_benchmarks() -> tuple[str, ...]:
@@ -51,8 +51,10 @@ SUMMARY_MD = "summary.md"
 #: fields whose change makes existing records incompatible (checked on resume)
 _FINGERPRINT_FIELDS = (
     "model_path", "tokenizer_path", "template", "samples_per_problem", "temperature", "top_p",
-    "top_k", "max_new_tokens", "seed", "toy_digits", "toy_seed", "reward_kwargs",
+    "top_k", "max_new_tokens", "seed", "toy_digits", "toy_seed", "toy_answer_format", "reward_kwargs",
 )
+#: fingerprint fields added after run_config.json files were first written: their value when a file lacks them
+_FINGERPRINT_DEFAULTS = {"toy_answer_format": "short"}
 
 
 @dataclass
@@ -107,6 +109,9 @@ class EvalConfig:
     toy_n: int = 64
     toy_digits: int = 3
     toy_seed: int = 1234
+    #: toy benchmark: ``short`` (the sum) or ``scratchpad`` (columns, then ``=`` and the sum); the
+    #: problems' data_source (``toy_add<d>`` / ``toy_add<d>_scratch``) picks the reward.
+    toy_answer_format: str = "short"
     #: show tqdm progress bars.
     progress: bool = True
 
@@ -145,6 +150,10 @@ class EvalConfig:
             raise ValueError(f"batch_size={self.batch_size} must be >= 1")
         if self.history_file and self.step is None:
             raise ValueError("history_file is set but step is not: pass step=<training step>")
+        from verl_ext.data.toy.problems import ANSWER_FORMATS
+
+        if self.toy_answer_format not in ANSWER_FORMATS:
+            raise ValueError(f"toy_answer_format={self.toy_answer_format!r} unknown; choose one of {ANSWER_FORMATS}")
 
     @property
     def ks(self) -> list[int]:
@@ -180,11 +189,12 @@ def config_from_mapping(m: Mapping) -> EvalConfig:
 
 def load_problems(cfg: EvalConfig, name: str) -> list[dict]:
     """Problems of one benchmark (``verl_ext.data.datasets.load_benchmark`` records: id, problem,
-    answer, data_source); ``toy`` is generated from ``toy_n``, ``toy_digits``, ``toy_seed``."""
+    answer, data_source); ``toy`` is generated from ``toy_n``, ``toy_digits``, ``toy_seed``,
+    ``toy_answer_format``."""
     from verl_ext.data.datasets import load_benchmark
 
     if name == "toy":
-        opts = {"n": cfg.toy_n, "digits": cfg.toy_digits, "seed": cfg.toy_seed}
+        opts = {"n": cfg.toy_n, "digits": cfg.toy_digits, "seed": cfg.toy_seed, "answer_format": cfg.toy_answer_format}
         return list(load_benchmark(name, path=cfg.benchmark_paths.get(name), limit=cfg.limit, **opts))
     return list(load_benchmark(name, path=cfg.benchmark_paths.get(name), limit=cfg.limit))
 
@@ -243,6 +253,7 @@ def _check_run_config(out: Path, cfg: EvalConfig) -> None:
     fp = cfg.fingerprint()
     if rc.exists():
         old = json.loads(rc.read_text())
+        old = {**_FINGERPRINT_DEFAULTS, **old}
         diff = sorted(k for k in set(fp) | set(old) if old.get(k) != fp.get(k))
         if diff:
             details = ", ".join(f"{k}: {old.get(k)!r} -> {fp.get(k)!r}" for k in diff)
@@ -261,14 +272,13 @@ def _check_run_config(out: Path, cfg: EvalConfig) -> None:
 
 
 def score_samples(data_source: str, responses: Sequence[str], answers: Sequence[Any], reward_kwargs: Mapping) -> list[dict]:
-    """Score responses with the toy reward (data_source ``toy*``) or the math reward."""
-    if str(data_source).startswith("toy"):
-        from verl_ext.rewards import toy_reward
+    """Score responses of one ``data_source`` with the reward the registry picks for it
+    (:func:`verl_ext.rewards.dispatch.score_batch`: ``toy_add<d>`` the toy reward,
+    ``toy_add<d>_scratch`` the scratchpad reward, anything else the math reward, verified in
+    parallel); ``reward_kwargs`` go to the reward (the math reward's RewardConfig fields)."""
+    from verl_ext.rewards.dispatch import score_batch
 
-        return [toy_reward.compute_score(data_source, r, a) for r, a in zip(responses, answers)]
-    from verl_ext.rewards import math_reward
-
-    return math_reward.score_batch(list(responses), list(answers), **dict(reward_kwargs))
+    return score_batch(data_source, responses, answers, **dict(reward_kwargs))
 
 
 def _score_chunk(items, comps, reward_kwargs) -> list[list[dict]]:

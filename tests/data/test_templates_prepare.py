@@ -15,7 +15,7 @@ from verl_ext.data.templates import (
     chat_template_kwargs,
     render_prompt,
 )
-from verl_ext.data.toy import build_tokenizer
+from verl_ext.data.toy.model import build_tokenizer
 
 QWEN3_DIR = os.environ.get("HETERORL_QWEN3_TOKENIZER")  # folder with Qwen3 tokenizer.json + tokenizer_config.json
 

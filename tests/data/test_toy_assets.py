@@ -4,7 +4,7 @@ dispatch with the scratchpad reward (the sum after ``=``), short rows with the t
 import pyarrow.parquet as pq
 import pytest
 
-from verl_ext.data.toy import scratchpad_response
+from verl_ext.data.toy.problems import scratchpad_response
 from verl_ext.data.toy_assets import prepare_toy_assets
 from verl_ext.rewards.dispatch import compute_score
 

@@ -10,8 +10,11 @@ import numpy as np
 import pytest
 import torch
 
-from recipe.gepo.local.tasks import Task, TaskConfig
-from verl_ext.data.toy import build_tokenizer, make_problems, scratchpad_response, scratchpad_score
+from recipe.gepo.local.tasks import Task
+from recipe.gepo.sections import TaskConfig
+from verl_ext.data.toy.model import build_tokenizer
+from verl_ext.data.toy.problems import make_problems, scratchpad_response, toy_data_source
+from verl_ext.data.toy.scoring import scratchpad_score
 from verl_ext.rewards import dispatch, math_reward, scratchpad_reward, toy_reward
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -46,6 +49,7 @@ def test_scratchpad_reward_scores_only_the_sum_after_equals():
 def test_task_score_goes_through_dispatch(answer_format):
     task = Task(TaskConfig(answer_format=answer_format, eval_size=8), seed=0)
     assert task.data_source == make_problems(1, 3, answer_format=answer_format)[0]["data_source"]
+    assert task.data_source == toy_data_source(3, answer_format)
     for item in task.eval_items:
         good = task.target_response(item)
         assert task.score(good, item) == 1.0
@@ -53,6 +57,21 @@ def test_task_score_goes_through_dispatch(answer_format):
         assert task.score(good[:-1] + str((int(good[-1]) + 1) % 10), item) == 0.0  # last digit of the sum off
     if answer_format == "short":
         assert dispatch.REWARDS[dispatch.reward_name(task.data_source)] is toy_reward.compute_score
+
+
+def test_score_batch_routes_like_compute_score():
+    """``score_batch`` (what the evaluation calls) picks the same reward per data_source as
+    ``compute_score``: one correct scratchpad, one bare sum, scored as scratchpad and as short rows."""
+    responses, golds = [TARGET, "0432", TARGET[:-1] + "3"], ["0432"] * 3
+    for source, expected in (("toy_add3_scratch", [1.0, 0.0, 0.0]), ("toy_add3", [0.0, 1.0, 0.0])):
+        out = dispatch.score_batch(source, responses, golds)
+        assert [r["acc"] for r in out] == expected
+        assert out == [dispatch.compute_score(source, r, g) for r, g in zip(responses, golds)]
+    math = dispatch.score_batch("math500", ["so \\boxed{4}", "\\boxed{5}"], ["4", "4"])
+    assert [r["acc"] for r in math] == [1.0, 0.0] and set(math[0]) == set(math_reward.RESULT_KEYS)
+    assert dispatch.BATCH_REWARDS["math"] is math_reward.score_batch
+    with pytest.raises(ValueError, match="one ground truth per solution"):
+        dispatch.score_batch("toy_add3", ["1"], [])
 
 
 def _verl_reward_manager():

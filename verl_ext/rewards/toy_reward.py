@@ -1,4 +1,4 @@
-"""Reward of the toy addition task (see :mod:`verl_ext.data.toy`): exact match of the sum.
+"""Reward of the toy addition task (see :mod:`verl_ext.data.toy.problems`): exact match of the sum.
 
 The response is what the model generated after the prompt ``"047+385="``; the gold is the
 zero-padded sum ``"0432"`` (n+1 digits for n-digit operands). ``pred`` is the leading run of
