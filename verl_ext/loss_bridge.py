@@ -35,7 +35,8 @@ from verl.trainer.ppo.core_algos import agg_loss, get_policy_loss_fn, kl_penalty
 
 from verl_ext.algos import importance as iw
 from verl_ext.algos.diagnostics import importance_weight_stats, sampler_learner_kl
-from verl_ext.verl_plugin import HETERORL_LOSS_MODES, loss_option
+from verl_ext.loss_config import loss_option
+from verl_ext.verl_losses import HETERORL_LOSS_MODES
 
 # verl's built-in losses whose importance weight is per sequence (length-normalised), not per token
 _SEQUENCE_LEVEL_BUILTINS = {"gspo", "geo_mean"}
@@ -118,18 +119,12 @@ def sampler_kl_penalty(
     log_prob: torch.Tensor,
     sampler_log_prob: torch.Tensor,
     response_mask: torch.Tensor,
-    estimator: str = "k3",
     global_batch_info: Optional[dict] = None,
 ) -> torch.Tensor:
-    """The paper's KL(sampler || learner) penalty: per-token estimate, token-mean per sequence,
+    """The paper's KL(sampler || learner) penalty: per-token k3 estimate, token-mean per sequence,
     mean over sequences. Tensors [B, T] -> scalar (gradient through ``log_prob``).
     ``global_batch_info`` (verl's) scales a micro-batch's share so micro-batch losses sum up."""
-    if estimator == "k3":
-        kl = iw.k3_sampler_learner_kl(log_prob, sampler_log_prob)
-    elif estimator == "reference":
-        kl = iw.reference_code_kl(log_prob, sampler_log_prob)
-    else:
-        raise ValueError(f"sampler_kl_estimator must be 'k3' or 'reference', got {estimator!r}")
+    kl = iw.k3_sampler_learner_kl(log_prob, sampler_log_prob)
     return agg_loss(loss_mat=kl, loss_mask=response_mask, loss_agg_mode="seq-mean-token-mean", **(global_batch_info or {}))
 
 
@@ -321,9 +316,7 @@ def compute_actor_loss(
     if coef > 0:
         # against the loss's old policy: with rollout correction that is the proximal policy, as the
         # sampler enters verl's decoupled objective through the IS weight only
-        penalty = sampler_kl_penalty(
-            log_prob, old_log_prob, response_mask, loss_option(config, "sampler_kl_estimator"), info or None
-        )
+        penalty = sampler_kl_penalty(log_prob, old_log_prob, response_mask, info or None)
         loss = loss + coef * penalty
         metrics["actor/sampler_kl_penalty"] = penalty.detach().item()
     if entropy is not None:

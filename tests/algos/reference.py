@@ -258,14 +258,11 @@ def delta_l(b: Batch, alpha=1.0, lo=0.2, hi=0.2, scale=None) -> float:
     return math.fsum(x / total * math.fsum(row) for x, row in zip(inv, loss_rows)) / M
 
 
-def sampler_kl(b: Batch, estimator: str = "k3") -> float:
-    """Per-token k3 (or the reference code's swapped form), token-mean per sequence, mean over sequences."""
+def sampler_kl(b: Batch) -> float:
+    """Per-token k3, token-mean per sequence, mean over sequences."""
     seq = []
     for prow, qrow, mrow in zip(_rows(b.log_p), _rows(b.log_q), _mask_rows(b.mask)):
-        if estimator == "k3":
-            vals = [k3(p, q) for p, q, keep in zip(prow, qrow, mrow) if keep]
-        else:
-            vals = [k3(q, p) for p, q, keep in zip(prow, qrow, mrow) if keep]
+        vals = [k3(p, q) for p, q, keep in zip(prow, qrow, mrow) if keep]
         if vals:
             seq.append(math.fsum(vals) / len(vals))
     return math.fsum(seq) / len(seq)

@@ -158,16 +158,14 @@ def test_group_expectation_weight_on_policy_is_q_over_expectation():
     assert not torch.allclose(log_w, torch.zeros_like(log_w))
 
 
-def test_k3_and_reference_kl_per_token():
+def test_k3_kl_per_token():
     g = torch.Generator().manual_seed(2)
     lp = torch.randn(4, 6, generator=g, dtype=torch.float64)
     lq = torch.randn(4, 6, generator=g, dtype=torch.float64)
     k = iw.k3_sampler_learner_kl(lp, lq)
-    r = iw.reference_code_kl(lp, lq)
     for i in range(4):
         for t in range(6):
             p, q = float(lp[i, t]), float(lq[i, t])
             assert abs(k[i, t].item() - ((math.exp(p - q) - 1) - (p - q))) < 1e-12
-            assert abs(r[i, t].item() - ((math.exp(q - p) - 1) - (q - p))) < 1e-12
-    assert (k >= 0).all() and (r >= 0).all()
+    assert (k >= 0).all()
     assert torch.equal(iw.k3_sampler_learner_kl(lq, lq), torch.zeros_like(lq))

@@ -22,26 +22,25 @@ def bridge(config, b, log_p=None, **kw):
     )
 
 
-def _penalty_torch(log_p, log_q, mask, estimator):
+def _penalty_torch(log_p, log_q, mask):
     """Independent torch float64 penalty (for the gradient): token-mean per sequence, sequence mean."""
-    r = log_p - log_q if estimator == "k3" else log_q - log_p
+    r = log_p - log_q
     per_tok = torch.exp(r) - 1 - r
     m = mask.to(log_p.dtype)
     return ((per_tok * m).sum(-1) / m.sum(-1)).mean()
 
 
-@pytest.mark.parametrize("estimator", ["k3", "reference"])
 @pytest.mark.parametrize("loss_mode", ["gepo", "vanilla", "gspo", "topr", "eqp"])
-def test_sampler_kl_penalty_adds_coef_times_k3(loss_mode, estimator):
+def test_sampler_kl_penalty_adds_coef_times_k3(loss_mode):
     b = ref.make_batch(seed=61, drift=0.3)
     coef = 0.5
-    with_pen = actor_config(loss_mode, "seq-mean-token-mean", group_size=4, sampler_kl_coef=coef, sampler_kl_estimator=estimator)
+    with_pen = actor_config(loss_mode, "seq-mean-token-mean", group_size=4, sampler_kl_coef=coef)
     without = actor_config(loss_mode, "seq-mean-token-mean", group_size=4)
     lp1 = b.log_p.clone().requires_grad_(True)
     lp0 = b.log_p.clone().requires_grad_(True)
     loss1, m1 = bridge(with_pen, b, lp1)
     loss0, m0 = bridge(without, b, lp0)
-    want_pen = ref.sampler_kl(b, estimator)
+    want_pen = ref.sampler_kl(b)
     assert want_pen > 1e-3
     assert abs((loss1.item() - loss0.item()) - coef * want_pen) < 1e-12
     assert abs(m1["actor/sampler_kl_penalty"] - want_pen) < 1e-12
@@ -52,19 +51,14 @@ def test_sampler_kl_penalty_adds_coef_times_k3(loss_mode, estimator):
     loss1.backward()
     loss0.backward()
     lp2 = b.log_p.clone().requires_grad_(True)
-    _penalty_torch(lp2, b.log_q, b.mask, estimator).backward()
+    _penalty_torch(lp2, b.log_q, b.mask).backward()
     torch.testing.assert_close(lp1.grad - lp0.grad, coef * lp2.grad, rtol=1e-9, atol=1e-13)
 
 
-def test_sampler_kl_penalty_function_direct_and_bad_estimator():
+def test_sampler_kl_penalty_function_direct():
     b = ref.make_batch(seed=62, drift=0.4)
-    for est in ("k3", "reference"):
-        got = loss_bridge.sampler_kl_penalty(b.log_p, b.log_q, b.mask, est)
-        assert abs(got.item() - ref.sampler_kl(b, est)) < 1e-12
-    # the two estimators really differ (the swapped form is not KL(sampler || learner))
-    assert abs(ref.sampler_kl(b, "k3") - ref.sampler_kl(b, "reference")) > 1e-4
-    with pytest.raises(ValueError, match="sampler_kl_estimator"):
-        loss_bridge.sampler_kl_penalty(b.log_p, b.log_q, b.mask, "k2")
+    got = loss_bridge.sampler_kl_penalty(b.log_p, b.log_q, b.mask)
+    assert abs(got.item() - ref.sampler_kl(b)) < 1e-12
 
 
 @pytest.mark.parametrize("loss_mode", ["vanilla", "cispo", "gspo", "geo_mean"])
@@ -161,7 +155,7 @@ def _hydra_actor_node(loss_mode):
         cfg = compose(
             config_name="ppo_trainer",
             overrides=[
-                "actor_rollout_ref.actor.policy_loss._target_=verl_ext.verl_plugin.HeteroPolicyLossConfig",
+                "actor_rollout_ref.actor.policy_loss._target_=verl_ext.loss_config.HeteroPolicyLossConfig",
                 "+actor_rollout_ref.actor.policy_loss.group_size=4",
                 f"actor_rollout_ref.actor.policy_loss.loss_mode={loss_mode}",
                 "actor_rollout_ref.actor.clip_ratio_high=0.28",

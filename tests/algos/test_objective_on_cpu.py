@@ -79,11 +79,10 @@ def tiny_model_path() -> str:
     """The tests' cached toy warm start (same arguments as tests/recipe/local/conftest.py)."""
     import tempfile
 
-    from verl_ext.data.toy import warm_start
+    from verl_ext.data.toy.checkpoints import warm_start
 
     cache = Path(os.environ.get("HETERORL_TEST_CACHE", Path(tempfile.gettempdir()) / "heterorl-test-cache"))
-    return str(warm_start(cache, digits=1, target_accuracy=(0.2, 1.0), max_seconds=60, max_steps=300,
-                          eval_every=25, n_eval=32, batch_size=32, warmup_steps=5))  # fmt: skip
+    return str(warm_start(cache, digits=1, steps=50, n_eval=32, batch_size=32, warmup_steps=5))
 
 
 def actor_config(preset: str, *overrides: str):

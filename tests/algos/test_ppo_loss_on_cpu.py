@@ -1,7 +1,7 @@
 """Every loss driven through verl's own ``verl.workers.utils.losses.ppo_loss`` on CPU.
 
 The actor config is composed by hydra from verl's packaged ``ppo_trainer`` config (with
-``policy_loss._target_=verl_ext.verl_plugin.HeteroPolicyLossConfig``) and instantiated with verl's
+``policy_loss._target_=verl_ext.loss_config.HeteroPolicyLossConfig``) and instantiated with verl's
 ``omega_conf_to_dataclass``; the batch is a TensorDict laid out as verl's engines hand it to the
 loss: padded ``prompts``/``responses`` + ``attention_mask`` (or nested jagged prompts/responses),
 padded ``response_mask``/``old_log_probs``/``advantages``, global batch info as non-tensor data,
@@ -19,7 +19,8 @@ from verl.utils import tensordict_utils as tu
 from verl.workers.utils.losses import ppo_loss
 
 from verl_ext.algos import losses
-from verl_ext.verl_plugin import HETERORL_LOSS_MODES, HeteroPolicyLossConfig
+from verl_ext.loss_config import HeteroPolicyLossConfig
+from verl_ext.verl_losses import HETERORL_LOSS_MODES
 
 from . import reference as ref
 from .verl_helpers import actor_from_section, composed_actor_section
@@ -35,7 +36,7 @@ IS_KEYS = {"is/weight_mean", "is/weight_min", "is/weight_max", "is/weight_var", 
 @pytest.fixture(scope="module")
 def actor_yaml():
     return composed_actor_section(
-        "actor_rollout_ref.actor.policy_loss._target_=verl_ext.verl_plugin.HeteroPolicyLossConfig",
+        "actor_rollout_ref.actor.policy_loss._target_=verl_ext.loss_config.HeteroPolicyLossConfig",
         f"+actor_rollout_ref.actor.policy_loss.group_size={GROUP}",
         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
         "actor_rollout_ref.actor.clip_ratio_high=0.28",
@@ -171,15 +172,10 @@ def test_ppo_loss_batch_not_whole_groups_raises(actor_yaml, loss_mode):
         ppo_loss(config, {"log_probs": sub}, sub_data)
 
 
-def test_gepo_through_ppo_loss_with_hydra_sum_reduction_and_micro_batch_scope(actor_yaml):
+def test_gepo_through_ppo_loss_with_hydra_sum_reduction(actor_yaml):
     """Loss options set by hydra reach the loss through omega_conf_to_dataclass."""
     data, model_output, _, _, b = make_data(seed=6)
     cfg_sum = make_config(actor_yaml, "gepo", **{"policy_loss.seq_reduction": "sum"})
-    cfg_mb = make_config(actor_yaml, "gepo", **{"policy_loss.group_scope": "micro_batch"})
     loss_sum, _ = ppo_loss(cfg_sum, model_output, data)
-    data2, model_output2, _, _, _ = make_data(seed=6)
-    loss_mb, _ = ppo_loss(cfg_mb, model_output2, data2)
     rows_sum, _, _ = ref.gepo(b, 0.2, 0.28, reduction="sum")
-    rows_mb, _, _ = ref.gepo(b, 0.2, 0.28, labels=[0] * b.mask.shape[0])
     assert abs(loss_sum.item() - ref.aggregate(rows_sum, b.mask, "token-mean")) < 1e-10
-    assert abs(loss_mb.item() - ref.aggregate(rows_mb, b.mask, "token-mean")) < 1e-10

@@ -6,7 +6,7 @@ with its FSDP2 ``language_model`` engine on the CPU, built from the project's co
 (``gepo_trainer`` + ``+verl_preset=cpu_toy`` + an algorithm preset, through hydra, as
 ``main_gepo hetero.engine=verl`` builds it), the worker's loss swapped exactly as
 ``HeteroActorWorker.init_model`` does (``bridge_loss_fn``), the driver-side group denominators
-from ``recipe.gepo.verl_engine.denominator``, and the batch laid out as verl's trainer hands it
+from ``recipe.gepo.verl_engine.batch_rules``, and the batch laid out as verl's trainer hands it
 to ``update_actor`` (``DataProto.to_tensordict`` + ``left_right_2_no_padding`` + the trainer's
 and ``train_batch``'s non-tensor keys). One ``forward_backward_batch`` (what ``train_batch`` runs
 before the optimizer step) per preset and micro-batch size; the loss, the gradient of every
@@ -97,7 +97,7 @@ def main(in_path: str, out_path: str) -> None:
     from verl.workers.utils.losses import ppo_loss
     from verl.workers.utils.padding import left_right_2_no_padding
 
-    from recipe.gepo.verl_engine.denominator import GROUP_LOG_DENOMINATOR, group_log_denominator
+    from recipe.gepo.verl_engine.batch_rules import GROUP_LOG_DENOMINATOR, group_log_denominator
     from recipe.gepo.verl_engine.loss import bridge_loss_fn
 
     inp = torch.load(in_path, weights_only=False)

@@ -30,7 +30,8 @@ def lab(tmp_path_factory):
     from recipe.gepo.local.learner import Learner
     from recipe.gepo.local.policy import load_policy
     from recipe.gepo.local.rollout import RolloutSettings, generate_groups
-    from recipe.gepo.local.tasks import Task, TaskConfig
+    from recipe.gepo.local.tasks import Task
+    from recipe.gepo.sections import TaskConfig
     from recipe.gepo.verl_engine.runner import resolve_task_files
     from verl.utils.config import omega_conf_to_dataclass
 

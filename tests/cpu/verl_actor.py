@@ -24,9 +24,9 @@ from hydra import initialize_config_dir
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from recipe.gepo.local.learner import collate_groups
-from recipe.gepo.verl_engine import denominator
+from recipe.gepo.verl_engine import batch_rules
 from verl_ext.hetero.records import RolloutGroup
-from verl_ext.verl_plugin import loss_option
+from verl_ext.loss_config import loss_option
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -84,7 +84,9 @@ def verl_batch(groups: list[RolloutGroup], pad_token_id: int, reduction: str):
         },
         non_tensors={"uid": uids},
     )
-    denominator.add_to_dataproto(data, reduction)
+    data.batch[batch_rules.GROUP_LOG_DENOMINATOR] = batch_rules.group_log_denominator(
+        b["sampler_logprobs"], b["response_mask"], uids, reduction
+    )
     return data
 
 

@@ -95,7 +95,6 @@ def learner(url: str, workdir: Path, expected: int) -> None:
 
 def sampler(url: str, workdir: Path, sampler_id: str, n_groups: int) -> None:
     transport = FsspecTransport(url)
-    transport.cleanup_incomplete("rollouts", key_prefix=f"{sampler_id}-")  # our own leftovers
     store = WeightStore(transport)
     progress = workdir / f"{sampler_id}.progress"
     done = progress.read_text().split() if progress.exists() else []

@@ -19,9 +19,9 @@ from verl_ext.hetero.delay import (
     to_steps,
 )
 from verl_ext.hetero.delay_channel import DelayChannel
+from verl_ext.hetero.protocol import version_key
 from verl_ext.hetero.seeding import sampler_stream
 from verl_ext.hetero.transport import make_transport
-from verl_ext.hetero.weights import version_key
 
 REPO = Path(__file__).resolve().parents[2]
 PAPER_SETTINGS = [(60.0, 1920.0, 400.0), (400.0, 3600.0, 400.0)]

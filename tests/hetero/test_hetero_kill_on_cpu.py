@@ -97,6 +97,4 @@ def test_kill_mid_write_loses_nothing_and_loads_nothing_corrupt(tmp_path, victim
     assert learner["counts"]["dropped"] == 0 and learner["counts"]["rejected"] == 0
     assert learner["corrupt"] == 0 and sampler["corrupt"] == 0
     assert sampler["loaded"] == sorted(sampler["loaded"])  # versions seen by the sampler never go back
-    if victim == "sampler":
-        assert transport.incomplete("rollouts") == []  # the restarted sampler cleaned its own leftovers
     _check_nothing_visible_is_corrupt(transport)

@@ -1,4 +1,4 @@
-"""Ray object-store transport and the buffer as a threaded Ray actor (real Ray, 2 CPUs)."""
+"""Ray object-store transport, weights and the rollout inbox over it (real Ray, 2 CPUs)."""
 
 import time
 from collections import Counter
@@ -9,7 +9,7 @@ import pytest
 import ray
 import torch
 
-from verl_ext.hetero.buffer import RolloutBuffer, make_buffer_actor
+from verl_ext.hetero.buffer import RolloutBuffer
 from verl_ext.hetero.delay import make_delay_model
 from verl_ext.hetero.delay_channel import DelayChannel
 from verl_ext.hetero.exchange import RolloutInbox, send_group
@@ -48,19 +48,12 @@ def samplers(ray_cluster):
 
 @ray.remote(num_cpus=0)
 class Sampler:
-    """A sampler process: sends groups through a transport or straight into a buffer actor."""
+    """A sampler process: sends groups through a transport."""
 
     def send(self, transport, uids, version):
         for uid in uids:
             send_group(transport, build_group(uid, version, sampler=uid.split("-")[0]))
         return len(uids)
-
-    def add_to(self, buffer, sampler, n):
-        accepted = 0
-        for i in range(n):
-            version = max(0, ray.get(buffer.__ray_call__.remote(lambda b: b.learner_version)) - i % 3)
-            accepted += ray.get(buffer.add.remote(build_group(f"{sampler}-{i}", version, sampler=sampler)))
-        return accepted
 
 
 def test_ray_transport_checksum_is_verified(transport):
@@ -139,33 +132,6 @@ def test_delay_channel_lists_a_topic_in_one_call(transport):
     del transport.info, transport.infos
     transport.clock = time.time
     transport.delete_many("channel-weights", transport.keys("channel-weights"))
-
-
-def test_buffer_actor_samplers_add_while_learner_blocks_in_take(samplers):
-    buffer = make_buffer_actor(max_delay=1, wait_timeout_s=30)
-    take_ref = buffer.take.remote(4, 0, 30)  # the learner blocks first: nothing is there yet
-    feeds = [s.add_to.remote(buffer, f"s{i}", 10) for i, s in enumerate(samplers)]
-    first = ray.get(take_ref, timeout=60)
-    assert len(first) == 4
-    assert sum(ray.get(feeds, timeout=60)) == 20
-    consumed = [g.group_uid for g in first]
-    version = 0
-    while True:
-        version += 1
-        # a threaded actor does not order calls: wait for the version to apply before counting
-        ray.get(buffer.set_learner_version.remote(version))
-        if ray.get(buffer.__len__.remote()) < 4:
-            break
-        batch = ray.get(buffer.take.remote(4, version, 5))
-        assert all(version - g.policy_version <= 1 for g in batch)
-        consumed += [g.group_uid for g in batch]
-    counts = ray.get(buffer.__ray_call__.remote(lambda b: b.ledger.counts()))
-    assert len(consumed) == len(set(consumed)) == counts["consumed"] > 4
-    assert counts["generated"] == 20
-    assert counts["consumed"] + counts["dropped"] + counts["buffered"] == 20
-    metrics = ray.get(buffer.metrics.remote())
-    assert metrics["hetero/consumed_total"] == len(consumed) and metrics["hetero/staleness_max"] <= 1
-    ray.kill(buffer)
 
 
 def test_inbox_over_ray_transport(transport, samplers):

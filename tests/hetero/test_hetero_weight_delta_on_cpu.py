@@ -3,6 +3,8 @@ the newest version through XOR deltas when it is few versions behind, else throu
 version, and gets the same bits either way; DelayChannel delays delta n exactly like version n."""
 
 import itertools
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -10,17 +12,15 @@ import torch
 
 from verl_ext.hetero.delay import make_delay_model
 from verl_ext.hetero.delay_channel import DelayChannel, message_index
-from verl_ext.hetero.protocol import WEIGHTS_DELTA_TOPIC, WEIGHTS_TOPIC
+from verl_ext.hetero.protocol import WEIGHTS_DELTA_TOPIC, WEIGHTS_TOPIC, delta_topic, parse_version_key, version_key
 from verl_ext.hetero.transport import FsspecTransport
 from verl_ext.hetero.weights import (
     WeightStore,
     apply_delta,
     decode_xor,
-    delta_topic,
     encode_delta,
     encode_xor,
     floating_bits,
-    version_key,
     wire_tensors,
 )
 
@@ -154,6 +154,17 @@ def test_pruned_or_corrupt_delta_falls_back_to_the_full_version(transport):
     _assert_bit_equal(got, WeightStore(transport).get(7))
     with pytest.raises(ValueError, match="other bits"):
         apply_delta(bogus, wire_tensors(states[6], "bf16")[0])
+
+
+def test_protocol_owns_the_key_format_and_imports_no_weights():
+    """The weights and delta topics' keys are the protocol's; the weight store builds on it, never
+    the reverse (a fresh interpreter: importing the protocol loads no weights module, no torch)."""
+    assert (version_key(17), parse_version_key(version_key(17)), parse_version_key("v17")) == ("v0000000017", 17, None)
+    assert delta_topic(WEIGHTS_TOPIC) == WEIGHTS_DELTA_TOPIC == "weights_delta"
+    code = ("import sys, verl_ext.hetero.protocol; "
+            "print(sorted(m for m in ('verl_ext.hetero.weights', 'torch') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
 
 
 def test_delay_channel_delays_delta_n_exactly_like_version_n(transport):

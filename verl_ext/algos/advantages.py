@@ -1,7 +1,9 @@
-"""Outcome advantages over prompt groups: GRPO, Dr.GRPO and BNPO. Pure torch, no verl import.
+"""BNPO's outcome advantages over prompt groups (GRPO and Dr.GRPO use verl's own estimator).
+Pure torch, no verl import.
 
-All functions take one scalar score per sequence ([B]) and group labels ([B], equal label = same
-prompt) and return one advantage per sequence ([B]); engines broadcast it over response tokens.
+:func:`bnpo_advantages` takes one scalar score per sequence ([B]) and group labels ([B], equal
+label = same prompt) and returns one advantage per sequence ([B]); engines broadcast it over
+response tokens.
 """
 
 from __future__ import annotations
@@ -13,45 +15,10 @@ import torch
 from verl_ext.algos.importance import dense_group_index
 
 
-def _group_mean_std(scores: torch.Tensor, index: torch.Tensor, num_groups: int):
-    """Per-group mean and unbiased std (std 0 for singleton groups), both gathered back to [B]."""
-    ones = torch.ones_like(scores)
-    count = torch.zeros(num_groups, dtype=scores.dtype, device=scores.device).index_add(0, index, ones)
-    total = torch.zeros_like(count).index_add(0, index, scores)
-    mean = total / count
-    centred = scores - mean[index]
-    sq = torch.zeros_like(count).index_add(0, index, centred.square())
-    std = torch.sqrt(sq / (count - 1).clamp(min=1.0))
-    return mean[index], std[index], count[index]
-
-
-def group_normalized_advantages(
-    scores: torch.Tensor,
-    group_index: torch.Tensor,
-    norm_by_std: bool = True,
-    epsilon: float = 1e-6,
-) -> torch.Tensor:
-    """GRPO's A_i = (r_i - mean_g r) / (std_g r + epsilon); Dr.GRPO's A_i = r_i - mean_g r (norm_by_std=False).
-
-    Args:
-        scores: [B] one reward per sequence.
-        group_index: [B] group labels.
-        norm_by_std: divide by the group's (unbiased) std, as GRPO does; Dr.GRPO does not.
-        epsilon: added to the std so groups whose rewards all tie give 0, not NaN.
-
-    Returns:
-        [B] advantages. A singleton group gets advantage r_i (mean 0, std 1), as verl's GRPO does.
-    """
-    scores = scores.to(torch.float32) if not scores.is_floating_point() else scores
-    index, num_groups = dense_group_index(group_index.to(scores.device))
-    mean, std, count = _group_mean_std(scores, index, num_groups)
-    singleton = count == 1
-    mean = torch.where(singleton, torch.zeros_like(mean), mean)
-    centred = scores - mean
-    if not norm_by_std:
-        return centred
-    std = torch.where(singleton, torch.ones_like(std), std)
-    return centred / (std + epsilon)
+def _group_means(scores: torch.Tensor, index: torch.Tensor, num_groups: int) -> torch.Tensor:
+    """[num_groups] mean score of each group (``index``: dense labels [B])."""
+    count = torch.zeros(num_groups, dtype=scores.dtype, device=scores.device).index_add(0, index, torch.ones_like(scores))
+    return torch.zeros_like(count).index_add(0, index, scores) / count
 
 
 def beta_pdf(x: torch.Tensor, alpha: float, beta: float) -> torch.Tensor:
@@ -111,8 +78,8 @@ def bnpo_advantages(
             f"bnpo needs rewards in [0, 1]; got {scores[bad][:5].tolist()} -- rescale the reward or use grpo"
         )
     index, num_groups = dense_group_index(group_index.to(scores.device))
-    mean, _, _ = _group_mean_std(scores, index, num_groups)
-    group_means = torch.zeros(num_groups, dtype=scores.dtype, device=scores.device).index_copy(0, index, mean)
+    group_means = _group_means(scores, index, num_groups)
+    mean = group_means[index]
     alpha, beta = bnpo_normalization_params(group_means)
     density = beta_pdf(mean.clamp(mean_clip, 1.0 - mean_clip), alpha, beta)
     adv = (scores - mean) / density

@@ -157,12 +157,3 @@ def k3_sampler_learner_kl(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Ten
     log_ratio = (log_p - log_q).clamp(-20.0, 20.0)
     return torch.expm1(log_ratio) - log_ratio
 
-
-def reference_code_kl(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
-    """The GEPO reference code's per-token penalty: (q/p - 1) - log(q/p). [B, T] -> [B, T].
-
-    This is the k3 form with p and q swapped (an estimate of KL(p || q) had the tokens come from
-    p); kept so the paper's runs can be reproduced exactly.
-    """
-    log_ratio = (log_q - log_p).clamp(-20.0, 20.0)
-    return torch.expm1(log_ratio) - log_ratio

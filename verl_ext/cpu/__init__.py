@@ -1,8 +1,10 @@
 """A CPU backend for verl 0.9.1: its own trainer (``main_ppo``, the v1 trainers, this project's
 ``hetero_separate_async``) on a machine with no GPU.
 
-Loaded by the project's ``verl.plugins`` entry point (:mod:`verl_ext.verl_plugin`) in every process
-that imports verl; nothing to set. What it adds, each through verl's own extension points:
+Loaded by its own ``verl.plugins`` entry point (``heterorl_cpu`` in pyproject.toml) in every process
+that imports verl, Ray workers of verl's stock ``main_ppo`` included; nothing to set. Importing this
+package registers the backend; the project's losses and their config do not import it. What it
+adds, each through verl's own extension points:
 
 - :mod:`.platform` -- the ``cpu`` platform (torch on the CPU, gloo), picked by verl only when no
   accelerator is present;
@@ -18,10 +20,12 @@ The settings a CPU run needs (logical Ray GPUs, fsdp2, sdpa, ...) are in
 
 from __future__ import annotations
 
+import logging
 
-def register() -> None:
-    """Register the CPU platform, the hf_cpu rollout and the ray_mailbox weight sync with verl."""
-    from verl_ext.cpu import checkpoint_engine, platform, rollout  # noqa: F401  (each registers on import)
-
-
-__all__ = ["register"]
+# Each module registers on import. The patches of verl internals apply only when verl picks the
+# CPU platform (no accelerator present). A failure must not break ``import verl`` or a GPU run
+# (verl logs a failing plugin only at DEBUG level): warn instead.
+try:
+    from verl_ext.cpu import checkpoint_engine, platform, rollout  # noqa: F401
+except Exception as _exc:  # pragma: no cover - depends on the installed verl
+    logging.getLogger(__name__).warning("HeteroRL's CPU backend for verl was not registered: %r", _exc)

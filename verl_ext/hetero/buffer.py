@@ -18,9 +18,7 @@ What happens to groups past the bound (``stale_policy``):
 Both policies block ``take`` until enough fresh data is there, up to a timeout, then raise
 :class:`BufferTimeout` with a message saying what was missing.
 
-Threads: all methods are safe to call concurrently (one lock, one condition variable). Ray: wrap
-with :func:`make_buffer_actor`, which gives a threaded actor so ``add`` from samplers proceeds
-while the learner blocks in ``take``.
+Threads: all methods are safe to call concurrently (one lock, one condition variable).
 
 Ledger: every uid that ever reached the buffer has one status: buffered, consumed, dropped (with
 reason) or rejected (with reason). ``state_dict()`` saves the ledger and the buffered groups so a
@@ -358,16 +356,3 @@ class RolloutBuffer:
                                      f"{self.ledger.status.get(uid)!r}, state is inconsistent")
             self._advance(self._learner_version)  # a smaller max_delay after resume drops at once
             self._cond.notify_all()
-
-
-def make_buffer_actor(max_concurrency: int = 16, **buffer_kwargs):
-    """Start a :class:`RolloutBuffer` as a threaded Ray actor (requires ``ray.init()``).
-
-    ``max_concurrency`` > 1 lets ``add`` calls from samplers run while the learner blocks in
-    ``take``. Returns the actor handle; call methods as ``handle.take.remote(n, v)``.
-    """
-    import ray
-
-    if max_concurrency < 2:
-        raise ValueError(f"max_concurrency={max_concurrency} must be >= 2 so take() does not block add()")
-    return ray.remote(RolloutBuffer).options(max_concurrency=max_concurrency).remote(**buffer_kwargs)

@@ -34,7 +34,7 @@ from typing import Optional, TypeVar
 from verl_ext.hetero.transport import CorruptMessage, Transport
 
 WEIGHTS_TOPIC = "weights"
-WEIGHTS_DELTA_TOPIC = WEIGHTS_TOPIC + "_delta"  # = weights.delta_topic(WEIGHTS_TOPIC)
+DELTA_SUFFIX = "_delta"
 ROLLOUT_TOPIC = "rollouts"
 EXPECTED_TOPIC = "expected"
 CONTROL_TOPIC = "control"
@@ -52,17 +52,24 @@ def sampler_actor_name(index: int, launch: int) -> str:
 
 
 def version_key(version: int) -> str:
-    """Transport key of weight version ``version`` (``weights`` topic)."""
-    from verl_ext.hetero.weights import version_key as _key  # the weight store's own naming
-
-    return _key(version)
+    """Transport key of weight version ``version`` (weights and delta topics); zero-padded so
+    lexical order is numeric order."""
+    return f"v{version:010d}"
 
 
 def parse_version_key(key: str) -> Optional[int]:
-    """The version of a ``weights`` key, or None for any other key."""
-    from verl_ext.hetero.weights import _parse_key
+    """The version of a :func:`version_key` key, or None for any other key."""
+    if len(key) == 11 and key[0] == "v" and key[1:].isdigit():
+        return int(key[1:])
+    return None
 
-    return _parse_key(key)
+
+def delta_topic(topic: str) -> str:
+    """Topic of the delta messages of weights topic ``topic`` (same keys: :func:`version_key`)."""
+    return topic + DELTA_SUFFIX
+
+
+WEIGHTS_DELTA_TOPIC = delta_topic(WEIGHTS_TOPIC)
 
 
 @dataclass(frozen=True)

@@ -269,21 +269,6 @@ class FsspecTransport(Transport):
         return sorted(n for n in names if n.startswith(TEMP_PREFIX)
                       or (n.endswith(DATA_SUFFIX) and n[: -len(DATA_SUFFIX)] not in committed))
 
-    def cleanup_incomplete(self, topic: str, key_prefix: str = "") -> int:
-        """Delete leftovers of interrupted writes whose key starts with ``key_prefix``; returns
-        how many. Call it only when no writer of those keys is active (e.g. a sampler at start
-        with its own prefix), or an in-progress write would lose its temporary."""
-        removed = 0
-        for name in self.incomplete(topic):
-            key = name[len(TEMP_PREFIX):] if name.startswith(TEMP_PREFIX) else name
-            if key.startswith(key_prefix):
-                try:
-                    self.fs.rm_file(posixpath.join(self._dir(topic), name))
-                    removed += 1
-                except FileNotFoundError:
-                    pass
-        return removed
-
 
 def _rebuild_fsspec(url: str, storage_options: dict) -> FsspecTransport:
     return FsspecTransport(url, **storage_options)

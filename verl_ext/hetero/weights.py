@@ -36,31 +36,14 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from verl_ext.hetero.protocol import WEIGHTS_TOPIC
+from verl_ext.hetero.protocol import WEIGHTS_TOPIC, delta_topic, parse_version_key, version_key
 from verl_ext.hetero.safetensors_meta import read_metadata
 from verl_ext.hetero.transport import CorruptMessage, Transport
 
 WEIGHTS_FORMAT = "heterorl.weights/1"
 DELTA_FORMAT = "heterorl.weights-delta/1"
-DELTA_SUFFIX = "_delta"
 XOR_TENSOR = "__xor__"  # the delta message's compressed XOR of all floating tensors
 WIRE_DTYPES = {None: None, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def version_key(version: int) -> str:
-    """Transport key of a version; zero-padded so lexical order is numeric order."""
-    return f"v{version:010d}"
-
-
-def _parse_key(key: str) -> int | None:
-    if len(key) == 11 and key[0] == "v" and key[1:].isdigit():
-        return int(key[1:])
-    return None
-
-
-def delta_topic(topic: str) -> str:
-    """Topic of the delta messages of weights topic ``topic`` (keys: :func:`version_key`)."""
-    return topic + DELTA_SUFFIX
 
 
 def wire_tensors(state_dict: Mapping[str, torch.Tensor], wire_dtype: str | None = None
@@ -322,11 +305,11 @@ class WeightStore:
 
     def versions(self) -> list[int]:
         """Committed (and, through a DelayChannel, visible) versions, ascending."""
-        return sorted(v for v in map(_parse_key, self.transport.keys(self.topic)) if v is not None)
+        return sorted(v for v in map(parse_version_key, self.transport.keys(self.topic)) if v is not None)
 
     def delta_versions(self) -> list[int]:
         """Versions whose delta (from the version before) is committed and visible, ascending."""
-        return sorted(v for v in map(_parse_key, self.transport.keys(self.delta_topic)) if v is not None)
+        return sorted(v for v in map(parse_version_key, self.transport.keys(self.delta_topic)) if v is not None)
 
     def latest_version(self) -> int | None:
         """Newest committed version, or None; cheap (lists keys, loads nothing)."""
@@ -405,8 +388,8 @@ class WeightStore:
         visible: dict[int, int] = {}
         if self.delta:
             for info in self.transport.infos(self.delta_topic):
-                if _parse_key(info.key) is not None:
-                    visible[_parse_key(info.key)] = info.size
+                if parse_version_key(info.key) is not None:
+                    visible[parse_version_key(info.key)] = info.size
         for version in reversed(self.versions()):
             if newer_than is not None and version <= newer_than:
                 return None

@@ -1,13 +1,14 @@
-"""Registers HeteroRL's policy losses and advantage estimators into verl's registries.
+"""HeteroRL's policy losses and advantage estimators, registered into verl's registries.
 
-Loaded by ``import verl`` in every process (entry point group ``verl.plugins`` in pyproject.toml).
-verl only logs a failing plugin at DEBUG level, so ``tests/test_verl_plugin_on_cpu.py`` asserts
-that the names below arrived.
+Loaded by ``import verl`` in every process (entry point ``heterorl`` of group ``verl.plugins`` in
+pyproject.toml). verl only logs a failing plugin at DEBUG level, so ``tests/test_verl_plugin_on_cpu.py``
+asserts that the names below arrived. The CPU backend is a separate entry point (:mod:`verl_ext.cpu`);
+nothing here imports it.
 
 Registered policy losses (``actor_rollout_ref.actor.policy_loss.loss_mode``):
     gepo, eqp, gepo_adaptive, gepo_tr, topr, delta_l. verl's own vanilla (GRPO, Dr.GRPO, BNPO's surrogate),
     gspo, geo_mean (GMPO) and cispo are used as they are (docs/algorithms.md: where they differ
-    from their papers).
+    from their papers). Their options: :class:`verl_ext.loss_config.HeteroPolicyLossConfig`.
 Registered advantage estimators (``algorithm.adv_estimator``): bnpo.
 
 Every loss here has verl's signature (see ``verl.workers.utils.losses.ppo_loss``) plus two
@@ -19,101 +20,19 @@ optional keyword arguments that verl never passes but the project's engines do:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
 from verl.trainer.ppo.core_algos import agg_loss, register_adv_est, register_policy_loss
-from verl.workers.config import PolicyLossConfig
 
 from verl_ext.algos import advantages as adv_lib
 from verl_ext.algos import importance as iw
 from verl_ext.algos import losses
 from verl_ext.algos.diagnostics import importance_weight_stats, sampler_learner_kl
 from verl_ext.group_index import uid_group_index
+from verl_ext.loss_config import clip_range, loss_option
 
 HETERORL_LOSS_MODES = ("gepo", "eqp", "gepo_adaptive", "gepo_tr", "topr", "delta_l")
-HETERORL_ADV_ESTIMATORS = ("bnpo",)
-
-
-@dataclass
-class HeteroPolicyLossConfig(PolicyLossConfig):
-    """verl's ``PolicyLossConfig`` plus the hyper-parameters of HeteroRL's losses.
-
-    Select it with ``actor_rollout_ref.actor.policy_loss._target_=verl_ext.verl_plugin.HeteroPolicyLossConfig``
-    (the recipe's presets do). verl's own losses ignore the extra fields, except
-    ``sampler_kl_coef``, which the project's loss bridge applies to every loss.
-    """
-
-    group_size: int = 0
-    """Responses per prompt (G, = ``rollout.n``). Used to form prompt groups when no per-sequence
-    denominator or group index reaches the loss. 0 = unknown (GEPO then needs one of those)."""
-
-    group_scope: str = "group"
-    """Over what GEPO's E_q[q] is estimated. "group": each prompt's G responses (the paper's
-    definition; exact). "micro_batch": the whole micro-batch as one group -- what the reference
-    code does after shuffling, mixing prompts; only for reproducing it."""
-
-    seq_reduction: str = "mean"
-    """Sequence log-probability used in sequence-level weights (GEPO, EqP, GEPO-adaptive).
-    "mean": length-normalised geometric mean, as the paper's code; "sum": full sequence."""
-
-    adaptive_kl_threshold: float = 0.002
-    """gepo_adaptive: a sequence whose token-mean KL(sampler || learner) is below this uses p_i/q_i."""
-
-    delta_l_alpha: float = 1.0
-    """delta_l: exponent of the length weights L_i^-alpha (1 = minimum variance; paper uses 0.75 for math)."""
-
-    topr_reduction: str = "sum"
-    """topr: trajectory ratio for truncating negative examples. "sum": full sequence (the paper); "mean"."""
-
-    sampler_kl_coef: float = 0.0
-    """Weight of the KL(sampler || learner) penalty added to the loss (the paper's runs: 0.005). 0 = off."""
-
-    sampler_kl_estimator: str = "k3"
-    """Per-token penalty. "k3": (p/q - 1) - log(p/q), unbiased for KL(sampler || learner) under
-    sampler tokens. "reference": (q/p - 1) - log(q/p), what the GEPO reference code computes."""
-
-    def __post_init__(self):
-        parent = getattr(super(), "__post_init__", None)
-        if parent is not None:
-            parent()
-        choices = {
-            "group_scope": ("group", "micro_batch"),
-            "seq_reduction": ("mean", "sum"),
-            "topr_reduction": ("mean", "sum"),
-            "sampler_kl_estimator": ("k3", "reference"),
-        }
-        for name, allowed in choices.items():
-            if getattr(self, name) not in allowed:
-                raise ValueError(f"policy_loss.{name}={getattr(self, name)!r}; expected one of {allowed}")
-        if self.group_size < 0:
-            raise ValueError(f"policy_loss.group_size must be >= 0, got {self.group_size}")
-        if self.sampler_kl_coef < 0:
-            raise ValueError(f"policy_loss.sampler_kl_coef must be >= 0, got {self.sampler_kl_coef}")
-        if self.delta_l_alpha < 0:
-            raise ValueError(f"policy_loss.delta_l_alpha must be >= 0, got {self.delta_l_alpha}")
-        if self.adaptive_kl_threshold < 0:
-            raise ValueError(f"policy_loss.adaptive_kl_threshold must be >= 0, got {self.adaptive_kl_threshold}")
-
-
-_DEFAULTS = HeteroPolicyLossConfig()
-
-
-def loss_option(config: Any, name: str) -> Any:
-    """A HeteroPolicyLossConfig field from an actor config, or its default when the user kept
-    verl's plain PolicyLossConfig (so verl's own configs work unchanged)."""
-    policy_loss = None if config is None else config.get("policy_loss", None)
-    value = None if policy_loss is None else policy_loss.get(name, None)
-    return getattr(_DEFAULTS, name) if value is None else value
-
-
-def clip_range(config: Any) -> tuple[float, float]:
-    """(low, high) clip range from verl's actor config (clip_ratio_low/high default to clip_ratio)."""
-    clip = config.get("clip_ratio", 0.2)
-    low = config.get("clip_ratio_low", None)
-    high = config.get("clip_ratio_high", None)
-    return (clip if low is None else low), (clip if high is None else high)
 
 
 def resolve_groups(
@@ -128,8 +47,6 @@ def resolve_groups(
         return group_index, group_log_denominator.to(device)
     if group_index is not None:
         return group_index.to(device), None
-    if loss_option(config, "group_scope") == "micro_batch":
-        return torch.zeros(batch_size, dtype=torch.long, device=device), None
     group_size = int(loss_option(config, "group_size")) or int(_get(config, "rollout_n", 0) or 0)
     check_contiguous_groups(config)
     return iw.contiguous_group_index(batch_size, group_size).to(device), None
@@ -351,16 +268,3 @@ def compute_bnpo_outcome_advantage(
         adv = adv_lib.bnpo_advantages(scores, uid_group_index(index, scores.device))
     adv = adv.unsqueeze(-1) * response_mask
     return adv, adv
-
-
-# The CPU backend for verl's own trainer (platform, hf_cpu rollout, ray_mailbox weight sync); its
-# patches of verl internals apply only when verl picks the CPU platform (no accelerator present).
-# A failure here must not take the losses above with it (verl logs a failing plugin only at DEBUG).
-try:
-    from verl_ext.cpu import register as _register_cpu_backend
-
-    _register_cpu_backend()
-except Exception as _exc:  # pragma: no cover - depends on the installed verl
-    import logging as _logging
-
-    _logging.getLogger(__name__).warning("HeteroRL's CPU backend for verl was not registered: %r", _exc)
