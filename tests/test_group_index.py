@@ -8,8 +8,8 @@ import pytest
 import torch
 from verl.trainer.ppo.core_algos import get_adv_estimator_fn
 
-import verl_ext.verl_plugin  # noqa: F401 -- registers bnpo
-from recipe.gepo.verl_engine import denominator
+import verl_ext.verl_losses  # noqa: F401 -- registers bnpo
+from recipe.gepo.verl_engine import batch_rules
 from verl_ext.algos import advantages as adv_lib
 from verl_ext.group_index import uid_group_index
 
@@ -26,7 +26,11 @@ def test_dense_labels_follow_sorted_uids_in_any_order():
 
 
 def test_denominator_and_bnpo_use_it():
-    assert denominator.uid_group_index is uid_group_index
+    # the denominator groups by the same labels: a uid order change leaves it unchanged
+    log_q = torch.tensor([[-1.0, -2.0], [-0.5, -0.1], [-3.0, -1.0], [-0.2, -0.2], [-1.5, -0.3], [-0.7, -0.9]])
+    den = batch_rules.group_log_denominator(log_q, torch.ones(6, 2), np.array(["p2", "p1", "p2", "p1", "p1", "p2"], dtype=object))
+    relabelled = batch_rules.group_log_denominator(log_q, torch.ones(6, 2), np.array(["a", "b", "a", "b", "b", "a"], dtype=object))
+    assert torch.equal(den, relabelled) and den[0] == den[2] == den[5] and den[1] == den[3] == den[4]
     uids = np.array(["p2", "p1", "p2", "p1", "p1", "p2"], dtype=object)
     scores = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 1.0])
     mask = torch.ones(6, 3)

@@ -74,10 +74,11 @@ def test_row_reader_and_frame_reader_agree_and_name_bad_lines(tmp_path):
 
 
 def test_checkpoint_round_trip_and_latest_pointer(tmp_path):
-    assert rundir.load_latest_checkpoint(tmp_path) is None
+    assert rundir.load_latest_checkpoint(tmp_path) is None and rundir.latest_checkpoint_step(tmp_path) == 0
     rundir.save_checkpoint(tmp_path, 1, {"step": 1, "w": torch.ones(2)})
     path = rundir.save_checkpoint(tmp_path, 2, {"step": 2, "w": torch.zeros(2)})
     assert (tmp_path / "checkpoints" / "latest").read_text() == path.name == "step_000002.pt"
+    assert rundir.latest_checkpoint_step(tmp_path) == 2
     state = rundir.load_latest_checkpoint(tmp_path)
     assert state["step"] == 2 and torch.equal(state["w"], torch.zeros(2))
     assert not list((tmp_path / "checkpoints").glob("*.tmp"))

@@ -10,7 +10,7 @@ A run directory (``trainer.default_local_dir``) holds
 * ``config.yaml`` -- the composed hydra config (:func:`read_run_config` reads the algorithm and
   delay from it).
 * ``checkpoints/step_<k>.pt`` and ``checkpoints/latest`` (the name of the newest) --
-  :func:`save_checkpoint` / :func:`load_latest_checkpoint`.
+  :func:`save_checkpoint` / :func:`load_latest_checkpoint` (:func:`latest_checkpoint_step`: its step).
 
 Readers: :func:`read_metric_rows` (the lines as dicts, for scripts), :func:`load_metrics` (one
 pandas row per step, for reports and figures), :func:`load_run` / :func:`load_runs` (metrics plus
@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import time
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -87,6 +88,17 @@ class MetricsWriter:
         self._file.close()
 
 
+def set_aside_metrics(run_dir: PathLike) -> Optional[Path]:
+    """A fresh run in a used directory: rename its ``metrics.jsonl`` to ``metrics.<unix time>.jsonl``
+    (never append to or overwrite another run's metrics); returns the new name, or None."""
+    path = Path(run_dir) / METRICS_FILE
+    if not path.exists():
+        return None
+    kept = path.with_name(f"metrics.{int(time.time())}.jsonl")
+    path.rename(kept)
+    return kept
+
+
 def truncate_metrics(path: PathLike, after_step: int) -> None:
     """Keep only the lines of ``path`` whose step is at most ``after_step`` (a resumed run
     re-logs the later ones); unreadable lines (a line cut by a crash) go too."""
@@ -136,6 +148,17 @@ def load_latest_checkpoint(run_dir: PathLike) -> Optional[dict[str, Any]]:
     if not pointer.exists():
         return None
     return torch.load(ckpt_dir / pointer.read_text().strip(), weights_only=False)
+
+
+def latest_checkpoint_step(run_dir: PathLike) -> int:
+    """The step of the latest :func:`save_checkpoint` (read from the ``latest`` pointer, without
+    loading the state), or 0 if the run has none."""
+    try:
+        name = (Path(run_dir) / CHECKPOINT_DIR / LATEST_POINTER).read_text().strip()
+    except FileNotFoundError:
+        return 0
+    digits = name.removeprefix("step_").removesuffix(".pt")
+    return int(digits) if digits.isdigit() else 0
 
 
 # --------------------------------------------------------------------------- reading

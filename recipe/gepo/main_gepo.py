@@ -8,78 +8,47 @@ hands over to verl's trainer on a GPU cluster.
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Any
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from recipe.gepo.hetero_config import HeteroConfig
-
 # the verl engine's cluster presets (``--config-dir configs +verl_preset=<name>``)
 VERL_PRESET_DIR = Path(__file__).resolve().parents[2] / "configs" / "verl_preset"
 
 
-def _check_registered(loss_mode: str, adv_estimator: Any) -> None:
-    """Fail before any work when the loss or estimator is not in verl's registries."""
-    from verl.trainer.ppo import core_algos
-
-    name = getattr(adv_estimator, "value", adv_estimator)
-    if loss_mode not in core_algos.POLICY_LOSS_REGISTRY:
-        raise ValueError(
-            f"actor_rollout_ref.actor.policy_loss.loss_mode={loss_mode!r} is not registered; "
-            f"known: {sorted(core_algos.POLICY_LOSS_REGISTRY)}"
-        )
-    if name not in core_algos.ADV_ESTIMATOR_REGISTRY:
-        raise ValueError(f"algorithm.adv_estimator={name!r} is not registered; known: {sorted(core_algos.ADV_ESTIMATOR_REGISTRY)}")
-
-
 def run_local(cfg: DictConfig) -> dict[str, Any]:
-    """Validate everything, then train with the embedded engine; returns the final metrics."""
-    from verl.utils.config import omega_conf_to_dataclass
-
-    from recipe.gepo.local.run_utils import MetricLogger, RunSettings
-    from recipe.gepo.local.tasks import Task, TaskConfig, resolve_model_path
+    """The embedded engine: validate everything (:meth:`EngineConfig.from_omegaconf`), then train
+    in the mode ``hetero.mode`` names; returns the final metrics. Scripts call this with a config
+    composed by hydra's compose API."""
+    from recipe.gepo.local.async_mode import run_async
+    from recipe.gepo.local.engine import EngineConfig
+    from recipe.gepo.local.replay import run_replay
+    from recipe.gepo.local.run_utils import MetricLogger
+    from recipe.gepo.local.tasks import resolve_model_path
+    from recipe.gepo.report import write_report
     from verl_ext.hetero.seeding import seed_process
-    from verl_ext.rundir import write_run_config
+    from verl_ext.rundir import set_aside_metrics, write_run_config
     from verl_ext.torch_threads import set_torch_threads
 
-    hetero = HeteroConfig.from_omegaconf(cfg.hetero)
-    settings = RunSettings.from_config(cfg)
-    task_config = TaskConfig.from_omegaconf(cfg.task)
-    actor_config = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
-    algorithm_config = omega_conf_to_dataclass(cfg.algorithm)
-    _check_registered(actor_config.policy_loss.loss_mode, algorithm_config.adv_estimator)
-    if algorithm_config.adv_estimator in ("grpo", "bnpo") and settings.group_size < 2:
-        raise ValueError(
-            f"actor_rollout_ref.rollout.n={settings.group_size}: the group-normalised estimator "
-            f"{algorithm_config.adv_estimator!r} needs at least 2 responses per prompt"
-        )
-    from recipe.gepo.local.driver import EngineConfig, check_supported, run_engine
-
-    engine = EngineConfig(hetero, settings, task_config, actor_config, algorithm_config)
-    check_supported(engine)  # before the warm start or any other work
-    if hetero.dry_run:
+    engine = EngineConfig.from_omegaconf(cfg)  # every check, before the warm start or any other work
+    if engine.hetero.dry_run:
         print(OmegaConf.to_yaml(cfg.hetero))
         return {}
-
-    seed_process(hetero.seed)
+    settings = engine.settings
+    seed_process(engine.hetero.seed)
     set_torch_threads(2)  # min(2, cores), unless the user set OMP_NUM_THREADS
     write_run_config(settings.run_dir, cfg)
-    model_path = resolve_model_path(settings.model_path, task_config, hetero.seed)
-    task = Task(task_config, hetero.seed)
-    previous = settings.run_dir / "metrics.jsonl"
-    if settings.resume_mode == "disable" and previous.exists():
-        # a fresh run in a used directory: keep the old metrics beside, never append to them
-        previous.rename(previous.with_name(f"metrics.{int(time.time())}.jsonl"))
+    model_path = resolve_model_path(settings.model_path, engine.task, engine.hetero.seed)
+    if settings.resume_mode == "disable":
+        set_aside_metrics(settings.run_dir)
+    run_mode = {"replay": run_replay, "async": run_async}[engine.hetero.mode]
     logger = MetricLogger(settings.run_dir, settings, cfg)
     try:
-        metrics = run_engine(engine, model_path, logger, task=task)  # replay or async: one loop
+        metrics = run_mode(engine, model_path, logger)
     finally:
         logger.close()
-    from recipe.gepo.report import write_report
-
     write_report(settings.run_dir)  # report.md + curves.png next to metrics.jsonl
     return metrics
 
@@ -129,9 +98,9 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         return run_local(cfg)
     if engine == "verl":
         check_no_missing_values(cfg)
-        from recipe.gepo import verl_engine
+        from recipe.gepo.verl_engine.runner import run as run_verl
 
-        return verl_engine.run(cfg)
+        return run_verl(cfg)
     raise ValueError(f"hetero.engine={engine!r}; expected 'local' or 'verl'")
 
 

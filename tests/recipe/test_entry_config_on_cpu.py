@@ -15,8 +15,8 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from recipe.gepo.hetero_config import DelayConfig, HeteroConfig
-from recipe.gepo.local.tasks import TaskConfig
+from recipe.gepo.sections import DelayConfig, HeteroConfig
+from recipe.gepo.sections import TaskConfig
 from recipe.gepo.main_gepo import MissingValueError, missing_values, run
 
 ROOT = Path(__file__).resolve().parents[2]

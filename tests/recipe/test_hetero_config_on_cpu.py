@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-from recipe.gepo.hetero_config import HeteroConfig
+from recipe.gepo.sections import HeteroConfig
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "recipe" / "gepo" / "config"
 

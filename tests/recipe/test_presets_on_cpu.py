@@ -11,7 +11,7 @@ from verl.trainer.ppo import core_algos
 from verl.utils.config import omega_conf_to_dataclass
 
 from verl_ext.loss_bridge import compute_actor_loss
-from verl_ext.verl_plugin import HeteroPolicyLossConfig
+from verl_ext.loss_config import HeteroPolicyLossConfig
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "recipe" / "gepo" / "config"
 PRESETS = sorted(p.stem for p in (CONFIG_DIR / "algorithm_preset").glob("*.yaml"))
@@ -96,8 +96,8 @@ def test_unknown_preset_is_a_clear_error():
 
 
 def test_bad_loss_option_names_the_field():
-    cfg = compose_trainer("actor_rollout_ref.actor.policy_loss.group_scope=everything")
-    with pytest.raises(Exception, match="group_scope"):
+    cfg = compose_trainer("actor_rollout_ref.actor.policy_loss.seq_reduction=everything")
+    with pytest.raises(Exception, match="seq_reduction"):
         omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
 
 

@@ -18,7 +18,8 @@ def compose_trainer(*overrides: str):
 @pytest.fixture(scope="session")
 def toy_model_path() -> str:
     """The cached warm-started toy model (built once, ~75 s, if the cache is empty)."""
-    from recipe.gepo.local.tasks import TaskConfig, resolve_model_path
+    from recipe.gepo.local.tasks import resolve_model_path
+    from recipe.gepo.sections import TaskConfig
 
     cfg = compose_trainer()
     return str(resolve_model_path("", TaskConfig.from_omegaconf(cfg.task), 0))

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from recipe.gepo.local.async_mode import LearnerWorker
-from recipe.gepo.local.driver import EngineConfig
+from recipe.gepo.local.engine import EngineConfig
 from verl_ext.hetero.protocol import TransportSpec
 from verl_ext.hetero.exchange import ROLLOUT_TOPIC, send_group
 from verl_ext.hetero.records import RolloutGroup

@@ -8,7 +8,7 @@ here it is the engine's wiring: checkpoint_state -> acknowledge -> crash -> star
 import pytest
 
 from recipe.gepo.local.async_mode import LearnerWorker
-from recipe.gepo.local.driver import EngineConfig
+from recipe.gepo.local.engine import EngineConfig
 from verl_ext.hetero.protocol import TransportSpec
 from verl_ext.hetero.exchange import send_group
 

@@ -1,15 +1,21 @@
-"""Fixtures of the study tests: a tiny 1-digit toy warm start (seconds, cached) and config composition."""
+"""Fixtures of the study tests: a tiny 1-digit toy warm start (seconds, cached), config composition,
+and ``scripts/`` on ``sys.path`` for the sweep package (``sweep``)."""
 
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
 
-CONFIG_DIR = Path(__file__).resolve().parents[2] / "recipe" / "gepo" / "config"
+REPO = Path(__file__).resolve().parents[2]
+CONFIG_DIR = REPO / "recipe" / "gepo" / "config"
+# the delay sweep's package, scripts/sweep, imported as ``sweep`` (as scripts/bench/delay_sweep.py does)
+if str(REPO / "scripts") not in sys.path:
+    sys.path.append(str(REPO / "scripts"))
 
 
 def compose_cfg(overrides: list[str]):
@@ -19,8 +25,7 @@ def compose_cfg(overrides: list[str]):
 
 @pytest.fixture(scope="session")
 def tiny_model_path() -> str:
-    from verl_ext.data.toy import warm_start
+    from verl_ext.data.toy.checkpoints import warm_start
 
     cache = Path(os.environ.get("HETERORL_TEST_CACHE", Path(tempfile.gettempdir()) / "heterorl-test-cache"))
-    return str(warm_start(cache, digits=1, target_accuracy=(0.2, 1.0), max_seconds=60, max_steps=300,
-                          eval_every=25, n_eval=32, batch_size=32, warmup_steps=5))  # fmt: skip
+    return str(warm_start(cache, digits=1, steps=50, n_eval=32, batch_size=32, warmup_steps=5))

@@ -2,15 +2,11 @@
 
 import pytest
 
-from recipe.gepo.local.tasks import Task, TaskConfig
-from verl_ext.data.toy import (
-    build_tokenizer,
-    make_problem,
-    make_problems,
-    response_length,
-    scratchpad_response,
-    scratchpad_score,
-)
+from recipe.gepo.local.tasks import Task
+from recipe.gepo.sections import TaskConfig
+from verl_ext.data.toy.model import build_tokenizer
+from verl_ext.data.toy.problems import make_problem, make_problems, response_length, scratchpad_response
+from verl_ext.data.toy.scoring import scratchpad_score
 
 
 def _hand_scratchpad(a: int, b: int, digits: int) -> str:

@@ -4,9 +4,10 @@ import json
 
 import pytest
 
-from recipe.gepo.local.tasks import TaskConfig, resolve_model_path
+from recipe.gepo.local.tasks import resolve_model_path
+from recipe.gepo.sections import TaskConfig
 from tests.study.conftest import compose_cfg
-from verl_ext.data.toy import WARM_START_INFO, weights_sha256
+from verl_ext.data.toy.checkpoints import WARM_START_INFO, weights_sha256
 
 
 def test_warm_start_steps_selects_the_pinned_warm_start(tmp_path):
@@ -20,7 +21,8 @@ def test_warm_start_steps_selects_the_pinned_warm_start(tmp_path):
     assert resolve_model_path("", task, seed=0) == path  # cached, same folder
 
 
-def test_warm_start_steps_must_be_a_non_negative_int():
-    with pytest.raises(ValueError, match="task.warm_start_steps"):
-        TaskConfig(warm_start_steps=-1)
-    assert TaskConfig().warm_start_steps == 0  # the YAML's default: the accuracy window, as before
+def test_warm_start_steps_must_be_null_or_a_positive_int():
+    for bad in (-1, 0, True):
+        with pytest.raises(ValueError, match="task.warm_start_steps"):
+            TaskConfig(warm_start_steps=bad)
+    assert TaskConfig().warm_start_steps is None  # the YAML's default: the answer format's pinned steps

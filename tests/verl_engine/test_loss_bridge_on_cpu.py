@@ -17,7 +17,7 @@ from verl.utils.config import omega_conf_to_dataclass
 from verl.utils.metric import AggregationType
 from verl.workers.utils.losses import ppo_loss
 
-from recipe.gepo.verl_engine.denominator import GROUP_LOG_DENOMINATOR, group_log_denominator
+from recipe.gepo.verl_engine.batch_rules import GROUP_LOG_DENOMINATOR, group_log_denominator
 from recipe.gepo.verl_engine.loss import bridge_loss_fn, hetero_ppo_loss
 from verl_ext.loss_bridge import compute_actor_loss
 

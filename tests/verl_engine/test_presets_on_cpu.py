@@ -3,6 +3,7 @@ dataclasses and verl's own validate_config, and dry-runs to a plan; bad configs 
 naming the key."""
 
 import copy
+import re
 from pathlib import Path
 
 import pytest
@@ -12,11 +13,13 @@ from omegaconf import OmegaConf, open_dict
 from verl.utils.config import omega_conf_to_dataclass
 from verl.workers.config import ActorConfig, RolloutConfig
 
-from recipe.gepo.verl_engine import build_plan, dry_run, run
-from recipe.gepo.verl_engine.guard import ForcedLossModeError
+from recipe.gepo.verl_engine.plan import build_plan, dry_run
+from recipe.gepo.verl_engine.runner import run
+from recipe.gepo.verl_engine.plan import ForcedLossModeError
+from recipe.gepo.options import OptionNotHonoured
 from recipe.gepo.verl_engine.plan import VerlEngineConfigError, engine_settings, validate
 from recipe.gepo.verl_engine.runner import NoGPUError
-from verl_ext.verl_plugin import HeteroPolicyLossConfig
+from verl_ext.loss_config import HeteroPolicyLossConfig
 
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -145,7 +148,7 @@ def test_engine_settings_set_the_trainer_and_verl_threshold():
         (["actor_rollout_ref.rollout.nnodes=0"], VerlEngineConfigError, "rollout.nnodes=0"),
         (["actor_rollout_ref.actor.ppo_mini_batch_size=16"], VerlEngineConfigError, "parameter_sync_step"),
         (["hetero.mode=replay"], VerlEngineConfigError, "hetero.mode='replay'"),
-        (["hetero.transport=fs"], VerlEngineConfigError, "hetero.transport='fs'"),
+        (["hetero.transport=fs"], OptionNotHonoured, "hetero.transport='fs' is not honoured by hetero.engine=verl"),
         (["hetero.engine=local"], VerlEngineConfigError, "hetero.engine='local'"),
         (["verl_engine.old_log_prob=learner"], ValueError, "verl_engine.old_log_prob='learner'"),
         (["+verl_engine.placment=x"], ValueError, "placment"),
@@ -166,7 +169,7 @@ def test_bad_configs_fail_before_anything_runs_naming_the_key(overrides, error, 
 def test_embedded_engine_options_are_refused_not_ignored(override):
     cfg = preset_cfg("qwen3_1p7b_fsdp", override)
     key = override.split("=")[0]
-    with pytest.raises(VerlEngineConfigError, match=f"{key}=.*embedded-engine option"):
+    with pytest.raises(OptionNotHonoured, match=f"{key}=.* is not honoured by hetero.engine=verl .*honoured by hetero.engine=local"):
         build_plan(cfg)
 
 
@@ -204,10 +207,11 @@ def test_cpu_toy_preset_validates_for_the_verl_engine(capsys):
 
 def test_both_engines_train_the_same_pinned_warm_start(tmp_path):
     """task.warm_start_steps reaches the verl engine's model resolution as it does the embedded
-    engine's: one rule (verl_ext.data.toy.resolve_task_model), the same cached folder."""
+    engine's: one rule (verl_ext.data.toy.checkpoints.resolve_task_model), the same cached folder."""
     from pathlib import Path
 
-    from recipe.gepo.local.tasks import TaskConfig, resolve_model_path
+    from recipe.gepo.local.tasks import resolve_model_path
+    from recipe.gepo.sections import TaskConfig
     from recipe.gepo.verl_engine.runner import resolve_task_files
 
     cfg = compose_config(
@@ -218,3 +222,21 @@ def test_both_engines_train_the_same_pinned_warm_start(tmp_path):
     local_model = Path(resolve_model_path("", TaskConfig.from_omegaconf(cfg.task), seed=int(cfg.hetero.seed)))
     assert verl_model == local_model.resolve() and verl_model.is_relative_to(tmp_path)
     assert '"steps": 3' in (verl_model / "warm_start.json").read_text().replace("'", '"')
+
+
+@pytest.mark.parametrize("key", ["train_files", "val_files"])
+def test_a_missing_data_file_fails_at_start_naming_the_key_and_the_path(tmp_path, key):
+    """As a new user would: a wrong parquet path stops the run before verl starts any worker, with
+    one line naming the key and the path (not a `datasets` traceback from inside a worker)."""
+    good = tmp_path / "good.parquet"
+    good.write_bytes(b"PAR1")
+    missing = tmp_path / "typo.parquet"
+    files = {"train_files": str(good), "val_files": str(good), key: str(missing)}
+    cfg = compose_config(
+        "+verl_preset=cpu_toy", "hetero.engine=verl", f"actor_rollout_ref.model.path={tmp_path}",
+        f"data.train_files={files['train_files']}", f"data.val_files={files['val_files']}",
+        f"trainer.default_local_dir={tmp_path / 'run'}",
+    )  # fmt: skip
+    with pytest.raises(VerlEngineConfigError, match=rf"data.{key}=.*{re.escape(str(missing))}"):
+        run(cfg)
+    assert not (tmp_path / "run").exists()

@@ -51,7 +51,7 @@ def test_star_script_reads_node_counts_from_the_plan():
     """The node-count parser of verl_star.sbatch, run by bash on the real plan text."""
     from hydra import compose, initialize_config_dir
 
-    from recipe.gepo.verl_engine import build_plan
+    from recipe.gepo.verl_engine.plan import build_plan
 
     with initialize_config_dir(config_dir=str(ROOT / "recipe/gepo/config"), version_base=None):
         cfg = compose(config_name="gepo_trainer", overrides=[

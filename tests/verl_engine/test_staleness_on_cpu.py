@@ -2,7 +2,7 @@
 
 import pytest
 
-from recipe.gepo.verl_engine.staleness import group_weight_versions, hetero_step_metrics, stale_group_uids, verl_threshold
+from recipe.gepo.verl_engine.batch_rules import group_weight_versions, hetero_step_metrics, stale_group_uids, verl_threshold
 
 
 def tags_for(groups):

@@ -1,8 +1,7 @@
 """Async mode: one learner actor and N sampler actors on Ray, exchanging through a transport.
 
-The loop, the learner and every option live in :mod:`recipe.gepo.local.driver`; this module is
-async mode's rollout source (:class:`TransportSource`), the actors, and the supervision of the
-samplers. The messages they exchange are defined in :mod:`verl_ext.hetero.protocol`.
+The loop and the learner runtime live in :mod:`recipe.gepo.local.driver`; this module is async
+mode's rollout source (:class:`TransportSource`), the actors, and the supervision of the samplers. The messages they exchange are defined in :mod:`verl_ext.hetero.protocol`.
 
 Weights: the learner publishes every new version to a ``WeightStore``; each sampler reads it
 through its own ``DelayChannel``, so version v becomes visible to sampler i only after the delay
@@ -28,16 +27,18 @@ withdraws its announcements and restarts it (it rejoins with the newest weights 
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 import uuid
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import ray
 from tqdm import tqdm
 
-from recipe.gepo.hetero_config import HeteroConfig
-from recipe.gepo.local.driver import Batch, EngineConfig, LearnerRuntime, run_loop
+from recipe.gepo.sections import HeteroConfig
+from recipe.gepo.local.driver import LearnerRuntime, run_loop
+from recipe.gepo.local.engine import Batch, EngineConfig
 from recipe.gepo.local.policy import load_policy
 from recipe.gepo.local.rollout import RolloutSettings, generate_groups
 from recipe.gepo.local.run_utils import MetricLogger, RunSettings
@@ -204,8 +205,17 @@ class SamplerWorker:
         return dict(self.stats)
 
 
+def rollout_inbox_transport(hetero: HeteroConfig, transport):
+    """What the learner reads rollouts through: the transport, or with ``hetero.delay_rollouts`` a
+    :class:`DelayChannel` on it that shows each group only after the delay model's draw for it
+    (the learner's own stream, seconds)."""
+    if not hetero.delay_rollouts:
+        return transport
+    return DelayChannel(transport, hetero.delay.build(), seed=hetero.seed, stream=LEARNER_STREAM, topics=[ROLLOUT_TOPIC])
+
+
 class TransportSource:
-    """Async mode's :class:`~recipe.gepo.local.driver.RolloutSource`: groups arrive from sampler
+    """Async mode's :class:`~recipe.gepo.local.engine.RolloutSource`: groups arrive from sampler
     actors over the transport (a background thread polls them into the buffer); weights go out
     through a ``WeightStore``; the learner's status is published after every step."""
 
@@ -213,12 +223,9 @@ class TransportSource:
         hetero = runtime.engine.hetero
         self.hetero, self.buffer = hetero, runtime.buffer
         self.transport = spec.open()
-        inbox_transport = self.transport
-        if hetero.delay_rollouts:
-            inbox_transport = DelayChannel(self.transport, hetero.delay.build(), seed=hetero.seed,
-                                           stream=LEARNER_STREAM, topics=[ROLLOUT_TOPIC])  # fmt: skip
         announcements = self.transport if hetero.stale_policy == "wait" else None
-        self.inbox = RolloutInbox(inbox_transport, self.buffer, announcements=announcements)
+        self.inbox = RolloutInbox(rollout_inbox_transport(hetero, self.transport), self.buffer,
+                                  announcements=announcements)  # fmt: skip
         self.weights = weight_store(hetero, self.transport, pipelined=True)
         self._stop = threading.Event()
         self._hungry = threading.Event()  # set while the learner is blocked in take()
@@ -486,24 +493,32 @@ def system_cores(hetero: HeteroConfig) -> list[int]:
     return rest or list(hetero.learner_cpus)  # a one-core machine: nowhere else to go
 
 
-def _run_async(engine: EngineConfig, model_path: str, logger: MetricLogger) -> dict[str, float]:
-    hetero = engine.hetero
-    started_ray = False
-    if not ray.is_initialized():
-        if hetero.ray_address:
-            # join a running cluster: its nodes have their own CPUs and custom resources; the
-            # actors import this repo, so its root goes on their path
-            ray.init(address=hetero.ray_address, log_to_driver=False, logging_level="ERROR",
-                     runtime_env={"env_vars": _worker_env()})  # fmt: skip
-        else:
-            ray.init(num_cpus=max(2, hetero.num_samplers + 1), include_dashboard=False, log_to_driver=False)
-        started_ray = True
-    runtime = None
+@contextlib.contextmanager
+def ray_session(hetero: HeteroConfig) -> Iterator[None]:
+    """Ray for an async run, started the one way every caller shares (the run itself, the soak,
+    the WAN scripts): nothing if Ray is already up in this process; else join the cluster at
+    ``hetero.ray_address`` (the actors import this repo, so its root goes on their path), or start
+    a local instance. Shut down on exit only if started here."""
+    if ray.is_initialized():
+        yield
+        return
+    if hetero.ray_address:
+        ray.init(address=hetero.ray_address, log_to_driver=False, logging_level="ERROR",
+                 runtime_env={"env_vars": _worker_env()})  # fmt: skip
+    else:
+        ray.init(num_cpus=max(2, hetero.num_samplers + 1), include_dashboard=False, log_to_driver=False)
     try:
-        runtime = RemoteRuntime(engine, model_path, transport_spec(hetero, engine.settings))
-        return run_loop(runtime, engine, logger, desc="async")
+        yield
     finally:
-        if runtime is not None:
-            runtime.shutdown()
-        if started_ray:
-            ray.shutdown()
+        ray.shutdown()
+
+
+def _run_async(engine: EngineConfig, model_path: str, logger: MetricLogger) -> dict[str, float]:
+    runtime = None
+    with ray_session(engine.hetero):
+        try:
+            runtime = RemoteRuntime(engine, model_path, transport_spec(engine.hetero, engine.settings))
+            return run_loop(runtime, engine, logger, desc="async")
+        finally:
+            if runtime is not None:
+                runtime.shutdown()

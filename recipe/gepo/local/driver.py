@@ -1,184 +1,42 @@
-"""The embedded engine's one driver loop, for replay and async mode alike.
+"""The embedded engine's learner runtime and its one driver loop, for replay and async mode alike.
 
 Read top to bottom, a run is::
 
     checkpoint = latest checkpoint of the run dir (trainer.resume_mode=auto) or None
     runtime.start(checkpoint)                      # restore learner + buffer + source, publish v
     log the initial evaluation (fresh runs)
-    for each learner step:
+    for each learner step:                         # LearnerRuntime.step
         batch   = source.next_batch(...)           # whole groups within the staleness bound
-        metrics = learner.train_step(batch)        # (diagnostics first, when asked for)
+        metrics = learner.train_step(batch)        # (the E[A] diagnostic first, when asked for)
         source.publish(weights, version)
         log; evaluate / checkpoint on trainer.test_freq / trainer.save_freq
 
-The two modes differ only in their :class:`RolloutSource`: replay mode's
-(:class:`recipe.gepo.local.replay.ReplaySource`) generates each batch in-process from a policy
-snapshot ``tau`` versions old; async mode's (:class:`recipe.gepo.local.async_mode.TransportSource`)
-receives groups from sampler actors over a transport. Everything else -- learner and buffer
-construction, rollout correction, diagnostics, the wait policy, resume, the eval/save cadence --
-is here, once, so every feature works in both modes or is refused at start by
-:func:`check_supported` naming the key.
-
-In async mode the :class:`LearnerRuntime` lives in a Ray actor (``LearnerWorker``) and the loop
-drives it through a proxy with the same methods, which also supervises the samplers.
+The two modes differ only in their :class:`~recipe.gepo.local.engine.RolloutSource`: replay
+mode's (:mod:`recipe.gepo.local.replay`) generates each batch in-process from a policy snapshot
+``tau`` versions old; async mode's (:mod:`recipe.gepo.local.async_mode`) receives groups from
+sampler actors over a transport. Each mode's ``run_*`` function builds its source and calls
+:func:`run_loop`; the entry point (``recipe/gepo/main_gepo.py``) picks the mode. In async mode the
+:class:`LearnerRuntime` lives in a Ray actor and the loop drives it through a proxy with the same
+methods, which also supervises the samplers.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Protocol
+from typing import Any, Callable, Optional
 
-import torch
 from tqdm import tqdm
 
-from recipe.gepo.hetero_config import HeteroConfig
-from recipe.gepo.local.learner import Learner, collate_groups
-from recipe.gepo.local.policy import load_policy, sample_groups, sequence_token_log_probs
-from recipe.gepo.local.run_utils import MetricLogger, RunSettings
-from recipe.gepo.local.tasks import Task, TaskConfig
-from verl_ext.algos.importance import sequence_log_prob
-from verl_ext.hetero.affinity import Pinned
+from recipe.gepo.local.diagnostics import step_diagnostics
+from recipe.gepo.local.engine import EngineConfig, RolloutSource
+from recipe.gepo.local.learner import Learner
+from recipe.gepo.local.policy import load_policy
+from recipe.gepo.local.run_utils import MetricLogger
+from recipe.gepo.local.tasks import Task
 from verl_ext.hetero.buffer import RolloutBuffer
-from verl_ext.hetero.records import RecordSpec, RolloutGroup
-from verl_ext.hetero.seeding import diagnostics_seed
+from verl_ext.hetero.records import RecordSpec
 from verl_ext.loss_bridge import rollout_correction_settings
 from verl_ext.rundir import load_latest_checkpoint, save_checkpoint, truncate_metrics
-from verl_ext.verl_plugin import loss_option
-
-
-@dataclass
-class EngineConfig:
-    """Everything a learner or sampler process needs, typed: sent as is to Ray actors."""
-
-    hetero: HeteroConfig
-    """The ``hetero:`` section."""
-    settings: RunSettings
-    """verl's run keys (batch size, steps, group size, run dir, cadences)."""
-    task: TaskConfig
-    """The ``task:`` section."""
-    actor: Any
-    """verl ``ActorConfig`` (``actor_rollout_ref.actor``): loss, optimiser, clip."""
-    algorithm: Any
-    """verl ``AlgoConfig`` (``algorithm``): advantage estimator, rollout correction."""
-
-    @classmethod
-    def from_omegaconf(cls, cfg) -> "EngineConfig":
-        from verl.utils.config import omega_conf_to_dataclass
-
-        return cls(
-            hetero=HeteroConfig.from_omegaconf(cfg.hetero),
-            settings=RunSettings.from_config(cfg),
-            task=TaskConfig.from_omegaconf(cfg.task),
-            actor=omega_conf_to_dataclass(cfg.actor_rollout_ref.actor),
-            algorithm=omega_conf_to_dataclass(cfg.algorithm),
-        )
-
-
-@dataclass
-class Batch:
-    """One learner step's groups and what it cost to get them."""
-
-    groups: list[RolloutGroup]
-    """Whole groups, each within the staleness bound of the learner's version."""
-    wait_s: float
-    """Seconds the learner was idle for them (replay: generation; async: blocked in take)."""
-    metrics: dict[str, float] = field(default_factory=dict)
-    """Source-specific scalars logged with the step (throughput, transport counters)."""
-
-
-class RolloutSource(Protocol):
-    """Where a learner step's groups come from and where its weights go.
-
-    Groups pass through the runtime's :class:`RolloutBuffer` (given to the source at
-    construction), so the staleness bound, the drop/wait policy and the ledger are the same in
-    both modes."""
-
-    def start(self, checkpoint: Optional[dict], learner_version: int) -> None:
-        """Restore from ``checkpoint`` (the dict :meth:`LearnerRuntime.checkpoint_state` saved) or
-        start fresh; called before the first :meth:`publish`."""
-
-    def next_batch(self, step: int, n: int, learner_version: int) -> Batch:
-        """``n`` groups for learner step ``step`` (0-based) at ``learner_version``."""
-
-    def publish(self, weights: dict[str, torch.Tensor], version: int) -> None:
-        """The learner's weights of ``version`` (after the buffer accepts that version)."""
-
-    def state_dict(self) -> dict[str, Any]:
-        """What a checkpoint must hold to resume this source exactly (merged into the checkpoint)."""
-
-    def acknowledge(self, buffer_state: dict) -> int:
-        """After a checkpoint holding ``buffer_state`` is durable."""
-
-    def close(self) -> None: ...
-
-
-class GenerateOn:
-    """Replay mode with ``hetero.sampler_cpus``: the process moves to the sampler cores while it
-    generates a batch and back after, so the synchronous learner waits while "the sampler node"
-    works (the same pinning as async mode's actors). Everything else is the wrapped source's."""
-
-    def __init__(self, source: RolloutSource, cpus: list[int]):
-        self.source, self.cpus = source, list(cpus)
-
-    def next_batch(self, step: int, n: int, learner_version: int) -> Batch:
-        with Pinned(self.cpus, "hetero.sampler_cpus"):
-            return self.source.next_batch(step, n, learner_version)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.source, name)
-
-
-# hetero keys only async mode acts on: a value other than the default would be silently ignored
-# in replay mode -> refused, with what replay does instead
-ASYNC_ONLY_KEYS = {
-    "weight_sync": "replay mode hands weights over in memory, no transport",
-    "max_delta_chain": "replay mode hands weights over in memory, no transport",
-    "weights_bf16": "replay mode hands weights over in memory (the sampler uses the learner's own dtype)",
-    "system_cpus": "replay mode is one process, on hetero.learner_cpus while it trains and hetero.sampler_cpus while it generates",
-}
-
-
-def check_supported(engine: EngineConfig) -> None:
-    """Refuse, before any work and naming the key, what the embedded engine cannot do. Both
-    modes support the same options (rollout correction, diagnostics, resume, both stale
-    policies), so the checks are the same for both, except the keys of :data:`ASYNC_ONLY_KEYS`
-    (the weight transport's, the Ray processes' cores), which replay mode refuses."""
-    rollout_correction_settings(engine.algorithm)  # names a bad algorithm.rollout_correction value
-    check_optimizer_supported(engine.actor)
-    if engine.hetero.mode == "replay":
-        default = HeteroConfig()
-        for key, instead in ASYNC_ONLY_KEYS.items():
-            value = getattr(engine.hetero, key)
-            if value != getattr(default, key):
-                raise ValueError(f"hetero.{key}={value!r} is an async-mode option; {instead} (hetero.mode=replay): "
-                                 f"leave it at {getattr(default, key)!r} or use hetero.mode=async")
-
-
-# actor.optim keys the learner's AdamW honours: lr, betas, weight_decay (and actor.grad_clip). The
-# schedule keys below must stay at verl's defaults (constant lr, no warm-up): refused otherwise.
-_OPTIM_DEFAULTS = {
-    "optimizer": "AdamW", "lr_warmup_steps": -1, "lr_warmup_steps_ratio": 0.0, "lr_scheduler_type": "constant",
-    "warmup_style": None, "override_optimizer_config": None,
-}  # fmt: skip
-
-
-def check_optimizer_supported(actor: Any) -> None:
-    """The embedded learner runs AdamW at a constant learning rate; a verl schedule or another
-    optimizer would be silently ignored, so it is refused naming the key."""
-    optim = actor.optim
-    for key, default in _OPTIM_DEFAULTS.items():
-        value = optim.get(key, default) if hasattr(optim, "get") else getattr(optim, key, default)
-        if key == "lr_warmup_steps" and value is not None and int(value) <= 0:
-            continue  # -1 / 0: no warm-up
-        if key == "warmup_style" and value in (None, "constant"):
-            continue
-        if value != default:
-            raise ValueError(
-                f"actor_rollout_ref.actor.optim.{key}={value!r}: the embedded engine's learner runs "
-                f"{_OPTIM_DEFAULTS['optimizer']} at a constant lr (no warm-up or schedule); use hetero.engine=verl, "
-                f"or leave it at {default!r}"
-            )
 
 
 # ---------------------------------------------------------------------------- learner
@@ -204,41 +62,6 @@ def build_buffer(engine: EngineConfig, task: Task) -> RolloutBuffer:
     )  # fmt: skip
 
 
-def advantage_diagnostics(
-    model, tokenizer, groups, task: Task, settings: RunSettings, actor_config: Any, samples: int, seed: int
-) -> dict[str, float]:
-    """The E[A] estimation error of the batch ``groups`` for the current ``model`` (the learner
-    before its update): see :mod:`verl_ext.analysis.run_diagnostics`. The fresh samples use
-    their own seeded RNG (the torch RNG state is restored), so training is the same with and
-    without diagnostics."""
-    from verl_ext.analysis.run_diagnostics import estimation_errors, main_weight_kind, weighted_advantage_estimates
-
-    batch = collate_groups(groups, tokenizer.pad_token_id)
-    mask = batch["response_mask"].bool()
-    reduction = loss_option(actor_config, "seq_reduction")
-    with torch.no_grad():
-        log_p = sequence_token_log_probs(
-            model, batch["prompt_ids"], batch["prompt_mask"], batch["response_ids"], batch["response_mask"],
-            settings.temperature,
-        )  # fmt: skip
-    log_q = batch["sampler_logprobs"]
-    estimates = weighted_advantage_estimates(
-        sequence_log_prob(log_p, mask, reduction), sequence_log_prob(log_q, mask, reduction),
-        sequence_log_prob(log_p, mask, "sum"), sequence_log_prob(log_q, mask, "sum"),
-        batch["rewards"], batch["group_index"],
-    )  # fmt: skip
-    items = [
-        {"prompt": tokenizer.decode(g.prompt_ids, skip_special_tokens=True), "answer": g.extra.get("answer", "")}
-        for g in groups
-    ]
-    with torch.random.fork_rng(devices=[]):
-        fresh = sample_groups(model, tokenizer, [it["prompt"] for it in items], samples, settings.temperature,
-                              settings.max_new_tokens, seed)  # fmt: skip
-    rewards = torch.tensor([task.score(text, items[i // samples]) for i, text in enumerate(fresh.texts)])
-    loss_mode = actor_config.policy_loss.get("loss_mode", "vanilla")
-    return estimation_errors(estimates, rewards.view(len(items), samples), main_weight_kind(loss_mode))
-
-
 # ---------------------------------------------------------------------------- one step
 
 
@@ -246,17 +69,15 @@ class LearnerRuntime:
     """The learner process of either mode: model, learner, buffer and a rollout source.
 
     Args:
-        engine: the typed configs.
+        engine: the validated configs.
         model_path: the HF folder the policy starts from.
         make_source: builds the mode's :class:`RolloutSource` from this runtime (after the
             learner's model and the buffer exist).
-        task: the task, if the caller has one already.
     """
 
-    def __init__(self, engine: EngineConfig, model_path: str,
-                 make_source: Callable[["LearnerRuntime"], RolloutSource], task: Optional[Task] = None):
+    def __init__(self, engine: EngineConfig, model_path: str, make_source: Callable[["LearnerRuntime"], RolloutSource]):
         self.engine, self.model_path = engine, model_path
-        self.task = task if task is not None else Task(engine.task, engine.hetero.seed)
+        self.task = Task(engine.task, engine.hetero.seed)
         self.model, self.tokenizer = load_policy(model_path)
         self.learner = build_learner(self.model, self.tokenizer.pad_token_id, engine)
         self.buffer = build_buffer(engine, self.task)
@@ -283,15 +104,7 @@ class LearnerRuntime:
         step = self.learner.version if step is None else int(step)
         t0 = time.perf_counter()
         batch = self.source.next_batch(step, engine.settings.prompts_per_step, self.learner.version)
-        diag: dict[str, float] = {}
-        every = int(engine.task.diagnostics_every or 0)
-        if every > 0 and step % every == 0 and batch.groups:
-            diag = advantage_diagnostics(
-                self.model, self.tokenizer, batch.groups, self.task, engine.settings, engine.actor,
-                engine.task.diagnostics_samples, seed=diagnostics_seed(engine.hetero.seed, step),
-            )  # fmt: skip
-            staleness = [self.learner.version - g.policy_version for g in batch.groups]
-            diag["diag/staleness"] = float(sum(staleness) / len(staleness))
+        diag = step_diagnostics(self.model, self.tokenizer, batch.groups, self.task, engine, step, self.learner.version)
         t_train = time.perf_counter()
         metrics = self.learner.train_step(batch.groups)
         metrics.update(diag)
@@ -358,29 +171,3 @@ def run_loop(runtime: Any, engine: EngineConfig, logger: MetricLogger, desc: str
             runtime.acknowledge(state["buffer"])
     metrics.update({f"hetero/ledger_{k}": float(v) for k, v in runtime.ledger_counts().items()})
     return metrics
-
-
-def run_engine(engine: EngineConfig, model_path: str, logger: MetricLogger, task: Optional[Task] = None) -> dict[str, float]:
-    """The embedded engine: check what the mode supports, then run the one loop in that mode."""
-    check_supported(engine)
-    if engine.hetero.mode == "replay":
-        from recipe.gepo.local.replay import ReplaySource
-
-        hetero = engine.hetero
-
-        def source(runtime: LearnerRuntime) -> RolloutSource:
-            replay = ReplaySource(runtime)
-            return GenerateOn(replay, hetero.sampler_cpus) if hetero.sampler_cpus else replay
-
-        # the learner node's cores for the whole run (the process's own affinity comes back after)
-        with Pinned(hetero.learner_cpus, "hetero.learner_cpus", threads=True):
-            runtime = LearnerRuntime(engine, model_path, source, task=task)
-            try:
-                return run_loop(runtime, engine, logger, desc="replay")
-            finally:
-                runtime.shutdown()
-    if engine.hetero.mode == "async":
-        from recipe.gepo.local.async_mode import run_async
-
-        return run_async(engine, model_path, logger)
-    raise ValueError(f"hetero.mode={engine.hetero.mode!r}; expected 'replay' or 'async'")

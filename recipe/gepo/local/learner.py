@@ -22,7 +22,7 @@ from recipe.gepo.local.policy import sequence_token_log_probs
 from verl_ext.algos.importance import group_expectation_log_denominator, sequence_log_prob
 from verl_ext.hetero.records import RolloutGroup
 from verl_ext.loss_bridge import RolloutCorrection, compute_actor_loss
-from verl_ext.verl_plugin import loss_option
+from verl_ext.loss_config import loss_option
 
 
 class NonFiniteStepError(RuntimeError):

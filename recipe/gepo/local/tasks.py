@@ -11,81 +11,9 @@ policy is evaluated. The ``task:`` section of ``gepo_trainer.yaml`` picks one.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from pathlib import Path
-
 import numpy as np
-from omegaconf import DictConfig, OmegaConf
 
-TASKS = ("toy_addition", "math")
-
-
-@dataclass
-class TaskConfig:
-    """The ``task:`` section; every field is in ``gepo_trainer.yaml`` (a test keeps them in step)."""
-
-    name: str = "toy_addition"
-    """toy_addition | math."""
-    digits: int = 3
-    """toy_addition: operand digits."""
-    answer_format: str = "short"
-    """toy_addition: ``short`` (the sum, digits + 2 tokens) or ``scratchpad`` (long answers: the
-    column sums and carries, then ``=`` and the sum; 6 digits + 3 tokens; set
-    ``data.max_response_length`` accordingly)."""
-    diagnostics_every: int = 0
-    """Replay mode: every k-th step log the E[A] estimation error (``diag/*``, see
-    ``verl_ext.analysis.run_diagnostics``); 0 = off."""
-    diagnostics_samples: int = 32
-    """Fresh learner samples per prompt for the E[A] diagnostic."""
-    eval_size: int = 256
-    """Held-out prompts per evaluation (toy: fresh problems never trained on; math: first N)."""
-    eval_temperature: float = 1.0
-    """Sampling temperature of evaluation (one sample per prompt)."""
-    warm_start_accuracy: list[float] = field(default_factory=lambda: [0.3, 0.6])
-    """toy_addition: the supervised warm start stops once held-out accuracy is inside this window."""
-    warm_start_max_seconds: float = 600.0
-    """toy_addition: wall-clock budget of the warm start."""
-    warm_start_steps: int = 0
-    """toy_addition: > 0 = the pinned warm start, exactly this many supervised steps from seed
-    ``hetero.seed`` with deterministic ops, the same weights on any machine (its sha256 in the
-    folder's ``warm_start.json``; ``verl_ext.data.toy.warm_start(steps=...)``); the two
-    ``warm_start_accuracy`` / ``warm_start_max_seconds`` keys are then not used. 0 = the older
-    accuracy-window warm start, whose time budget makes it depend on the machine's speed."""
-    cache_dir: str = ".cache/heterorl"
-    """Where warm-started checkpoints are cached (reused across runs with the same settings)."""
-    dataset: str = "math_train"
-    """math: training set name for ``load_benchmark`` (math_train, gsm8k, math500, ...)."""
-    dataset_path: str = ""
-    """math: file for datasets that need one (aime24, ...); empty = the built-in location."""
-    eval_dataset: str = "math500"
-    """math: evaluation set name."""
-    template: str = "qwen3_nothink"
-    """math: prompt template (``verl_ext.data.templates``)."""
-
-    def __post_init__(self):
-        if self.name not in TASKS:
-            raise ValueError(f"task.name={self.name!r}; expected one of {TASKS}")
-        if self.answer_format not in ("short", "scratchpad"):
-            raise ValueError(f"task.answer_format={self.answer_format!r}; expected short | scratchpad")
-        if self.answer_format != "short" and self.name != "toy_addition":
-            raise ValueError("task.answer_format applies to task.name=toy_addition only")
-        if self.diagnostics_every < 0 or self.diagnostics_samples < 1:
-            raise ValueError(
-                f"task.diagnostics_every={self.diagnostics_every} must be >= 0 and "
-                f"task.diagnostics_samples={self.diagnostics_samples} >= 1"
-            )
-        if self.eval_size < 1:
-            raise ValueError(f"task.eval_size={self.eval_size} must be >= 1")
-        if isinstance(self.warm_start_steps, bool) or not isinstance(self.warm_start_steps, int) or self.warm_start_steps < 0:
-            raise ValueError(f"task.warm_start_steps={self.warm_start_steps!r} must be an int >= 0 (0 = accuracy window)")
-        if len(self.warm_start_accuracy) != 2 or not 0 <= self.warm_start_accuracy[0] <= self.warm_start_accuracy[1] <= 1:
-            raise ValueError(f"task.warm_start_accuracy={self.warm_start_accuracy} must be [low, high] in [0, 1]")
-
-    @classmethod
-    def from_omegaconf(cls, node: DictConfig | dict) -> "TaskConfig":
-        data = OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else dict(node)
-        return cls(**data)
-
+from recipe.gepo.sections import TaskConfig
 
 class Task:
     """Prompts, scoring and evaluation of one task. ``items`` are dicts with ``prompt`` (text fed
@@ -94,7 +22,7 @@ class Task:
     def __init__(self, config: TaskConfig, seed: int):
         self.config, self.seed = config, seed
         if config.name == "toy_addition":
-            from verl_ext.data.toy import make_problems
+            from verl_ext.data.toy.problems import make_problems
 
             eval_problems = make_problems(config.eval_size, config.digits, seed=10**6 + seed,
                                           answer_format=config.answer_format)  # fmt: skip
@@ -128,7 +56,7 @@ class Task:
         function of (seed, stream, index), so replayed and resumed runs see the same prompts."""
         rng = np.random.default_rng([self.seed, stream, index])
         if self._train_pool is None:
-            from verl_ext.data.toy import make_problem
+            from verl_ext.data.toy.problems import make_problem
 
             hi = 10**self.config.digits
             pairs = rng.integers(0, hi, size=(n, 2))
@@ -139,11 +67,12 @@ class Task:
     @property
     def data_source(self) -> str:
         """The ``data_source`` of this task's rows, as verl's data files carry it (toy:
-        ``toy_add<d>`` / ``toy_add<d>_scratch``, see ``verl_ext.data.toy.make_problems``; math:
+        ``toy_add<d>`` / ``toy_add<d>_scratch``, ``verl_ext.data.toy.problems.toy_data_source``; math:
         the dataset name): it picks the reward in :mod:`verl_ext.rewards.dispatch`."""
         if self.config.name == "toy_addition":
-            suffix = "" if self.config.answer_format == "short" else "_scratch"
-            return f"toy_add{self.config.digits}{suffix}"
+            from verl_ext.data.toy.problems import toy_data_source
+
+            return toy_data_source(self.config.digits, self.config.answer_format)
         return self.config.eval_dataset
 
     def score(self, response: str, item: dict) -> float:
@@ -158,7 +87,7 @@ class Task:
             raise ValueError("target_response is defined for the toy task only")
         if self.config.answer_format == "short":
             return item["answer"]
-        from verl_ext.data.toy import scratchpad_response
+        from verl_ext.data.toy.problems import scratchpad_response
 
         a, b = (int(x) for x in item["prompt"].rstrip("=").split("+"))
         return scratchpad_response(a, b, self.config.digits)
@@ -186,6 +115,6 @@ class Task:
 
 def resolve_model_path(model_path: str, task_config: TaskConfig, seed: int) -> str:
     """The model to train: ``model_path`` if given, else (toy task) the cached warm start."""
-    from verl_ext.data.toy import resolve_task_model
+    from verl_ext.data.toy.checkpoints import resolve_task_model
 
     return resolve_task_model(model_path, task_config, seed)

@@ -3,7 +3,7 @@
 verl's ``verl.workers.utils.losses.ppo_loss`` keeps only response_mask, old_log_probs, advantages
 (+ rollout_is_weights, ref_log_prob) and calls the registered policy loss without any group
 information, so GEPO's exact denominator (computed on the driver over whole prompt groups, see
-:mod:`recipe.gepo.verl_engine.denominator`) would be lost. :func:`hetero_ppo_loss` has the same
+:mod:`recipe.gepo.verl_engine.batch_rules`) would be lost. :func:`hetero_ppo_loss` has the same
 signature and the same inputs (a micro-batch TensorDict and the engine's model output) and keeps
 only what is verl-specific: unpadding the model output, the global-batch normalisation info, and
 wrapping metrics in verl's ``Metric`` aggregation types. The objective itself -- policy loss,
@@ -28,7 +28,7 @@ from verl.utils.metric import AggregationType, Metric
 from verl.workers.utils.losses import ppo_loss as verl_ppo_loss
 from verl.workers.utils.padding import no_padding_2_padding
 
-from recipe.gepo.verl_engine.denominator import GROUP_LOG_DENOMINATOR
+from recipe.gepo.verl_engine.batch_rules import GROUP_LOG_DENOMINATOR
 from verl_ext.loss_bridge import compute_actor_loss
 
 # compute_actor_loss's loss-valued metrics -> the names this worker reports (verl's where it has one)

@@ -5,6 +5,23 @@ Everything here runs on a CPU machine: it reads the config, builds verl's config
 checks what verl's separate_async trainer would only assert after reserving GPUs, applies the
 bypass guard, and resolves the presets. :func:`dry_run` prints the plan; :func:`build_plan`
 returns it.
+
+The ``verl_engine:`` section (:class:`~recipe.gepo.sections.VerlEngineConfig`) holds the few settings only the verl
+engine has; everything else it reads from keys that already exist: verl's own (``trainer.nnodes``,
+``actor_rollout_ref.rollout.nnodes``, TP/PP sizes, ...) and the shared ``hetero:`` section.
+Topology: learners on verl's trainer pool (``trainer.nnodes`` x ``trainer.n_gpus_per_node``),
+samplers on verl's standalone rollout pool (``actor_rollout_ref.rollout.nnodes`` x
+``n_gpus_per_node``, ``actor_rollout_ref.hybrid_engine=false``): a star around the learners. The
+section is optional (a config without it gets the defaults); the presets in ``configs/`` write it out.
+
+The bypass guard: verl 0.9.1's async trainers (``one_step_off_policy``, ``fully_async_policy``, the
+separation trainer) and the legacy ``RayPPOTrainer`` call ``apply_bypass_mode`` whenever
+``algorithm.rollout_correction.bypass_mode`` is true, and that function overwrites
+``policy_loss.loss_mode`` with ``"bypass_mode"`` -- a run asking for GEPO would train with a
+different loss and say nothing. The verl engine gets what users want from bypass mode (train on
+the sampler's log-probs) with ``verl_engine.old_log_prob=sampler``, so :func:`check_no_forced_bypass`
+refuses a run asking for any other loss together with ``bypass_mode=true`` at start, and the
+trainer re-checks the loss mode before every update (:func:`check_loss_mode_unchanged`).
 """
 
 from __future__ import annotations
@@ -14,10 +31,67 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from recipe.gepo.hetero_config import HeteroConfig
-from recipe.gepo.verl_engine.engine_config import TRAINER_NAME, VERL_MODE_SECTION, VerlEngineConfig
-from recipe.gepo.verl_engine.guard import check_no_forced_bypass, requested_loss_mode
-from recipe.gepo.verl_engine.staleness import verl_threshold
+from recipe.gepo.sections import HeteroConfig, TaskConfig, VerlEngineConfig
+from recipe.gepo.options import VERL, check_section
+from recipe.gepo.verl_engine.batch_rules import verl_threshold
+
+# ---------------------------------------------------------------------------- names in verl's registries
+
+TRAINER_NAME = "hetero_separate_async"
+"""Name under which recipe/gepo/verl_engine/trainer.py registers its trainer with verl's v1
+trainer registry; ``run`` sets ``trainer.v1.trainer_mode`` to it."""
+
+VERL_MODE_SECTION = "separate_async"
+"""verl's ``trainer.v1.<section>`` whose settings the trainer inherits (it extends verl's
+separate_async trainer: learners and samplers on separate GPU pools, the star topology)."""
+
+
+# ---------------------------------------------------------------------------- the bypass guard
+
+
+class ForcedLossModeError(ValueError):
+    """The config would let verl replace the configured policy loss."""
+
+
+def requested_loss_mode(cfg: Any) -> str:
+    return str(cfg.actor_rollout_ref.actor.policy_loss.get("loss_mode", "vanilla"))
+
+
+def check_no_forced_bypass(cfg: Any) -> None:
+    """Raise :class:`ForcedLossModeError` if verl could force ``loss_mode=bypass_mode`` on this run.
+
+    Fires when ``algorithm.rollout_correction.bypass_mode`` is true and the requested loss is not
+    ``bypass_mode`` itself, and when the legacy trainer (``trainer.use_v1=false``) is selected.
+    """
+    loss_mode = requested_loss_mode(cfg)
+    rollout_corr = cfg.algorithm.get("rollout_correction", None)
+    bypass = bool(rollout_corr is not None and rollout_corr.get("bypass_mode", False))
+    if bypass and loss_mode != "bypass_mode":
+        raise ForcedLossModeError(
+            f"actor_rollout_ref.actor.policy_loss.loss_mode={loss_mode!r} with "
+            "algorithm.rollout_correction.bypass_mode=true: verl's async trainers replace the loss "
+            "with 'bypass_mode' (apply_bypass_mode), so this run would not train with "
+            f"{loss_mode!r}. Set algorithm.rollout_correction.bypass_mode=false; to train on the "
+            "sampler's log-probs use verl_engine.old_log_prob=sampler (the default)."
+        )
+    if not cfg.trainer.get("use_v1", True):
+        raise ForcedLossModeError(
+            "trainer.use_v1=false selects verl's legacy RayPPOTrainer, which the verl engine does not "
+            "extend (it would not carry GEPO's group denominators); set trainer.use_v1=true."
+        )
+
+
+def check_loss_mode_unchanged(expected: str, actor_cfg: Any) -> None:
+    """Runtime half of the guard: the loss mode in the live config is still the one asked for."""
+    current = str(actor_cfg.policy_loss.get("loss_mode", "vanilla"))
+    if current != expected:
+        raise ForcedLossModeError(
+            f"policy_loss.loss_mode changed from {expected!r} to {current!r} during the run "
+            "(something called verl's apply_bypass_mode?); refusing to train with a loss that was not asked for"
+        )
+
+
+# ---------------------------------------------------------------------------- validation and plan
 
 ROLLOUT_BACKENDS = ("vllm", "sglang", "hf_cpu")  # hf_cpu: verl_ext/cpu (CPU machines)
 
@@ -73,36 +147,26 @@ def _sampler_parallelism(cfg: DictConfig) -> dict[str, int]:
     return {"gpus": n_gpus, "tp": tp, "dp": dp, "pp": pp, "replicas": n_gpus // per_replica}
 
 
-# hetero: keys of the embedded engine that the verl engine has no counterpart for -> what to use
-# instead. Set to anything but their default they are refused, not silently ignored.
-EMBEDDED_ONLY_KEYS = {
-    "num_samplers": "the sampler pool is actor_rollout_ref.rollout.nnodes x n_gpus_per_node (/ TP x DP x PP)",
-    "wait_timeout_s": "verl's wait strategy has no timeout",
-    "order": "verl's replay buffer decides the order",
-    "transport_url": "weights and rollouts stay inside one Ray cluster",
-    "sampler_speed_factors": "the rollout replicas receive each version together",
-    "delay_rollouts": "only the weight path is delayed",
-    "sampler_skip_stale": "verl's replicas always generate",
-    "max_queued_groups": "verl's replay buffer bounds itself (trainer.v1.sampler)",
-    "max_nonfinite_steps": "verl does not skip non-finite steps",
-    "learner_cpus": "verl places workers through Ray resources",
-    "sampler_cpus": "verl places workers through Ray resources",
-    "system_cpus": "verl places workers through Ray resources",
-    "weights_bf16": "verl's checkpoint engine decides the wire dtype",
-    "ray_address": "set ray_kwargs.ray_init.address",
-    "learner_ray_resources": "verl's resource pools place the workers",
-    "sampler_ray_resources": "verl's resource pools place the workers",
-    "weight_sync": "verl's checkpoint engine sends every version whole",
-    "max_delta_chain": "verl's checkpoint engine sends every version whole",
-}
+def check_data_files(cfg: DictConfig) -> None:
+    """Before training (not in a dry run: a cluster's files are not on the laptop that plans it):
+    every local ``data.train_files`` / ``data.val_files`` entry must be a readable file, else
+    :class:`VerlEngineConfigError` naming the key and the path (instead of a ``datasets``
+    traceback from inside verl's workers). Remote URLs (``hdfs://``, ``s3://``, ...) are verl's
+    to read."""
+    import os
+    from pathlib import Path
 
-
-def _check_embedded_only(hetero: HeteroConfig) -> None:
-    default = HeteroConfig()
-    for key, instead in EMBEDDED_ONLY_KEYS.items():
-        value = getattr(hetero, key)
-        if value != getattr(default, key):
-            _fail(f"hetero.{key}={value!r} is an embedded-engine option (hetero.engine=local); with hetero.engine=verl {instead}")
+    for key in ("train_files", "val_files"):
+        value = cfg.data.get(key, None)
+        paths = [value] if isinstance(value, str) else list(value or [])
+        if not paths or paths == [""]:
+            _fail(f"data.{key} is empty: name the parquet file(s) to train / validate on")
+        for path in map(str, paths):
+            if "://" in path:
+                continue
+            local = Path(os.path.expanduser(path))
+            if not local.is_file() or not os.access(local, os.R_OK):
+                _fail(f"data.{key}={path!r}: no readable file at {local.resolve()}")
 
 
 def validate(cfg: DictConfig) -> Validated:
@@ -120,14 +184,9 @@ def validate(cfg: DictConfig) -> Validated:
             f"hetero.mode={hetero.mode!r}: the verl engine runs real samplers (vLLM) asynchronously; "
             "replay emulation is the local engine's (hetero.engine=local)"
         )
-    if hetero.transport != "ray":
-        _fail(
-            f"hetero.transport={hetero.transport!r}: the verl engine moves weights with verl's checkpoint "
-            "engine and rollouts through TransferQueue inside one Ray cluster; samplers in another cluster "
-            "exchanging through an fsspec URL run with hetero.engine=local (docs/scale-out.md)"
-        )
     check_no_forced_bypass(cfg)
-    _check_embedded_only(hetero)
+    check_section(hetero, "hetero", VERL)
+    check_section(TaskConfig.from_omegaconf(cfg.task), "task", VERL)
 
     r = cfg.actor_rollout_ref.rollout
     if r.name not in ROLLOUT_BACKENDS:

@@ -12,7 +12,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from recipe.gepo.verl_engine.plan import dry_run, engine_settings, render, validate
+from recipe.gepo.verl_engine.plan import check_data_files, engine_settings, render, validate
 
 
 class NoGPUError(RuntimeError):
@@ -44,7 +44,7 @@ def resolve_task_files(cfg: DictConfig) -> DictConfig:
     files written under ``task.cache_dir``); returns a copy."""
     from omegaconf import OmegaConf, open_dict
 
-    from verl_ext.data.toy import resolve_task_model
+    from verl_ext.data.toy.checkpoints import resolve_task_model
     from verl_ext.data.toy_assets import prepare_toy_assets
 
     out = OmegaConf.create(OmegaConf.to_container(cfg, resolve=False))
@@ -101,6 +101,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     from verl_ext.rundir import write_run_config
 
     settings = engine_settings(resolve_task_files(cfg))
+    check_data_files(settings)
     auto_set_device(settings)
     run_dir = Path(str(settings.trainer.default_local_dir))
     write_run_config(run_dir, settings)  # what report.md reads (algorithm, delay, ...), as the embedded engine
@@ -108,6 +109,3 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     if (run_dir / "metrics.jsonl").is_file():
         write_report(run_dir)  # report.md + curves.png next to metrics.jsonl, as the embedded engine
     return {"run_dir": str(run_dir)}
-
-
-__all__ = ["NoGPUError", "dry_run", "require_gpus", "run", "task_runner_class"]

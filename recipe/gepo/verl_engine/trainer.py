@@ -38,17 +38,17 @@ from verl.trainer.ppo.v1.replay_buffer import ReplayBufferAsync
 from verl.trainer.ppo.v1.trainer_base import register_trainer
 from verl.trainer.ppo.v1.trainer_separate_async import PPOTrainerSeparateAsync
 
-from recipe.gepo.hetero_config import HeteroConfig
-from recipe.gepo.verl_engine import denominator
+from recipe.gepo.sections import HeteroConfig, VerlEngineConfig
+from recipe.gepo.verl_engine import batch_rules
+from recipe.gepo.verl_engine.batch_rules import hetero_step_metrics, stale_group_uids
 from recipe.gepo.verl_engine.delayed_sync import DelayedCheckpointManager, DelayedSyncSchedule
-from recipe.gepo.verl_engine.engine_config import TRAINER_NAME, VerlEngineConfig
-from recipe.gepo.verl_engine.guard import check_loss_mode_unchanged, check_no_forced_bypass, requested_loss_mode
 from recipe.gepo.verl_engine.loss import bridge_loss_fn
-from recipe.gepo.verl_engine.plan import delay_unit
-from recipe.gepo.verl_engine.staleness import hetero_step_metrics, stale_group_uids
+from recipe.gepo.verl_engine.plan import (
+    TRAINER_NAME, check_loss_mode_unchanged, check_no_forced_bypass, delay_unit, requested_loss_mode,
+)
 from verl_ext.cpu.patches import fix_separate_async_logger
 from verl_ext.rundir import METRICS_FILE, MetricsWriter, truncate_metrics
-from verl_ext.verl_plugin import loss_option
+from verl_ext.loss_config import loss_option
 
 fix_separate_async_logger()  # verl 0.9.1's separate_async crashes at init otherwise (any device)
 
@@ -193,8 +193,8 @@ class HeteroSeparateAsyncTrainer(PPOTrainerSeparateAsync):
         )
         padding = [bool(tag.get("is_padding", False)) for tag in batch.tags]
         reduction = loss_option(self.config.actor_rollout_ref.actor, "seq_reduction")
-        den = denominator.from_tensordict(td, reduction, padding=padding)
-        fields = TensorDict({denominator.GROUP_LOG_DENOMINATOR: den}, batch_size=len(batch))
+        den = batch_rules.from_tensordict(td, reduction, padding=padding)
+        fields = TensorDict({batch_rules.GROUP_LOG_DENOMINATOR: den}, batch_size=len(batch))
         batch = tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id, fields=fields)
         metrics["is/group_log_denominator_mean"] = float(den.mean())
         return batch

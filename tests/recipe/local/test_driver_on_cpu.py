@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pickle
 
-from recipe.gepo.local.driver import EngineConfig
+from recipe.gepo.local.engine import EngineConfig
 from verl_ext.hetero.exchange import send_group
 from verl_ext.loss_bridge import rollout_correction_settings
 

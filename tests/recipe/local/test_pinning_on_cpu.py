@@ -12,9 +12,11 @@ import pytest
 import ray
 import torch
 
-from recipe.gepo.hetero_config import HeteroConfig
+from recipe.gepo.sections import HeteroConfig
 from recipe.gepo.local.async_mode import SamplerWorker
-from recipe.gepo.local.driver import EngineConfig, GenerateOn, LearnerRuntime, run_loop
+from recipe.gepo.local.driver import LearnerRuntime, run_loop
+from recipe.gepo.local.engine import EngineConfig
+from recipe.gepo.local.replay import GenerateOn
 from recipe.gepo.local.replay import ReplaySource
 from recipe.gepo.local.run_utils import MetricLogger
 from recipe.gepo.main_gepo import run

@@ -14,7 +14,7 @@ import time
 import torch
 
 from recipe.gepo.local.async_mode import LearnerWorker, SamplerWorker, weight_store
-from recipe.gepo.local.driver import EngineConfig
+from recipe.gepo.local.engine import EngineConfig
 from verl_ext.hetero.protocol import (
     CONTROL_TOPIC,
     ROLLOUT_TOPIC,

@@ -17,7 +17,7 @@ import time
 import pytest
 
 from recipe.gepo.local.async_mode import LearnerWorker, SamplerWorker
-from recipe.gepo.local.driver import EngineConfig
+from recipe.gepo.local.engine import EngineConfig
 from recipe.gepo.main_gepo import run
 from verl_ext.hetero.buffer import BufferTimeout
 from verl_ext.hetero.exchange import send_group

@@ -1,0 +1,128 @@
+"""The embedded engine's shared types: its validated config, a learner step's batch, and the
+protocol every rollout source (replay's, async's) implements.
+
+:meth:`EngineConfig.from_omegaconf` is the one validated constructor from the composed hydra
+config: every check that can fail does so here, before any work, naming the key.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional, Protocol
+
+import torch
+from omegaconf import DictConfig
+
+from recipe.gepo.local.run_utils import RunSettings
+from recipe.gepo.options import check_section, check_verl_keys, default_config, runner_of
+from recipe.gepo.sections import HeteroConfig, TaskConfig, VerlEngineConfig
+from verl_ext.hetero.records import RolloutGroup
+
+
+@dataclass
+class EngineConfig:
+    """Everything a learner or sampler process needs, typed: sent as is to Ray actors."""
+
+    hetero: HeteroConfig
+    """The ``hetero:`` section."""
+    settings: RunSettings
+    """verl's run keys (batch size, steps, group size, run dir, cadences)."""
+    task: TaskConfig
+    """The ``task:`` section."""
+    actor: Any
+    """verl ``ActorConfig`` (``actor_rollout_ref.actor``): loss, optimiser, clip."""
+    algorithm: Any
+    """verl ``AlgoConfig`` (``algorithm``): advantage estimator, rollout correction."""
+
+    @property
+    def runner(self) -> str:
+        """``replay`` or ``async`` (:mod:`recipe.gepo.options`)."""
+        return runner_of(self.hetero.engine, self.hetero.mode)
+
+    @classmethod
+    def from_omegaconf(cls, cfg: DictConfig, defaults: Optional[DictConfig] = None) -> "EngineConfig":
+        """Build and validate from the composed config (``defaults``: ``gepo_trainer.yaml``
+        composed without overrides, what verl keys are compared with; composed if not given).
+
+        Raises ValueError naming the key: a bad value, a loss or estimator verl does not know, an
+        option the chosen mode would not honour (:mod:`recipe.gepo.options`), a data file that
+        cannot be read."""
+        from verl.utils.config import omega_conf_to_dataclass
+
+        from verl_ext.loss_bridge import rollout_correction_settings
+
+        engine = cls(
+            hetero=HeteroConfig.from_omegaconf(cfg.hetero),
+            settings=RunSettings.from_config(cfg),
+            task=TaskConfig.from_omegaconf(cfg.task),
+            actor=omega_conf_to_dataclass(cfg.actor_rollout_ref.actor),
+            algorithm=omega_conf_to_dataclass(cfg.algorithm),
+        )
+        if engine.hetero.engine != "local":
+            raise ValueError(f"hetero.engine={engine.hetero.engine!r}: the embedded engine runs hetero.engine=local")
+        check_registered(engine.actor.policy_loss.loss_mode, engine.algorithm.adv_estimator)
+        estimator = getattr(engine.algorithm.adv_estimator, "value", engine.algorithm.adv_estimator)
+        if estimator in ("grpo", "bnpo") and engine.settings.group_size < 2:
+            raise ValueError(
+                f"actor_rollout_ref.rollout.n={engine.settings.group_size}: the group-normalised estimator "
+                f"{estimator!r} needs at least 2 responses per prompt"
+            )
+        check_section(engine.hetero, "hetero", engine.runner)
+        check_section(engine.task, "task", engine.runner)
+        check_section(VerlEngineConfig.from_config(cfg), "verl_engine", engine.runner)
+        check_verl_keys(cfg, defaults if defaults is not None else default_config(), engine.runner)
+        rollout_correction_settings(engine.algorithm)  # names a value the learner cannot do
+        engine.task.check_files()
+        return engine
+
+
+def check_registered(loss_mode: str, adv_estimator: Any) -> None:
+    """Fail before any work when the loss or estimator is not in verl's registries."""
+    from verl.trainer.ppo import core_algos
+
+    name = getattr(adv_estimator, "value", adv_estimator)
+    if loss_mode not in core_algos.POLICY_LOSS_REGISTRY:
+        raise ValueError(
+            f"actor_rollout_ref.actor.policy_loss.loss_mode={loss_mode!r} is not registered; "
+            f"known: {sorted(core_algos.POLICY_LOSS_REGISTRY)}"
+        )
+    if name not in core_algos.ADV_ESTIMATOR_REGISTRY:
+        raise ValueError(f"algorithm.adv_estimator={name!r} is not registered; known: {sorted(core_algos.ADV_ESTIMATOR_REGISTRY)}")
+
+
+@dataclass
+class Batch:
+    """One learner step's groups and what it cost to get them."""
+
+    groups: list[RolloutGroup]
+    """Whole groups, each within the staleness bound of the learner's version."""
+    wait_s: float
+    """Seconds the learner was idle for them (replay: generation; async: blocked in take)."""
+    metrics: dict[str, float] = field(default_factory=dict)
+    """Source-specific scalars logged with the step (throughput, transport counters)."""
+
+
+class RolloutSource(Protocol):
+    """Where a learner step's groups come from and where its weights go.
+
+    Groups pass through the runtime's :class:`~verl_ext.hetero.buffer.RolloutBuffer` (given to
+    the source at construction), so the staleness bound, the drop/wait policy and the ledger are
+    the same in both modes."""
+
+    def start(self, checkpoint: Optional[dict], learner_version: int) -> None:
+        """Restore from ``checkpoint`` (the dict ``LearnerRuntime.checkpoint_state`` saved) or
+        start fresh; called before the first :meth:`publish`."""
+
+    def next_batch(self, step: int, n: int, learner_version: int) -> Batch:
+        """``n`` groups for learner step ``step`` (0-based) at ``learner_version``."""
+
+    def publish(self, weights: dict[str, torch.Tensor], version: int) -> None:
+        """The learner's weights of ``version`` (after the buffer accepts that version)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint must hold to resume this source exactly (merged into the checkpoint)."""
+
+    def acknowledge(self, buffer_state: dict) -> int:
+        """After a checkpoint holding ``buffer_state`` is durable."""
+
+    def close(self) -> None: ...

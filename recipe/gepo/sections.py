@@ -1,0 +1,429 @@
+"""HeteroRL's own config sections of ``gepo_trainer.yaml``, as typed, validated dataclasses.
+
+- ``hetero:`` (:class:`HeteroConfig`, :class:`DelayConfig`): everything about heterogeneity (which
+  engine, replay or real async, delays, the staleness bound, transports);
+- ``task:`` (:class:`TaskConfig`): what the embedded engine trains on, and the toy data and warm
+  start the verl engine's CPU preset uses;
+- ``verl_engine:`` (:class:`VerlEngineConfig`): the few settings only the verl engine has.
+
+Everything about the model, data and optimiser stays in verl's keys. Each field is declared with
+:func:`recipe.gepo.options.option`, which records which engine and mode honour it; each class's
+``from_omegaconf`` validates before any work starts and names the bad value in its error.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any, Optional
+
+from omegaconf import DictConfig, OmegaConf
+
+from recipe.gepo.options import ASYNC, EMBEDDED, EVERYWHERE, REPLAY, VERL, option
+
+ENGINES = ("local", "verl")
+MODES = ("replay", "async")
+STALE_POLICIES = ("drop", "wait")
+ORDERS = ("oldest", "newest")
+TRANSPORTS = ("ray", "fs")
+WEIGHT_SYNCS = ("full", "delta")
+
+
+@dataclass
+class DelayConfig:
+    """The delay model (``verl_ext.hetero.delay.make_delay_model``). Its unit follows the mode:
+    learner steps (policy versions behind) in replay mode, seconds in async mode."""
+
+    dist: str = "lognormal"
+    """none | constant | uniform | lognormal | weibull | trace."""
+    low: float = 1.0
+    """lognormal/weibull: the (1-c)/2 quantile L of the underlying delay, and the clip floor;
+    uniform: the lower bound (>= 0)."""
+    high: float = 8.0
+    """lognormal/weibull: the 1-(1-c)/2 quantile U, and the clip ceiling; uniform: the upper bound."""
+    integer: bool = False
+    """uniform: draw the whole numbers low..high, each equally likely (replay: uniform staleness)."""
+    confidence: float = 0.995
+    """lognormal/weibull: c, the mass between L and U."""
+    offset: float = 0.0
+    """lognormal/weibull: subtracted from the draw before clipping (the paper uses 400 s)."""
+    value: float = 0.0
+    """constant: the delay."""
+    trace_path: str = ""
+    """trace: file of measured delays (one number a line, or a CSV)."""
+    trace_column: Optional[str] = None
+    """trace: CSV column name, if the file is a CSV."""
+
+    def model_params(self) -> dict[str, Any]:
+        """Keyword arguments for ``make_delay_model(self.dist, **params)``."""
+        if self.dist in ("lognormal", "weibull"):
+            return {"low": self.low, "high": self.high, "confidence": self.confidence, "offset": self.offset}
+        if self.dist == "constant":
+            return {"value": self.value}
+        if self.dist == "uniform":
+            return {"low": self.low, "high": self.high, "integer": self.integer}
+        if self.dist == "trace":
+            params: dict[str, Any] = {"path": self.trace_path}
+            if self.trace_column is not None:
+                params["column"] = self.trace_column
+            return params
+        return {}
+
+    def build(self):
+        from verl_ext.hetero.delay import make_delay_model
+
+        return make_delay_model(self.dist, **self.model_params())
+
+
+@dataclass
+class HeteroConfig:
+    """Heterogeneous-runtime settings shared by the local and the verl engine."""
+
+    engine: str = option("local", honoured_by=EVERYWHERE)
+    """local: the embedded CPU/one-GPU engine (Ray actors, HF transformers); verl: verl 0.9.1's
+    trainer with FSDP/Megatron learners and vLLM samplers (GPU clusters)."""
+    mode: str = option("async", honoured_by=EVERYWHERE)
+    """replay: deterministic stale-buffer emulation in one process; async: real learner and
+    sampler actors exchanging weights and rollouts through a transport."""
+    num_samplers: int = option(2, honoured_by=(ASYNC,), instead={
+        REPLAY: "replay mode has one in-process sampler",
+        VERL: "the sampler pool is actor_rollout_ref.rollout.nnodes x n_gpus_per_node (/ TP x DP x PP)",
+    })
+    """Sampler actors (async mode)."""
+    delay: DelayConfig = option(factory=DelayConfig, honoured_by=EVERYWHERE)
+    """How stale weights reach samplers: steps in replay mode, seconds in async mode. One rule
+    (``verl_ext.hetero.delay.DelaySchedule``) turns it into delays in every engine and mode."""
+    max_delay: int = option(8, honoured_by=EVERYWHERE)
+    """Staleness bound: the learner at version v trains only on groups from versions >= v - max_delay."""
+    stale_policy: str = option("drop", honoured_by=EVERYWHERE)
+    """Groups past the bound: drop (counted in hetero/dropped) or wait. async: under wait, samplers
+    announce each group before generating it and the learner does not step past the version that
+    would make an announced group stale until it arrives (or wait_timeout_s passes: then it fails
+    naming the group); a dead sampler's announcements are withdrawn when it is restarted. replay:
+    the drawn staleness is capped at max_delay, which is what waiting for that group means there,
+    so no replay group is ever stale and drop and wait give the same run."""
+    wait_timeout_s: float = option(600.0, honoured_by=(ASYNC,), instead={
+        REPLAY: "replay mode generates each batch in-process and never waits",
+        VERL: "verl's wait strategy has no timeout",
+    })
+    """How long the learner waits for admissible rollouts (and, under stale_policy=wait, for
+    announced groups at the edge of the bound) before failing with a clear error."""
+    order: str = option("oldest", honoured_by=(ASYNC,), instead={
+        REPLAY: "replay mode trains on exactly the groups it just generated",
+        VERL: "verl's replay buffer decides the order",
+    })
+    """Which admissible groups the learner takes first: oldest or newest."""
+    transport: str = option("ray", honoured_by=(ASYNC,), instead={
+        REPLAY: "replay mode hands rollouts and weights over in memory",
+        VERL: "the verl engine moves weights with its checkpoint engine and rollouts through TransferQueue inside "
+              "one Ray cluster; samplers in another cluster exchanging through an fsspec URL run with "
+              "hetero.engine=local (docs/scale-out.md)"})
+    """ray: Ray's object store (one cluster); fs: an fsspec URL shared with samplers elsewhere."""
+    transport_url: str = option("", honoured_by=(ASYNC,), instead={
+        REPLAY: "replay mode hands rollouts and weights over in memory",
+        VERL: "weights and rollouts stay inside one Ray cluster",
+    })
+    """fs transport: folder or URL (file://, memory://, s3://, ...). Default: <output_dir>/exchange."""
+    sampler_speed_factors: list[float] = option(factory=list, honoured_by=(ASYNC,), instead={
+        REPLAY: "replay mode has one in-process sampler",
+        VERL: "the rollout replicas receive each version together",
+    })
+    """Per-sampler multipliers of generation time (heterogeneous compute); empty = all 1."""
+    delay_rollouts: bool = option(False, honoured_by=(ASYNC,), instead={
+        REPLAY: "replay mode draws one staleness per batch, rollouts included",
+        VERL: "only the weight path is delayed",
+    })
+    """async: also delay rollouts on their way to the learner (by the same delay model)."""
+    sampler_skip_stale: bool = option(True, honoured_by=(ASYNC,), instead={
+        REPLAY: "replay mode caps the drawn staleness at max_delay",
+        VERL: "verl's replicas always generate",
+    })
+    """async: a sampler whose newest visible weights are already more than max_delay versions
+    behind the newest published version waits for newer weights instead of generating groups the
+    learner must drop. Version numbers are a few bytes and are not delayed; the weights are."""
+    max_queued_groups: int = option(0, honoured_by=(ASYNC,), instead={
+        REPLAY: "replay mode generates one batch per step",
+        VERL: "verl's replay buffer bounds itself (trainer.v1.sampler)",
+    })
+    """async back-pressure: when > 0, samplers pause while the learner's buffer holds at least this
+    many groups (the learner publishes its queue depth after every step). 0 = off: samplers
+    generate continuously, as the paper's do, and groups that go stale in the queue are dropped."""
+    keep_weight_versions: int = option(4, honoured_by=(ASYNC, VERL),
+        instead="replay mode keeps exactly the max_delay + 1 snapshots its capped staleness can reach")
+    """async: weight versions the weight store keeps for samplers to fetch; verl engine: delayed versions
+    held in the learners' CPU memory until their delay has passed."""
+    weights_bf16: bool = option(False, honoured_by=(ASYNC,), instead={
+        REPLAY: "replay mode hands weights over in memory (the sampler uses the learner's own dtype)",
+        VERL: "verl's checkpoint engine decides the wire dtype",
+    })
+    """Send weights as bf16 over the transport (halves the bytes; the learner keeps fp32)."""
+    weight_sync: str = option("full", honoured_by=(ASYNC,), instead={
+        REPLAY: "replay mode hands weights over in memory, no transport",
+        VERL: "verl's checkpoint engine sends every version whole",
+    })
+    """async: full = every sampler fetches each version it loads whole; delta = the learner also
+    publishes each version as an XOR delta from the one before (wire-dtype bits, zlib), and a
+    sampler up to max_delta_chain versions behind applies the deltas instead, checked bit-exact
+    by SHA-256, when they add up to fewer bytes than the full version; too far behind, the chain
+    heavier, or a delta missing, pruned or corrupt: the full version (docs/network.md). Metrics:
+    perf/sampler_weight_{full,delta}_loads_total, perf/sampler_weight_bytes_fetched_total.
+    replay mode and the verl engine move no weights over a transport: they refuse delta."""
+    max_delta_chain: int = option(8, honoured_by=(ASYNC,), instead={
+        REPLAY: "replay mode hands weights over in memory, no transport",
+        VERL: "verl's checkpoint engine sends every version whole",
+    })
+    """async, weight_sync=delta: the most deltas a sampler applies to catch up (>= 1); deltas
+    are kept for the same keep_weight_versions as full versions, so at most that many apply."""
+    max_nonfinite_steps: int = option(5, honoured_by=EMBEDDED, instead="verl does not skip non-finite steps")
+    """Consecutive optimizer steps with a NaN/Inf loss or gradient (each skipped and counted in
+    actor/nonfinite_skipped) after which the run stops with an error."""
+    learner_cpus: list[int] = option(factory=list, honoured_by=EMBEDDED,
+        instead="verl places workers through Ray resources")
+    """Core ids the learner process is pinned to (``os.sched_setaffinity``; torch threads = their
+    number); empty = not pinned (the default). With ``sampler_cpus`` this makes one machine a
+    learner node and a sampler node. replay mode: the one process trains on these cores."""
+    sampler_cpus: list[int] = option(factory=list, honoured_by=EMBEDDED,
+        instead="verl places workers through Ray resources")
+    """Core ids every sampler process is pinned to (all samplers share them); empty = not
+    pinned. replay mode: the one process moves to these cores while it generates a batch, so
+    the synchronous learner waits while "the sampler node" generates, as it would across machines."""
+    system_cpus: list[int] = option(factory=list, honoured_by=(ASYNC,), instead={
+        REPLAY: "replay mode is one process, on hetero.learner_cpus while it trains and hetero.sampler_cpus while it generates",
+        VERL: "verl places workers through Ray resources",
+    })
+    """async: core ids for the driver process and the Ray processes it starts (GCS, raylet, the Ray
+    transport's mailbox): everything that is neither the learner nor a sampler. Empty = the cores
+    not in ``learner_cpus`` when that is set (nothing else shares the learner node's cores; Ray's
+    own processes took 15-40% of a pinned learner core otherwise, docs/benchmarks.md), else not
+    pinned. With ``ray_address`` only the driver is pinned (the cluster's processes are not this
+    run's). replay mode: refused (one process)."""
+    ray_address: str = option("", honoured_by=(ASYNC,), instead={
+        REPLAY: "replay mode is one process, no Ray",
+        VERL: "set ray_kwargs.ray_init.address",
+    })
+    """async: "" = start a local Ray instance (``ray.init(num_cpus=...)``); else the address of a
+    running Ray cluster to join (``ray.init(address=...)``, e.g. the two-node cluster of
+    scripts/wan/cluster.py; "auto" = the cluster ``ray start`` recorded on this machine)."""
+    learner_ray_resources: Optional[dict[str, float]] = option(factory=dict, honoured_by=(ASYNC,), instead={
+        REPLAY: "replay mode is one process, no Ray",
+        VERL: "verl's resource pools place the workers",
+    })
+    """async: Ray custom resources the learner actor (and the Ray transport's mailbox) requests,
+    which places it on the node that has them, e.g. {learner_node: 0.01}; empty/null = anywhere."""
+    sampler_ray_resources: Optional[dict[str, float]] = option(factory=dict, honoured_by=(ASYNC,), instead={
+        REPLAY: "replay mode is one process, no Ray",
+        VERL: "verl's resource pools place the workers",
+    })
+    """async: Ray custom resources every sampler actor (restarts too) requests, e.g.
+    {sampler_node: 0.01}; empty/null = anywhere."""
+    dry_run: bool = option(False, honoured_by=EVERYWHERE)
+    """Validate the config, print the plan and exit without running."""
+    seed: int = option(0, honoured_by=EVERYWHERE)
+    """Root seed: model init, data order, delay draws (one independent stream per sampler)."""
+
+    def __post_init__(self):
+        if isinstance(self.delay, dict):
+            self.delay = DelayConfig(**self.delay)
+        # the YAML declares them null (so `hetero.learner_ray_resources={name: amount}` composes)
+        for key in ("learner_ray_resources", "sampler_ray_resources"):
+            if getattr(self, key) is None:
+                setattr(self, key, {})
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first bad field."""
+        for name, allowed in (
+            ("engine", ENGINES),
+            ("mode", MODES),
+            ("stale_policy", STALE_POLICIES),
+            ("order", ORDERS),
+            ("transport", TRANSPORTS),
+            ("weight_sync", WEIGHT_SYNCS),
+        ):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"hetero.{name}={getattr(self, name)!r}; expected one of {allowed}")
+        if self.num_samplers < 1:
+            raise ValueError(f"hetero.num_samplers={self.num_samplers} must be >= 1")
+        if self.max_delay < 0:
+            raise ValueError(f"hetero.max_delay={self.max_delay} must be >= 0")
+        if self.wait_timeout_s <= 0:
+            raise ValueError(f"hetero.wait_timeout_s={self.wait_timeout_s} must be > 0")
+        if self.max_nonfinite_steps < 1:
+            raise ValueError(f"hetero.max_nonfinite_steps={self.max_nonfinite_steps} must be >= 1")
+        if self.max_queued_groups < 0:
+            raise ValueError(f"hetero.max_queued_groups={self.max_queued_groups} must be >= 0 (0 = off)")
+        if self.keep_weight_versions < 1:
+            raise ValueError(f"hetero.keep_weight_versions={self.keep_weight_versions} must be >= 1")
+        if isinstance(self.max_delta_chain, bool) or not isinstance(self.max_delta_chain, int) or self.max_delta_chain < 1:
+            raise ValueError(f"hetero.max_delta_chain={self.max_delta_chain!r} must be an int >= 1")
+        if self.sampler_speed_factors:
+            if len(self.sampler_speed_factors) != self.num_samplers:
+                raise ValueError(
+                    f"hetero.sampler_speed_factors has {len(self.sampler_speed_factors)} entries "
+                    f"but hetero.num_samplers={self.num_samplers}"
+                )
+            bad = [f for f in self.sampler_speed_factors if not f > 0]
+            if bad:
+                raise ValueError(f"hetero.sampler_speed_factors must be > 0, got {bad}")
+        from verl_ext.hetero.affinity import check_cpus, machine_cpus
+
+        # local cores can only be checked when the processes run on this machine
+        local = machine_cpus() if not self.ray_address else None
+        for key in ("learner_cpus", "sampler_cpus", "system_cpus"):
+            check_cpus(f"hetero.{key}", getattr(self, key), local)
+        for key in ("learner_ray_resources", "sampler_ray_resources"):
+            resources = getattr(self, key)
+            if not isinstance(resources, dict):
+                raise ValueError(f"hetero.{key}={resources!r} must be a mapping of resource name to amount")
+            for name, amount in resources.items():
+                if name in ("CPU", "GPU", "memory", "object_store_memory"):
+                    raise ValueError(f"hetero.{key}: {name!r} is a built-in Ray resource; name a custom one "
+                                     f"(e.g. learner_node) given to the node by `ray start --resources`")
+                if isinstance(amount, bool) or not isinstance(amount, (int, float)) or not amount > 0:
+                    raise ValueError(f"hetero.{key}.{name}={amount!r} must be a number > 0")
+        if (self.learner_ray_resources or self.sampler_ray_resources) and not self.ray_address:
+            raise ValueError("hetero.learner_ray_resources / hetero.sampler_ray_resources place actors on the "
+                             "nodes of a Ray cluster: set hetero.ray_address to join one")
+        try:
+            self.delay.build()
+        except ValueError as err:
+            raise ValueError(f"hetero.delay: {err}") from None
+
+    def speed_factors(self) -> list[float]:
+        return list(self.sampler_speed_factors) or [1.0] * self.num_samplers
+
+    @classmethod
+    def from_omegaconf(cls, node: DictConfig | dict) -> "HeteroConfig":
+        """Build from the composed ``hetero`` node; unknown keys are an error naming them."""
+        data = OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else dict(node)
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown hetero keys {unknown}; known: {sorted(known)}")
+        delay = data.pop("delay", {}) or {}
+        known_delay = {f.name for f in fields(DelayConfig)}
+        unknown_delay = sorted(set(delay) - known_delay)
+        if unknown_delay:
+            raise ValueError(f"unknown hetero.delay keys {unknown_delay}; known: {sorted(known_delay)}")
+        return cls(delay=DelayConfig(**delay), **data)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+TASKS = ("toy_addition", "math")
+
+
+@dataclass
+class TaskConfig:
+    """The ``task:`` section; every field is in ``gepo_trainer.yaml`` (a test keeps them in step)."""
+
+    name: str = option("toy_addition", honoured_by=EVERYWHERE)
+    """toy_addition | math."""
+    digits: int = option(3, honoured_by=EVERYWHERE)
+    """toy_addition: operand digits."""
+    answer_format: str = option("short", honoured_by=EVERYWHERE)
+    """toy_addition: ``short`` (the sum, digits + 2 tokens) or ``scratchpad`` (long answers: the
+    column sums and carries, then ``=`` and the sum; 6 digits + 3 tokens; set
+    ``data.max_response_length`` accordingly)."""
+    diagnostics_every: int = option(0, honoured_by=EMBEDDED, instead="the verl engine logs no E[A] diagnostic")
+    """Both modes of the embedded engine: every k-th step log the E[A] estimation error (``diag/*``, see
+    ``verl_ext.analysis.run_diagnostics``); 0 = off."""
+    diagnostics_samples: int = option(32, honoured_by=EMBEDDED, instead="the verl engine logs no E[A] diagnostic")
+    """Fresh learner samples per prompt for the E[A] diagnostic."""
+    eval_size: int = option(256, honoured_by=EVERYWHERE)
+    """Held-out prompts per evaluation (toy: fresh problems never trained on; math: first N)."""
+    eval_temperature: float = option(1.0, honoured_by=EMBEDDED, instead="set actor_rollout_ref.rollout.val_kwargs.temperature")
+    """Sampling temperature of evaluation (one sample per prompt)."""
+    warm_start_steps: int | None = option(None, honoured_by=EVERYWHERE)
+    """toy_addition: the supervised warm start's steps: exactly this many from seed ``hetero.seed``
+    with deterministic ops, the same weights on any machine (their sha256 in the folder's
+    ``warm_start.json``; ``verl_ext.data.toy.checkpoints.warm_start``). null = the answer format's
+    pinned default (``DEFAULT_WARM_START_STEPS``, for 3 digits: short 675 steps, held-out sampled
+    accuracy 0.50; scratchpad 210 steps, 0.24)."""
+    cache_dir: str = option(".cache/heterorl", honoured_by=EVERYWHERE)
+    """Where warm-started checkpoints are cached (reused across runs with the same settings)."""
+    dataset: str = option("math_train", honoured_by=EMBEDDED, instead="the verl engine reads data.train_files / data.val_files")
+    """math: training set name for ``load_benchmark`` (math_train, gsm8k, math500, ...)."""
+    dataset_path: str = option("", honoured_by=EMBEDDED, instead="the verl engine reads data.train_files / data.val_files")
+    """math: file for datasets that need one (aime24, ...); empty = the built-in location."""
+    eval_dataset: str = option("math500", honoured_by=EMBEDDED, instead="the verl engine reads data.train_files / data.val_files")
+    """math: evaluation set name."""
+    template: str = option("qwen3_nothink", honoured_by=EMBEDDED, instead="the verl engine's data files carry rendered prompts (verl_ext/data/prepare.py)")
+    """math: prompt template (``verl_ext.data.templates``)."""
+
+    def __post_init__(self):
+        if self.name not in TASKS:
+            raise ValueError(f"task.name={self.name!r}; expected one of {TASKS}")
+        if self.answer_format not in ("short", "scratchpad"):
+            raise ValueError(f"task.answer_format={self.answer_format!r}; expected short | scratchpad")
+        if self.answer_format != "short" and self.name != "toy_addition":
+            raise ValueError("task.answer_format applies to task.name=toy_addition only")
+        if self.diagnostics_every < 0 or self.diagnostics_samples < 1:
+            raise ValueError(
+                f"task.diagnostics_every={self.diagnostics_every} must be >= 0 and "
+                f"task.diagnostics_samples={self.diagnostics_samples} >= 1"
+            )
+        if self.eval_size < 1:
+            raise ValueError(f"task.eval_size={self.eval_size} must be >= 1")
+        steps = self.warm_start_steps
+        if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
+            raise ValueError(f"task.warm_start_steps={steps!r} must be null (the answer format's default) or an int >= 1")
+
+    @classmethod
+    def from_omegaconf(cls, node: DictConfig | dict) -> "TaskConfig":
+        data = OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else dict(node)
+        return cls(**data)
+
+    def check_files(self) -> None:
+        """math: fail at start, naming the key and the path, when ``task.dataset_path`` is set but
+        cannot be read (the toy task makes its data)."""
+        if self.name == "math" and self.dataset_path:
+            path = Path(self.dataset_path)
+            if not path.is_file() or not os.access(path, os.R_OK):
+                raise ValueError(f"task.dataset_path={self.dataset_path!r}: no readable file at {path.resolve()}")
+
+
+OLD_LOG_PROB_SOURCES = ("sampler", "recompute")
+
+@dataclass
+class VerlEngineConfig:
+    """Settings of the verl engine (``hetero.engine=verl``)."""
+
+    old_log_prob: str = option("sampler", honoured_by=(VERL,), instead="the embedded engine always uses the sampler's q")
+    """What the loss uses as q (``old_log_prob``). sampler: the vLLM sampler's own token
+    log-probs (``rollout_log_probs``), as the embedded engine and the GEPO paper do -- q is the
+    stale policy that generated the tokens. recompute: verl's decoupled mode, the learner
+    recomputes them before the update (then GEPO's q is the learner's, not the sampler's)."""
+
+    preset: str = option("", honoured_by=(VERL,), instead="the embedded engine takes no verl preset")
+    """Name of the preset in ``configs/`` this config was composed from. Informational: the
+    dry-run plan prints it; empty when composed from gepo_trainer.yaml and overrides only."""
+
+    def __post_init__(self):
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first bad field."""
+        if self.old_log_prob not in OLD_LOG_PROB_SOURCES:
+            raise ValueError(
+                f"verl_engine.old_log_prob={self.old_log_prob!r}; expected one of {OLD_LOG_PROB_SOURCES}"
+            )
+
+    @classmethod
+    def from_config(cls, cfg: DictConfig) -> "VerlEngineConfig":
+        """From the full composed config; a missing ``verl_engine`` section gives the defaults.
+        Unknown keys are an error naming them."""
+        node = cfg.get("verl_engine", None) if isinstance(cfg, DictConfig) else cfg.get("verl_engine")
+        if node is None:
+            return cls()
+        data: dict[str, Any] = OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else dict(node)
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown verl_engine keys {unknown}; known: {sorted(known)}")
+        return cls(**data)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
