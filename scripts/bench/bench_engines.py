@@ -3,10 +3,12 @@
 
     python scripts/bench/bench_engines.py [--steps 8] [--out docs/bench_engines.md] [--only NAME ...]
 
-Every row is ``main_gepo --config-dir configs +verl_preset=cpu_toy`` with the same toy model, batch
-(4 prompts x 4 responses), loss (gepo) and no weight delay, so the rows differ only in the engine:
+Every row is ``main_gepo`` with the same toy model, batch (4 prompts x 4 responses, 8 response
+tokens), loss (gepo) and no weight delay, so the rows differ only in the engine:
 
-- embedded, async: the embedded engine's learner + 1 sampler actor on Ray;
+- embedded, async: the embedded engine's learner + 1 sampler actor on Ray (the batch keys set to
+  the cpu_toy preset's values: a verl preset on the embedded engine is refused, its FSDP and
+  rollout keys are not the embedded engine's);
 - verl, dp=1 / dp=2: verl 0.9.1's trainer (``hetero.engine=verl``), 1 hf_cpu sampler replica, the
   learner on 1 or 2 FSDP2 ranks over gloo (``trainer.n_gpus_per_node``, logical GPUs).
 
@@ -35,13 +37,16 @@ if str(REPO) not in sys.path:
 from verl_ext.rundir import read_metric_rows  # noqa: E402 -- after the path fix
 
 COMMON = [
-    "--config-dir", "configs", "+verl_preset=cpu_toy", "algorithm_preset=gepo", "hetero.delay.dist=none",
+    "--config-dir", "configs", "algorithm_preset=gepo", "hetero.delay.dist=none",
     "trainer.resume_mode=disable", f"task.cache_dir={REPO / '.cache' / 'heterorl'}",
 ]  # fmt: skip
+EMBEDDED_AS_CPU_TOY = ["data.train_batch_size=4", "actor_rollout_ref.rollout.n=4", "data.max_response_length=8",
+                       "trainer.logger=[console]", "trainer.save_freq=-1", "trainer.test_freq=0"]  # fmt: skip
 ROWS = {
-    "embedded, async, 1 sampler": ["hetero.engine=local", "hetero.mode=async", "hetero.num_samplers=1", "trainer.test_freq=0"],
-    "verl, dp=1": ["hetero.engine=verl", "trainer.n_gpus_per_node=1"],
-    "verl, dp=2": ["hetero.engine=verl", "trainer.n_gpus_per_node=2"],
+    "embedded, async, 1 sampler": ["hetero.engine=local", "hetero.mode=async", "hetero.num_samplers=1",
+                                   *EMBEDDED_AS_CPU_TOY],
+    "verl, dp=1": ["+verl_preset=cpu_toy", "hetero.engine=verl", "trainer.n_gpus_per_node=1"],
+    "verl, dp=2": ["+verl_preset=cpu_toy", "hetero.engine=verl", "trainer.n_gpus_per_node=2"],
 }
 # the per-step wall time each engine logs
 STEP_KEYS = ("timing_s/step", "perf/step_s")
