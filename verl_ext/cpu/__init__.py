@@ -12,10 +12,13 @@ adds, each through verl's own extension points:
 - :mod:`.checkpoint_engine` -- ``actor_rollout_ref.rollout.checkpoint_engine.backend=ray_mailbox``
   (weight sync to a disaggregated rollout pool through Ray's object store);
 - :mod:`.patches` -- the few verl internals fixed on the CPU, each named with its verl file:line,
-  refused on a verl other than 0.9.1.
+  refused on a verl other than 0.9.1;
+- :mod:`.megatron` -- verl's Megatron engine on the CPU (megatron-core 0.16.1 + mbridge 0.15.1,
+  refused on other versions; nothing without megatron-core), and one fix for every device: tied
+  embeddings with pipeline parallelism.
 
 The settings a CPU run needs (logical Ray GPUs, fsdp2, sdpa, ...) are in
-``configs/verl_preset/cpu_toy.yaml``; see docs/scale-out.md.
+``configs/verl_preset/cpu_toy.yaml`` (``cpu_toy_megatron.yaml`` for Megatron); see docs/scale-out.md.
 """
 
 from __future__ import annotations
@@ -27,5 +30,10 @@ import logging
 # (verl logs a failing plugin only at DEBUG level): warn instead.
 try:
     from verl_ext.cpu import checkpoint_engine, platform, rollout  # noqa: F401
+    from verl_ext.cpu.megatron import allow_float32_on_cpu, fix_tied_embeddings_with_pipeline
+
+    fix_tied_embeddings_with_pipeline()  # not a CPU fix: on every device (GPU runs of tied models too)
+    if not platform.accelerator_present():  # float32 Megatron weights; the driver validates configs early
+        allow_float32_on_cpu()
 except Exception as _exc:  # pragma: no cover - depends on the installed verl
     logging.getLogger(__name__).warning("HeteroRL's CPU backend for verl was not registered: %r", _exc)

@@ -25,6 +25,7 @@ from typing import Any, Callable
 PATCHED_VERL_VERSION = "0.9.1"
 
 _hooks: dict[str, list[Callable[[Any], None]]] = {}
+_package_hooks: list[tuple[str, Callable[[Any], None]]] = []  # (package, hook): every module under it
 _lock = threading.Lock()
 _applied = False
 
@@ -45,7 +46,7 @@ class _HookedLoader(importlib.abc.Loader):
 
     def exec_module(self, module):
         self._loader.exec_module(module)
-        for hook in _hooks.pop(self._name, []):
+        for hook in _package_hook_list(self._name) + _hooks.pop(self._name, []):
             hook(module)
 
     def __getattr__(self, attr: str) -> Any:  # get_source, get_filename, ... as the real loader
@@ -59,7 +60,7 @@ class _PostImportFinder(importlib.abc.MetaPathFinder):
         self._busy: set[str] = set()
 
     def find_spec(self, fullname, path, target=None):
-        if fullname not in _hooks or fullname in self._busy:
+        if (fullname not in _hooks and not _package_hook_list(fullname)) or fullname in self._busy:
             return None
         self._busy.add(fullname)
         try:
@@ -85,6 +86,26 @@ def after_import(module_name: str, hook: Callable[[Any], None]) -> None:
                 sys.meta_path.insert(0, _finder)
             return
     hook(module)
+
+
+def _in_package(name: str, package: str) -> bool:
+    return name == package or name.startswith(package + ".")
+
+
+def _package_hook_list(name: str) -> list[Callable[[Any], None]]:
+    return [hook for package, hook in _package_hooks if _in_package(name, package)]
+
+
+def after_import_package(package: str, hook: Callable[[Any], None]) -> None:
+    """Run ``hook(module)`` on ``package`` and every module under it: at once on those already
+    imported, and on each of the others right after its import."""
+    with _lock:
+        _package_hooks.append((package, hook))
+        if _finder not in sys.meta_path:
+            sys.meta_path.insert(0, _finder)
+        loaded = [m for name, m in list(sys.modules.items()) if m is not None and _in_package(name, package)]
+    for module in loaded:
+        hook(module)
 
 
 # ---- the fixes ---------------------------------------------------------------------------------

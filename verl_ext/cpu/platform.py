@@ -119,9 +119,11 @@ class PlatformCPU(PlatformBase):
 
     def __init__(self) -> None:
         # the verl-internal fixes this platform needs are applied when it is chosen, never on GPUs
+        from verl_ext.cpu.megatron import apply_megatron_patches
         from verl_ext.cpu.patches import apply_patches
 
         apply_patches()
+        apply_megatron_patches()  # nothing without megatron-core; other megatron-core / mbridge versions refused
 
     @property
     def device_name(self) -> str:
