@@ -29,14 +29,14 @@ def _run(args: list[str], timeout: int) -> subprocess.CompletedProcess:
     return subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
-def _stock_main_ppo(tmp_path, *overrides: str) -> str:
-    """verl's own ``main_ppo`` on the toy assets with the cpu_toy preset, colocated (sync) mode."""
+def _stock_main_ppo(tmp_path, *overrides: str, preset: str = "cpu_toy") -> str:
+    """verl's own ``main_ppo`` on the toy assets with a CPU preset, colocated (sync) mode."""
     from verl_ext.data.toy_assets import prepare_toy_assets
 
     assets = prepare_toy_assets(tmp_path / "toy", n_train=64, n_val=8)
     proc = _run(
         [
-            sys.executable, "-m", "verl.trainer.main_ppo", "--config-dir", "configs", "+verl_preset=cpu_toy",
+            sys.executable, "-m", "verl.trainer.main_ppo", "--config-dir", "configs", f"+verl_preset={preset}",
             f"actor_rollout_ref.model.path={assets.model_path}", f"data.train_files={assets.train_file}",
             f"data.val_files={assets.val_file}", "actor_rollout_ref.hybrid_engine=true",
             "actor_rollout_ref.rollout.checkpoint_engine.backend=naive", "trainer.total_training_steps=2",

@@ -1,7 +1,7 @@
 """verl's real actor workers on the CPU, driven directly (no trainer loop): the pieces the
 data-parallel and engine-agreement tests share.
 
-- :func:`compose` -- gepo_trainer.yaml + the ``cpu_toy`` preset, as ``main_gepo`` composes it.
+- :func:`compose` -- gepo_trainer.yaml + the ``cpu_toy`` preset (or another), as ``main_gepo`` composes it.
 - :func:`actor_group` -- a ``RayWorkerGroup`` of the verl engine's ``HeteroActorWorker`` (verl's
   ``DetachActorWorker`` with the project's loss bridge), role ``actor``, on ``n`` logical GPUs:
   FSDP2 over gloo, one rank per Ray actor.
@@ -31,17 +31,18 @@ from verl_ext.loss_config import loss_option
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def compose(*overrides: str) -> DictConfig:
-    """The composed config of ``main_gepo --config-dir configs +verl_preset=cpu_toy <overrides>``."""
+def compose(*overrides: str, preset: str = "cpu_toy") -> DictConfig:
+    """The composed config of ``main_gepo --config-dir configs +verl_preset=<preset> <overrides>``."""
     searchpath = f"hydra.searchpath=[pkg://verl.trainer.config,file://{ROOT / 'configs'}]"
     with initialize_config_dir(config_dir=str(ROOT / "recipe" / "gepo" / "config"), version_base=None):
-        return hydra_compose(config_name="gepo_trainer", overrides=[searchpath, "+verl_preset=cpu_toy", *overrides])
+        return hydra_compose(config_name="gepo_trainer", overrides=[searchpath, f"+verl_preset={preset}", *overrides])
 
 
 @contextmanager
 def actor_group(cfg: DictConfig, n_ranks: int, name: str):
-    """``n_ranks`` FSDP2 ranks of the verl engine's actor worker, models loaded (``init_model``);
-    the workers and their placement group are released on exit (the logical GPUs are reused)."""
+    """``n_ranks`` ranks of the verl engine's actor worker (FSDP2, or Megatron TP x PP x DP), models
+    loaded (``init_model``); the workers and their placement group are released on exit (the
+    logical GPUs are reused)."""
     import ray
     from ray.util import remove_placement_group
     from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup

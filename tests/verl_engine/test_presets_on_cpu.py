@@ -205,6 +205,29 @@ def test_cpu_toy_preset_validates_for_the_verl_engine(capsys):
     assert cfg.trainer.device == "cpu"
 
 
+@pytest.mark.parametrize(
+    "overrides, parallel",
+    [
+        ([], "Megatron TP=2 PP=1 CP=1 DP=1"),
+        (["actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2",
+          "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=1"], "Megatron TP=1 PP=2 CP=1 DP=1"),
+    ],
+)  # fmt: skip
+def test_cpu_toy_megatron_preset_validates_and_dry_runs(overrides, parallel, capsys):
+    """The Megatron CPU preset (TP=2; PP=2 by the documented override) passes the verl engine's
+    validation and its plan names the learners' parallelism."""
+    cfg = compose_config("+verl_preset=cpu_toy_megatron", "hetero.engine=verl", "hetero.dry_run=true", *overrides)
+    v = validate(cfg)
+    assert v.actor.strategy == "megatron" and v.rollout.name == "hf_cpu"
+    assert v.actor.megatron.vanilla_mbridge and not v.actor.megatron.sequence_parallel
+    assert cfg.actor_rollout_ref.actor.megatron.override_transformer_config.attention_backend == "local"
+    assert cfg.actor_rollout_ref.rollout.checkpoint_engine.backend == "ray_mailbox"
+    assert cfg.actor_rollout_ref.hybrid_engine is False and cfg.trainer.device == "cpu"
+    plan = run(cfg)["plan"]  # hetero.dry_run=true: main_gepo's path, prints the plan and returns it
+    assert plan in capsys.readouterr().out
+    assert "preset:          cpu_toy_megatron" in plan and f"= 2 GPUs, {parallel}" in plan
+
+
 def test_both_engines_train_the_same_pinned_warm_start(tmp_path):
     """task.warm_start_steps reaches the verl engine's model resolution as it does the embedded
     engine's: one rule (verl_ext.data.toy.checkpoints.resolve_task_model), the same cached folder."""
