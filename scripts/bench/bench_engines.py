@@ -1,5 +1,5 @@
 """Start-up and per-step time of the two engines on the same toy run, and of the verl engine with
-1 vs 2 FSDP2 learner ranks (issue 11's measurements; results in docs/scale-out.md).
+1 vs 2 FSDP2 learner ranks (issues 11 and 21; results in docs/scale-out.md).
 
     python scripts/bench/bench_engines.py [--steps 8] [--out docs/bench_engines.md] [--only NAME ...]
 
@@ -10,7 +10,9 @@ tokens), loss (gepo) and no weight delay, so the rows differ only in the engine:
   the cpu_toy preset's values: a verl preset on the embedded engine is refused, its FSDP and
   rollout keys are not the embedded engine's);
 - verl, dp=1 / dp=2: verl 0.9.1's trainer (``hetero.engine=verl``), 1 hf_cpu sampler replica, the
-  learner on 1 or 2 FSDP2 ranks over gloo (``trainer.n_gpus_per_node``, logical GPUs).
+  learner on 1 or 2 FSDP2 ranks over gloo (``trainer.n_gpus_per_node``, logical GPUs);
+- verl, Megatron TP=2 / PP=2: the same trainer with verl's Megatron engine on 2 ranks
+  (``+verl_preset=cpu_toy_megatron``, float32, megatron-core 0.16.1 via ``verl_ext/cpu/megatron.py``).
 
 Start-up = wall time of the whole command minus the sum of its step times (Ray, workers, model
 loading, and for the verl engine TransferQueue); per-step = median of the step times after the
@@ -47,6 +49,10 @@ ROWS = {
                                    *EMBEDDED_AS_CPU_TOY],
     "verl, dp=1": ["+verl_preset=cpu_toy", "hetero.engine=verl", "trainer.n_gpus_per_node=1"],
     "verl, dp=2": ["+verl_preset=cpu_toy", "hetero.engine=verl", "trainer.n_gpus_per_node=2"],
+    "verl, Megatron TP=2": ["+verl_preset=cpu_toy_megatron", "hetero.engine=verl"],
+    "verl, Megatron PP=2": ["+verl_preset=cpu_toy_megatron", "hetero.engine=verl",
+                            "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=1",
+                            "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2"],
 }
 # the per-step wall time each engine logs
 STEP_KEYS = ("timing_s/step", "perf/step_s")
