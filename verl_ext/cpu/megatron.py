@@ -182,6 +182,43 @@ def _patch_optimizer_types(module: Any) -> None:
     _wrap(module.DistributedOptimizer, "__init__", _on_cpu_during)
 
 
+def _patch_empty_optimizer_state(module: Any) -> None:
+    """Resume, ``optimizer/distrib_optimizer.py:642``: without Apex/TransformerEngine (the CPU) the
+    distributed optimizer takes ``step`` from its Adam state (``assert len(steps) == 1``), which is
+    empty when a checkpoint is loaded into a fresh optimizer (the template ``sharded_state_dict``
+    is built before any step). Then every param group's step is 0, as Adam's own is before its
+    first step; the loaded checkpoint replaces it."""
+
+    def make(state_dict: Callable) -> Callable:
+        def empty_aware_state_dict(self):
+            if module.HAVE_APEX_OR_TE or len(self.optimizer.state) > 0:
+                return state_dict(self)
+            inner = self.optimizer.state_dict()
+            out = {"optimizer": {k: v for k, v in inner.items() if k != "state"}}
+            for group in out["optimizer"]["param_groups"]:
+                del group["params"]
+                group["step"] = 0
+            if self.grad_scaler:
+                out["grad_scaler"] = self.grad_scaler.state_dict()
+            return out
+
+        return empty_aware_state_dict
+
+    _wrap(module.DistributedOptimizer, "state_dict", make)
+
+    def no_grad(set_states: Callable) -> Callable:
+        def set_states_without_grad(*args, **kwargs):
+            with torch.no_grad():
+                return set_states(*args, **kwargs)
+
+        return set_states_without_grad
+
+    # Resume with float32 weights, ``optimizer/distrib_optimizer.py:940``: the main parameter is then
+    # the model's own (a leaf that requires grad; bf16 runs copy into separate fp32 masters), and
+    # ``copy_`` into it outside ``no_grad`` raises. Loading a checkpoint is not differentiated.
+    _wrap(module.DistributedOptimizer, "_set_main_param_and_optimizer_states", no_grad)
+
+
 def clip_grad_by_total_norm_fp32(parameters, max_norm, total_norm, use_decoupled_grad: bool = False) -> None:
     """Blocker 5, ``optimizer/clip_grads.py:167``: megatron's version asserts
     ``torch.cuda.FloatTensor`` gradients and scales them with a CUDA multi-tensor kernel. The same
@@ -409,6 +446,7 @@ def _register_refusal(message: str) -> None:
 HOOKS = (
     ("megatron.core.tensor_parallel.random", _patch_rng_state),
     ("megatron.core.optimizer.distrib_optimizer", _patch_optimizer_types),
+    ("megatron.core.optimizer.distrib_optimizer", _patch_empty_optimizer_state),
     ("megatron.core.optimizer.clip_grads", _patch_clip_grads),
     ("megatron.core.optimizer.optimizer", _patch_clip_grads),
     ("megatron.core.models.common.language_module.language_module", _patch_language_module_cuda),
