@@ -1,7 +1,8 @@
 """Async mode: one learner actor and N sampler actors on Ray, exchanging through a transport.
 
 The loop and the learner runtime live in :mod:`recipe.gepo.local.driver`; this module is async
-mode's rollout source (:class:`TransportSource`), the actors, and the supervision of the samplers. The messages they exchange are defined in :mod:`verl_ext.hetero.protocol`.
+mode's rollout source (:class:`TransportSource`), the actors, and the supervision of the samplers.
+The messages they exchange are defined in :mod:`verl_ext.hetero.protocol`.
 
 Weights: the learner publishes every new version to a ``WeightStore``; each sampler reads it
 through its own ``DelayChannel``, so version v becomes visible to sampler i only after the delay
