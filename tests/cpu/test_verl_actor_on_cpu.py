@@ -126,32 +126,6 @@ def test_embedded_and_verl_learners_agree_on_the_first_update(lab, case):
     assert (embedded_after - verl_after).abs().max() < 1e-3 * float(moved)
 
 
-def _sync_run(cfg, data, replicas, schedule, name, steps):
-    """Train ``steps`` - 1 updates on one batch behind a :class:`DelayedCheckpointManager` around
-    verl's real ``CheckpointEngineManager`` (ray_mailbox) and hf_cpu replica; after each
-    ``update_weights(step)``: the samplers' weight checksum and the learner's log-probs."""
-    import ray
-    from verl.checkpoint_engine import CheckpointEngineManager
-    from verl.utils.config import omega_conf_to_dataclass
-
-    from recipe.gepo.verl_engine.delayed_sync import DelayedCheckpointManager
-
-    served, learner = [], []
-    with va.actor_group(cfg, 1, name) as group:
-        inner = CheckpointEngineManager(
-            config=omega_conf_to_dataclass(cfg.actor_rollout_ref.rollout.checkpoint_engine),
-            actor_wg=group, replicas=replicas,
-        )  # fmt: skip
-        manager = DelayedCheckpointManager(inner, group, schedule)
-        for step in range(steps):
-            if step:
-                va.update_actor(group, cfg, data)
-            manager.update_weights(step)
-            served.append(ray.get(replicas[0].servers[0].weight_checksum.remote()))
-            learner.append(va.log_probs(group, cfg, data))
-    return served, learner, manager
-
-
 def test_delayed_sync_pushes_each_old_version_from_its_snapshot_with_verls_real_manager(lab):
     """Replaces the recording stand-ins: the same 5 learner versions are pushed at once (the
     truth: version v's weights as the samplers receive them) and then with a constant delay of 2
@@ -166,10 +140,10 @@ def test_delayed_sync_pushes_each_old_version_from_its_snapshot_with_verls_real_
     data = va.verl_batch(lab["on_policy"], tok.pad_token_id, va.reduction_of(cfg))
     replicas = LLMServerManager.create(config=cfg, start_rank=0).get_replicas()
     now = DelayedSyncSchedule(make_delay_model("none"), "steps", max_pending=4)
-    truth, truth_learner, _ = _sync_run(cfg, data, replicas, now, "sync_now", 5)
+    truth, truth_learner, _ = va.sync_run(cfg, data, replicas, now, "sync_now", 5)
     assert len(set(truth)) == 5  # every update changed the weights the samplers get
     delayed = DelayedSyncSchedule(make_delay_model("constant", value=2.0), "steps", max_pending=4)
-    served, learner, manager = _sync_run(cfg, data, replicas, delayed, "sync_delayed", 5)
+    served, learner, manager = va.sync_run(cfg, data, replicas, delayed, "sync_delayed", 5)
     assert served == [truth[0], truth[0], truth[0], truth[1], truth[2]]
     assert manager.pushed == [0, 1, 2]
     for mine, expected in zip(learner, truth_learner):  # the learner never trains on pushed-back weights

@@ -5,6 +5,8 @@ data-parallel and engine-agreement tests share.
 - :func:`actor_group` -- a ``RayWorkerGroup`` of the verl engine's ``HeteroActorWorker`` (verl's
   ``DetachActorWorker`` with the project's loss bridge), role ``actor``, on ``n`` logical GPUs:
   FSDP2 over gloo, one rank per Ray actor.
+- :func:`sync_run` -- a learner behind verl's real checkpoint manager (delayed or not) and an
+  hf_cpu replica: the weight checksum the samplers hold after every push.
 - :func:`verl_batch` -- the embedded engine's rollout groups laid out as verl's trainer hands them
   to ``update_actor`` (left/right padding, ``uid``, ``old_log_probs`` = the sampler's log-probs,
   token advantages, the driver-side ``group_log_denominator``), then
@@ -135,6 +137,33 @@ def log_probs(group, cfg: DictConfig, data) -> torch.Tensor:
     out = group.compute_log_prob(td)
     lp = no_padding_2_padding(tu.get(out, "log_probs"), td).float()
     return lp * data.batch["response_mask"]
+
+
+def sync_run(cfg: DictConfig, data, replicas, schedule, name: str, steps: int, n_ranks: int = 1):
+    """``n_ranks`` actor ranks train ``steps`` - 1 updates on one batch behind a
+    :class:`DelayedCheckpointManager` around verl's real ``CheckpointEngineManager`` (ray_mailbox)
+    and hf_cpu replica; after each ``update_weights(step)``: the samplers' weight checksum and the
+    learner's log-probs."""
+    import ray
+    from verl.checkpoint_engine import CheckpointEngineManager
+    from verl.utils.config import omega_conf_to_dataclass
+
+    from recipe.gepo.verl_engine.delayed_sync import DelayedCheckpointManager
+
+    served, learner = [], []
+    with actor_group(cfg, n_ranks, name) as group:
+        inner = CheckpointEngineManager(
+            config=omega_conf_to_dataclass(cfg.actor_rollout_ref.rollout.checkpoint_engine),
+            actor_wg=group, replicas=replicas,
+        )  # fmt: skip
+        manager = DelayedCheckpointManager(inner, group, schedule)
+        for step in range(steps):
+            if step:
+                update_actor(group, cfg, data)
+            manager.update_weights(step)
+            served.append(ray.get(replicas[0].servers[0].weight_checksum.remote()))
+            learner.append(log_probs(group, cfg, data))
+    return served, learner, manager
 
 
 def reduction_of(cfg: DictConfig) -> str:

@@ -179,6 +179,33 @@ def test_megatron_parallel_sizes_must_divide_the_learner_gpus():
         build_plan(cfg)
 
 
+@pytest.mark.parametrize("preset", ["qwen3_1p7b_megatron", "qwen3_8b_megatron", "cpu_toy_megatron"])
+def test_megatron_presets_carry_what_the_cpu_run_taught(preset):
+    """Every Megatron preset names the installed bridge (mbridge, ``vanilla_mbridge``) and keeps the
+    distributed optimizer; both pass the pre-training check against this machine's packages."""
+    from recipe.gepo.verl_engine.plan import check_megatron_stack
+
+    cfg = preset_cfg(preset)
+    mc = cfg.actor_rollout_ref.actor.megatron
+    assert mc.vanilla_mbridge is True and mc.use_distributed_optimizer is True
+    assert cfg.actor_rollout_ref.ref.megatron.vanilla_mbridge is True  # the reference model follows the actor
+    check_megatron_stack(cfg)
+
+
+@pytest.mark.parametrize(
+    "override, named",
+    [
+        ("actor_rollout_ref.actor.megatron.vanilla_mbridge=false", "=false needs megatron-bridge"),
+        ("actor_rollout_ref.actor.megatron.use_distributed_optimizer=false", "megatron_utils.py:827"),
+    ],
+)
+def test_megatron_settings_this_stack_cannot_run_fail_before_training(override, named):
+    from recipe.gepo.verl_engine.plan import check_megatron_stack
+
+    with pytest.raises(VerlEngineConfigError, match=re.escape(override.split("=")[0]) + ".*" + re.escape(named)):
+        check_megatron_stack(preset_cfg("qwen3_1p7b_megatron", override))
+
+
 def test_verl_dataclasses_reject_a_bad_loss_option_in_a_preset():
     cfg = preset_cfg("qwen3_1p7b_fsdp", "actor_rollout_ref.actor.policy_loss.seq_reduction=median")
     with pytest.raises(Exception, match="seq_reduction"):

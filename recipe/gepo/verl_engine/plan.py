@@ -169,6 +169,41 @@ def check_data_files(cfg: DictConfig) -> None:
                 _fail(f"data.{key}={path!r}: no readable file at {local.resolve()}")
 
 
+def check_megatron_stack(cfg: DictConfig) -> None:
+    """Before training with Megatron learners (not in a dry run: the cluster's packages are not the
+    planning laptop's): the settings the installed megatron-core / bridge can run, else
+    :class:`VerlEngineConfigError` naming the key, instead of a failure inside verl's workers.
+
+    - ``vanilla_mbridge=false`` makes verl import megatron-bridge (Python >= 3.12, megatron-core
+      >= 0.17); the project's ``megatron`` extra installs mbridge instead.
+    - ``use_distributed_optimizer=false`` fails in ``verl/utils/megatron_utils.py:827`` with
+      megatron-core 0.16.1 (``param_data`` is None; seen here in bf16 and float32 -- the code path
+      is not device-specific).
+    """
+    import importlib.util
+    from importlib import metadata
+
+    for section in ("actor", "ref"):
+        if cfg.actor_rollout_ref[section].get("strategy", None) != "megatron":
+            continue
+        key = f"actor_rollout_ref.{section}.megatron"
+        mc = cfg.actor_rollout_ref[section].megatron
+        if not mc.get("vanilla_mbridge", False) and importlib.util.find_spec("megatron.bridge") is None:
+            _fail(
+                f"{key}.vanilla_mbridge=false needs megatron-bridge (Python >= 3.12), which is not installed; "
+                f"the project's megatron extra installs mbridge: set {key}.vanilla_mbridge=true"
+            )
+        try:
+            core = metadata.version("megatron-core")
+        except metadata.PackageNotFoundError:
+            _fail(f"{key}: the Megatron engine needs megatron-core (`make install` installs the megatron extra)")
+        if section == "actor" and not mc.get("use_distributed_optimizer", True) and core == "0.16.1":
+            _fail(
+                f"{key}.use_distributed_optimizer=false fails in verl 0.9.1 with megatron-core {core} "
+                "(verl/utils/megatron_utils.py:827); keep the distributed optimizer"
+            )
+
+
 def validate(cfg: DictConfig) -> Validated:
     """Check everything the verl engine needs; raise :class:`VerlEngineConfigError` (or verl's /
     HeteroConfig's own ValueError) naming the first bad key."""

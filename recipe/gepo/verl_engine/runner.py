@@ -12,7 +12,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from recipe.gepo.verl_engine.plan import check_data_files, engine_settings, render, validate
+from recipe.gepo.verl_engine.plan import check_data_files, check_megatron_stack, engine_settings, render, validate
 
 
 class NoGPUError(RuntimeError):
@@ -102,6 +102,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
 
     settings = engine_settings(resolve_task_files(cfg))
     check_data_files(settings)
+    check_megatron_stack(settings)
     auto_set_device(settings)
     run_dir = Path(str(settings.trainer.default_local_dir))
     write_run_config(run_dir, settings)  # what report.md reads (algorithm, delay, ...), as the embedded engine
