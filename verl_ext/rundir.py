@@ -9,6 +9,8 @@ A run directory (``trainer.default_local_dir``) holds
   first drops them); a killed run may leave a torn last line.
 * ``config.yaml`` -- the composed hydra config (:func:`read_run_config` reads the algorithm and
   delay from it).
+* ``placement.json`` -- where each role of a verl-engine run ran (:func:`write_placement`:
+  ``{"learner": [{"hostname", "ip"}, ...], "samplers": [...]}``, one entry per rank / server).
 * ``checkpoints/step_<k>.pt`` and ``checkpoints/latest`` (the name of the newest) --
   :func:`save_checkpoint` / :func:`load_latest_checkpoint` (:func:`latest_checkpoint_step`: its step).
 
@@ -31,6 +33,7 @@ from typing import Any, Optional, Union
 
 METRICS_FILE = "metrics.jsonl"
 CONFIG_FILE = "config.yaml"
+PLACEMENT_FILE = "placement.json"
 CHECKPOINT_DIR = "checkpoints"
 LATEST_POINTER = "latest"
 
@@ -117,6 +120,24 @@ def write_run_config(run_dir: PathLike, cfg: Any) -> Path:
     path = Path(run_dir) / CONFIG_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    return path
+
+
+def node_identity(_actor: Any = None) -> dict[str, str]:
+    """This process's node: its hostname and the address Ray knows it by. Called inside Ray actors
+    (``actor.__ray_call__.remote(node_identity)``, hence the unused instance argument)."""
+    import socket
+
+    import ray
+
+    return {"hostname": socket.gethostname(), "ip": ray.util.get_node_ip_address()}
+
+
+def write_placement(run_dir: PathLike, placement: Mapping[str, Sequence[Mapping[str, str]]]) -> Path:
+    """Write ``<run_dir>/placement.json``: role -> the :func:`node_identity` of each of its processes."""
+    path = Path(run_dir) / PLACEMENT_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({role: list(nodes) for role, nodes in placement.items()}, indent=1) + "\n")
     return path
 
 

@@ -10,8 +10,10 @@ workers, 60-90 s). Run with ``make test-all`` or ``pytest -m slow tests/cpu``.
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -91,6 +93,9 @@ def test_hetero_engine_verl_does_not_stall_and_keeps_the_bound(tmp_path):
     assert all(r["is/group_log_denominator_mean"] < 0 for r in train)  # driver-side GEPO denominators
     assert all(r["actor/has_group_denominator"] == 1.0 for r in train)
     assert (run_dir / "report.md").is_file() and (run_dir / "curves.png").is_file()
+    placement = json.loads((run_dir / "placement.json").read_text())  # one node here: this machine
+    assert [n["hostname"] for n in placement["learner"] + placement["samplers"]] == [socket.gethostname()] * 2
+    assert "[hetero] placement: samplers: 1 process(es) on" in out
 
 
 def _main_gepo(run_dir: Path, steps: int, *overrides: str) -> list[dict]:

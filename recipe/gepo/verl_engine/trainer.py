@@ -47,7 +47,7 @@ from recipe.gepo.verl_engine.plan import (
     TRAINER_NAME, check_loss_mode_unchanged, check_no_forced_bypass, delay_unit, requested_loss_mode,
 )
 from verl_ext.cpu.patches import fix_separate_async_logger
-from verl_ext.rundir import METRICS_FILE, MetricsWriter, truncate_metrics
+from verl_ext.rundir import METRICS_FILE, MetricsWriter, node_identity, truncate_metrics, write_placement
 from verl_ext.loss_config import loss_option
 
 fix_separate_async_logger()  # verl 0.9.1's separate_async crashes at init otherwise (any device)
@@ -173,6 +173,20 @@ class HeteroSeparateAsyncTrainer(PPOTrainerSeparateAsync):
         self.standalone_checkpoint_manager = DelayedCheckpointManager(
             self.standalone_checkpoint_manager, self.actor_rollout_wg, self.sync_schedule
         )
+        self._record_placement()
+
+    def _record_placement(self) -> None:
+        """Which node each learner rank and sampler server runs on (hostname, address): printed
+        and kept in the run directory's placement.json -- on a cluster, where the roles landed."""
+        servers = [s for replica in self.standalone_server_manager.get_replicas() for s in replica.servers]
+        placement = {
+            "learner": ray.get([w.__ray_call__.remote(node_identity) for w in self.actor_rollout_wg.workers]),
+            "samplers": ray.get([s.__ray_call__.remote(node_identity) for s in servers]),
+        }
+        write_placement(self.config.trainer.default_local_dir, placement)
+        for role, nodes in placement.items():
+            hosts = sorted({f"{n['hostname']} ({n['ip']})" for n in nodes})
+            print(f"[hetero] placement: {role}: {len(nodes)} process(es) on {', '.join(hosts)}")
 
     # ---- q = the sampler's log-probs -------------------------------------------------------
     def _compute_old_log_prob(self, batch, metrics):
