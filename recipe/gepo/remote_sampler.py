@@ -1,0 +1,101 @@
+"""One sampler that joins a running embedded-engine run through its fsspec exchange.
+
+    python -m recipe.gepo.remote_sampler --index 100 hetero.transport_url=s3://bucket/run42 [overrides]
+
+The learner runs ``python -m recipe.gepo.main_gepo hetero.mode=async hetero.transport=fs
+hetero.transport_url=<URL> ...`` with its own ``hetero.num_samplers`` samplers (indices 0 .. n-1).
+A remote sampler composes the same config (give it the learner's overrides: task, algorithm,
+delay, seed), builds a :class:`~recipe.gepo.local.async_mode.SamplerWorker` on the same URL and
+generates until the learner writes its stop marker: weights come in through the URL (each version
+after its own delay draw), rollout groups go out through it, checksummed and exactly-once. No Ray,
+no shared cluster: any machine that reaches the URL can add samplers to a run
+(``scripts/slurm/remote_samplers.sbatch`` starts one per SLURM array task).
+
+``--index`` gives the sampler its prompt stream, sampling seeds and delay stream; it must not be an
+index the learner's own samplers use (keep it >= the learner's ``hetero.num_samplers``) nor that of
+another remote sampler. The uids of its groups carry ``r<index>-<random>`` so a restarted sampler
+never reuses one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import uuid
+from pathlib import Path
+from typing import Optional, Sequence
+
+from omegaconf import DictConfig
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def compose_config(overrides: Sequence[str]) -> DictConfig:
+    """``gepo_trainer.yaml`` with ``overrides``, as ``main_gepo --config-dir configs`` composes it."""
+    from hydra import compose, initialize_config_dir
+
+    searchpath = f"hydra.searchpath=[pkg://verl.trainer.config,file://{ROOT / 'configs'}]"
+    with initialize_config_dir(config_dir=str(ROOT / "recipe" / "gepo" / "config"), version_base=None):
+        return compose(config_name="gepo_trainer", overrides=[searchpath, *overrides])
+
+
+def check_remote_config(cfg: DictConfig, index: int) -> None:
+    """The settings a remote sampler needs; ValueError naming the key (or flag) otherwise."""
+    hetero = cfg.hetero
+    if hetero.engine != "local" or hetero.mode != "async":
+        raise ValueError(
+            f"hetero.engine={hetero.engine!r}, hetero.mode={hetero.mode!r}: remote samplers join the embedded "
+            "engine's async mode (hetero.engine=local hetero.mode=async)"
+        )
+    if hetero.transport != "fs":
+        raise ValueError(f"hetero.transport={hetero.transport!r}: a remote sampler reaches the learner through hetero.transport=fs")
+    if not hetero.transport_url:
+        raise ValueError("hetero.transport_url is empty: give the exchange URL the learner uses (s3://..., /shared/folder)")
+    if index < 0:
+        raise ValueError(f"--index {index}: must be >= 0 (and not an index the learner's own samplers use)")
+
+
+def run_remote_sampler(cfg: DictConfig, index: int, max_batches: Optional[int] = None) -> dict[str, float]:
+    """Generate for the run at ``hetero.transport_url`` until its stop marker (or ``max_batches``
+    batches); returns the sampler's counters."""
+    from recipe.gepo.local.async_mode import SamplerWorker, transport_spec
+    from recipe.gepo.local.engine import EngineConfig
+    from recipe.gepo.local.tasks import resolve_model_path
+    from verl_ext.hetero.seeding import seed_process
+
+    check_remote_config(cfg, index)
+    engine = EngineConfig.from_omegaconf(cfg)
+    if engine.hetero.dry_run:  # validated, nothing started
+        print(f"[heterorl] remote sampler-{index}: config ok (dry run)", flush=True)
+        return {}
+    seed_process(engine.hetero.seed + index)
+    model_path = resolve_model_path(engine.settings.model_path, engine.task, engine.hetero.seed)
+    spec = transport_spec(engine.hetero, engine.settings)
+    speed = engine.hetero.speed_factors()
+    worker = SamplerWorker(index, engine, model_path, spec, speed[index] if index < len(speed) else 1.0,
+                           uid_namespace=f"r{index}-{uuid.uuid4().hex[:8]}")  # fmt: skip
+    print(f"[heterorl] remote sampler-{index} -> {spec.url}", flush=True)
+    return worker.run(max_batches=max_batches)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    parser.add_argument("--index", type=int, required=True, help="this sampler's index (>= the learner's hetero.num_samplers)")
+    parser.add_argument("--max-batches", type=int, default=None, help="stop after this many batches (default: at the learner's stop)")
+    parser.add_argument("overrides", nargs="*", help="hydra overrides, the learner's (hetero.transport_url=... required)")
+    args = parser.parse_args(argv)
+    overrides = ["hetero.engine=local", "hetero.mode=async", "hetero.transport=fs", *args.overrides]
+    try:
+        cfg = compose_config(overrides)
+        counters = run_remote_sampler(cfg, args.index, args.max_batches)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(json.dumps({"sampler": args.index, **counters}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
