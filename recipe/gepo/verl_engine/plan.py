@@ -327,6 +327,10 @@ def render(v: Validated) -> str:
         f"    reference:     {ref}",
         f"    topology:      star: learners <-> {sampler['replicas']} sampler replicas "
         f"(weights: checkpoint engine {rollout_cfg.checkpoint_engine.backend})",
+        "    placement:     "
+        + ("learner ranks only on Ray nodes offering heterorl_learner_node, samplers only on nodes offering "
+           "heterorl_sampler_node (verl_engine.node_resources)" if v.engine.node_resources
+           else "wherever each pool's GPUs fit (verl_engine.node_resources=false)"),
         f"  batch:           {cfg.data.train_batch_size} prompts x G={n} = {int(cfg.data.train_batch_size) * n} "
         f"responses/step, mini-batch {actor_cfg.ppo_mini_batch_size} prompts, lr {actor_cfg.optim.lr}, "
         f"T={rollout_cfg.temperature}, prompt <= {cfg.data.max_prompt_length}, "
@@ -358,13 +362,22 @@ def dry_run(cfg: DictConfig) -> None:
     print(build_plan(cfg))
 
 
-def engine_settings(cfg: DictConfig) -> DictConfig:
+def engine_settings(cfg: DictConfig, ray_address: str | None = None) -> DictConfig:
     """A copy of ``cfg`` with the verl keys the engine derives from ``hetero:`` set:
-    the trainer mode, and verl's submission-step threshold implied by the exact bound."""
+    the trainer mode, and verl's submission-step threshold implied by the exact bound.
+
+    ``ray_address`` (``RAY_ADDRESS``: verl's ``ray.init()`` joins a running cluster, as
+    ``scripts/slurm/verl_star.sbatch`` makes it): the cluster's resources are the nodes', so the
+    local-start sizes ``ray_kwargs.ray_init.num_cpus`` / ``num_gpus`` (the CPU presets' logical
+    GPUs) are dropped -- Ray refuses them when joining."""
     hetero = HeteroConfig.from_omegaconf(cfg.hetero)
     out = OmegaConf.create(OmegaConf.to_container(cfg, resolve=False))
     with open_dict(out):
         out.trainer.v1.trainer_mode = TRAINER_NAME
         out.trainer.v1.sampler.max_off_policy_threshold = verl_threshold(hetero.max_delay)
         out.trainer.v1.sampler.max_off_policy_strategy = hetero.stale_policy
+        ray_init = out.get("ray_kwargs", {}).get("ray_init", None)
+        if ray_address and ray_init is not None:
+            for key in ("num_cpus", "num_gpus"):
+                ray_init.pop(key, None)
     return out

@@ -7,6 +7,7 @@ message instead of verl's ResourcePoolManager / NCCL errors.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -100,7 +101,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     from recipe.gepo.report import write_report
     from verl_ext.rundir import write_run_config
 
-    settings = engine_settings(resolve_task_files(cfg))
+    settings = engine_settings(resolve_task_files(cfg), ray_address=os.environ.get("RAY_ADDRESS"))
     check_data_files(settings)
     check_megatron_stack(settings)
     auto_set_device(settings)

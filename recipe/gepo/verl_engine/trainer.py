@@ -19,6 +19,8 @@ What it adds to verl's loop, each on one of verl's own extension points:
 - exact staleness bound over weight versions: :class:`HeteroReplayBuffer` (hetero.max_delay,
   hetero.stale_policy).
 - the bypass guard, at construction and before every actor update.
+- roles pinned to their nodes (``verl_engine.node_resources``, :mod:`.placement`); where every
+  rank and server ran, in ``placement.json``.
 - the embedded engine's ``hetero/*`` and ``is/*`` metric names.
 """
 
@@ -43,6 +45,7 @@ from recipe.gepo.verl_engine import batch_rules
 from recipe.gepo.verl_engine.batch_rules import hetero_step_metrics, stale_group_uids
 from recipe.gepo.verl_engine.delayed_sync import DelayedCheckpointManager, DelayedSyncSchedule
 from recipe.gepo.verl_engine.loss import bridge_loss_fn
+from recipe.gepo.verl_engine.placement import pin_pools_to_node_roles
 from recipe.gepo.verl_engine.plan import (
     TRAINER_NAME, check_loss_mode_unchanged, check_no_forced_bypass, delay_unit, requested_loss_mode,
 )
@@ -128,6 +131,8 @@ class HeteroSeparateAsyncTrainer(PPOTrainerSeparateAsync):
         self.engine_config = VerlEngineConfig.from_config(config)
         self._requested_loss_mode = requested_loss_mode(config)
         self._group_aware = bool(getattr(get_policy_loss_fn(self._requested_loss_mode), "accepts_group_info", False))
+        if self.engine_config.node_resources:
+            pin_pools_to_node_roles()  # before verl creates any resource pool
         super().__init__(config)
         self.sync_schedule = DelayedSyncSchedule(
             self.hetero.delay.build(),

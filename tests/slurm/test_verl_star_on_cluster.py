@@ -1,0 +1,93 @@
+"""``sbatch scripts/slurm/verl_star.sbatch`` on a real SLURM cluster of namespace nodes (slow, root).
+
+Two nodes of ``scripts/slurm/local_cluster.py`` joined by 100 Mbit/s links; the script, unmodified,
+with the documented CPU switch (``PRESET=cpu_toy GPUS_PER_NODE=0``, ``--gpus-per-node=0
+--cpus-per-task=2``): Ray head on node 1 and a worker on node 2, the verl engine's learner on n1 and
+its hf_cpu sampler on n2 (their hostnames in the run's placement.json), weights crossing the link
+(the samplers' weight version moves), every step once in metrics.jsonl, report.md and curves.png
+beside it, and no Ray process of the job left after it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.slurm.test_local_cluster import _cli, _our_netns, _skip_reason, lc
+
+ROOT = Path(__file__).resolve().parents[2]
+STEPS = 6
+
+
+@pytest.fixture
+def two_nodes():
+    reason = _skip_reason()
+    if reason:
+        pytest.skip(reason)
+    cfg = lc.ClusterConfig()
+    if cfg.state_file.exists() or _our_netns(cfg) or lc.link_exists(cfg.bridge):
+        pytest.skip(f"{cfg.state_dir} or the {cfg.netns_prefix}* namespaces exist: another run owns the cluster")
+    try:
+        lc.ensure_slurm_installed()
+    except (lc.CommandError, subprocess.TimeoutExpired, OSError) as err:
+        pytest.skip(f"Slurm packages cannot be installed here: {err}")
+    try:
+        proc = _cli("up", "--nodes", "2", "--rate-mbit", "100", "--timeout", "60")
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        yield dict(os.environ, SLURM_CONF=str(cfg.conf_path))
+    finally:
+        down = _cli("down", timeout=120)
+    assert down.returncode == 0, down.stderr
+    assert _our_netns(cfg) == [] and not Path(cfg.state_dir).exists()
+
+
+def _ray_processes_of(job_id: str) -> list[str]:
+    """Command lines of live processes that belong to the job's Ray session dir."""
+    marker = f"heterorl-ray-{job_id}"
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                status = (entry / "status").read_text()
+            except OSError:
+                continue
+            if marker in cmdline and "\nState:\tZ" not in status:
+                found.append(cmdline[:200])
+    return found
+
+
+@pytest.mark.slow
+def test_verl_star_runs_learner_and_sampler_on_two_nodes(two_nodes, tmp_path):
+    run_dir = tmp_path / "run"
+    env = dict(two_nodes, PRESET="cpu_toy", GPUS_PER_NODE="0", REPO=str(ROOT), OMP_NUM_THREADS="1")
+    t0 = time.monotonic()
+    proc = subprocess.run(
+        ["sbatch", "--wait", "--parsable", "--nodes=2", "--gpus-per-node=0", "--cpus-per-task=2",
+         f"--output={tmp_path}/job-%j.out", str(ROOT / "scripts" / "slurm" / "verl_star.sbatch"),
+         f"trainer.default_local_dir={run_dir}", f"trainer.total_training_steps={STEPS}",
+         f"task.cache_dir={ROOT / '.cache' / 'heterorl'}", "hetero.delay.dist=constant", "hetero.delay.value=1.0"],
+        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    job_id = proc.stdout.strip().split(";")[0]
+    log = next(tmp_path.glob("job-*.out")).read_text() if list(tmp_path.glob("job-*.out")) else ""
+    print(f"job {job_id}: {time.monotonic() - t0:.0f} s")
+    assert proc.returncode == 0, (proc.stderr + log)[-5000:]
+
+    placement = json.loads((run_dir / "placement.json").read_text())
+    assert [n["hostname"] for n in placement["learner"]] == ["n1"]  # the first trainer.nnodes nodes
+    assert [n["hostname"] for n in placement["samplers"]] == ["n2"]
+    assert placement["samplers"][0]["ip"] != placement["learner"][0]["ip"]
+    assert "Ray cluster up: 2 nodes" in log
+
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    assert rows[-1]["hetero/sampler_weight_version"] > 0  # delayed versions crossed the link to n2
+    assert (run_dir / "report.md").is_file() and (run_dir / "curves.png").is_file()
+    assert _ray_processes_of(job_id) == []
