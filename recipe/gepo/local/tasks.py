@@ -32,12 +32,12 @@ class Task:
             from verl_ext.data.datasets import load_benchmark
             from verl_ext.data.templates import render_prompt
 
-            def items(name, path, limit=None):
-                rows = load_benchmark(name, path=path or None, limit=limit)
+            def items(name, path, options, limit=None):
+                rows = load_benchmark(name, path=path or None, limit=limit, **options)
                 return [{"prompt": render_prompt(r["problem"], config.template), "answer": r["answer"]} for r in rows]
 
-            self._train_pool = items(config.dataset, config.dataset_path)
-            self.eval_items = items(config.eval_dataset, None, config.eval_size)
+            self._train_pool = items(config.dataset, config.dataset_path, config.dataset_options)
+            self.eval_items = items(config.eval_dataset, None, config.eval_dataset_options, config.eval_size)
 
     @property
     def reward_range(self) -> tuple[float, float]:
@@ -115,6 +115,6 @@ class Task:
 
 def resolve_model_path(model_path: str, task_config: TaskConfig, seed: int) -> str:
     """The model to train: ``model_path`` if given, else (toy task) the cached warm start."""
-    from verl_ext.data.toy.checkpoints import resolve_task_model
+    from verl_ext.data.task_model import resolve_task_model
 
     return resolve_task_model(model_path, task_config, seed)

@@ -221,7 +221,9 @@ def validate(cfg: DictConfig) -> Validated:
         )
     check_no_forced_bypass(cfg)
     check_section(hetero, "hetero", VERL)
-    check_section(TaskConfig.from_omegaconf(cfg.task), "task", VERL)
+    task = TaskConfig.from_omegaconf(cfg.task)
+    check_section(task, "task", VERL)
+    task.check_files()  # a math task's task.dataset_path is read when data.train_files is empty
 
     r = cfg.actor_rollout_ref.rollout
     if r.name not in ROLLOUT_BACKENDS:

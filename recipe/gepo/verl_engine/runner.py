@@ -39,13 +39,22 @@ def require_gpus(cfg: DictConfig | None = None) -> int:
     )
 
 
+def _mapping(node: Any) -> dict:
+    """A ``task.*_options`` node as a plain dict (null = no options)."""
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else dict(node or {})
+
+
 def resolve_task_files(cfg: DictConfig) -> DictConfig:
     """Fill ``actor_rollout_ref.model.path`` and ``data.train_files/val_files`` from the ``task:``
-    section when they are empty (the toy task: the same warm start as the embedded engine, parquet
-    files written under ``task.cache_dir``); returns a copy."""
+    section when they are empty (the toy task: the same warm start as the embedded engine; a math
+    task: ``task.model``'s cached folder and the ``task.dataset`` / ``task.eval_dataset`` parquet
+    pair; files written under ``task.cache_dir``); returns a copy."""
     from omegaconf import OmegaConf, open_dict
 
-    from verl_ext.data.toy.checkpoints import resolve_task_model
+    from verl_ext.data.prepare import prepare_math_assets
+    from verl_ext.data.task_model import resolve_task_model
     from verl_ext.data.toy_assets import prepare_toy_assets
 
     out = OmegaConf.create(OmegaConf.to_container(cfg, resolve=False))
@@ -64,6 +73,19 @@ def resolve_task_files(cfg: DictConfig) -> DictConfig:
             )
             out.data.train_files = str(assets.train_file)
             out.data.val_files = str(assets.val_file)
+        if task.name == "math" and not cfg.data.get("train_files", None):
+            assets = prepare_math_assets(
+                Path(str(task.cache_dir)) / "verl_math",
+                dataset=str(task.dataset),
+                dataset_options=_mapping(task.get("dataset_options", None)),
+                dataset_path=str(task.dataset_path or ""),
+                eval_dataset=str(task.eval_dataset),
+                eval_dataset_options=_mapping(task.get("eval_dataset_options", None)),
+                eval_size=int(task.eval_size),
+                template=str(task.template),
+            )
+            out.data.train_files = str(assets.train_file.resolve())
+            out.data.val_files = str(assets.val_file.resolve())
         out.trainer.default_local_dir = str(Path(str(cfg.trainer.default_local_dir)).resolve())
     return out
 

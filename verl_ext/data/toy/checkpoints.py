@@ -4,7 +4,7 @@
   :data:`DEFAULT_WARM_START_STEPS`), saved as a normal HF folder and cached by its settings; the
   same weights on any machine (same torch/transformers versions).
 * :func:`weights_sha256` -- the identity of a model folder's weights.
-* :func:`resolve_toy_model`, :func:`resolve_task_model` -- the model both engines train: a given
+* :func:`resolve_toy_model` -- the model both engines train for the toy task: a given
   folder, else the toy task's warm start.
 """
 
@@ -40,7 +40,6 @@ __all__ = [
     "warm_start",
     "weights_sha256",
     "resolve_toy_model",
-    "resolve_task_model",
 ]
 
 logger = logging.getLogger(__name__)
@@ -260,16 +259,6 @@ def resolve_toy_model(model_path: str, task_name: str, **warm_start_kwargs: Any)
             raise FileNotFoundError(f"actor_rollout_ref.model.path={model_path!r} is not a local model folder")
         return str(model_path)
     if task_name != "toy_addition":
-        raise ValueError(f"actor_rollout_ref.model.path is required for task.name={task_name} (no model hub here)")
+        raise ValueError(f"actor_rollout_ref.model.path is required for task.name={task_name} (no model hub here), "
+                         f"or a built-in model: task.model=smollm2-135m-instruct")
     return str(warm_start(**warm_start_kwargs))
-
-
-def resolve_task_model(model_path: str, task: Any, seed: int) -> str:
-    """:func:`resolve_toy_model` from a ``task:`` section (the typed ``TaskConfig`` or its
-    DictConfig: both engines pass theirs): the warm start of ``task.warm_start_steps`` steps,
-    None/null = the answer format's default (:data:`DEFAULT_WARM_START_STEPS`)."""
-    steps = getattr(task, "warm_start_steps", None)
-    return resolve_toy_model(
-        str(model_path or ""), str(task.name), cache_dir=str(task.cache_dir), digits=int(task.digits), seed=int(seed),
-        answer_format=str(getattr(task, "answer_format", "short")), steps=steps,
-    )  # fmt: skip
