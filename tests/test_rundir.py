@@ -44,6 +44,25 @@ def test_both_engines_write_the_same_line(tmp_path):
     assert rundir.read_metric_rows(tmp_path / "verl") == [WRITTEN]
 
 
+def test_a_checkpoint_counts_for_resume_only_once_its_metrics_line_is_written(tmp_path):
+    """verl saves step k's checkpoint before logging step k: the tee moves verl's tracker to k
+    only after k's line is in metrics.jsonl (a crash in between resumes from the checkpoint before)."""
+    from verl.utils.tracking import Tracking
+
+    from recipe.gepo.verl_engine.trainer import TRACKER_FILE, MetricsTee
+
+    tee = MetricsTee(Tracking(project_name="p", experiment_name="e", default_backend=[]), tmp_path)
+    tracker = tmp_path / TRACKER_FILE
+    tracker.write_text("5")  # the previous checkpoint, as the trainer leaves it while saving step 10
+    tee.commit_after(10, tracker)
+    tee.log(METRICS, step=9)  # a late line of another step: no commit
+    assert tracker.read_text() == "5"
+    tee.log(METRICS, step=10)
+    assert tracker.read_text() == "10" and rundir.read_metric_rows(tmp_path)[-1]["step"] == 10
+    tee.log(METRICS, step=11)
+    assert tracker.read_text() == "10"  # committed once
+
+
 def test_truncate_keeps_the_original_lines_up_to_the_step(tmp_path):
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"step": 0, "x": 1}\n{"step": 1, "x": 2.50}\nnot json\n{"step": 2, "x": 3}\n{"step": 1, "y"')

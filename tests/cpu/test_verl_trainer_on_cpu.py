@@ -92,6 +92,7 @@ def test_hetero_engine_verl_does_not_stall_and_keeps_the_bound(tmp_path):
     assert versions[-1] > 0, versions  # delayed versions did reach the samplers
     assert all(r["is/group_log_denominator_mean"] < 0 for r in train)  # driver-side GEPO denominators
     assert all(r["actor/has_group_denominator"] == 1.0 for r in train)
+    assert all(r["reward/mean"] == r["critic/score/mean"] for r in train)  # the embedded engine's name too
     assert (run_dir / "report.md").is_file() and (run_dir / "curves.png").is_file()
     placement = json.loads((run_dir / "placement.json").read_text())  # one node here: this machine
     assert [n["hostname"] for n in placement["learner"] + placement["samplers"]] == [socket.gethostname()] * 2

@@ -26,6 +26,7 @@ What it adds to verl's loop, each on one of verl's own extension points:
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -50,24 +51,48 @@ from recipe.gepo.verl_engine.plan import (
     TRAINER_NAME, check_loss_mode_unchanged, check_no_forced_bypass, delay_unit, requested_loss_mode,
 )
 from verl_ext.cpu.patches import fix_separate_async_logger
-from verl_ext.rundir import METRICS_FILE, MetricsWriter, node_identity, truncate_metrics, write_placement
+from verl_ext.rundir import (
+    METRICS_FILE, MetricsWriter, node_identity, set_aside_metrics, truncate_metrics, write_placement,
+)
 from verl_ext.loss_config import loss_option
 
 fix_separate_async_logger()  # verl 0.9.1's separate_async crashes at init otherwise (any device)
 
 
+TRACKER_FILE = "latest_checkpointed_iteration.txt"  # verl's: the checkpoint a resume starts from
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
 class MetricsTee:
     """verl's ``Tracking`` plus ``<run dir>/metrics.jsonl`` in the embedded engine's format
     (one ``{"step": k, <name>: float, ...}`` line per log call), so report.md / curves.png and every
-    script reading runs work on verl-engine runs too."""
+    script reading runs work on verl-engine runs too.
+
+    It also completes checkpoints (:meth:`commit_after`): verl saves step k's checkpoint before it
+    logs step k's metrics, so a crash in between would resume after k with k's line never
+    written. The trainer points verl's tracker back at the previous checkpoint while saving, and
+    the tee points it at k once k's line is written."""
 
     def __init__(self, tracking: Any, run_dir: str | Path):
         self.tracking = tracking
         self._writer = MetricsWriter(run_dir)
         self.path = self._writer.path
+        self._pending: tuple[int, Path] | None = None
+
+    def commit_after(self, step: int, tracker: Path) -> None:
+        """Write ``step`` into ``tracker`` once that step's metrics line is written."""
+        self._pending = (step, tracker)
 
     def log(self, data: dict, step: int, *args: Any, **kwargs: Any) -> None:
         self._writer.write(data, step)
+        if self._pending is not None and self._pending[0] == step:
+            _write_atomically(self._pending[1], str(step))
+            self._pending = None
         self.tracking.log(data=data, step=step, *args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
@@ -160,11 +185,33 @@ class HeteroSeparateAsyncTrainer(PPOTrainerSeparateAsync):
         if isinstance(manager, DelayedCheckpointManager):
             manager.release_due()
 
-    # ---- resume ----------------------------------------------------------------------------
+    # ---- checkpoints and resume ------------------------------------------------------------
+    def _save_checkpoint(self):
+        """verl's save; the tracker names this step only once its metrics line is written
+        (:class:`MetricsTee`): until then a resume starts from the previous checkpoint."""
+        run_dir = Path(self.config.trainer.default_local_dir)
+        tracker = run_dir / TRACKER_FILE
+        before = tracker.read_text().strip() if tracker.is_file() else None
+        super()._save_checkpoint()
+        tee = getattr(self, "_hetero_logger", None)
+        if tee is None or not tracker.is_file() or tracker.read_text().strip() != str(self.global_steps):
+            return  # no tee yet, or verl did not write the tracker (async save)
+        previous_intact = before is not None and (run_dir / f"global_step_{before}").is_dir()
+        if before is None:
+            tracker.unlink()
+        elif previous_intact:
+            _write_atomically(tracker, before)
+        else:
+            return  # the previous checkpoint was pruned (max_*_ckpt_to_keep): this one stands now
+        tee.commit_after(self.global_steps, tracker)
+
     def _load_checkpoint(self):
         super()._load_checkpoint()
+        run_dir = Path(self.config.trainer.default_local_dir)
         if self.global_steps > 0:  # resumed: the steps after the checkpoint are trained (and logged) again
-            truncate_metrics(Path(self.config.trainer.default_local_dir) / METRICS_FILE, self.global_steps)
+            truncate_metrics(run_dir / METRICS_FILE, self.global_steps)
+        else:  # a fresh start in a used directory (or before any checkpoint): never append to old lines
+            set_aside_metrics(run_dir)
 
     # ---- workers and delayed sync ----------------------------------------------------------
     def _init_resource_pool_mgr(self):
@@ -228,6 +275,8 @@ class HeteroSeparateAsyncTrainer(PPOTrainerSeparateAsync):
 
     def _compute_metrics(self, batch, metrics, timing_raw, global_steps, epoch):
         super()._compute_metrics(batch, metrics, timing_raw, global_steps, epoch)
+        if "critic/score/mean" in metrics:  # the embedded engine's name for it (report.md, curves.png)
+            metrics["reward/mean"] = metrics["critic/score/mean"]
         evicted = float(metrics.get("training/off_policy/evicted_samples", 0.0))
         metrics.update(
             hetero_step_metrics(list(batch.keys), list(batch.tags), global_steps, self.hetero.max_delay, evicted)
