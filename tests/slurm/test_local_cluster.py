@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.slurm.slurm_scripts import SCRIPT, load_local_cluster
+from tests.slurm.slurm_scripts import SCRIPT, cli as _cli, load_local_cluster, running_cluster
 
 lc = load_local_cluster()
 EVERY_CAP = (1 << lc.link.CAP_NET_ADMIN) | (1 << lc.link.CAP_SYS_ADMIN)
@@ -206,17 +206,6 @@ def test_config_round_trips_through_the_state_file():
 # --- the real cluster (root, slow) ----------------------------------------------------------------
 
 
-def _skip_reason() -> str | None:
-    if not sys.platform.startswith("linux"):
-        return "network namespaces are Linux-only"
-    if os.geteuid() != 0:
-        return "needs root (namespaces, veths, munged as user munge, slurmd as root)"
-    problems = lc.missing_requirements(lc.link.effective_caps())
-    if problems:
-        return "needs " + "; ".join(problems)
-    return None
-
-
 SLURM_JOB = textwrap.dedent(
     """\
     #!/bin/bash
@@ -245,51 +234,14 @@ SLURM_JOB = textwrap.dedent(
 )
 
 
-def _cli(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    cmd = [sys.executable, str(SCRIPT), *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-
-
-def _our_netns(cfg) -> list[str]:
-    return [ns for ns in lc.netns_list() if ns.startswith(cfg.netns_prefix)]
-
-
 @pytest.fixture
 def cluster():
-    reason = _skip_reason()
-    if reason:
-        pytest.skip(reason)
-    cfg = lc.ClusterConfig()
-    if cfg.state_file.exists() or _our_netns(cfg) or lc.link_exists(cfg.bridge):
-        pytest.skip(f"{cfg.state_dir} or the {cfg.netns_prefix}* namespaces exist: another run owns the cluster")
-    try:
-        lc.ensure_slurm_installed()
-    except (lc.CommandError, subprocess.TimeoutExpired, OSError) as err:
-        pytest.skip(f"Slurm packages cannot be installed here: {err}")
-    state = {}
-    try:
-        t0 = time.monotonic()
-        proc = _cli("up", "--nodes", "3", "--rate-mbit", "50", "--timeout", "60")
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        lines = proc.stdout.strip().splitlines()
-        assert lines[-1] == f"SLURM_CONF={cfg.conf_path}"
-        print(f"up in {time.monotonic() - t0:.1f} s")
-        state = lc.read_state(cfg.state_dir)
-        yield cfg, dict(os.environ, SLURM_CONF=str(cfg.conf_path))
-    finally:
-        t0 = time.monotonic()
-        first, second = _cli("down", timeout=120), _cli("down", timeout=120)
-        print(f"down in {time.monotonic() - t0:.1f} s (twice)")
-    assert first.returncode == 0 and second.returncode == 0, first.stderr + second.stderr
-    # nothing left behind: daemons, namespaces, veths, bridge, state dir
+    with running_cluster(3, rate_mbit=50) as (cfg, env, state):
+        yield cfg, env
+    # and no daemon of the cluster is left
     records = [state.get("pids", {}).get(d) for d in ("munged", "slurmctld")]
     records += list(state.get("pids", {}).get("slurmd", {}).values())
     assert records and not [r for r in records if lc.alive(r)]
-    assert _our_netns(cfg) == []
-    assert not lc.link_exists(cfg.bridge)
-    assert not any(lc.link_exists(cfg.host_if(n)) for n in ("n1", "n2", "n3"))
-    assert not Path(cfg.state_dir).exists()
 
 
 def _sinfo(env) -> dict[str, str]:

@@ -19,14 +19,13 @@ its checkpoint and drops the ones it re-does) and the job ends with exit 0.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.slurm.test_local_cluster import _cli, _our_netns, _skip_reason, lc
+from tests.slurm.slurm_scripts import cli as _cli, running_cluster
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 30
@@ -36,24 +35,8 @@ JOB_TIMEOUT_S = 900
 
 @pytest.fixture
 def three_nodes():
-    reason = _skip_reason()
-    if reason:
-        pytest.skip(reason)
-    cfg = lc.ClusterConfig()
-    if cfg.state_file.exists() or _our_netns(cfg) or lc.link_exists(cfg.bridge):
-        pytest.skip(f"{cfg.state_dir} or the {cfg.netns_prefix}* namespaces exist: another run owns the cluster")
-    try:
-        lc.ensure_slurm_installed()
-    except (lc.CommandError, subprocess.TimeoutExpired, OSError) as err:
-        pytest.skip(f"Slurm packages cannot be installed here: {err}")
-    try:
-        proc = _cli("up", "--nodes", "3", "--rate-mbit", "100", "--timeout", "60")
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        yield dict(os.environ, SLURM_CONF=str(cfg.conf_path))
-    finally:
-        down = _cli("down", timeout=120)
-    assert down.returncode == 0, down.stderr
-    assert _our_netns(cfg) == [] and not Path(cfg.state_dir).exists()
+    with running_cluster(3) as (_, env, _state):
+        yield env
 
 
 def _submit(env: dict, tmp_path: Path, run_dir: Path) -> str:
