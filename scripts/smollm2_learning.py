@@ -1,0 +1,161 @@
+#!/usr/bin/env python3
+"""Does SmolLM2-135M-Instruct learn through the verl engine? The runs and their report, one command each.
+
+    python scripts/smollm2_learning.py run --seeds 0 1 --steps 40      # one seed after another (resumable)
+    python scripts/smollm2_learning.py report                          # table on stdout + figure
+
+``run`` trains ``+verl_preset=cpu_smollm2_math hetero.engine=verl`` once per seed into
+``runs/smollm2_gepo_s<seed>`` (``nice``, one torch thread a process, a checkpoint every 5 steps,
+``trainer.resume_mode=auto``: the same command continues a run that was stopped), with verl's
+rollout dump (``trainer.rollout_data_dir``) beside it. Seeds run one after another: two at once do
+not fit in 24 GB.
+
+``report`` reads each run's metrics.jsonl (``reward/mean``: accuracy + the 0.1 boxed-answer term)
+and rollout dumps (each response scored again with the math reward: ``acc``, math_verify
+correctness, and ``format_boxed``) and prints, per seed, the means over the first and the last ``--window`` steps
+and their difference; the rise counts as beyond seed-to-seed noise when every seed's difference
+exceeds the spread of the seeds' first-window means (max - min). The figure (``--out``) shows the
+per-step reward and boxed rate of every seed with a rolling mean.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Optional, Sequence
+
+ROOT = Path(__file__).resolve().parents[1]
+RUNS = ROOT / "runs"
+FIGURE = ROOT / "docs" / "figures" / "smollm2_learning.png"
+
+
+def run_dir(seed: int) -> Path:
+    return RUNS / f"smollm2_gepo_s{seed}"
+
+
+def train_command(seed: int, steps: int) -> list[str]:
+    out = run_dir(seed)
+    return ["nice", "-n", "10", sys.executable, "-m", "recipe.gepo.main_gepo", "--config-dir", "configs",
+            "+verl_preset=cpu_smollm2_math", "hetero.engine=verl", f"trainer.total_training_steps={steps}",
+            "trainer.save_freq=5", "trainer.resume_mode=auto", f"hetero.seed={seed}", f"data.seed={seed}",
+            f"actor_rollout_ref.rollout.seed={seed}", f"trainer.default_local_dir={out}",
+            f"trainer.rollout_data_dir={out / 'rollouts'}"]  # fmt: skip
+
+
+def run(seeds: Sequence[int], steps: int) -> int:
+    for seed in seeds:
+        out = run_dir(seed)
+        out.mkdir(parents=True, exist_ok=True)
+        print(f"seed {seed}: {out} ({steps} steps)", flush=True)
+        with open(out / "run.log", "a") as log:
+            proc = subprocess.run(train_command(seed, steps), cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                  env=dict(os.environ, OMP_NUM_THREADS="1"))  # fmt: skip
+        if proc.returncode != 0:
+            print(f"error: seed {seed} exited with status {proc.returncode}; see {out / 'run.log'}", file=sys.stderr)
+            return proc.returncode
+    return 0
+
+
+def per_step(out: Path) -> dict[int, dict[str, float]]:
+    """step -> reward (metrics.jsonl), accuracy and boxed rate (the rollout dump of that step)."""
+    rows: dict[int, dict[str, float]] = {}
+    for line in (out / "metrics.jsonl").read_text().splitlines():
+        if line.strip():
+            row = json.loads(line)
+            if "reward/mean" in row:
+                rows[int(row["step"])] = {"reward": float(row["reward/mean"])}
+    from verl_ext.rewards.math_reward import score_batch
+
+    for dump in sorted((out / "rollouts").glob("*.jsonl")):
+        samples = [json.loads(line) for line in dump.read_text().splitlines() if line.strip()]
+        step = int(dump.stem)
+        if step in rows and samples:
+            # the dump keeps response and gold answer: scored again by the reward's own pieces
+            scored = score_batch([s["output"] for s in samples], [s["gts"] for s in samples])
+            rows[step]["acc"] = _mean([r["acc"] for r in scored])
+            rows[step]["boxed"] = _mean([r["format_boxed"] for r in scored])
+    return rows
+
+
+def _mean(values: Sequence[float]) -> float:
+    return sum(values) / len(values) if values else float("nan")
+
+
+def report(seeds: Sequence[int], window: int, out_png: Optional[Path]) -> int:
+    runs = {s: per_step(run_dir(s)) for s in seeds if (run_dir(s) / "metrics.jsonl").is_file()}
+    if not runs:
+        print(f"error: no run of seeds {list(seeds)} under {RUNS}", file=sys.stderr)
+        return 2
+    print(f"| seed | steps | reward first {window} | reward last {window} | rise | boxed first -> last | accuracy first -> last |")
+    print("|---:|---:|---:|---:|---:|---|---|")
+    firsts, rises = [], []
+    for seed, rows in runs.items():
+        steps = sorted(rows)
+        head, tail = steps[:window], steps[-window:]
+        first, last = _mean([rows[s]["reward"] for s in head]), _mean([rows[s]["reward"] for s in tail])
+        firsts.append(first)
+        rises.append(last - first)
+        boxed = [_mean([rows[s].get("boxed", float("nan")) for s in part]) for part in (head, tail)]
+        acc = [_mean([rows[s].get("acc", float("nan")) for s in part]) for part in (head, tail)]
+        print(f"| {seed} | {len(steps)} | {first:.3f} | {last:.3f} | {last - first:+.3f} | "
+              f"{boxed[0]:.2f} -> {boxed[1]:.2f} | {acc[0]:.3f} -> {acc[1]:.3f} |")  # fmt: skip
+    spread = max(firsts) - min(firsts)
+    verdict = "yes" if len(runs) > 1 and min(rises) > spread else "no" if len(runs) > 1 else "needs two seeds"
+    print(f"\nseed-to-seed spread of the first-{window} means: {spread:.3f}; every seed's rise above it: {verdict}")
+    if out_png is not None:
+        _figure(runs, out_png)
+        print(f"figure: {out_png}")
+    return 0
+
+
+def _figure(runs: dict[int, dict[int, dict[str, float]]], out_png: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+    for seed, rows in runs.items():
+        steps = sorted(rows)
+        for ax, key in zip(axes, ("reward", "boxed")):
+            ys = [rows[s].get(key, float("nan")) for s in steps]
+            line = ax.plot(steps, ys, alpha=0.35, lw=1)[0]
+            rolled = [_mean([y for y in ys[max(0, i - 4) : i + 1] if y == y]) for i in range(len(ys))]
+            ax.plot(steps, rolled, color=line.get_color(), lw=2, label=f"seed {seed} (5-step mean)")
+    axes[0].set_title("reward/mean (accuracy + 0.1 x boxed)")
+    axes[1].set_title("fraction of responses with a boxed answer")
+    for ax in axes:
+        ax.set_xlabel("step")
+        ax.legend(fontsize=8)
+    fig.suptitle("SmolLM2-135M-Instruct, GEPO through the verl engine, easy GSM8K (cpu_smollm2_math)")
+    fig.tight_layout()
+    out_png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out_png, dpi=110)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    p_run = sub.add_parser("run", help="train one run per seed, one after another (resumable)")
+    p_run.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    p_run.add_argument("--steps", type=int, default=40)
+    p_rep = sub.add_parser("report", help="table on stdout, figure to --out")
+    p_rep.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    p_rep.add_argument("--window", type=int, default=5, help="steps averaged at the start and the end")
+    p_rep.add_argument("--out", type=Path, default=FIGURE)
+    args = parser.parse_args(argv)
+    if args.cmd == "run":
+        if args.steps < 1:
+            parser.error(f"--steps {args.steps}: must be >= 1")
+        return run(args.seeds, args.steps)
+    if args.window < 1:
+        parser.error(f"--window {args.window}: must be >= 1")
+    return report(args.seeds, args.window, args.out)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
