@@ -141,6 +141,15 @@ def write_placement(run_dir: PathLike, placement: Mapping[str, Sequence[Mapping[
     return path
 
 
+def write_text_atomically(path: PathLike, text: str) -> None:
+    """Replace ``path`` with ``text`` in one step (a ``.tmp`` sibling renamed over it): a reader
+    sees the old content or the new, never half of it."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
 # --------------------------------------------------------------------------- checkpoints
 
 
@@ -154,9 +163,7 @@ def save_checkpoint(run_dir: PathLike, step: int, state: dict[str, Any]) -> Path
     tmp = path.with_suffix(".pt.tmp")
     torch.save(state, tmp)
     os.replace(tmp, path)
-    latest_tmp = ckpt_dir / f"{LATEST_POINTER}.tmp"
-    latest_tmp.write_text(path.name)
-    os.replace(latest_tmp, ckpt_dir / LATEST_POINTER)
+    write_text_atomically(ckpt_dir / LATEST_POINTER, path.name)
     return path
 
 

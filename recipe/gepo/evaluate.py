@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from verl_ext.eval.metrics import summarize
+from verl_ext.rundir import write_text_atomically
 
 
 def _known_benchmarks() -> tuple[str, ...]:
@@ -262,9 +263,7 @@ def _check_run_config(out: Path, cfg: EvalConfig) -> None:
                 "use another output_dir or resume=false to start over"
             )
     else:
-        tmp = rc.with_suffix(".tmp")
-        tmp.write_text(json.dumps(fp, indent=2))
-        os.replace(tmp, rc)
+        write_text_atomically(rc, json.dumps(fp, indent=2))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -356,12 +355,6 @@ def summary_markdown(summary: Mapping, digits: int = 1) -> str:
         row = ["**Avg**", "", pct(a[f"mean@{n}"])] + [pct(a[f"pass@{k}"]) for k in pks] + [""] * 5
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines) + "\n"
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -458,9 +451,9 @@ def run_evaluation(cfg: EvalConfig, generator=None) -> dict:
     ids = {b: {str(p["id"]) for p in ps} for b, ps in problems.items()}
     current = [r for r in records if r["benchmark"] in ids and str(r["problem_id"]) in ids[r["benchmark"]]]
     summary = build_summary(current, cfg)
-    _atomic_write(out / SUMMARY_JSON, json.dumps(summary, indent=2, ensure_ascii=False))
+    write_text_atomically(out / SUMMARY_JSON, json.dumps(summary, indent=2, ensure_ascii=False))
     md = summary_markdown(summary)
-    _atomic_write(out / SUMMARY_MD, md)
+    write_text_atomically(out / SUMMARY_MD, md)
     if cfg.history_file:
         hp = Path(cfg.history_file)
         hp.parent.mkdir(parents=True, exist_ok=True)

@@ -181,7 +181,8 @@ def check_megatron_stack(cfg: DictConfig) -> None:
       is not device-specific).
     """
     import importlib.util
-    from importlib import metadata
+
+    from verl_ext.cpu.megatron import installed_versions
 
     for section in ("actor", "ref"):
         if cfg.actor_rollout_ref[section].get("strategy", None) != "megatron":
@@ -193,9 +194,8 @@ def check_megatron_stack(cfg: DictConfig) -> None:
                 f"{key}.vanilla_mbridge=false needs megatron-bridge (Python >= 3.12), which is not installed; "
                 f"the project's megatron extra installs mbridge: set {key}.vanilla_mbridge=true"
             )
-        try:
-            core = metadata.version("megatron-core")
-        except metadata.PackageNotFoundError:
+        core = installed_versions()["megatron-core"]
+        if core is None:
             _fail(f"{key}: the Megatron engine needs megatron-core (`make install` installs the megatron extra)")
         if section == "actor" and not mc.get("use_distributed_optimizer", True) and core == "0.16.1":
             _fail(

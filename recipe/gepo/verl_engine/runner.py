@@ -39,13 +39,6 @@ def require_gpus(cfg: DictConfig | None = None) -> int:
     )
 
 
-def _mapping(node: Any) -> dict:
-    """A ``task.*_options`` node as a plain dict (null = no options)."""
-    from omegaconf import OmegaConf
-
-    return OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else dict(node or {})
-
-
 def resolve_task_files(cfg: DictConfig) -> DictConfig:
     """Fill ``actor_rollout_ref.model.path`` and ``data.train_files/val_files`` from the ``task:``
     section when they are empty (the toy task: the same warm start as the embedded engine; a math
@@ -53,36 +46,37 @@ def resolve_task_files(cfg: DictConfig) -> DictConfig:
     pair; files written under ``task.cache_dir``); returns a copy."""
     from omegaconf import OmegaConf, open_dict
 
+    from recipe.gepo.sections import TaskConfig
     from verl_ext.data.prepare import prepare_math_assets
     from verl_ext.data.task_model import resolve_task_model
     from verl_ext.data.toy_assets import prepare_toy_assets
 
     out = OmegaConf.create(OmegaConf.to_container(cfg, resolve=False))
-    task = cfg.task
+    task = TaskConfig.from_omegaconf(cfg.task)
     model_path = resolve_task_model(str(cfg.actor_rollout_ref.model.path or ""), task, int(cfg.hetero.seed))
     with open_dict(out):
         out.actor_rollout_ref.model.path = str(Path(model_path).resolve())
         if task.name == "toy_addition" and not cfg.data.get("train_files", None):  # "" in the cpu_toy preset
             assets = prepare_toy_assets(
-                Path(str(task.cache_dir)) / "verl_toy",
-                digits=int(task.digits),
-                n_val=int(task.eval_size),
+                Path(task.cache_dir) / "verl_toy",
+                digits=task.digits,
+                n_val=task.eval_size,
                 seed=int(cfg.hetero.seed),
                 model_path=model_path,
-                answer_format=str(task.get("answer_format", "short")),  # scratchpad rows for the long-answer task
+                answer_format=task.answer_format,  # scratchpad rows for the long-answer task
             )
             out.data.train_files = str(assets.train_file)
             out.data.val_files = str(assets.val_file)
         if task.name == "math" and not cfg.data.get("train_files", None):
             assets = prepare_math_assets(
-                Path(str(task.cache_dir)) / "verl_math",
-                dataset=str(task.dataset),
-                dataset_options=_mapping(task.get("dataset_options", None)),
-                dataset_path=str(task.dataset_path or ""),
-                eval_dataset=str(task.eval_dataset),
-                eval_dataset_options=_mapping(task.get("eval_dataset_options", None)),
-                eval_size=int(task.eval_size),
-                template=str(task.template),
+                Path(task.cache_dir) / "verl_math",
+                dataset=task.dataset,
+                dataset_options=task.dataset_options,
+                dataset_path=task.dataset_path,
+                eval_dataset=task.eval_dataset,
+                eval_dataset_options=task.eval_dataset_options,
+                eval_size=task.eval_size,
+                template=task.template,
             )
             out.data.train_files = str(assets.train_file.resolve())
             out.data.val_files = str(assets.val_file.resolve())

@@ -26,7 +26,6 @@ What it adds to verl's loop, each on one of verl's own extension points:
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +52,7 @@ from recipe.gepo.verl_engine.plan import (
 from verl_ext.cpu.patches import fix_separate_async_logger
 from verl_ext.rundir import (
     METRICS_FILE, MetricsWriter, node_identity, set_aside_metrics, truncate_metrics, write_placement,
+    write_text_atomically,
 )
 from verl_ext.loss_config import loss_option
 
@@ -60,12 +60,6 @@ fix_separate_async_logger()  # verl 0.9.1's separate_async crashes at init other
 
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"  # verl's: the checkpoint a resume starts from
-
-
-def _write_atomically(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 class MetricsTee:
@@ -91,7 +85,7 @@ class MetricsTee:
     def log(self, data: dict, step: int, *args: Any, **kwargs: Any) -> None:
         self._writer.write(data, step)
         if self._pending is not None and self._pending[0] == step:
-            _write_atomically(self._pending[1], str(step))
+            write_text_atomically(self._pending[1], str(step))
             self._pending = None
         self.tracking.log(data=data, step=step, *args, **kwargs)
 
@@ -200,7 +194,7 @@ class HeteroSeparateAsyncTrainer(PPOTrainerSeparateAsync):
         if before is None:
             tracker.unlink()
         elif previous_intact:
-            _write_atomically(tracker, before)
+            write_text_atomically(tracker, before)
         else:
             return  # the previous checkpoint was pruned (max_*_ckpt_to_keep): this one stands now
         tee.commit_after(self.global_steps, tracker)
