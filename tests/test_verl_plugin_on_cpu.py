@@ -21,7 +21,8 @@ from pathlib import Path
 
 import pytest
 
-REQUIRED_LOSSES = {"gepo", "eqp", "gepo_adaptive", "gepo_tr", "topr", "delta_l"}
+# a literal on purpose: the plugin must register this known set (not whatever it declares)
+REQUIRED_LOSSES = {"gepo", "eqp", "gepo_adaptive", "gepo_tr", "gepo_tc", "topr", "delta_l", "m2po", "vespo"}
 REQUIRED_ESTIMATORS = {"bnpo"}
 
 # what of the CPU backend a process holds: its modules, the verl registrations, the patch hook

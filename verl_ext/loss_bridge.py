@@ -27,7 +27,7 @@ verl's ``ppo_loss`` exactly. The trainer loop never knows which algorithm it run
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 from omegaconf import DictConfig
@@ -44,75 +44,106 @@ _SEQUENCE_LEVEL_BUILTINS = {"gspo", "geo_mean"}
 
 @dataclasses.dataclass(frozen=True)
 class RolloutCorrection:
-    """verl's ``algorithm.rollout_correction`` as the embedded engine applies it: decoupled
-    truncated IS. The proximal ("old") policy is the learner itself before the update, so the
-    loss's ratio is p / sg(p), and the weight min(sg(p) / q, C) multiplies the per-token loss.
-    Field names are verl's keys (they are passed to verl's ``compute_rollout_correction_weights``)."""
+    """verl's ``algorithm.rollout_correction`` as the embedded engine applies it: decoupled mode,
+    computed by verl's own ``compute_rollout_correction_and_rejection_mask``. The proximal ("old")
+    policy is the learner itself before the update (one optimiser step per batch), so the loss's
+    ratio is p / sg(p); the IS weight w(sg(p) / q) multiplies the per-token loss and rejection
+    sampling removes tokens (or whole sequences) from the loss's mask. Field names and meanings
+    are verl's (``verl/trainer/config/algorithm.py``, ``RolloutCorrectionConfig``)."""
 
-    # "token": one weight per token; "sequence": one per sequence (product of the token ratios)
-    rollout_is: str
-    # C, the truncation threshold (a single float: TIS)
-    rollout_is_threshold: float = 2.0
+    # "token": one weight per token; "sequence": one per sequence (product of the token ratios);
+    # None: no IS weight (rejection sampling only)
+    rollout_is: Optional[str]
+    # a float C: truncated IS, min(w, C) (TIS); "lower_upper" (e.g. "0.5_5.0"): IcePop, w outside
+    # [lower, upper] set to 0
+    rollout_is_threshold: Union[float, str] = 2.0
     # rescale the weights to mean 1 over the batch
     rollout_is_batch_normalize: bool = False
+    # rejection sampling criteria, comma separated (verl's names: token_k1, seq_sum_k1, seq_mean_k3, ...);
+    # None: off
+    rollout_rs: Optional[str] = None
+    # one threshold per criterion ("lower_upper" for the k1 ones); required with rollout_rs
+    rollout_rs_threshold: Optional[Union[float, str]] = None
 
     def __post_init__(self) -> None:
-        if self.rollout_is not in ("token", "sequence"):
+        if self.rollout_is not in (None, "token", "sequence"):
             raise ValueError(
-                f"algorithm.rollout_correction.rollout_is={self.rollout_is!r}: "
-                "the embedded engine supports token | sequence"
+                f"algorithm.rollout_correction.rollout_is={self.rollout_is!r}: expected token, sequence or null"
             )
-        if not self.rollout_is_threshold > 0:
+        if self.rollout_is is None and self.rollout_rs is None:
+            raise ValueError("algorithm.rollout_correction: rollout_is and rollout_rs are both null (nothing to do)")
+        # verl's own parser decides what a threshold may be: run its function once on one token
+        one = torch.zeros(1, 1)
+        try:
+            self.apply(one, one, torch.ones(1, 1, dtype=torch.bool))
+        except (ValueError, TypeError) as exc:
             raise ValueError(
-                f"algorithm.rollout_correction.rollout_is_threshold={self.rollout_is_threshold!r} must be > 0"
-            )
+                f"algorithm.rollout_correction (rollout_is={self.rollout_is!r}, "
+                f"rollout_is_threshold={self.rollout_is_threshold!r}, rollout_rs={self.rollout_rs!r}, "
+                f"rollout_rs_threshold={self.rollout_rs_threshold!r}): {exc}"
+            ) from None
+
+    @property
+    def icepop(self) -> bool:
+        """True when the IS threshold is verl's "lower_upper" form (weights outside are zeroed)."""
+        return isinstance(self.rollout_is_threshold, str) and "_" in self.rollout_is_threshold
+
+    def bounds(self) -> tuple[Optional[float], float]:
+        """(lower or None, upper) of the IS threshold."""
+        if self.icepop:
+            lower, upper = str(self.rollout_is_threshold).split("_", 1)
+            return float(lower), float(upper)
+        return None, float(self.rollout_is_threshold)
+
+    def apply(
+        self, proximal_log_prob: torch.Tensor, sampler_log_prob: torch.Tensor, response_mask: torch.Tensor
+    ) -> tuple[Optional[torch.Tensor], torch.Tensor]:
+        """verl's weights and rejection: (weights [B, T] without gradient, zero on padding, or None
+        when ``rollout_is`` is null; the loss mask [B, T] bool with rejected tokens removed)."""
+        from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_rejection_mask
+
+        mask = response_mask.bool()
+        weights, kept, _ = compute_rollout_correction_and_rejection_mask(
+            proximal_log_prob.detach() * mask, sampler_log_prob * mask, mask.float(),
+            **dataclasses.asdict(self),
+        )  # fmt: skip
+        if weights is not None:
+            weights = weights.batch["rollout_is_weights"].detach()
+        return weights, kept.bool() & mask
 
 
 def rollout_correction_settings(algorithm_config: Any) -> Optional[RolloutCorrection]:
-    """verl's ``algorithm.rollout_correction`` (a DictConfig or dict) as the embedded engine
-    supports it, or None when it is off (``rollout_is`` null). Anything the embedded engine does
-    not implement (bypass mode, rejection sampling, IcePop's "lower_upper" thresholds) is refused
-    here, naming the key."""
+    """verl's ``algorithm.rollout_correction`` (a DictConfig, dict or verl's typed config) as the
+    embedded engine applies it, or None when it is off (``rollout_is`` and ``rollout_rs`` null).
+    Bypass mode (the sampler as the old policy, no proximal one) is refused, naming the key: the
+    embedded engine's losses already see the sampler's q as their old policy without correction."""
     rc = algorithm_config.get("rollout_correction", None) if hasattr(algorithm_config, "get") else None
-    if rc is None or rc.get("rollout_is", None) in (None, "", "null"):
+    if rc is None:
+        return None
+    rollout_is = rc.get("rollout_is", None)
+    rollout_rs = rc.get("rollout_rs", None)
+    rollout_is = None if rollout_is in ("", "null") else rollout_is
+    rollout_rs = None if rollout_rs in ("", "null") else rollout_rs
+    if rollout_is is None and rollout_rs is None:
         return None
     if rc.get("bypass_mode", False):
         raise ValueError(
-            "algorithm.rollout_correction.bypass_mode=true: the embedded engine supports the decoupled truncated IS "
-            "only (bypass_mode=false)"
-        )
-    if rc.get("rollout_rs", None):
-        raise ValueError(
-            f"algorithm.rollout_correction.rollout_rs={rc.get('rollout_rs')!r}: rejection sampling is not supported "
-            "by the embedded engine (set it to null)"
+            "algorithm.rollout_correction.bypass_mode=true: the embedded engine runs verl's decoupled mode only "
+            "(bypass_mode=false); without any rollout correction its losses already use the sampler's q as old policy"
         )
     threshold = rc.get("rollout_is_threshold", 2.0)
-    try:
+    if isinstance(threshold, str) and "_" not in threshold:
+        try:
+            threshold = float(threshold)
+        except ValueError:
+            pass  # verl's parser names it in RolloutCorrection.__post_init__
+    elif isinstance(threshold, int) and not isinstance(threshold, bool):
         threshold = float(threshold)
-    except (TypeError, ValueError):
-        raise ValueError(
-            f"algorithm.rollout_correction.rollout_is_threshold={threshold!r}: the embedded engine supports a single "
-            "float (TIS)"
-        ) from None
     return RolloutCorrection(
-        rollout_is=rc.get("rollout_is"), rollout_is_threshold=threshold,
+        rollout_is=rollout_is, rollout_is_threshold=threshold,
         rollout_is_batch_normalize=bool(rc.get("rollout_is_batch_normalize", False)),
+        rollout_rs=rollout_rs, rollout_rs_threshold=rc.get("rollout_rs_threshold", None),
     )  # fmt: skip
-
-
-def truncated_is_weights(
-    proximal_log_prob: torch.Tensor, sampler_log_prob: torch.Tensor, response_mask: torch.Tensor,
-    settings: RolloutCorrection,
-) -> torch.Tensor:  # fmt: skip
-    """min(p / q, C) by verl's ``compute_rollout_correction_weights``: [B, T] (no gradient), zero
-    on padding; a per-sequence weight is repeated on each of the sequence's tokens."""
-    from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_weights
-
-    mask = response_mask.bool()
-    weights, _ = compute_rollout_correction_weights(
-        (proximal_log_prob.detach() - sampler_log_prob) * mask, mask.float(), **dataclasses.asdict(settings)
-    )
-    return weights.detach()
 
 
 def sampler_kl_penalty(
@@ -294,14 +325,16 @@ def compute_actor_loss(
         )
 
     sampler_log_prob = old_log_prob
+    data_mask = response_mask
     if rollout_correction is not None:
         if rollout_is_weights is not None:
             raise ValueError(
                 "pass either rollout_is_weights (computed by verl's driver) or rollout_correction, not both"
             )
-        # verl's decoupled mode with the learner before this update as the proximal policy
+        # verl's decoupled mode with the learner before this update as the proximal policy; rejected
+        # tokens leave the mask of every term, as verl's driver removes them from response_mask
         old_log_prob = log_prob.detach()
-        rollout_is_weights = truncated_is_weights(old_log_prob, sampler_log_prob, response_mask, rollout_correction)
+        rollout_is_weights, response_mask = rollout_correction.apply(old_log_prob, sampler_log_prob, data_mask)
 
     pg_loss, metrics = _policy_loss(
         config, log_prob, old_log_prob, advantages, response_mask, group_log_denominator, group_index,
@@ -331,12 +364,32 @@ def compute_actor_loss(
         metrics["actor/kl_coef"] = float(config.kl_loss_coef)
     metrics["actor/loss"] = loss.detach().item()
     if rollout_correction is not None:
-        # the loss saw old = the learner itself: report weights and KL against the sampler
-        raw = torch.exp((old_log_prob - sampler_log_prob).clamp(-20.0, 20.0))
-        metrics.update(importance_weight_stats(raw, response_mask))
-        metrics["is/kl_sampler_learner"] = sampler_learner_kl(old_log_prob, sampler_log_prob, response_mask)
-        metrics["is/tis_weight_mean"] = float(rollout_is_weights[response_mask].mean())
-        metrics["is/tis_truncated_frac"] = float(
-            (raw[response_mask] > rollout_correction.rollout_is_threshold).double().mean()
-        )
+        metrics.update(_rollout_correction_metrics(rollout_correction, old_log_prob, sampler_log_prob, data_mask,
+                                                   response_mask, rollout_is_weights))  # fmt: skip
     return loss, metrics
+
+
+def _rollout_correction_metrics(
+    settings: RolloutCorrection, proximal_log_prob: torch.Tensor, sampler_log_prob: torch.Tensor,
+    data_mask: torch.Tensor, kept: torch.Tensor, weights: Optional[torch.Tensor],
+) -> dict[str, float]:  # fmt: skip
+    """The loss saw old = the learner itself: weights and KL against the sampler over the batch's
+    tokens; ``is/tis_*`` the correction's weights (truncated: above the upper bound; IcePop: outside
+    the bounds), ``is/rs_rejected_frac`` the share of tokens rejection sampling removed."""
+    raw = torch.exp((proximal_log_prob - sampler_log_prob).clamp(-20.0, 20.0))
+    out = importance_weight_stats(raw, data_mask)
+    out["is/kl_sampler_learner"] = sampler_learner_kl(proximal_log_prob, sampler_log_prob, data_mask)
+    if weights is not None:
+        out["is/tis_weight_mean"] = float(weights[data_mask].mean())
+        if settings.rollout_is == "sequence":
+            # verl's sequence weight is exp(sum of token log-ratios), truncated as a whole
+            raw = torch.exp(((proximal_log_prob - sampler_log_prob) * data_mask).sum(-1, keepdim=True)
+                            .clamp(-20.0, 20.0)).expand_as(raw)  # fmt: skip
+        lower, upper = settings.bounds()
+        outside = raw[data_mask] > upper
+        if lower is not None:
+            outside = outside | (raw[data_mask] < lower)
+        out["is/tis_truncated_frac"] = float(outside.double().mean())
+    if settings.rollout_rs is not None:
+        out["is/rs_rejected_frac"] = float((data_mask & ~kept).sum() / data_mask.sum().clamp(min=1))
+    return out

@@ -38,6 +38,25 @@ class HeteroPolicyLossConfig(PolicyLossConfig):
     topr_reduction: str = "sum"
     """topr: trajectory ratio for truncating negative examples. "sum": full sequence (the paper); "mean"."""
 
+    m2po_threshold: float = 0.04
+    """m2po: bound on the second moment mean((log p/q)^2) of the tokens kept (the paper: 0.04)."""
+
+    vespo_k_pos: float = 2.0
+    """vespo: exponent k of the kernel phi(W) = W^k exp(lam (1 - W)) for A >= 0 (authors' code: 2)."""
+
+    vespo_lambda_pos: float = 3.0
+    """vespo: rate lam of the kernel for A >= 0 (authors' code: 3; phi peaks at W = k / lam)."""
+
+    vespo_k_neg: float = 3.0
+    """vespo: exponent k for A < 0 (authors' code: 3)."""
+
+    vespo_lambda_neg: float = 2.0
+    """vespo: rate lam for A < 0 (authors' code: 2)."""
+
+    tc_ess_bound: bool = False
+    """gepo_tc: shrink the token clip band by the batch's effective sample size of p_it / q_it
+    (GEPO-TC-ESS; 1 on-policy, so the band is unchanged there)."""
+
     sampler_kl_coef: float = 0.0
     """Weight of the KL(sampler || learner) penalty (per-token k3, (p/q - 1) - log(p/q)) added to
     the loss (the paper's runs: 0.005). 0 = off."""
@@ -54,8 +73,41 @@ class HeteroPolicyLossConfig(PolicyLossConfig):
         for name in ("sampler_kl_coef", "delta_l_alpha", "adaptive_kl_threshold"):
             if getattr(self, name) < 0:
                 raise ValueError(f"policy_loss.{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("m2po_threshold", "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"policy_loss.{name} must be > 0, got {getattr(self, name)}")
+        # a loss's own option set away from its default under another loss would do nothing
+        loss_mode = getattr(self, "loss_mode", None)
+        for name, modes in LOSS_SPECIFIC_OPTIONS.items():
+            if getattr(self, name) != getattr(_FIELD_DEFAULTS, name) and loss_mode not in modes:
+                raise ValueError(
+                    f"policy_loss.{name}={getattr(self, name)!r} is read only by loss_mode {' / '.join(modes)}; "
+                    f"with loss_mode={loss_mode!r} it would do nothing (remove it or switch the loss)"
+                )
 
 
+#: options that belong to one family of losses (the others would ignore them)
+LOSS_SPECIFIC_OPTIONS: dict[str, tuple[str, ...]] = {
+    "adaptive_kl_threshold": ("gepo_adaptive",),
+    "delta_l_alpha": ("delta_l",),
+    "topr_reduction": ("topr",),
+    "m2po_threshold": ("m2po",),
+    "vespo_k_pos": ("vespo",),
+    "vespo_lambda_pos": ("vespo",),
+    "vespo_k_neg": ("vespo",),
+    "vespo_lambda_neg": ("vespo",),
+    "tc_ess_bound": ("gepo_tc",),
+}
+
+
+class _FieldDefaults:
+    """The declared defaults, readable before any instance exists (``__post_init__`` needs them)."""
+
+    def __getattr__(self, name: str) -> Any:
+        return HeteroPolicyLossConfig.__dataclass_fields__[name].default
+
+
+_FIELD_DEFAULTS = _FieldDefaults()
 _DEFAULTS = HeteroPolicyLossConfig()
 
 

@@ -6,7 +6,7 @@ asserts that the names below arrived. The CPU backend is a separate entry point 
 nothing here imports it.
 
 Registered policy losses (``actor_rollout_ref.actor.policy_loss.loss_mode``):
-    gepo, eqp, gepo_adaptive, gepo_tr, topr, delta_l. verl's own vanilla (GRPO, Dr.GRPO, BNPO's surrogate),
+    gepo, eqp, gepo_adaptive, gepo_tr, gepo_tc, topr, delta_l, m2po, vespo. verl's own vanilla (GRPO, Dr.GRPO, BNPO's surrogate),
     gspo, geo_mean (GMPO) and cispo are used as they are (docs/algorithms.md: where they differ
     from their papers). Their options: :class:`verl_ext.loss_config.HeteroPolicyLossConfig`.
 Registered advantage estimators (``algorithm.adv_estimator``): bnpo.
@@ -32,7 +32,7 @@ from verl_ext.algos.diagnostics import importance_weight_stats, sampler_learner_
 from verl_ext.group_index import uid_group_index
 from verl_ext.loss_config import clip_range, loss_option
 
-HETERORL_LOSS_MODES = ("gepo", "eqp", "gepo_adaptive", "gepo_tr", "topr", "delta_l")
+HETERORL_LOSS_MODES = ("gepo", "eqp", "gepo_adaptive", "gepo_tr", "gepo_tc", "topr", "delta_l", "m2po", "vespo")
 
 
 def resolve_groups(
@@ -172,6 +172,61 @@ compute_policy_loss_gepo_tr = _group_denominator_loss(
 )  # fmt: skip
 
 
+compute_policy_loss_gepo_tc = _group_denominator_loss(
+    "gepo_tc", losses.gepo_token_clip_loss_terms,
+    "GEPO-TC: GEPO's weight p_i/E_q[q] on every token, gradient removed where GRPO's token clip on "
+    "p_it/q_it acts (``policy_loss.tc_ess_bound``: the band shrinks with the batch's ESS); "
+    ":func:`verl_ext.algos.losses.gepo_token_clip_loss_terms`.",
+    lambda config: {"ess_bound": bool(loss_option(config, "tc_ess_bound"))},
+)  # fmt: skip
+
+
+def _token_loss(name: str, terms_fn: Callable[..., losses.LossTerms], doc: str,
+                options: Callable[[Any], dict] = lambda config: {},
+                extra_metrics: Callable[[losses.LossTerms, torch.Tensor], dict] = lambda terms, mask: {}):
+    """Register ``name``: a loss whose terms need no prompt groups, only its own options
+    (``options(config)``); ``extra_metrics(terms, response_mask)`` adds metrics of its own."""
+
+    def loss(
+        old_log_prob: torch.Tensor,
+        log_prob: torch.Tensor,
+        advantages: torch.Tensor,
+        response_mask: torch.Tensor,
+        loss_agg_mode: str = "token-mean",
+        config: Any = None,
+        rollout_is_weights: Optional[torch.Tensor] = None,
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        terms = terms_fn(log_prob, old_log_prob, advantages, response_mask, **options(config))
+        value, metrics = _finish(terms, old_log_prob, log_prob, response_mask, loss_agg_mode, config, rollout_is_weights)
+        metrics.update(extra_metrics(terms, response_mask))
+        return value, metrics
+
+    loss.__name__ = loss.__qualname__ = f"compute_policy_loss_{name}"
+    loss.__doc__ = doc + " All tensors [B, T]."
+    return register_policy_loss(name)(loss)
+
+
+compute_policy_loss_m2po = _token_loss(
+    "m2po", losses.m2po_loss_terms,
+    "M2PO: unclipped token IS with the second-moment mask, taken over the tokens of the (micro-)batch "
+    "this call sees; :func:`verl_ext.algos.losses.m2po_loss_terms`.",
+    lambda config: {"threshold": float(loss_option(config, "m2po_threshold"))},
+    lambda terms, mask: {"actor/m2po_masked_frac": (terms.clipped.sum() / mask.bool().sum().clamp(min=1)).item()},
+)  # fmt: skip
+compute_policy_loss_vespo = _token_loss(
+    "vespo", losses.vespo_loss_terms,
+    "VESPO: REINFORCE with the sequence coefficient phi(p(y)/q(y)); "
+    ":func:`verl_ext.algos.losses.vespo_loss_terms`.",
+    lambda config: {name: float(loss_option(config, f"vespo_{name}"))
+                    for name in ("k_pos", "lambda_pos", "k_neg", "lambda_neg")},
+)  # fmt: skip
+compute_policy_loss_topr = _token_loss(
+    "topr", losses.topr_loss_terms,
+    "TOPR (Tapered Off-Policy REINFORCE); :func:`verl_ext.algos.losses.topr_loss_terms`.",
+    lambda config: {"reduction": loss_option(config, "topr_reduction")},
+)  # fmt: skip
+
+
 @register_policy_loss("eqp")
 @_group_aware
 def compute_policy_loss_eqp(
@@ -194,23 +249,6 @@ def compute_policy_loss_eqp(
         log_prob, old_log_prob, advantages, response_mask,
         clip_low=low, clip_high=high, group_index=gi, reduction=loss_option(config, "seq_reduction"),
     )  # fmt: skip
-    return _finish(terms, old_log_prob, log_prob, response_mask, loss_agg_mode, config, rollout_is_weights)
-
-
-@register_policy_loss("topr")
-def compute_policy_loss_topr(
-    old_log_prob: torch.Tensor,
-    log_prob: torch.Tensor,
-    advantages: torch.Tensor,
-    response_mask: torch.Tensor,
-    loss_agg_mode: str = "token-mean",
-    config: Any = None,
-    rollout_is_weights: Optional[torch.Tensor] = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """TOPR (Tapered Off-Policy REINFORCE). See :func:`verl_ext.algos.losses.topr_loss_terms`."""
-    terms = losses.topr_loss_terms(
-        log_prob, old_log_prob, advantages, response_mask, reduction=loss_option(config, "topr_reduction")
-    )
     return _finish(terms, old_log_prob, log_prob, response_mask, loss_agg_mode, config, rollout_is_weights)
 
 

@@ -272,3 +272,95 @@ def clip_fraction(clip_rows, mask) -> float:
     mrows = _mask_rows(mask)
     n = sum(sum(m) for m in mrows)
     return sum(c and k for crow, mrow in zip(clip_rows, mrows) for c, k in zip(crow, mrow)) / n
+
+
+LOG_CLAMP = 20.0  # the methods' own bound on a log-ratio before exp (AReaL / the VESPO authors' code)
+
+
+def _clamp(x: float, bound: float = LOG_CLAMP) -> float:
+    return min(max(x, -bound), bound)
+
+
+def m2po_keep(b: Batch, threshold: float) -> list[list[bool]]:
+    """M2PO's mask (AReaL's _get_m2po_loss_mask): sort the valid tokens' (log p/q)^2 descending, drop
+    the first k where k is the first index whose remaining mean (over the n - k left) is < threshold;
+    if none is, keep only the smallest. Padding is never kept."""
+    mrows = _mask_rows(b.mask)
+    entries = []  # (squared log-ratio, i, t)
+    for i, (prow, qrow, mrow) in enumerate(zip(_rows(b.log_p), _rows(b.log_q), mrows)):
+        for t, (p, q, keep) in enumerate(zip(prow, qrow, mrow)):
+            if keep:
+                entries.append((_clamp(p - q) ** 2, i, t))
+    keep_rows = [[False] * len(m) for m in mrows]
+    n = len(entries)
+    if n == 0:
+        return keep_rows
+    entries.sort(key=lambda e: e[0], reverse=True)
+    first = n - 1
+    for k in range(n):
+        remaining = [e[0] for e in entries[k:]]
+        if math.fsum(remaining) / len(remaining) < threshold:
+            first = k
+            break
+    for _, i, t in entries[first:]:
+        keep_rows[i][t] = True
+    return keep_rows
+
+
+def m2po(b: Batch, threshold: float = 0.04):
+    """-M r A per token, r = p / q (no clip). weight rows: r; clipped rows: the masked tokens."""
+    keep_rows = m2po_keep(b, threshold)
+    loss_rows, w_rows, clip_rows = [], [], []
+    for prow, qrow, arow, mrow, krow in zip(_rows(b.log_p), _rows(b.log_q), _rows(b.advantages), _mask_rows(b.mask), keep_rows):
+        lr, wr, cr = [], [], []
+        for p, q, a, valid, kept in zip(prow, qrow, arow, mrow, krow):
+            r = math.exp(_clamp(p - q))
+            lr.append(-r * a if kept else 0.0)
+            wr.append(r)
+            cr.append(valid and not kept)
+        loss_rows.append(lr)
+        w_rows.append(wr)
+        clip_rows.append(cr)
+    return loss_rows, w_rows, clip_rows
+
+
+def vespo_phi(log_w: float, k: float, lam: float) -> float:
+    """VESPO's coefficient phi(W) = W^k exp(lam (1 - W)), from log W."""
+    return math.exp(lam + k * log_w - lam * math.exp(log_w))
+
+
+def vespo(b: Batch, k_pos=2.0, lam_pos=3.0, k_neg=3.0, lam_neg=2.0):
+    """-phi(W_i) A_it log p_it, log W_i = clamp(sum_t clamp(lp - lq)), (k, lam) by the sign of the
+    sequence's advantage (A >= 0: positive pair). weight: phi [B]; clipped: phi underflowed to 0."""
+    loss_rows, ws, clip_rows = [], [], []
+    for prow, qrow, arow, mrow in zip(_rows(b.log_p), _rows(b.log_q), _rows(b.advantages), _mask_rows(b.mask)):
+        log_w = _clamp(math.fsum(_clamp(p - q) for p, q, keep in zip(prow, qrow, mrow) if keep))
+        advs = [a for a, keep in zip(arow, mrow) if keep]
+        seq_adv = math.fsum(advs) / len(advs) if advs else 0.0
+        k, lam = (k_pos, lam_pos) if seq_adv >= 0 else (k_neg, lam_neg)
+        phi = vespo_phi(log_w, k, lam)
+        ws.append(phi)
+        loss_rows.append([-phi * a * p if keep else 0.0 for p, a, keep in zip(prow, arow, mrow)])
+        clip_rows.append([keep and phi == 0.0 for keep in mrow])
+    return loss_rows, ws, clip_rows
+
+
+def gepo_tc(b: Batch, lo=0.2, hi=0.2, reduction="mean", ess_bound=False, labels=None):
+    """GEPO-TC: value -A w_i on every token, w_i = p_i / E_q[q]; a token is clipped where GRPO's token
+    clip on r_it = p_it / q_it acts (A > 0, r > 1 + hi, or A < 0, r < 1 - lo). ess_bound: (lo, hi) x
+    ESS, ESS = (sum r)^2 / (n sum r^2) over the response tokens."""
+    labels = b.groups.tolist() if labels is None else labels
+    slp = seq_log_prob(b.log_p, b.mask, reduction)
+    slq = seq_log_prob(b.log_q, b.mask, reduction)
+    den = group_log_denominator(slq, labels)
+    ws = [math.exp(_clamp(p - d)) for p, d in zip(slp, den)]
+    ratio_rows = [[math.exp(_clamp(p - q)) for p, q in zip(prow, qrow)] for prow, qrow in zip(_rows(b.log_p), _rows(b.log_q))]
+    if ess_bound:
+        rs = [r for rrow, mrow in zip(ratio_rows, _mask_rows(b.mask)) for r, keep in zip(rrow, mrow) if keep]
+        ess = math.fsum(rs) ** 2 / (len(rs) * math.fsum(r * r for r in rs))
+        lo, hi = lo * ess, hi * ess
+    loss_rows, clip_rows = [], []
+    for w, rrow, arow, mrow in zip(ws, ratio_rows, _rows(b.advantages), _mask_rows(b.mask)):
+        loss_rows.append([-a * w if keep else 0.0 for a, keep in zip(arow, mrow)])
+        clip_rows.append([keep and ((a > 0 and r > 1 + hi) or (a < 0 and r < 1 - lo)) for r, a, keep in zip(rrow, arow, mrow)])
+    return loss_rows, ws, clip_rows

@@ -38,6 +38,14 @@ def _ref_terms(loss_mode, b, **kw):
         return ref.gepo_tr(b, CLIP_LOW, CLIP_HIGH, reduction=kw.get("seq_reduction", "mean"))
     if loss_mode == "topr":
         return ref.topr(b, kw.get("topr_reduction", "sum"))
+    if loss_mode == "gepo_tc":
+        return ref.gepo_tc(b, CLIP_LOW, CLIP_HIGH, reduction=kw.get("seq_reduction", "mean"), ess_bound=kw.get("tc_ess_bound", False))
+    if loss_mode == "m2po":
+        return ref.m2po(b, kw.get("m2po_threshold", 0.04))
+    if loss_mode == "vespo":
+        return ref.vespo(
+            b, kw.get("vespo_k_pos", 2.0), kw.get("vespo_lambda_pos", 3.0), kw.get("vespo_k_neg", 3.0), kw.get("vespo_lambda_neg", 2.0)
+        )
     raise KeyError(loss_mode)
 
 
@@ -192,6 +200,13 @@ def test_token_clipped_terms_match_reference():
         ("gepo_tr", {}),
         ("topr", {}),
         ("topr", {"topr_reduction": "mean"}),
+        ("gepo_tc", {}),
+        ("gepo_tc", {"seq_reduction": "sum"}),
+        ("gepo_tc", {"tc_ess_bound": True}),
+        ("m2po", {}),
+        ("m2po", {"m2po_threshold": 0.01}),
+        ("vespo", {}),
+        ("vespo", {"vespo_k_pos": 1.5, "vespo_lambda_pos": 2.5, "vespo_k_neg": 4.0, "vespo_lambda_neg": 1.0}),
     ],
 )
 def test_registered_loss_value_and_metrics_per_agg_mode(loss_mode, opts, mode):
@@ -204,6 +219,11 @@ def test_registered_loss_value_and_metrics_per_agg_mode(loss_mode, opts, mode):
     assert loss.dim() == 0 and torch.isfinite(loss)
     assert abs(loss.item() - ref.aggregate(rows, b.mask, mode)) < 1e-10
     assert abs(metrics["actor/pg_clipfrac"] - ref.clip_fraction(clip_rows, b.mask)) < 1e-6
+    if ws and isinstance(ws[0], list):  # token-level weights (m2po): the statistics are over response tokens
+        ws = [w for wrow, mrow in zip(ws, b.mask.tolist()) for w, keep in zip(wrow, mrow) if keep]
+    if loss_mode == "m2po":
+        assert abs(metrics["actor/m2po_masked_frac"] - ref.clip_fraction(clip_rows, b.mask)) < 1e-6
+        assert 0 < metrics["actor/m2po_masked_frac"] < 1  # the mask acted on this batch, and kept some
     assert abs(metrics["is/weight_mean"] - math.fsum(ws) / len(ws)) < 1e-10
     assert abs(metrics["is/weight_max"] - max(ws)) < 1e-10
     assert abs(metrics["is/weight_min"] - min(ws)) < 1e-10
@@ -278,7 +298,7 @@ def _accumulated(loss_mode, b, mode, n_micro, **opts):
     return total
 
 
-@pytest.mark.parametrize("loss_mode", ["gepo", "eqp", "topr", "gepo_adaptive", "gepo_tr"])
+@pytest.mark.parametrize("loss_mode", ["gepo", "eqp", "topr", "gepo_adaptive", "gepo_tr", "gepo_tc", "vespo"])
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
 def test_micro_batch_accumulation_equals_whole_batch(loss_mode, mode):
     b = ref.make_batch(seed=36, n_groups=4, drift=0.25)
@@ -447,14 +467,16 @@ def _long_batch(dtype=torch.float64, seed=51, T=500, centre=-5000.0, token_drift
     return ref.Batch(log_p.to(dtype), log_q.to(dtype), adv.to(dtype), mask, torch.arange(B) // G)
 
 
-@pytest.mark.parametrize("loss_mode", ["gepo", "eqp", "gepo_adaptive", "gepo_tr"])
+@pytest.mark.parametrize("loss_mode", ["gepo", "eqp", "gepo_adaptive", "gepo_tr", "gepo_tc"])
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
 def test_sequence_sum_log_probs_near_minus_5000(loss_mode, mode):
     b = _long_batch()
     b.log_p[2] = b.log_q[2]  # one fresh sequence (gepo_adaptive's q_i branch)
     slq = ref.seq_log_prob(b.log_q, b.mask, "sum")
     assert -5010 < min(slq) and max(slq) < -4990 and math.exp(max(slq)) == 0.0
-    config = actor_config(loss_mode, mode, group_size=4, seq_reduction="sum", adaptive_kl_threshold=1e-6)
+    # the threshold is gepo_adaptive's own option (the config refuses it under another loss)
+    own = {"adaptive_kl_threshold": 1e-6} if loss_mode == "gepo_adaptive" else {}
+    config = actor_config(loss_mode, mode, group_size=4, seq_reduction="sum", **own)
     lp = b.log_p.clone().requires_grad_(True)
     loss, metrics = call_loss(loss_mode, b, config, log_p=lp)
     loss.backward()
@@ -512,3 +534,328 @@ def test_agg_loss_is_verls():
         mat = b.log_p * b.advantages
         want = agg_loss(loss_mat=mat, loss_mask=b.mask, loss_agg_mode=mode)
         assert abs(ref.aggregate(ref._rows(mat * b.mask), b.mask, mode) - want.item()) < 1e-12
+
+
+# --------------------------------------------------------------------------- M2PO
+
+
+def _keep_rows_tensor(keep_rows):
+    return torch.tensor(keep_rows, dtype=torch.bool)
+
+
+@pytest.mark.parametrize("seed,drift,threshold", [(81, 0.3, 0.04), (82, 0.5, 0.04), (83, 0.3, 0.01), (84, 0.1, 0.04)])
+def test_m2po_terms_match_reference(seed, drift, threshold):
+    b = ref.make_batch(seed=seed, drift=drift)
+    terms = losses.m2po_loss_terms(b.log_p, b.log_q, b.advantages, b.mask, threshold=threshold)
+    rows, w_rows, clip_rows = ref.m2po(b, threshold)
+    torch.testing.assert_close(terms.loss_mat * b.mask, _t(rows), **F64)
+    torch.testing.assert_close(terms.weight * b.mask, _t(w_rows) * b.mask, **F64)
+    assert torch.equal(terms.clipped, torch.tensor(clip_rows))  # padding is never reported as masked
+    assert torch.equal(losses.m2po_keep_mask(b.log_p - b.log_q, b.mask, threshold), _keep_rows_tensor(ref.m2po_keep(b, threshold)))
+
+
+def _squares(log_ratio, sel):
+    return [float(x) ** 2 for x in log_ratio[sel].tolist()]
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    seed=st.integers(0, 10_000),
+    drift=st.floats(0.01, 1.5),
+    threshold=st.sampled_from([1e-4, 0.01, 0.04, 0.2]),
+    n_groups=st.integers(1, 3),
+)
+def test_m2po_mask_is_the_minimal_largest_first_mask(seed, drift, threshold, n_groups):
+    """Kept tokens' mean (log r)^2 < threshold; every dropped token's (log r)^2 >= every kept one's;
+    putting back the smallest dropped token would bring the mean to >= threshold (so no fewer drops
+    would do). If even the smallest alone is >= threshold, exactly that one is kept."""
+    b = ref.make_batch(seed=seed, n_groups=n_groups, drift=drift)
+    log_ratio = b.log_p - b.log_q
+    keep = losses.m2po_keep_mask(log_ratio, b.mask, threshold)
+    assert not (keep & ~b.mask).any()
+    kept, dropped = _squares(log_ratio, keep), _squares(log_ratio, b.mask & ~keep)
+    assert len(kept) + len(dropped) == int(b.mask.sum()) and kept
+    if min(kept + dropped) >= threshold:  # AReaL's fallback: nothing qualifies, keep only the smallest
+        assert kept == [min(kept + dropped)]
+        return
+    assert math.fsum(kept) / len(kept) < threshold
+    if dropped:
+        assert max(kept) <= min(dropped)
+        assert (math.fsum(kept) + min(dropped)) / (len(kept) + 1) >= threshold
+
+
+def test_m2po_masks_nothing_when_every_token_is_under_the_threshold():
+    b = ref.make_batch(seed=85, drift=0.0)
+    g = torch.Generator().manual_seed(0)
+    b.log_p = b.log_q + 0.19 * (2 * torch.rand(b.log_q.shape, generator=g, dtype=torch.float64) - 1)  # (log r)^2 < 0.0361
+    terms = losses.m2po_loss_terms(b.log_p, b.log_q, b.advantages, b.mask, threshold=0.04)
+    assert not terms.clipped.any()
+    r = torch.exp(b.log_p - b.log_q)
+    torch.testing.assert_close(terms.loss_mat * b.mask, -b.advantages * r * b.mask, **F64)
+    # the same batch with one far-off token: that token alone is dropped
+    b.log_p[0, 0] = b.log_q[0, 0] + 3.0
+    terms = losses.m2po_loss_terms(b.log_p, b.log_q, b.advantages, b.mask, threshold=0.04)
+    want = torch.zeros_like(b.mask)
+    want[0, 0] = True
+    assert torch.equal(terms.clipped, want)
+
+
+def test_m2po_empty_mask_keeps_nothing_and_loss_is_zero():
+    b = ref.make_batch(seed=86, drift=0.3)
+    empty = torch.zeros_like(b.mask)
+    assert not losses.m2po_keep_mask(b.log_p - b.log_q, empty, 0.04).any()
+    terms = losses.m2po_loss_terms(b.log_p, b.log_q, b.advantages, empty, threshold=0.04)
+    assert torch.isfinite(terms.loss_mat).all() and not terms.clipped.any()
+    assert torch.count_nonzero(terms.loss_mat) == 0
+
+
+def test_m2po_gradient_is_minus_mask_ratio_advantage():
+    b = ref.make_batch(seed=87, drift=0.3)
+    lp = b.log_p.clone().requires_grad_(True)
+    terms = losses.m2po_loss_terms(lp, b.log_q, b.advantages, b.mask, threshold=0.04)
+    (terms.loss_mat * b.mask).sum().backward()
+    keep = _keep_rows_tensor(ref.m2po_keep(b, 0.04))
+    assert keep.any() and (b.mask & ~keep).any()  # both masked and kept tokens
+    want = torch.where(keep, -torch.exp(b.log_p - b.log_q) * b.advantages, torch.zeros_like(lp))
+    torch.testing.assert_close(lp.grad, want, **F64)
+    # through the registered loss, token-mean: the same divided by the response-token count
+    lp2 = b.log_p.clone().requires_grad_(True)
+    call_loss("m2po", b, actor_config("m2po", "token-mean"), log_p=lp2)[0].backward()
+    torch.testing.assert_close(lp2.grad, want / int(b.mask.sum()), **F64)
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
+def test_m2po_micro_batches_differ_from_whole_batch_only_through_the_per_call_mask(mode):
+    """M2PO's mask is taken over the tokens one call sees (as AReaL: per micro-batch), so
+    accumulation is not the whole-batch loss; it is exactly the whole-batch aggregation of the
+    loss rows with each micro-batch's own mask -- and with a threshold no token reaches, the whole."""
+    b = ref.make_batch(seed=36, n_groups=4, drift=0.25)
+    B, n_micro = b.mask.shape[0], 4
+    step = B // n_micro
+    per_call_rows = []
+    for start in range(0, B, step):
+        sl = slice(start, start + step)
+        per_call_rows += ref.m2po(ref.Batch(b.log_p[sl], b.log_q[sl], b.advantages[sl], b.mask[sl], b.groups[sl]), 0.04)[0]
+    whole = _accumulated("m2po", b, mode, 1)
+    micro = _accumulated("m2po", b, mode, n_micro)
+    assert abs(whole - ref.aggregate(ref.m2po(b, 0.04)[0], b.mask, mode)) < 1e-10
+    assert abs(micro - ref.aggregate(per_call_rows, b.mask, mode)) < 1e-10
+    assert abs(micro - whole) > 1e-6  # the masks did differ on this batch
+    wide = dict(m2po_threshold=1e6)
+    assert abs(_accumulated("m2po", b, mode, n_micro, **wide) - _accumulated("m2po", b, mode, 1, **wide)) < 1e-10
+
+
+# --------------------------------------------------------------------------- VESPO
+
+VESPO_ASYM = dict(k_pos=1.5, lambda_pos=2.5, k_neg=4.0, lambda_neg=1.0)
+
+
+@pytest.mark.parametrize("params", [dict(k_pos=2.0, lambda_pos=3.0, k_neg=3.0, lambda_neg=2.0), VESPO_ASYM])
+@pytest.mark.parametrize("seed,drift", [(91, 0.1), (92, 0.3)])
+def test_vespo_terms_match_reference(params, seed, drift):
+    b = ref.make_batch(seed=seed, drift=drift)
+    b.advantages[0] = 0.0  # A = 0 takes the positive pair
+    terms = losses.vespo_loss_terms(b.log_p, b.log_q, b.advantages, b.mask, **params)
+    rows, ws, clip_rows = ref.vespo(b, params["k_pos"], params["lambda_pos"], params["k_neg"], params["lambda_neg"])
+    torch.testing.assert_close(terms.loss_mat * b.mask, _t(rows), **F64)
+    torch.testing.assert_close(terms.weight, _t(ws), **F64)
+    assert torch.equal(terms.clipped & b.mask, torch.tensor(clip_rows))
+    if drift >= 0.3:  # the coefficients spread on both sides of 1 (both sides of the kernel are exercised)
+        assert min(ws) < 0.9 and max(ws) > 1.0
+
+
+def test_vespo_on_policy_is_reinforce():
+    """phi(1) = 1 for both signs: on-policy the gradient is REINFORCE's -A grad log p."""
+    b = ref.make_batch(seed=93, drift=0.0)
+    b.log_p = b.log_q.clone()
+    assert (b.advantages[:, 0] > 0).any() and (b.advantages[:, 0] < 0).any()
+    lp = b.log_p.clone().requires_grad_(True)
+    terms = losses.vespo_loss_terms(lp, b.log_q, b.advantages, b.mask, **VESPO_ASYM)
+    assert torch.equal(terms.weight, torch.ones_like(terms.weight))
+    (terms.loss_mat * b.mask).sum().backward()
+    torch.testing.assert_close(lp.grad, -b.advantages * b.mask, **F64)
+
+
+def test_vespo_gradient_is_minus_phi_advantage():
+    """phi is a stop-gradient coefficient: d loss_it / d log p_it = -phi(W_i) A_it (REINFORCE scaled),
+    not the derivative of phi(W) A log p through W."""
+    b = ref.make_batch(seed=94, drift=0.3)
+    lp = b.log_p.clone().requires_grad_(True)
+    terms = losses.vespo_loss_terms(lp, b.log_q, b.advantages, b.mask, **VESPO_ASYM)
+    (terms.loss_mat * b.mask).sum().backward()
+    _, ws, _ = ref.vespo(b, VESPO_ASYM["k_pos"], VESPO_ASYM["lambda_pos"], VESPO_ASYM["k_neg"], VESPO_ASYM["lambda_neg"])
+    torch.testing.assert_close(lp.grad, -_t(ws).unsqueeze(-1) * b.advantages * b.mask, **F64)
+    # through the registered loss (token-mean): the same over the response-token count
+    lp2 = b.log_p.clone().requires_grad_(True)
+    config = actor_config("vespo", "token-mean", **{f"vespo_{k}": v for k, v in VESPO_ASYM.items()})
+    call_loss("vespo", b, config, log_p=lp2)[0].backward()
+    torch.testing.assert_close(lp2.grad, lp.grad / int(b.mask.sum()), **F64)
+
+
+def test_vespo_no_gradient_flows_into_log_q():
+    """loss_it = -sg(phi(W_i)) A_it log p_it (the docstring; the authors detach log W): the sampler's
+    log-probs are constants, whether or not the caller's tensor carries a graph."""
+    b = ref.make_batch(seed=94, drift=0.3)
+    lq = b.log_q.clone().requires_grad_(True)
+    terms = losses.vespo_loss_terms(b.log_p.clone().requires_grad_(True), lq, b.advantages, b.mask, **VESPO_ASYM)
+    (terms.loss_mat * b.mask).sum().backward()
+    assert lq.grad is None or torch.count_nonzero(lq.grad) == 0
+
+
+def _single_token_batch(log_w: torch.Tensor, adv: float) -> ref.Batch:
+    n = log_w.numel()
+    log_q = torch.full((n, 1), -1.0, dtype=torch.float64)
+    return ref.Batch(log_q + log_w.unsqueeze(-1), log_q, torch.full((n, 1), adv, dtype=torch.float64),
+                     torch.ones(n, 1, dtype=torch.bool), torch.arange(n))  # fmt: skip
+
+
+@pytest.mark.parametrize("adv,k,lam", [(1.0, 2.0, 3.0), (-1.0, 3.0, 2.0), (0.0, 2.0, 3.0)])
+def test_vespo_coefficient_peaks_at_k_over_lambda_and_is_one_at_one(adv, k, lam):
+    """Authors' defaults: the positive pair (2, 3) peaks at W = 2/3, the negative (3, 2) at W = 1.5."""
+    w_grid = torch.cat([torch.linspace(0.05, 5.0, 400, dtype=torch.float64), torch.tensor([k / lam, 1.0], dtype=torch.float64)])
+    b = _single_token_batch(torch.log(w_grid), adv)
+    terms = losses.vespo_loss_terms(b.log_p, b.log_q, b.advantages, b.mask, k_pos=2.0, lambda_pos=3.0, k_neg=3.0, lambda_neg=2.0)
+    phi = terms.weight
+    assert int(phi.argmax()) == w_grid.numel() - 2  # the W = k / lam entry beats every grid point
+    assert abs(phi[-1].item() - 1.0) < 1e-14  # phi(1) = 1
+    assert abs(phi[-2].item() - (k / lam) ** k * math.exp(lam * (1 - k / lam))) < 1e-12
+    assert phi[0] < 0.1 and phi[-3] < 0.1  # small at both ends of the grid
+
+
+def test_vespo_extreme_ratios_give_zero_coefficient_without_nan():
+    """Sequence log-ratios far beyond +-20 (clamped there, per token and in total): phi -> 0
+    (underflows to exactly 0 for W = e^20, reported as clipped), loss and gradient finite."""
+    b = ref.make_batch(seed=95, drift=0.1, max_len=30)
+    b.log_p[0] = b.log_q[0] + 50.0  # per-token log-ratio beyond the clamp
+    b.log_p[1] = b.log_q[1] + 3.0  # sum over up to 30 tokens beyond the clamp
+    b.log_p[2] = b.log_q[2] - 50.0
+    b.log_p[3] = b.log_q[3] - 1000.0
+    lp = b.log_p.clone().requires_grad_(True)
+    terms = losses.vespo_loss_terms(lp, b.log_q, b.advantages, b.mask, k_pos=2.0, lambda_pos=3.0, k_neg=3.0, lambda_neg=2.0)
+    (terms.loss_mat * b.mask).sum().backward()
+    assert torch.isfinite(terms.loss_mat).all() and torch.isfinite(lp.grad).all() and torch.isfinite(terms.weight).all()
+    phi = terms.weight
+    _, ws, clip_rows = ref.vespo(b)
+    assert phi[0] == 0.0 and ws[0] == 0.0  # W = e^20: exp(-lam e^20) underflows
+    assert (phi[1] == 0.0) == (ws[1] == 0.0) and phi[1] < 1e-12
+    assert 0.0 <= phi[2] < 1e-12 and 0.0 <= phi[3] < 1e-12  # W = e^-20: e^(lam - 20 k)
+    torch.testing.assert_close(phi, _t(ws), rtol=1e-10, atol=0.0)
+    assert torch.equal(terms.clipped & b.mask, torch.tensor(clip_rows)) and terms.clipped[0, 0]
+    assert torch.count_nonzero(lp.grad[0]) == 0
+
+
+# --------------------------------------------------------------------------- GEPO-TC
+
+
+def _tc(b, lo=CLIP_LOW, hi=CLIP_HIGH, log_p=None, **kw):
+    return losses.gepo_token_clip_loss_terms(
+        b.log_p if log_p is None else log_p, b.log_q, b.advantages, b.mask, clip_low=lo, clip_high=hi, group_index=b.groups, **kw
+    )
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("ess_bound", [False, True])
+def test_gepo_tc_terms_match_reference(reduction, ess_bound):
+    b = ref.make_batch(seed=101, drift=0.3)
+    terms = _tc(b, reduction=reduction, ess_bound=ess_bound)
+    rows, ws, clip_rows = ref.gepo_tc(b, CLIP_LOW, CLIP_HIGH, reduction=reduction, ess_bound=ess_bound)
+    torch.testing.assert_close(terms.loss_mat * b.mask, _t(rows), **F64)
+    torch.testing.assert_close(terms.weight, _t(ws), **F64)
+    assert torch.equal(terms.clipped, torch.tensor(clip_rows))
+    assert terms.clipped.any() and (b.mask & ~terms.clipped).any()
+    # GEPO's weight p_i / E_q[q]
+    _, gepo_ws, _ = ref.gepo(b, reduction=reduction)
+    torch.testing.assert_close(terms.weight, _t(gepo_ws), **F64)
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
+def test_gepo_tc_with_nothing_clipped_has_gepos_gradient(mode):
+    """No token clipped (a band no ratio leaves): d loss / d log p_it = GEPO's unclipped gradient,
+    -A w_i (1 / L_i) / B for seq-mean-token-mean and -A w_i / N for token-mean."""
+    b = ref.make_batch(seed=102, drift=0.3)
+    lp = b.log_p.clone().requires_grad_(True)
+    terms = _tc(b, lo=1e9, hi=1e9, log_p=lp)
+    assert not terms.clipped.any()
+    agg_loss(loss_mat=terms.loss_mat, loss_mask=b.mask, loss_agg_mode=mode).backward()
+    _, ws, _ = ref.gepo(b)
+    B, N = b.mask.shape[0], int(b.mask.sum())
+    lengths = b.mask.sum(-1, keepdim=True).to(torch.float64)
+    per_token = -_t(ws).unsqueeze(-1) * b.advantages * b.mask
+    want = per_token / lengths / B if mode == "seq-mean-token-mean" else per_token / N
+    torch.testing.assert_close(lp.grad, want, **F64)
+    # GEPO itself with a clip that never binds (floor 0, ceiling 1e9+1)
+    lp2 = b.log_p.clone().requires_grad_(True)
+    g = losses.gepo_loss_terms(lp2, b.log_q, b.advantages, b.mask, clip_low=1.0, clip_high=1e9, group_index=b.groups)
+    assert not (g.clipped & b.mask).any()
+    agg_loss(loss_mat=g.loss_mat, loss_mask=b.mask, loss_agg_mode=mode).backward()
+    torch.testing.assert_close(lp.grad, lp2.grad, **F64)
+
+
+def test_gepo_tc_clipped_tokens_get_zero_gradient_and_the_others_are_untouched():
+    b = ref.make_batch(seed=103, drift=0.3)
+    lp = b.log_p.clone().requires_grad_(True)
+    terms = _tc(b, log_p=lp)
+    (terms.loss_mat * b.mask).sum().backward()
+    _, ws, clip_rows = ref.gepo_tc(b, CLIP_LOW, CLIP_HIGH)
+    clipped = torch.tensor(clip_rows)
+    partial = (clipped.any(-1) & (b.mask & ~clipped).any(-1))
+    assert partial.any()  # sequences with both clipped and kept tokens
+    want = torch.where(clipped, torch.zeros_like(lp), -_t(ws).unsqueeze(-1) * b.advantages) * b.mask
+    torch.testing.assert_close(lp.grad, want, **F64)
+    assert torch.all(lp.grad[clipped] == 0)
+    # the same tokens, unclipped, as with the band wide open
+    lp_wide = b.log_p.clone().requires_grad_(True)
+    (_tc(b, lo=1e9, hi=1e9, log_p=lp_wide).loss_mat * b.mask).sum().backward()
+    kept = b.mask & ~clipped
+    torch.testing.assert_close(lp.grad[kept], lp_wide.grad[kept], **F64)
+    # the clip follows the token ratio and the advantage's sign, as GRPO's
+    r = torch.exp(b.log_p - b.log_q)
+    assert torch.all((r[clipped] > 1 + CLIP_HIGH) | (r[clipped] < 1 - CLIP_LOW))
+
+
+@pytest.mark.parametrize("ess_bound", [False, True])
+def test_gepo_tc_on_policy_clips_nothing(ess_bound):
+    b = ref.make_batch(seed=104, drift=0.0)
+    b.log_p = b.log_q.clone()
+    lp = b.log_p.clone().requires_grad_(True)
+    terms = _tc(b, log_p=lp, ess_bound=ess_bound)
+    assert not terms.clipped.any()
+    (terms.loss_mat * b.mask).sum().backward()
+    _, ws, _ = ref.gepo(b)
+    torch.testing.assert_close(lp.grad, -_t(ws).unsqueeze(-1) * b.advantages * b.mask, **F64)
+    # where GEPO's own sequence clip on p_i / E_q[q] does act at staleness 0
+    assert any(any(row) for row in ref.gepo(b, CLIP_LOW, CLIP_HIGH)[2])
+
+
+def test_gepo_tc_ess_equals_plain_on_policy_and_clips_at_least_as_much_under_drift():
+    on = ref.make_batch(seed=105, drift=0.0)
+    on.log_p = on.log_q.clone()
+    plain, ess = _tc(on), _tc(on, ess_bound=True)
+    assert torch.equal(plain.loss_mat, ess.loss_mat) and torch.equal(plain.clipped, ess.clipped)
+    for drift in (0.1, 0.3, 0.6):
+        stale = ref.make_batch(seed=105, drift=drift)
+        plain, ess = _tc(stale), _tc(stale, ess_bound=True)
+        assert not (plain.clipped & ~ess.clipped).any()  # a narrower band: a superset of the clipped tokens
+        torch.testing.assert_close(plain.loss_mat * stale.mask, ess.loss_mat * stale.mask, **F64)  # same value
+    assert ess.clipped.sum() > plain.clipped.sum()  # at drift 0.6 (ESS ~ 0.67) the band is visibly narrower
+
+
+def test_gepo_tc_ess_band_is_per_call():
+    """The ESS is measured on the tokens one call sees, so with micro-batches the bands (and the
+    loss gradient) are those of each micro-batch; the loss value does not depend on the clip."""
+    fresh, stale = ref.make_batch(seed=107, n_groups=2, drift=0.3), ref.make_batch(seed=207, n_groups=2, drift=1.0)
+    b = ref.Batch(*(torch.cat([x, y]) for x, y in zip(
+        (fresh.log_p, fresh.log_q, fresh.advantages, fresh.mask, fresh.groups),
+        (stale.log_p, stale.log_q, stale.advantages, stale.mask, stale.groups + 2),
+    )))  # fmt: skip
+    _, _, whole_clip = ref.gepo_tc(b, CLIP_LOW, CLIP_HIGH, ess_bound=True)
+    halves = [slice(0, 8), slice(8, 16)]
+    micro_clip = []
+    for sl in halves:
+        micro_clip += ref.gepo_tc(ref.Batch(b.log_p[sl], b.log_q[sl], b.advantages[sl], b.mask[sl], b.groups[sl]),
+                                  CLIP_LOW, CLIP_HIGH, ess_bound=True)[2]  # fmt: skip
+        terms = _tc(ref.Batch(b.log_p[sl], b.log_q[sl], b.advantages[sl], b.mask[sl], b.groups[sl]), ess_bound=True)
+        assert torch.equal(terms.clipped, torch.tensor(micro_clip[-8:]))
+    assert micro_clip != whole_clip
+    opts = dict(tc_ess_bound=True)
+    assert abs(_accumulated("gepo_tc", b, "token-mean", 2, **opts) - _accumulated("gepo_tc", b, "token-mean", 1, **opts)) < 1e-10

@@ -34,7 +34,77 @@ def test_defaults_and_valid_values_accepted():
     c = HeteroPolicyLossConfig()
     assert (c.group_size, c.seq_reduction, c.sampler_kl_coef, c.delta_l_alpha) == (0, "mean", 0.0, 1.0)
     assert c.adaptive_kl_threshold == 0.002 and c.topr_reduction == "sum"
-    HeteroPolicyLossConfig(seq_reduction="sum", topr_reduction="mean", group_size=8, sampler_kl_coef=0.005)
+    # topr_reduction is topr's own option: accepted with that loss (the guard refuses it with another)
+    HeteroPolicyLossConfig(loss_mode="topr", seq_reduction="sum", topr_reduction="mean", group_size=8, sampler_kl_coef=0.005)
+
+
+def test_new_loss_options_defaults():
+    """The papers' / authors' values: M2PO's second-moment bound 0.04; VESPO's (k, lam) = (2, 3) for
+    A >= 0 and (3, 2) for A < 0; GEPO-TC's ESS band off."""
+    c = HeteroPolicyLossConfig()
+    assert c.m2po_threshold == 0.04
+    assert (c.vespo_k_pos, c.vespo_lambda_pos, c.vespo_k_neg, c.vespo_lambda_neg) == (2.0, 3.0, 3.0, 2.0)
+    assert c.tc_ess_bound is False
+
+
+POSITIVE_OPTIONS = [
+    ("m2po_threshold", "m2po"),
+    ("vespo_k_pos", "vespo"),
+    ("vespo_lambda_pos", "vespo"),
+    ("vespo_k_neg", "vespo"),
+    ("vespo_lambda_neg", "vespo"),
+]
+
+
+@pytest.mark.parametrize("field,loss_mode", POSITIVE_OPTIONS)
+@pytest.mark.parametrize("value", [0.0, -0.5, float("nan")])
+def test_new_loss_options_must_be_positive(field, loss_mode, value):
+    """Under the option's own loss (so the loss-specific guard is not what refuses it)."""
+    with pytest.raises(ValueError, match=field) as err:
+        HeteroPolicyLossConfig(loss_mode=loss_mode, **{field: value})
+    assert "> 0" in str(err.value)
+    ok = HeteroPolicyLossConfig(loss_mode=loss_mode, **{field: 0.5})
+    assert getattr(ok, field) == 0.5
+
+
+# (option, a non-default value, the loss that reads it)
+LOSS_SPECIFIC = [
+    ("m2po_threshold", 0.1, "m2po"),
+    ("vespo_k_pos", 1.5, "vespo"),
+    ("vespo_lambda_pos", 2.5, "vespo"),
+    ("vespo_k_neg", 4.0, "vespo"),
+    ("vespo_lambda_neg", 1.0, "vespo"),
+    ("tc_ess_bound", True, "gepo_tc"),
+    ("adaptive_kl_threshold", 0.01, "gepo_adaptive"),
+    ("delta_l_alpha", 0.75, "delta_l"),
+    ("topr_reduction", "mean", "topr"),
+]
+
+
+@pytest.mark.parametrize(
+    "field,value,own_mode,other_mode",
+    [(*case, other) for case in LOSS_SPECIFIC for other in ("gepo", "vanilla", "gepo_tr", "m2po", "vespo", "gepo_tc") if other != case[2]],
+)
+def test_loss_specific_option_with_another_loss_raises_naming_it(field, value, own_mode, other_mode):
+    with pytest.raises(ValueError, match=field) as err:
+        HeteroPolicyLossConfig(loss_mode=other_mode, **{field: value})
+    assert other_mode in str(err.value) and own_mode in str(err.value)
+    # its own loss accepts it, and keeps the value
+    assert getattr(HeteroPolicyLossConfig(loss_mode=own_mode, **{field: value}), field) == value
+    # spelling out the default under another loss is harmless
+    default = getattr(HeteroPolicyLossConfig(), field)
+    assert getattr(HeteroPolicyLossConfig(loss_mode=other_mode, **{field: default}), field) == default
+
+
+def test_loss_specific_guard_through_omega_conf_to_dataclass():
+    """The guard also fires when the config arrives from YAML (as hydra hands it to verl)."""
+    node = OmegaConf.create(
+        {"_target_": "verl_ext.loss_config.HeteroPolicyLossConfig", "loss_mode": "gepo", "m2po_threshold": 0.1}
+    )
+    with pytest.raises((ValueError, InstantiationException), match="m2po_threshold"):
+        omega_conf_to_dataclass(node)
+    node.loss_mode = "m2po"
+    assert omega_conf_to_dataclass(node).m2po_threshold == 0.1
 
 
 def test_bad_value_through_omega_conf_to_dataclass_names_the_field():

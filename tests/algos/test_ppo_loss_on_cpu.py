@@ -27,7 +27,7 @@ from .verl_helpers import actor_from_section, composed_actor_section
 
 VERL_BUILTINS = ("vanilla", "gspo", "geo_mean", "cispo")
 # the required project losses; grpo_token is checked when the plugin declares it
-REQUIRED = ("gepo", "eqp", "gepo_adaptive", "gepo_tr", "topr", "delta_l")
+REQUIRED = ("gepo", "eqp", "gepo_adaptive", "gepo_tr", "gepo_tc", "topr", "delta_l", "m2po", "vespo")
 ALL_LOSSES = tuple(sorted(set(VERL_BUILTINS) | set(REQUIRED) | set(HETERORL_LOSS_MODES)))
 GROUP = 3
 IS_KEYS = {"is/weight_mean", "is/weight_min", "is/weight_max", "is/weight_var", "is/kl_sampler_learner"}
@@ -157,7 +157,7 @@ def test_gepo_through_ppo_loss_equals_pure_terms_and_reference(actor_yaml, mode)
     assert abs(loss.item() - ref.aggregate(rows, b.mask, mode)) < 1e-10
 
 
-@pytest.mark.parametrize("loss_mode", ["gepo", "eqp", "gepo_adaptive", "gepo_tr"])
+@pytest.mark.parametrize("loss_mode", ["gepo", "eqp", "gepo_adaptive", "gepo_tr", "gepo_tc"])
 def test_ppo_loss_batch_not_whole_groups_raises(actor_yaml, loss_mode):
     config = make_config(actor_yaml, loss_mode)
     data, model_output, _, _, _ = make_data(seed=5)

@@ -17,7 +17,7 @@ IN.pt: ``model_path``, ``presets`` (list), ``micro_batch_sizes`` (list), ``overr
 hydra overrides), ``temperature``, ``uids`` (list [B]) and the padded [B, *] tensors
 ``prompts``, ``prompt_mask``, ``responses``, ``response_mask``, ``old_log_probs``,
 ``advantages``, ``ref_log_prob``; optionally ``corrected``, a list of runs
-``{"key", "preset", "old_log_probs", "rollout_is_weights"}`` with those two tensors replaced
+``{"key", "preset", "old_log_probs", "rollout_is_weights", "response_mask"}`` with those tensors replaced
 (results under ``key``).
 """
 
@@ -136,7 +136,8 @@ def main(in_path: str, out_path: str) -> None:
             "input_ids": torch.cat([prompts, responses], dim=1),
             "attention_mask": attention_mask,
             "position_ids": (attention_mask.cumsum(dim=-1) - 1).clamp(min=0),
-            "response_mask": inp["response_mask"].long(),
+            # rejection sampling removed tokens from the driver's response_mask (not from attention)
+            "response_mask": replaced.get("response_mask", inp["response_mask"]).long(),
             "old_log_probs": replaced.get("old_log_probs", inp["old_log_probs"]),
             "advantages": inp["advantages"],
             "ref_log_prob": inp["ref_log_prob"],

@@ -29,6 +29,22 @@ EXPECTED = {
     "grpo_paper": ("vanilla", "grpo", True, "seq-mean-token-mean"),
     "gspo_wide": ("gspo", "grpo", True, "seq-mean-token-mean"),
     "gepo_tr": ("gepo_tr", "grpo", False, "seq-mean-token-mean"),
+    "gepo_tc": ("gepo_tc", "grpo", False, "seq-mean-token-mean"),
+    "gepo_tc_ess": ("gepo_tc", "grpo", False, "seq-mean-token-mean"),
+    "m2po": ("m2po", "grpo", True, "token-mean"),
+    "vespo": ("vespo", "grpo", True, "token-mean"),
+    "decoupled_ppo": ("vanilla", "grpo", True, "token-mean"),
+    "grpo_tis": ("vanilla", "grpo", True, "seq-mean-token-mean"),
+    "grpo_seq_tis": ("vanilla", "grpo", True, "seq-mean-token-mean"),
+    "grpo_icepop": ("vanilla", "grpo", True, "seq-mean-token-mean"),
+    "grpo_seq_mis": ("vanilla", "grpo", True, "seq-mean-token-mean"),
+}
+# the rollout-correction presets: grpo_paper plus exactly one of verl's RolloutCorrectionConfig factories
+ROLLOUT_CORRECTION = {
+    "grpo_tis": lambda R: R.decoupled_token_is(2.0),
+    "grpo_seq_tis": lambda R: R.decoupled_seq_is(2.0),
+    "grpo_icepop": lambda R: R.decoupled_token_icepop(5.0, 0.5),
+    "grpo_seq_mis": lambda R: R.decoupled_seq_is_rs(2.0, "0.5_2.0"),
 }
 
 
@@ -140,3 +156,66 @@ def test_grpo_paper_loss_is_the_plain_clipped_surrogate_and_grpo_dual_clips():
     assert float(losses["grpo_paper"]) == pytest.approx(float(plain))
     capped = plain - (math.exp(3.0) - 3.0) / 3 / 8  # token (0, 0): loss e^3 -> 3, a third of row 0, 1/8 of the batch
     assert float(losses["grpo"]) == pytest.approx(float(capped))
+
+
+def _resolved(cfg_node):
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(cfg_node, resolve=True)
+
+
+@pytest.mark.parametrize("preset", sorted(ROLLOUT_CORRECTION))
+def test_rollout_correction_presets_are_verls_factory_presets_on_grpo_paper(preset):
+    """Every field of verl's factory preset, set exactly (so verl's helper computes the IS / RS the
+    preset's name promises), and otherwise grpo_paper unchanged."""
+    import dataclasses
+
+    from verl.trainer.config import RolloutCorrectionConfig
+
+    cfg = compose_trainer(f"algorithm_preset={preset}")
+    composed = _resolved(cfg.algorithm.rollout_correction)
+    want = ROLLOUT_CORRECTION[preset](RolloutCorrectionConfig)
+    fields = [f.name for f in dataclasses.fields(RolloutCorrectionConfig) if f.name != "_target_"]
+    assert set(composed) <= set(fields), set(composed) - set(fields)
+    built = RolloutCorrectionConfig(**composed)  # verl's own validation of the values
+    assert {f: getattr(built, f) for f in fields} == {f: getattr(want, f) for f in fields}
+    assert built.rollout_is is not None and built.bypass_mode is False  # decoupled mode, correction on
+
+    paper = compose_trainer("algorithm_preset=grpo_paper")
+    assert _resolved(cfg.actor_rollout_ref) == _resolved(paper.actor_rollout_ref)
+    algo, paper_algo = _resolved(cfg.algorithm), _resolved(paper.algorithm)
+    assert _resolved(paper.algorithm.rollout_correction)["rollout_is"] is None  # grpo_paper itself has none
+    algo.pop("rollout_correction"), paper_algo.pop("rollout_correction")
+    assert algo == paper_algo
+
+
+def test_decoupled_ppo_preset_is_an_areal_style_filtered_behaviour_weight():
+    """Token IS with weights above 5 zeroed (verl's IcePop with a lower bound that never binds), the
+    PPO clip 0.2 and no dual clip."""
+    from verl.trainer.config import RolloutCorrectionConfig
+
+    cfg = compose_trainer("algorithm_preset=decoupled_ppo")
+    built = RolloutCorrectionConfig(**_resolved(cfg.algorithm.rollout_correction))
+    want = RolloutCorrectionConfig.decoupled_token_icepop(5.0, 1e-12)
+    for f in ("rollout_is", "rollout_is_threshold", "rollout_rs", "rollout_rs_threshold", "bypass_mode", "rollout_is_batch_normalize"):
+        assert getattr(built, f) == getattr(want, f), f
+    actor = cfg.actor_rollout_ref.actor
+    assert (actor.clip_ratio_low, actor.clip_ratio_high) == (0.2, 0.2) and actor.clip_ratio_c >= 1e9
+
+
+def test_new_loss_presets_carry_the_methods_parameters():
+    """m2po: threshold 0.04; vespo: (k, lam) = (2, 3) for A >= 0, (3, 2) for A < 0; gepo_tc_ess is
+    gepo_tc with the ESS band on (and gepo_tc has it off), token clip 0.2."""
+    def policy_loss(preset):
+        return omega_conf_to_dataclass(compose_trainer(f"algorithm_preset={preset}").actor_rollout_ref.actor).policy_loss
+
+    assert policy_loss("m2po").m2po_threshold == pytest.approx(0.04)
+    v = policy_loss("vespo")
+    assert (v.vespo_k_pos, v.vespo_lambda_pos, v.vespo_k_neg, v.vespo_lambda_neg) == (2.0, 3.0, 3.0, 2.0)
+    assert policy_loss("gepo_tc").tc_ess_bound is False and policy_loss("gepo_tc_ess").tc_ess_bound is True
+    tc, ess = (_resolved(compose_trainer(f"algorithm_preset={p}")) for p in ("gepo_tc", "gepo_tc_ess"))
+    assert ess["actor_rollout_ref"]["actor"]["policy_loss"].pop("tc_ess_bound") is True
+    tc["actor_rollout_ref"]["actor"]["policy_loss"].pop("tc_ess_bound", None)
+    assert tc == ess
+    actor = tc["actor_rollout_ref"]["actor"]
+    assert (actor["clip_ratio_low"], actor["clip_ratio_high"]) == (0.2, 0.2)

@@ -151,6 +151,8 @@ def test_joining_a_running_ray_cluster_drops_the_local_start_sizes():
         (["actor_rollout_ref.rollout.name=hf"], VerlEngineConfigError, "rollout.name='hf'"),
         (["actor_rollout_ref.rollout.calculate_log_probs=false"], VerlEngineConfigError, "calculate_log_probs"),
         (["algorithm.rollout_correction.rollout_is=token"], VerlEngineConfigError, "old_log_prob=recompute"),
+        (["algorithm.rollout_correction.rollout_rs=seq_mean_k1", "algorithm.rollout_correction.rollout_rs_threshold=0.9_1.1"],
+         VerlEngineConfigError, "rollout_rs='seq_mean_k1'"),
         (["actor_rollout_ref.rollout.tensor_model_parallel_size=3"], VerlEngineConfigError, "TP x DP x PP = 3"),
         (["actor_rollout_ref.rollout.checkpoint_engine.backend=naive"], VerlEngineConfigError, "backend=naive"),
         (["actor_rollout_ref.rollout.nnodes=0"], VerlEngineConfigError, "rollout.nnodes=0"),
@@ -167,6 +169,15 @@ def test_bad_configs_fail_before_anything_runs_naming_the_key(overrides, error, 
     cfg = preset_cfg("qwen3_1p7b_fsdp", *overrides)
     with pytest.raises(error, match=match):
         build_plan(cfg)
+
+
+@pytest.mark.parametrize("preset", ["decoupled_ppo", "grpo_icepop", "grpo_seq_mis"])
+def test_rollout_correction_presets_need_the_recomputed_old_policy_on_the_verl_engine(preset):
+    cfg = compose_config("+verl_preset=qwen3_1p7b_fsdp", f"algorithm_preset={preset}")
+    with pytest.raises(VerlEngineConfigError, match="verl_engine.old_log_prob=recompute"):
+        build_plan(cfg)
+    build_plan(compose_config("+verl_preset=qwen3_1p7b_fsdp", f"algorithm_preset={preset}",
+                              "verl_engine.old_log_prob=recompute"))  # fmt: skip
 
 
 @pytest.mark.parametrize(

@@ -6,6 +6,10 @@ import os
 import pytest
 import ray
 
+# a literal on purpose: the worker must see the plugin register this known set (importing
+# verl_ext.verl_losses here for the names would register them in the driver, not test the worker)
+EXPECTED_LOSSES = ("gepo", "eqp", "gepo_adaptive", "gepo_tr", "gepo_tc", "topr", "delta_l", "m2po", "vespo")
+
 
 @pytest.fixture(scope="module")
 def ray_cluster():
@@ -21,7 +25,7 @@ def registries_in_worker():
 
     from recipe.gepo.verl_engine.loss import hetero_ppo_loss
 
-    losses = sorted(k for k in ("gepo", "eqp", "gepo_adaptive", "gepo_tr", "topr", "delta_l") if k in core_algos.POLICY_LOSS_REGISTRY)
+    losses = sorted(k for k in EXPECTED_LOSSES if k in core_algos.POLICY_LOSS_REGISTRY)
     gepo = core_algos.get_policy_loss_fn("gepo")
     return {
         "pid": os.getpid(),
@@ -35,6 +39,6 @@ def registries_in_worker():
 def test_plugin_registered_inside_a_ray_worker(ray_cluster):
     got = ray.get(registries_in_worker.remote(), timeout=240)
     assert got["pid"] != os.getpid()
-    assert got["losses"] == sorted(["gepo", "eqp", "gepo_adaptive", "gepo_tr", "topr", "delta_l"])
+    assert got["losses"] == sorted(EXPECTED_LOSSES)
     assert got["gepo_group_aware"] and got["bnpo"]
     assert got["bridge"] == "recipe.gepo.verl_engine.loss"

@@ -190,7 +190,7 @@ def topr_loss_terms(
     [0, 1] so an unlikely-under-p sample cannot dominate). p_i / q_i is the full trajectory ratio
     (reduction="sum") as in the paper; "mean" uses the length-normalised one.
     """
-    seq_log_ratio = iw.sequence_log_weight(log_p.detach(), log_q, response_mask, reduction)
+    seq_log_ratio = iw.sequence_log_weight(log_p.detach(), log_q.detach(), response_mask, reduction)
     seq_adv = iw.sequence_log_prob(advantages, response_mask, "mean")
     truncated = torch.exp(seq_log_ratio.clamp(max=0.0))
     weight = torch.where(seq_adv >= 0, torch.ones_like(truncated), truncated)
@@ -251,3 +251,143 @@ def delta_l_aggregate(
         local = int((response_mask.sum(dim=-1) > 0).sum())
         loss = loss * local / global_batch_size * dp_size
     return loss
+
+
+def m2po_keep_mask(log_ratio: torch.Tensor, response_mask: torch.Tensor, threshold: float) -> torch.Tensor:
+    """M2PO's second-moment mask: drop the tokens with the largest squared log-ratio until the mean
+    of the remaining ones' squared log-ratio is below ``threshold``. [B, T] -> [B, T] bool (True = kept).
+
+    Greedy largest-first is the fewest tokens that bring the mean under the threshold. The mean is
+    over the remaining tokens (a suffix mean of the sorted values); strict "<" and, when no suffix
+    qualifies, only the smallest token kept -- as AReaL's implementation of the paper. Computed on
+    detached values in float64; tokens outside ``response_mask`` stay False.
+    """
+    mask = response_mask.bool()
+    keep = torch.zeros_like(mask)
+    values = log_ratio.detach().to(torch.float64)[mask].square()
+    n = values.numel()
+    if n == 0:
+        return keep
+    ordered, order = torch.sort(values, descending=True)
+    # suffix_mean[k] = mean of ordered[k:], the mean once the k largest are dropped
+    suffix_sum = torch.flip(torch.cumsum(torch.flip(ordered, [0]), 0), [0])
+    suffix_mean = suffix_sum / torch.arange(n, 0, -1, dtype=torch.float64)
+    below = torch.nonzero(suffix_mean < threshold)
+    first_kept = int(below[0]) if below.numel() else n - 1
+    kept_sorted = torch.arange(n) >= first_kept
+    kept = torch.empty_like(kept_sorted)
+    kept[order] = kept_sorted
+    keep[mask] = kept
+    return keep
+
+
+def m2po_loss_terms(
+    log_p: torch.Tensor,
+    log_q: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    threshold: float,
+) -> LossTerms:
+    """M2PO (Zheng et al. 2025, arXiv 2510.01161): token importance sampling without a clip, with the
+    tokens of most extreme log-ratio masked so that the batch's second moment mean((log p/q)^2) stays
+    under ``threshold`` (the paper: 0.04).
+
+    loss_it = -M_it r_it A_it,  r_it = p_it / q_it (gradient through r),  M = :func:`m2po_keep_mask`.
+
+    The mask is taken over the tokens this call sees (the embedded engine: the whole batch; verl's
+    engine: each micro-batch, as AReaL does). ``clipped`` marks the masked tokens; ``weight`` is r.
+    """
+    log_ratio = iw.token_log_weight(log_p, log_q).clamp(-LOG_WEIGHT_CLAMP, LOG_WEIGHT_CLAMP)
+    keep = m2po_keep_mask(log_ratio, response_mask, threshold)
+    ratio = torch.exp(log_ratio)
+    loss_mat = torch.where(keep, -advantages * ratio, torch.zeros_like(ratio))
+    return LossTerms(loss_mat, ratio.detach(), response_mask.bool() & ~keep)
+
+
+def vespo_log_coefficient(log_w: torch.Tensor, k: torch.Tensor, lam: torch.Tensor) -> torch.Tensor:
+    """log phi(W) for VESPO's kernel phi(W) = W^k exp(lam (1 - W)) (phi(1) = 1), from log W. [B] -> [B]."""
+    return lam + k * log_w - lam * torch.exp(log_w)
+
+
+def vespo_loss_terms(
+    log_p: torch.Tensor,
+    log_q: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    k_pos: float,
+    lambda_pos: float,
+    k_neg: float,
+    lambda_neg: float,
+) -> LossTerms:
+    """VESPO (Shen et al. 2026, arXiv 2602.10693): REINFORCE on every token with the sequence's
+    coefficient phi(W_i), W_i = p(y_i) / q(y_i) the full-sequence ratio (no length normalisation):
+
+        loss_it = -sg(phi(W_i)) A_it log p_it,   phi(W) = W^k exp(lam (1 - W)),
+
+    (k, lam) = (k_pos, lambda_pos) for A_i >= 0, (k_neg, lambda_neg) for A_i < 0 (the authors'
+    code: (2, 3) and (3, 2)). phi is the coefficient on grad log p (= W f'(W) of the paper's
+    reshaping kernel f); phi(1) = 1, phi -> 0 as W -> 0 or infinity. log W is clamped to +-20 as in
+    the authors' code; computed in log space. ``weight`` reports phi [B]; ``clipped`` marks the
+    tokens of sequences whose phi underflowed to 0.
+    """
+    token_log_ratio = (log_p.detach() - log_q.detach()).clamp(-LOG_WEIGHT_CLAMP, LOG_WEIGHT_CLAMP)
+    log_w = iw.sequence_log_prob(token_log_ratio, response_mask, "sum").clamp(-LOG_WEIGHT_CLAMP, LOG_WEIGHT_CLAMP)
+    seq_adv = iw.sequence_log_prob(advantages.detach(), response_mask, "mean")
+    positive = seq_adv >= 0
+    k = torch.where(positive, torch.full_like(log_w, k_pos), torch.full_like(log_w, k_neg))
+    lam = torch.where(positive, torch.full_like(log_w, lambda_pos), torch.full_like(log_w, lambda_neg))
+    phi = torch.exp(vespo_log_coefficient(log_w, k, lam))
+    phi = torch.nan_to_num(phi, nan=0.0, posinf=0.0)
+    loss_mat = -phi.unsqueeze(-1) * advantages * log_p
+    clipped = (phi == 0).unsqueeze(-1).expand_as(advantages) & response_mask.bool()
+    return LossTerms(loss_mat, phi.detach(), clipped)
+
+
+def gepo_token_clip_loss_terms(
+    log_p: torch.Tensor,
+    log_q: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    clip_low: float,
+    clip_high: float,
+    group_index: torch.Tensor | None = None,
+    log_denominator: torch.Tensor | None = None,
+    reduction: iw.SequenceReduction = "mean",
+    ess_bound: bool = False,
+) -> LossTerms:
+    """GEPO-TC: GEPO's group weight w_i = p_i / E_q[q] under GRPO's token-level clip on p_it / q_it.
+
+    Each token carries GEPO's weight, and its gradient is removed where PPO's token clip would act
+    (A > 0 and r_it > 1 + high, or A < 0 and r_it < 1 - low; r_it = p_it / q_it):
+
+        loss_it = -A_it sg(w_i) rho_it,   rho_it = exp(log p_it - sg(log p_it)) if kept, 1 if clipped,
+
+    so its value is -A w_i and d loss / d log p_it = -A w_i on kept tokens, 0 on clipped ones: with
+    ``reduction="mean"`` and token-mean aggregation, GEPO's gradient -A w_i (1/L) sum_t grad log p_it
+    restricted to the tokens GRPO's clip keeps. On-policy (r = 1) nothing is clipped; under
+    staleness the clip stops pushing down a wrong answer's tokens that p already made less likely
+    than q did (GRPO's protection), which GEPO's sequence clip on p_i / E_q[q] does not track.
+
+    ``ess_bound``: the clip band shrinks with the measured divergence of the batch,
+    (low, high) x ESS, ESS = (sum r)^2 / (n sum r^2) over the response tokens' r_it (detached;
+    1 on-policy, smaller the further p has moved from q) -- GEPO-TC-ESS.
+    """
+    log_weight = iw.group_expectation_log_weight(
+        log_p, log_q, response_mask, group_index=group_index, log_denominator=log_denominator, reduction=reduction
+    )
+    mask = response_mask.bool()
+    token_log_ratio = iw.token_log_weight(log_p.detach(), log_q).clamp(-LOG_WEIGHT_CLAMP, LOG_WEIGHT_CLAMP)
+    ratio = torch.exp(token_log_ratio)
+    if ess_bound:
+        r = ratio[mask].to(torch.float64)
+        ess = float(r.sum() ** 2 / (r.numel() * r.square().sum())) if r.numel() else 1.0
+        clip_low, clip_high = clip_low * ess, clip_high * ess
+    clipped = ((advantages > 0) & (ratio > 1.0 + clip_high)) | ((advantages < 0) & (ratio < 1.0 - clip_low))
+    clipped = clipped & mask
+    weight = torch.exp(log_weight.detach().clamp(-LOG_WEIGHT_CLAMP, LOG_WEIGHT_CLAMP))
+    rho = torch.where(clipped, torch.ones_like(log_p), torch.exp(log_p - log_p.detach()))
+    loss_mat = -advantages * weight.unsqueeze(-1) * rho
+    return LossTerms(loss_mat, weight, clipped)

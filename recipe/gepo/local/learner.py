@@ -231,6 +231,11 @@ class Learner:
         plus ``entropy`` (B, T) and ``ref_log_prob`` (B, T) when those terms are on;
         ``group_log_denominator`` (B,) log E_q[q] of each sequence's group.
         """
+        info = self.actor_config.get("global_batch_info", None)
+        if self.rollout_correction is not None and self.rollout_correction.rollout_rs and isinstance(info, dict):
+            # rejection sampling can empty whole sequences: verl's engine still divides the seq-mean
+            # modes by the mini-batch's sequence count (its global_batch_size), so do the same
+            info["global_batch_size"] = int(batch["response_mask"].shape[0])
         return compute_actor_loss(
             self.actor_config, log_prob, batch["sampler_logprobs"], batch["advantages"],
             batch["response_mask"].bool(), group_log_denominator=group_log_denominator,

@@ -234,14 +234,15 @@ def validate(cfg: DictConfig) -> Validated:
             "actor_rollout_ref.rollout.calculate_log_probs=true"
         )
     rc = cfg.algorithm.get("rollout_correction", None)
-    if engine.old_log_prob == "sampler" and rc is not None and rc.get("rollout_is", None) not in (None, "", "null"):
-        # verl's correction weights are exp(old_log_probs - rollout_log_probs): with q as old_log_probs
-        # they are all 1 and the option would do nothing
-        _fail(
-            f"algorithm.rollout_correction.rollout_is={rc.rollout_is!r} corrects between the learner's old "
-            "log-probs and the sampler's; with verl_engine.old_log_prob=sampler they are the same numbers. "
-            "Set verl_engine.old_log_prob=recompute, or algorithm.rollout_correction.rollout_is=null"
-        )
+    for key in ("rollout_is", "rollout_rs"):
+        if engine.old_log_prob == "sampler" and rc is not None and rc.get(key, None) not in (None, "", "null"):
+            # verl's correction weights and rejection use exp(old_log_probs - rollout_log_probs): with q
+            # as old_log_probs they are all 1 and the option would do nothing
+            _fail(
+                f"algorithm.rollout_correction.{key}={rc.get(key)!r} corrects between the learner's old "
+                "log-probs and the sampler's; with verl_engine.old_log_prob=sampler they are the same numbers. "
+                f"Set verl_engine.old_log_prob=recompute, or algorithm.rollout_correction.{key}=null"
+            )
     if int(r.nnodes) < 1 or int(r.n_gpus_per_node) < 1:
         _fail(
             f"actor_rollout_ref.rollout.nnodes={r.nnodes}, n_gpus_per_node={r.n_gpus_per_node}: the sampler "
