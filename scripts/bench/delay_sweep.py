@@ -69,7 +69,17 @@ for _path in (REPO, REPO / "scripts"):  # the repository's packages and the swee
 from sweep.analyse import choose_lrs  # noqa: E402 -- after the path fix
 from sweep.plan import ALGOS, DESIGNS, TASKS, Plan, design_id, normalize_condition  # noqa: E402
 from sweep.render import update_doc, write_outputs  # noqa: E402
+from sweep.rows import collect  # noqa: E402
 from sweep.run import Sweep, warm_starts  # noqa: E402
+
+
+def rates_from_design(plan: Plan, rows_path: Path, out: Path, ws: dict) -> list[str]:
+    """Pin ``plan.lrs`` to the rates ``plan.lr_design``'s stage 1 chose (its rows in the same rows
+    file, same warm start), keeping rates given with --lrs; returns the algorithms left without one."""
+    source = Plan(**dict(DESIGNS[plan.lr_design], algos=list(plan.algos), tasks=list(plan.tasks)))
+    _, chosen = choose_lrs(collect(out, source, rows_path, ws), source)
+    plan.lrs = {**{algo: rate for algo, rate in chosen.items() if algo in plan.algos}, **plan.lrs}
+    return [algo for algo in plan.algos if algo not in plan.lrs]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -135,6 +145,13 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("TQDM_DISABLE", "1")
     models, ws = warm_starts(plan, a.cache_dir)
+    if plan.lr_design:
+        missing = rates_from_design(plan, rows_path, out, ws)
+        if missing and not a.table_only:
+            p.exit(2, f"{p.prog}: error: --design {plan.design} takes its rates from --design {plan.lr_design}'s stage 1, "
+                      f"which has no chosen rate yet for {', '.join(missing)} in {rows_path}: run that design first "
+                      "(or pin them with --lrs ALGO=LR)\n")  # fmt: skip
+        (out / "plan.json").write_text(json.dumps({**asdict(plan), "design_id": design_id(plan)}, indent=1))
     sweep = Sweep(plan, out, rows_path, models, ws, a.workers, t0)
     done = sweep.finished()
     print(sweep.outline(done), flush=True)

@@ -30,10 +30,24 @@ ALGOS: dict[str, list[str]] = {
     "gepo_std": ["algorithm_preset=gepo", "algorithm.norm_adv_by_std_in_grpo=true"],
     "gepo_nokl": ["algorithm_preset=gepo", "actor_rollout_ref.actor.policy_loss.sampler_kl_coef=0.0"],
     "grpo_nokl": ["algorithm_preset=grpo", "actor_rollout_ref.actor.policy_loss.sampler_kl_coef=0.0"],
-    "grpo_tis": ["algorithm_preset=grpo", "algorithm.rollout_correction.rollout_is=token",
-                 "algorithm.rollout_correction.rollout_is_threshold=2.0"],
+    # (the legacy sweep's grpo_tis was verl's dual-clip grpo + token TIS; its rows are table-only)
+    # issue 24: the field's stale-data methods (verl's rollout-correction presets on top of grpo_paper)
+    # and the project's variants built for it (docs/study.md section 6c)
+    "grpo_tis": ["algorithm_preset=grpo_tis"],
+    "grpo_seq_tis": ["algorithm_preset=grpo_seq_tis"],
+    "grpo_icepop": ["algorithm_preset=grpo_icepop"],
+    "grpo_seq_mis": ["algorithm_preset=grpo_seq_mis"],
+    "decoupled_ppo": ["algorithm_preset=decoupled_ppo"],
+    "m2po": ["algorithm_preset=m2po"],
+    "vespo": ["algorithm_preset=vespo"],
+    "gepo_tc": ["algorithm_preset=gepo_tc"],
+    "gepo_tc_ess": ["algorithm_preset=gepo_tc_ess"],
 }
-LEGACY_ALGOS = [a for a in ALGOS if a not in ("gspo_wide", "grpo_paper", "gepo_tr")]
+#: the methods issue 24 adds to the powered study (``--algos`` of its runs)
+FRONTIER_ALGOS = ["m2po", "vespo", "decoupled_ppo", "grpo_tis", "grpo_seq_tis", "grpo_icepop", "grpo_seq_mis",
+                  "gepo_tc", "gepo_tc_ess"]
+LEGACY_ALGOS = ["gepo", "gspo", "grpo", "dr_grpo", "bnpo", "gepo_adaptive", "gmpo", "cispo", "topr", "delta_l",
+                "gepo_std", "gepo_nokl", "grpo_nokl", "grpo_tis"]
 
 
 @dataclass(frozen=True)
@@ -85,9 +99,12 @@ class Plan:
     """seeds of stage 1."""
     reference: str = "gepo"
     """the method every other one is compared with in the paired tables."""
-    variants: list = field(default_factory=lambda: ["gepo_tr"])
+    variants: list = field(default_factory=lambda: ["gepo_tr", "gepo_tc", "gepo_tc_ess"])
     """methods that also get a paired table against every other one (the project's variants:
-    issue 13 asks whether one beats every baseline), when the rows hold them."""
+    issues 13 and 24 ask whether one beats every baseline), when the rows hold them."""
+    lr_design: str = ""
+    """take each method's rate from this design's stage 1 (its rows in the same rows file) instead
+    of a stage 1 of its own: the long runs use the rates the 200-step study chose."""
     design: str = "legacy"
 
 
@@ -108,10 +125,15 @@ POWERED = dict(tasks=["long"], algos=["gepo", "grpo_paper", "gspo_wide", "gepo_t
                test_freq=20, eval_size=512, prompts=16, diagnostics_every=0, diagnostics_samples=8,
                warm_start_steps=PINNED_WARM_START_STEPS, last_evals=5, lr_grid=[5e-5, 1e-4, 2e-4], lr_seeds=[0, 1, 2],
                design="powered")  # fmt: skip
+#: the harsher condition of issue 24: every batch 256 versions old needs runs longer than 256 steps,
+#: so 600 steps (the last 344 at full staleness; the score is still the mean of the last 5 evaluations)
+#: against an on-policy reference of the same length; rates from the powered design's stage 1
+POWERED_LONG = dict(POWERED, delays=[0, "fix256"], steps=600, test_freq=40, lr_grid=[], lr_seeds=[],
+                    lr_design="powered", design="powered_long")
 #: the powered pipeline end to end in minutes: tiny settings, same stages and outputs
 DRY = dict(POWERED, algos=["gepo", "grpo_paper", "gspo_wide"], delays=[0, "fix4", "uni8"], seeds=[0, 1, 2], steps=8,
            test_freq=2, eval_size=32, prompts=4, last_evals=2, lr_grid=[1e-4, 2e-4], lr_seeds=[0], design="dry")
-DESIGNS = {"legacy": LEGACY, "quick": QUICK, "powered": POWERED, "dry": DRY}
+DESIGNS = {"legacy": LEGACY, "quick": QUICK, "powered": POWERED, "powered_long": POWERED_LONG, "dry": DRY}
 
 _COND = re.compile(r"^(fix|uni|logn)(\d+)$")
 
