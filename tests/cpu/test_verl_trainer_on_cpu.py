@@ -113,6 +113,26 @@ def _main_gepo(run_dir: Path, steps: int, *overrides: str) -> list[dict]:
     return read_metric_rows(run_dir)
 
 
+def _export_keeps_float32_and_agrees_with_verls_merger(actor_dir: Path, tmp_path: Path) -> None:
+    """recipe.gepo.verl_engine.export of a real checkpoint: float32 weights that moved away from the
+    starting model, equal to verl's own merger's output once rounded to bfloat16 as verl rounds."""
+    import torch
+    from safetensors.torch import load_file
+
+    from recipe.gepo.verl_engine.export import export
+
+    ours = load_file(export(actor_dir, tmp_path / "export") / "model.safetensors")
+    proc = _run([sys.executable, "-m", "verl.model_merger", "merge", "--backend", "fsdp", "--local_dir", str(actor_dir),
+                 "--target_dir", str(tmp_path / "verl_merged")], timeout=300)  # fmt: skip
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    theirs = load_file(tmp_path / "verl_merged" / "model.safetensors")
+    assert set(theirs) <= set(ours) and theirs
+    assert all(t.dtype == torch.float32 for t in ours.values())
+    for key, tensor in theirs.items():
+        assert torch.equal(ours[key].bfloat16(), tensor), key
+    assert any(not torch.equal(t, t.bfloat16().float()) for t in ours.values())  # float32 kept, not rounded
+
+
 def test_delays_follow_the_model_and_a_resumed_run_loses_no_step(tmp_path):
     """Delayed sync observed in a real run: every pushed version's delay is the delay model's draw
     for it (same seed, same stream as replay mode), the samplers got it no earlier than that and
@@ -126,6 +146,8 @@ def test_delays_follow_the_model_and_a_resumed_run_loses_no_step(tmp_path):
     delay = ["hetero.delay.dist=lognormal", "hetero.delay.low=0.3", "hetero.delay.high=2.0", "hetero.seed=3"]
     first = _main_gepo(run_dir, 4, "trainer.save_freq=2", *delay)
     assert [r["step"] for r in first if "actor/pg_loss" in r] == [1, 2, 3, 4]
+
+    _export_keeps_float32_and_agrees_with_verls_merger(run_dir / "global_step_4" / "actor", tmp_path)
 
     import shutil
 
