@@ -253,6 +253,30 @@ def comparison_rows(per_run: list[dict], reference: str, alpha: float = 0.05) ->
     return rows
 
 
+def dominance_rows(per_run: list[dict], grpo: str = "grpo_paper", alpha: float = 0.05) -> list[dict]:
+    """Issue 24's question, per method m: is m's drop no larger than every other method's in every
+    stale condition, and smaller than GRPO's in at least one? "No larger" = not significantly larger
+    (the paired difference of drops, m minus the other, has its 95% interval's lower end <= 0);
+    "smaller" = significantly smaller (upper end < 0). Only conditions where m and the other both
+    have paired runs count; ``complete`` says whether m was compared with every other method in
+    every stale condition. ``point_losses``: comparisons where m's mean drop is larger at all."""
+    methods = sorted({r["algo"] for r in per_run})
+    stale = sorted({r["delay"] for r in per_run if r["delay"] != 0}, key=condition_key)
+    out = []
+    for m in methods:
+        comps = [c for c in comparison_rows(per_run, m, alpha) if c["condition"] != 0 and c["n_drop"] >= 2]
+        seen = {(c["condition"], c["baseline"]) for c in comps}
+        losses = [c for c in comps if c["drop_lo"] > 0]
+        beats_grpo = [c["condition"] for c in comps if c["baseline"] == grpo and c["drop_hi"] < 0]
+        complete = all((cond, b) in seen for cond in stale for b in methods if b != m)
+        out.append({"algo": m, "compared": len(comps), "complete": complete,
+                    "significant_losses": [(c["condition"], c["baseline"]) for c in losses],
+                    "point_losses": sum(c["drop_diff"] > 0 for c in comps),
+                    "beats_grpo_at": beats_grpo,
+                    "wins": complete and not losses and bool(beats_grpo)})  # fmt: skip
+    return out
+
+
 def drop_rows(per_run: list[dict], alpha: float = 0.05) -> list[dict]:
     """Per (task, algo, condition): score (mean over seeds), realised staleness, the paired drop
     from on-policy with its t interval and p-value, and the mechanism metrics' means."""

@@ -13,6 +13,7 @@ from sweep.analyse import (
     RUN_KEYS,
     comparison_rows,
     design_mde,
+    dominance_rows,
     drop_rows,
     kl_variance_rows,
     main_runs,
@@ -128,6 +129,23 @@ def glance_markdown(per_run: list[dict], drops: list[dict], comparisons: dict[st
 
 
 
+def dominance_markdown(rows: list[dict]) -> str:
+    """The table of :func:`sweep.analyse.dominance_rows` and its answer in one line."""
+    table = ["| method | comparisons (stale) | complete | significantly larger drop than | larger mean drop (of the "
+             "comparisons) | drop smaller than grpo_paper's at | wins |", "|" + "---|" * 7]  # fmt: skip
+    for r in rows:
+        losses = ", ".join(f"{b} at {c}" for c, b in r["significant_losses"][:4])
+        more = len(r["significant_losses"]) - 4
+        losses += f" (+{more} more)" if more > 0 else ""
+        table.append(f"| {r['algo']} | {r['compared']} | {'yes' if r['complete'] else 'no'} | {losses or 'none'} | "
+                     f"{r['point_losses']} | {', '.join(str(c) for c in r['beats_grpo_at']) or 'none'} | "
+                     f"{'**yes**' if r['wins'] else 'no'} |")  # fmt: skip
+    winners = [r["algo"] for r in rows if r["wins"]]
+    answer = (f"**Answer: yes -- {', '.join(winners)}.**" if winners else
+              "**Answer: no** (no method meets both conditions on the rows so far).")  # fmt: skip
+    return "\n".join(table + ["", answer])
+
+
 def study_markdown(task: str, plan: Plan, per_run: list[dict], lr_table: list[dict], chosen: dict,
                    ws: dict | None = None) -> str:  # fmt: skip
     """The section of docs/study.md for one task, from its runs."""
@@ -182,6 +200,10 @@ def study_markdown(task: str, plan: Plan, per_run: list[dict], lr_table: list[di
                 f"{_cell(c['drop_mde'], math.nan)} | {_ci(c['score_diff'], c['score_lo'], c['score_hi'])} | "
                 f"{_p(c['score_p'])} | {_cell(c['score_mde'], math.nan)} |"
             )
+    lines += ["", "**Is there a method whose drop is no larger than every other method's in every stale condition, "
+              "and smaller than GRPO's (`grpo_paper`) in at least one?** (\"no larger\": not significantly larger, the "
+              "95% interval of the paired difference of drops reaching 0 or below; \"smaller\": significantly smaller)", ""]
+    lines += doc_block(task, "winner", dominance_markdown(dominance_rows(mine)))
     lines += ["", "**Importance-weight variance against KL** (the paper's \"variance tracks KL\"; one point a run, "
               "every condition and seed; the variance is of each loss's own weights, so compare methods by r, not by "
               "level):", ""]  # fmt: skip

@@ -161,6 +161,40 @@ def test_comparison_rows_match_hand_computation():
     assert dm["sigma"] > 0 and dm["mde_drop_diff"] > 2 * dm["sigma"]  # 5 seeds: MDE ~ 1.7 x (2 sigma)
 
 
+def _drops_runs(drops: dict, seeds: int = 5, noise: float = 0.005, seed: int = 1) -> list[dict]:
+    """Runs whose on-policy score is 0.5 and whose stale score is 0.5 - drop (+ noise), per
+    (algo, condition) -> drop."""
+    rng = random.Random(seed)
+    runs = []
+    for (algo, cond), drop in drops.items():
+        for s in range(seeds):
+            for c, value in ((0, 0.5), (cond, 0.5 - drop)):
+                if c == 0 and any(r["algo"] == algo and r["delay"] == 0 and r["seed"] == s for r in runs):
+                    continue
+                runs.append({"task": "long", "algo": algo, "lr": 1e-4, "delay": c, "seed": s,
+                             "lq_mean": value + rng.gauss(0, noise), "staleness": 1.0, "staleness_max": 1.0})  # fmt: skip
+    return runs
+
+
+def test_dominance_names_the_method_never_worse_and_better_than_grpo_somewhere():
+    from sweep.analyse import dominance_rows
+    from sweep.render import dominance_markdown
+
+    drops = {("grpo_paper", "fix4"): 0.00, ("grpo_paper", "fix64"): 0.10, ("gepo", "fix4"): 0.15, ("gepo", "fix64"): 0.07,
+             ("gepo_tc", "fix4"): 0.00, ("gepo_tc", "fix64"): 0.05}  # fmt: skip
+    rows = {r["algo"]: r for r in dominance_rows(_drops_runs(drops))}
+    assert rows["gepo_tc"]["wins"] and rows["gepo_tc"]["complete"] and rows["gepo_tc"]["beats_grpo_at"] == ["fix64"]
+    assert rows["gepo_tc"]["significant_losses"] == []
+    assert not rows["gepo"]["wins"] and ("fix4", "grpo_paper") in rows["gepo"]["significant_losses"]
+    assert not rows["grpo_paper"]["wins"] and rows["grpo_paper"]["beats_grpo_at"] == []  # cannot beat itself
+    assert "**Answer: yes -- gepo_tc.**" in dominance_markdown(list(rows.values()))
+    # a method missing a condition is not complete, so it cannot win
+    partial = {k: v for k, v in drops.items() if k != ("gepo_tc", "fix4")}
+    rows = {r["algo"]: r for r in dominance_rows(_drops_runs(partial))}
+    assert not rows["gepo_tc"]["complete"] and not rows["gepo_tc"]["wins"]
+    assert "**Answer: no**" in dominance_markdown(list(rows.values()))
+
+
 def test_study_markdown_has_every_section(tmp_path):
     plan = _plan(lr_grid=[1e-4], lr_seeds=[0])
     per_run = [{"task": "long", "algo": a, "lr": 1e-4, "delay": c, "seed": s, "lq_mean": 0.4 + 0.01 * s - (0.05 if c else 0),
