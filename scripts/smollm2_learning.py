@@ -1,14 +1,21 @@
 #!/usr/bin/env python3
 """Does SmolLM2-135M-Instruct learn through the verl engine? The runs and their report, one command each.
 
-    python scripts/smollm2_learning.py run --seeds 0 1 --steps 40      # one seed after another (resumable)
+    python scripts/smollm2_learning.py run --seeds 0 1 --steps 30      # one seed after another (resumable)
     python scripts/smollm2_learning.py report                          # table on stdout + figure
+    python scripts/smollm2_learning.py evaluate                        # start vs each seed's last checkpoint
 
 ``run`` trains ``+verl_preset=cpu_smollm2_math hetero.engine=verl`` once per seed into
 ``runs/smollm2_gepo_s<seed>`` (``nice``, one torch thread a process, a checkpoint every 5 steps,
 ``trainer.resume_mode=auto``: the same command continues a run that was stopped), with verl's
 rollout dump (``trainer.rollout_data_dir``) beside it. Seeds run one after another: two at once do
 not fit in 24 GB.
+
+``evaluate`` exports each seed's last checkpoint to float32 (:mod:`recipe.gepo.verl_engine.export`)
+and runs the project's evaluation (``recipe.gepo.evaluate``) on it and on the starting model with
+the same settings (:data:`EVAL_SETTINGS`: the first 32 problems of MATH500 and of the GSM8K test
+split, mean@4 at the training temperature and template), each into ``outputs/eval/smollm2/<name>``
+(resumable), then prints mean@4 per benchmark for each.
 
 ``report`` reads each run's metrics.jsonl (``reward/mean``: accuracy + the 0.1 boxed-answer term)
 and rollout dumps (each response scored again with the math reward: ``acc``, math_verify
@@ -31,6 +38,11 @@ from typing import Optional, Sequence
 ROOT = Path(__file__).resolve().parents[1]
 RUNS = ROOT / "runs"
 FIGURE = ROOT / "docs" / "figures" / "smollm2_learning.png"
+EVAL_DIR = ROOT / "outputs" / "eval" / "smollm2"
+#: recipe.gepo.evaluate overrides shared by every model evaluated: the training template and
+#: temperature, the full softmax (as the sampler drew), responses a little longer than in training
+EVAL_SETTINGS = ["benchmarks=[math500,gsm8k]", "limit=32", "samples_per_problem=4", "temperature=0.5", "top_p=1.0",
+                 "top_k=0", "max_new_tokens=256", "template=chat_1shot", "batch_size=16", "dtype=float32"]  # fmt: skip
 
 
 def run_dir(seed: int) -> Path:
@@ -58,6 +70,53 @@ def run(seeds: Sequence[int], steps: int) -> int:
             print(f"error: seed {seed} exited with status {proc.returncode}; see {out / 'run.log'}", file=sys.stderr)
             return proc.returncode
     return 0
+
+
+def last_checkpoint(out: Path) -> Path:
+    """``<run>/global_step_<N>/actor`` of the step verl's tracker names."""
+    tracker = out / "latest_checkpointed_iteration.txt"
+    if not tracker.is_file():
+        raise FileNotFoundError(f"{tracker}: no checkpoint of this run yet")
+    return out / f"global_step_{int(tracker.read_text().strip())}" / "actor"
+
+
+def evaluate(seeds: Sequence[int]) -> int:
+    from recipe.gepo.verl_engine.export import export
+    from verl_ext.data.smollm2 import prepare_smollm2
+
+    models = {"start": str(prepare_smollm2(ROOT / ".cache" / "heterorl"))}
+    for seed in seeds:
+        actor = last_checkpoint(run_dir(seed))
+        step = actor.parent.name.split("_")[-1]
+        target = EVAL_DIR / "models" / f"s{seed}_step{step}"
+        if not (target / "model.safetensors").is_file():
+            export(actor, target)
+        models[f"s{seed}_step{step}"] = str(target)
+    for name, path in models.items():
+        print(f"evaluating {name}: {path}", flush=True)
+        cmd = ["nice", "-n", "10", sys.executable, "-m", "recipe.gepo.evaluate", f"model_path={path}",
+               f"output_dir={EVAL_DIR / name}", *EVAL_SETTINGS]  # fmt: skip
+        proc = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"))
+        if proc.returncode != 0:
+            print(f"error: evaluating {name} exited with status {proc.returncode}", file=sys.stderr)
+            return proc.returncode
+    print("| model | " + " | ".join(("math500 mean@4", "gsm8k mean@4", "math500 boxed", "gsm8k boxed")) + " |")
+    print("|---|---:|---:|---:|---:|")
+    for name in models:
+        print(f"| {name} | " + " | ".join(f"{v:.3f}" for v in eval_scores(EVAL_DIR / name)) + " |")
+    return 0
+
+
+def eval_scores(out: Path) -> tuple[float, float, float, float]:
+    """(math500 mean@k, gsm8k mean@k, share of math500 / gsm8k responses that gave a boxed answer:
+    the math reward found one, ``error`` not in evaluate's NO_ANSWER_ERRORS) from records.jsonl."""
+    from recipe.gepo.evaluate import NO_ANSWER_ERRORS
+
+    records = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines() if line.strip()]
+    acc = {b: _mean([float(r["acc"]) for r in records if r["benchmark"] == b]) for b in ("math500", "gsm8k")}
+    boxed = {b: _mean([float(r.get("error") not in NO_ANSWER_ERRORS) for r in records if r["benchmark"] == b])
+             for b in ("math500", "gsm8k")}  # fmt: skip
+    return acc["math500"], acc["gsm8k"], boxed["math500"], boxed["gsm8k"]
 
 
 def per_step(out: Path) -> dict[int, dict[str, float]]:
@@ -142,7 +201,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     sub = parser.add_subparsers(dest="cmd", required=True)
     p_run = sub.add_parser("run", help="train one run per seed, one after another (resumable)")
     p_run.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
-    p_run.add_argument("--steps", type=int, default=40)
+    p_run.add_argument("--steps", type=int, default=30)
+    p_eval = sub.add_parser("evaluate", help="the starting model and each seed's last checkpoint, same settings")
+    p_eval.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     p_rep = sub.add_parser("report", help="table on stdout, figure to --out")
     p_rep.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     p_rep.add_argument("--window", type=int, default=5, help="steps averaged at the start and the end")
@@ -152,6 +213,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if args.steps < 1:
             parser.error(f"--steps {args.steps}: must be >= 1")
         return run(args.seeds, args.steps)
+    if args.cmd == "evaluate":
+        return evaluate(args.seeds)
     if args.window < 1:
         parser.error(f"--window {args.window}: must be >= 1")
     return report(args.seeds, args.window, args.out)

@@ -54,3 +54,23 @@ def test_no_rise_and_no_run_are_named(learning, tmp_path, capsys):
     assert "every seed's rise above it: no" in capsys.readouterr().out
     assert learning.report([7], window=2, out_png=None) == 2
     assert "no run of seeds [7]" in capsys.readouterr().err
+
+
+def test_evaluation_scores_and_the_checkpoint_the_tracker_names(learning, tmp_path):
+    records = [
+        {"benchmark": "math500", "acc": 0.0, "error": "no_boxed"},
+        {"benchmark": "math500", "acc": 1.0, "error": None},
+        {"benchmark": "gsm8k", "acc": 0.0, "error": "wrong"},
+        {"benchmark": "gsm8k", "acc": 0.0, "error": "no_answer"},
+        {"benchmark": "gsm8k", "acc": 1.0, "error": None},
+        {"benchmark": "gsm8k", "acc": 0.0, "error": "no_boxed"},
+    ]
+    (tmp_path / "records.jsonl").write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    assert learning.eval_scores(tmp_path) == (0.5, 0.25, 0.5, 0.5)
+
+    run = tmp_path / "smollm2_gepo_s3"
+    with pytest.raises(FileNotFoundError, match="no checkpoint"):
+        learning.last_checkpoint(run)
+    run.mkdir()
+    (run / "latest_checkpointed_iteration.txt").write_text("25\n")
+    assert learning.last_checkpoint(run) == run / "global_step_25" / "actor"
