@@ -157,16 +157,7 @@ class RolloutBuffer:
                     raise RecordRejected("group_uid", "duplicate", f"uid already {previous}",
                                          sampler_id=str(group.sampler_id), group_uid=group.group_uid)
             except RecordRejected as err:
-                self.last_rejection = err
-                self._window_rejected[err.reason] += 1
-                if err.reason != "duplicate":
-                    previous = self.ledger.status.get(err.group_uid, REJECTED)
-                    if previous.startswith(REJECTED):  # never overwrite a real status with a rejection
-                        self.ledger.mark(err.group_uid, f"{REJECTED}:{err.reason}")
-                    else:
-                        self.ledger.duplicates[err.group_uid] += 1
-                    self._expected.pop(err.group_uid, None)
-                self._cond.notify_all()
+                self._reject_locked(err)
                 return False
             uid = group.group_uid
             self._expected.pop(uid, None)
@@ -178,6 +169,24 @@ class RolloutBuffer:
                 self._drop(next(iter(self._groups)), "overflow")
             self._cond.notify_all()
             return True
+
+    def reject(self, err: RecordRejected) -> None:
+        """Count a record refused before it could be decoded or validated here (e.g. by the
+        transport's signature check): as :meth:`add` counts its own rejections."""
+        with self._cond:
+            self._reject_locked(err)
+
+    def _reject_locked(self, err: RecordRejected) -> None:
+        self.last_rejection = err
+        self._window_rejected[err.reason] += 1
+        if err.reason != "duplicate":
+            previous = self.ledger.status.get(err.group_uid, REJECTED)
+            if previous.startswith(REJECTED):  # never overwrite a real status with a rejection
+                self.ledger.mark(err.group_uid, f"{REJECTED}:{err.reason}")
+            else:
+                self.ledger.duplicates[err.group_uid] += 1
+            self._expected.pop(err.group_uid, None)
+        self._cond.notify_all()
 
     def expect(self, uid: str, policy_version: int, sampler_id: str = "?") -> None:
         """Announce a group being generated (``stale_policy="wait"`` waits for it before letting

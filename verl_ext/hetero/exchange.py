@@ -22,20 +22,29 @@ from __future__ import annotations
 
 from collections import Counter
 
+from verl_ext.hetero.auth import MAGIC, Enrolment, SamplerKey
 from verl_ext.hetero.buffer import REJECTED, RolloutBuffer
 from verl_ext.hetero.protocol import EXPECTED_TOPIC, ROLLOUT_TOPIC, Announcement
-from verl_ext.hetero.records import RolloutGroup
+from verl_ext.hetero.records import RecordRejected, RolloutGroup
 from verl_ext.hetero.transport import CorruptMessage, MessageInfo, Transport, check_name
 
 __all__ = ["ROLLOUT_TOPIC", "RolloutInbox", "send_group"]
 
 
-def send_group(transport: Transport, group: RolloutGroup, topic: str = ROLLOUT_TOPIC) -> MessageInfo:
+def send_group(transport: Transport, group: RolloutGroup, topic: str = ROLLOUT_TOPIC,
+               key: SamplerKey | None = None) -> MessageInfo:
     """Write ``group`` under key = its uid (which must be a valid transport name: letters,
-    digits, ``_ . = -``). Re-sending the same uid replaces the message; the learner's ledger
-    ensures it is used at most once."""
+    digits, ``_ . = -``), signed with ``key`` when given (:mod:`verl_ext.hetero.auth`).
+    Re-sending the same uid replaces the message; the learner's ledger ensures it is used at most
+    once."""
     check_name("group_uid", group.group_uid)
-    return transport.put(topic, group.group_uid, group.to_bytes())
+    data = group.to_bytes()
+    if key is not None:
+        if str(group.sampler_id) != key.sampler_id:
+            raise ValueError(f"group {group.group_uid!r} names sampler {group.sampler_id!r} but the key is "
+                             f"{key.sampler_id!r}'s")  # fmt: skip
+        data = key.seal(data)
+    return transport.put(topic, group.group_uid, data)
 
 
 class RolloutInbox:
@@ -48,13 +57,19 @@ class RolloutInbox:
 
     ``stats`` counters: ``received`` (handed to the buffer), ``corrupt`` (failed checksum or not
     decodable; counted once per message version, never handed over), ``uid_mismatch`` (payload
-    uid differs from its key), ``acknowledged`` (deleted after a checkpoint).
+    uid differs from its key), ``unauthenticated`` (refused by the signature check: counted by
+    the buffer under its reason), ``acknowledged`` (deleted after a checkpoint).
+
+    With ``enrolment`` (:class:`~verl_ext.hetero.auth.Enrolment`) only records signed by an
+    enrolled, unrevoked sampler, and naming that sampler, are decoded and handed over; without
+    it a signed record is read without checking its signature.
     """
 
     def __init__(self, transport: Transport, buffer: RolloutBuffer, topic: str = ROLLOUT_TOPIC,
-                 announcements: Transport | None = None):
+                 announcements: Transport | None = None, enrolment: Enrolment | None = None):
         self.transport, self.buffer, self.topic = transport, buffer, check_name("topic", topic)
         self.announcements = announcements
+        self.enrolment = enrolment
         self.stats: Counter[str] = Counter()
         self._processed: set[tuple[str, str]] = set()  # (key, sha256) already handled this session
         self._announced: dict[str, tuple[int, str]] = {}  # uid -> (version, sampler), parsed once
@@ -107,15 +122,30 @@ class RolloutInbox:
         for key, data in self.transport.get_many(self.topic, fresh).items():
             if isinstance(data, KeyError):
                 continue  # deleted or hidden since listing
+            signer = None
             try:
                 if isinstance(data, Exception):
                     raise data
+                if self.enrolment is not None:
+                    signer, data = self.enrolment.open(data, key)
+                elif data.startswith(MAGIC):
+                    data = data[len(MAGIC) + 4 + int.from_bytes(data[len(MAGIC) : len(MAGIC) + 4], "big") :]
                 group = RolloutGroup.from_bytes(data)
+            except RecordRejected as err:
+                self.stats["unauthenticated"] += 1
+                self.buffer.reject(err)
+                continue
             except (CorruptMessage, ValueError):
                 self.stats["corrupt"] += 1
                 continue
             if group.group_uid != key:
                 self.stats["uid_mismatch"] += 1
+                continue
+            if signer is not None and str(group.sampler_id) != signer:
+                self.stats["unauthenticated"] += 1
+                self.buffer.reject(RecordRejected("sampler_id", "sampler_mismatch",
+                                                  f"record names sampler {group.sampler_id!r}, signed by {signer!r}",
+                                                  sampler_id=signer, group_uid=key))  # fmt: skip
                 continue
             self.stats["received"] += 1
             accepted += int(self.buffer.add(group))
