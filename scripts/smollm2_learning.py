@@ -13,7 +13,7 @@ not fit in 24 GB.
 
 ``evaluate`` exports each seed's last checkpoint to float32 (:mod:`recipe.gepo.verl_engine.export`)
 and runs the project's evaluation (``recipe.gepo.evaluate``) on it and on the starting model with
-the same settings (:data:`EVAL_SETTINGS`: the first 32 problems of MATH500 and of the GSM8K test
+the same settings (:data:`EVAL_SETTINGS`: the first 20 problems of MATH500 and of the GSM8K test
 split, mean@4 at the training temperature and template), each into ``outputs/eval/smollm2/<name>``
 (resumable), then prints mean@4 per benchmark for each.
 
@@ -41,7 +41,7 @@ FIGURE = ROOT / "docs" / "figures" / "smollm2_learning.png"
 EVAL_DIR = ROOT / "outputs" / "eval" / "smollm2"
 #: recipe.gepo.evaluate overrides shared by every model evaluated: the training template and
 #: temperature, the full softmax (as the sampler drew), responses a little longer than in training
-EVAL_SETTINGS = ["benchmarks=[math500,gsm8k]", "limit=32", "samples_per_problem=4", "temperature=0.5", "top_p=1.0",
+EVAL_SETTINGS = ["benchmarks=[math500,gsm8k]", "limit=20", "samples_per_problem=4", "temperature=0.5", "top_p=1.0",
                  "top_k=0", "max_new_tokens=256", "template=chat_1shot", "batch_size=16", "dtype=float32"]  # fmt: skip
 
 
