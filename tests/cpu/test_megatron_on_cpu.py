@@ -531,17 +531,21 @@ def test_every_preset_with_entropy_and_kl_gives_fsdps_loss_on_megatron(every_pre
     relative (float32)."""
     megatron, fsdp = every_preset["megatron"], every_preset["fsdp"]
     assert torch.allclose(megatron["after"], megatron["before"]) and torch.allclose(fsdp["after"], fsdp["before"])
-    norms = set()
+    norms: dict[float, list[str]] = {}
     for preset in PRESETS:
         mc, ref = megatron[preset], fsdp[preset]
         for key in OBJECTIVE_KEYS:
             assert key in mc and math.isfinite(mc[key]), (preset, key)
             assert mc[key] == pytest.approx(ref[key], rel=1e-4, abs=1e-6), (preset, key, mc[key], ref[key])
         assert mc["kl_loss"] > 1e-4 and mc["actor/entropy_loss"] > 0.1, preset  # both terms really computed
-        norms.add(round(mc["grad_norm"], 6))
-    # the presets differ (gspo/gspo_wide, grpo/grpo_paper, gepo_tc/gepo_tc_ess may coincide; the rollout
-    # correction presets are grpo_paper's loss here: their weights come from verl's driver)
-    assert len(norms) >= len(PRESETS) - len(every_preset["corrected"]) - 3
+        norms.setdefault(round(mc["grad_norm"], 6), []).append(preset)
+    # the presets differ, except where this batch cannot tell them apart: the rollout-correction presets
+    # are their base's loss here (their weights come from verl's driver), and with q only ~0.1 nats off
+    # p few ratios reach a clip band or M2PO's mask, so losses that differ only there coincide
+    alike = ({"bnpo", "grpo", "grpo_paper", "m2po"}, {"gepo_tr", "gepo_tc", "gepo_tc_ess"}, {"gspo", "gspo_wide"})
+    for names in norms.values():
+        names = set(names) - every_preset["corrected"]
+        assert len(names) <= 1 or any(names <= family for family in alike), names
 
 
 # ---- weight sync from Megatron shards -----------------------------------------------------------
