@@ -87,6 +87,24 @@ class SamplerKey:
         return MAGIC + struct.pack(">I", len(header)) + header + record
 
 
+def _split(data: bytes) -> tuple[bytes, bytes]:
+    """(header, record) of an envelope; ValueError on a malformed one."""
+    try:
+        (size,) = struct.unpack(">I", data[len(MAGIC) : len(MAGIC) + 4])
+    except struct.error as err:
+        raise ValueError(f"truncated envelope: {err}") from None
+    if size > _MAX_HEADER:
+        raise ValueError(f"header of {size} bytes")
+    start = len(MAGIC) + 4
+    return data[start : start + size], data[start + size :]
+
+
+def unverified_record(data: bytes) -> bytes:
+    """The record inside an envelope without checking its signature (a learner that enrols no
+    samplers); ``data`` itself when it is not an envelope."""
+    return _split(data)[1] if data.startswith(MAGIC) else data
+
+
 @dataclass
 class Enrolment:
     """The samplers a learner accepts: sampler id -> public key (hex), and the revoked ids."""
@@ -125,15 +143,11 @@ class Enrolment:
         if not data.startswith(MAGIC):
             raise RecordRejected("record", "unsigned", "no signature envelope", group_uid=key)
         try:
-            (size,) = struct.unpack(">I", data[len(MAGIC) : len(MAGIC) + 4])
-            if size > _MAX_HEADER:
-                raise ValueError(f"header of {size} bytes")
-            start = len(MAGIC) + 4
-            header = json.loads(data[start : start + size])
+            raw_header, record = _split(data)
+            header = json.loads(raw_header)
             sampler_id, signature = str(header["sampler_id"]), bytes.fromhex(header["signature"])
         except (struct.error, ValueError, KeyError, TypeError) as err:
             raise RecordRejected("record", "bad_signature", f"unreadable signature header: {err}", group_uid=key) from None
-        record = data[start + size :]
         if sampler_id in self.revoked:
             raise RecordRejected("sampler_id", "revoked", "sampler revoked", sampler_id=sampler_id, group_uid=key)
         public_hex = self.keys.get(sampler_id)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from verl_ext.hetero.auth import MAGIC, Enrolment, SamplerKey
+from verl_ext.hetero.auth import Enrolment, SamplerKey, unverified_record
 from verl_ext.hetero.buffer import REJECTED, RolloutBuffer
 from verl_ext.hetero.protocol import EXPECTED_TOPIC, ROLLOUT_TOPIC, Announcement
 from verl_ext.hetero.records import RecordRejected, RolloutGroup
@@ -128,8 +128,8 @@ class RolloutInbox:
                     raise data
                 if self.enrolment is not None:
                     signer, data = self.enrolment.open(data, key)
-                elif data.startswith(MAGIC):
-                    data = data[len(MAGIC) + 4 + int.from_bytes(data[len(MAGIC) : len(MAGIC) + 4], "big") :]
+                else:
+                    data = unverified_record(data)
                 group = RolloutGroup.from_bytes(data)
             except RecordRejected as err:
                 self.stats["unauthenticated"] += 1
