@@ -57,14 +57,30 @@ def test_seal_and_open_and_every_refusal(keys, enrolment):
     assert _reason(enrolment, keys["stranger"].seal(record)) == "unenrolled"
     # s1 signs the message of s0's record with its own key and claims to be s0: checked against s0's key
     signature = keys["s1"].private_key.sign(auth._message("s0", record)).hex()
-    header = json.dumps({"sampler_id": "s0", "signature": signature}).encode()
+    header = json.dumps({"sampler_id": "s0", "key_id": auth.key_id(keys["s0"].public_hex()),
+                         "signature": signature}).encode()
     forged = MAGIC + len(header).to_bytes(4, "big") + header + record
     assert _reason(enrolment, forged) == "bad_signature"
     assert _reason(enrolment, MAGIC + (10**6).to_bytes(4, "big") + b"{}") == "bad_signature"
     enrolment.revoke("s0")
     assert _reason(enrolment, sealed) == "revoked"
-    enrolment.enrol("s0", keys["s0"].public_hex())  # re-enrolled: accepted again
+    enrolment.enrol("s0", SamplerKey.generate("s0").public_hex())  # a restart's new key: still revoked
+    assert _reason(enrolment, sealed) == "revoked"
+    enrolment.reinstate("s0")
     assert enrolment.open(sealed)[0] == "s0"
+
+
+def test_a_restarted_sampler_keeps_its_earlier_records_valid(keys, enrolment):
+    """A restart enrols a second key under the same id: records the first launch left in flight
+    are still accepted, and a key of another sampler id does not sign for this one."""
+    record = build_group("s0-g1", 0, sampler="s0").to_bytes()
+    restarted = SamplerKey.generate("s0")
+    enrolment.enrol("s0", restarted.public_hex())
+    assert enrolment.open(keys["s0"].seal(record))[0] == "s0"
+    assert enrolment.open(restarted.seal(record))[0] == "s0"
+    assert len(enrolment.keys["s0"]) == 2
+    posing = SamplerKey(sampler_id="s0", private_key=keys["s1"].private_key)  # s1's key, s0's name
+    assert _reason(enrolment, posing.seal(record)) == "unenrolled"
 
 
 def test_keys_and_enrolment_survive_files(tmp_path, keys, enrolment):
@@ -78,7 +94,29 @@ def test_keys_and_enrolment_survive_files(tmp_path, keys, enrolment):
     record = build_group("s0-g1", 0, sampler="s0").to_bytes()
     assert again.open(loaded.seal(record))[1] == record
     with pytest.raises(ValueError, match="sampler 'bad': bad public key 'zz'"):
-        Enrolment.from_json(json.dumps({"keys": {"bad": "zz"}}))
+        Enrolment.from_json(json.dumps({"keys": {"bad": ["zz"]}}))
+    saved = again.save(tmp_path / "enrolment.json")
+    assert Enrolment.load(saved).keys == enrolment.keys
+    assert Enrolment.load(tmp_path / "absent.json").keys == {}
+    (tmp_path / "broken.json").write_text("{not json")
+    with pytest.raises(ValueError, match="broken.json"):
+        Enrolment.load(tmp_path / "broken.json")
+
+
+def test_operator_commands(tmp_path, capsys):
+    """keygen -> enrol -> revoke through the module's command line, as an operator would."""
+    key_file, enrol_file = tmp_path / "r7.key", tmp_path / "enrolment.json"
+    assert auth.main(["keygen", str(key_file), "sampler-7"]) == 0
+    public_hex = capsys.readouterr().out.strip()
+    assert auth.main(["keygen", str(key_file), "sampler-7"]) == 2  # never overwrites a key
+    assert "exists" in capsys.readouterr().err
+    assert auth.main(["enrol", str(enrol_file), "sampler-7", public_hex]) == 0
+    record = build_group("r7-g0", 0, sampler="sampler-7").to_bytes()
+    assert Enrolment.load(enrol_file).open(SamplerKey.load(key_file).seal(record))[0] == "sampler-7"
+    assert auth.main(["enrol", str(enrol_file), "sampler-8", "nothex"]) == 2
+    assert "bad public key 'nothex'" in capsys.readouterr().err
+    assert auth.main(["revoke", str(enrol_file), "sampler-7"]) == 0
+    assert Enrolment.load(enrol_file).revoked == {"sampler-7"}
 
 
 def _check_inbox(transport, keys, enrolment):

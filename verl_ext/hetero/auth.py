@@ -17,17 +17,27 @@ another's name). Replays of an old signed record carry its group uid, which the 
 remembers across checkpoints (buffered, consumed, dropped: never twice) -- the uid is the nonce.
 
 Envelope: ``MAGIC`` + 4-byte big-endian header length + JSON header
-``{"sampler_id", "signature" (hex)}`` + the record's bytes. Rejections are
+``{"sampler_id", "key_id", "signature" (hex)}`` + the record's bytes. ``key_id`` names which of
+the sampler's enrolled keys signed (a sampler id may hold several: a restarted sampler makes a new
+key, and the records its previous launch left in flight stay valid). Rejections are
 :class:`~verl_ext.hetero.records.RecordRejected` with reasons ``unsigned``, ``unenrolled``,
 ``revoked``, ``bad_signature``, ``sampler_mismatch``.
+
+Operators (a sampler outside the learner's Ray job, ``recipe/gepo/remote_sampler.py``)::
+
+    python -m verl_ext.hetero.auth keygen sampler-7.key sampler-7     # on the sampler's machine
+    python -m verl_ext.hetero.auth enrol enrolment.json sampler-7 <public hex>   # by the learner's operator
+    python -m verl_ext.hetero.auth revoke enrolment.json sampler-7
 """
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
 import os
 import struct
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -44,6 +54,11 @@ _MAX_HEADER = 4096
 
 def _message(sampler_id: str, record: bytes) -> bytes:
     return _DOMAIN + sampler_id.encode() + b"\0" + hashlib.sha256(record).digest()
+
+
+def key_id(public_hex: str) -> str:
+    """A public key's short name: the first 8 bytes of its SHA-256, hex."""
+    return hashlib.sha256(bytes.fromhex(public_hex)).hexdigest()[:16]
 
 
 @dataclass
@@ -82,7 +97,7 @@ class SamplerKey:
 
     def seal(self, record: bytes) -> bytes:
         """The signed envelope of ``record`` (a serialised group)."""
-        header = json.dumps({"sampler_id": self.sampler_id,
+        header = json.dumps({"sampler_id": self.sampler_id, "key_id": key_id(self.public_hex()),
                              "signature": self.private_key.sign(_message(self.sampler_id, record)).hex()}).encode()
         return MAGIC + struct.pack(">I", len(header)) + header + record
 
@@ -107,34 +122,69 @@ def unverified_record(data: bytes) -> bytes:
 
 @dataclass
 class Enrolment:
-    """The samplers a learner accepts: sampler id -> public key (hex), and the revoked ids."""
+    """The samplers a learner accepts: sampler id -> its public keys (key id -> hex), and the
+    revoked sampler ids. A revoked id stays revoked when it enrols a new key (a quarantined
+    sampler does not come back by restarting) until :meth:`reinstate`."""
 
-    keys: dict[str, str] = field(default_factory=dict)
+    keys: dict[str, dict[str, str]] = field(default_factory=dict)
     revoked: set[str] = field(default_factory=set)
 
-    def enrol(self, sampler_id: str, public_hex: str) -> None:
-        Ed25519PublicKey.from_public_bytes(bytes.fromhex(public_hex))  # a malformed key fails here, named
-        self.keys[str(sampler_id)] = public_hex
-        self.revoked.discard(str(sampler_id))
+    def enrol(self, sampler_id: str, public_hex: str) -> str:
+        """Accept records signed by this key in this sampler's name; returns the key id."""
+        try:
+            Ed25519PublicKey.from_public_bytes(bytes.fromhex(public_hex))
+        except ValueError as err:
+            raise ValueError(f"enrolment: sampler {sampler_id!r}: bad public key {public_hex!r}: {err}") from None
+        kid = key_id(public_hex)
+        self.keys.setdefault(str(sampler_id), {})[kid] = public_hex
+        return kid
 
     def revoke(self, sampler_id: str) -> None:
-        """Refuse this sampler's records from the next one on."""
+        """Refuse this sampler's records, under every key it has or will enrol, from the next one on."""
         self.revoked.add(str(sampler_id))
 
+    def reinstate(self, sampler_id: str) -> None:
+        self.revoked.discard(str(sampler_id))
+
+    def update(self, other: "Enrolment") -> None:
+        """Add ``other``'s keys and revocations to this enrolment."""
+        for sampler_id, keys in other.keys.items():
+            self.keys.setdefault(sampler_id, {}).update(keys)
+        self.revoked |= other.revoked
+
     def to_json(self) -> str:
-        return json.dumps({"keys": self.keys, "revoked": sorted(self.revoked)}, indent=1, sort_keys=True)
+        keys = {sampler_id: sorted(by_id.values()) for sampler_id, by_id in self.keys.items()}
+        return json.dumps({"keys": keys, "revoked": sorted(self.revoked)}, indent=1, sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str) -> "Enrolment":
+        """``{"keys": {sampler id: [public hex, ...]}, "revoked": [sampler id, ...]}``."""
         data = json.loads(text)
         out = cls()
-        for sampler_id, public_hex in data.get("keys", {}).items():
-            try:
+        for sampler_id, public_keys in data.get("keys", {}).items():
+            for public_hex in [public_keys] if isinstance(public_keys, str) else public_keys:
                 out.enrol(sampler_id, public_hex)
-            except ValueError as err:
-                raise ValueError(f"enrolment: sampler {sampler_id!r}: bad public key {public_hex!r}: {err}") from None
         out.revoked = set(map(str, data.get("revoked", [])))
         return out
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "Enrolment":
+        """An enrolment file; a missing file is an empty enrolment."""
+        path = Path(path)
+        if not path.exists():
+            return cls()
+        try:
+            return cls.from_json(path.read_text())
+        except (ValueError, TypeError, AttributeError) as err:
+            raise ValueError(f"enrolment file {path}: {err}") from None
+
+    def save(self, path: str | os.PathLike) -> Path:
+        """Write atomically (a reader never sees half a file)."""
+        path = Path(path)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(self.to_json())
+        os.replace(tmp, path)
+        return path
 
     def open(self, data: bytes, key: str = "?") -> tuple[str, bytes]:
         """(signer's sampler id, the record's bytes) of a valid envelope from an enrolled,
@@ -146,13 +196,14 @@ class Enrolment:
             raw_header, record = _split(data)
             header = json.loads(raw_header)
             sampler_id, signature = str(header["sampler_id"]), bytes.fromhex(header["signature"])
-        except (struct.error, ValueError, KeyError, TypeError) as err:
+            kid = str(header.get("key_id", ""))
+        except (struct.error, ValueError, KeyError, TypeError, AttributeError) as err:
             raise RecordRejected("record", "bad_signature", f"unreadable signature header: {err}", group_uid=key) from None
         if sampler_id in self.revoked:
             raise RecordRejected("sampler_id", "revoked", "sampler revoked", sampler_id=sampler_id, group_uid=key)
-        public_hex = self.keys.get(sampler_id)
+        public_hex = self.keys.get(sampler_id, {}).get(kid)
         if public_hex is None:
-            raise RecordRejected("sampler_id", "unenrolled", "no enrolled key for this sampler",
+            raise RecordRejected("sampler_id", "unenrolled", f"no enrolled key {kid!r} for this sampler",
                                  sampler_id=sampler_id, group_uid=key)  # fmt: skip
         try:
             Ed25519PublicKey.from_public_bytes(bytes.fromhex(public_hex)).verify(signature, _message(sampler_id, record))
@@ -160,3 +211,42 @@ class Enrolment:
             raise RecordRejected("record", "bad_signature", "signature does not match the record and signer",
                                  sampler_id=sampler_id, group_uid=key) from None  # fmt: skip
         return sampler_id, record
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m verl_ext.hetero.auth", description="Sampler keys and the learner's enrolment file.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    keygen = sub.add_parser("keygen", help="make a sampler's key (file mode 0600); prints its public key")
+    keygen.add_argument("key_file")
+    keygen.add_argument("sampler_id")
+    enrol = sub.add_parser("enrol", help="add a sampler's public key to an enrolment file")
+    enrol.add_argument("enrolment_file")
+    enrol.add_argument("sampler_id")
+    enrol.add_argument("public_hex")
+    for name, help_text in (("revoke", "refuse a sampler from its next record on"), ("reinstate", "undo revoke")):
+        cmd = sub.add_parser(name, help=help_text)
+        cmd.add_argument("enrolment_file")
+        cmd.add_argument("sampler_id")
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "keygen":
+            if Path(args.key_file).exists():
+                raise ValueError(f"{args.key_file} exists; not overwriting a key")
+            key = SamplerKey.generate(args.sampler_id)
+            key.save(args.key_file)
+            print(key.public_hex())
+            return 0
+        enrolment = Enrolment.load(args.enrolment_file)
+        if args.command == "enrol":
+            print(enrolment.enrol(args.sampler_id, args.public_hex))
+        else:
+            getattr(enrolment, args.command)(args.sampler_id)
+        enrolment.save(args.enrolment_file)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
