@@ -11,6 +11,9 @@ A run directory (``trainer.default_local_dir``) holds
   delay from it).
 * ``placement.json`` -- where each role of a verl-engine run ran (:func:`write_placement`:
   ``{"learner": [{"hostname", "ip"}, ...], "samplers": [...]}``, one entry per rank / server).
+* ``events.jsonl`` -- one JSON object per line for things that happened once, not per step (a
+  sampler quarantined, a sampler's divergence over its bound: ``hetero.trust``), each with
+  ``step`` and ``event``; appended by :func:`append_event`, read by :func:`read_events`.
 * ``checkpoints/step_<k>.pt`` and ``checkpoints/latest`` (the name of the newest) --
   :func:`save_checkpoint` / :func:`load_latest_checkpoint` (:func:`latest_checkpoint_step`: its step).
 
@@ -34,6 +37,7 @@ from typing import Any, Optional, Union
 METRICS_FILE = "metrics.jsonl"
 CONFIG_FILE = "config.yaml"
 PLACEMENT_FILE = "placement.json"
+EVENTS_FILE = "events.jsonl"
 CHECKPOINT_DIR = "checkpoints"
 LATEST_POINTER = "latest"
 
@@ -131,6 +135,29 @@ def node_identity(_actor: Any = None) -> dict[str, str]:
     import ray
 
     return {"hostname": socket.gethostname(), "ip": ray.util.get_node_ip_address()}
+
+
+def append_event(run_dir: PathLike, event: Mapping[str, Any]) -> Path:
+    """Append one event line (``{"step", "event", ...}``) to ``events.jsonl``."""
+    path = Path(run_dir) / EVENTS_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        f.write(json.dumps(dict(event), sort_keys=True, default=str) + "\n")
+    return path
+
+
+def read_events(run_dir: PathLike) -> list[dict[str, Any]]:
+    """The events of a run (none when the file does not exist); a torn last line is skipped."""
+    path = Path(run_dir) / EVENTS_FILE
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return out
 
 
 def write_placement(run_dir: PathLike, placement: Mapping[str, Sequence[Mapping[str, str]]]) -> Path:

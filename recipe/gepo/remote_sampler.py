@@ -15,6 +15,14 @@ no shared cluster: any machine that reaches the URL can add samplers to a run
 index the learner's own samplers use (keep it >= the learner's ``hetero.num_samplers``) nor that of
 another remote sampler. The uids of its groups carry ``r<index>-<random>`` so a restarted sampler
 never reuses one.
+
+Signed records (``hetero.trust.sign_records``, the default): the sampler signs with ``--key``, a key
+made on its machine; the learner's operator enrols the public half in the file the learner reads
+(``hetero.trust.enrolment_file``)::
+
+    python -m verl_ext.hetero.auth keygen sampler-100.key sampler-100          # prints the public key
+    python -m verl_ext.hetero.auth enrol /shared/enrolment.json sampler-100 <public key>
+    python -m recipe.gepo.remote_sampler --index 100 --key sampler-100.key hetero.transport_url=...
 """
 
 from __future__ import annotations
@@ -40,7 +48,7 @@ def compose_config(overrides: Sequence[str]) -> DictConfig:
         return compose(config_name="gepo_trainer", overrides=[searchpath, *overrides])
 
 
-def check_remote_config(cfg: DictConfig, index: int) -> None:
+def check_remote_config(cfg: DictConfig, index: int, key_file: Optional[str] = None) -> None:
     """The settings a remote sampler needs; ValueError naming the key (or flag) otherwise."""
     hetero = cfg.hetero
     if hetero.engine != "local" or hetero.mode != "async":
@@ -54,17 +62,35 @@ def check_remote_config(cfg: DictConfig, index: int) -> None:
         raise ValueError("hetero.transport_url is empty: give the exchange URL the learner uses (s3://..., /shared/folder)")
     if index < 0:
         raise ValueError(f"--index {index}: must be >= 0 (and not an index the learner's own samplers use)")
+    if hetero.trust.sign_records and not key_file:
+        raise ValueError(
+            f"hetero.trust.sign_records=true: the learner accepts only signed records; give --key <file> "
+            f"(python -m verl_ext.hetero.auth keygen <file> sampler-{index}, then enrol its public key in the "
+            "learner's hetero.trust.enrolment_file)"
+        )
+    if key_file and not hetero.trust.sign_records:
+        raise ValueError(f"--key {key_file}: hetero.trust.sign_records=false, so nothing would be signed")
 
 
-def run_remote_sampler(cfg: DictConfig, index: int, max_batches: Optional[int] = None) -> dict[str, float]:
+def run_remote_sampler(cfg: DictConfig, index: int, max_batches: Optional[int] = None,
+                       key_file: Optional[str] = None) -> dict[str, float]:
     """Generate for the run at ``hetero.transport_url`` until its stop marker (or ``max_batches``
-    batches); returns the sampler's counters."""
+    batches), signing with the key in ``key_file``; returns the sampler's counters."""
     from recipe.gepo.local.async_mode import SamplerWorker, transport_spec
     from recipe.gepo.local.engine import EngineConfig
     from recipe.gepo.local.tasks import resolve_model_path
+    from verl_ext.hetero.auth import SamplerKey
     from verl_ext.hetero.seeding import seed_process
 
-    check_remote_config(cfg, index)
+    check_remote_config(cfg, index, key_file)
+    key = None
+    if key_file:
+        try:
+            key = SamplerKey.load(key_file)
+        except (OSError, ValueError) as err:
+            raise ValueError(f"--key {key_file}: {err}") from None
+        if key.sampler_id != f"sampler-{index}":
+            raise ValueError(f"--key {key_file} is {key.sampler_id!r}'s key; this is sampler-{index}")
     engine = EngineConfig.from_omegaconf(cfg)
     if engine.hetero.dry_run:  # validated, nothing started
         print(f"[heterorl] remote sampler-{index}: config ok (dry run)", flush=True)
@@ -74,7 +100,7 @@ def run_remote_sampler(cfg: DictConfig, index: int, max_batches: Optional[int] =
     spec = transport_spec(engine.hetero, engine.settings)
     speed = engine.hetero.speed_factors()
     worker = SamplerWorker(index, engine, model_path, spec, speed[index] if index < len(speed) else 1.0,
-                           uid_namespace=f"r{index}-{uuid.uuid4().hex[:8]}")  # fmt: skip
+                           uid_namespace=f"r{index}-{uuid.uuid4().hex[:8]}", key=key)  # fmt: skip
     print(f"[heterorl] remote sampler-{index} -> {spec.url}", flush=True)
     return worker.run(max_batches=max_batches)
 
@@ -83,13 +109,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     parser.add_argument("--index", type=int, required=True, help="this sampler's index (>= the learner's hetero.num_samplers)")
+    parser.add_argument("--key", default=None, help="this sampler's signing key (python -m verl_ext.hetero.auth keygen)")
     parser.add_argument("--max-batches", type=int, default=None, help="stop after this many batches (default: at the learner's stop)")
     parser.add_argument("overrides", nargs="*", help="hydra overrides, the learner's (hetero.transport_url=... required)")
     args = parser.parse_args(argv)
     overrides = ["hetero.engine=local", "hetero.mode=async", "hetero.transport=fs", *args.overrides]
     try:
         cfg = compose_config(overrides)
-        counters = run_remote_sampler(cfg, args.index, args.max_batches)
+        counters = run_remote_sampler(cfg, args.index, args.max_batches, key_file=args.key)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -76,6 +76,84 @@ class DelayConfig:
         return make_delay_model(self.dist, **self.model_params())
 
 
+_NO_PUBLISHING_SAMPLERS = {
+    REPLAY: "replay mode's one sampler is the learner's own process: no record crosses a trust boundary",
+    VERL: "verl's rollout workers are actors of the trainer's own Ray job and publish no records; samplers "
+          "outside it join through hetero.engine=local's fs transport (docs/reliability.md)",
+}
+
+
+@dataclass
+class TrustConfig:
+    """Samplers you do not control (async mode: every record crosses a transport). Signed records,
+    checks of what a sampler claims, trust and quarantine, a divergence bound
+    (``verl_ext.hetero.auth``, ``verl_ext.hetero.trust``, ``recipe.gepo.local.verify``;
+    docs/reliability.md, "Samplers you do not control")."""
+
+    sign_records: bool = option(True, honoured_by=(ASYNC,), instead=_NO_PUBLISHING_SAMPLERS)
+    """Every sampler signs its records (Ed25519, a key made where it runs); the learner accepts
+    only records of enrolled, unrevoked samplers (refused: hetero/rejected/{unsigned,
+    unenrolled, revoked, bad_signature, sampler_mismatch}). The learner enrols the samplers it
+    launches; others through ``enrolment_file``."""
+    enrolment_file: str = option("", honoured_by=(ASYNC,), instead=_NO_PUBLISHING_SAMPLERS)
+    """sign_records: a JSON enrolment file of samplers outside the learner's Ray job (remote
+    samplers, ``python -m verl_ext.hetero.auth enrol``), re-read when it changes; "" = none."""
+    verify_fraction: float = option(0.25, honoured_by=(ASYNC,), instead=_NO_PUBLISHING_SAMPLERS)
+    """Fraction of groups whose log-probs q the learner re-scores under the weights of the version
+    the sampler claims (a seeded draw per group); 0 = none. Every group on probation is checked."""
+    probation_groups: int = option(4, honoured_by=(ASYNC,), instead=_NO_PUBLISHING_SAMPLERS)
+    """A sampler's first this-many checks are made on every group it sends."""
+    logprob_tolerance: float = option(1e-3, honoured_by=(ASYNC,), instead=_NO_PUBLISHING_SAMPLERS)
+    """Largest |log q reported - log q re-scored| over a checked group's tokens that passes. The
+    default is 9x the largest honest difference measured on the CPU engine (1.1e-4 over 320
+    groups, docs/reliability.md); a sampler on other kernels (vLLM, bf16) needs its own measurement."""
+    check_rewards: bool = option(True, honoured_by=(ASYNC,), instead=_NO_PUBLISHING_SAMPLERS)
+    """Recompute every group's rewards (and, for group-local estimators such as grpo, its
+    advantages) from its tokens and the learner's own copy of the prompt's answer; a mismatch, or a
+    prompt the learner's task does not have, fails the check."""
+    trust_penalty: float = option(1.0, honoured_by=(ASYNC,), instead=_NO_PUBLISHING_SAMPLERS)
+    """Trust (1 at the start) lost per failed check."""
+    trust_recovery: float = option(0.05, honoured_by=(ASYNC,), instead=_NO_PUBLISHING_SAMPLERS)
+    """Trust regained per passed check (capped at 1)."""
+    quarantine_below: float = option(0.5, honoured_by=(ASYNC,), instead=_NO_PUBLISHING_SAMPLERS)
+    """Below this trust a sampler is quarantined for the rest of the run: its later records are
+    refused (hetero/rejected/quarantined) and its groups accepted since its last passed check are
+    dropped from the buffer (hetero/dropped/quarantined). Defaults: one failed check quarantines."""
+    max_divergence: float = option(0.0, honoured_by=(ASYNC,), instead=_NO_PUBLISHING_SAMPLERS)
+    """A per-sampler bound set by measurement (0 = off): while the mean over a sampler's last
+    ``divergence_window`` consumed groups of mean(log q - log p) (the KL estimate of sampler from
+    learner, measured in the learner's step) is above it, that sampler's groups are refused
+    (hetero/rejected/divergent). Beside max_delay: a slow-but-close sampler keeps contributing,
+    a fast-but-divergent one does not."""
+    divergence_window: int = option(8, honoured_by=(ASYNC,), instead=_NO_PUBLISHING_SAMPLERS)
+    """Consumed groups per sampler the divergence bound averages over."""
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first bad field."""
+        for key in ("verify_fraction", "quarantine_below"):
+            if not 0.0 <= getattr(self, key) <= 1.0:
+                raise ValueError(f"hetero.trust.{key}={getattr(self, key)!r} must be in [0, 1]")
+        for key in ("probation_groups", "trust_penalty", "trust_recovery", "max_divergence"):
+            if getattr(self, key) < 0:
+                raise ValueError(f"hetero.trust.{key}={getattr(self, key)!r} must be >= 0")
+        if not self.logprob_tolerance > 0:
+            raise ValueError(f"hetero.trust.logprob_tolerance={self.logprob_tolerance!r} must be > 0")
+        if self.divergence_window < 1:
+            raise ValueError(f"hetero.trust.divergence_window={self.divergence_window!r} must be >= 1")
+        if self.enrolment_file and not self.sign_records:
+            raise ValueError("hetero.trust.enrolment_file is set but hetero.trust.sign_records=false: "
+                             "the learner would not check signatures")  # fmt: skip
+
+    def ledger(self, seed: int):
+        """The run's :class:`~verl_ext.hetero.trust.TrustLedger`."""
+        from verl_ext.hetero.trust import TrustLedger
+
+        return TrustLedger(verify_fraction=self.verify_fraction, probation_groups=self.probation_groups,
+                           penalty=self.trust_penalty, recovery=self.trust_recovery,
+                           quarantine_below=self.quarantine_below, max_divergence=self.max_divergence,
+                           divergence_window=self.divergence_window, seed=seed)  # fmt: skip
+
+
 @dataclass
 class HeteroConfig:
     """Heterogeneous-runtime settings shared by the local and the verl engine."""
@@ -217,6 +295,8 @@ class HeteroConfig:
     })
     """async: Ray custom resources every sampler actor (restarts too) requests, e.g.
     {sampler_node: 0.01}; empty/null = anywhere."""
+    trust: TrustConfig = option(factory=TrustConfig, honoured_by=(ASYNC,), instead=_NO_PUBLISHING_SAMPLERS)
+    """Samplers you do not control: signed records, checks, trust, quarantine (async mode)."""
     dry_run: bool = option(False, honoured_by=EVERYWHERE)
     """Validate the config, print the plan and exit without running."""
     seed: int = option(0, honoured_by=EVERYWHERE)
@@ -225,6 +305,8 @@ class HeteroConfig:
     def __post_init__(self):
         if isinstance(self.delay, dict):
             self.delay = DelayConfig(**self.delay)
+        if isinstance(self.trust, dict):
+            self.trust = TrustConfig(**self.trust)
         # the YAML declares them null (so `hetero.learner_ray_resources={name: amount}` composes)
         for key in ("learner_ray_resources", "sampler_ray_resources"):
             if getattr(self, key) is None:
@@ -289,6 +371,7 @@ class HeteroConfig:
             self.delay.build()
         except ValueError as err:
             raise ValueError(f"hetero.delay: {err}") from None
+        self.trust.validate()
 
     def speed_factors(self) -> list[float]:
         return list(self.sampler_speed_factors) or [1.0] * self.num_samplers
@@ -306,7 +389,12 @@ class HeteroConfig:
         unknown_delay = sorted(set(delay) - known_delay)
         if unknown_delay:
             raise ValueError(f"unknown hetero.delay keys {unknown_delay}; known: {sorted(known_delay)}")
-        return cls(delay=DelayConfig(**delay), **data)
+        trust = data.pop("trust", {}) or {}
+        known_trust = {f.name for f in fields(TrustConfig)}
+        unknown_trust = sorted(set(trust) - known_trust)
+        if unknown_trust:
+            raise ValueError(f"unknown hetero.trust keys {unknown_trust}; known: {sorted(known_trust)}")
+        return cls(delay=DelayConfig(**delay), trust=TrustConfig(**trust), **data)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

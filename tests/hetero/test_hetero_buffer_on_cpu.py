@@ -263,3 +263,14 @@ def test_threads_add_while_learner_takes():
     assert counts["generated"] == n_producers * per_producer
     assert counts["consumed"] == len(consumed)
     assert counts["consumed"] + counts["dropped"] + counts["buffered"] == counts["generated"]
+
+
+def test_the_timeout_names_the_rejections_when_every_group_was_refused():
+    """A learner whose samplers are alive but not accepted (e.g. unenrolled) says so when it gives up."""
+    from verl_ext.hetero.records import RecordRejected
+
+    buffer = RolloutBuffer(max_delay=2, wait_timeout_s=0.2)
+    for i in range(3):
+        buffer.reject(RecordRejected("sampler_id", "unenrolled", "no key", sampler_id="s9", group_uid=f"g{i}"))
+    with pytest.raises(BufferTimeout, match=r"rejected so far by reason: \{'unenrolled': 3\}"):
+        buffer.take(1, learner_version=0)

@@ -10,6 +10,12 @@ CONFIG_DIR = REPO / "recipe" / "gepo" / "config"
 CACHE_DIR = REPO / ".cache" / "heterorl"
 
 
+TRUSTING = ("hetero.trust.sign_records=false", "hetero.trust.verify_fraction=0", "hetero.trust.check_rewards=false")
+"""A learner that trusts its samplers: for tests that send synthetic groups (random tokens, any q)
+to exercise the inbox and the buffer; the trust gate has its own tests
+(tests/recipe/local/test_trust_gate_on_cpu.py)."""
+
+
 def compose_trainer(*overrides: str):
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
         return compose(config_name="gepo_trainer", overrides=[f"task.cache_dir={CACHE_DIR}", *overrides])

@@ -19,7 +19,7 @@ from verl_ext.hetero.exchange import ROLLOUT_TOPIC, send_group
 from verl_ext.hetero.records import RolloutGroup
 from verl_ext.hetero.transport import FsspecTransport, checksum
 
-from .conftest import compose_trainer
+from .conftest import TRUSTING, compose_trainer
 
 G, R = 8, 6  # G = actor_rollout_ref.rollout.n of the default config
 
@@ -62,7 +62,7 @@ def bad(kind):
 @pytest.fixture(scope="module")
 def worker(tmp_path_factory, toy_model_path):
     root = tmp_path_factory.mktemp("exchange")
-    cfg = compose_trainer("hetero.transport=fs", f"trainer.default_local_dir={root / 'run'}", "task.eval_size=4")
+    cfg = compose_trainer("hetero.transport=fs", f"trainer.default_local_dir={root / 'run'}", "task.eval_size=4", *TRUSTING)
     spec = TransportSpec("fsspec", url=str(root / "exchange"))
     learner = LearnerWorker(EngineConfig.from_omegaconf(cfg), toy_model_path, spec)
     return learner, FsspecTransport(spec.url)

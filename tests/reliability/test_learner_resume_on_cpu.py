@@ -12,13 +12,13 @@ from recipe.gepo.local.engine import EngineConfig
 from verl_ext.hetero.protocol import TransportSpec
 from verl_ext.hetero.exchange import send_group
 
-from .conftest import compose_trainer
+from .conftest import TRUSTING, compose_trainer
 from .test_bad_data_on_cpu import group
 
 
 def new_worker(root, model_path, batch):
     cfg = compose_trainer("hetero.transport=fs", f"data.train_batch_size={batch}", "task.eval_size=4",
-                          f"trainer.default_local_dir={root / 'run'}")
+                          f"trainer.default_local_dir={root / 'run'}", *TRUSTING)
     spec = TransportSpec("fsspec", url=str(root / "exchange"))
     worker = LearnerWorker(EngineConfig.from_omegaconf(cfg), model_path, spec)
     worker.source._stop.set()  # no background poller: the test polls by hand, deterministically

@@ -38,7 +38,7 @@ def test_learner_fails_clearly_after_the_wait_timeout(stalled_run):
     output = proc.stdout + proc.stderr
     assert proc.returncode != 0, output[-3000:]
     assert f"waited {WAIT_TIMEOUT_S:.1f}s for 8 groups at learner_version=0" in output, output[-3000:]
-    assert "Are the samplers alive and receiving weights?" in output
+    assert "Are the samplers alive, receiving weights, and (hetero.trust) enrolled?" in output
     assert "have 0 fresh groups" in output
     # it really waited (not an instant crash) and did not hang (the subprocess timeout is 240 s)
     assert elapsed >= WAIT_TIMEOUT_S

@@ -170,6 +170,16 @@ class RolloutBuffer:
             self._cond.notify_all()
             return True
 
+    def purge(self, uids, reason: str) -> int:
+        """Drop the buffered groups among ``uids`` (counted under ``hetero/dropped/<reason>``);
+        uids not buffered are left as they are. Returns how many were dropped."""
+        with self._cond:
+            dropped = [uid for uid in uids if uid in self._groups]
+            for uid in dropped:
+                self._drop(uid, reason)
+            self._cond.notify_all()
+            return len(dropped)
+
     def reject(self, err: RecordRejected) -> None:
         """Count a record refused before it could be decoded or validated here (e.g. by the
         transport's signature check): as :meth:`add` counts its own rejections."""
@@ -295,7 +305,10 @@ class RolloutBuffer:
         if blocking:
             shown = ", ".join(f"{uid} (v{version}, {sampler})" for uid, version, sampler in blocking[:5])
             msg += f"; still waiting for {len(blocking)} expected groups: {shown}"
-        return msg + ". Are the samplers alive and receiving weights?"
+        rejected = {k.split(":", 1)[1]: v for k, v in self.ledger.counts().items() if k.startswith(f"{REJECTED}:")}
+        if rejected:  # e.g. every group refused as unenrolled: the samplers are alive but not accepted
+            msg += f"; rejected so far by reason: {dict(sorted(rejected.items()))}"
+        return msg + ". Are the samplers alive, receiving weights, and (hetero.trust) enrolled?"
 
     # ---------------------------------------------------------------- reporting
     def __len__(self) -> int:

@@ -21,11 +21,12 @@ Recommended learner loop::
 from __future__ import annotations
 
 from collections import Counter
+from typing import Protocol
 
 from verl_ext.hetero.auth import Enrolment, SamplerKey, unverified_record
 from verl_ext.hetero.buffer import REJECTED, RolloutBuffer
 from verl_ext.hetero.protocol import EXPECTED_TOPIC, ROLLOUT_TOPIC, Announcement
-from verl_ext.hetero.records import RecordRejected, RolloutGroup
+from verl_ext.hetero.records import RecordRejected, RolloutGroup, validate_group
 from verl_ext.hetero.transport import CorruptMessage, MessageInfo, Transport, check_name
 
 __all__ = ["ROLLOUT_TOPIC", "RolloutInbox", "send_group"]
@@ -47,6 +48,17 @@ def send_group(transport: Transport, group: RolloutGroup, topic: str = ROLLOUT_T
     return transport.put(topic, group.group_uid, data)
 
 
+class GroupGate(Protocol):
+    """What a learner checks of a decoded group before it may enter the buffer
+    (:class:`~recipe.gepo.local.async_mode.TransportSource` is one: trust, verification)."""
+
+    def admit(self, group: RolloutGroup) -> None:
+        """Raise :class:`RecordRejected` to refuse ``group``."""
+
+    def accepted(self, group: RolloutGroup) -> None:
+        """``group`` entered the buffer."""
+
+
 class RolloutInbox:
     """Reads rollout messages into a buffer (see module docstring).
 
@@ -58,18 +70,21 @@ class RolloutInbox:
     ``stats`` counters: ``received`` (handed to the buffer), ``corrupt`` (failed checksum or not
     decodable; counted once per message version, never handed over), ``uid_mismatch`` (payload
     uid differs from its key), ``unauthenticated`` (refused by the signature check: counted by
-    the buffer under its reason), ``acknowledged`` (deleted after a checkpoint).
+    the buffer under its reason), ``refused`` (refused by the gate), ``acknowledged`` (deleted
+    after a checkpoint).
 
     With ``enrolment`` (:class:`~verl_ext.hetero.auth.Enrolment`) only records signed by an
     enrolled, unrevoked sampler, and naming that sampler, are decoded and handed over; without
-    it a signed record is read without checking its signature.
+    it a signed record is read without checking its signature. With ``gate``, a decoded group
+    also passes :meth:`GroupGate.admit` first (refusals counted by the buffer under their reason).
     """
 
     def __init__(self, transport: Transport, buffer: RolloutBuffer, topic: str = ROLLOUT_TOPIC,
-                 announcements: Transport | None = None, enrolment: Enrolment | None = None):
+                 announcements: Transport | None = None, enrolment: Enrolment | None = None,
+                 gate: GroupGate | None = None):  # fmt: skip
         self.transport, self.buffer, self.topic = transport, buffer, check_name("topic", topic)
         self.announcements = announcements
-        self.enrolment = enrolment
+        self.enrolment, self.gate = enrolment, gate
         self.stats: Counter[str] = Counter()
         self._processed: set[tuple[str, str]] = set()  # (key, sha256) already handled this session
         self._announced: dict[str, tuple[int, str]] = {}  # uid -> (version, sampler), parsed once
@@ -148,7 +163,19 @@ class RolloutInbox:
                                                   sampler_id=signer, group_uid=key))  # fmt: skip
                 continue
             self.stats["received"] += 1
-            accepted += int(self.buffer.add(group))
+            if self.gate is not None:
+                try:
+                    # malformed first, with its named reason; only a well-formed group meets the gate
+                    validate_group(group, self.buffer.spec, learner_version=self.buffer.learner_version)
+                    self.gate.admit(group)
+                except RecordRejected as err:
+                    self.stats["refused"] += 1
+                    self.buffer.reject(err)
+                    continue
+            if self.buffer.add(group):
+                accepted += 1
+                if self.gate is not None:
+                    self.gate.accepted(group)
         return accepted
 
     def acknowledge(self, buffer_state: dict) -> int:

@@ -44,9 +44,12 @@ from recipe.gepo.local.policy import load_policy
 from recipe.gepo.local.rollout import RolloutSettings, generate_groups
 from recipe.gepo.local.run_utils import MetricLogger, RunSettings
 from recipe.gepo.local.tasks import Task
+from recipe.gepo.local.verify import TrustGate
 from verl_ext.hetero.affinity import Pinned, machine_cpus, pin_process
+from verl_ext.hetero.auth import SamplerKey
 from verl_ext.hetero.delay_channel import DelayChannel
 from verl_ext.hetero.exchange import RolloutInbox, send_group
+from verl_ext.hetero.records import RolloutGroup
 from verl_ext.hetero.protocol import (
     CONTROL_TOPIC,
     EXPECTED_TOPIC,
@@ -112,9 +115,16 @@ class SamplerWorker:
     """Weight store counter -> sampler stat: which path each load took (hetero.weight_sync)."""
 
     def __init__(self, index: int, engine: EngineConfig, model_path: str, spec: TransportSpec,
-                 speed_factor: float, uid_namespace: str):
+                 speed_factor: float, uid_namespace: str, key: Optional[SamplerKey] = None):
         pin_worker(engine.hetero.sampler_cpus, "hetero.sampler_cpus")
         self.index, self.sampler_id = index, f"sampler-{index}"
+        # hetero.trust.sign_records: signed with a key made here (or the remote sampler's key
+        # file); the learner enrols its public half (RemoteRuntime._launch, or enrolment_file)
+        if key is not None and key.sampler_id != self.sampler_id:
+            raise ValueError(f"the key is {key.sampler_id!r}'s, this sampler is {self.sampler_id!r}")
+        if key is None and engine.hetero.trust.sign_records:
+            key = SamplerKey.generate(self.sampler_id)
+        self.key = key if engine.hetero.trust.sign_records else None
         self.uid_namespace = uid_namespace  # unique per launch: a restarted sampler never reuses a uid
         self.hetero, self.settings, self.algorithm_config = engine.hetero, engine.settings, engine.algorithm
         self.task = Task(engine.task, self.hetero.seed)
@@ -160,8 +170,14 @@ class SamplerWorker:
     def stopped(self) -> bool:
         return stop_requested(self.transport)
 
-    def run(self, start_batch: int = 0, max_batches: Optional[int] = None) -> dict[str, float]:
-        """Generate until the stop marker appears (or ``max_batches``); returns counters."""
+    def public_key(self) -> Optional[str]:
+        """The public half of this sampler's signing key (hex), or None when it does not sign."""
+        return None if self.key is None else self.key.public_hex()
+
+    def run(self, start_batch: int = 0, max_batches: Optional[int] = None, enrolled: Any = None) -> dict[str, float]:
+        """Generate until the stop marker appears (or ``max_batches``); returns counters.
+        ``enrolled``: the learner's enrolment of this sampler's key (a Ray object ref the run
+        waits for, so no record is sent before the learner accepts its signature)."""
         batch_index = start_batch
         while not self.stopped() and (max_batches is None or batch_index - start_batch < max_batches):
             self._refresh_weights()
@@ -194,13 +210,18 @@ class SamplerWorker:
             if self.speed_factor > 1:
                 time.sleep(gen_s * (self.speed_factor - 1))  # slower hardware: same work takes longer
             for group in groups:
-                send_group(self.transport, group)
+                self.send(group)
             self.stats["batches"] += 1
             self.stats["groups"] += len(groups)
             self.stats["tokens"] += sum(int(g.response_mask.sum()) for g in groups)
             self.stats["gen_s"] += gen_s
             batch_index += 1
         return dict(self.stats, next_batch=batch_index)
+
+    def send(self, group: RolloutGroup) -> None:
+        """Publish one group (signed when the sampler has a key). The soak's lying samplers
+        (scripts/soak_harness/liars.py) change the group here."""
+        send_group(self.transport, group, key=self.key)
 
     def counters(self) -> dict[str, float]:
         return dict(self.stats)
@@ -218,15 +239,19 @@ def rollout_inbox_transport(hetero: HeteroConfig, transport):
 class TransportSource:
     """Async mode's :class:`~recipe.gepo.local.engine.RolloutSource`: groups arrive from sampler
     actors over the transport (a background thread polls them into the buffer); weights go out
-    through a ``WeightStore``; the learner's status is published after every step."""
+    through a ``WeightStore``; the learner's status is published after every step.
+
+    Groups pass the :class:`~recipe.gepo.local.verify.TrustGate` on their way into the buffer
+    (``hetero.trust``: signatures, checks, trust, quarantine, the divergence bound)."""
 
     def __init__(self, runtime: LearnerRuntime, spec: TransportSpec):
         hetero = runtime.engine.hetero
         self.hetero, self.buffer = hetero, runtime.buffer
         self.transport = spec.open()
+        self.gate = TrustGate(runtime.engine, runtime.model_path, runtime.task, runtime.buffer)
         announcements = self.transport if hetero.stale_policy == "wait" else None
-        self.inbox = RolloutInbox(rollout_inbox_transport(hetero, self.transport), self.buffer,
-                                  announcements=announcements)  # fmt: skip
+        self.inbox = RolloutInbox(rollout_inbox_transport(hetero, self.transport), self.buffer, announcements=announcements,
+                                  enrolment=self.gate.enrolment, gate=self.gate)  # fmt: skip
         self.weights = weight_store(hetero, self.transport, pipelined=True)
         self._stop = threading.Event()
         self._hungry = threading.Event()  # set while the learner is blocked in take()
@@ -241,6 +266,9 @@ class TransportSource:
         # versions newer than ours (published after the checkpoint we resume from, or by a
         # previous run) would look like the future to samplers and to the buffer
         self.weights.delete_newer_than(learner_version)
+        if checkpoint is not None and "trust" in checkpoint:
+            self.gate.load_state_dict(checkpoint["trust"])  # a quarantined sampler stays so
+        self.gate.reload_enrolment()
         self._poller.start()
 
     # Poll intervals (s). The transport has no notification, so the inbox lists it: every
@@ -253,6 +281,7 @@ class TransportSource:
     def _poll_loop(self) -> None:
         interval = self.POLL_HUNGRY_S
         while not self._stop.is_set():
+            self.gate.reload_enrolment()
             accepted = self.inbox.poll()
             self.inbox.poll_announcements()
             if accepted or self._hungry.is_set():
@@ -271,19 +300,30 @@ class TransportSource:
             groups = self.buffer.take(n, learner_version=learner_version)
         finally:
             self._hungry.clear()
-        return Batch(groups, wait_s=time.perf_counter() - t0,
-                     metrics={f"hetero/inbox_{k}": float(v) for k, v in self.inbox.stats.items()})  # fmt: skip
+        metrics = {f"hetero/inbox_{k}": float(v) for k, v in self.inbox.stats.items()}
+        metrics.update(self.gate.metrics())
+        return Batch(groups, wait_s=time.perf_counter() - t0, metrics=metrics)
 
     def publish(self, weights, version: int) -> None:
+        self.gate.remember(version, weights)
         self.weights.publish(version, weights)
         if self.hetero.max_queued_groups > 0:
             publish_status(self.transport, LearnerStatus(version=int(version), queue_depth=len(self.buffer)), wait=False)
 
     def state_dict(self) -> dict[str, Any]:
-        return {}
+        return {"trust": self.gate.state_dict()}
 
     def acknowledge(self, buffer_state: dict) -> int:
         return self.inbox.acknowledge(buffer_state)
+
+    def enrol(self, sampler_id: str, public_hex: Optional[str]) -> None:
+        self.gate.enrol(sampler_id, public_hex)
+
+    def trained(self, groups: list[RolloutGroup], divergence: list[float]) -> None:
+        self.gate.trained(groups, divergence)
+
+    def drain_events(self) -> list[dict]:
+        return self.gate.drain_events()
 
     def close(self) -> None:
         self._stop.set()
@@ -299,6 +339,12 @@ class LearnerWorker(LearnerRuntime):
     def __init__(self, engine: EngineConfig, model_path: str, spec: TransportSpec):
         pin_worker(engine.hetero.learner_cpus, "hetero.learner_cpus")
         super().__init__(engine, model_path, lambda runtime: TransportSource(runtime, spec))
+
+    @ray.method(concurrency_group="control")
+    def enrol(self, sampler_id: str, public_hex: Optional[str]) -> None:
+        """Enrol a launched sampler's key while a step runs (its own thread: the step may be
+        waiting for that sampler's groups)."""
+        self.source.enrol(sampler_id, public_hex)
 
 
 class _SamplerCounters:
@@ -357,7 +403,7 @@ class RemoteRuntime:
         hetero = engine.hetero
         # actors hold no CPU reservation: on a 2-core laptop the learner and samplers share the
         # cores (hetero.*_cpus pins them); custom resources place them on a cluster's nodes
-        self.learner = ray.remote(num_cpus=0)(LearnerWorker).options(
+        self.learner = ray.remote(num_cpus=0, concurrency_groups={"control": 1})(LearnerWorker).options(
             name=LEARNER_ACTOR, **_placement(hetero.learner_ray_resources)
         ).remote(engine, model_path, spec)
         # two threads: run() generates while counters() answers the driver
@@ -379,7 +425,9 @@ class RemoteRuntime:
             i, self.engine, self.model_path, self.spec, self.engine.hetero.speed_factors()[i], self.namespaces[i]
         )
         self.restarts[i] += 1
-        self.runs[self.samplers[i].run.remote(self.next_batch[i])] = i
+        # its key is made where it runs; the learner enrols the public half before it sends
+        enrolled = self.learner.enrol.remote(f"sampler-{i}", self.samplers[i].public_key.remote())
+        self.runs[self.samplers[i].run.remote(self.next_batch[i], enrolled=enrolled)] = i
 
     def start(self, checkpoint: Optional[dict]) -> int:
         version = ray.get(self.learner.start.remote(checkpoint))
@@ -443,6 +491,9 @@ class RemoteRuntime:
 
     def evaluate(self, seed: int) -> dict[str, float]:
         return ray.get(self.learner.evaluate.remote(seed))
+
+    def drain_events(self) -> list[dict]:
+        return ray.get(self.learner.drain_events.remote())
 
     def checkpoint_state(self) -> dict[str, Any]:
         return ray.get(self.learner.checkpoint_state.remote())

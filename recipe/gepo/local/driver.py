@@ -36,7 +36,7 @@ from recipe.gepo.local.tasks import Task
 from verl_ext.hetero.buffer import RolloutBuffer
 from verl_ext.hetero.records import RecordSpec
 from verl_ext.loss_bridge import rollout_correction_settings
-from verl_ext.rundir import load_latest_checkpoint, save_checkpoint, truncate_metrics
+from verl_ext.rundir import append_event, load_latest_checkpoint, save_checkpoint, truncate_metrics
 
 
 # ---------------------------------------------------------------------------- learner
@@ -107,6 +107,7 @@ class LearnerRuntime:
         diag = step_diagnostics(self.model, self.tokenizer, batch.groups, self.task, engine, step, self.learner.version)
         t_train = time.perf_counter()
         metrics = self.learner.train_step(batch.groups)
+        self.source.trained(batch.groups, self.learner.group_divergence)
         metrics.update(diag)
         t_publish = time.perf_counter()
         self._publish()
@@ -120,6 +121,9 @@ class LearnerRuntime:
 
     def evaluate(self, seed: int) -> dict[str, float]:
         return self.task.evaluate(self.model, self.tokenizer, self.engine.settings.max_new_tokens, seed=seed)
+
+    def drain_events(self) -> list[dict]:
+        return self.source.drain_events()
 
     def checkpoint_state(self) -> dict[str, Any]:
         return {"learner": self.learner.state_dict(), "buffer": self.buffer.state_dict(), **self.source.state_dict()}
@@ -156,6 +160,10 @@ def run_loop(runtime: Any, engine: EngineConfig, logger: MetricLogger, desc: str
     last = time.perf_counter()
     for step in bar:
         metrics = runtime.step(step)
+        for event in runtime.drain_events():  # e.g. a sampler quarantined (hetero.trust)
+            append_event(settings.run_dir, {"step": step + 1, **event})
+            bar.write(f"[heterorl] step {step + 1}: {event['event']}: " + ", ".join(
+                f"{k}={v}" for k, v in event.items() if k not in ("event", "time")))
         # the loop's wall clock per step: the step plus the previous step's logging, evaluation
         # and checkpoint, and (async) the round trip to the learner actor
         now = time.perf_counter()

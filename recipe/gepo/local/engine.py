@@ -125,4 +125,11 @@ class RolloutSource(Protocol):
     def acknowledge(self, buffer_state: dict) -> int:
         """After a checkpoint holding ``buffer_state`` is durable."""
 
+    def trained(self, groups: list[RolloutGroup], divergence: list[float]) -> None:
+        """After a step on ``groups``: each group's measured divergence (mean over its tokens of
+        log q - log p under the weights the step started from)."""
+
+    def drain_events(self) -> list[dict]:
+        """Events for the run's records since the last call (e.g. a sampler quarantined)."""
+
     def close(self) -> None: ...

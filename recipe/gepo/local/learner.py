@@ -72,6 +72,18 @@ def collate_groups(groups: list[RolloutGroup], pad_token_id: int) -> dict[str, t
     }  # fmt: skip
 
 
+def group_divergence(log_p: torch.Tensor, log_q: torch.Tensor, mask: torch.Tensor, num_groups: int,
+                     group_index: torch.Tensor) -> list[float]:
+    """Per group, the mean over its response tokens of log q - log p: the KL estimate of the
+    sampler's distribution from the learner's (``hetero.trust.max_divergence``).
+    (B, T) x2, bool (B, T), (B,) group index -> [num_groups]."""
+    diff = ((log_q - log_p) * mask).sum(dim=-1)
+    tokens = mask.sum(dim=-1).float()
+    total = torch.zeros(num_groups).index_add_(0, group_index, diff.float())
+    count = torch.zeros(num_groups).index_add_(0, group_index, tokens)
+    return (total / count.clamp(min=1)).tolist()
+
+
 def log_probs_and_entropy(
     model, batch: dict[str, torch.Tensor], temperature: float, with_entropy: bool
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
@@ -156,6 +168,7 @@ class Learner:
         if scale is not None and isinstance(info, dict):
             info["loss_scale_factor"] = scale
         self.version = 0  # optimizer steps taken = the policy version of the current weights
+        self.group_divergence: list[float] = []  # of the last loss() call, one per group
         self.nonfinite_skipped = 0
         self._consecutive_nonfinite = 0
 
@@ -177,6 +190,8 @@ class Learner:
                     batch["response_mask"], self.temperature,
                 )  # fmt: skip
         loss, metrics = self.policy_loss(log_prob, batch, group_log_denominator)
+        self.group_divergence = group_divergence(log_prob.detach(), batch["sampler_logprobs"], mask, len(groups),
+                                                 batch["group_index"])  # fmt: skip
         return loss, metrics, batch
 
     def train_step(self, groups: list[RolloutGroup]) -> dict[str, float]:

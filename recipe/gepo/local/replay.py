@@ -85,6 +85,12 @@ class ReplaySource:
     def acknowledge(self, buffer_state: dict) -> int:
         return 0  # nothing outside this process holds the groups
 
+    def trained(self, groups: list, divergence: list[float]) -> None:
+        pass  # the one sampler is this process: nothing to bound
+
+    def drain_events(self) -> list[dict]:
+        return []
+
     def close(self) -> None:
         pass
 

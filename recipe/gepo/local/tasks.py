@@ -64,6 +64,22 @@ class Task:
         picks = rng.choice(len(self._train_pool), size=n, replace=len(self._train_pool) < n)
         return [self._train_pool[i] for i in picks]
 
+    def answer_for(self, prompt: str) -> str | None:
+        """The answer of a training prompt from the learner's own copy of the task (not from the
+        sampler's record), or None when the task has no such prompt: what the learner recomputes a
+        sampler's rewards against (``hetero.trust.check_rewards``)."""
+        if self._train_pool is None:
+            import re
+
+            from verl_ext.data.toy.problems import make_problem
+
+            d = self.config.digits
+            match = re.fullmatch(rf"(\d{{{d}}})\+(\d{{{d}}})=", prompt)
+            return make_problem(int(match[1]), int(match[2]), d)[1] if match else None
+        if not hasattr(self, "_answers"):
+            self._answers = {item["prompt"]: item["answer"] for item in self._train_pool}
+        return self._answers.get(prompt)
+
     @property
     def data_source(self) -> str:
         """The ``data_source`` of this task's rows, as verl's data files carry it (toy:

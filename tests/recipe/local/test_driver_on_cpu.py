@@ -11,7 +11,7 @@ from recipe.gepo.local.engine import EngineConfig
 from verl_ext.hetero.exchange import send_group
 from verl_ext.loss_bridge import rollout_correction_settings
 
-from .test_wait_policy_on_cpu import _groups, _learner, _until
+from .test_wait_policy_on_cpu import KEY, _groups, _learner, _until
 
 
 def test_async_learner_applies_rollout_correction_and_diagnostics(tiny_cfg, tmp_path):
@@ -22,7 +22,7 @@ def test_async_learner_applies_rollout_correction_and_diagnostics(tiny_cfg, tmp_
     try:
         assert worker.learner.rollout_correction.rollout_is_threshold == 1.5
         for g in _groups(worker, "g", 0, 2):
-            send_group(worker.source.transport, g)
+            send_group(worker.source.transport, g, key=KEY)
         _until(lambda: len(worker.buffer) == 2, "the groups")
         metrics = worker.step(0)
         assert 0 < metrics["is/tis_weight_mean"] <= 1.5  # truncated importance weights were applied

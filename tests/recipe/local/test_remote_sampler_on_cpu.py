@@ -20,6 +20,7 @@ import torch
 
 from recipe.gepo.main_gepo import run
 from recipe.gepo.remote_sampler import check_remote_config, compose_config, main
+from verl_ext.hetero import auth
 
 from .helpers import TINY, read_metrics
 
@@ -45,18 +46,40 @@ def test_the_command_line_names_the_missing_url_and_exits_2(capsys):
     assert "hetero.transport_url is empty" in capsys.readouterr().err
 
 
+def test_a_signing_remote_sampler_needs_its_own_key(tmp_path, capsys):
+    """hetero.trust.sign_records (the default): no --key, another sampler's key, or a key with
+    signing off are refused by name before anything starts."""
+    url = ["hetero.transport_url=/x"]
+    assert main(["--index", "3", *url]) == 2
+    assert "give --key <file>" in capsys.readouterr().err
+    key_file = tmp_path / "k.key"
+    assert auth.main(["keygen", str(key_file), "sampler-4"]) == 0
+    capsys.readouterr()
+    assert main(["--index", "3", "--key", str(key_file), *url, "hetero.dry_run=true"]) == 2
+    assert "is 'sampler-4''s key; this is sampler-3" in capsys.readouterr().err
+    assert main(["--index", "3", "--key", str(key_file), *url, "hetero.trust.sign_records=false"]) == 2
+    assert "nothing would be signed" in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_a_remote_sampler_process_feeds_the_learner_through_the_exchange(tiny_model_path, tmp_path):
     exchange = tmp_path / "exchange"
+    # the operator's steps: a key made for the sampler, its public half enrolled where the learner reads
+    key_file, enrolment = tmp_path / "sampler-7.key", tmp_path / "enrolment.json"
+    public = subprocess.run([sys.executable, "-m", "verl_ext.hetero.auth", "keygen", str(key_file), "sampler-7"],
+                            cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
+    subprocess.run([sys.executable, "-m", "verl_ext.hetero.auth", "enrol", str(enrolment), "sampler-7", public],
+                   cwd=ROOT, check=True)  # fmt: skip
     shared = [*TINY, f"actor_rollout_ref.model.path={tiny_model_path}", "hetero.mode=async", "hetero.transport=fs",
               f"hetero.transport_url={exchange}", "hetero.num_samplers=1", "hetero.max_delay=4",
               "hetero.delay.dist=constant", "hetero.delay.value=0.0", "hetero.wait_timeout_s=120"]  # fmt: skip
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    remote = subprocess.Popen([sys.executable, "-m", "recipe.gepo.remote_sampler", "--index", "7", *shared],
+    remote = subprocess.Popen([sys.executable, "-m", "recipe.gepo.remote_sampler", "--index", "7", "--key", str(key_file), *shared],
                               cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
     try:
         # the local sampler is 30x slower than it is: most groups must come from the remote one
         cfg = compose_config([*shared, "hetero.sampler_speed_factors=[30.0]", "trainer.total_training_steps=8",
+                              f"hetero.trust.enrolment_file={enrolment}",
                               "trainer.test_freq=0", "trainer.save_freq=8", f"trainer.default_local_dir={tmp_path / 'run'}"])  # fmt: skip
         run(cfg)
         out, err = remote.communicate(timeout=120)  # it stops at the learner's stop marker

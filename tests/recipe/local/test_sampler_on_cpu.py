@@ -107,6 +107,7 @@ def test_learner_publishes_its_queue_depth_for_back_pressure(tiny_cfg, tmp_path)
         assert read_record(transport, LearnerStatus, CONTROL_TOPIC, STATUS_KEY) == LearnerStatus(version=0, queue_depth=0)
         sampler = SamplerWorker(0, EngineConfig.from_omegaconf(cfg), cfg.actor_rollout_ref.model.path,
                                 spec, 1.0, "s0-test")  # fmt: skip
+        learner.enrol(sampler.sampler_id, sampler.public_key())  # as RemoteRuntime does before run()
         sampler.run(max_batches=2)  # 2 prompts a batch: 4 groups reach the learner's buffer
         deadline = time.monotonic() + 30
         while len(learner.buffer) < 4 and time.monotonic() < deadline:

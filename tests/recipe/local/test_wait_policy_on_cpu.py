@@ -19,6 +19,7 @@ import pytest
 from recipe.gepo.local.async_mode import LearnerWorker, SamplerWorker
 from recipe.gepo.local.engine import EngineConfig
 from recipe.gepo.main_gepo import run
+from verl_ext.hetero.auth import SamplerKey
 from verl_ext.hetero.buffer import BufferTimeout
 from verl_ext.hetero.exchange import send_group
 from verl_ext.hetero.protocol import EXPECTED_TOPIC, ROLLOUT_TOPIC, Announcement, TransportSpec, announce, clear_topic
@@ -30,12 +31,18 @@ from .helpers import wait_until as _until
 LATE_S = 1.5  # the straggler arrives this long after the learner wants to step
 
 
+KEY = SamplerKey.generate("sampler-7")
+"""The key of the sampler these tests play (``_groups``); ``_learner`` enrols it, as the engine
+enrols the samplers it launches."""
+
+
 def _learner(tiny_cfg, tmp_path, policy: str, *overrides: str) -> LearnerWorker:
     cfg = tiny_cfg(tmp_path / "run", "hetero.mode=async", "hetero.max_delay=1", f"hetero.stale_policy={policy}",
                    "hetero.transport=fs", *overrides)  # fmt: skip
     worker = LearnerWorker(EngineConfig.from_omegaconf(cfg), cfg.actor_rollout_ref.model.path,
                            TransportSpec("fsspec", url=str(tmp_path / "exchange")))  # fmt: skip
     worker.start()  # publishes version 0, starts polling rollouts (and announcements under wait)
+    worker.enrol(KEY.sampler_id, KEY.public_hex())
     return worker
 
 
@@ -53,7 +60,7 @@ def _groups(worker: LearnerWorker, prefix: str, version: int, n: int) -> list[Ro
 def _to_version_1(worker: LearnerWorker) -> None:
     transport = worker.source.transport
     for g in _groups(worker, "first", 0, 2):
-        send_group(transport, g)
+        send_group(transport, g, key=KEY)
     _until(lambda: len(worker.buffer) == 2, "the first batch")
     worker.step()
     assert worker.learner.version == 1
@@ -69,11 +76,11 @@ def test_async_wait_holds_the_step_for_an_announced_group_at_the_edge(tiny_cfg, 
         straggler = _groups(worker, "slow", 0, 1)[0]
         announce(transport, straggler.group_uid, 0, "sampler-7")
         for g in _groups(worker, "fresh", 1, 2):
-            send_group(transport, g)
+            send_group(transport, g, key=KEY)
         _until(lambda: len(worker.buffer) == 2, "the fresh groups")
         if policy == "wait":
             _until(lambda: worker.buffer.metrics(reset=False)["hetero/expected"] == 1, "the announcement")
-        threading.Timer(LATE_S, lambda: send_group(transport, straggler)).start()
+        threading.Timer(LATE_S, lambda: send_group(transport, straggler, key=KEY)).start()
         t0 = time.monotonic()
         metrics = worker.step()
         elapsed = time.monotonic() - t0
@@ -99,7 +106,7 @@ def test_async_wait_fails_after_the_timeout_naming_the_group_and_a_dead_samplers
         _to_version_1(worker)
         announce(transport, "s9-dead-b0-0", 0, "sampler-9")
         for g in _groups(worker, "fresh", 1, 2):
-            send_group(transport, g)
+            send_group(transport, g, key=KEY)
         _until(lambda: worker.buffer.metrics(reset=False)["hetero/expected"] == 1, "the announcement")
         with pytest.raises(BufferTimeout, match=r"still waiting for 1 expected groups: s9-dead-b0-0 \(v0, sampler-9\)"):
             worker.step()
@@ -123,6 +130,7 @@ def test_async_sampler_announces_its_groups_only_under_wait(tiny_cfg, tmp_path):
         learner.source._stop.set()  # no poller: the announcements stay for the test to read
         learner.start()
         sampler = SamplerWorker(0, EngineConfig.from_omegaconf(cfg), cfg.actor_rollout_ref.model.path, spec, 1.0, "s0-t")
+        learner.enrol(sampler.sampler_id, sampler.public_key())  # as RemoteRuntime does before run()
         sampler.run(max_batches=1)
         transport = spec.open()
         sent = sorted(transport.keys(ROLLOUT_TOPIC))

@@ -1,0 +1,316 @@
+"""The learner's checks of what a sampler claims about a group, and the gate every arriving
+group passes on its way into the buffer (issue 23 items 1-3).
+
+A group carries claims the learner would otherwise take on trust: the log-probs q it sampled with
+(GEPO's denominator is built from them), the policy version those came from, its rewards and its
+advantages. :class:`GroupVerifier` re-derives them on the learner:
+
+- **log-probs**: the group's tokens re-scored under the weights of the version the group claims,
+  exactly as the samplers received them (the wire dtype's rounding applied; the learner keeps
+  the ``max_delay + 1`` versions a group within the bound can claim), compared with the reported
+  q token by token: the largest absolute difference must be at most
+  ``hetero.trust.logprob_tolerance``. This catches q that is scaled, shuffled, copied from another
+  version, and a claimed version other than the one used. Cost: one forward pass of the group
+  (~11 ms for G=8 x 16 tokens on the toy model, one core), paid for ``verify_fraction`` of groups.
+- **rewards** (``check_rewards``): the responses decoded from their tokens and scored by the
+  learner's own task against the learner's own copy of the prompt's answer (a prompt the task
+  does not have fails: ``unknown_prompt``); the advantages recomputed from those rewards with
+  verl's estimator when it is group-local (grpo / Dr.GRPO; BNPO normalises over the sampler's
+  whole batch, so only its rewards are checked).
+
+A check returns ``None`` (passed), or ``(reason, detail)``: reason one of ``bad_logprobs``,
+``bad_rewards``, ``bad_advantages``, ``unknown_prompt``; the caller turns it into a rejection and a
+failed check in the :class:`~verl_ext.hetero.trust.TrustLedger`.
+
+:class:`TrustGate` is what async mode's inbox asks about every decoded, well-formed group
+(:class:`~verl_ext.hetero.exchange.GroupGate`): the sampler's enrolment (signatures are checked by
+the inbox against it), quarantine and the divergence bound, replays of accepted content under a
+new uid (``replayed``), the verifier's checks, and the ledger's verdict, which may purge the
+buffer.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+import time
+from collections import OrderedDict
+from typing import Any, Mapping, Optional
+
+import numpy as np
+import torch
+
+from recipe.gepo.local.policy import load_policy, sequence_token_log_probs
+from recipe.gepo.local.rollout import sequence_advantages
+from recipe.gepo.local.tasks import Task
+from verl_ext.hetero.auth import Enrolment
+from verl_ext.hetero.buffer import RolloutBuffer
+from verl_ext.hetero.records import RecordRejected, RolloutGroup
+from verl_ext.hetero.weights import wire_tensors
+
+GROUP_LOCAL_ESTIMATORS = ("grpo",)
+"""verl advantage estimators whose advantages depend on the group alone (recomputable per group)."""
+
+REWARD_TOLERANCE = 1e-6
+ADVANTAGE_TOLERANCE = 1e-4  # float32 arithmetic of the same estimator in another process
+
+
+@torch.no_grad()
+def group_log_probs(model: torch.nn.Module, group: RolloutGroup, temperature: float) -> np.ndarray:
+    """float32 (G, R): log-probs of the group's response tokens under ``model`` (one forward pass,
+    padding positions as the model gives them; mask them with ``group.response_mask``)."""
+    g = group.response_ids.shape[0]
+    prompt_mask = group.prompt_mask if group.prompt_mask is not None else np.ones_like(group.prompt_ids)
+    prompt = torch.as_tensor(group.prompt_ids).long().expand(g, -1)
+    logprobs = sequence_token_log_probs(model, prompt, torch.as_tensor(prompt_mask).long().expand(g, -1),
+                                        torch.as_tensor(group.response_ids).long(),
+                                        torch.as_tensor(group.response_mask).long(), temperature)  # fmt: skip
+    return logprobs.float().numpy()
+
+
+class GroupVerifier:
+    """Re-derives a group's claims on the learner (see module docstring).
+
+    Args:
+        model_path: the policy's HF folder (a second copy is loaded for re-scoring).
+        task: the learner's task (prompts' answers, the reward).
+        temperature: the sampling temperature (q is softmax(logits / T)).
+        algorithm_config: verl's ``algorithm`` config (the advantage estimator).
+        wire_dtype: the weights' wire dtype (``hetero.weights_bf16``): re-scoring uses the weights
+            as the samplers received them.
+        keep_versions: versions held for re-scoring (``max_delay + 1``: every version a group
+            inside the bound can claim).
+        logprob_tolerance: ``hetero.trust.logprob_tolerance``.
+        check_rewards: ``hetero.trust.check_rewards``.
+    """
+
+    def __init__(self, model_path: str, task: Task, temperature: float, algorithm_config: Any,
+                 wire_dtype: Optional[str], keep_versions: int, logprob_tolerance: float, check_rewards: bool):  # fmt: skip
+        self.scorer, self.tokenizer = load_policy(model_path)
+        self.scorer.eval()
+        self.task, self.temperature, self.algorithm_config = task, float(temperature), algorithm_config
+        self.wire_dtype, self.keep_versions = wire_dtype, int(keep_versions)
+        self.logprob_tolerance, self.check_rewards = float(logprob_tolerance), bool(check_rewards)
+        estimator = algorithm_config.get("adv_estimator", "grpo")
+        self.check_advantages = getattr(estimator, "value", estimator) in GROUP_LOCAL_ESTIMATORS
+        self._versions: OrderedDict[int, dict[str, torch.Tensor]] = OrderedDict()
+        self._loaded: Optional[int] = None
+        self._lock = threading.Lock()
+
+    def remember(self, version: int, state_dict: Mapping[str, torch.Tensor]) -> None:
+        """Keep the weights of a published version, as they travel (called at every publish)."""
+        tensors, _ = wire_tensors(state_dict, self.wire_dtype)
+        snapshot = {name: t.clone() for name, t in tensors.items()}  # the learner's tensors change in place
+        with self._lock:
+            self._versions[int(version)] = snapshot
+            while len(self._versions) > self.keep_versions:
+                self._versions.popitem(last=False)
+
+    def holds(self, version: int) -> bool:
+        with self._lock:
+            return int(version) in self._versions
+
+    # ---------------------------------------------------------------- checks
+    def check(self, group: RolloutGroup, logprobs: bool) -> Optional[tuple[str, str]]:
+        """The group's rewards (when ``check_rewards``) and, when ``logprobs``, its q under the
+        claimed version. None = passed (a version the learner no longer holds, or never made, is
+        not checked here: the buffer drops or refuses such a group by its version)."""
+        if self.check_rewards:
+            failure = self.check_group_rewards(group)
+            if failure is not None:
+                return failure
+        if logprobs:
+            return self.check_logprobs(group)
+        return None
+
+    def _prompt_text(self, group: RolloutGroup) -> Optional[str]:
+        """The prompt as the task wrote it, or None when its tokens are not the encoding of a text."""
+        mask = group.prompt_mask if group.prompt_mask is not None else np.ones_like(group.prompt_ids)
+        ids = [int(t) for t, keep in zip(group.prompt_ids, mask) if keep]
+        text = self.tokenizer.decode(ids, skip_special_tokens=False)
+        bos = self.tokenizer.bos_token
+        if bos and text.startswith(bos) and ids and ids[0] == self.tokenizer.bos_token_id:
+            text = text[len(bos):]
+        return text if self.tokenizer(text)["input_ids"] == ids else None
+
+    def check_group_rewards(self, group: RolloutGroup) -> Optional[tuple[str, str]]:
+        prompt = self._prompt_text(group)
+        answer = None if prompt is None else self.task.answer_for(prompt)
+        if answer is None:
+            return "unknown_prompt", f"prompt {prompt!r} is not one of the task's training prompts"
+        mask = torch.as_tensor(group.response_mask).long()
+        responses = torch.where(mask.bool(), torch.as_tensor(group.response_ids),
+                                torch.full_like(mask, self.tokenizer.pad_token_id))  # fmt: skip
+        texts = self.tokenizer.batch_decode(responses, skip_special_tokens=True)
+        rewards = np.asarray([self.task.score(text, {"prompt": prompt, "answer": answer}) for text in texts], np.float32)
+        reported = np.asarray(group.rewards, np.float32)
+        if reported.shape != rewards.shape or np.abs(reported - rewards).max() > REWARD_TOLERANCE:
+            return "bad_rewards", f"reported {reported.tolist()}, recomputed {rewards.tolist()}"
+        if self.check_advantages:
+            uids = [group.group_uid] * len(rewards)
+            advantages = sequence_advantages(torch.from_numpy(rewards), mask, uids, self.algorithm_config).numpy()
+            reported_adv = np.asarray(group.advantages, np.float32)
+            if reported_adv.ndim == 2:  # per-token advantages: the sequence's mean, as the sampler's estimator gives
+                reported_adv = (reported_adv * group.response_mask).sum(-1) / np.maximum(group.response_mask.sum(-1), 1)
+            if reported_adv.shape != advantages.shape or np.abs(reported_adv - advantages).max() > ADVANTAGE_TOLERANCE:
+                return "bad_advantages", f"reported {reported_adv.tolist()}, recomputed {advantages.tolist()}"
+        return None
+
+    def rescore(self, group: RolloutGroup) -> Optional[np.ndarray]:
+        """float32 (G, R): the group's token log-probs under the claimed version's weights, or None
+        when that version is not held."""
+        with self._lock:
+            weights = self._versions.get(int(group.policy_version))
+            if weights is None:
+                return None
+            if self._loaded != int(group.policy_version):
+                self.scorer.load_state_dict(weights, strict=True)  # casts the wire dtype to the model's
+                self._loaded = int(group.policy_version)
+            return group_log_probs(self.scorer, group, self.temperature)
+
+    def check_logprobs(self, group: RolloutGroup) -> Optional[tuple[str, str]]:
+        rescored = self.rescore(group)
+        if rescored is None:
+            return None
+        mask = np.asarray(group.response_mask).astype(bool)
+        reported = np.asarray(group.sampler_logprobs, np.float32)
+        if reported.shape != rescored.shape:
+            return "bad_logprobs", f"log-probs of shape {reported.shape}, responses {rescored.shape}"
+        diff = np.abs(reported - rescored)[mask]
+        worst = float(diff.max()) if diff.size else 0.0
+        if not worst <= self.logprob_tolerance:  # NaN fails too
+            return "bad_logprobs", (f"max |log q reported - log q re-scored under v{group.policy_version}| = {worst:.3g} "
+                                    f"> {self.logprob_tolerance:g}")  # fmt: skip
+        return None
+
+
+def content_digest(group: RolloutGroup) -> str:
+    """What makes a group the same group whatever its uid: its version, prompt, responses and
+    log-probs (two honest samplers coincide only by drawing the very same G responses from the same
+    weights for the same prompt)."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(str(int(group.policy_version)).encode())
+    for array in (group.prompt_ids, group.response_ids, group.sampler_logprobs):
+        h.update(np.ascontiguousarray(array).tobytes())
+    return h.hexdigest()
+
+
+class TrustGate:
+    """``hetero.trust`` on the learner: every decoded, well-formed group passes :meth:`admit`
+    before it may enter the buffer (see the module docstring).
+
+    Threads: the inbox's poller calls :meth:`admit` / :meth:`accepted`, the learner's thread
+    :meth:`trained` / :meth:`remember` / :meth:`metrics`, Ray's control thread :meth:`enrol`;
+    the books are behind one lock, the re-scoring runs outside it.
+    """
+
+    def __init__(self, engine: Any, model_path: str, task: Task, buffer: RolloutBuffer):
+        hetero, trust = engine.hetero, engine.hetero.trust
+        self.config, self.buffer = trust, buffer
+        self.enrolment = Enrolment() if trust.sign_records else None
+        self._enrolment_stamp: Optional[tuple[float, int]] = None
+        self.ledger = trust.ledger(hetero.seed)
+        self._lock = threading.Lock()
+        self._checked: set[str] = set()  # uids whose check passed (vouched for: never purged)
+        self._contents: set[str] = set()  # content digests of accepted groups
+        self.check_s = 0.0  # seconds spent in the verifier's checks (the cost of hetero.trust, in the learner)
+        self.verifier: Optional[GroupVerifier] = None
+        if trust.verify_fraction > 0 or trust.check_rewards:
+            self.verifier = GroupVerifier(
+                model_path, task, engine.settings.temperature, engine.algorithm,
+                wire_dtype="bf16" if hetero.weights_bf16 else None, keep_versions=hetero.max_delay + 1,
+                logprob_tolerance=trust.logprob_tolerance, check_rewards=trust.check_rewards,
+            )  # fmt: skip
+
+    # ---------------------------------------------------------------- enrolment
+    def enrol(self, sampler_id: str, public_hex: Optional[str]) -> None:
+        """Accept records signed by this key in this sampler's name (a sampler the learner launched)."""
+        if self.enrolment is not None and public_hex is not None:
+            self.enrolment.enrol(sampler_id, public_hex)
+
+    def reload_enrolment(self) -> None:
+        """``enrolment_file``: add its keys and revocations when the file has changed."""
+        path = self.config.enrolment_file
+        if self.enrolment is None or not path:
+            return
+        try:
+            stat = os.stat(path)
+        except FileNotFoundError:
+            return
+        stamp = (stat.st_mtime, stat.st_size)
+        if stamp != self._enrolment_stamp:
+            self.enrolment.update(Enrolment.load(path))
+            self._enrolment_stamp = stamp
+
+    # ---------------------------------------------------------------- the gate
+    def remember(self, version: int, weights: Mapping[str, torch.Tensor]) -> None:
+        """The weights of a published version, for re-scoring groups that claim it."""
+        if self.verifier is not None and self.config.verify_fraction > 0:
+            self.verifier.remember(version, weights)
+
+    def admit(self, group: RolloutGroup) -> None:
+        """Refuse (:class:`RecordRejected`, reason named) or let ``group`` through."""
+        sampler, uid = str(group.sampler_id), group.group_uid
+        with self._lock:
+            refusal = self.ledger.refusal(sampler)
+            if refusal is not None:
+                self.ledger.refused(refusal)
+                raise RecordRejected("sampler_id", refusal, f"sampler is {refusal}", sampler_id=sampler, group_uid=uid)
+            rescore = self.ledger.should_check(sampler) and self.config.verify_fraction > 0
+            replayed = content_digest(group) in self._contents
+        failure = None
+        if replayed:  # the uid is the nonce; old content under a new uid is a replay
+            failure, rescore = ("replayed", "this group's content (version, prompt, responses, log-probs) was accepted before"), False
+        elif self.verifier is not None:
+            rescore = rescore and self.verifier.holds(group.policy_version)
+            t0 = time.perf_counter()
+            failure = self.verifier.check(group, logprobs=rescore)  # outside the lock: the slow part
+            self.check_s += time.perf_counter() - t0
+        else:
+            rescore = False
+        with self._lock:
+            if failure is None:
+                if rescore:
+                    self.ledger.record(sampler, uid, passed=True)
+                    self._checked.add(uid)
+                return
+            reason, detail = failure
+            purge = self.ledger.record(sampler, uid, passed=False, reason=reason, detail=detail)
+        if purge:
+            self.buffer.purge(purge, "quarantined")
+        raise RecordRejected("record", reason, detail, sampler_id=sampler, group_uid=uid)
+
+    def accepted(self, group: RolloutGroup) -> None:
+        """``group`` entered the buffer."""
+        with self._lock:
+            self._contents.add(content_digest(group))
+            if group.group_uid in self._checked:
+                self._checked.discard(group.group_uid)
+            else:
+                self.ledger.accepted(str(group.sampler_id), group.group_uid)
+
+    def trained(self, groups: list[RolloutGroup], divergence: list[float]) -> None:
+        """After a step: each consumed group's measured divergence (the per-sampler bound)."""
+        with self._lock:
+            for group, value in zip(groups, divergence):
+                self.ledger.observe_divergence(str(group.sampler_id), value)
+
+    # ---------------------------------------------------------------- reporting
+    def drain_events(self) -> list[dict]:
+        with self._lock:
+            return self.ledger.drain_events()
+
+    def metrics(self) -> dict[str, float]:
+        """The ledger's ``trust/*`` and ``perf/trust_check_s_total`` (seconds spent checking)."""
+        with self._lock:
+            return {**self.ledger.metrics(), "perf/trust_check_s_total": self.check_s}
+
+    def state_dict(self) -> dict:
+        with self._lock:
+            return {"ledger": self.ledger.state_dict(), "contents": sorted(self._contents)}
+
+    def load_state_dict(self, state: dict) -> None:
+        with self._lock:
+            self.ledger.load_state_dict(state["ledger"])
+            self._contents = set(state["contents"])

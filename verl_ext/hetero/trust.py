@@ -1,0 +1,189 @@
+"""Trust in samplers, earned by checks: which groups to check, what a failed check costs the
+sampler, and when it is quarantined (issue 23 items 2-3).
+
+The learner checks what a sampler claims about a group (its log-probs q under the claimed
+version, its rewards and advantages) on a sampled fraction of groups; the checks themselves are
+the engine's (:mod:`recipe.gepo.local.verify`). This module keeps the books:
+
+- **which groups are checked**: every group of a sampler still on probation (its first
+  ``probation_groups`` checks), then each group with probability ``verify_fraction`` (a seeded
+  draw, so a run is reproducible; a sampler cannot know which of its groups will be checked);
+- **trust**: a score in [0, 1] per sampler id, 1 at the start; a failed check subtracts
+  ``penalty``, a passed one adds ``recovery`` (capped at 1). Below ``quarantine_below`` the
+  sampler is quarantined: every later record of it is refused (reason ``quarantined``), and the
+  groups accepted from it since its last passed check are handed back to be purged from the buffer
+  (:meth:`TrustLedger.record` returns them). Quarantine is for the rest of the run and survives a
+  resume (:meth:`state_dict`);
+- **divergence** (``max_divergence`` > 0): the learner reports, after each step, the measured
+  divergence of each consumed group (mean over tokens of log q - log p, the KL estimate of the
+  sampler's distribution from the learner's); while the mean over a sampler's last
+  ``divergence_window`` groups is above the bound, that sampler's groups are refused (reason
+  ``divergent``) -- a bound on what the data are, beside the version bound on how old they are.
+
+Events (quarantine, divergence bound crossed either way) are kept for the run's records
+(:meth:`drain_events`); scalars under ``trust/`` (:meth:`metrics`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter, deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+QUARANTINED, DIVERGENT = "quarantined", "divergent"
+
+
+@dataclass
+class SamplerTrust:
+    """One sampler's books."""
+
+    score: float = 1.0
+    checks: int = 0
+    failures: int = 0
+    quarantined_at: float | None = None
+    first_seen: float | None = None
+    since_good_check: list[str] = field(default_factory=list)  # uids accepted since its last passed check
+    divergence: deque = field(default_factory=deque)  # the last groups' measured divergence
+    over_divergence: bool = False
+
+
+class TrustLedger:
+    """Per-sampler trust (see module docstring). Thread-safe use: one caller at a time (the
+    inbox's poll thread checks, the learner thread reports divergence; the source serialises)."""
+
+    def __init__(self, verify_fraction: float = 0.25, probation_groups: int = 4, penalty: float = 1.0,
+                 recovery: float = 0.05, quarantine_below: float = 0.5, max_divergence: float = 0.0,
+                 divergence_window: int = 8, seed: int = 0):  # fmt: skip
+        if not 0.0 <= verify_fraction <= 1.0:
+            raise ValueError(f"verify_fraction={verify_fraction!r} must be in [0, 1]")
+        if probation_groups < 0:
+            raise ValueError(f"probation_groups={probation_groups!r} must be >= 0")
+        if not 0.0 <= quarantine_below <= 1.0 or penalty < 0 or recovery < 0:
+            raise ValueError(f"quarantine_below={quarantine_below!r} must be in [0, 1]; penalty={penalty!r} and "
+                             f"recovery={recovery!r} >= 0")  # fmt: skip
+        if max_divergence < 0 or divergence_window < 1:
+            raise ValueError(f"max_divergence={max_divergence!r} must be >= 0 (0 = off), "
+                             f"divergence_window={divergence_window!r} >= 1")  # fmt: skip
+        self.verify_fraction, self.probation_groups = float(verify_fraction), int(probation_groups)
+        self.penalty, self.recovery, self.quarantine_below = float(penalty), float(recovery), float(quarantine_below)
+        self.max_divergence, self.divergence_window = float(max_divergence), int(divergence_window)
+        self._rng = np.random.default_rng([int(seed), 23])
+        self.samplers: dict[str, SamplerTrust] = {}
+        self.counts: Counter[str] = Counter()  # checked, failed:<reason>, purged, refused:<reason>
+        self._events: list[dict] = []
+
+    def _of(self, sampler_id: str) -> SamplerTrust:
+        books = self.samplers.get(sampler_id)
+        if books is None:
+            books = self.samplers[sampler_id] = SamplerTrust(first_seen=time.time())
+        return books
+
+    # ---------------------------------------------------------------- admission
+    def refusal(self, sampler_id: str) -> str | None:
+        """Why this sampler's next group is refused before any check (``quarantined``,
+        ``divergent``), or None."""
+        books = self._of(sampler_id)
+        if books.quarantined_at is not None:
+            return QUARANTINED
+        if books.over_divergence:
+            return DIVERGENT
+        return None
+
+    def should_check(self, sampler_id: str) -> bool:
+        """Check this group? Always while the sampler is on probation, else with
+        probability ``verify_fraction``. The draw is made for every group, so the sequence of
+        draws does not depend on which samplers were on probation."""
+        draw = self._rng.random() < self.verify_fraction
+        return self._of(sampler_id).checks < self.probation_groups or draw
+
+    def accepted(self, sampler_id: str, uid: str) -> None:
+        """An unchecked group of this sampler entered the buffer (purged if a later check
+        quarantines the sampler before a check passes)."""
+        self._of(sampler_id).since_good_check.append(uid)
+
+    def record(self, sampler_id: str, uid: str, passed: bool, reason: str = "", detail: str = "") -> list[str]:
+        """The outcome of one check. Returns the uids to purge from the buffer: the groups
+        accepted from the sampler since its last passed check, when this check quarantines it
+        (else [])."""
+        books = self._of(sampler_id)
+        books.checks += 1
+        self.counts["checked"] += 1
+        if passed:
+            books.score = min(1.0, books.score + self.recovery)
+            books.since_good_check = []  # vouched for up to here
+            return []
+        books.failures += 1
+        books.score = max(0.0, books.score - self.penalty)
+        self.counts[f"failed:{reason}"] += 1
+        if books.quarantined_at is not None or books.score >= self.quarantine_below:
+            return []
+        books.quarantined_at = time.time()
+        purge = list(books.since_good_check)
+        books.since_good_check = []
+        self.counts["purged"] += len(purge)
+        self._events.append({"event": "quarantined", "sampler_id": sampler_id, "group_uid": uid, "reason": reason,
+                             "detail": detail, "score": books.score, "checks": books.checks,
+                             "failures": books.failures, "purged": len(purge),
+                             "seconds_since_first_group": books.quarantined_at - (books.first_seen or books.quarantined_at),
+                             "time": books.quarantined_at})  # fmt: skip
+        return purge
+
+    def refused(self, reason: str) -> None:
+        self.counts[f"refused:{reason}"] += 1
+
+    # ---------------------------------------------------------------- divergence
+    def observe_divergence(self, sampler_id: str, value: float) -> None:
+        """A consumed group's measured divergence (mean log q - log p over its tokens)."""
+        if self.max_divergence <= 0:
+            return
+        books = self._of(sampler_id)
+        books.divergence.append(float(value))
+        while len(books.divergence) > self.divergence_window:
+            books.divergence.popleft()
+        over = float(np.mean(books.divergence)) > self.max_divergence
+        if over != books.over_divergence:
+            books.over_divergence = over
+            self._events.append({"event": "divergence_over_bound" if over else "divergence_back_under_bound",
+                                 "sampler_id": sampler_id, "divergence": float(np.mean(books.divergence)),
+                                 "bound": self.max_divergence, "time": time.time()})  # fmt: skip
+
+    # ---------------------------------------------------------------- reporting
+    def drain_events(self) -> list[dict]:
+        events, self._events = self._events, []
+        return events
+
+    def metrics(self) -> dict[str, float]:
+        """``trust/checked``, ``trust/failed[/<reason>]``, ``trust/refused[/<reason>]``,
+        ``trust/purged``, ``trust/quarantined`` (run totals); per sampler
+        ``trust/<sampler id>/score`` and, with a divergence bound, ``trust/<sampler id>/divergence``."""
+        out = {"trust/checked": float(self.counts["checked"]), "trust/purged": float(self.counts["purged"]),
+               "trust/quarantined": float(sum(b.quarantined_at is not None for b in self.samplers.values()))}  # fmt: skip
+        for kind in ("failed", "refused"):
+            out[f"trust/{kind}"] = float(sum(v for k, v in self.counts.items() if k.startswith(f"{kind}:")))
+            out.update({f"trust/{k.replace(':', '/')}": float(v) for k, v in self.counts.items() if k.startswith(f"{kind}:")})
+        for sampler_id, books in self.samplers.items():
+            out[f"trust/{sampler_id}/score"] = books.score
+            if self.max_divergence > 0 and books.divergence:
+                out[f"trust/{sampler_id}/divergence"] = float(np.mean(books.divergence))
+        return out
+
+    def state_dict(self) -> dict:
+        return {"counts": dict(self.counts), "rng": self._rng.bit_generator.state,
+                "samplers": {s: {"score": b.score, "checks": b.checks, "failures": b.failures,
+                                 "quarantined_at": b.quarantined_at, "divergence": list(b.divergence),
+                                 "over_divergence": b.over_divergence, "since_good_check": list(b.since_good_check)}
+                             for s, b in self.samplers.items()}}  # fmt: skip
+
+    def load_state_dict(self, state: dict) -> None:
+        self.counts = Counter(state["counts"])
+        self._rng.bit_generator.state = state["rng"]
+        self.samplers = {}
+        for sampler_id, books in state["samplers"].items():
+            self.samplers[sampler_id] = SamplerTrust(
+                score=books["score"], checks=books["checks"], failures=books["failures"],
+                quarantined_at=books["quarantined_at"], divergence=deque(books["divergence"]),
+                over_divergence=books["over_divergence"], first_seen=time.time(),
+                since_good_check=list(books["since_good_check"]),  # the buffer is restored with them
+            )  # fmt: skip
