@@ -17,7 +17,16 @@ from .conftest import REPO
 if str(REPO / "scripts") not in sys.path:
     sys.path.append(str(REPO / "scripts"))
 
-from soak_harness.checks import FinalState, RunEnd, StepCheck, account_uids, check_steps, judge_faults  # noqa: E402
+from soak_harness.checks import (  # noqa: E402
+    FinalState,
+    RunEnd,
+    StepCheck,
+    account_uids,
+    check_steps,
+    honest_rejected,
+    judge_faults,
+    liar_figures,
+)
 from soak_harness.faults import ExchangeDamage, Fault, fault_weights  # noqa: E402
 
 
@@ -84,3 +93,29 @@ def test_fault_judges():
         "NOT SURVIVED: accepted as 'consumed'", "NOT SURVIVED: learner stuck below version 7", "survived",
         "survived (still in transport)",
     ]  # fmt: skip
+
+
+def test_liar_accounting_counts_poisoned_groups_false_alarms_and_time_to_quarantine(tmp_path):
+    """--liars: a lying group consumed is poisoned; an honest uid refused by a trust reason or
+    purged by a quarantine is a false alarm (other refusals, e.g. future_version after a crash, are not)."""
+    from soak_harness.liars import liar_id
+    from verl_ext.rundir import append_event
+
+    ledger = {"s0-ab12-b1-0": "consumed", "s1-ab12-b1-1": "rejected:bad_logprobs", "s2-ab12-b1-2": "dropped:quarantined",
+              "s0-ab12-b2-0": "rejected:future_version", "s0-ab12-b3-0": "dropped:stale",
+              "sampler-60-qscaled-liars-b0-0": "rejected:bad_logprobs", "sampler-60-qscaled-liars-b1-0": "rejected:quarantined",
+              "sampler-64-rewardflip-liars-b2-0": "consumed", "sampler-67-forgedsignature-liars-b3-0": "rejected:unenrolled"}  # fmt: skip
+    assert honest_rejected(ledger) == ["s1-ab12-b1-1", "s2-ab12-b1-2"]
+    lied = {uid: kind for uid, kind in [("sampler-60-qscaled-liars-b0-0", "q_scaled"),
+                                        ("sampler-60-qscaled-liars-b1-0", "q_scaled"),
+                                        ("sampler-64-rewardflip-liars-b2-0", "reward_flip"),
+                                        ("sampler-67-forgedsignature-liars-b3-0", "forged_signature"),
+                                        ("sampler-60-qscaled-liars-b9-0", "q_scaled")]}  # the last one never read
+    append_event(tmp_path, {"step": 3, "event": "quarantined", "sampler_id": liar_id("q_scaled"), "time": 110.5})
+    figures = liar_figures(ledger, {"lied": lied, "first_sent": {"q_scaled": 100.0, "reward_flip": 105.0}}, tmp_path)
+    assert figures["poisoned_trained"] == 1 and figures["poisoned_by_lie"] == {"reward_flip": 1}
+    assert figures["outcomes"]["q_scaled"] == {"rejected:bad_logprobs": 1, "rejected:quarantined": 1, "not read": 1}
+    assert figures["seconds_to_quarantine"]["q_scaled"] == 10.5
+    assert figures["seconds_to_quarantine"]["reward_flip"] is None  # never quarantined
+    account = account_uids({}, ledger, in_transport=set())
+    assert account.errors == []  # liar uids are known keys, not unaccounted ones

@@ -37,3 +37,28 @@ def test_one_minute_soak_loses_nothing(tmp_path):
     failures = [line for line in out.splitlines() if line.strip().startswith("! ")]
     unexpected = [line for line in failures if line.split()[1] not in KNOWN_GAPS]
     assert not unexpected, "\n".join(unexpected)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_soak_with_liars_trains_on_no_poisoned_group_and_rejects_no_honest_one(tmp_path):
+    """``--liars``: every insider lie quarantined, nothing poisoned reaches a step, no honest group refused."""
+    proc = subprocess.run(
+        [sys.executable, "scripts/soak.py", "--minutes", "2", "--seed", "2", "--fault-every", "4", "--liars",
+         "--learner-crashes", "1", "--save-freq", "5", "--run-dir", str(tmp_path / "soak")],
+        cwd=REPO, capture_output=True, text=True, timeout=560,
+    )  # fmt: skip
+    out = proc.stdout
+    assert proc.returncode == 0, out[-4000:] + proc.stderr[-3000:]
+    assert "poisoned groups trained on: 0 " in out and "honest groups rejected: 0" in out, out[-3000:]
+    sent = int(re.search(r"poisoned groups trained on: 0 \(of (\d+) lying groups sent\)", out).group(1))
+    assert sent >= 9, out[-3000:]
+    if str(REPO / "scripts") not in sys.path:
+        sys.path.append(str(REPO / "scripts"))
+    from soak_harness.liars import INSIDER_LIES, OUTSIDER_LIES
+
+    for kind in INSIDER_LIES:
+        row = re.search(rf"^  {kind}\s+([0-9.]+|-)\s", out, re.M)
+        assert row is not None and row.group(1) != "-", f"{kind} was not quarantined:\n{out[-3000:]}"
+    for kind in OUTSIDER_LIES:  # never admitted, so never quarantined: refused by the signature check
+        assert re.search(rf"^  {kind}\s+-\s+\{{'rejected:(unsigned|unenrolled)'", out, re.M), out[-3000:]

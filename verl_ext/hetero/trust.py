@@ -53,7 +53,7 @@ class TrustLedger:
     """Per-sampler trust (see module docstring). Thread-safe use: one caller at a time (the
     inbox's poll thread checks, the learner thread reports divergence; the source serialises)."""
 
-    def __init__(self, verify_fraction: float = 0.25, probation_groups: int = 4, penalty: float = 1.0,
+    def __init__(self, verify_fraction: float = 0.1, probation_groups: int = 4, penalty: float = 1.0,
                  recovery: float = 0.05, quarantine_below: float = 0.5, max_divergence: float = 0.0,
                  divergence_window: int = 8, seed: int = 0):  # fmt: skip
         if not 0.0 <= verify_fraction <= 1.0:

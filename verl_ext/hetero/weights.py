@@ -242,11 +242,13 @@ class WeightStore:
         # fetcher: (version, wire tensors, original dtypes, wire SHA-256) it last returned
         self._held: tuple[int, dict[str, torch.Tensor], dict[str, str], str] | None = None
 
-    def publish(self, version: int, state_dict: Mapping[str, torch.Tensor]) -> None:
+    def publish(self, version: int, state_dict: Mapping[str, torch.Tensor]) -> bytes:
         """Store ``state_dict`` as ``version`` (int >= 0), then delete versions older than the
         newest ``keep_last``. Publishing an existing version replaces it. With deltas, the delta
         from version - 1 goes first when this store published version - 1 last (else a stale
-        delta of that number is deleted, and fetchers take the full version)."""
+        delta of that number is deleted, and fetchers take the full version). Returns the full
+        version's message (:func:`deserialize_state_dict` reads it): the weights exactly as
+        fetchers receive them."""
         if isinstance(version, bool) or not isinstance(version, int) or version < 0:
             raise ValueError(f"WeightStore.publish: version={version!r} must be an int >= 0")
         tensors, dtypes = wire_tensors(state_dict, self.wire_dtype)
@@ -289,6 +291,7 @@ class WeightStore:
             deltas = [v for v in deltas if v >= kept[0]]
         if self._known is not None:
             self._known = (kept, deltas)
+        return data
 
     def flush(self) -> None:
         """Wait until every write of this publisher is confirmed (pipelined); raise a failed one's error."""

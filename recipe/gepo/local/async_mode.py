@@ -24,6 +24,11 @@ the same URL joins, which is how a sampler in another data centre takes part.
 The driver (this process) runs the one loop against the learner actor and owns logging,
 evaluation cadence, checkpoints and the progress bar; it notices a dead sampler, reports it,
 withdraws its announcements and restarts it (it rejoins with the newest weights it can see).
+
+Trust (``hetero.trust``): each sampler makes its signing key where it runs; the driver records
+the public half in the run directory's ``enrolment.json`` and has the learner enrol it before the
+sampler may send (a resumed learner enrols the file's keys before it reads anything). Every
+arriving group passes the learner's :class:`~recipe.gepo.local.verify.TrustGate`.
 """
 
 from __future__ import annotations
@@ -46,7 +51,7 @@ from recipe.gepo.local.run_utils import MetricLogger, RunSettings
 from recipe.gepo.local.tasks import Task
 from recipe.gepo.local.verify import TrustGate
 from verl_ext.hetero.affinity import Pinned, machine_cpus, pin_process
-from verl_ext.hetero.auth import SamplerKey
+from verl_ext.hetero.auth import Enrolment, SamplerKey
 from verl_ext.hetero.delay_channel import DelayChannel
 from verl_ext.hetero.exchange import RolloutInbox, send_group
 from verl_ext.hetero.records import RolloutGroup
@@ -71,6 +76,7 @@ from verl_ext.hetero.protocol import (
 )
 from verl_ext.hetero.seeding import LEARNER_STREAM, sampler_sampling_seed, sampler_stream
 from verl_ext.hetero.weights import WeightStore
+from verl_ext.rundir import ENROLMENT_FILE
 from verl_ext.torch_threads import set_torch_threads
 
 
@@ -265,9 +271,11 @@ class TransportSource:
         clear_topic(self.transport, EXPECTED_TOPIC)
         # versions newer than ours (published after the checkpoint we resume from, or by a
         # previous run) would look like the future to samplers and to the buffer
+        lost = [v for v in self.weights.versions() if v > learner_version]
         self.weights.delete_newer_than(learner_version)
         if checkpoint is not None and "trust" in checkpoint:
             self.gate.load_state_dict(checkpoint["trust"])  # a quarantined sampler stays so
+        self.gate.lose_versions(lost)  # samplers may still hold their weights: not held against them
         self.gate.reload_enrolment()
         self._poller.start()
 
@@ -305,8 +313,7 @@ class TransportSource:
         return Batch(groups, wait_s=time.perf_counter() - t0, metrics=metrics)
 
     def publish(self, weights, version: int) -> None:
-        self.gate.remember(version, weights)
-        self.weights.publish(version, weights)
+        self.gate.remember(version, self.weights.publish(version, weights))
         if self.hetero.max_queued_groups > 0:
             publish_status(self.transport, LearnerStatus(version=int(version), queue_depth=len(self.buffer)), wait=False)
 
@@ -339,6 +346,16 @@ class LearnerWorker(LearnerRuntime):
     def __init__(self, engine: EngineConfig, model_path: str, spec: TransportSpec):
         pin_worker(engine.hetero.learner_cpus, "hetero.learner_cpus")
         super().__init__(engine, model_path, lambda runtime: TransportSource(runtime, spec))
+
+    def start(self, checkpoint: Optional[dict] = None, enrolment: str = "") -> int:
+        """:meth:`LearnerRuntime.start`, after enrolling ``enrolment`` (an
+        :class:`~verl_ext.hetero.auth.Enrolment` as JSON: the samplers launched before a resume,
+        whose groups may still be in flight) -- before the inbox reads anything."""
+        if enrolment:
+            for sampler_id, keys in Enrolment.from_json(enrolment).keys.items():
+                for public_hex in keys.values():
+                    self.source.enrol(sampler_id, public_hex)
+        return super().start(checkpoint)
 
     @ray.method(concurrency_group="control")
     def enrol(self, sampler_id: str, public_hex: Optional[str]) -> None:
@@ -411,6 +428,10 @@ class RemoteRuntime:
         self.samplers: dict[int, Any] = {}
         self.namespaces: dict[int, str] = {}
         self.runs: dict[Any, int] = {}
+        self.keys_pending: dict[int, Any] = {}  # sampler -> its public key's ObjectRef, until it runs
+        # the launched samplers' public keys (hetero.trust.sign_records), kept in the run directory
+        self.enrolment_path = engine.settings.run_dir / ENROLMENT_FILE
+        self.enrolment = Enrolment()
         self.restarts = {i: 0 for i in range(engine.hetero.num_samplers)}
         self.next_batch: dict[int, int] = {}
         self.failures = 0
@@ -425,12 +446,36 @@ class RemoteRuntime:
             i, self.engine, self.model_path, self.spec, self.engine.hetero.speed_factors()[i], self.namespaces[i]
         )
         self.restarts[i] += 1
-        # its key is made where it runs; the learner enrols the public half before it sends
-        enrolled = self.learner.enrol.remote(f"sampler-{i}", self.samplers[i].public_key.remote())
-        self.runs[self.samplers[i].run.remote(self.next_batch[i], enrolled=enrolled)] = i
+        # its key is made where it runs; it generates once _start_ready has recorded the public half
+        self.keys_pending[i] = self.samplers[i].public_key.remote()
+
+    def _start_ready(self, bar_write) -> None:
+        """Launched samplers whose public key has arrived: the key goes into the run directory's
+        enrolment (so a learner resumed after a crash still accepts the groups they leave in
+        flight) and to the learner, and only then does the sampler run (it waits for the
+        learner's enrolment before it sends anything)."""
+        if not self.keys_pending:
+            return
+        ready, _ = ray.wait(list(self.keys_pending.values()), timeout=0, num_returns=len(self.keys_pending))
+        for i in [i for i, ref in self.keys_pending.items() if ref in ready]:
+            ref = self.keys_pending.pop(i)
+            try:
+                public_hex = ray.get(ref)
+            except Exception as err:  # noqa: BLE001 - died while starting: restarted like any failure
+                self._restart(i, err, bar_write)
+                continue
+            enrolled = None
+            if public_hex is not None:  # hetero.trust.sign_records
+                self.enrolment.enrol(f"sampler-{i}", public_hex)
+                self.enrolment.save(self.enrolment_path)
+                enrolled = self.learner.enrol.remote(f"sampler-{i}", public_hex)
+            self.runs[self.samplers[i].run.remote(self.next_batch[i], enrolled=enrolled)] = i
 
     def start(self, checkpoint: Optional[dict]) -> int:
-        version = ray.get(self.learner.start.remote(checkpoint))
+        # the samplers this run launched before a crash (fresh run: none; the file is rewritten)
+        self.enrolment = Enrolment.load(self.enrolment_path) if checkpoint is not None else Enrolment()
+        self.enrolment_path.parent.mkdir(parents=True, exist_ok=True)
+        version = ray.get(self.learner.start.remote(checkpoint, self.enrolment.to_json()))
         start = 0 if checkpoint is None else int(checkpoint["step"])
         self.next_batch = {i: start * 1000 for i in range(self.engine.hetero.num_samplers)}  # fresh prompts after a resume
         return version
@@ -451,18 +496,21 @@ class RemoteRuntime:
             try:
                 ray.get(ref)
             except Exception as err:  # noqa: BLE001 - any actor failure is reported the same way
-                self.failures += 1
-                bar_write(f"[heterorl] sampler-{i} failed ({type(err).__name__}); restarting it")
-                # unreachable is not dead (ActorUnavailableError across a cut link): end it for
-                # good, so it does not keep generating beside its replacement when the link heals
-                try:
-                    ray.kill(self.samplers[i], no_restart=True)
-                except Exception:  # noqa: BLE001 - already gone
-                    pass
-                # its announced groups will never come: the learner must not wait for them
-                clear_topic(self.transport, EXPECTED_TOPIC, prefix=f"{self.namespaces[i]}-")
-                self.next_batch[i] += 1000  # a restarted sampler draws fresh prompts
-                self._launch(i)
+                self._restart(i, err, bar_write)
+
+    def _restart(self, i: int, err: Exception, bar_write) -> None:
+        self.failures += 1
+        bar_write(f"[heterorl] sampler-{i} failed ({type(err).__name__}); restarting it")
+        # unreachable is not dead (ActorUnavailableError across a cut link): end it for
+        # good, so it does not keep generating beside its replacement when the link heals
+        try:
+            ray.kill(self.samplers[i], no_restart=True)
+        except Exception:  # noqa: BLE001 - already gone
+            pass
+        # its announced groups will never come: the learner must not wait for them
+        clear_topic(self.transport, EXPECTED_TOPIC, prefix=f"{self.namespaces[i]}-")
+        self.next_batch[i] += 1000  # a restarted sampler draws fresh prompts
+        self._launch(i)
 
     def step(self, step: int) -> dict[str, float]:
         hetero = self.engine.hetero
@@ -481,6 +529,7 @@ class RemoteRuntime:
                     f"hetero.wait_timeout_s={hetero.wait_timeout_s:g})"
                 )
                 next_status += status_every
+            self._start_ready(tqdm.write)
             self._check_samplers(tqdm.write)
             if ready:
                 break

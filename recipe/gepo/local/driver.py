@@ -105,8 +105,9 @@ class LearnerRuntime:
         t0 = time.perf_counter()
         batch = self.source.next_batch(step, engine.settings.prompts_per_step, self.learner.version)
         diag = step_diagnostics(self.model, self.tokenizer, batch.groups, self.task, engine, step, self.learner.version)
-        t_train = time.perf_counter()
+        t_train, cpu_train = time.perf_counter(), time.thread_time()
         metrics = self.learner.train_step(batch.groups)
+        train_cpu_s = time.thread_time() - cpu_train
         self.source.trained(batch.groups, self.learner.group_divergence)
         metrics.update(diag)
         t_publish = time.perf_counter()
@@ -115,7 +116,8 @@ class LearnerRuntime:
         step_s = time.perf_counter() - t0
         # where the step went: waiting for groups, the update itself, publishing the weights
         metrics.update({"perf/step_s": step_s, "perf/learner_idle_frac": batch.wait_s / max(step_s, 1e-9),
-                        "perf/train_s": t_publish - t_train, "perf/publish_s": step_s - (t_publish - t0)})
+                        "perf/train_s": t_publish - t_train, "perf/publish_s": step_s - (t_publish - t0),
+                        "perf/train_cpu_s": train_cpu_s})
         metrics.update(batch.metrics)
         return metrics
 

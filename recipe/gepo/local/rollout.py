@@ -8,10 +8,11 @@ computation", as in the paper), with verl's own advantage-estimator registry, so
 
 from __future__ import annotations
 
+import functools
 import inspect
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import numpy as np
 import torch
@@ -36,6 +37,11 @@ class RolloutSettings:
     """Longest response (``data.max_response_length``)."""
 
 
+@functools.lru_cache(maxsize=None)
+def _parameters(fn: Callable) -> Mapping[str, inspect.Parameter]:
+    return inspect.signature(fn).parameters  # read once per estimator: the learner calls this for every group
+
+
 def sequence_advantages(
     rewards: torch.Tensor, response_mask: torch.Tensor, uids: list[str], algorithm_config: Any
 ) -> torch.Tensor:
@@ -50,7 +56,7 @@ def sequence_advantages(
     token_rewards = torch.zeros(response_mask.shape, dtype=torch.float32)
     token_rewards[torch.arange(len(rewards)), (lengths - 1).clamp(min=0)] = rewards.float()
     kwargs: dict[str, Any] = {"token_level_rewards": token_rewards, "response_mask": response_mask.float()}
-    params = inspect.signature(fn).parameters
+    params = _parameters(fn)
     if "index" in params:
         kwargs["index"] = np.array(uids, dtype=object)
     if "norm_adv_by_std_in_grpo" in params:

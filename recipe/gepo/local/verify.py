@@ -6,8 +6,9 @@ A group carries claims the learner would otherwise take on trust: the log-probs 
 advantages. :class:`GroupVerifier` re-derives them on the learner:
 
 - **log-probs**: the group's tokens re-scored under the weights of the version the group claims,
-  exactly as the samplers received them (the wire dtype's rounding applied; the learner keeps
-  the ``max_delay + 1`` versions a group within the bound can claim), compared with the reported
+  exactly as the samplers received them (the weight store's message of that version: the wire
+  dtype's rounding included; the learner keeps the messages of the ``max_delay + 1`` versions a
+  group within the bound can claim, and decodes one only when a check needs it), compared with the reported
   q token by token: the largest absolute difference must be at most
   ``hetero.trust.logprob_tolerance``. This catches q that is scaled, shuffled, copied from another
   version, and a claimed version other than the one used. Cost: one forward pass of the group
@@ -27,6 +28,13 @@ failed check in the :class:`~verl_ext.hetero.trust.TrustLedger`.
 the inbox against it), quarantine and the divergence bound, replays of accepted content under a
 new uid (``replayed``), the verifier's checks, and the ledger's verdict, which may purge the
 buffer.
+
+A learner resumed after a crash republishes the version numbers its crashed predecessor had
+already published after the checkpoint, with other weights; a sampler that loaded one of those
+*lost* versions sends honest groups whose q matches no weights the learner has. Groups claiming a
+lost version are therefore always re-scored and, when they do not match the new weights of that
+number, refused as ``lost_version`` without counting against their sampler (they come from a
+branch of the run that no longer exists; nothing a liar gains: the group does not get in).
 """
 
 from __future__ import annotations
@@ -36,7 +44,7 @@ import os
 import threading
 import time
 from collections import OrderedDict
-from typing import Any, Mapping, Optional
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -47,7 +55,7 @@ from recipe.gepo.local.tasks import Task
 from verl_ext.hetero.auth import Enrolment
 from verl_ext.hetero.buffer import RolloutBuffer
 from verl_ext.hetero.records import RecordRejected, RolloutGroup
-from verl_ext.hetero.weights import wire_tensors
+from verl_ext.hetero.weights import deserialize_state_dict
 
 GROUP_LOCAL_ESTIMATORS = ("grpo",)
 """verl advantage estimators whose advantages depend on the group alone (recomputable per group)."""
@@ -77,8 +85,6 @@ class GroupVerifier:
         task: the learner's task (prompts' answers, the reward).
         temperature: the sampling temperature (q is softmax(logits / T)).
         algorithm_config: verl's ``algorithm`` config (the advantage estimator).
-        wire_dtype: the weights' wire dtype (``hetero.weights_bf16``): re-scoring uses the weights
-            as the samplers received them.
         keep_versions: versions held for re-scoring (``max_delay + 1``: every version a group
             inside the bound can claim).
         logprob_tolerance: ``hetero.trust.logprob_tolerance``.
@@ -86,24 +92,22 @@ class GroupVerifier:
     """
 
     def __init__(self, model_path: str, task: Task, temperature: float, algorithm_config: Any,
-                 wire_dtype: Optional[str], keep_versions: int, logprob_tolerance: float, check_rewards: bool):  # fmt: skip
+                 keep_versions: int, logprob_tolerance: float, check_rewards: bool):  # fmt: skip
         self.scorer, self.tokenizer = load_policy(model_path)
         self.scorer.eval()
         self.task, self.temperature, self.algorithm_config = task, float(temperature), algorithm_config
-        self.wire_dtype, self.keep_versions = wire_dtype, int(keep_versions)
+        self.keep_versions = int(keep_versions)
         self.logprob_tolerance, self.check_rewards = float(logprob_tolerance), bool(check_rewards)
         estimator = algorithm_config.get("adv_estimator", "grpo")
         self.check_advantages = getattr(estimator, "value", estimator) in GROUP_LOCAL_ESTIMATORS
-        self._versions: OrderedDict[int, dict[str, torch.Tensor]] = OrderedDict()
+        self._versions: OrderedDict[int, bytes] = OrderedDict()  # version -> the weight store's message
         self._loaded: Optional[int] = None
         self._lock = threading.Lock()
 
-    def remember(self, version: int, state_dict: Mapping[str, torch.Tensor]) -> None:
-        """Keep the weights of a published version, as they travel (called at every publish)."""
-        tensors, _ = wire_tensors(state_dict, self.wire_dtype)
-        snapshot = {name: t.clone() for name, t in tensors.items()}  # the learner's tensors change in place
+    def remember(self, version: int, message: bytes) -> None:
+        """Keep a published version's message (:meth:`WeightStore.publish` returns it; no copy)."""
         with self._lock:
-            self._versions[int(version)] = snapshot
+            self._versions[int(version)] = message
             while len(self._versions) > self.keep_versions:
                 self._versions.popitem(last=False)
 
@@ -161,13 +165,21 @@ class GroupVerifier:
         """float32 (G, R): the group's token log-probs under the claimed version's weights, or None
         when that version is not held."""
         with self._lock:
-            weights = self._versions.get(int(group.policy_version))
-            if weights is None:
+            if not self._load(int(group.policy_version)):
                 return None
-            if self._loaded != int(group.policy_version):
-                self.scorer.load_state_dict(weights, strict=True)  # casts the wire dtype to the model's
-                self._loaded = int(group.policy_version)
             return group_log_probs(self.scorer, group, self.temperature)
+
+    def _load(self, version: int) -> bool:
+        """The scorer holds ``version``'s weights (decoded from its message when it did not); False
+        when the version is not held. Call with the lock held."""
+        message = self._versions.get(version)
+        if message is None:
+            return False
+        if self._loaded != version:
+            _, weights = deserialize_state_dict(message)
+            self.scorer.load_state_dict(weights, strict=True)
+            self._loaded = version
+        return True
 
     def check_logprobs(self, group: RolloutGroup) -> Optional[tuple[str, str]]:
         rescored = self.rescore(group)
@@ -214,12 +226,12 @@ class TrustGate:
         self._lock = threading.Lock()
         self._checked: set[str] = set()  # uids whose check passed (vouched for: never purged)
         self._contents: set[str] = set()  # content digests of accepted groups
-        self.check_s = 0.0  # seconds spent in the verifier's checks (the cost of hetero.trust, in the learner)
+        self.lost_versions: set[int] = set()  # version numbers a crashed learner published past its checkpoint
+        self.check_cpu_s = 0.0  # CPU seconds of the verifier's checks: the cost of hetero.trust in the learner
         self.verifier: Optional[GroupVerifier] = None
         if trust.verify_fraction > 0 or trust.check_rewards:
             self.verifier = GroupVerifier(
-                model_path, task, engine.settings.temperature, engine.algorithm,
-                wire_dtype="bf16" if hetero.weights_bf16 else None, keep_versions=hetero.max_delay + 1,
+                model_path, task, engine.settings.temperature, engine.algorithm, keep_versions=hetero.max_delay + 1,
                 logprob_tolerance=trust.logprob_tolerance, check_rewards=trust.check_rewards,
             )  # fmt: skip
 
@@ -244,10 +256,15 @@ class TrustGate:
             self._enrolment_stamp = stamp
 
     # ---------------------------------------------------------------- the gate
-    def remember(self, version: int, weights: Mapping[str, torch.Tensor]) -> None:
-        """The weights of a published version, for re-scoring groups that claim it."""
+    def lose_versions(self, versions) -> None:
+        """Version numbers whose earlier weights are gone (see the module docstring)."""
+        with self._lock:
+            self.lost_versions |= {int(v) for v in versions}
+
+    def remember(self, version: int, message: bytes) -> None:
+        """A published version's message (the weight store's), for re-scoring groups that claim it."""
         if self.verifier is not None and self.config.verify_fraction > 0:
-            self.verifier.remember(version, weights)
+            self.verifier.remember(version, message)
 
     def admit(self, group: RolloutGroup) -> None:
         """Refuse (:class:`RecordRejected`, reason named) or let ``group`` through."""
@@ -260,13 +277,18 @@ class TrustGate:
             rescore = self.ledger.should_check(sampler) and self.config.verify_fraction > 0
             replayed = content_digest(group) in self._contents
         failure = None
+        if int(group.policy_version) in self.lost_versions and self.verifier is not None:
+            lost = self.verifier.check_logprobs(group) if self.verifier.holds(group.policy_version) else None
+            if lost is not None:  # made with the crashed learner's weights of that number: not a lie
+                raise RecordRejected("policy_version", "lost_version", f"version {group.policy_version} was republished "
+                                     f"after a learner resume; {lost[1]}", sampler_id=sampler, group_uid=uid)  # fmt: skip
         if replayed:  # the uid is the nonce; old content under a new uid is a replay
             failure, rescore = ("replayed", "this group's content (version, prompt, responses, log-probs) was accepted before"), False
         elif self.verifier is not None:
             rescore = rescore and self.verifier.holds(group.policy_version)
-            t0 = time.perf_counter()
+            t0 = time.thread_time()  # CPU time: what the learner pays, whatever else shares its cores
             failure = self.verifier.check(group, logprobs=rescore)  # outside the lock: the slow part
-            self.check_s += time.perf_counter() - t0
+            self.check_cpu_s += time.thread_time() - t0
         else:
             rescore = False
         with self._lock:
@@ -302,15 +324,17 @@ class TrustGate:
             return self.ledger.drain_events()
 
     def metrics(self) -> dict[str, float]:
-        """The ledger's ``trust/*`` and ``perf/trust_check_s_total`` (seconds spent checking)."""
+        """The ledger's ``trust/*`` and ``perf/trust_check_cpu_s_total`` (CPU seconds spent checking)."""
         with self._lock:
-            return {**self.ledger.metrics(), "perf/trust_check_s_total": self.check_s}
+            return {**self.ledger.metrics(), "perf/trust_check_cpu_s_total": self.check_cpu_s}
 
     def state_dict(self) -> dict:
         with self._lock:
-            return {"ledger": self.ledger.state_dict(), "contents": sorted(self._contents)}
+            return {"ledger": self.ledger.state_dict(), "contents": sorted(self._contents),
+                    "lost_versions": sorted(self.lost_versions)}
 
     def load_state_dict(self, state: dict) -> None:
         with self._lock:
             self.ledger.load_state_dict(state["ledger"])
             self._contents = set(state["contents"])
+            self.lost_versions = set(state.get("lost_versions", []))

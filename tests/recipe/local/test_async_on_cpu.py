@@ -93,3 +93,17 @@ def test_async_metrics_say_which_path_weight_loads_took(async_run):
     last = lines[-1]  # the samplers' counters lag a step; by the last one each has loaded a first, full version
     assert last["perf/sampler_weight_full_loads_total"] >= 1
     assert last["perf/sampler_weight_bytes_fetched_total"] > 0
+
+
+def test_async_signs_checks_and_rejects_no_honest_group(async_run):
+    """hetero.trust at its defaults: the driver recorded each launched sampler's public key in the
+    run directory, the learner re-scored groups (probation), and no honest group was refused."""
+    from verl_ext.hetero.auth import Enrolment
+
+    run_dir, final, lines = async_run
+    enrolled = Enrolment.load(Path(run_dir) / "enrolment.json")
+    assert set(enrolled.keys) == {"sampler-0", "sampler-1"}
+    last = train_lines(lines)[-1]
+    assert last["trust/checked"] >= 4 and last["trust/failed"] == 0 and last["trust/quarantined"] == 0
+    assert last["hetero/rejected_total"] == 0
+    assert last["perf/trust_check_cpu_s_total"] > 0

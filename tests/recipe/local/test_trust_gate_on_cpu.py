@@ -16,6 +16,7 @@ from recipe.gepo.local.rollout import RolloutSettings, generate_groups, sequence
 from recipe.gepo.local.tasks import Task
 from recipe.gepo.local.verify import TrustGate, group_log_probs
 from verl_ext.hetero.records import RecordRejected
+from verl_ext.hetero.weights import serialize_state_dict
 
 from .helpers import compose_cfg, TINY
 
@@ -40,8 +41,9 @@ class Lab:
         with torch.no_grad():
             for p in self.v1.parameters():
                 p.add_(1e-3 * torch.sign(torch.randn_like(p)))
-        self.gate.remember(0, self.model.state_dict())
-        self.gate.remember(1, self.v1.state_dict())
+        wire = "bf16" if self.engine.hetero.weights_bf16 else None  # what the learner's weight store sends
+        self.gate.remember(0, serialize_state_dict(self.model.state_dict(), 0, wire))
+        self.gate.remember(1, serialize_state_dict(self.v1.state_dict(), 1, wire))
         self.buffer.set_learner_version(1)
         self.batches = 0
 
@@ -144,7 +146,6 @@ def test_honest_groups_pass_on_the_bf16_wire(tiny_model_path, tmp_path):
     rounded, _ = load_policy(tiny_model_path)
     rounded.load_state_dict({k: v.to(torch.bfloat16).to(v.dtype) for k, v in rounded.state_dict().items()})
     rounded.eval()
-    lab.gate.remember(0, lab.model.state_dict())
     groups = lab.groups("sampler-0", n=6, model=rounded)
     assert [lab.offer(g) for g in groups] == [None] * 6
     assert lab.gate.metrics()["trust/checked"] >= 4  # probation: the first four are re-scored
@@ -236,3 +237,29 @@ def test_divergence_bound_keeps_a_slow_close_sampler_and_refuses_a_fast_divergen
     assert lab.offer(late) == "divergent"
     assert [e["event"] for e in lab.gate.drain_events()] == ["divergence_over_bound"]
     assert lab.gate.metrics()["trust/sampler-2/divergence"] > 1e-3
+
+
+def test_groups_of_a_version_lost_in_a_learner_crash_are_refused_without_blame(tiny_model_path, tmp_path):
+    """After a resume the learner republishes version numbers its crashed predecessor had already
+    published with other weights: an honest sampler still holding those sends groups whose q fits
+    no weights the learner has. They are refused as lost_version; the sampler keeps its trust."""
+    lab = Lab(tiny_model_path, tmp_path)
+    crashed_v1, _ = load_policy(tiny_model_path)  # what the crashed learner had called version 1
+    with torch.no_grad():
+        for p in crashed_v1.parameters():
+            p.add_(1e-3 * torch.sign(torch.randn_like(p)))
+    crashed_v1.eval()
+
+    def claiming_v1(sampler, model):
+        group = lab.groups(sampler, n=1, model=model)[0]
+        group.policy_version = 1
+        return group
+
+    lab.gate.lose_versions([1])
+    assert lab.offer(claiming_v1("sampler-1", crashed_v1)) == "lost_version"
+    assert lab.offer(claiming_v1("sampler-1", lab.v1)) is None  # the new version 1: checked and admitted
+    assert lab.gate.ledger.refusal("sampler-1") is None and lab.gate.metrics()["trust/failed"] == 0
+    state = lab.gate.state_dict()
+    assert state["lost_versions"] == [1]
+    lab.gate.lost_versions.clear()  # without the resume's knowledge the same group is a lie
+    assert lab.offer(claiming_v1("sampler-2", crashed_v1)) == "bad_logprobs"
