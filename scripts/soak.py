@@ -27,7 +27,17 @@ Faults (one every ``--fault-every`` seconds on average, kind drawn at random):
   ``ray.kill`` the learner; the soak kills what the crashed run left behind and resumes from the
   checkpoint (``trainer.resume_mode=auto``).
 
-One sampler runs 4x slower than the others (``hetero.sampler_speed_factors=[1,1,4]``).
+One sampler runs 4x slower than the others (``hetero.sampler_speed_factors=[1,1,4]``). The
+protections of ``hetero.trust`` run at their defaults (signed records, checks, quarantine); the
+injector is an enrolled sampler (``<run dir>/enrolment.json``), so its bad groups meet validation.
+
+``--liars``: samplers that lie join the run (``scripts/soak_harness/liars.py``: q scaled, shuffled
+or of another version, a newer version claimed, rewards flipped or inflated, an honest group
+replayed under a new uid -- each from an enrolled identity of its own -- and a forged signature
+and unsigned records from outsiders). The summary adds ``poisoned groups trained on: N`` (lying
+groups that reached an optimizer step; goal 0) and the seconds from each liar's first group to its
+quarantine. ``honest groups rejected: N`` (honest samplers' groups refused by the signature check
+or the trust gate, or purged by a quarantine; goal 0) is printed by every soak.
 
 ``--wan`` (opt-in; needs root / CAP_NET_ADMIN, refused clearly without it): the samplers run on
 the sampler node of scripts/wan/cluster.py (a Ray worker in its own network namespace behind a
@@ -52,8 +62,8 @@ scans the rollouts folder every 50 ms, plus every sampler uid in the learner's l
 consumed, dropped with a reason, rejected with a reason, still buffered, or still in the
 transport; a uid committed twice with different content counts as a lost group (one of the two
 cannot be used); consumed groups must match the per-step ``hetero/consumed`` metrics (nothing
-consumed twice). Exit status 1 if any group was lost, anything was consumed twice, or the run
-failed; 0 otherwise.
+consumed twice). Exit status 1 if any group was lost, anything was consumed twice, an honest group was
+rejected, a poisoned group was trained on, or the run failed; 0 otherwise.
 
 The harness itself, by concern (config, faults, injector, watchers, the WAN link, the run, the
 checks after it, the report), is the package ``scripts/soak_harness/``.
@@ -89,7 +99,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         from soak_harness.run import soak  # imports Ray: after wan.up() set the cluster's auth environment
 
         result = soak(args.minutes, args.seed, args.run_dir, args.fault_every, args.learner_crashes, args.save_freq,
-                      overrides=args.overrides, wan=wan)
+                      overrides=args.overrides, wan=wan, liars=args.liars)
     finally:
         if wan is not None:
             wan.down()
@@ -106,6 +116,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--fault-every", type=float, default=5.0, help="mean seconds between faults (default 5)")
     parser.add_argument("--learner-crashes", type=int, default=2, help="learner kills, after a checkpoint (default 2)")
     parser.add_argument("--save-freq", type=int, default=5, help="checkpoint every k steps (default 5)")
+    parser.add_argument("--liars", action="store_true",
+                        help="lying samplers join the run (soak_harness/liars.py); the summary counts poisoned groups trained on")
     parser.add_argument("--wan", action="store_true",
                         help="samplers across the real rate-limited link of scripts/wan (needs CAP_NET_ADMIN)")
     parser.add_argument("--wan-rate-mbit", type=float, default=100.0, help="--wan: link rate (default 100)")

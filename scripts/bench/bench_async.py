@@ -49,6 +49,7 @@ from verl_ext.rundir import read_metric_rows  # noqa: E402 -- after the path fix
 COMMON = ["algorithm_preset=gepo", "trainer.resume_mode=disable", "trainer.test_freq=0", "trainer.save_freq=0",
           "task.eval_size=64"]  # fmt: skip
 SYNC = ["hetero.mode=replay", "hetero.delay.dist=none", "hetero.max_delay=0"]
+TRUST_OFF = ["hetero.trust.sign_records=false", "hetero.trust.verify_fraction=0", "hetero.trust.check_rewards=false"]
 
 
 def async_overrides(delay_s: float, samplers: int) -> list[str]:
@@ -108,6 +109,8 @@ def main() -> None:
     parser.add_argument("--system-cpus", default=None,
                         help="async runs: hetero.system_cpus (cores of the driver and Ray's processes, e.g. 0,1); "
                              "default: the engine's (the cores not in --learner-cpus)")
+    parser.add_argument("--trust-off", action="store_true",
+                        help="async runs: hetero.trust off (no signatures, no checks), as measured before issue 23")
     parser.add_argument("--out", type=Path, default=None)
     args, extra = parser.parse_known_args()
     pin = [] if args.no_pin else [f"hetero.learner_cpus=[{args.learner_cpus}]", f"hetero.sampler_cpus=[{args.sampler_cpus}]"]
@@ -116,6 +119,7 @@ def main() -> None:
         sync = run(base + SYNC + extra, Path(tmp) / "sync", args.warmup)
         system = [] if args.system_cpus is None else [f"hetero.system_cpus=[{args.system_cpus}]"]
         system += ["hetero.weights_bf16=true"] if args.weights_bf16 else []
+        system += TRUST_OFF if args.trust_off else []
         runs = {d: run(base + async_overrides(d, args.samplers) + system + extra, Path(tmp) / f"async{d:g}", args.warmup)
                 for d in args.delays}  # fmt: skip
     pure_sampling, pure_training = sync["wait_s"], sync["train_s"]
@@ -126,7 +130,8 @@ def main() -> None:
         f"8 prompts x G=8 per step; {platform.machine()}; "
         + ("no pinning" if args.no_pin else f"learner on cores [{args.learner_cpus}], samplers on [{args.sampler_cpus}]")
         + ("" if args.no_pin else f", driver and Ray's processes on [{args.system_cpus or 'the rest'}]")
-        + f"; async: {args.samplers} sampler(s)" + (", bf16 weights" if args.weights_bf16 else ""),
+        + f"; async: {args.samplers} sampler(s)" + (", bf16 weights" if args.weights_bf16 else "")
+        + (", hetero.trust off" if args.trust_off else ", hetero.trust at its defaults"),
         "",
         f"synchronous run: generation (pure sampling) {pure_sampling:.2f} s, learner.train_step (pure training) "
         f"{pure_training:.2f} s, loop wall {sync['wall_s']:.2f} s for {n} steps, {sync['consumed']:.0f} groups consumed; "

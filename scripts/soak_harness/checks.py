@@ -11,8 +11,8 @@ from typing import Any, Callable, Optional
 
 import ray
 
-from soak_harness.faults import BAD_REASON, SAMPLER_ACTOR, SAMPLER_UID, WAN_FAULT_WEIGHTS, Fault
-from verl_ext.rundir import load_latest_checkpoint
+from soak_harness.faults import BAD_REASON, LIAR_UID, SAMPLER_ACTOR, SAMPLER_UID, WAN_FAULT_WEIGHTS, Fault
+from verl_ext.rundir import load_latest_checkpoint, read_events
 
 _NO_STATE = {"step": 0, "learner": {"version": 0}, "buffer": {"ledger": {"status": {}, "duplicates": {}}}}
 
@@ -81,11 +81,42 @@ def account_uids(seen: dict[str, set[str]], ledger: dict[str, str], in_transport
             lost_uids.append(uid)
     reused = {uid: len(shas) for uid, shas in seen.items() if SAMPLER_UID.match(uid) and len(shas) > 1}
     account = UidAccount(generated, outcome, lost_uids, reused)
-    unknown = sorted(k for k in set(seen) | set(ledger) if not k.startswith("fault-") and not SAMPLER_UID.match(k))
+    unknown = sorted(k for k in set(seen) | set(ledger)
+                     if not k.startswith("fault-") and not SAMPLER_UID.match(k) and not LIAR_UID.match(k))  # fmt: skip
     if unknown:
         account.errors.append(f"{len(unknown)} rollout keys match neither the sampler uid pattern nor the "
                               f"injector's (e.g. {unknown[:3]}): the accounting would not cover them")
     return account
+
+
+# --------------------------------------------------------------------------- samplers that lie (hetero.trust)
+TRUST_REASONS = ("unsigned", "unenrolled", "revoked", "bad_signature", "sampler_mismatch", "bad_logprobs",
+                 "bad_rewards", "bad_advantages", "unknown_prompt", "replayed", "quarantined", "divergent")  # fmt: skip
+"""Refusals of the signature check and the trust gate: an honest group refused for one is a false alarm."""
+
+
+def honest_rejected(ledger: dict[str, str]) -> list[str]:
+    """Honest samplers' uids refused by a trust reason, or dropped by a quarantine."""
+    bad = {f"rejected:{r}" for r in TRUST_REASONS} | {"dropped:quarantined"}
+    return sorted(uid for uid, status in ledger.items() if SAMPLER_UID.match(uid) and status in bad)
+
+
+def liar_figures(ledger: dict[str, str], crew: dict[str, Any], run_dir: Path) -> dict[str, Any]:
+    """``--liars``: the lying groups that reached an optimizer step (by lie), how each lie's groups
+    ended, and the seconds from each liar's first group to its quarantine (events.jsonl)."""
+    lied: dict[str, str] = crew.get("lied", {})
+    poisoned = Counter(kind for uid, kind in lied.items() if ledger.get(uid) == "consumed")
+    outcomes: dict[str, Counter] = {}
+    for uid, kind in lied.items():
+        outcomes.setdefault(kind, Counter())[ledger.get(uid, "not read")] += 1
+    first = crew.get("first_sent", {})
+    quarantined_at = {e["sampler_id"]: e["time"] for e in read_events(run_dir) if e.get("event") == "quarantined"}
+    from soak_harness.liars import LIES, liar_id
+
+    to_quarantine = {kind: (round(quarantined_at[liar_id(kind)] - first[kind], 1) if liar_id(kind) in quarantined_at
+                            and kind in first else None) for kind in LIES}  # fmt: skip
+    return {"poisoned_trained": sum(poisoned.values()), "poisoned_by_lie": dict(poisoned), "sent": len(lied),
+            "outcomes": {k: dict(v) for k, v in sorted(outcomes.items())}, "seconds_to_quarantine": to_quarantine}  # fmt: skip
 
 
 # --------------------------------------------------------------------------- the step metrics
@@ -237,6 +268,7 @@ def accounting(final: FinalState, uids: UidAccount, steps: StepCheck, temporarie
         "buffered": outcome["buffered"],
         "in_transport": outcome["in_transport"],
         "reasons": {k: v for k, v in sorted(outcome.items()) if ":" in k},
+        "honest_rejected": honest_rejected(final.ledger),
         "lost_uids": uids.lost_uids[:20],
         "reused_uids": dict(sorted(uids.reused.items())[:20]),
         "uids_reused": len(uids.reused),

@@ -22,6 +22,8 @@ from verl_ext.hetero.transport import COMMIT_SUFFIX, DATA_SUFFIX, TEMP_PREFIX, c
 # sampler uids: "s<i>-b<batch>-<j>", or "s<i>-<launch id>-b<batch>-<j>" when the engine namespaces
 # each sampler launch; everything the injector writes starts with "fault-"
 SAMPLER_UID = re.compile(r"^s\d+-(?:[0-9A-Za-z]+-)?b\d+-\d+$")
+# the lying samplers' uids (--liars, soak_harness/liars.py): "sampler-<i>-<lie>-liars-b<batch>-<j>"
+LIAR_UID = re.compile(r"^sampler-\d+-[a-z]+-liars-b\d+-\d+$")
 SAMPLER_ACTOR = re.compile(rf"^{re.escape(SAMPLER_ACTOR_PREFIX)}(\d+)-(\d+)$")
 
 # fault kind -> relative frequency (learner_crash is scheduled separately)

@@ -20,6 +20,7 @@ from soak_harness.faults import (
     fault_weights,
 )
 from soak_harness.wan_link import WanLink
+from verl_ext.hetero.auth import SamplerKey, unverified_record
 from verl_ext.hetero.exchange import send_group
 from verl_ext.hetero.protocol import (
     LEARNER_ACTOR,
@@ -40,9 +41,11 @@ class Injector(threading.Thread):
     times once the run directory ``run_dir`` has a checkpoint (setting ``crash_flag`` first)."""
 
     def __init__(self, transport: Transport, exchange: Path, run_dir: Path, seed: int, t0: float, duration: float,
-                 mean_interval: float, learner_crashes: int, save_freq: int, wan: Optional[WanLink] = None):
+                 mean_interval: float, learner_crashes: int, save_freq: int, wan: Optional[WanLink] = None,
+                 key: Optional[SamplerKey] = None):
         super().__init__(daemon=True, name="soak-injector")
         self.transport, self.exchange, self.run_dir, self.wan = transport, exchange, run_dir, wan
+        self.key = key  # enrolled (hetero.trust.enrolment_file): its bad groups meet validation, not the signature check
         self.fault_weights = fault_weights(wan is not None)
         self.rng = random.Random(seed * 7919 + 1)
         self.damage = ExchangeDamage(exchange, self.rng)
@@ -121,7 +124,7 @@ class Injector(threading.Thread):
         self.rng.shuffle(keys)
         for key in keys[:10]:
             try:
-                return RolloutGroup.from_bytes(self.transport.get(ROLLOUT_TOPIC, key))
+                return RolloutGroup.from_bytes(unverified_record(self.transport.get(ROLLOUT_TOPIC, key)))
             except (KeyError, ValueError):
                 continue  # acknowledged (deleted) meanwhile
         return None
@@ -241,29 +244,39 @@ class Injector(threading.Thread):
         fault.key = template.group_uid
         return fault
 
-    def _duplicate_other_key(self, fault: Fault, template: RolloutGroup) -> Fault:
+    def _duplicate_other_key(self, fault: Fault, template: RolloutGroup) -> Optional[Fault]:
+        """A sampler's committed message, signature and all, under another key."""
+        try:
+            original = self.transport.get(ROLLOUT_TOPIC, template.group_uid)
+        except (KeyError, ValueError):
+            return None
         key = self._fault_key(fault.kind)
-        self.transport.put(ROLLOUT_TOPIC, key, template.to_bytes())
+        self.transport.put(ROLLOUT_TOPIC, key, original)
         fault.key, fault.detail["uid"] = key, template.group_uid
         return fault
 
-    def _send_edited(self, fault: Fault, group: RolloutGroup) -> Fault:
-        """``group`` under a new uid, edited to be rejected (``bad_*``, ``future_version``) or
-        sent by a transport whose clock is minutes off (``clock_skew_rollout``)."""
+    def _send_edited(self, fault: Fault, group: RolloutGroup) -> Optional[Fault]:
+        """``group`` under a new uid, edited to be rejected (``bad_*``, ``future_version``) and
+        signed by the enrolled injector; or a sampler's own signed message sent again under its
+        uid by a transport whose clock is minutes off (``clock_skew_rollout``: a valid record, which
+        a new uid or the injector's name would not be)."""
+        if fault.kind == "clock_skew_rollout":
+            try:
+                original = self.transport.get(ROLLOUT_TOPIC, group.group_uid)
+            except (KeyError, ValueError):
+                return None
+            skew = self.rng.choice([-1, 1]) * self.rng.uniform(60, 3600)
+            self._skewed(skew).put(ROLLOUT_TOPIC, group.group_uid, original)
+            fault.key, fault.detail["skew_s"] = group.group_uid, round(skew, 1)
+            return fault
         key = self._fault_key(fault.kind)
         group.group_uid, group.sampler_id = key, "soak-injector"
         fault.key = key
-        transport = self.transport
         if fault.kind == "future_version":
             group.policy_version = (self._latest_weights() or 0) + 1000
-        elif fault.kind == "clock_skew_rollout":
-            skew = self.rng.choice([-1, 1]) * self.rng.uniform(60, 3600)
-            group.created_at = time.time() + skew
-            transport = self._skewed(skew)
-            fault.detail["skew_s"] = round(skew, 1)
         elif fault.kind in BAD_GROUP_EDITS:
             BAD_GROUP_EDITS[fault.kind](group)
         else:
             raise ValueError(f"unknown fault kind {fault.kind!r}")
-        send_group(transport, group)
+        send_group(self.transport, group, key=self.key)
         return fault

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import Counter, defaultdict
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 from soak_harness.faults import Fault
 
@@ -20,10 +20,20 @@ class SoakResult:
     errors: list[str]
     wall_s: float
     run_dir: str
+    liars: Optional[dict[str, Any]] = None  # --liars: soak_harness.checks.liar_figures
+
+    @property
+    def honest_rejected(self) -> int:
+        return len(self.accounting.get("honest_rejected", []))
+
+    @property
+    def poisoned_trained(self) -> int:
+        return 0 if self.liars is None else int(self.liars["poisoned_trained"])
 
     @property
     def ok(self) -> bool:
-        return self.lost == 0 and self.consumed_twice == 0 and not self.errors and self.steps_done > 0
+        return (self.lost == 0 and self.consumed_twice == 0 and not self.errors and self.steps_done > 0
+                and self.honest_rejected == 0 and self.poisoned_trained == 0)  # fmt: skip
 
 
 def report(result: SoakResult, log=print) -> None:
@@ -33,6 +43,7 @@ def report(result: SoakResult, log=print) -> None:
     _report_segments(result, log)
     _report_faults(result.faults, log)
     _report_groups(result, log)
+    _report_liars(result, log)
     for err in result.errors:
         log(f"ERROR: {err}")
     log(f"result: {'OK' if result.ok else 'FAILED'}")
@@ -63,6 +74,21 @@ def _report_faults(faults: list[Fault], log) -> None:
     for fault in faults:
         if fault.outcome.startswith("NOT"):
             log(f"  ! {fault.kind} {fault.key} at {fault.at:.0f}s: {fault.outcome}")
+
+
+def _report_liars(result: SoakResult, log) -> None:
+    acc = result.accounting
+    log(f"honest groups rejected: {result.honest_rejected}" + (f" {acc['honest_rejected'][:10]}" if result.honest_rejected else ""))
+    if result.liars is None:
+        return
+    liars = result.liars
+    log(f"poisoned groups trained on: {liars['poisoned_trained']} (of {liars['sent']} lying groups sent)"
+        + (f" by lie: {liars['poisoned_by_lie']}" if liars["poisoned_trained"] else ""))
+    log(f"  {'lie':<18}{'seconds to quarantine':>22}  what became of its groups")
+    for kind, outcomes in liars["outcomes"].items():
+        seconds = liars["seconds_to_quarantine"].get(kind)
+        shown = "-" if seconds is None else f"{seconds:.1f}"
+        log(f"  {kind:<18}{shown:>22}  {outcomes}")
 
 
 def _report_groups(result: SoakResult, log) -> None:

@@ -20,13 +20,15 @@ from recipe.gepo.sections import HeteroConfig
 from recipe.gepo.local.async_mode import ray_session, transport_spec
 from recipe.gepo.local.run_utils import RunSettings
 from recipe.gepo.main_gepo import run
-from soak_harness.checks import RunEnd, accounting, account_uids, check_steps, final_state, judge_faults
+from soak_harness.checks import RunEnd, accounting, account_uids, check_steps, final_state, judge_faults, liar_figures
 from soak_harness.config import soak_config
 from soak_harness.faults import SAMPLER_ACTOR
 from soak_harness.injector import Injector
+from soak_harness.liars import start_crew
 from soak_harness.report import SoakResult
 from soak_harness.wan_link import WanLink
 from soak_harness.watchers import TransportWatcher, Watcher
+from verl_ext.hetero.auth import Enrolment, SamplerKey
 from verl_ext.hetero.protocol import LEARNER_ACTOR, ROLLOUT_TOPIC, WEIGHTS_TOPIC
 from verl_ext.hetero.transport import Transport
 from verl_ext.rundir import read_metric_rows
@@ -55,21 +57,37 @@ class Harness:
 
 def soak(minutes: float = 10.0, seed: int = 0, run_dir: Optional[Path] = None, fault_every: float = 5.0,
          learner_crashes: int = 2, save_freq: int = 5, wait_timeout_s: float = 120.0,
-         overrides: Optional[list[str]] = None, log=print, wan: Optional[WanLink] = None) -> SoakResult:
-    """Run the soak; with ``wan`` (a :class:`WanLink` already ``up``) across the real link."""
+         overrides: Optional[list[str]] = None, log=print, wan: Optional[WanLink] = None,
+         liars: bool = False) -> SoakResult:
+    """Run the soak; with ``wan`` (a :class:`WanLink` already ``up``) across the real link; with
+    ``liars`` beside the lying samplers of :mod:`soak_harness.liars`."""
     folder = Path(run_dir or f"/tmp/heterorl-soak-{seed}-{int(time.time())}").resolve()
     (folder / "exchange").mkdir(parents=True, exist_ok=True)
     cfg = soak_config(folder, seed, save_freq, wait_timeout_s, overrides or [],
                       wan_address=wan.address if wan is not None else "")  # fmt: skip
     hetero = HeteroConfig.from_omegaconf(cfg.hetero)
+    if liars and not hetero.trust.sign_records:
+        raise ValueError("--liars: the outsiders' lies are only refused with hetero.trust.sign_records=true")
     with ray_session(hetero):
         h = _set_up(cfg, hetero, folder, seed, minutes * 60.0, fault_every, learner_crashes, save_freq, wan)
+        crew = start_crew(cfg, Path(cfg.hetero.trust.enrolment_file)) if liars else None
         try:
             _run_until_time_limit(h, log)
-            return _check(h)
+            crew_report = _stop_crew(crew)
+            return _check(h, crew_report)
         finally:
+            if crew is not None:
+                ray.kill(crew)
             if h.wan:
                 h.transport.shutdown()  # the detached mailbox (the cluster goes down next anyway)
+
+
+def _stop_crew(crew) -> Optional[dict]:
+    if crew is None:
+        return None
+    report = ray.get(crew.report.remote(), timeout=60)
+    ray.get(crew.halt.remote(), timeout=60)
+    return report
 
 
 # --------------------------------------------------------------------------- set-up
@@ -83,8 +101,14 @@ def _set_up(cfg, hetero: HeteroConfig, folder: Path, seed: int, duration: float,
     t0 = time.monotonic()
     exchange = folder / "exchange"
     watcher = TransportWatcher(transport) if wan is not None else Watcher(exchange / ROLLOUT_TOPIC)
+    key = None
+    if hetero.trust.sign_records:  # the injector is enrolled: its bad groups meet validation, not the signature check
+        key = SamplerKey.generate("soak-injector")
+        enrolment = Enrolment.load(hetero.trust.enrolment_file)
+        enrolment.enrol(key.sampler_id, key.public_hex())
+        enrolment.save(hetero.trust.enrolment_file)
     injector = Injector(transport, exchange, folder / "run", seed, t0, duration, fault_every, learner_crashes,
-                        save_freq, wan=wan)  # fmt: skip
+                        save_freq, wan=wan, key=key)  # fmt: skip
     return Harness(cfg, folder, transport, watcher, injector, duration, t0, wan is not None)
 
 
@@ -174,7 +198,7 @@ def _kill_leftover_actors(timeout_s: float = 30.0) -> list[str]:
 
 
 # --------------------------------------------------------------------------- the checks after, the result
-def _check(h: Harness) -> SoakResult:
+def _check(h: Harness, crew_report: Optional[dict] = None) -> SoakResult:
     final = final_state(h.injector.learner_handle, h.run_dir)
     h.injector.learner_handle = None
     leftovers = [n for n in _kill_leftover_actors() if n != LEARNER_ACTOR]  # the learner was kept on purpose
@@ -195,4 +219,5 @@ def _check(h: Harness) -> SoakResult:
         accounting=accounting(final, uids, steps, temporaries, h.injector.actor_names, h.segments, leftovers),
         lost=uids.lost, consumed_twice=steps.consumed_twice, errors=h.errors + uids.errors + steps.errors,
         wall_s=time.monotonic() - h.t0, run_dir=str(h.folder),
+        liars=None if crew_report is None else liar_figures(final.ledger, crew_report, h.run_dir),
     )  # fmt: skip
