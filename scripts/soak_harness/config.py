@@ -24,12 +24,15 @@ def soak_config(run_dir: Path, seed: int, save_freq: int, wait_timeout_s: float,
         "trainer.total_training_steps=1000000", f"trainer.save_freq={save_freq}", "trainer.test_freq=0",
         f"trainer.default_local_dir={run_dir / 'run'}", "trainer.resume_mode=auto", "trainer.logger=[]",
         "task.eval_size=16", f"task.cache_dir={REPO / '.cache' / 'heterorl'}",
-        # samplers outside the engine (the injector, --liars) are enrolled here; the learner reads it
-        f"hetero.trust.enrolment_file={run_dir / 'enrolment_outside.json'}",
         *extra,
     ]  # fmt: skip
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
         cfg = compose(config_name="gepo_trainer", overrides=overrides)
+    if cfg.hetero.trust.sign_records and not cfg.hetero.trust.enrolment_file:
+        from omegaconf import open_dict
+
+        with open_dict(cfg):  # samplers outside the engine (the injector, --liars) are enrolled here
+            cfg.hetero.trust.enrolment_file = str(run_dir / "enrolment_outside.json")
     if not cfg.actor_rollout_ref.model.path and cfg.task.name == "toy_addition":
         _use_seed0_warm_start(cfg)
     return cfg
