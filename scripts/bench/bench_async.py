@@ -64,6 +64,14 @@ def loadavg() -> str:
     return " ".join(Path("/proc/loadavg").read_text().split()[:3])
 
 
+def emit(lines: list[str], out: Path | None) -> None:
+    """Print the table, and write it to ``out`` when given."""
+    table = "\n".join(lines)
+    print(table)
+    if out is not None:
+        out.write_text(table + "\n")
+
+
 def run(overrides: list[str], run_dir: Path, warmup: int) -> dict:
     cmd = [sys.executable, "-m", "recipe.gepo.main_gepo", *overrides, f"trainer.default_local_dir={run_dir}",
            f"hydra.run.dir={run_dir}/hydra"]  # fmt: skip
@@ -158,10 +166,7 @@ def main() -> None:
     for d, r in runs.items():
         lines.append(f"| {d:g} | {r['wall_s']:.2f} | {r['train_s']:.2f} | {r['publish_s']:.2f} | {r['wait_s']:.2f} "
                      f"| {r['wall_s'] - r['step_s']:.2f} |")
-    table = "\n".join(lines)
-    print(table)
-    if args.out is not None:
-        args.out.write_text(table + "\n")
+    emit(lines, args.out)
 
 
 if __name__ == "__main__":

@@ -295,14 +295,10 @@ def main() -> None:
     for p in (o, d, sp, ra):
         p.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
-    from bench_async import loadavg
+    from bench_async import emit, loadavg
 
     part = {"overhead": overhead, "detection": detection, "spread": spread, "ratio": ratio}[args.part]
-    lines = [f"(load at the start: {loadavg()})", *part(args)]
-    table = "\n".join(lines)
-    print(table)
-    if args.out is not None:
-        args.out.write_text(table + "\n")
+    emit([f"(load at the start: {loadavg()})", *part(args)], args.out)
 
 
 if __name__ == "__main__":

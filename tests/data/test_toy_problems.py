@@ -1,5 +1,6 @@
 """verl_ext.data.toy.problems: prompts, answers, the task's name, response lengths."""
 
+import numpy as np
 import pytest
 
 from verl_ext.data.toy.problems import (
@@ -8,6 +9,7 @@ from verl_ext.data.toy.problems import (
     is_scratchpad,
     make_problem,
     make_problems,
+    parse_problem,
     response_length,
     scratchpad_response,
     toy_data_source,
@@ -62,3 +64,16 @@ def test_correct_response_and_its_length():
             assert len(correct_response(10**digits - 1, 1, digits, fmt)) + 1 == response_length(digits, fmt)  # + </s>
     with pytest.raises(ValueError, match="answer_format"):
         correct_response(1, 2, 1, "long")
+
+
+@pytest.mark.parametrize("digits", [1, 3, 5])
+def test_parse_problem_inverts_make_problem_and_refuses_other_texts(digits):
+    """The one reader of the prompt format (the learner recomputes rewards against it)."""
+    rng = np.random.default_rng(digits)
+    for a, b in rng.integers(0, 10**digits, size=(20, 2)):
+        prompt, _ = make_problem(int(a), int(b), digits)
+        assert parse_problem(prompt, digits) == (a, b)
+    zeros = "0" * digits
+    for text in ("0" + zeros + "+" + zeros + "=", zeros + "+" + zeros, "x" * digits + "+" + zeros + "=",
+                 zeros + "-" + zeros + "=", " " + zeros + "+" + zeros + "="):
+        assert parse_problem(text, digits) is None, text

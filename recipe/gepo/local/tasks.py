@@ -69,13 +69,10 @@ class Task:
         sampler's record), or None when the task has no such prompt: what the learner recomputes a
         sampler's rewards against (``hetero.trust.check_rewards``)."""
         if self._train_pool is None:
-            import re
+            from verl_ext.data.toy.problems import make_problem, parse_problem
 
-            from verl_ext.data.toy.problems import make_problem
-
-            d = self.config.digits
-            match = re.fullmatch(rf"(\d{{{d}}})\+(\d{{{d}}})=", prompt)
-            return make_problem(int(match[1]), int(match[2]), d)[1] if match else None
+            operands = parse_problem(prompt, self.config.digits)
+            return None if operands is None else make_problem(*operands, self.config.digits)[1]
         if not hasattr(self, "_answers"):
             self._answers = {item["prompt"]: item["answer"] for item in self._train_pool}
         return self._answers.get(prompt)
@@ -103,10 +100,12 @@ class Task:
             raise ValueError("target_response is defined for the toy task only")
         if self.config.answer_format == "short":
             return item["answer"]
-        from verl_ext.data.toy.problems import scratchpad_response
+        from verl_ext.data.toy.problems import parse_problem, scratchpad_response
 
-        a, b = (int(x) for x in item["prompt"].rstrip("=").split("+"))
-        return scratchpad_response(a, b, self.config.digits)
+        operands = parse_problem(item["prompt"], self.config.digits)
+        if operands is None:
+            raise ValueError(f"{item['prompt']!r} is not a {self.config.digits}-digit toy prompt")
+        return scratchpad_response(*operands, self.config.digits)
 
     def evaluate(self, model, tokenizer, max_new_tokens: int, seed: int = 0) -> dict[str, float]:
         """Held-out accuracy (one sample per prompt at ``eval_temperature``) as ``eval/<name>/acc``."""

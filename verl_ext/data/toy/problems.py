@@ -21,6 +21,7 @@ embedded engine's task and the warm start's cache folders all take it from there
 from __future__ import annotations
 
 import random
+import re
 from typing import Any
 
 __all__ = [
@@ -73,6 +74,14 @@ def make_problem(a: int, b: int, digits: int) -> tuple[str, str]:
         if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < hi:
             raise ValueError(f"{name} must be an int in [0, {hi}) for {digits} digits, got {v!r}")
     return f"{a:0{digits}d}+{b:0{digits}d}=", f"{a + b:0{digits + 1}d}"
+
+
+def parse_problem(prompt: str, digits: int) -> tuple[int, int] | None:
+    """``(a, b)`` of a prompt :func:`make_problem` writes, or None when ``prompt`` is not one:
+    ``parse_problem("047+385=", 3) == (47, 385)``."""
+    check_digits(digits)
+    match = re.fullmatch(rf"(\d{{{digits}}})\+(\d{{{digits}}})=", prompt)
+    return (int(match[1]), int(match[2])) if match else None
 
 
 def scratchpad_response(a: int, b: int, digits: int) -> str:
