@@ -101,7 +101,7 @@ class TrustConfig:
     verify_fraction: float = option(0.1, honoured_by=(ASYNC,), instead=_NO_PUBLISHING_SAMPLERS)
     """Fraction of groups whose log-probs q the learner re-scores under the weights of the version
     the sampler claims (a seeded draw per group); 0 = none. Every group on probation is checked.
-    Cost: one forward pass per re-scored group (SmolLM2-135M: 1.8% of the learner's training CPU
+    Cost: one forward pass per re-scored group (SmolLM2-135M: 2.1% of the learner's training CPU
     at 0.1; a sampler that turns liar after its probation gets 9 lying groups in on average before
     it is caught; docs/reliability.md)."""
     probation_groups: int = option(4, honoured_by=(ASYNC,), instead=_NO_PUBLISHING_SAMPLERS)

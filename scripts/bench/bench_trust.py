@@ -33,7 +33,7 @@ times 1.5, which every check catches), offered to the real :class:`TrustGate` wi
 ``--trials`` times per fraction: the lying groups that got into the buffer before the check that
 quarantined it (each would be trained on if a step took it first; the quarantine purges those
 still buffered), against the rule's expectation (1 - f) / f. Groups become seconds through the
-sampler's group rate: at the default set-up one sampler makes ~20 groups/s on one core.
+sampler's rate of groups.
 """
 
 from __future__ import annotations
