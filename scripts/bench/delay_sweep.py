@@ -68,7 +68,7 @@ for _path in (REPO, REPO / "scripts"):  # the repository's packages and the swee
         sys.path.insert(0, str(_path))
 from sweep.analyse import choose_lrs  # noqa: E402 -- after the path fix
 from sweep.plan import ALGOS, DESIGNS, TASKS, Plan, design_id, normalize_condition  # noqa: E402
-from sweep.render import update_doc, write_outputs  # noqa: E402
+from sweep.render import joined_markdown, update_doc, write_outputs  # noqa: E402
 from sweep.rows import collect  # noqa: E402
 from sweep.run import Sweep, warm_starts  # noqa: E402
 
@@ -108,10 +108,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--update-doc", type=Path, metavar="MD",
                    help="after tabulating, replace the page's <!-- study:<task>:<name> --> blocks (e.g. docs/results.md) "
                         "with the study's own")  # fmt: skip
+    p.add_argument("--join", nargs="+", default=[], choices=[d for d in DESIGNS if d != "legacy"], metavar="DESIGN",
+                   help="with --table-only: also tabulate these designs' rows (same rows file and methods; their outputs "
+                        "in OUT/<design>/) and the questions over every stale condition of all of them "
+                        "(study_<task>_joined.md)")  # fmt: skip
     p.add_argument("--no-figures", action="store_true")
     a = p.parse_args(argv)
     if a.update_doc and not a.update_doc.is_file():
         p.error(f"--update-doc {a.update_doc}: no such file")
+    if a.join and not a.table_only:
+        p.error(f"--join {' '.join(a.join)}: only with --table-only (each design runs in its own invocation)")
     base = dict(DESIGNS["quick" if a.quick else a.design])
     for key, val in (("tasks", a.tasks), ("algos", a.algos), ("delays", a.delays), ("seeds", a.seeds),
                      ("steps", a.steps), ("lr", a.lr), ("eval_size", a.eval_size), ("lr_grid", a.lr_grid),
@@ -162,8 +168,27 @@ def main(argv: list[str] | None = None) -> int:
     per_run = sweep.finished()
     lr_table, chosen = choose_lrs(per_run, plan)
     write_outputs(out, plan, per_run, figures=not a.no_figures, lr_table=lr_table, chosen=chosen, ws=ws)
+    written = [out / f"study_{task}.md" for task in plan.tasks]
+    if a.join:
+        designs = [(plan, per_run, chosen)]
+        for name in a.join:
+            other = Plan(**dict(DESIGNS[name], algos=list(plan.algos), tasks=list(plan.tasks)), extra=list(a.override))
+            if other.lr_design:
+                rates_from_design(other, rows_path, out, ws)
+            runs = collect(out / name, other, rows_path, ws)
+            other_table, other_chosen = choose_lrs(runs, other)
+            (out / name).mkdir(exist_ok=True)
+            write_outputs(out / name, other, runs, figures=not a.no_figures, lr_table=other_table, chosen=other_chosen,
+                          ws=ws)  # fmt: skip
+            print(f"joined --design {name} (id {design_id(other)}): {len(runs)} finished runs", flush=True)
+            designs.append((other, runs, other_chosen))
+            written += [out / name / f"study_{task}.md" for task in plan.tasks]
+        for task in plan.tasks:
+            (out / f"study_{task}_joined.md").write_text(joined_markdown(task, designs))
+            written.append(out / f"study_{task}_joined.md")
+            print("\n" + joined_markdown(task, designs), flush=True)
     if a.update_doc:
-        generated = "\n".join(p.read_text() for p in sorted(out.glob("study_*.md")))
+        generated = "\n".join(p.read_text() for p in written if p.is_file())
         print(f"updated {a.update_doc}: {', '.join(update_doc(a.update_doc, generated))}", flush=True)
     print(f"\n{len(per_run)} finished runs tabulated; total {time.time() - t0:.0f}s", flush=True)
     return 0

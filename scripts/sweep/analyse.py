@@ -253,18 +253,24 @@ def comparison_rows(per_run: list[dict], reference: str, alpha: float = 0.05) ->
     return rows
 
 
-def dominance_rows(per_run: list[dict], grpo: str = "grpo_paper", alpha: float = 0.05) -> list[dict]:
+def dominance_rows(*designs: list[dict], grpo: str = "grpo_paper", alpha: float = 0.05) -> list[dict]:
     """Issue 24's question, per method m: is m's drop no larger than every other method's in every
     stale condition, and smaller than GRPO's in at least one? "No larger" = not significantly larger
     (the paired difference of drops, m minus the other, has its 95% interval's lower end <= 0);
     "smaller" = significantly smaller (upper end < 0). Only conditions where m and the other both
     have paired runs count; ``complete`` says whether m was compared with every other method in
-    every stale condition. ``point_losses``: comparisons where m's mean drop is larger at all."""
-    methods = sorted({r["algo"] for r in per_run})
-    stale = sorted({r["delay"] for r in per_run if r["delay"] != 0}, key=condition_key)
+    every stale condition. ``point_losses``: comparisons where m's mean drop is larger at all.
+
+    ``designs``: one list of runs per design (e.g. the 200-step study and its 600-step ``fix256``
+    runs, each with its own on-policy reference); their stale conditions must not overlap."""
+    _check_disjoint(designs)
+    every = [r for runs in designs for r in runs]
+    methods = sorted({r["algo"] for r in every})
+    stale = sorted({r["delay"] for r in every if r["delay"] != 0}, key=condition_key)
     out = []
     for m in methods:
-        comps = [c for c in comparison_rows(per_run, m, alpha) if c["condition"] != 0 and c["n_drop"] >= 2]
+        comps = [c for runs in designs for c in comparison_rows(runs, m, alpha)  # each design pairs with its own
+                 if c["condition"] != 0 and c["n_drop"] >= 2]  # on-policy runs  # fmt: skip
         seen = {(c["condition"], c["baseline"]) for c in comps}
         losses = [c for c in comps if c["drop_lo"] > 0]
         beats_grpo = [c["condition"] for c in comps if c["baseline"] == grpo and c["drop_hi"] < 0]
@@ -275,6 +281,79 @@ def dominance_rows(per_run: list[dict], grpo: str = "grpo_paper", alpha: float =
                     "beats_grpo_at": beats_grpo,
                     "wins": complete and not losses and bool(beats_grpo)})  # fmt: skip
     return out
+
+
+def choice_rows(*designs: list[dict], alpha: float = 0.05) -> list[dict]:
+    """"Which loss for which staleness", per stale condition of each design (``designs`` as in
+    :func:`dominance_rows`): the method with the highest mean stale score and the methods whose
+    score is not significantly below it (the paired score difference, best minus the method, has
+    its 95% interval's lower end <= 0), and likewise the smallest mean drop and the methods whose
+    drop is not significantly larger. ``score``: method -> mean stale score; ``drop``: method ->
+    (mean, low, high) of its paired drop and t interval, for every method with runs there."""
+    from verl_ext.analysis.stats import paired_test
+
+    _check_disjoint(designs)
+    out = []
+    for runs in designs:
+        drops = paired_drops(runs)
+        for task in sorted({r["task"] for r in runs}):
+            mine = [r for r in runs if r["task"] == task]
+            for cond in sorted({r["delay"] for r in mine if r["delay"] != 0}, key=condition_key):
+                here = [r for r in mine if r["delay"] == cond]
+                score = {a: mean_std([r["lq_mean"] for r in here if r["algo"] == a])[0] for a in {r["algo"] for r in here}}
+                score = {a: v for a, v in score.items() if math.isfinite(v)}
+                drop = {}
+                for a in score:
+                    t = paired_test(drops.get((task, a, cond), []), alpha)
+                    if t.n:
+                        drop[a] = (t.mean, t.ci_low, t.ci_high)
+                if not score:
+                    continue
+                best_score = max(score, key=score.get)
+                tied_score = _not_worse(runs, task, cond, best_score, "score", alpha)
+                best_drop = min(drop, key=lambda a: drop[a][0]) if drop else None
+                tied_drop = _not_worse(runs, task, cond, best_drop, "drop", alpha) if best_drop else []
+                st_mean, st_max = realised_staleness(here)
+                out.append({"task": task, "condition": cond, "steps": max(r.get("steps", 0) or 0 for r in here),
+                            "staleness_mean": st_mean, "staleness_max": st_max, "score": score, "drop": drop,
+                            "best_score": best_score, "tied_score": tied_score, "best_drop": best_drop,
+                            "tied_drop": tied_drop})  # fmt: skip
+    return out
+
+
+def _check_disjoint(designs: tuple[list[dict], ...]) -> None:
+    """Designs joined in one table must not share a stale condition: its drops would mix two
+    on-policy references."""
+    seen: dict = {}
+    for i, runs in enumerate(designs):
+        for cond in {(r["task"], r["delay"]) for r in runs if r["delay"] != 0}:
+            if seen.setdefault(cond, i) != i:
+                raise ValueError(f"condition {cond[1]!r} (task {cond[0]!r}) is in two of the joined designs")
+
+
+def _not_worse(runs: list[dict], task: str, cond, best: str, by: str, alpha: float) -> list[str]:
+    """The methods (``best`` first) not significantly worse than ``best`` at ``cond``: by "score",
+    the paired score difference best minus m has lower end <= 0; by "drop", the paired difference
+    of drops m minus best has lower end <= 0 (:func:`comparison_rows`, paired by seed)."""
+    tied = [best]
+    for c in comparison_rows(runs, best, alpha):
+        if c["task"] != task or c["condition"] != cond:
+            continue
+        if by == "score" and c["n_score"] >= 2 and not c["score_lo"] > 0:
+            tied.append(c["baseline"])
+        if by == "drop" and c["n_drop"] >= 2 and not c["drop_hi"] < 0:  # drop_diff = best's - m's
+            tied.append(c["baseline"])
+    return tied
+
+
+def recommended(choices: list[dict]) -> list[tuple[str, int]]:
+    """Methods by the number of stale conditions (of :func:`choice_rows`) where their score is not
+    significantly below the best, most first: the candidates for one default at every staleness."""
+    counts: dict[str, int] = {}
+    for c in choices:
+        for a in c["tied_score"]:
+            counts[a] = counts.get(a, 0) + 1
+    return sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
 
 
 def drop_rows(per_run: list[dict], alpha: float = 0.05) -> list[dict]:

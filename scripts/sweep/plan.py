@@ -43,7 +43,7 @@ ALGOS: dict[str, list[str]] = {
     "gepo_tc": ["algorithm_preset=gepo_tc"],
     "gepo_tc_ess": ["algorithm_preset=gepo_tc_ess"],
 }
-#: the methods issue 24 adds to the powered study (``--algos`` of its runs)
+#: the methods issue 24 adds to the powered study (they join its rows file and its default methods)
 FRONTIER_ALGOS = ["m2po", "vespo", "decoupled_ppo", "grpo_tis", "grpo_seq_tis", "grpo_icepop", "grpo_seq_mis",
                   "gepo_tc", "gepo_tc_ess"]
 LEGACY_ALGOS = ["gepo", "gspo", "grpo", "dr_grpo", "bnpo", "gepo_adaptive", "gmpo", "cispo", "topr", "delta_l",
@@ -119,8 +119,10 @@ QUICK = dict(tasks=["long", "short"], algos=["gepo", "gspo", "grpo"], delays=[0,
              warm_start_steps=PINNED_WARM_START_STEPS, design="quick")  # fmt: skip
 #: the powered study (docs/study.md): 16 prompts x G=8, 200 steps, 512 held-out problems every 20
 #: steps, score = mean of the last 5 evaluations, 5 seeds, each method's rate chosen on-policy.
-#: Cut to fit the budget (docs/study.md): verl's dual-clip grpo and gepo_adaptive (--algos adds them).
-POWERED = dict(tasks=["long"], algos=["gepo", "grpo_paper", "gspo_wide", "gepo_tr", "gspo"],
+#: Issue 13's five methods and issue 24's nine (the methods are not part of the design id: rows of
+#: either join one file). Cut to fit the budget (docs/study.md): verl's dual-clip grpo and
+#: gepo_adaptive (--algos adds them).
+POWERED = dict(tasks=["long"], algos=["gepo", "grpo_paper", "gspo_wide", "gepo_tr", "gspo", *FRONTIER_ALGOS],
                delays=[0, "fix4", "fix16", "fix64", "uni64", "logn64"], seeds=[0, 1, 2, 3, 4], steps=200, lr=1e-4,
                test_freq=20, eval_size=512, prompts=16, diagnostics_every=0, diagnostics_samples=8,
                warm_start_steps=PINNED_WARM_START_STEPS, last_evals=5, lr_grid=[5e-5, 1e-4, 2e-4], lr_seeds=[0, 1, 2],

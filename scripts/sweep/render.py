@@ -11,6 +11,7 @@ from pathlib import Path
 
 from sweep.analyse import (
     RUN_KEYS,
+    choice_rows,
     comparison_rows,
     design_mde,
     dominance_rows,
@@ -19,6 +20,7 @@ from sweep.analyse import (
     main_runs,
     mean_std,
     realised_staleness,
+    recommended,
     stability_rows,
     summarize,
 )
@@ -146,12 +148,46 @@ def dominance_markdown(rows: list[dict]) -> str:
     return "\n".join(table + ["", answer])
 
 
+def choice_markdown(rows: list[dict], references: tuple[str, ...] = ("gepo", "grpo_paper")) -> str:
+    """The "which loss for which staleness" table of :func:`sweep.analyse.choice_rows` and the
+    methods that are never significantly below the best score, or nearly."""
+    table = ["| condition | realised staleness mean / max | highest score | not significantly below it | smallest drop "
+             "[95% CI] | not significantly larger | " + " | ".join(f"{a} score / drop" for a in references) + " |",
+             "|" + "---|" * (6 + len(references))]  # fmt: skip
+    for r in rows:
+        cond = f"`{r['condition']}`" + (f" ({r['steps']} steps)" if r["steps"] and r["steps"] != rows[0]["steps"] else "")
+        best = r["best_drop"]
+        drop = f"{best} {_ci(*r['drop'][best])}" if best else "-"
+        refs = [f"{_cell(r['score'].get(a, math.nan), math.nan)} / {_ci(*r['drop'].get(a, (math.nan,) * 3))}"
+                for a in references]  # fmt: skip
+        table.append(f"| {cond} | {_cell(r['staleness_mean'], math.nan, 1)} / {_cell(r['staleness_max'], math.nan, 0)} | "
+                     f"{r['best_score']} {_cell(r['score'][r['best_score']], math.nan)} | "
+                     f"{', '.join(r['tied_score'][1:]) or 'none'} | {drop} | {', '.join(r['tied_drop'][1:]) or 'none'} | "
+                     + " | ".join(refs) + " |")  # fmt: skip
+    ranked = recommended(rows)
+    if not ranked:
+        return "\n".join(table)
+    top = ranked[0][1]
+    leaders = [a for a, n in ranked if n == top]
+    others = ", ".join(f"{a} {n}" for a, n in ranked if n != top)
+    line = (f"Not significantly below the best score in {top} of the {len(rows)} stale conditions: "
+            f"**{', '.join(leaders)}**" + (f" (then: {others})." if others else "."))  # fmt: skip
+    return "\n".join(table + ["", line])
+
+
+def doc_key(task: str, plan: Plan) -> str:
+    """The name a design's blocks carry in a page (``<!-- study:<key>:<name> -->``): the task for
+    the powered study (and its dry run), ``<task>_<design>`` for a design joined to it."""
+    return task if plan.design in ("powered", "dry") else f"{task}_{plan.design}"
+
+
 def study_markdown(task: str, plan: Plan, per_run: list[dict], lr_table: list[dict], chosen: dict,
                    ws: dict | None = None) -> str:  # fmt: skip
     """The section of docs/study.md for one task, from its runs."""
     from verl_ext.analysis.stats import binomial_eval_sd, mde
 
     mine = [r for r in main_runs(per_run, plan, chosen) if r["task"] == task]
+    key = doc_key(task, plan)
     lines = [f"### Task `{task}` ({TASKS[task].answer_format} answers), design `{plan.design}` (id {design_id(plan)})", ""]
     if ws and task in ws:
         lines += [f"Warm start: pinned, {plan.warm_start_steps} supervised steps, seed 0; weights sha256 `{ws[task]}`.", ""]
@@ -162,7 +198,7 @@ def study_markdown(task: str, plan: Plan, per_run: list[dict], lr_table: list[di
     refs = [plan.reference] + [v for v in plan.variants if v in present and v != plan.reference]
     drops = drop_rows(mine)
     comparisons = {ref: [c for c in comparison_rows(mine, ref) if c["task"] == task] for ref in refs}
-    lines += ["**At a glance**", "", *doc_block(task, "glance", glance_markdown(mine, drops, comparisons)), ""]
+    lines += ["**At a glance**", "", *doc_block(key, "glance", glance_markdown(mine, drops, comparisons)), ""]
     grid = [r for r in lr_table if r["task"] == task]
     if grid:
         lines += ["**Learning rates** (stage 1, on-policy; rule: highest mean score, a smaller rate within 0.01 of it "
@@ -186,7 +222,7 @@ def study_markdown(task: str, plan: Plan, per_run: list[dict], lr_table: list[di
             f"{_cell(r['weight_right_mean'], math.nan)} / {_cell(r['weight_wrong_mean'], math.nan)} | "
             f"{_cell(r['zero_grad_stale_mean'], math.nan)} |"
         )
-    lines += doc_block(task, "drops", "\n".join(table))
+    lines += doc_block(key, "drops", "\n".join(table))
     for reference, comp in comparisons.items():
         lines += ["", f"**Paired differences, {reference} minus each baseline** (drop diff > 0: {reference} "
                   "loses more to staleness; score diff > 0: it scores higher at that condition). MDE: the true "
@@ -203,7 +239,11 @@ def study_markdown(task: str, plan: Plan, per_run: list[dict], lr_table: list[di
     lines += ["", "**Is there a method whose drop is no larger than every other method's in every stale condition, "
               "and smaller than GRPO's (`grpo_paper`) in at least one?** (\"no larger\": not significantly larger, the "
               "95% interval of the paired difference of drops reaching 0 or below; \"smaller\": significantly smaller)", ""]
-    lines += doc_block(task, "winner", dominance_markdown(dominance_rows(mine)))
+    lines += doc_block(key, "winner", dominance_markdown(dominance_rows(mine)))
+    lines += ["", "**Which loss for which staleness** (per stale condition: the highest mean score and the methods "
+              "not significantly below it, paired by seed; the smallest drop and the methods whose drop is not "
+              "significantly larger):", ""]  # fmt: skip
+    lines += doc_block(key, "choice", choice_markdown(choice_rows(mine)))
     lines += ["", "**Importance-weight variance against KL** (the paper's \"variance tracks KL\"; one point a run, "
               "every condition and seed; the variance is of each loss's own weights, so compare methods by r, not by "
               "level):", ""]  # fmt: skip
@@ -214,7 +254,7 @@ def study_markdown(task: str, plan: Plan, per_run: list[dict], lr_table: list[di
                      f"{_cell(r['spearman_r'], math.nan, 2)} ({_p(r['spearman_p'])}) | "
                      f"{_cell(r['var_on_policy'], math.nan, sci=True)} | {r['top_condition']} | "
                      f"{_cell(r['kl_top'], math.nan, sci=True)} | {_cell(r['var_top'], math.nan, sci=True)} |")  # fmt: skip
-    lines += doc_block(task, "klvar", "\n".join(table))
+    lines += doc_block(key, "klvar", "\n".join(table))
     dm = design_mde(mine, len(plan.seeds))
     acc = mean_std([r["lq_mean"] for r in mine])[0]
     floor = binomial_eval_sd(min(max(acc, 0.0), 1.0), plan.eval_size, 1, max(plan.last_evals, 1)) if math.isfinite(acc) else math.nan
@@ -225,7 +265,23 @@ def study_markdown(task: str, plan: Plan, per_run: list[dict], lr_table: list[di
              f"**{_cell(dm['mde_drop_diff'], math.nan)}**. The evaluation alone (binomial, {plan.eval_size} problems x "
              f"{max(plan.last_evals, 1)} evaluations at accuracy {_cell(acc, math.nan)}) gives sigma >= "
              f"{_cell(floor, math.nan)}, MDE >= {_cell(floor_mde, math.nan)}.")  # fmt: skip
-    lines += ["", *doc_block(task, "power", power), ""]
+    lines += ["", *doc_block(key, "power", power), ""]
+    return "\n".join(lines)
+
+
+def joined_markdown(task: str, designs: list[tuple[Plan, list[dict], dict]]) -> str:
+    """The questions that span designs (the 200-step study and the longer runs of its harsher
+    condition), for one task: "which loss for which staleness" over every stale condition, and
+    issue 24's "is there a method never worse and better than GRPO somewhere?". ``designs``: (plan,
+    finished runs, chosen rates) per design; each design's drops pair with its own on-policy runs."""
+    parts = [[r for r in main_runs(runs, plan, chosen) if r["task"] == task] for plan, runs, chosen in designs]
+    parts = [p for p in parts if p]
+    names = ", ".join(f"`{plan.design}` ({plan.steps} steps)" for plan, runs, _ in designs if runs)
+    lines = [f"### Task `{task}`, every stale condition of {names}", "",
+             "**Which loss for which staleness**", "", *doc_block(task, "joined_choice", choice_markdown(choice_rows(*parts))),
+             "", "**Is there a method whose drop is no larger than every other method's in every stale condition, and "
+             "smaller than GRPO's in at least one?**", "",
+             *doc_block(task, "joined_winner", dominance_markdown(dominance_rows(*parts))), ""]  # fmt: skip
     return "\n".join(lines)
 
 
@@ -281,7 +337,7 @@ def write_outputs(out: Path, plan: Plan, per_run: list[dict], figures: bool = Tr
         stable = stability_table(stability_rows(mine, task_runs))
         (out / f"stability_{task}.md").write_text(stable + "\n")
         log(f"\n## {task} answers ({TASKS[task].answer_format})\n{md}\n\nStability (sorted by drop):\n{stable}")
-        if plan.design in ("powered", "dry"):
+        if plan.design in ("powered", "dry", "powered_long"):
             section = study_markdown(task, plan, per_run, lr_table or [], chosen, ws)
             (out / f"study_{task}.md").write_text(section)
             log("\n" + section)

@@ -195,6 +195,81 @@ def test_dominance_names_the_method_never_worse_and_better_than_grpo_somewhere()
     assert "**Answer: no**" in dominance_markdown(list(rows.values()))
 
 
+def test_dominance_spans_designs_each_paired_with_its_own_on_policy_runs():
+    """The 600-step fix256 runs join the 200-step study: a method must be no worse there too, and
+    its drop there is measured from the 600-step on-policy runs, not the 200-step ones."""
+    from sweep.analyse import dominance_rows
+
+    short = {("grpo_paper", "fix64"): 0.10, ("gepo_tc", "fix64"): 0.05}
+    long = {("grpo_paper", "fix256"): 0.05, ("gepo_tc", "fix256"): 0.20}
+    rows = {r["algo"]: r for r in dominance_rows(_drops_runs(short))}
+    assert rows["gepo_tc"]["wins"]
+    joined = _drops_runs(long, seed=2)
+    for r in joined:  # a different on-policy level: pairing across designs would move every drop by 0.3
+        r["lq_mean"] += 0.3
+    rows = {r["algo"]: r for r in dominance_rows(_drops_runs(short), joined)}
+    assert rows["gepo_tc"]["complete"] and not rows["gepo_tc"]["wins"]
+    assert rows["gepo_tc"]["significant_losses"] == [("fix256", "grpo_paper")]
+    assert rows["grpo_paper"]["significant_losses"] == [("fix64", "gepo_tc")]
+    # a method run in one design only is not complete
+    rows = {r["algo"]: r for r in dominance_rows(_drops_runs(short), _drops_runs({("grpo_paper", "fix256"): 0.05}))}
+    assert not rows["gepo_tc"]["complete"] and not rows["gepo_tc"]["wins"]
+    with pytest.raises(ValueError, match="'fix64'.*two of the joined designs"):
+        dominance_rows(_drops_runs(short), _drops_runs(short))
+
+
+def test_choice_rows_name_the_best_and_the_methods_not_significantly_worse():
+    from sweep.analyse import choice_rows, recommended
+    from sweep.render import choice_markdown
+
+    drops = {("gepo", "fix4"): 0.15, ("grpo_paper", "fix4"): 0.0, ("gspo", "fix4"): 0.003,
+             ("gepo", "fix64"): 0.07, ("grpo_paper", "fix64"): 0.072, ("gspo", "fix64"): 0.20}  # fmt: skip
+    runs = _drops_runs(drops, noise=0.005)
+    for r in runs:  # gspo starts higher on-policy: best score at fix4 but not the smallest drop
+        if r["algo"] == "gspo":
+            r["lq_mean"] += 0.02
+    rows = {r["condition"]: r for r in choice_rows(runs)}
+    assert list(rows) == ["fix4", "fix64"]
+    fix4, fix64 = rows["fix4"], rows["fix64"]
+    assert fix4["best_score"] == "gspo" and fix4["tied_score"] == ["gspo"]  # 0.02 over 0.005 noise: significant
+    assert fix4["best_drop"] == "grpo_paper" and fix4["tied_drop"] == ["grpo_paper", "gspo"]
+    assert fix64["best_drop"] == "gepo" and sorted(fix64["tied_drop"]) == ["gepo", "grpo_paper"]
+    assert fix64["drop"]["gspo"][0] == pytest.approx(0.20, abs=0.01)
+    lq = {(r["algo"], r["delay"], r["seed"]): r["lq_mean"] for r in runs}
+    assert fix4["score"]["gepo"] == pytest.approx(sum(lq[("gepo", "fix4", s)] for s in range(5)) / 5)
+    assert recommended(list(rows.values()))[0][0] in {"gepo", "grpo_paper", "gspo"}
+    md = choice_markdown(list(rows.values()))
+    line = next(l for l in md.splitlines() if l.startswith("| `fix4` |"))
+    assert "| gspo 0." in line and f"| none | grpo_paper {fix4['drop']['grpo_paper'][0]:+.3f} [" in line
+    assert "| gspo |" in line  # the drop not significantly larger than grpo_paper's
+    counts = dict(recommended(list(rows.values())))
+    leaders = [a for a, n in counts.items() if n == max(counts.values())]
+    assert f"**{', '.join(leaders)}**" in md and f"in {max(counts.values())} of the 2 stale conditions" in md
+
+
+def test_joined_section_keeps_each_designs_blocks_apart():
+    from sweep.render import doc_key, joined_markdown
+
+    short, long = _plan(steps=200, design="powered"), _plan(steps=600, delays=[0, "fix256"], design="powered_long")
+    assert doc_key("long", short) == "long" and doc_key("long", long) == "long_powered_long"
+    runs_short = _drops_runs({("gepo", "fix4"): 0.1, ("grpo_paper", "fix4"): 0.0})
+    runs_long = _drops_runs({("gepo", "fix256"): 0.1, ("grpo_paper", "fix256"): 0.2})
+    for r in runs_long:
+        r["steps"] = 600
+    md = joined_markdown("long", [(short, runs_short, {}), (long, runs_long, {})])
+    assert "<!-- study:long:joined_choice -->" in md and "<!-- study:long:joined_winner -->" in md
+    assert "| `fix4` |" in md and "| `fix256` (600 steps) |" in md
+    assert "`powered` (200 steps), `powered_long` (600 steps)" in md
+
+
+def test_join_is_refused_outside_table_only(tmp_path):
+    cli = [sys.executable, str(REPO / "scripts" / "bench" / "delay_sweep.py"), "--design", "powered", "--join",
+           "powered_long", "--out", str(tmp_path / "o")]  # fmt: skip
+    proc = subprocess.run(cli, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "--join powered_long: only with --table-only" in proc.stderr
+    assert not (tmp_path / "o").exists()
+
+
 def test_study_markdown_has_every_section(tmp_path):
     plan = _plan(lr_grid=[1e-4], lr_seeds=[0])
     per_run = [{"task": "long", "algo": a, "lr": 1e-4, "delay": c, "seed": s, "lq_mean": 0.4 + 0.01 * s - (0.05 if c else 0),
