@@ -342,26 +342,10 @@ def alive(record: Optional[dict]) -> bool:
     return bool(record) and record.get("start") is not None and _start_time(int(record["pid"])) == record["start"]
 
 
-def _signal_until_gone(pids_now, grace_s: float, first: int = signal.SIGTERM) -> None:
-    """Send ``first`` to what ``pids_now()`` returns, wait up to ``grace_s``, then SIGKILL what is left."""
-    for sig, wait_s in ((first, grace_s), (signal.SIGKILL, 5.0)):
-        pids = pids_now()
-        if not pids:
-            return
-        for pid in pids:
-            try:
-                os.kill(pid, sig)
-            except ProcessLookupError:
-                pass
-        deadline = time.monotonic() + wait_s
-        while pids_now() and time.monotonic() < deadline:
-            time.sleep(0.1)
-
-
 def stop_process(record: Optional[dict], grace_s: float = 10.0) -> None:
     """End a process this script recorded, by id (only if its start time still matches)."""
     if alive(record):
-        _signal_until_gone(lambda: [int(record["pid"])] if alive(record) else [], grace_s)
+        link.signal_until_gone(lambda: [int(record["pid"])] if alive(record) else [], grace_s)
 
 
 def _netns_inode(netns: str) -> Optional[int]:
@@ -465,7 +449,7 @@ def node_net_down(cfg: ClusterConfig, name: str, netns: Optional[str] = None) ->
     """Every process left in the node's namespace ends (TERM, then KILL), then the namespace and
     so its veth pair go. Idempotent."""
     ns = netns or cfg.netns(name)
-    _signal_until_gone(lambda: netns_pids(ns), grace_s=2.0)
+    link.signal_until_gone(lambda: netns_pids(ns), grace_s=2.0)
     if ns in netns_list():
         _run(["ip", "netns", "delete", ns])
     # the kernel destroys an unnamed namespace (and so the pair) asynchronously, once nothing refers
@@ -698,7 +682,7 @@ def down(cfg: Optional[ClusterConfig] = None) -> None:
         stop_process(record, grace_s=5.0)
     ours = [ns for ns in netns_list() if ns.startswith(cfg.netns_prefix)]
     # what jobs left in the nodes (steps, srun, Ray...): TERM, a short grace, KILL; all nodes at once
-    _signal_until_gone(lambda: [pid for ns in ours for pid in netns_pids(ns)], grace_s=2.0)
+    link.signal_until_gone(lambda: [pid for ns in ours for pid in netns_pids(ns)], grace_s=2.0)
     for ns in ours:
         node_net_down(cfg, ns[len(cfg.netns_prefix) :], ns)
     stop_process(pids.get("slurmctld") or _pidfile_record(cfg, "run/slurmctld.pid"))
@@ -748,7 +732,7 @@ def node_gone(cfg: ClusterConfig, node: str) -> None:
     if alive(record):
         os.kill(int(record["pid"]), signal.SIGKILL)
     ns = cfg.netns(node)
-    _signal_until_gone(lambda: netns_pids(ns), grace_s=5.0, first=signal.SIGKILL)
+    link.signal_until_gone(lambda: netns_pids(ns), grace_s=5.0, first=signal.SIGKILL)
     node_net_down(cfg, node)
 
 

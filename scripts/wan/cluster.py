@@ -26,7 +26,6 @@ import argparse
 import json
 import os
 import secrets
-import signal
 import socket
 import subprocess
 import sys
@@ -131,18 +130,7 @@ def _session_pids(sid: int) -> list[int]:
 
 def _end_session(sid: int, grace_s: float = 10.0) -> None:
     """SIGTERM then SIGKILL every process of a session this script started."""
-    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
-        pids = _session_pids(sid)
-        if not pids:
-            return
-        for pid in pids:
-            try:
-                os.kill(pid, sig)
-            except ProcessLookupError:
-                pass
-        deadline = time.monotonic() + wait_s
-        while _session_pids(sid) and time.monotonic() < deadline:
-            time.sleep(0.2)
+    link.signal_until_gone(lambda: _session_pids(sid), grace_s, poll_s=0.2)
 
 
 def _wait_port(host: str, port: int, timeout_s: float, proc: subprocess.Popen) -> None:

@@ -29,7 +29,9 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import json
+import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -165,6 +167,23 @@ def conflicting_routes(routes: list[dict], cfg: LinkConfig) -> list[str]:
 
 class CommandError(RuntimeError):
     pass
+
+
+def signal_until_gone(pids_now, grace_s: float, first: int = signal.SIGTERM, poll_s: float = 0.1) -> None:
+    """Send ``first`` to what ``pids_now()`` returns, wait up to ``grace_s`` for it to be empty,
+    then SIGKILL what is left (and wait up to 5 s more). Processes that exit meanwhile are skipped."""
+    for sig, wait_s in ((first, grace_s), (signal.SIGKILL, 5.0)):
+        pids = pids_now()
+        if not pids:
+            return
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + wait_s
+        while pids_now() and time.monotonic() < deadline:
+            time.sleep(poll_s)
 
 
 def _run(args: list[str], check: bool = True) -> subprocess.CompletedProcess:

@@ -169,3 +169,13 @@ def test_k3_kl_per_token():
             assert abs(k[i, t].item() - ((math.exp(p - q) - 1) - (p - q))) < 1e-12
     assert (k >= 0).all()
     assert torch.equal(iw.k3_sampler_learner_kl(lq, lq), torch.zeros_like(lq))
+
+
+def test_normalised_ess_against_its_definition():
+    """(sum w)^2 / (n sum w^2): 1 for equal weights, 1/n for one non-zero weight; the edge cases
+    the losses and the diagnostics rely on (no weights: 1, all zero: 0)."""
+    w = torch.tensor([[0.5, 2.0], [1.0, 4.0]])
+    assert iw.normalised_ess(w) == pytest.approx(7.5**2 / (4 * (0.25 + 4 + 1 + 16)))
+    assert iw.normalised_ess(torch.full((7,), 3.0)) == pytest.approx(1.0)
+    assert iw.normalised_ess(torch.tensor([0.0, 0.0, 5.0, 0.0])) == pytest.approx(0.25)
+    assert iw.normalised_ess(torch.zeros(0)) == 1.0 and iw.normalised_ess(torch.zeros(3)) == 0.0

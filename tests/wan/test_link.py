@@ -175,3 +175,32 @@ def test_worker_gone_is_bounded():
     cluster = load("cluster")
     with pytest.raises(ValueError, match="seconds=1000"):
         cluster.worker_gone(cluster.ClusterConfig(), link.LinkConfig(), 1000)
+
+
+def test_signal_until_gone_kills_what_ignores_sigterm_after_the_grace():
+    """The one stop loop of both cluster scripts: a process that exits on SIGTERM is gone at once;
+    one that ignores it is SIGKILLed once the grace ends (real child processes, bounded waits)."""
+    import signal
+    import time
+
+    polite = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    stubborn = subprocess.Popen([sys.executable, "-c", "import signal, sys, time; "
+                                 "signal.signal(signal.SIGTERM, signal.SIG_IGN); print('ready', flush=True); "
+                                 "time.sleep(60)"], stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        assert stubborn.stdout.readline().strip() == "ready"  # its handler is set before we signal it
+
+        def alive(*procs):
+            return [p.pid for p in procs if p.poll() is None]
+
+        t0 = time.monotonic()
+        link.signal_until_gone(lambda: alive(polite), grace_s=10.0)
+        assert polite.returncode == -signal.SIGTERM and time.monotonic() - t0 < 5.0
+        t0 = time.monotonic()
+        link.signal_until_gone(lambda: alive(stubborn), grace_s=0.5)
+        assert stubborn.returncode == -signal.SIGKILL and 0.5 <= time.monotonic() - t0 < 6.0
+    finally:
+        for p in (polite, stubborn):
+            if p.poll() is None:
+                p.kill()
+                p.wait()

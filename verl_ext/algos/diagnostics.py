@@ -32,13 +32,12 @@ def importance_weight_stats(weight: torch.Tensor, response_mask: torch.Tensor) -
     w = _masked_values(weight.detach().to(torch.float64), response_mask)
     if w.numel() == 0:
         return {}
-    ess = (w.sum() ** 2 / (w.numel() * w.square().sum())).item() if bool((w != 0).any()) else 0.0
     return {
         "is/weight_mean": w.mean().item(),
         "is/weight_min": w.min().item(),
         "is/weight_max": w.max().item(),
         "is/weight_var": w.var(unbiased=False).item(),
-        "is/ess": ess,
+        "is/ess": iw.normalised_ess(w),
     }
 
 

@@ -157,3 +157,16 @@ def k3_sampler_learner_kl(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Ten
     log_ratio = (log_p - log_q).clamp(-20.0, 20.0)
     return torch.expm1(log_ratio) - log_ratio
 
+
+def normalised_ess(weights: torch.Tensor) -> float:
+    """Effective sample size over n, (sum w)^2 / (n sum w^2), in float64: 1 when every weight is
+    equal, towards 1/n as one weight dominates; 1 for no weights, 0 when all are 0.
+
+    Args:
+        weights: any shape, the weights to pool (already masked to the valid entries).
+    """
+    w = weights.detach().to(torch.float64).reshape(-1)
+    if w.numel() == 0:
+        return 1.0
+    sum_sq = w.square().sum()
+    return float(w.sum() ** 2 / (w.numel() * sum_sq)) if bool(sum_sq > 0) else 0.0

@@ -382,8 +382,7 @@ def gepo_token_clip_loss_terms(
     token_log_ratio = iw.token_log_weight(log_p.detach(), log_q).clamp(-LOG_WEIGHT_CLAMP, LOG_WEIGHT_CLAMP)
     ratio = torch.exp(token_log_ratio)
     if ess_bound:
-        r = ratio[mask].to(torch.float64)
-        ess = float(r.sum() ** 2 / (r.numel() * r.square().sum())) if r.numel() else 1.0
+        ess = iw.normalised_ess(ratio[mask])
         clip_low, clip_high = clip_low * ess, clip_high * ess
     clipped = ((advantages > 0) & (ratio > 1.0 + clip_high)) | ((advantages < 0) & (ratio < 1.0 - clip_low))
     clipped = clipped & mask
