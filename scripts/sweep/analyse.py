@@ -283,6 +283,28 @@ def dominance_rows(*designs: list[dict], grpo: str = "grpo_paper", alpha: float 
     return out
 
 
+def verdict_rows(*designs: list[dict], against: tuple[str, ...] = ("gepo", "grpo_paper"),
+                 alpha: float = 0.05) -> list[dict]:
+    """Each method against each of ``against``, per stale condition of each design (``designs`` as
+    in :func:`dominance_rows`): the paired difference of drops, method minus the other (> 0: the
+    method loses more to staleness), its 95% interval, p and ``verdict`` -- "smaller" / "larger"
+    when the interval excludes 0, "no difference" otherwise, "-" with fewer than two pairs."""
+    _check_disjoint(designs)
+    out = []
+    for other in against:
+        for runs in designs:
+            for c in comparison_rows(runs, other, alpha):
+                if c["condition"] == 0:
+                    continue
+                diff, lo, hi = -c["drop_diff"], -c["drop_hi"], -c["drop_lo"]  # method minus other
+                verdict = ("-" if c["n_drop"] < 2 else "smaller" if hi < 0 else "larger" if lo > 0
+                           else "no difference")  # fmt: skip
+                out.append({"task": c["task"], "algo": c["baseline"], "against": other, "condition": c["condition"],
+                            "n": c["n_drop"], "diff": diff, "lo": lo, "hi": hi, "p": c["drop_p"],
+                            "verdict": verdict})  # fmt: skip
+    return out
+
+
 def choice_rows(*designs: list[dict], alpha: float = 0.05) -> list[dict]:
     """"Which loss for which staleness", per stale condition of each design (``designs`` as in
     :func:`dominance_rows`): the method with the highest mean stale score and the methods whose

@@ -23,6 +23,7 @@ from sweep.analyse import (
     recommended,
     stability_rows,
     summarize,
+    verdict_rows,
 )
 from sweep.figures import kl_variance_figure, run_figures, staleness_figure
 from sweep.plan import TASKS, Plan, condition_key, design_id, multi_lr, normalize_condition
@@ -175,6 +176,26 @@ def choice_markdown(rows: list[dict], references: tuple[str, ...] = ("gepo", "gr
     return "\n".join(table + ["", line])
 
 
+def verdict_markdown(rows: list[dict]) -> str:
+    """:func:`sweep.analyse.verdict_rows` as one methods x conditions matrix per reference: the
+    verdict, the paired difference of drops (method minus the reference) and its interval."""
+    out = []
+    for other in dict.fromkeys(r["against"] for r in rows):
+        mine = [r for r in rows if r["against"] == other]
+        conds = sorted({r["condition"] for r in mine}, key=condition_key)
+        cell = {(r["algo"], r["condition"]): r for r in mine}
+        lines = ["| method | " + " | ".join(f"`{c}`" for c in conds) + " |", "|---|" + "---|" * len(conds)]
+        for algo in sorted({r["algo"] for r in mine}):
+            cells = []
+            for c in conds:
+                r = cell.get((algo, c))
+                cells.append(f"{r['verdict']}: {_ci(r['diff'], r['lo'], r['hi'])}" if r and r["n"] else "")
+            lines.append(f"| {algo} | " + " | ".join(cells) + " |")
+        out += [f"Against {other} (each method's drop minus {other}'s, paired by seed; smaller / larger: the 95% "
+                "interval excludes 0):", "", *lines, ""]  # fmt: skip
+    return "\n".join(out).rstrip("\n")
+
+
 def doc_key(task: str, plan: Plan) -> str:
     """The name a design's blocks carry in a page (``<!-- study:<key>:<name> -->``): the task for
     the powered study (and its dry run), ``<task>_<design>`` for a design joined to it."""
@@ -279,6 +300,8 @@ def joined_markdown(task: str, designs: list[tuple[Plan, list[dict], dict]]) -> 
     names = ", ".join(f"`{plan.design}` ({plan.steps} steps)" for plan, runs, _ in designs if runs)
     lines = [f"### Task `{task}`, every stale condition of {names}", "",
              "**Which loss for which staleness**", "", *doc_block(task, "joined_choice", choice_markdown(choice_rows(*parts))),
+             "", "**Each method against GEPO and GRPO**", "",
+             *doc_block(task, "joined_verdicts", verdict_markdown(verdict_rows(*parts))),
              "", "**Is there a method whose drop is no larger than every other method's in every stale condition, and "
              "smaller than GRPO's in at least one?**", "",
              *doc_block(task, "joined_winner", dominance_markdown(dominance_rows(*parts))), ""]  # fmt: skip

@@ -247,6 +247,25 @@ def test_choice_rows_name_the_best_and_the_methods_not_significantly_worse():
     assert f"**{', '.join(leaders)}**" in md and f"in {max(counts.values())} of the 2 stale conditions" in md
 
 
+def test_verdicts_give_each_method_minus_the_reference_with_its_sign():
+    from sweep.analyse import verdict_rows
+    from sweep.render import verdict_markdown
+
+    drops = {("gepo", "fix4"): 0.15, ("grpo_paper", "fix4"): 0.0, ("m2po", "fix4"): 0.05,
+             ("gepo", "fix64"): 0.07, ("grpo_paper", "fix64"): 0.071, ("m2po", "fix64"): 0.075}  # fmt: skip
+    rows = {(r["algo"], r["against"], r["condition"]): r for r in verdict_rows(_drops_runs(drops))}
+    assert rows[("m2po", "gepo", "fix4")]["verdict"] == "smaller"
+    assert rows[("m2po", "gepo", "fix4")]["diff"] == pytest.approx(-0.10, abs=0.01)
+    assert rows[("m2po", "grpo_paper", "fix4")]["verdict"] == "larger"
+    assert rows[("m2po", "grpo_paper", "fix4")]["lo"] > 0
+    assert rows[("gepo", "grpo_paper", "fix64")]["verdict"] == "no difference"
+    assert ("gepo", "gepo", "fix4") not in rows
+    md = verdict_markdown(list(rows.values()))
+    assert md.index("Against gepo") < md.index("Against grpo_paper")
+    m2po = [l for l in md.splitlines() if l.startswith("| m2po | ")]
+    assert len(m2po) == 2 and m2po[0].startswith("| m2po | smaller: -0.1")
+
+
 def test_joined_section_keeps_each_designs_blocks_apart():
     from sweep.render import doc_key, joined_markdown
 
