@@ -263,7 +263,8 @@ def test_verdicts_give_each_method_minus_the_reference_with_its_sign():
     md = verdict_markdown(list(rows.values()))
     assert md.index("Against gepo") < md.index("Against grpo_paper")
     m2po = [l for l in md.splitlines() if l.startswith("| m2po | ")]
-    assert len(m2po) == 2 and m2po[0].startswith("| m2po | smaller: -0.1")
+    first = rows[("m2po", "gepo", "fix4")]
+    assert len(m2po) == 2 and m2po[0].startswith(f"| m2po | smaller: {first['diff']:+.3f} [{first['lo']:+.3f}, ")
 
 
 def test_joined_section_keeps_each_designs_blocks_apart():
