@@ -123,26 +123,32 @@ class TrustConfig:
     refused (hetero/rejected/quarantined) and its groups accepted since its last passed check are
     dropped from the buffer (hetero/dropped/quarantined). Defaults: one failed check quarantines."""
     max_divergence: float = option(0.0, honoured_by=(ASYNC,), instead=_NO_PUBLISHING_SAMPLERS)
-    """A per-sampler bound set by measurement (0 = off): while the mean over a sampler's last
-    ``divergence_window`` consumed groups of mean(log q - log p) (the KL estimate of sampler from
-    learner, measured in the learner's step) is above it, that sampler's groups are refused
-    (hetero/rejected/divergent). Beside max_delay: a slow-but-close sampler keeps contributing,
-    a fast-but-divergent one does not."""
+    """A per-sampler bound set by measurement (0 = off), in the units of the ``is/kl_sampler_learner``
+    metric: each consumed group's KL(sampler || learner) is estimated as that metric estimates a
+    batch's (k3 per token, token-mean per sequence, mean over the group's sequences; measured in
+    the learner's step), and while the mean over a sampler's last ``divergence_window`` groups is
+    above the bound, that sampler's groups are refused (hetero/rejected/divergent). Beside
+    max_delay: a slow-but-close sampler keeps contributing, a fast-but-divergent one does not."""
     divergence_window: int = option(8, honoured_by=(ASYNC,), instead=_NO_PUBLISHING_SAMPLERS)
     """Consumed groups per sampler the divergence bound averages over."""
 
+    # TrustLedger's constructor argument -> the field (hetero.trust.<field>) that sets it
+    _LEDGER_FIELDS = {"verify_fraction": "verify_fraction", "probation_groups": "probation_groups",
+                      "penalty": "trust_penalty", "recovery": "trust_recovery", "quarantine_below": "quarantine_below",
+                      "max_divergence": "max_divergence", "divergence_window": "divergence_window"}  # fmt: skip
+
+    def _ledger_arguments(self) -> dict:
+        return {argument: getattr(self, name) for argument, name in self._LEDGER_FIELDS.items()}
+
     def validate(self) -> None:
-        """Raise ValueError naming the first bad field."""
-        for key in ("verify_fraction", "quarantine_below"):
-            if not 0.0 <= getattr(self, key) <= 1.0:
-                raise ValueError(f"hetero.trust.{key}={getattr(self, key)!r} must be in [0, 1]")
-        for key in ("probation_groups", "trust_penalty", "trust_recovery", "max_divergence"):
-            if getattr(self, key) < 0:
-                raise ValueError(f"hetero.trust.{key}={getattr(self, key)!r} must be >= 0")
+        """Raise ValueError naming the first bad field (the ledger's ranges are
+        :meth:`TrustLedger.check_arguments`'s, checked under the hydra keys)."""
+        from verl_ext.hetero.trust import TrustLedger
+
+        TrustLedger.check_arguments(self._ledger_arguments(),
+                                    names={a: f"hetero.trust.{name}" for a, name in self._LEDGER_FIELDS.items()})
         if not self.logprob_tolerance > 0:
             raise ValueError(f"hetero.trust.logprob_tolerance={self.logprob_tolerance!r} must be > 0")
-        if self.divergence_window < 1:
-            raise ValueError(f"hetero.trust.divergence_window={self.divergence_window!r} must be >= 1")
         if self.enrolment_file and not self.sign_records:
             raise ValueError("hetero.trust.enrolment_file is set but hetero.trust.sign_records=false: "
                              "the learner would not check signatures")  # fmt: skip
@@ -151,10 +157,7 @@ class TrustConfig:
         """The run's :class:`~verl_ext.hetero.trust.TrustLedger`."""
         from verl_ext.hetero.trust import TrustLedger
 
-        return TrustLedger(verify_fraction=self.verify_fraction, probation_groups=self.probation_groups,
-                           penalty=self.trust_penalty, recovery=self.trust_recovery,
-                           quarantine_below=self.quarantine_below, max_divergence=self.max_divergence,
-                           divergence_window=self.divergence_window, seed=seed)  # fmt: skip
+        return TrustLedger(seed=seed, **self._ledger_arguments())
 
 
 @dataclass

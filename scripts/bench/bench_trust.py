@@ -137,8 +137,8 @@ def detection(args) -> list[str]:
                                         "sampler_logprobs": group.sampler_logprobs * (1.0 if honest else 1.5)})  # fmt: skip
                 gate._contents.clear()  # the pool is reused: replays are not what this measures
                 try:
-                    gate.admit(edited)
-                    gate.accepted(edited)  # (not added to the buffer: only the gate's verdicts are counted)
+                    vouched = gate.admit(edited)
+                    gate.accepted(edited, vouched)  # (not added to the buffer: only the gate's verdicts are counted)
                     lying += not honest
                 except RecordRejected:
                     break

@@ -72,6 +72,20 @@ def test_rejections_are_counted_never_raised(make_group):
     assert buffer.ledger.counts()["duplicates"] == 1
 
 
+def test_add_validates_unless_the_caller_already_did(make_group):
+    """Every caller of add but the inbox (which validates before its trust gate) is validated by
+    the buffer; validated=True skips only the record checks, not the duplicate rule."""
+    buffer = RolloutBuffer(max_delay=3)
+    bad = make_group("bad", 0)
+    bad.rewards = bad.rewards + np.float32(np.inf)
+    assert buffer.add(bad) is False
+    assert buffer.ledger.status["bad"] == "rejected:nonfinite_reward"
+    good = make_group("good", 0)
+    assert buffer.add(good, validated=True) is True
+    assert buffer.add(good, validated=True) is False  # still a duplicate
+    assert buffer.metrics()["hetero/rejected/duplicate"] == 1
+
+
 def test_capacity_drops_oldest_as_overflow(make_group):
     buffer = RolloutBuffer(max_delay=10, capacity=2)
     for uid in "abc":

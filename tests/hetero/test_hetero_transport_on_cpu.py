@@ -246,6 +246,58 @@ def test_rollout_inbox_exactly_once_across_a_learner_crash(transport):
         send_group(transport, bad_uid)
 
 
+def test_the_inbox_validates_each_group_once_on_its_way_through_a_gate(monkeypatch):
+    """With a gate the inbox validates a group (its named reasons come before the gate's) and the
+    buffer does not validate it again; without one the buffer validates. validate_group is
+    wrapped (counting, then the real function) where both modules call it; buffer and inbox are real."""
+    import verl_ext.hetero.buffer as buffer_module
+    import verl_ext.hetero.exchange as exchange_module
+    from verl_ext.hetero.records import validate_group
+
+    calls = []
+
+    def counting(group, *args, **kwargs):
+        calls.append(group.group_uid)
+        return validate_group(group, *args, **kwargs)
+
+    monkeypatch.setattr(exchange_module, "validate_group", counting)
+    monkeypatch.setattr(buffer_module, "validate_group", counting)
+
+    class Gate:  # vouches for g0 only; records what the inbox tells it
+        def __init__(self):
+            self.admitted, self.accepted_as = [], {}
+
+        def admit(self, group):
+            self.admitted.append(group.group_uid)
+            return group.group_uid == "s0-g0"
+
+        def accepted(self, group, vouched=False):
+            self.accepted_as[group.group_uid] = vouched
+
+    def send_all(transport):
+        for i in range(3):
+            send_group(transport, build_group(f"s0-g{i}", version=0))
+        bad = build_group("s0-bad", version=0)
+        bad.sampler_logprobs = -bad.sampler_logprobs + 1  # positive: not log-probabilities
+        send_group(transport, bad)
+
+    gated = FsspecTransport(f"memory://hetero-test-{next(_memory_ids)}")
+    send_all(gated)
+    buffer, gate = RolloutBuffer(max_delay=2), Gate()
+    assert RolloutInbox(gated, buffer, gate=gate).poll() == 3
+    assert sorted(calls) == ["s0-bad", "s0-g0", "s0-g1", "s0-g2"]  # once each
+    assert buffer.ledger.status["s0-bad"] == "rejected:positive_logprob" and "s0-bad" not in gate.admitted
+    assert gate.accepted_as == {"s0-g0": True, "s0-g1": False, "s0-g2": False}
+
+    calls.clear()
+    plain = FsspecTransport(f"memory://hetero-test-{next(_memory_ids)}")
+    send_all(plain)
+    ungated = RolloutBuffer(max_delay=2)
+    assert RolloutInbox(plain, ungated).poll() == 3
+    assert sorted(calls) == ["s0-bad", "s0-g0", "s0-g1", "s0-g2"]  # by the buffer, once each
+    assert ungated.ledger.status["s0-bad"] == "rejected:positive_logprob"
+
+
 @pytest.fixture(scope="module")
 def ray_transport():
     import ray

@@ -29,6 +29,20 @@ def test_constructor_rejects_bad_values(param, value):
         TrustLedger(**{param: value})
 
 
+def test_the_ranges_are_checked_once_under_the_callers_names():
+    """TrustLedger.check_arguments owns the ranges: hetero.trust's validation calls it with its
+    hydra keys (TrustConfig maps every constructor argument), the constructor without."""
+    from recipe.gepo.sections import TrustConfig
+
+    assert set(TrustConfig._LEDGER_FIELDS) == set(TrustLedger.RANGES)
+    with pytest.raises(ValueError, match=r"^hetero\.trust\.trust_penalty=-1\.0 must be >= 0$"):
+        TrustLedger.check_arguments({"penalty": -1.0}, names={"penalty": "hetero.trust.trust_penalty"})
+    with pytest.raises(ValueError, match=r"^hetero\.trust\.trust_penalty=-1\.0 must be >= 0$"):
+        TrustConfig(trust_penalty=-1.0).validate()
+    with pytest.raises(ValueError, match=r"^max_divergence=nan must be >= 0"):
+        TrustLedger(max_divergence=float("nan"))
+
+
 def test_edge_values_are_accepted():
     # the documented ranges are closed: [0, 1] and >= 0 / >= 1
     TrustLedger(verify_fraction=0.0, probation_groups=0, penalty=0.0, recovery=0.0, quarantine_below=0.0,

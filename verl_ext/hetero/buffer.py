@@ -137,10 +137,15 @@ class RolloutBuffer:
         self.last_rejection: RecordRejected | None = None
 
     # ---------------------------------------------------------------- producers
-    def add(self, group: RolloutGroup) -> bool:
+    def add(self, group: RolloutGroup, validated: bool = False) -> bool:
         """Validate and store one group. Returns True if accepted, False if rejected (counted under
         ``hetero/rejected/<reason>``, reason kept in the ledger and ``last_rejection``). Never
         raises on bad data.
+
+        ``validated=True`` skips :func:`validate_group` (not the duplicate and staleness rules):
+        only for a caller that has just validated ``group`` against this buffer's ``spec`` and
+        ``learner_version`` (the inbox does, before its trust gate; versions only grow, so the
+        group is still not from the future). Every other caller leaves it False.
 
         A group whose ``policy_version`` is newer than the learner's version is rejected
         (``future_version``), so the learner must call :meth:`set_learner_version` with v before
@@ -150,7 +155,8 @@ class RolloutBuffer:
         """
         with self._cond:
             try:
-                validate_group(group, self.spec, learner_version=self._learner_version)
+                if not validated:
+                    validate_group(group, self.spec, learner_version=self._learner_version)
                 previous = self.ledger.status.get(group.group_uid, REJECTED)
                 if not previous.startswith(REJECTED):
                     self.ledger.duplicates[group.group_uid] += 1

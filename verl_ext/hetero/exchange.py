@@ -52,11 +52,13 @@ class GroupGate(Protocol):
     """What a learner checks of a decoded group before it may enter the buffer
     (:class:`~recipe.gepo.local.verify.TrustGate` is one: trust, verification)."""
 
-    def admit(self, group: RolloutGroup) -> None:
-        """Raise :class:`RecordRejected` to refuse ``group``."""
+    def admit(self, group: RolloutGroup) -> bool:
+        """Raise :class:`RecordRejected` to refuse ``group``; else True when a check vouched for it
+        (the caller hands that to :meth:`accepted`, so nothing is remembered of a group the
+        buffer then refuses)."""
 
-    def accepted(self, group: RolloutGroup) -> None:
-        """``group`` entered the buffer."""
+    def accepted(self, group: RolloutGroup, vouched: bool = False) -> None:
+        """``group`` entered the buffer; ``vouched``: what :meth:`admit` returned for it."""
 
 
 class RolloutInbox:
@@ -163,19 +165,21 @@ class RolloutInbox:
                                                   sampler_id=signer, group_uid=key))  # fmt: skip
                 continue
             self.stats["received"] += 1
+            vouched = False
             if self.gate is not None:
                 try:
                     # malformed first, with its named reason; only a well-formed group meets the gate
                     validate_group(group, self.buffer.spec, learner_version=self.buffer.learner_version)
-                    self.gate.admit(group)
+                    vouched = bool(self.gate.admit(group))
                 except RecordRejected as err:
                     self.stats["refused"] += 1
                     self.buffer.reject(err)
                     continue
-            if self.buffer.add(group):
+            # validated just above when there is a gate: the buffer does not validate it again
+            if self.buffer.add(group, validated=self.gate is not None):
                 accepted += 1
                 if self.gate is not None:
-                    self.gate.accepted(group)
+                    self.gate.accepted(group, vouched)
         return accepted
 
     def acknowledge(self, buffer_state: dict) -> int:

@@ -15,10 +15,12 @@ the engine's (:mod:`recipe.gepo.local.verify`). This module keeps the books:
   (:meth:`TrustLedger.record` returns them). Quarantine is for the rest of the run and survives a
   resume (:meth:`state_dict`);
 - **divergence** (``max_divergence`` > 0): the learner reports, after each step, the measured
-  divergence of each consumed group (mean over tokens of log q - log p, the KL estimate of the
-  sampler's distribution from the learner's); while the mean over a sampler's last
-  ``divergence_window`` groups is above the bound, that sampler's groups are refused (reason
-  ``divergent``) -- a bound on what the data are, beside the version bound on how old they are.
+  divergence of each consumed group: KL(sampler || learner) estimated as the ``is/kl_sampler_learner``
+  metric estimates it (:func:`verl_ext.algos.diagnostics.sampler_learner_kl` on the group's
+  sequences: k3 per token, token-mean per sequence, mean over sequences), so the bound is read off
+  that metric; while the mean over a sampler's last ``divergence_window`` groups is above the
+  bound, that sampler's groups are refused (reason ``divergent``) -- a bound on what the data
+  are, beside the version bound on how old they are.
 
 Events (quarantine, divergence bound crossed either way) are kept for the run's records
 (:meth:`drain_events`); scalars under ``trust/`` (:meth:`metrics`).
@@ -29,6 +31,7 @@ from __future__ import annotations
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 
@@ -53,19 +56,34 @@ class TrustLedger:
     """Per-sampler trust (see module docstring). Thread-safe use: one caller at a time (the
     inbox's poll thread checks, the learner thread reports divergence; the source serialises)."""
 
+    # The ranges of the arguments, written once: the constructor and ``hetero.trust``'s
+    # validation (recipe.gepo.sections.TrustConfig, which names its hydra keys) both check them here.
+    RANGES: dict[str, tuple[str, Callable[[float], bool]]] = {
+        "verify_fraction": ("in [0, 1]", lambda v: 0.0 <= v <= 1.0),
+        "probation_groups": (">= 0", lambda v: v >= 0),
+        "penalty": (">= 0", lambda v: v >= 0),
+        "recovery": (">= 0", lambda v: v >= 0),
+        "quarantine_below": ("in [0, 1]", lambda v: 0.0 <= v <= 1.0),
+        "max_divergence": (">= 0 (0 = off)", lambda v: v >= 0),
+        "divergence_window": (">= 1", lambda v: v >= 1),
+    }  # fmt: skip
+
+    @classmethod
+    def check_arguments(cls, arguments: dict[str, float], names: dict[str, str] | None = None) -> None:
+        """Raise ValueError naming the first of ``arguments`` (constructor argument -> value) out of
+        its range, and its value; under ``names[argument]`` (e.g. the hydra key) when given. NaN
+        is out of every range."""
+        for argument, value in arguments.items():
+            what, ok = cls.RANGES[argument]
+            if not ok(value):
+                raise ValueError(f"{(names or {}).get(argument, argument)}={value!r} must be {what}")
+
     def __init__(self, verify_fraction: float = 0.1, probation_groups: int = 4, penalty: float = 1.0,
                  recovery: float = 0.05, quarantine_below: float = 0.5, max_divergence: float = 0.0,
                  divergence_window: int = 8, seed: int = 0):  # fmt: skip
-        if not 0.0 <= verify_fraction <= 1.0:
-            raise ValueError(f"verify_fraction={verify_fraction!r} must be in [0, 1]")
-        if probation_groups < 0:
-            raise ValueError(f"probation_groups={probation_groups!r} must be >= 0")
-        if not 0.0 <= quarantine_below <= 1.0 or penalty < 0 or recovery < 0:
-            raise ValueError(f"quarantine_below={quarantine_below!r} must be in [0, 1]; penalty={penalty!r} and "
-                             f"recovery={recovery!r} >= 0")  # fmt: skip
-        if max_divergence < 0 or divergence_window < 1:
-            raise ValueError(f"max_divergence={max_divergence!r} must be >= 0 (0 = off), "
-                             f"divergence_window={divergence_window!r} >= 1")  # fmt: skip
+        self.check_arguments({"verify_fraction": verify_fraction, "probation_groups": probation_groups,
+                              "penalty": penalty, "recovery": recovery, "quarantine_below": quarantine_below,
+                              "max_divergence": max_divergence, "divergence_window": divergence_window})  # fmt: skip
         self.verify_fraction, self.probation_groups = float(verify_fraction), int(probation_groups)
         self.penalty, self.recovery, self.quarantine_below = float(penalty), float(recovery), float(quarantine_below)
         self.max_divergence, self.divergence_window = float(max_divergence), int(divergence_window)
@@ -135,7 +153,8 @@ class TrustLedger:
 
     # ---------------------------------------------------------------- divergence
     def observe_divergence(self, sampler_id: str, value: float) -> None:
-        """A consumed group's measured divergence (mean log q - log p over its tokens)."""
+        """A consumed group's measured divergence (its ``is/kl_sampler_learner``-style k3 KL estimate,
+        :func:`recipe.gepo.local.learner.group_divergence`)."""
         if self.max_divergence <= 0:
             return
         books = self._of(sampler_id)

@@ -126,8 +126,9 @@ class RolloutSource(Protocol):
         """After a checkpoint holding ``buffer_state`` is durable."""
 
     def trained(self, groups: list[RolloutGroup], divergence: list[float]) -> None:
-        """After a step on ``groups``: each group's measured divergence (mean over its tokens of
-        log q - log p under the weights the step started from)."""
+        """After a step on ``groups``: each group's measured divergence under the weights the step
+        started from (:func:`recipe.gepo.local.learner.group_divergence`: the group's
+        ``is/kl_sampler_learner``, the k3 estimate of KL(sampler || learner))."""
 
     def drain_events(self) -> list[dict]:
         """Events for the run's records since the last call (e.g. a sampler quarantined)."""

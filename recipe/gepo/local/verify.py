@@ -224,7 +224,6 @@ class TrustGate:
         self._enrolment_stamp: Optional[tuple[float, int]] = None
         self.ledger = trust.ledger(hetero.seed)
         self._lock = threading.Lock()
-        self._checked: set[str] = set()  # uids whose check passed (vouched for: never purged)
         self._contents: set[str] = set()  # content digests of accepted groups
         self.lost_versions: set[int] = set()  # version numbers a crashed learner published past its checkpoint
         self.check_cpu_s = 0.0  # CPU seconds of the verifier's checks: the cost of hetero.trust in the learner
@@ -266,8 +265,11 @@ class TrustGate:
         if self.verifier is not None and self.config.verify_fraction > 0:
             self.verifier.remember(version, message)
 
-    def admit(self, group: RolloutGroup) -> None:
-        """Refuse (:class:`RecordRejected`, reason named) or let ``group`` through."""
+    def admit(self, group: RolloutGroup) -> bool:
+        """Refuse (:class:`RecordRejected`, reason named) or let ``group`` through: True when a
+        passed re-score vouched for it. Nothing of the group is remembered here: the caller hands
+        the verdict to :meth:`accepted` once the buffer has taken the group (a group the buffer
+        refuses leaves no trace, and its uid may be re-sent and judged afresh)."""
         sampler, uid = str(group.sampler_id), group.group_uid
         with self._lock:
             refusal = self.ledger.refusal(sampler)
@@ -295,21 +297,19 @@ class TrustGate:
             if failure is None:
                 if rescore:
                     self.ledger.record(sampler, uid, passed=True)
-                    self._checked.add(uid)
-                return
+                return rescore
             reason, detail = failure
             purge = self.ledger.record(sampler, uid, passed=False, reason=reason, detail=detail)
         if purge:
             self.buffer.purge(purge, "quarantined")
         raise RecordRejected("record", reason, detail, sampler_id=sampler, group_uid=uid)
 
-    def accepted(self, group: RolloutGroup) -> None:
-        """``group`` entered the buffer."""
+    def accepted(self, group: RolloutGroup, vouched: bool = False) -> None:
+        """``group`` entered the buffer; ``vouched``: :meth:`admit`'s verdict on it (a group no
+        check vouched for is purged if its sampler is quarantined before a check passes)."""
         with self._lock:
             self._contents.add(content_digest(group))
-            if group.group_uid in self._checked:
-                self._checked.discard(group.group_uid)
-            else:
+            if not vouched:
                 self.ledger.accepted(str(group.sampler_id), group.group_uid)
 
     def trained(self, groups: list[RolloutGroup], divergence: list[float]) -> None:

@@ -58,12 +58,12 @@ class Lab:
     def offer(self, group) -> str | None:
         """What the inbox does with a decoded group: the gate, then the buffer. The refusal's reason, or None."""
         try:
-            self.gate.admit(group)
+            vouched = self.gate.admit(group)
         except RecordRejected as err:
             self.buffer.reject(err)
             return err.reason
         assert self.buffer.add(group)
-        self.gate.accepted(group)
+        self.gate.accepted(group, vouched)
         return None
 
 
@@ -204,39 +204,112 @@ def test_trust_options_are_refused_outside_async_mode(tiny_model_path, tmp_path)
         _engine(tiny_model_path, tmp_path, "hetero.mode=replay", "hetero.trust.verify_fraction=0.5")
 
 
-def test_divergence_bound_keeps_a_slow_close_sampler_and_refuses_a_fast_divergent_one(tiny_model_path, tmp_path):
-    """hetero.trust.max_divergence: the learner measures mean(log q - log p) of each consumed
-    group in its own loss pass; a sampler three versions behind with weights the learner barely
-    moved passes, a sampler at the current version whose weights are off (another kernel, a
-    quantised copy, a bug) is refused once its window's mean is over the bound."""
-    from recipe.gepo.local.driver import build_learner
+def test_a_checked_group_the_buffer_refuses_leaves_no_trace(tiny_model_path, tmp_path):
+    """The gate's verdict on a checked group counts only if the buffer takes the group: here its
+    check passes but the real buffer refuses it (created_at is no time, which only the buffer's
+    validation looks at). Re-sent under the same uid (allowed after a rejection) once probation is
+    over, it enters unchecked, so a later quarantine of its sampler purges it."""
+    lab = Lab(tiny_model_path, tmp_path, "hetero.trust.probation_groups=1", "hetero.trust.verify_fraction=1e-9")
+    group, liar = lab.groups("sampler-4", n=2)
+    created_at = group.created_at
+    group.created_at = float("nan")
+    assert lab.gate.admit(group) is True  # re-scored on probation: passed
+    assert not lab.buffer.add(group)
+    assert lab.buffer.ledger.status[group.group_uid] == "rejected:created_at"
+    group.created_at = created_at
+    assert lab.offer(group) is None  # probation is over: admitted unchecked
+    assert lab.gate.metrics()["trust/checked"] == 1
+    _with_rewards(lab, liar, 1.0 - liar.rewards)  # rewards are checked on every group
+    assert lab.offer(liar) == "bad_rewards"
+    assert lab.buffer.ledger.status[group.group_uid] == "dropped:quarantined"
 
-    lab = Lab(tiny_model_path, tmp_path, "hetero.trust.max_divergence=0.001", "hetero.trust.divergence_window=2",
-              "hetero.trust.verify_fraction=0", "hetero.max_delay=4")  # fmt: skip
-    learner_model, _ = load_policy(tiny_model_path)
-    learner = build_learner(learner_model, lab.tokenizer.pad_token_id, lab.engine)
-    off, _ = load_policy(tiny_model_path)
+
+def _off_model(model_path, seed: int):
+    """The policy with every weight off by N(0, 0.05^2) noise: another kernel, a quantised copy, a bug."""
+    off, _ = load_policy(model_path)
+    noise = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in off.parameters():
-            p.add_(0.05 * torch.randn_like(p))
-    off.eval()
-    lab.buffer.set_learner_version(3)
+            p.add_(0.05 * torch.randn(p.shape, generator=noise, dtype=p.dtype))
+    return off.eval()
+
+
+def _divergence_lab(model_path, tmp_path, *overrides):
+    """A lab whose learner took three real steps on honest groups (version 3); the buffer is there too."""
+    from recipe.gepo.local.driver import build_learner
+
+    lab = Lab(model_path, tmp_path, "hetero.trust.divergence_window=2", "hetero.trust.verify_fraction=0",
+              "hetero.max_delay=4", *overrides)  # fmt: skip
+    learner_model, _ = load_policy(model_path)
+    learner = build_learner(learner_model, lab.tokenizer.pad_token_id, lab.engine)
+    for _ in range(3):
+        learner.train_step(lab.groups("sampler-0", n=2))
+    lab.buffer.set_learner_version(learner.version)
+    return lab, learner
+
+
+DIVERGENCE_BOUND = 0.3
+"""Set from measured values (``is/kl_sampler_learner``'s k3 estimator, this setup; the test prints
+them): the slow sampler's groups (version 0's weights against the learner three real steps on,
+lr 1e-4) measure 0.061 and 0.0034; the fast sampler's (weights off by N(0, 0.05^2)) 1.41 to 5.56
+per group over noise seeds 0-9 (1.96 and 1.96 with seed 0, the one used; a third group per seed,
+0.94 at the lowest). 0.3 is about the geometric middle of 0.061 and 1.41: ~5x margin each side,
+3x to the lowest divergent group seen."""
+
+
+def test_divergence_bound_keeps_a_slow_close_sampler_and_refuses_a_fast_divergent_one(tiny_model_path, tmp_path):
+    """hetero.trust.max_divergence, in the units of the is/kl_sampler_learner metric: the learner
+    measures each consumed group's KL(sampler || learner) in its own loss pass with that metric's
+    estimator; a sampler three versions behind the learner's real steps passes, a sampler at the
+    current version whose weights are off is refused once its window's mean is over the bound."""
+    lab, learner = _divergence_lab(tiny_model_path, tmp_path, f"hetero.trust.max_divergence={DIVERGENCE_BOUND}")
+    off = _off_model(tiny_model_path, seed=0)
     slow = lab.groups("sampler-1", n=2)  # made with version 0's weights, 3 versions behind
     fast = lab.groups("sampler-2", n=2, model=off)
     for group in fast:
         group.policy_version = 3  # fresh by its version stamp
     for group in slow + fast:
         assert lab.offer(group) is None
-    learner.loss(slow + fast)
+    _, metrics, _ = learner.loss(slow + fast)
     divergence = learner.group_divergence
-    assert max(abs(d) for d in divergence[:2]) < 1e-4 < 1e-3 < min(divergence[2:]), divergence
+    print(f"measured divergence: slow {divergence[:2]}, fast {divergence[2:]}, "
+          f"is/kl_sampler_learner {metrics['is/kl_sampler_learner']}")
+    # the bound is read off the metric: the step's is/kl_sampler_learner is the mean over its
+    # groups (equal sizes, every response has tokens)
+    assert np.mean(divergence) == pytest.approx(metrics["is/kl_sampler_learner"], rel=1e-5)
+    # measured 0.061 / 0.0034 and 1.96 / 1.96: DIVERGENCE_BOUND's margins (3x at least) on both sides
+    assert max(divergence[:2]) < DIVERGENCE_BOUND / 3 and min(divergence[2:]) > 3 * DIVERGENCE_BOUND, divergence
     lab.gate.trained(slow + fast, divergence)
     assert lab.offer(lab.groups("sampler-1", n=1)[0]) is None
     late = lab.groups("sampler-2", n=1, model=off)[0]
     late.policy_version = 3
     assert lab.offer(late) == "divergent"
     assert [e["event"] for e in lab.gate.drain_events()] == ["divergence_over_bound"]
-    assert lab.gate.metrics()["trust/sampler-2/divergence"] > 1e-3
+    assert lab.gate.metrics()["trust/sampler-2/divergence"] > 3 * DIVERGENCE_BOUND
+
+
+def test_group_divergence_is_the_metric_estimator_per_group():
+    """group_divergence is sampler_learner_kl (the is/kl_sampler_learner estimator) on each group's
+    rows: k3, token-mean per sequence, mean over the group's sequences with tokens."""
+    from recipe.gepo.local.learner import group_divergence
+    from verl_ext.algos.diagnostics import sampler_learner_kl
+
+    gen = torch.Generator().manual_seed(0)
+    log_q = -torch.rand(6, 5, generator=gen) * 3
+    log_p = log_q + 0.3 * torch.randn(6, 5, generator=gen)
+    mask = torch.ones(6, 5, dtype=torch.bool)
+    mask[1, 2:] = False
+    mask[4] = False  # a sequence without tokens does not count in its group's mean
+    index = torch.tensor([0, 0, 1, 1, 1, 2])
+    values = group_divergence(log_p, log_q, mask, 3, index)
+    k3 = (log_p - log_q).exp() - 1 - (log_p - log_q)  # by hand, as a check of the estimator used
+    per_seq = (k3 * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+    expected = [per_seq[[0, 1]].mean(), per_seq[[2, 3]].mean(), per_seq[5]]
+    assert values == pytest.approx([float(v) for v in expected], rel=1e-5)  # expm1 vs exp - 1 in float32
+    assert values[1] == pytest.approx(sampler_learner_kl(log_p[2:5], log_q[2:5], mask[2:5]))
+    assert group_divergence(log_p, log_q, torch.zeros_like(mask), 3, index) == [0.0, 0.0, 0.0]
+    # unlike the mean of log q - log p it replaced, never negative
+    assert min(values) >= 0
 
 
 def test_groups_of_a_version_lost_in_a_learner_crash_are_refused_without_blame(tiny_model_path, tmp_path):
