@@ -150,8 +150,9 @@ def dominance_markdown(rows: list[dict]) -> str:
 
 
 def choice_markdown(rows: list[dict], references: tuple[str, ...] = ("gepo", "grpo_paper")) -> str:
-    """The "which loss for which staleness" table of :func:`sweep.analyse.choice_rows` and the
-    methods that are never significantly below the best score, or nearly."""
+    """The "which loss for which staleness" table of :func:`sweep.analyse.choice_rows`, a row per
+    stale condition, and a line naming the methods not significantly below the best score in the
+    most conditions (:func:`sweep.analyse.recommended`); ``references``' scores and drops beside."""
     table = ["| condition | realised staleness mean / max | highest score | not significantly below it | smallest drop "
              "[95% CI] | not significantly larger | " + " | ".join(f"{a} score / drop" for a in references) + " |",
              "|" + "---|" * (6 + len(references))]  # fmt: skip
