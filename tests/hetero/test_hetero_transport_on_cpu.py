@@ -246,6 +246,22 @@ def test_rollout_inbox_exactly_once_across_a_learner_crash(transport):
         send_group(transport, bad_uid)
 
 
+def test_the_inbox_remembers_only_the_messages_it_refused(transport):
+    """Its set of handled (key, checksum) pairs is what keeps a refused or unreadable message from
+    being read again; a buffered group is skipped by its ledger status instead, so its entry goes
+    at the next listing: over a long run the set holds the refusals, not every group."""
+    for i in range(5):
+        send_group(transport, build_group(f"s0-g{i}", version=0))
+    transport.put("rollouts", "s0-junk", b"not a rollout")
+    buffer = RolloutBuffer(max_delay=2)
+    inbox = RolloutInbox(transport, buffer)
+    assert inbox.poll() == 5 and len(inbox._processed) == 6
+    assert inbox.poll() == 0                      # nothing read twice...
+    assert {key for key, _ in inbox._processed} == {"s0-junk"}  # ...and only the junk remembered
+    assert inbox.stats["corrupt"] == 1            # not re-read, not re-counted
+    assert len(buffer.take(5, 0)) == 5 and inbox.poll() == 0
+
+
 def test_the_inbox_validates_each_group_once_on_its_way_through_a_gate(monkeypatch):
     """With a gate the inbox validates a group (its named reasons come before the gate's) and the
     buffer does not validate it again; without one the buffer validates. validate_group is

@@ -88,7 +88,10 @@ class RolloutInbox:
         self.announcements = announcements
         self.enrolment, self.gate = enrolment, gate
         self.stats: Counter[str] = Counter()
-        self._processed: set[tuple[str, str]] = set()  # (key, sha256) already handled this session
+        # (key, sha256) handled this session whose uid the ledger has not settled (refused or
+        # unreadable): a settled uid is skipped by its status, so its entry is dropped and the set
+        # holds only what the learner refused, not every group of a long run
+        self._processed: set[tuple[str, str]] = set()
         self._announced: dict[str, tuple[int, str]] = {}  # uid -> (version, sampler), parsed once
 
     def poll_announcements(self) -> int:
@@ -129,6 +132,7 @@ class RolloutInbox:
                 break
             status = self.buffer.ledger.status.get(key)
             if status is not None and not status.startswith(REJECTED):
+                self._processed.discard((key, info.sha256))
                 continue  # already buffered, consumed or dropped: never twice
             if (key, info.sha256) in self._processed:
                 continue
