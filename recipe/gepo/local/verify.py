@@ -284,9 +284,14 @@ class TrustGate:
             if lost is not None:  # made with the crashed learner's weights of that number: not a lie
                 raise RecordRejected("policy_version", "lost_version", f"version {group.policy_version} was republished "
                                      f"after a learner resume; {lost[1]}", sampler_id=sampler, group_uid=uid)  # fmt: skip
-        if replayed:  # the uid is the nonce; old content under a new uid is a replay
-            failure, rescore = ("replayed", "this group's content (version, prompt, responses, log-probs) was accepted before"), False
-        elif self.verifier is not None:
+        if replayed:
+            # Old content under a new uid: refused, but without blame. Two honest samplers (or one,
+            # twice) can draw the very same responses at the same version -- a confident model on
+            # a short answer does -- and their log-probs are then identical too, so a coincidence
+            # looks exactly like a replay; the refusal alone takes away all a replay could gain.
+            raise RecordRejected("record", "replayed", "this group's content (version, prompt, responses, log-probs) "
+                                 "was accepted before", sampler_id=sampler, group_uid=uid)  # fmt: skip
+        if self.verifier is not None:
             rescore = rescore and self.verifier.holds(group.policy_version)
             t0 = time.thread_time()  # CPU time: what the learner pays, whatever else shares its cores
             failure = self.verifier.check(group, logprobs=rescore)  # outside the lock: the slow part

@@ -127,15 +127,19 @@ def test_every_lie_is_refused_and_quarantines_its_sampler(tiny_model_path, tmp_p
     assert lab.offer(replay) is None
     replay.group_uid, replay.sampler_id = "sampler-30-b0-0", "sampler-30"
     assert lab.offer(replay) == "replayed"
+    # ... refused without blame: an honest coincidence (same responses at the same version) looks
+    # the same, so the sender is not quarantined and its next, fresh group passes
+    fresh = lab.groups("sampler-30", n=1)[0]
+    assert lab.offer(fresh) is None
     # honest groups keep passing; every liar is quarantined, the honest sampler is not
     for group in lab.groups("sampler-0", n=4):
         assert lab.offer(group) is None
     metrics = lab.gate.metrics()
-    assert metrics["trust/quarantined"] == len(_lies(lab)) + 1
+    assert metrics["trust/quarantined"] == len(_lies(lab))
     assert metrics["trust/sampler-0/score"] == 1.0
     assert metrics["trust/failed/bad_logprobs"] == 4 and metrics["trust/failed/bad_rewards"] == 2
     events = lab.gate.drain_events()
-    assert sorted(e["sampler_id"] for e in events) == sorted([f"sampler-{10 + i}" for i in range(8)] + ["sampler-30"])
+    assert sorted(e["sampler_id"] for e in events) == sorted(f"sampler-{10 + i}" for i in range(8))
     rejected = lab.buffer.metrics()
     assert rejected["hetero/rejected/quarantined"] == len(_lies(lab))
 
