@@ -91,8 +91,10 @@ def account_uids(seen: dict[str, set[str]], ledger: dict[str, str], in_transport
 
 # --------------------------------------------------------------------------- samplers that lie (hetero.trust)
 TRUST_REASONS = ("unsigned", "unenrolled", "revoked", "bad_signature", "sampler_mismatch", "bad_logprobs",
-                 "bad_rewards", "bad_advantages", "unknown_prompt", "replayed", "quarantined", "divergent")  # fmt: skip
-"""Refusals of the signature check and the trust gate: an honest group refused for one is a false alarm."""
+                 "bad_rewards", "bad_advantages", "unknown_prompt", "quarantined", "divergent")  # fmt: skip
+"""Refusals of the signature check and the trust gate: an honest group refused for one is a false
+alarm. Not ``replayed``: content identical to an accepted group is refused by design and without
+blame, an honest coincidence included (it shows under the run's reasons)."""
 
 
 def honest_rejected(ledger: dict[str, str]) -> list[str]:
