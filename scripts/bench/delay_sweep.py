@@ -118,6 +118,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--update-doc {a.update_doc}: no such file")
     if a.join and not a.table_only:
         p.error(f"--join {' '.join(a.join)}: only with --table-only (each design runs in its own invocation)")
+    if a.design in a.join or len(set(a.join)) < len(a.join):
+        p.error(f"--join {' '.join(a.join)}: each design once, and not --design {a.design} itself")
     base = dict(DESIGNS["quick" if a.quick else a.design])
     for key, val in (("tasks", a.tasks), ("algos", a.algos), ("delays", a.delays), ("seeds", a.seeds),
                      ("steps", a.steps), ("lr", a.lr), ("eval_size", a.eval_size), ("lr_grid", a.lr_grid),
