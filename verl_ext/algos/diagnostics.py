@@ -41,9 +41,15 @@ def importance_weight_stats(weight: torch.Tensor, response_mask: torch.Tensor) -
     }
 
 
+def sequence_sampler_learner_kl(log_p: torch.Tensor, log_q: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """KL(sampler || learner) per sequence: k3 per token, mean over the sequence's response tokens.
+    (B, T) x3 -> [B] (0 for a sequence without tokens)."""
+    kl = iw.k3_sampler_learner_kl(log_p.detach(), log_q.detach())
+    return iw.sequence_log_prob(kl, response_mask, "mean")
+
+
 def sampler_learner_kl(log_p: torch.Tensor, log_q: torch.Tensor, response_mask: torch.Tensor) -> float:
     """KL(sampler || learner) per token, k3 estimator, token-mean per sequence then mean over sequences."""
-    kl = iw.k3_sampler_learner_kl(log_p.detach(), log_q.detach())
-    seq_kl = iw.sequence_log_prob(kl, response_mask, "mean")
+    seq_kl = sequence_sampler_learner_kl(log_p, log_q, response_mask)
     has_tokens = response_mask.bool().any(dim=-1)
     return seq_kl[has_tokens].mean().item() if bool(has_tokens.any()) else 0.0

@@ -19,7 +19,7 @@ import torch
 from verl.utils.torch_functional import entropy_from_logits
 
 from recipe.gepo.local.policy import sequence_token_log_probs
-from verl_ext.algos.diagnostics import sampler_learner_kl
+from verl_ext.algos.diagnostics import sequence_sampler_learner_kl
 from verl_ext.algos.importance import group_expectation_log_denominator, sequence_log_prob
 from verl_ext.hetero.records import RolloutGroup
 from verl_ext.loss_bridge import RolloutCorrection, compute_actor_loss
@@ -76,12 +76,16 @@ def collate_groups(groups: list[RolloutGroup], pad_token_id: int) -> dict[str, t
 def group_divergence(log_p: torch.Tensor, log_q: torch.Tensor, mask: torch.Tensor, num_groups: int,
                      group_index: torch.Tensor) -> list[float]:
     """Per group, KL(sampler || learner) estimated exactly as the ``is/kl_sampler_learner`` metric
-    estimates it over a batch (:func:`verl_ext.algos.diagnostics.sampler_learner_kl`, called on the
-    group's rows: k3 per token, token-mean per sequence, mean over the group's sequences that have
-    tokens; 0 for a group without tokens), so ``hetero.trust.max_divergence`` reads off that metric.
+    estimates it over a batch (:func:`verl_ext.algos.diagnostics.sampler_learner_kl`: k3 per token,
+    token-mean per sequence, mean over the group's sequences that have tokens; 0 for a group
+    without tokens), so ``hetero.trust.max_divergence`` reads off that metric. One pass over the
+    batch (it runs at every learner step).
     (B, T) x2, bool (B, T), (B,) group index -> [num_groups]."""
-    return [sampler_learner_kl(log_p[rows], log_q[rows], mask[rows])
-            for rows in (group_index == g for g in range(num_groups))]  # fmt: skip
+    seq_kl = sequence_sampler_learner_kl(log_p, log_q, mask).double()
+    has_tokens = mask.bool().any(dim=-1).double()
+    total = torch.zeros(num_groups, dtype=torch.float64).index_add_(0, group_index, seq_kl * has_tokens)
+    count = torch.zeros(num_groups, dtype=torch.float64).index_add_(0, group_index, has_tokens)
+    return (total / count.clamp(min=1)).tolist()
 
 
 def log_probs_and_entropy(
