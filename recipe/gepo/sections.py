@@ -233,6 +233,18 @@ class HeteroConfig:
     """async back-pressure: when > 0, samplers pause while the learner's buffer holds at least this
     many groups (the learner publishes its queue depth after every step). 0 = off: samplers
     generate continuously, as the paper's do, and groups that go stale in the queue are dropped."""
+    max_buffered_per_sampler: Optional[int] = option(None, honoured_by=(ASYNC,), instead={
+        REPLAY: "replay mode's one in-process sampler makes one batch per step",
+        VERL: "verl's samplers publish no records to a learner's buffer",
+    })
+    """async: most groups of one sampler the learner's buffer holds. A group arriving from a sampler
+    at it is dropped on arrival (hetero/dropped/over_quota) before the trust gate pays for any check
+    of it, and without loss of trust. null = (max_delay + 1) x data.train_batch_size: the learner
+    takes train_batch_size groups a step and a group goes stale after max_delay + 1 steps, so more
+    buffered groups than that could never all be trained on. It bounds what a sampler that floods
+    the learner costs it (memory, checks) and keeps it from crowding out the others; honest samplers
+    far faster than the learner meet it too, in place of their groups going stale in the buffer
+    (max_queued_groups makes them pause instead)."""
     keep_weight_versions: int = option(4, honoured_by=(ASYNC, VERL),
         instead="replay mode keeps exactly the max_delay + 1 snapshots its capped staleness can reach")
     """async: weight versions the weight store keeps for samplers to fetch; verl engine: delayed versions
@@ -341,6 +353,9 @@ class HeteroConfig:
             raise ValueError(f"hetero.max_nonfinite_steps={self.max_nonfinite_steps} must be >= 1")
         if self.max_queued_groups < 0:
             raise ValueError(f"hetero.max_queued_groups={self.max_queued_groups} must be >= 0 (0 = off)")
+        if self.max_buffered_per_sampler is not None and not self.max_buffered_per_sampler >= 1:
+            raise ValueError(f"hetero.max_buffered_per_sampler={self.max_buffered_per_sampler!r} must be >= 1 or null "
+                             "(null = (hetero.max_delay + 1) x data.train_batch_size)")  # fmt: skip
         if self.keep_weight_versions < 1:
             raise ValueError(f"hetero.keep_weight_versions={self.keep_weight_versions} must be >= 1")
         if isinstance(self.max_delta_chain, bool) or not isinstance(self.max_delta_chain, int) or self.max_delta_chain < 1:

@@ -72,6 +72,27 @@ def test_rejections_are_counted_never_raised(make_group):
     assert buffer.ledger.counts()["duplicates"] == 1
 
 
+def test_a_sampler_over_its_quota_is_dropped_on_arrival_and_the_others_are_not(make_group):
+    """sampler_capacity bounds what one sampler holds: its next group is recorded and dropped
+    (over_quota), its older groups stay, other samplers still get in; a take makes room."""
+    buffer = RolloutBuffer(max_delay=3, sampler_capacity=2)
+    for i in range(3):
+        assert buffer.add(make_group(f"a{i}", 0, sampler="a"))  # recorded, as a stale arrival is
+    assert buffer.add(make_group("b0", 0, sampler="b"))
+    status = buffer.ledger.status
+    assert [status[u] for u in ("a0", "a1", "a2", "b0")] == ["buffered", "buffered", "dropped:over_quota", "buffered"]
+    assert buffer.held_by("a") == 2 and not buffer.has_room("a") and buffer.has_room("b")
+    assert [g.group_uid for g in buffer.take(1, learner_version=0)] == ["a0"]
+    assert buffer.has_room("a") and buffer.add(make_group("a3", 0, sampler="a"))
+    assert status["a3"] == "buffered"
+    forced = make_group("b1", 0, sampler="b")
+    assert buffer.add(forced, drop="over_quota") and status["b1"] == "dropped:over_quota"  # the inbox's path
+    assert buffer.add(make_group("a2", 0, sampler="a")) is False  # a dropped uid stays dropped: duplicate
+    assert buffer.metrics()["hetero/dropped/over_quota"] == 2
+    with pytest.raises(ValueError, match="sampler_capacity=0"):
+        RolloutBuffer(max_delay=1, sampler_capacity=0)
+
+
 def test_add_validates_unless_the_caller_already_did(make_group):
     """Every caller of add but the inbox (which validates before its trust gate) is validated by
     the buffer; validated=True skips only the record checks, not the duplicate rule."""

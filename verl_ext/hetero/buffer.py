@@ -96,6 +96,9 @@ class RolloutBuffer:
         spec: validation rules for arriving groups (group size, reward range, ...).
         capacity: most groups held at once; when full, the oldest buffered group is dropped with
             reason ``"overflow"``. None = unbounded.
+        sampler_capacity: most groups of one sampler held at once; a group arriving from a sampler
+            that holds this many is dropped on arrival with reason ``"over_quota"`` (the buffer
+            keeps that sampler's older groups). None = unbounded.
         wait_timeout_s: default seconds ``take`` blocks before raising :class:`BufferTimeout`
             (real ``time.monotonic`` seconds: waiting is real even in tests).
     """
@@ -108,6 +111,7 @@ class RolloutBuffer:
         spec: RecordSpec = RecordSpec(),
         capacity: int | None = None,
         wait_timeout_s: float = 600.0,
+        sampler_capacity: int | None = None,
     ):
         try:
             check_max_delay(max_delay)
@@ -119,10 +123,13 @@ class RolloutBuffer:
             raise ValueError(f"RolloutBuffer: order={order!r} must be one of {ORDERS}")
         if capacity is not None and capacity < 1:
             raise ValueError(f"RolloutBuffer: capacity={capacity} must be >= 1 or None")
+        if sampler_capacity is not None and sampler_capacity < 1:
+            raise ValueError(f"RolloutBuffer: sampler_capacity={sampler_capacity} must be >= 1 or None")
         if not wait_timeout_s > 0:
             raise ValueError(f"RolloutBuffer: wait_timeout_s={wait_timeout_s} must be > 0")
         self.max_delay, self.stale_policy, self.order = int(max_delay), stale_policy, order
         self.spec, self.capacity, self.wait_timeout_s = spec, capacity, wait_timeout_s
+        self.sampler_capacity = sampler_capacity
 
         self._cond = threading.Condition()
         self._groups: dict[str, RolloutGroup] = {}  # uid -> group, insertion order = arrival order
@@ -137,7 +144,7 @@ class RolloutBuffer:
         self.last_rejection: RecordRejected | None = None
 
     # ---------------------------------------------------------------- producers
-    def add(self, group: RolloutGroup, validated: bool = False) -> bool:
+    def add(self, group: RolloutGroup, validated: bool = False, drop: str | None = None) -> bool:
         """Validate and store one group. Returns True if accepted, False if rejected (counted under
         ``hetero/rejected/<reason>``, reason kept in the ledger and ``last_rejection``). Never
         raises on bad data.
@@ -145,13 +152,17 @@ class RolloutBuffer:
         ``validated=True`` skips :func:`validate_group` (not the duplicate and staleness rules):
         only for a caller that has just validated ``group`` against this buffer's ``spec`` and
         ``learner_version`` (the inbox does, before its trust gate; versions only grow, so the
-        group is still not from the future). Every other caller leaves it False.
+        group is still not from the future). Every other caller leaves it False. ``drop``: record
+        the group and drop it on arrival with this reason, room or not (the inbox, for a group over
+        its sampler's quota that it does not pay to check).
 
         A group whose ``policy_version`` is newer than the learner's version is rejected
         (``future_version``), so the learner must call :meth:`set_learner_version` with v before
         it publishes weights v. A uid that was already buffered, consumed or dropped is rejected
         as ``duplicate`` and keeps its status; a uid that was rejected before may be re-sent.
-        A group already past the bound on arrival is accepted and immediately dropped as stale.
+        A group already past the bound on arrival is accepted and immediately dropped as stale;
+        one whose sampler already holds ``sampler_capacity`` groups is accepted and immediately
+        dropped as ``over_quota``.
         """
         with self._cond:
             try:
@@ -166,11 +177,14 @@ class RolloutBuffer:
                 self._reject_locked(err)
                 return False
             uid = group.group_uid
+            room = self._has_room_locked(str(group.sampler_id))
             self._expected.pop(uid, None)
             self._groups[uid] = group
             self.ledger.mark(uid, BUFFERED)
             if is_stale(self._learner_version, group.policy_version, self.max_delay):
                 self._drop(uid, "stale")  # past the bound on arrival: it can never be used
+            elif drop is not None or not room:
+                self._drop(uid, drop or "over_quota")
             elif self.capacity is not None and len(self._groups) > self.capacity:
                 self._drop(next(iter(self._groups)), "overflow")
             self._cond.notify_all()
@@ -320,6 +334,23 @@ class RolloutBuffer:
     def __len__(self) -> int:
         with self._cond:
             return len(self._groups)
+
+    def held_by(self, sampler_id: str) -> int:
+        """How many buffered groups ``sampler_id`` sent."""
+        with self._cond:
+            return self._held_by_locked(sampler_id)
+
+    def has_room(self, sampler_id: str) -> bool:
+        """Whether a group of ``sampler_id`` arriving now would be kept (``sampler_capacity``). Only
+        :meth:`take` and drops make room, so a True stays True for the thread that adds groups."""
+        with self._cond:
+            return self._has_room_locked(sampler_id)
+
+    def _held_by_locked(self, sampler_id: str) -> int:
+        return sum(1 for group in self._groups.values() if str(group.sampler_id) == sampler_id)
+
+    def _has_room_locked(self, sampler_id: str) -> bool:
+        return self.sampler_capacity is None or self._held_by_locked(sampler_id) < self.sampler_capacity
 
     def metrics(self, reset: bool = True) -> dict[str, float]:
         """Scalars under ``hetero/``. Window values cover what happened since the last

@@ -58,8 +58,18 @@ def build_buffer(engine: EngineConfig, task: Task) -> RolloutBuffer:
     return RolloutBuffer(
         max_delay=hetero.max_delay, stale_policy=hetero.stale_policy, order=hetero.order,
         spec=RecordSpec(group_size=engine.settings.group_size, reward_range=task.reward_range),
-        wait_timeout_s=hetero.wait_timeout_s,
+        wait_timeout_s=hetero.wait_timeout_s, sampler_capacity=sampler_quota(engine),
     )  # fmt: skip
+
+
+def sampler_quota(engine: EngineConfig) -> int:
+    """``hetero.max_buffered_per_sampler``, or its default: the groups a learner can take before a
+    group goes stale, (max_delay + 1) x train_batch_size (never binds in replay mode, which adds
+    one batch and takes it)."""
+    hetero = engine.hetero
+    if hetero.max_buffered_per_sampler is not None:
+        return hetero.max_buffered_per_sampler
+    return (hetero.max_delay + 1) * engine.settings.prompts_per_step
 
 
 # ---------------------------------------------------------------------------- one step

@@ -5,6 +5,8 @@ quarantines its sampler; honest groups pass, on fp32 and on the bf16 wire."""
 
 from __future__ import annotations
 
+import uuid
+
 import numpy as np
 import pytest
 import torch
@@ -15,7 +17,9 @@ from recipe.gepo.local.policy import load_policy
 from recipe.gepo.local.rollout import RolloutSettings, generate_groups, sequence_advantages
 from recipe.gepo.local.tasks import Task
 from recipe.gepo.local.verify import TrustGate, group_log_probs
+from verl_ext.hetero.exchange import RolloutInbox, send_group
 from verl_ext.hetero.records import RecordRejected
+from verl_ext.hetero.transport import FsspecTransport
 from verl_ext.hetero.weights import serialize_state_dict
 
 from .helpers import compose_cfg, TINY
@@ -201,6 +205,39 @@ def test_bad_trust_options_fail_at_start_naming_the_key(tiny_model_path, tmp_pat
     extra = ["hetero.trust.sign_records=false"] if key == "enrolment_file" else []
     with pytest.raises(ValueError, match=match):
         _engine(tiny_model_path, tmp_path, f"hetero.trust.{key}={value}", *extra)
+
+
+def test_a_flooding_sampler_is_dropped_over_its_quota_before_any_check(tiny_model_path, tmp_path):
+    """Through the real inbox: a sampler holding hetero.max_buffered_per_sampler buffered groups
+    has its next ones dropped on arrival (over_quota) before the gate pays for a check, without
+    loss of trust; the other sampler is not crowded out; once the learner takes some of its groups
+    it gets in again."""
+    lab = Lab(tiny_model_path, tmp_path, "hetero.max_buffered_per_sampler=3", "hetero.trust.verify_fraction=1")
+    transport = FsspecTransport(f"memory://trust-gate-flood-{uuid.uuid4().hex}")
+    inbox = RolloutInbox(transport, lab.buffer, gate=lab.gate)
+    flood, other = lab.groups("sampler-0", n=6), lab.groups("sampler-1", n=2)
+    for group in flood + other:
+        send_group(transport, group)
+    assert inbox.poll() == 5
+    status = lab.buffer.ledger.status
+    assert sorted(status[g.group_uid] for g in flood) == ["buffered"] * 3 + ["dropped:over_quota"] * 3
+    assert all(status[g.group_uid] == "buffered" for g in other)
+    assert lab.gate.metrics()["trust/checked"] == 5  # every admitted group, none of the dropped ones
+    assert lab.gate.ledger.refusal("sampler-0") is None
+    assert lab.buffer.metrics()["hetero/dropped/over_quota"] == 3
+    assert len(lab.buffer.take(5, learner_version=1)) == 5  # a learner step makes room
+    late = lab.groups("sampler-0", n=1)[0]
+    send_group(transport, late)
+    assert inbox.poll() == 1 and status[late.group_uid] == "buffered"
+
+
+def test_the_default_quota_is_what_the_learner_can_train_on_before_groups_go_stale(tiny_model_path, tmp_path):
+    lab = Lab(tiny_model_path, tmp_path, "hetero.max_delay=3")
+    assert lab.buffer.sampler_capacity == (3 + 1) * lab.engine.settings.prompts_per_step == 8
+    with pytest.raises(ValueError, match="hetero.max_buffered_per_sampler=0 must be >= 1"):
+        _engine(tiny_model_path, tmp_path, "hetero.max_buffered_per_sampler=0")
+    with pytest.raises(ValueError, match="hetero.max_buffered_per_sampler=5 is not honoured by"):
+        _engine(tiny_model_path, tmp_path, "hetero.mode=replay", "hetero.max_buffered_per_sampler=5")
 
 
 def test_trust_options_are_refused_outside_async_mode(tiny_model_path, tmp_path):
