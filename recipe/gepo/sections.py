@@ -112,8 +112,9 @@ class TrustConfig:
     groups, docs/reliability.md); a sampler on other kernels (vLLM, bf16) needs its own measurement."""
     check_rewards: bool = option(True, honoured_by=(ASYNC,), instead=_NO_PUBLISHING_SAMPLERS)
     """Recompute every group's rewards (and, for group-local estimators such as grpo, its
-    advantages) from its tokens and the learner's own copy of the prompt's answer; a mismatch, or a
-    prompt the learner's task does not have, fails the check."""
+    advantages; for bnpo, whose advantages depend on the sampler's whole batch, their proportions)
+    from its tokens and the learner's own copy of the prompt's answer; a mismatch, or a prompt the
+    learner's task does not have, fails the check."""
     trust_penalty: float = option(1.0, honoured_by=(ASYNC,), instead=_NO_PUBLISHING_SAMPLERS)
     """Trust (1 at the start) lost per failed check."""
     trust_recovery: float = option(0.05, honoured_by=(ASYNC,), instead=_NO_PUBLISHING_SAMPLERS)

@@ -128,3 +128,47 @@ def test_bnpo_registered_estimator_through_verl_registry():
     torch.testing.assert_close(adv, want_mat, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(ret, adv)
     assert adv.abs().sum() > 0
+
+
+# --------------------------------------------------------------------------- BNPO: one group's check
+
+
+def _bnpo_batch(seed: int, G: int = 8, n_groups: int = 6, max_abs: float = adv_lib.BNPO_MAX_ABS_ADVANTAGE):
+    rng = np.random.default_rng(200 + seed)
+    p_true = rng.uniform(0.02, 0.98, size=n_groups)
+    scores = (rng.uniform(size=(n_groups, G)) < p_true[:, None]).astype(np.float32)
+    labels = torch.arange(n_groups).repeat_interleave(G)
+    adv = adv_lib.bnpo_advantages(torch.from_numpy(scores.ravel()), labels, max_abs_advantage=max_abs)
+    return scores, adv.numpy().reshape(n_groups, G)
+
+
+@pytest.mark.parametrize("seed", range(8))
+@pytest.mark.parametrize("max_abs", [adv_lib.BNPO_MAX_ABS_ADVANTAGE, 0.5])  # 0.5: most groups clamped
+def test_every_honest_bnpo_group_passes_the_group_check(seed, max_abs):
+    scores, adv = _bnpo_batch(seed, max_abs=max_abs)
+    for rewards, advantages in zip(scores, adv):
+        assert adv_lib.bnpo_group_mismatch(rewards, advantages, max_abs_advantage=max_abs) is None, (rewards, advantages)
+
+
+def _forgeries(rewards: np.ndarray, advantages: np.ndarray) -> dict[str, np.ndarray]:
+    flipped_one = advantages.copy()
+    flipped_one[0] = -flipped_one[0]
+    nudged = advantages.copy()
+    nudged[np.argmax(np.abs(advantages) < adv_lib.BNPO_MAX_ABS_ADVANTAGE - 1e-3)] *= 1.5
+    other = np.roll(rewards, 1)
+    return {"all signs flipped": -advantages, "one sign flipped": flipped_one, "one response scaled": nudged,
+            "another group's": (other - other.mean()) * 2.0, "past the clamp": advantages * 100.0,
+            "nan": advantages * np.nan}  # fmt: skip
+
+
+def test_forged_bnpo_advantages_are_named():
+    rewards = np.array([1, 0, 0, 1, 1, 0, 0, 0], np.float32)
+    advantages = (rewards - rewards.mean()) * 1.7  # an honest group, factor 1.7, inside the clamp
+    assert adv_lib.bnpo_group_mismatch(rewards, advantages) is None
+    assert adv_lib.bnpo_group_mismatch(rewards, advantages * 2.5) is None  # the scale is what it cannot see
+    for name, forged in _forgeries(rewards, advantages).items():
+        assert adv_lib.bnpo_group_mismatch(rewards, forged) is not None, name
+    ties = np.ones(8, np.float32)
+    assert adv_lib.bnpo_group_mismatch(ties, np.zeros(8)) is None
+    assert "mean reward" in adv_lib.bnpo_group_mismatch(ties, np.full(8, 0.1))
+    assert "shape" in adv_lib.bnpo_group_mismatch(rewards, advantages[:4])

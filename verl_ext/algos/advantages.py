@@ -1,15 +1,18 @@
 """BNPO's outcome advantages over prompt groups (GRPO and Dr.GRPO use verl's own estimator).
-Pure torch, no verl import.
+Pure torch / numpy, no verl import.
 
 :func:`bnpo_advantages` takes one scalar score per sequence ([B]) and group labels ([B], equal
 label = same prompt) and returns one advantage per sequence ([B]); engines broadcast it over
-response tokens.
+response tokens. :func:`bnpo_group_mismatch` is what a learner can check of one group's reported
+BNPO advantages without the rest of the sampler's batch.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Optional
 
+import numpy as np
 import torch
 
 from verl_ext.algos.importance import dense_group_index
@@ -49,10 +52,14 @@ def bnpo_normalization_params(group_means: torch.Tensor) -> tuple[float, float]:
     return max(1.0 + a / 3.0, 1.0), max(1.0 + b / 3.0, 1.0)
 
 
+BNPO_MAX_ABS_ADVANTAGE = 5.0
+"""|A| bound of :func:`bnpo_advantages` (this project's; the density is tiny near p_g = 0 or 1)."""
+
+
 def bnpo_advantages(
     scores: torch.Tensor,
     group_index: torch.Tensor,
-    max_abs_advantage: float = 5.0,
+    max_abs_advantage: float = BNPO_MAX_ABS_ADVANTAGE,
     mean_clip: float = 1e-3,
 ) -> torch.Tensor:
     """BNPO (Beta Normalization Policy Optimization) advantages, the paper's definition.
@@ -84,3 +91,52 @@ def bnpo_advantages(
     density = beta_pdf(mean.clamp(mean_clip, 1.0 - mean_clip), alpha, beta)
     adv = (scores - mean) / density
     return adv.clamp(-max_abs_advantage, max_abs_advantage)
+
+
+def bnpo_group_mismatch(
+    rewards: np.ndarray,
+    advantages: np.ndarray,
+    max_abs_advantage: float = BNPO_MAX_ABS_ADVANTAGE,
+    tolerance: float = 1e-4,
+) -> Optional[str]:
+    """What one group's reported BNPO advantages can be checked for without the rest of its batch.
+
+    Within a group, :func:`bnpo_advantages` is A_i = clamp(c (r_i - mean r), +-max_abs) with one
+    c = 1 / f(p_g) > 0; only c depends on the other groups of the batch (through the Beta fit).
+    So the group's advantages must be proportional to its reward deviations with one positive
+    factor, up to the clamp: this catches flipped signs, forged single responses and advantages
+    copied from another group; it cannot see the scale c (a liar can scale its group's advantages,
+    within the clamp).
+
+    Args:
+        rewards: [G] the group's rewards (as recomputed by the checker).
+        advantages: [G] the reported per-sequence advantages.
+
+    Returns:
+        None when consistent, else what is wrong.
+    """
+    r = np.asarray(rewards, np.float64)
+    a = np.asarray(advantages, np.float64)
+    if r.shape != a.shape or r.ndim != 1:
+        return f"advantages of shape {a.shape} for rewards of shape {r.shape}"
+    if not np.isfinite(a).all():
+        return "non-finite advantages"
+    d = r - r.mean()
+    moving = np.abs(d) > 1e-9
+    if np.abs(a[~moving]).max(initial=0.0) > tolerance:
+        return "a response with the group's mean reward has a non-zero advantage"
+    if not moving.any():
+        return None
+    if not (np.sign(a[moving]) == np.sign(d[moving])).all():
+        return "an advantage's sign differs from its reward's deviation from the group mean"
+    clamped = moving & (np.abs(a) >= max_abs_advantage - tolerance)
+    if np.abs(a).max() > max_abs_advantage + tolerance:
+        return f"|advantage| above the clamp {max_abs_advantage:g}"
+    free = moving & ~clamped
+    if free.any():
+        c = float((a[free] * d[free]).sum() / (d[free] ** 2).sum())  # least squares, one factor
+        if np.abs(a[free] - c * d[free]).max() > tolerance:
+            return "advantages are not one positive multiple of the reward deviations"
+        if clamped.any() and (c * np.abs(d[clamped])).min() < max_abs_advantage - tolerance:
+            return "a clamped advantage whose unclamped value would be inside the clamp"
+    return None

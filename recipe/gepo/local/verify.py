@@ -16,8 +16,9 @@ advantages. :class:`GroupVerifier` re-derives them on the learner:
 - **rewards** (``check_rewards``): the responses decoded from their tokens and scored by the
   learner's own task against the learner's own copy of the prompt's answer (a prompt the task
   does not have fails: ``unknown_prompt``); the advantages recomputed from those rewards with
-  verl's estimator when it is group-local (grpo / Dr.GRPO; BNPO normalises over the sampler's
-  whole batch, so only its rewards are checked).
+  verl's estimator when it is group-local (grpo / Dr.GRPO); BNPO normalises over the sampler's
+  whole batch, so its advantages are checked up to that batch's scale (one positive multiple of
+  the group's reward deviations, within BNPO's clamp: ``bnpo_group_mismatch``).
 
 A check returns ``None`` (passed), or ``(reason, detail)``: reason one of ``bad_logprobs``,
 ``bad_rewards``, ``bad_advantages``, ``unknown_prompt``; the caller turns it into a rejection and a
@@ -52,6 +53,7 @@ import torch
 from recipe.gepo.local.policy import load_policy, sequence_token_log_probs
 from recipe.gepo.local.rollout import sequence_advantages
 from recipe.gepo.local.tasks import Task
+from verl_ext.algos.advantages import bnpo_group_mismatch
 from verl_ext.hetero.auth import Enrolment
 from verl_ext.hetero.buffer import RolloutBuffer
 from verl_ext.hetero.records import RecordRejected, RolloutGroup
@@ -99,7 +101,9 @@ class GroupVerifier:
         self.keep_versions = int(keep_versions)
         self.logprob_tolerance, self.check_rewards = float(logprob_tolerance), bool(check_rewards)
         estimator = algorithm_config.get("adv_estimator", "grpo")
-        self.check_advantages = getattr(estimator, "value", estimator) in GROUP_LOCAL_ESTIMATORS
+        estimator = getattr(estimator, "value", estimator)
+        self.check_advantages = estimator in GROUP_LOCAL_ESTIMATORS
+        self.check_advantage_shape = estimator == "bnpo"  # batch-dependent: up to its scale
         self._versions: OrderedDict[int, bytes] = OrderedDict()  # version -> the weight store's message
         self._loaded: Optional[int] = None
         self._lock = threading.Lock()
@@ -151,14 +155,20 @@ class GroupVerifier:
         reported = np.asarray(group.rewards, np.float32)
         if reported.shape != rewards.shape or np.abs(reported - rewards).max() > REWARD_TOLERANCE:
             return "bad_rewards", f"reported {reported.tolist()}, recomputed {rewards.tolist()}"
-        if self.check_advantages:
-            uids = [group.group_uid] * len(rewards)
-            advantages = sequence_advantages(torch.from_numpy(rewards), mask, uids, self.algorithm_config).numpy()
-            reported_adv = np.asarray(group.advantages, np.float32)
-            if reported_adv.ndim == 2:  # per-token advantages: the sequence's mean, as the sampler's estimator gives
-                reported_adv = (reported_adv * group.response_mask).sum(-1) / np.maximum(group.response_mask.sum(-1), 1)
-            if reported_adv.shape != advantages.shape or np.abs(reported_adv - advantages).max() > ADVANTAGE_TOLERANCE:
-                return "bad_advantages", f"reported {reported_adv.tolist()}, recomputed {advantages.tolist()}"
+        if not (self.check_advantages or self.check_advantage_shape):
+            return None
+        reported_adv = np.asarray(group.advantages, np.float32)
+        if reported_adv.ndim == 2:  # per-token advantages: the sequence's mean, as the sampler's estimator gives
+            reported_adv = (reported_adv * group.response_mask).sum(-1) / np.maximum(group.response_mask.sum(-1), 1)
+        if self.check_advantage_shape:
+            wrong = bnpo_group_mismatch(rewards, reported_adv, tolerance=ADVANTAGE_TOLERANCE)
+            if wrong is not None:
+                return "bad_advantages", f"{wrong}: rewards {rewards.tolist()}, advantages {reported_adv.tolist()}"
+            return None
+        uids = [group.group_uid] * len(rewards)
+        advantages = sequence_advantages(torch.from_numpy(rewards), mask, uids, self.algorithm_config).numpy()
+        if reported_adv.shape != advantages.shape or np.abs(reported_adv - advantages).max() > ADVANTAGE_TOLERANCE:
+            return "bad_advantages", f"reported {reported_adv.tolist()}, recomputed {advantages.tolist()}"
         return None
 
     def rescore(self, group: RolloutGroup) -> Optional[np.ndarray]:

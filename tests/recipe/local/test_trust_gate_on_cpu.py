@@ -207,6 +207,20 @@ def test_bad_trust_options_fail_at_start_naming_the_key(tiny_model_path, tmp_pat
         _engine(tiny_model_path, tmp_path, f"hetero.trust.{key}={value}", *extra)
 
 
+def test_bnpo_advantages_are_checked_up_to_the_batch_scale(tiny_model_path, tmp_path):
+    """BNPO's advantages depend on the sampler's whole batch, so the learner checks one group's up
+    to that batch's factor: honest groups pass, a flipped sign is refused and quarantines."""
+    lab = Lab(tiny_model_path, tmp_path, "algorithm_preset=bnpo", "actor_rollout_ref.rollout.n=8")
+    assert lab.gate.verifier.check_advantage_shape and not lab.gate.verifier.check_advantages
+    honest = lab.groups("sampler-0", n=6)
+    assert any(np.abs(g.advantages).max() > 0 for g in honest)  # groups with mixed rewards, or the test sees nothing
+    assert [lab.offer(g) for g in honest] == [None] * 6
+    liar = next(g for g in lab.groups("sampler-1", n=6) if np.abs(g.advantages).max() > 0)
+    liar.advantages = -liar.advantages
+    assert lab.offer(liar) == "bad_advantages"
+    assert lab.gate.ledger.refusal("sampler-1") == "quarantined"
+
+
 def test_a_flooding_sampler_is_dropped_over_its_quota_before_any_check(tiny_model_path, tmp_path):
     """Through the real inbox: a sampler holding hetero.max_buffered_per_sampler buffered groups
     has its next ones dropped on arrival (over_quota) before the gate pays for a check, without
