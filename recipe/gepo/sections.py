@@ -240,7 +240,8 @@ class HeteroConfig:
     })
     """async: most groups of one sampler the learner's buffer holds. A group arriving from a sampler
     at it is dropped on arrival (hetero/dropped/over_quota) before the trust gate pays for any check
-    of it, and without loss of trust. null = (max_delay + 1) x data.train_batch_size: the learner
+    of it, and without loss of trust (order=newest: a group newer than the sampler's oldest buffered
+    one is checked and replaces it, so the buffer keeps what the learner takes first). null = (max_delay + 1) x data.train_batch_size: the learner
     takes train_batch_size groups a step and a group goes stale after max_delay + 1 steps, so more
     buffered groups than that could never all be trained on. It bounds what a sampler that floods
     the learner costs it (memory, checks) and keeps it from crowding out the others; honest samplers

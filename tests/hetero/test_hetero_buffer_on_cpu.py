@@ -81,9 +81,10 @@ def test_a_sampler_over_its_quota_is_dropped_on_arrival_and_the_others_are_not(m
     assert buffer.add(make_group("b0", 0, sampler="b"))
     status = buffer.ledger.status
     assert [status[u] for u in ("a0", "a1", "a2", "b0")] == ["buffered", "buffered", "dropped:over_quota", "buffered"]
-    assert buffer.held_by("a") == 2 and not buffer.has_room("a") and buffer.has_room("b")
+    assert buffer.held_by("a") == 2
+    assert not buffer.would_keep(make_group("a9", 0, sampler="a")) and buffer.would_keep(make_group("b9", 0, sampler="b"))
     assert [g.group_uid for g in buffer.take(1, learner_version=0)] == ["a0"]
-    assert buffer.has_room("a") and buffer.add(make_group("a3", 0, sampler="a"))
+    assert buffer.would_keep(make_group("a3", 0, sampler="a")) and buffer.add(make_group("a3", 0, sampler="a"))
     assert status["a3"] == "buffered"
     forced = make_group("b1", 0, sampler="b")
     assert buffer.add(forced, drop="over_quota") and status["b1"] == "dropped:over_quota"  # the inbox's path
@@ -91,6 +92,22 @@ def test_a_sampler_over_its_quota_is_dropped_on_arrival_and_the_others_are_not(m
     assert buffer.metrics()["hetero/dropped/over_quota"] == 2
     with pytest.raises(ValueError, match="sampler_capacity=0"):
         RolloutBuffer(max_delay=1, sampler_capacity=0)
+
+
+def test_under_order_newest_the_quota_keeps_a_samplers_newest_groups(make_group):
+    """At the quota, order="newest" keeps what take serves first: a newer arrival replaces the
+    sampler's oldest group (dropped over_quota); one no newer than it is dropped on arrival."""
+    buffer = RolloutBuffer(max_delay=5, order="newest", sampler_capacity=2)
+    buffer.set_learner_version(2)
+    for uid, version in [("a0", 0), ("a1", 1)]:
+        assert buffer.add(make_group(uid, version, sampler="a"))
+    assert not buffer.would_keep(make_group("a-old", 0, sampler="a"))
+    assert buffer.would_keep(make_group("a2", 2, sampler="a"))
+    assert buffer.add(make_group("a2", 2, sampler="a"))
+    status = buffer.ledger.status
+    assert (status["a0"], status["a1"], status["a2"]) == ("dropped:over_quota", "buffered", "buffered")
+    assert buffer.add(make_group("a2b", 1, sampler="a")) and status["a2b"] == "dropped:over_quota"  # not newer than a1
+    assert [g.group_uid for g in buffer.take(2, learner_version=2)] == ["a2", "a1"]
 
 
 def test_add_validates_unless_the_caller_already_did(make_group):

@@ -96,9 +96,11 @@ class RolloutBuffer:
         spec: validation rules for arriving groups (group size, reward range, ...).
         capacity: most groups held at once; when full, the oldest buffered group is dropped with
             reason ``"overflow"``. None = unbounded.
-        sampler_capacity: most groups of one sampler held at once; a group arriving from a sampler
-            that holds this many is dropped on arrival with reason ``"over_quota"`` (the buffer
-            keeps that sampler's older groups). None = unbounded.
+        sampler_capacity: most groups of one sampler held at once. At it, the buffer keeps the
+            sampler's groups ``take`` would serve first: under ``order="oldest"`` an arriving group
+            is dropped on arrival; under ``"newest"`` one newer than the sampler's oldest buffered
+            group replaces it (that one is dropped), else it is dropped on arrival. Reason
+            ``"over_quota"``. None = unbounded.
         wait_timeout_s: default seconds ``take`` blocks before raising :class:`BufferTimeout`
             (real ``time.monotonic`` seconds: waiting is real even in tests).
     """
@@ -161,8 +163,8 @@ class RolloutBuffer:
         it publishes weights v. A uid that was already buffered, consumed or dropped is rejected
         as ``duplicate`` and keeps its status; a uid that was rejected before may be re-sent.
         A group already past the bound on arrival is accepted and immediately dropped as stale;
-        one whose sampler already holds ``sampler_capacity`` groups is accepted and immediately
-        dropped as ``over_quota``.
+        one whose sampler already holds ``sampler_capacity`` groups is accepted and dropped as
+        ``over_quota``, or (``order="newest"``) replaces the sampler's oldest group (see the class).
         """
         with self._cond:
             try:
@@ -177,14 +179,16 @@ class RolloutBuffer:
                 self._reject_locked(err)
                 return False
             uid = group.group_uid
-            room = self._has_room_locked(str(group.sampler_id))
+            displaced = self._displaced_locked(group)
             self._expected.pop(uid, None)
             self._groups[uid] = group
             self.ledger.mark(uid, BUFFERED)
             if is_stale(self._learner_version, group.policy_version, self.max_delay):
                 self._drop(uid, "stale")  # past the bound on arrival: it can never be used
-            elif drop is not None or not room:
+            elif drop is not None or displaced == uid:
                 self._drop(uid, drop or "over_quota")
+            elif displaced is not None:
+                self._drop(displaced, "over_quota")
             elif self.capacity is not None and len(self._groups) > self.capacity:
                 self._drop(next(iter(self._groups)), "overflow")
             self._cond.notify_all()
@@ -340,17 +344,29 @@ class RolloutBuffer:
         with self._cond:
             return self._held_by_locked(sampler_id)
 
-    def has_room(self, sampler_id: str) -> bool:
-        """Whether a group of ``sampler_id`` arriving now would be kept (``sampler_capacity``). Only
-        :meth:`take` and drops make room, so a True stays True for the thread that adds groups."""
+    def would_keep(self, group: RolloutGroup) -> bool:
+        """Whether ``group`` arriving now would be kept by its sampler's quota
+        (``sampler_capacity``). Only :meth:`take` and drops remove groups, and a removal leaves
+        room, so a True stays True for the one thread that adds groups."""
         with self._cond:
-            return self._has_room_locked(sampler_id)
+            return self._displaced_locked(group) != group.group_uid
+
+    def _displaced_locked(self, group: RolloutGroup) -> str | None:
+        """The uid the sampler's quota drops if ``group`` is added now: None (room), the group's own
+        uid, or (``order="newest"``) the sampler's oldest buffered group when ``group`` is newer."""
+        if self.sampler_capacity is None:
+            return None
+        sampler = str(group.sampler_id)
+        held = [g for g in self._groups.values() if str(g.sampler_id) == sampler]
+        if len(held) < self.sampler_capacity:
+            return None
+        oldest = min(held, key=lambda g: g.policy_version)  # the first arrival among equals
+        if self.order == "newest" and group.policy_version > oldest.policy_version:
+            return oldest.group_uid
+        return group.group_uid
 
     def _held_by_locked(self, sampler_id: str) -> int:
         return sum(1 for group in self._groups.values() if str(group.sampler_id) == sampler_id)
-
-    def _has_room_locked(self, sampler_id: str) -> bool:
-        return self.sampler_capacity is None or self._held_by_locked(sampler_id) < self.sampler_capacity
 
     def metrics(self, reset: bool = True) -> dict[str, float]:
         """Scalars under ``hetero/``. Window values cover what happened since the last

@@ -174,10 +174,10 @@ class RolloutInbox:
                 try:
                     # malformed first, with its named reason; only a well-formed group meets the gate
                     validate_group(group, self.buffer.spec, learner_version=self.buffer.learner_version)
-                    if not self.buffer.has_room(str(group.sampler_id)):
+                    if not self.buffer.would_keep(group):
                         # its sampler's quota is full: dropped on arrival, no check paid for it (a
-                        # flooding sampler costs a count); room only grows meanwhile, so "room" at
-                        # the buffer.add below means the group was checked
+                        # flooding sampler costs a count); a kept group stays kept until the
+                        # buffer.add below, so every group that enters was checked
                         self.buffer.add(group, validated=True, drop="over_quota")
                         continue
                     vouched = bool(self.gate.admit(group))
