@@ -119,6 +119,11 @@ class LearnerRuntime:
         metrics = self.learner.train_step(batch.groups)
         train_cpu_s = time.thread_time() - cpu_train
         self.source.trained(batch.groups, self.learner.group_divergence)
+        if engine.settings.save_freq <= 0:
+            # No checkpoint before the end, so a crash starts the run afresh (which clears the
+            # exchange): the rollouts the ledger has settled need not wait in the transport for a
+            # checkpoint's acknowledge, where they would pile up for the whole run.
+            self.source.acknowledge({"ledger": {"status": self.buffer.ledger.status}})
         metrics.update(diag)
         t_publish = time.perf_counter()
         self._publish()

@@ -81,6 +81,15 @@ def test_async_ledger_balances(async_run):
     assert all(s in ("dropped:stale", "dropped:over_quota") for s in status.values() if s.startswith("dropped"))
 
 
+def test_without_checkpoints_settled_rollouts_leave_the_transport_every_step(async_run):
+    """trainer.save_freq=0: no checkpoint before the end, so nothing waits for one to be
+    acknowledged; the learner deletes the rollouts its ledger settled at every step (before, they
+    stayed in the transport for the whole run)."""
+    steps = train_lines(async_run[2])
+    released = [line.get("hetero/inbox_acknowledged", 0.0) for line in steps]
+    assert released[-1] > 0 and released == sorted(released), released  # a run total, reported before each step
+
+
 def test_async_logs_the_fixed_metric_names(async_run):
     missing = {line["step"]: [n for n in STEP_METRICS if n not in line] for line in train_lines(async_run[2])}
     assert not any(missing.values()), missing
