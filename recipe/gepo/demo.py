@@ -51,7 +51,13 @@ def main(argv: list[str]) -> int:
     run(cfg)
     run_dir = Path(str(cfg.trainer.default_local_dir))
     s = summarize(run_dir)
-    weight_var = load_metrics(run_dir).get("is/weight_var")
+    metrics = load_metrics(run_dir)
+    weight_var = metrics.get("is/weight_var")
+
+    def dropped(reason: str) -> str:
+        column = metrics.get(f"hetero/dropped/{reason}")
+        return _fmt(float(column.sum()) if column is not None else 0.0, ".0f")
+
     rows = [
         ("algorithm (loss mode)", str(cfg.actor_rollout_ref.actor.policy_loss.loss_mode)),
         ("mode / samplers", f"{cfg.hetero.mode} / {cfg.hetero.num_samplers}"),
@@ -60,7 +66,7 @@ def main(argv: list[str]) -> int:
         ("held-out accuracy after", _fmt(s["eval_last"])),
         ("staleness mean / max (versions)", f"{_fmt(s['staleness_mean'], '.2f')} / {_fmt(s['staleness_max'], '.0f')}"),
         ("max tolerable staleness", str(cfg.hetero.max_delay)),
-        ("dropped groups (stale)", _fmt(s["dropped_total"], ".0f")),
+        ("dropped groups (stale / over quota)", f"{dropped('stale')} / {dropped('over_quota')}"),
         ("IS-weight variance (mean over steps)", _fmt(float(weight_var.mean()) if weight_var is not None else None, ".4f")),
         ("learner idle fraction (mean)", _fmt(s["learner_idle_frac_mean"], ".2f")),
         ("wall time (s, incl. warm start)", f"{time.time() - start:.0f}"),
