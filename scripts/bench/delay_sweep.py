@@ -73,11 +73,17 @@ from sweep.rows import collect  # noqa: E402
 from sweep.run import Sweep, warm_starts  # noqa: E402
 
 
-def rates_from_design(plan: Plan, rows_path: Path, out: Path, ws: dict) -> list[str]:
-    """Pin ``plan.lrs`` to the rates ``plan.lr_design``'s stage 1 chose (its rows in the same rows
-    file, same warm start), keeping rates given with --lrs; returns the algorithms left without one."""
+def lr_design_runs(plan: Plan, rows_path: Path, out: Path, ws: dict) -> tuple[Plan, list[dict]]:
+    """``plan.lr_design`` and its finished runs (its rows in the same rows file, same warm start)."""
     source = Plan(**dict(DESIGNS[plan.lr_design], algos=list(plan.algos), tasks=list(plan.tasks)))
-    _, chosen = choose_lrs(collect(out, source, rows_path, ws), source)
+    return source, collect(out, source, rows_path, ws)
+
+
+def rates_from_design(plan: Plan, rows_path: Path, out: Path, ws: dict) -> list[str]:
+    """Pin ``plan.lrs`` to the rates ``plan.lr_design``'s stage 1 chose, keeping rates given with
+    --lrs; returns the algorithms left without one."""
+    source, runs = lr_design_runs(plan, rows_path, out, ws)
+    _, chosen = choose_lrs(runs, source)
     plan.lrs = {**{algo: rate for algo, rate in chosen.items() if algo in plan.algos}, **plan.lrs}
     return [algo for algo in plan.algos if algo not in plan.lrs]
 
@@ -160,7 +166,9 @@ def main(argv: list[str] | None = None) -> int:
                       f"which has no chosen rate yet for {', '.join(missing)} in {rows_path}: run that design first "
                       "(or pin them with --lrs ALGO=LR)\n")  # fmt: skip
         (out / "plan.json").write_text(json.dumps({**asdict(plan), "design_id": design_id(plan)}, indent=1))
-    sweep = Sweep(plan, out, rows_path, models, ws, a.workers, t0)
+    # a design that takes its rates from another also takes its first estimate from that one's runs
+    reference = lr_design_runs(plan, rows_path, out, ws) if plan.lr_design else None
+    sweep = Sweep(plan, out, rows_path, models, ws, a.workers, t0, reference=reference)
     done = sweep.finished()
     print(sweep.outline(done), flush=True)
     if a.plan_only:

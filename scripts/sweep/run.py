@@ -10,6 +10,7 @@ import math
 import multiprocessing as mp
 import statistics
 import time
+from typing import Optional
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -119,15 +120,32 @@ def run_jobs(jobs: list[tuple], workers: int, out: Path, t0: float, on_done) -> 
                 on_done(d, secs)
 
 
-def estimate_seconds(plan: Plan, done: list[dict]) -> tuple[float, str]:
-    """Seconds per run: the median of this design's finished runs when there are some, else the
-    measured defaults (:data:`SECONDS_PER_STEP_16`, :data:`SECONDS_PER_EVAL_PROBLEM`)."""
+def _evaluations(plan: Plan) -> int:
+    return plan.steps // plan.test_freq + 1 if plan.test_freq > 0 else 2
+
+
+def estimate_seconds(plan: Plan, done: list[dict], reference: Optional[tuple[Plan, list[dict]]] = None) -> tuple[float, str]:
+    """Seconds per run: the median of this design's finished runs when there are some; else, with
+    ``reference`` (another design of the same batch and evaluation, and its finished runs, e.g. the
+    design a long design takes its rates from), its median run less its evaluations (at
+    :data:`SECONDS_PER_EVAL_PROBLEM`) per step, times this design's steps; else the measured
+    defaults (:data:`SECONDS_PER_STEP_16`, :data:`SECONDS_PER_EVAL_PROBLEM`)."""
     secs = [r["seconds"] for r in done if math.isfinite(r.get("seconds", math.nan))]
     if secs:
         return statistics.median(secs), f"median of {len(secs)} finished runs"
-    evals = plan.steps // plan.test_freq + 1 if plan.test_freq > 0 else 2
+    evals = _evaluations(plan)
+    eval_s = evals * plan.eval_size * SECONDS_PER_EVAL_PROBLEM
+    if reference is not None:
+        ref, runs = reference
+        ref_secs = [r["seconds"] for r in runs if math.isfinite(r.get("seconds", math.nan))]
+        if ref_secs and ref.prompts == plan.prompts and ref.steps > 0:
+            ref_eval_s = _evaluations(ref) * ref.eval_size * SECONDS_PER_EVAL_PROBLEM
+            per_step = max(statistics.median(ref_secs) - ref_eval_s, 0.0) / ref.steps
+            return plan.steps * per_step + eval_s, (
+                f"{per_step:.2f} s/step from the median of {len(ref_secs)} finished runs of --design {ref.design} "
+                f"x {plan.steps} + {evals} evaluations x {plan.eval_size} problems x {SECONDS_PER_EVAL_PROBLEM} s")
     per_step = SECONDS_PER_STEP_16 * plan.prompts / 16
-    return plan.steps * per_step + evals * plan.eval_size * SECONDS_PER_EVAL_PROBLEM, (
+    return plan.steps * per_step + eval_s, (
         f"{per_step:.2f} s/step x {plan.steps} + {evals} evaluations x {plan.eval_size} problems x "
         f"{SECONDS_PER_EVAL_PROBLEM} s (measured defaults, one worker, load ~4)")
 
@@ -145,6 +163,9 @@ class Sweep:
     """task -> the warm start's weights sha256 (rows with another hash are not this sweep's)"""
     workers: int
     t0: float = field(default_factory=time.time)
+    reference: Optional[tuple[Plan, list[dict]]] = None
+    """another design and its finished runs, for the estimate while this one has none
+    (:func:`estimate_seconds`)"""
 
     def finished(self) -> list[dict]:
         """Every finished run of the plan (:func:`sweep.rows.collect`)."""
@@ -175,15 +196,17 @@ class Sweep:
         n1 = sum(1 for c in stage1 if (c[0], c[1], float(c[2]), "0", c[4]) not in have)
         _, chosen0 = choose_lrs(done, plan)
         n2_total = len(plan.tasks) * len(plan.algos) * len(plan.delays) * len(plan.seeds)
-        per_run_s, how = estimate_seconds(plan, [r for r in done if r.get("design_id") == design_id(plan)])
-        # stage-2 runs that stage 1 already made: on-policy runs at the chosen rate for lr_seeds
-        reused = len(plan.tasks) * len([x for x in plan.algos if x not in plan.lrs]) * len(set(plan.lr_seeds) & set(plan.seeds)) \
-            if plan.lr_grid else 0  # fmt: skip
-        n2 = max(0, n2_total - reused - sum(1 for r in done if r["delay"] in plan.delays and r["seed"] in plan.seeds
-                                            and (not multi_lr(plan) or math.isclose(r["lr"], chosen0.get(r["algo"], -1)))))  # fmt: skip
+        per_run_s, how = estimate_seconds(plan, [r for r in done if r.get("design_id") == design_id(plan)], self.reference)
+        finished = {row_key(r) for r in done}
+        n2 = sum(1 for c in self.stage2_cells(chosen0) if (c[0], c[1], float(c[2]), str(c[3]), c[4]) not in finished)
+        # methods stage 1 has not chosen a rate for yet: all their cells, but the on-policy runs of
+        # the lr seeds, which stage 1 makes at the rate it will choose
+        unchosen = [x for x in plan.algos if multi_lr(plan) and x not in chosen0]
+        reused = len(set(plan.lr_seeds) & set(plan.seeds)) if 0 in plan.delays else 0
+        n2 += len(plan.tasks) * len(unchosen) * (len(plan.delays) * len(plan.seeds) - reused)
         total = n1 + n2
         return (f"plan ({plan.design}, design id {design_id(plan)}): stage 1 (learning rates, on-policy) {n1} runs to do "
-                f"of {len(stage1)}; stage 2 (conditions x seeds) about {n2} runs to do of {n2_total}; {len(done)} "
+                f"of {len(stage1)}; stage 2 (conditions x seeds) {n2} runs to do of {n2_total}; {len(done)} "
                 f"finished rows. Estimate: {total} runs x {per_run_s:.0f} s ({how}) / {self.workers} workers = "
                 f"{total * per_run_s / self.workers / 3600:.2f} h; outputs in {self.out}, rows in {self.rows_path}")  # fmt: skip
 

@@ -36,7 +36,7 @@ from sweep.plan import (
 )
 from sweep.render import doc_block, glance_markdown, study_markdown, update_doc
 from sweep.rows import append_row, collect, load_rows, make_row
-from sweep.run import SECONDS_PER_EVAL_PROBLEM, SECONDS_PER_STEP_16, estimate_seconds
+from sweep.run import SECONDS_PER_EVAL_PROBLEM, SECONDS_PER_STEP_16, Sweep, estimate_seconds
 from tests.study.conftest import REPO, compose_cfg
 from tests.study.test_sweep_table import _write_run
 
@@ -358,6 +358,37 @@ def test_budget_estimate_uses_finished_runs_else_the_measured_defaults():
     assert "measured defaults" in how
     secs, how = estimate_seconds(plan, [{"seconds": 100.0}, {"seconds": 300.0}, {"seconds": 200.0}])
     assert secs == 200.0 and "3 finished runs" in how
+
+
+def test_a_design_without_runs_estimates_from_the_design_it_takes_rates_from():
+    """The long design's first estimate: the 200-step design's median run less its evaluations,
+    per step, times 600 steps, plus the long design's evaluations."""
+    short = _plan(steps=200, test_freq=20, eval_size=512, prompts=16, design="powered")
+    long = _plan(steps=600, test_freq=40, eval_size=512, prompts=16, design="powered_long")
+    short_evals = 11 * 512 * SECONDS_PER_EVAL_PROBLEM
+    runs = [{"seconds": 100.0 + short_evals}, {"seconds": 140.0 + short_evals}, {"seconds": 120.0 + short_evals}]
+    secs, how = estimate_seconds(long, [], (short, runs))
+    assert secs == pytest.approx(600 * 0.6 + 16 * 512 * SECONDS_PER_EVAL_PROBLEM)
+    assert "3 finished runs of --design powered" in how
+    assert estimate_seconds(long, [{"seconds": 5.0}], (short, runs))[0] == 5.0  # its own runs, once it has some
+    other_batch = _plan(steps=600, test_freq=40, eval_size=512, prompts=8)
+    assert "measured defaults" in estimate_seconds(other_batch, [], (short, runs))[1]
+
+
+def test_the_outline_counts_each_stage_2_run_left_once(tmp_path):
+    """Stage 1's on-policy runs at the chosen rate are stage-2 runs too: counted once (they were
+    subtracted twice: the count said 118 where 145 runs were left); rows of other methods count
+    for nothing."""
+    plan = _plan(lr_grid=[1e-4, 2e-4], lr_seeds=[0, 1])
+    rows = [{"task": "long", "algo": "gepo", "lr": lr, "delay": 0, "seed": seed, "lq_mean": score, "dir": None}
+            for lr, score in [(1e-4, 0.3), (2e-4, 0.5)] for seed in (0, 1)]  # fmt: skip
+    rows.append({"task": "long", "algo": "gepo", "lr": 2e-4, "delay": "fix4", "seed": 0, "lq_mean": 0.4, "dir": None})
+    rows.append({"task": "long", "algo": "gspo", "lr": 1e-4, "delay": "fix4", "seed": 1, "lq_mean": 0.4, "dir": None})
+    sweep = Sweep(plan, tmp_path, tmp_path / "rows.csv", {"long": "x"}, {"long": "h"}, workers=2)
+    line = sweep.outline(rows)
+    # stage 1: grpo_paper's 4 runs; stage 2: gepo 6 - 2 (stage 1) - 1 (fix4 s0), grpo_paper 6 - 2 (stage 1 will make)
+    assert "stage 1 (learning rates, on-policy) 4 runs to do of 8" in line
+    assert "stage 2 (conditions x seeds) 7 runs to do of 12" in line
 
 
 def test_powered_design_meets_the_issue_minimums():
