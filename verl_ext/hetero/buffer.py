@@ -342,7 +342,7 @@ class RolloutBuffer:
     def held_by(self, sampler_id: str) -> int:
         """How many buffered groups ``sampler_id`` sent."""
         with self._cond:
-            return self._held_by_locked(sampler_id)
+            return len(self._held_locked(sampler_id))
 
     def would_keep(self, group: RolloutGroup) -> bool:
         """Whether ``group`` arriving now would be kept by its sampler's quota
@@ -356,8 +356,7 @@ class RolloutBuffer:
         uid, or (``order="newest"``) the sampler's oldest buffered group when ``group`` is newer."""
         if self.sampler_capacity is None:
             return None
-        sampler = str(group.sampler_id)
-        held = [g for g in self._groups.values() if str(g.sampler_id) == sampler]
+        held = self._held_locked(str(group.sampler_id))
         if len(held) < self.sampler_capacity:
             return None
         oldest = min(held, key=lambda g: g.policy_version)  # the first arrival among equals
@@ -365,8 +364,8 @@ class RolloutBuffer:
             return oldest.group_uid
         return group.group_uid
 
-    def _held_by_locked(self, sampler_id: str) -> int:
-        return sum(1 for group in self._groups.values() if str(group.sampler_id) == sampler_id)
+    def _held_locked(self, sampler_id: str) -> list[RolloutGroup]:
+        return [group for group in self._groups.values() if str(group.sampler_id) == sampler_id]
 
     def metrics(self, reset: bool = True) -> dict[str, float]:
         """Scalars under ``hetero/``. Window values cover what happened since the last
