@@ -60,6 +60,10 @@ class GroupGate(Protocol):
     def accepted(self, group: RolloutGroup, vouched: bool = False) -> None:
         """``group`` entered the buffer; ``vouched``: what :meth:`admit` returned for it."""
 
+    def passed_over(self, group: RolloutGroup) -> None:
+        """``group`` was dropped unchecked, over its sampler's quota: it never met :meth:`admit`,
+        but a copy of it under another uid is still a replay."""
+
 
 class RolloutInbox:
     """Reads rollout messages into a buffer (see module docstring).
@@ -179,6 +183,7 @@ class RolloutInbox:
                         # flooding sampler costs a count); a kept group stays kept until the
                         # buffer.add below, so every group that enters was checked
                         self.buffer.add(group, validated=True, drop="over_quota")
+                        self.gate.passed_over(group)
                         continue
                     vouched = bool(self.gate.admit(group))
                 except RecordRejected as err:

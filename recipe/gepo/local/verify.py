@@ -234,7 +234,7 @@ class TrustGate:
         self._enrolment_stamp: Optional[tuple[float, int]] = None
         self.ledger = trust.ledger(hetero.seed)
         self._lock = threading.Lock()
-        self._contents: set[str] = set()  # content digests of accepted groups
+        self._contents: set[str] = set()  # content digests of accepted groups and of groups passed over
         self.lost_versions: set[int] = set()  # version numbers a crashed learner published past its checkpoint
         self.check_cpu_s = 0.0  # CPU seconds of the verifier's checks: the cost of hetero.trust in the learner
         self.verifier: Optional[GroupVerifier] = None
@@ -300,7 +300,7 @@ class TrustGate:
             # a short answer does -- and their log-probs are then identical too, so a coincidence
             # looks exactly like a replay; the refusal alone takes away all a replay could gain.
             raise RecordRejected("record", "replayed", "this group's content (version, prompt, responses, log-probs) "
-                                 "was accepted before", sampler_id=sampler, group_uid=uid)  # fmt: skip
+                                 "was received before", sampler_id=sampler, group_uid=uid)  # fmt: skip
         if self.verifier is not None:
             rescore = rescore and self.verifier.holds(group.policy_version)
             t0 = time.thread_time()  # CPU time: what the learner pays, whatever else shares its cores
@@ -326,6 +326,13 @@ class TrustGate:
             self._contents.add(content_digest(group))
             if not vouched:
                 self.ledger.accepted(str(group.sampler_id), group.group_uid)
+
+    def passed_over(self, group: RolloutGroup) -> None:
+        """A group the inbox dropped unchecked (over its sampler's quota): its content is known
+        from now on, so a copy under another uid is refused as ``replayed`` (else a replaying
+        sampler could pass off an honest group the learner never used as its own)."""
+        with self._lock:
+            self._contents.add(content_digest(group))
 
     def trained(self, groups: list[RolloutGroup], divergence: list[float]) -> None:
         """After a step: each consumed group's measured divergence (the per-sampler bound)."""

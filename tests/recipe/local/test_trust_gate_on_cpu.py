@@ -18,7 +18,7 @@ from recipe.gepo.local.rollout import RolloutSettings, generate_groups, sequence
 from recipe.gepo.local.tasks import Task
 from recipe.gepo.local.verify import TrustGate, group_log_probs
 from verl_ext.hetero.exchange import RolloutInbox, send_group
-from verl_ext.hetero.records import RecordRejected
+from verl_ext.hetero.records import RecordRejected, RolloutGroup
 from verl_ext.hetero.transport import FsspecTransport
 from verl_ext.hetero.weights import serialize_state_dict
 
@@ -239,6 +239,12 @@ def test_a_flooding_sampler_is_dropped_over_its_quota_before_any_check(tiny_mode
     assert lab.gate.metrics()["trust/checked"] == 5  # every admitted group, none of the dropped ones
     assert lab.gate.ledger.refusal("sampler-0") is None
     assert lab.buffer.metrics()["hetero/dropped/over_quota"] == 3
+    # a copy of a group passed over is still a replay (the soak's replaying liar got 23 in before)
+    dropped = next(g for g in flood if status[g.group_uid] == "dropped:over_quota")
+    copy = RolloutGroup.from_bytes(dropped.to_bytes())
+    copy.sampler_id, copy.group_uid = "sampler-1", "sampler-1-copy"
+    send_group(transport, copy)
+    assert inbox.poll() == 0 and status["sampler-1-copy"] == "rejected:replayed"
     assert len(lab.buffer.take(5, learner_version=1)) == 5  # a learner step makes room
     late = lab.groups("sampler-0", n=1)[0]
     send_group(transport, late)
