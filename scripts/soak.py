@@ -132,6 +132,10 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
         parser.error(f"--minutes={args.minutes} must be > 0")
     if not args.fault_every > 0:
         parser.error(f"--fault-every={args.fault_every} must be > 0")
+    if args.save_freq < 1:
+        # the accounting reads the ledger of a checkpoint (the live learner is gone when the time
+        # limit ends the run), and without checkpoints the learner deletes consumed groups at once
+        parser.error(f"--save-freq={args.save_freq} must be >= 1: the soak accounts for every group from a checkpoint's ledger")
     if args.wan and not 0 < args.wan_cut_s <= 120:
         parser.error(f"--wan-cut-s={args.wan_cut_s} must be in (0, 120] (bounded faults only)")
 

@@ -31,3 +31,12 @@ def test_soak_wan_cut_must_be_bounded():
     proc = subprocess.run([sys.executable, str(REPO / "scripts" / "soak.py"), "--wan", "--wan-cut-s", "1000"],
                           capture_output=True, text=True, timeout=120)  # fmt: skip
     assert proc.returncode == 2 and "--wan-cut-s=1000.0 must be in (0, 120]" in proc.stderr
+
+
+def test_soak_needs_checkpoints_to_account_for_groups():
+    """Without checkpoints the learner deletes consumed groups at once and the soak has no ledger
+    to account from after its time limit: refused at start, naming the flag."""
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "soak.py"), "--save-freq", "0"],
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 2 and "--save-freq=0 must be >= 1" in proc.stderr
+    assert "soak:" not in proc.stdout
