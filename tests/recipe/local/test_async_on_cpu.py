@@ -115,5 +115,10 @@ def test_async_signs_checks_and_rejects_no_honest_group(async_run):
     assert set(enrolled.keys) == {"sampler-0", "sampler-1"}
     last = train_lines(lines)[-1]
     assert last["trust/checked"] >= 4 and last["trust/failed"] == 0 and last["trust/quarantined"] == 0
-    assert last["hetero/rejected_total"] == 0
     assert last["perf/trust_check_cpu_s_total"] > 0
+    # no group refused, but for the one refusal an honest run can meet: two samplers drawing the
+    # very same group at one version (1-digit sums, G=4), refused as a replay without blame
+    ckpt_dir = Path(run_dir) / "checkpoints"
+    state = torch.load(ckpt_dir / (ckpt_dir / "latest").read_text().strip(), weights_only=False)
+    refused = [s for s in state["buffer"]["ledger"]["status"].values() if s.startswith("rejected")]
+    assert set(refused) <= {"rejected:replayed"}, refused
