@@ -44,7 +44,7 @@ import hashlib
 import os
 import threading
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from typing import Any, Optional
 
 import numpy as np
@@ -235,6 +235,7 @@ class TrustGate:
         self.ledger = trust.ledger(hetero.seed)
         self._lock = threading.Lock()
         self._contents: set[str] = set()  # content digests of accepted groups and of groups passed over
+        self.passed_over_counts: Counter[str] = Counter()  # sampler -> groups dropped unchecked over its quota
         self.lost_versions: set[int] = set()  # version numbers a crashed learner published past its checkpoint
         self.check_cpu_s = 0.0  # CPU seconds of the verifier's checks: the cost of hetero.trust in the learner
         self.verifier: Optional[GroupVerifier] = None
@@ -333,6 +334,7 @@ class TrustGate:
         sampler could pass off an honest group the learner never used as its own)."""
         with self._lock:
             self._contents.add(content_digest(group))
+            self.passed_over_counts[str(group.sampler_id)] += 1
 
     def trained(self, groups: list[RolloutGroup], divergence: list[float]) -> None:
         """After a step: each consumed group's measured divergence (the per-sampler bound)."""
@@ -346,17 +348,20 @@ class TrustGate:
             return self.ledger.drain_events()
 
     def metrics(self) -> dict[str, float]:
-        """The ledger's ``trust/*`` and ``perf/trust_check_cpu_s_total`` (CPU seconds spent checking)."""
+        """The ledger's ``trust/*``, ``trust/<sampler id>/passed_over`` (its groups dropped unchecked
+        over its quota: who floods) and ``perf/trust_check_cpu_s_total`` (CPU seconds spent checking)."""
         with self._lock:
-            return {**self.ledger.metrics(), "perf/trust_check_cpu_s_total": self.check_cpu_s}
+            passed = {f"trust/{sampler}/passed_over": float(n) for sampler, n in self.passed_over_counts.items()}
+            return {**self.ledger.metrics(), **passed, "perf/trust_check_cpu_s_total": self.check_cpu_s}
 
     def state_dict(self) -> dict:
         with self._lock:
             return {"ledger": self.ledger.state_dict(), "contents": sorted(self._contents),
-                    "lost_versions": sorted(self.lost_versions)}
+                    "lost_versions": sorted(self.lost_versions), "passed_over": dict(self.passed_over_counts)}
 
     def load_state_dict(self, state: dict) -> None:
         with self._lock:
             self.ledger.load_state_dict(state["ledger"])
             self._contents = set(state["contents"])
             self.lost_versions = set(state.get("lost_versions", []))
+            self.passed_over_counts = Counter(state.get("passed_over", {}))

@@ -236,7 +236,9 @@ def test_a_flooding_sampler_is_dropped_over_its_quota_before_any_check(tiny_mode
     status = lab.buffer.ledger.status
     assert sorted(status[g.group_uid] for g in flood) == ["buffered"] * 3 + ["dropped:over_quota"] * 3
     assert all(status[g.group_uid] == "buffered" for g in other)
-    assert lab.gate.metrics()["trust/checked"] == 5  # every admitted group, none of the dropped ones
+    metrics = lab.gate.metrics()
+    assert metrics["trust/checked"] == 5  # every admitted group, none of the dropped ones
+    assert metrics["trust/sampler-0/passed_over"] == 3 and "trust/sampler-1/passed_over" not in metrics  # who floods
     assert lab.gate.ledger.refusal("sampler-0") is None
     assert lab.buffer.metrics()["hetero/dropped/over_quota"] == 3
     # a copy of a group passed over is still a replay (the soak's replaying liar got 23 in before)
