@@ -71,14 +71,17 @@ def test_resume_withdraws_the_crashed_learners_later_weight_versions(tmp_path, t
     a = new_worker(tmp_path, toy_model_path, 2)
     a.start()
     checkpoint = a.checkpoint_state()  # version 0
-    for version in (1, 2, 3):  # the crashed learner went on after its last checkpoint
+    for version in range(1, 7):  # the crashed learner went on after its last checkpoint
         a.source.weights.publish(version, a.model.state_dict())
+    assert a.source.weights.versions() == [3, 4, 5, 6]  # the store keeps 4: 1 and 2 are gone
     a.source._stop.set()
 
     b = new_worker(tmp_path, toy_model_path, 2)
     b.start(checkpoint)
     b.source._stop.set()
     assert b.source.weights.versions() == [0]
+    # every number the crashed learner published is lost, the pruned ones too: samplers may hold them
+    assert b.source.gate.lost_versions == set(range(1, 7))
 
 
 def test_a_group_from_just_published_weights_is_accepted(tmp_path, toy_model_path):

@@ -271,7 +271,10 @@ class TransportSource:
         clear_topic(self.transport, EXPECTED_TOPIC)
         # versions newer than ours (published after the checkpoint we resume from, or by a
         # previous run) would look like the future to samplers and to the buffer
-        lost = [v for v in self.weights.versions() if v > learner_version]
+        # Every number after ours is lost, not only those the store still holds: it keeps
+        # keep_weight_versions, and samplers may hold older ones of the crashed branch too (the
+        # liars soak had groups of pruned lost versions admitted unchecked).
+        lost = range(learner_version + 1, max(self.weights.versions(), default=learner_version) + 1)
         self.weights.delete_newer_than(learner_version)
         if checkpoint is not None and "trust" in checkpoint:
             self.gate.load_state_dict(checkpoint["trust"])  # a quarantined sampler stays so

@@ -291,8 +291,11 @@ class TrustGate:
             replayed = content_digest(group) in self._contents
         failure = None
         if int(group.policy_version) in self.lost_versions and self.verifier is not None:
-            lost = self.verifier.check_logprobs(group) if self.verifier.holds(group.policy_version) else None
-            if lost is not None:  # made with the crashed learner's weights of that number: not a lie
+            # made with the crashed learner's weights of that number, or with ours? Only a re-score
+            # tells; a version we do not hold yet (or any more) cannot be told, so it is refused too
+            lost = (self.verifier.check_logprobs(group) if self.verifier.holds(group.policy_version)
+                    else ("lost_version", "the learner does not hold its own weights of that number to tell"))  # fmt: skip
+            if lost is not None:  # not a lie either way: refused without blame
                 raise RecordRejected("policy_version", "lost_version", f"version {group.policy_version} was republished "
                                      f"after a learner resume; {lost[1]}", sampler_id=sampler, group_uid=uid)  # fmt: skip
         if replayed:

@@ -397,5 +397,12 @@ def test_groups_of_a_version_lost_in_a_learner_crash_are_refused_without_blame(t
     assert lab.gate.ledger.refusal("sampler-1") is None and lab.gate.metrics()["trust/failed"] == 0
     state = lab.gate.state_dict()
     assert state["lost_versions"] == [1]
+    # a lost number whose new weights the learner does not hold (yet, or any more) cannot be told
+    # from the crashed branch's: refused too, without blame (the liars soak had such groups admitted
+    # unchecked when the store had already pruned the version, so it was not known as lost)
+    lab.gate.lose_versions(range(2, 4))
+    unheld = claiming_v1("sampler-3", crashed_v1)
+    unheld.policy_version = 3
+    assert lab.offer(unheld) == "lost_version" and lab.gate.ledger.refusal("sampler-3") is None
     lab.gate.lost_versions.clear()  # without the resume's knowledge the same group is a lie
     assert lab.offer(claiming_v1("sampler-2", crashed_v1)) == "bad_logprobs"
