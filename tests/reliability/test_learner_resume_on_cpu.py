@@ -5,8 +5,6 @@ not leave the crashed learner's later weight versions for samplers to pick up.
 Exactly-once of the inbox alone is unit-tested in tests/hetero/test_hetero_transport_on_cpu.py;
 here it is the engine's wiring: checkpoint_state -> acknowledge -> crash -> start(checkpoint)."""
 
-import pytest
-
 from recipe.gepo.local.async_mode import LearnerWorker
 from recipe.gepo.local.engine import EngineConfig
 from verl_ext.hetero.protocol import TransportSpec
