@@ -79,10 +79,10 @@ def lr_design_runs(plan: Plan, rows_path: Path, out: Path, ws: dict) -> tuple[Pl
     return source, collect(out, source, rows_path, ws)
 
 
-def rates_from_design(plan: Plan, rows_path: Path, out: Path, ws: dict) -> list[str]:
-    """Pin ``plan.lrs`` to the rates ``plan.lr_design``'s stage 1 chose, keeping rates given with
-    --lrs; returns the algorithms left without one."""
-    source, runs = lr_design_runs(plan, rows_path, out, ws)
+def rates_from_design(plan: Plan, reference: tuple[Plan, list[dict]]) -> list[str]:
+    """Pin ``plan.lrs`` to the rates ``plan.lr_design``'s stage 1 chose (``reference``:
+    :func:`lr_design_runs`), keeping rates given with --lrs; returns the algorithms left without one."""
+    source, runs = reference
     _, chosen = choose_lrs(runs, source)
     plan.lrs = {**{algo: rate for algo, rate in chosen.items() if algo in plan.algos}, **plan.lrs}
     return [algo for algo in plan.algos if algo not in plan.lrs]
@@ -159,15 +159,15 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("TQDM_DISABLE", "1")
     models, ws = warm_starts(plan, a.cache_dir)
-    if plan.lr_design:
-        missing = rates_from_design(plan, rows_path, out, ws)
+    # a design that takes its rates from another also takes its first estimate from that one's runs
+    reference = lr_design_runs(plan, rows_path, out, ws) if plan.lr_design else None
+    if reference is not None:
+        missing = rates_from_design(plan, reference)
         if missing and not a.table_only:
             p.exit(2, f"{p.prog}: error: --design {plan.design} takes its rates from --design {plan.lr_design}'s stage 1, "
                       f"which has no chosen rate yet for {', '.join(missing)} in {rows_path}: run that design first "
                       "(or pin them with --lrs ALGO=LR)\n")  # fmt: skip
         (out / "plan.json").write_text(json.dumps({**asdict(plan), "design_id": design_id(plan)}, indent=1))
-    # a design that takes its rates from another also takes its first estimate from that one's runs
-    reference = lr_design_runs(plan, rows_path, out, ws) if plan.lr_design else None
     sweep = Sweep(plan, out, rows_path, models, ws, a.workers, t0, reference=reference)
     done = sweep.finished()
     print(sweep.outline(done), flush=True)
@@ -184,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
         for name in a.join:
             other = Plan(**dict(DESIGNS[name], algos=list(plan.algos), tasks=list(plan.tasks)), extra=list(a.override))
             if other.lr_design:
-                rates_from_design(other, rows_path, out, ws)
+                rates_from_design(other, lr_design_runs(other, rows_path, out, ws))
             runs = collect(out / name, other, rows_path, ws)
             other_table, other_chosen = choose_lrs(runs, other)
             (out / name).mkdir(exist_ok=True)
