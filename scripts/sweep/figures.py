@@ -10,42 +10,69 @@ from sweep.analyse import mean_std
 from sweep.plan import condition_key
 
 
+_MARKERS = ("o", "s", "^", "D", "v", "P", "X")
+
+
+def method_styles(algos: list[str]) -> dict[str, dict]:
+    """One (colour, marker) per method, distinct for up to 20 methods, the same method keeping its
+    style across the figures of one study (sorted names, tab20's 20 colours; matplotlib's default
+    cycle repeats after 10, and the study compares 14)."""
+    import matplotlib
+
+    colours = matplotlib.colormaps["tab20"].colors
+    return {algo: {"color": colours[(2 * i) % 20 + (2 * i) // 20 % 2], "marker": _MARKERS[i % len(_MARKERS)]}
+            for i, algo in enumerate(sorted(set(algos)))}  # fmt: skip
+
+
+def _figure(n_methods: int):
+    """A figure wide enough for a legend beside the axes (one line per method)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt.subplots(figsize=(6 + (2.2 if n_methods > 1 else 0), 4))
+
+
 def _save_figure(fig, ax, path: Path) -> Path:
-    """A legend when there is something to name, then write and close the figure."""
+    """The legend beside the axes, when there is something to name (inside, it covers the points of
+    a many-method study), then write and close the figure."""
     import matplotlib.pyplot as plt
 
     if ax.get_legend_handles_labels()[0]:
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
     return path
 
 
 def staleness_figure(folder: Path, per_run: list[dict]) -> Path:
     """Score against realised mean staleness per method (one point per condition: mean over seeds,
-    error bars the 95% t interval of the mean)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    error bars the 95% t interval of the mean). The methods' points of one condition are moved
+    apart by up to +-1% of the axis (``dodge``), so that 14 error bars at one staleness can be told
+    apart; the x value is otherwise the realised mean."""
     from verl_ext.analysis.stats import paired_test
 
     folder.mkdir(parents=True, exist_ok=True)
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for algo in sorted({r["algo"] for r in per_run}):
+    algos = sorted({r["algo"] for r in per_run})
+    styles = method_styles(algos)
+    xs = [r.get("staleness", math.nan) for r in per_run]
+    span = max((x for x in xs if math.isfinite(x)), default=0.0)
+    fig, ax = _figure(len(algos))
+    for i, algo in enumerate(algos):
+        dodge = 0.02 * span * ((i + 0.5) / len(algos) - 0.5)
         pts = []
         for cond in sorted({r["delay"] for r in per_run if r["algo"] == algo}, key=condition_key):
             runs = [r for r in per_run if r["algo"] == algo and r["delay"] == cond]
             t = paired_test([r["lq_mean"] for r in runs if math.isfinite(r["lq_mean"])])
             x = mean_std([r.get("staleness", math.nan) for r in runs])[0]
             if t.n and math.isfinite(x):
-                pts.append((x, t.mean, (t.ci_high - t.mean) if math.isfinite(t.ci_high) else 0.0))
+                pts.append((x + dodge, t.mean, (t.ci_high - t.mean) if math.isfinite(t.ci_high) else 0.0))
         if pts:
             pts.sort()
-            ax.errorbar([p[0] for p in pts], [p[1] for p in pts], yerr=[p[2] for p in pts], marker="o", capsize=3,
-                        label=algo)  # fmt: skip
+            ax.errorbar([p[0] for p in pts], [p[1] for p in pts], yerr=[p[2] for p in pts], capsize=2, markersize=4,
+                        linewidth=1, label=algo, **styles[algo])  # fmt: skip
     ax.set_xlabel("realised mean staleness (versions)")
     ax.set_ylabel("score (mean of the last evaluations)")
     return _save_figure(fig, ax, folder / "acc_vs_staleness.png")
@@ -94,18 +121,15 @@ def run_figures(out: Path, task: str, per_run: list[dict], log) -> None:
 def kl_variance_figure(folder: Path, per_run: list[dict]) -> Path:
     """IS-weight variance against KL(sampler || learner), one point a run, per method (log axes;
     on-policy runs, whose KL is ~0, sit at the left edge)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     folder.mkdir(parents=True, exist_ok=True)
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for algo in sorted({r["algo"] for r in per_run}):
+    algos = sorted({r["algo"] for r in per_run})
+    styles = method_styles(algos)
+    fig, ax = _figure(len(algos))
+    for algo in algos:
         pts = [(max(r["kl"], 1e-6), max(r["var"], 1e-6)) for r in per_run if r["algo"] == algo
                and math.isfinite(r.get("kl", math.nan)) and math.isfinite(r.get("var", math.nan))]  # fmt: skip
         if pts:
-            ax.scatter([p[0] for p in pts], [p[1] for p in pts], s=12, label=algo)
+            ax.scatter([p[0] for p in pts], [p[1] for p in pts], s=14, label=algo, **styles[algo])
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("KL(sampler || learner), run mean (floored at 1e-6)")

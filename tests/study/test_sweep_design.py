@@ -18,7 +18,7 @@ from sweep.analyse import (
     kl_variance_rows,
     run_numbers,
 )
-from sweep.figures import kl_variance_figure, staleness_figure
+from sweep.figures import kl_variance_figure, method_styles, staleness_figure
 from sweep.plan import (
     ALGOS,
     DESIGNS,
@@ -303,6 +303,17 @@ def test_study_markdown_has_every_section(tmp_path):
         assert needle in md, needle
     assert Path(staleness_figure(tmp_path / "fig", per_run)).is_file()
     assert Path(kl_variance_figure(tmp_path / "fig", per_run)).is_file()  # NaN KL everywhere: an empty plot
+
+
+def test_every_method_of_the_study_has_its_own_style_in_the_figures():
+    # 14 methods: matplotlib's default colour cycle repeats after 10, so two methods shared a colour
+    from sweep.plan import DESIGNS
+
+    algos = DESIGNS["powered"]["algos"]
+    styles = method_styles(list(reversed(algos)))
+    assert len(algos) >= 14 and sorted(styles) == sorted(algos)
+    assert len({s["color"] for s in styles.values()}) == len(algos)
+    assert styles == method_styles(algos[:3] + algos[3:])  # the same style whatever the order given
 
 
 def test_glance_matrices_hold_each_methods_score_drop_and_paired_difference():
