@@ -230,7 +230,7 @@ def study_markdown(task: str, plan: Plan, per_run: list[dict], lr_table: list[di
                          f"{'**yes**' if r['chosen'] else ''}{' (pinned)' if r['pinned'] else ''} |")  # fmt: skip
         lines.append("")
     lines += ["**Drops from on-policy** (score on-policy minus score at the condition, paired by seed):", ""]
-    table = ["| algo | lr | condition | realised staleness mean / max | n | score | drop [95% CI] | p | KL(q‖p) "
+    table = ["| algo | lr | condition | realised staleness mean / run max (mean over seeds) | n | score | drop [95% CI] | p | KL(q‖p) "
              "| IS-weight var | clip frac | clip frac A>0 / A<0 | mean weight | weight right / wrong "
              "| zero-grad share (stale) |", "|" + "---|" * 15]  # fmt: skip
     for r in sorted(drops, key=lambda r: (r["algo"], condition_key(r["delay"]))):
