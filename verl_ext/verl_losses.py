@@ -113,6 +113,7 @@ def _finish(
         "is/kl_sampler_learner": sampler_learner_kl(log_prob, old_log_prob, response_mask),
     }
     metrics.update(importance_weight_stats(terms.weight, response_mask))
+    metrics.update(terms.metrics)
     return loss, metrics
 
 
@@ -182,10 +183,9 @@ compute_policy_loss_gepo_tc = _group_denominator_loss(
 
 
 def _token_loss(name: str, terms_fn: Callable[..., losses.LossTerms], doc: str,
-                options: Callable[[Any], dict] = lambda config: {},
-                extra_metrics: Callable[[losses.LossTerms, torch.Tensor], dict] = lambda terms, mask: {}):
+                options: Callable[[Any], dict] = lambda config: {}):
     """Register ``name``: a loss whose terms need no prompt groups, only its own options
-    (``options(config)``); ``extra_metrics(terms, response_mask)`` adds metrics of its own."""
+    (``options(config)``)."""
 
     def loss(
         old_log_prob: torch.Tensor,
@@ -197,9 +197,7 @@ def _token_loss(name: str, terms_fn: Callable[..., losses.LossTerms], doc: str,
         rollout_is_weights: Optional[torch.Tensor] = None,
     ) -> tuple[torch.Tensor, dict[str, float]]:
         terms = terms_fn(log_prob, old_log_prob, advantages, response_mask, **options(config))
-        value, metrics = _finish(terms, old_log_prob, log_prob, response_mask, loss_agg_mode, config, rollout_is_weights)
-        metrics.update(extra_metrics(terms, response_mask))
-        return value, metrics
+        return _finish(terms, old_log_prob, log_prob, response_mask, loss_agg_mode, config, rollout_is_weights)
 
     loss.__name__ = loss.__qualname__ = f"compute_policy_loss_{name}"
     loss.__doc__ = doc + " All tensors [B, T]."
@@ -211,7 +209,6 @@ compute_policy_loss_m2po = _token_loss(
     "M2PO: unclipped token IS with the second-moment mask, taken over the tokens of the (micro-)batch "
     "this call sees; :func:`verl_ext.algos.losses.m2po_loss_terms`.",
     lambda config: {"threshold": float(loss_option(config, "m2po_threshold"))},
-    lambda terms, mask: {"actor/m2po_masked_frac": (terms.clipped.sum() / mask.bool().sum().clamp(min=1)).item()},
 )  # fmt: skip
 compute_policy_loss_vespo = _token_loss(
     "vespo", losses.vespo_loss_terms,

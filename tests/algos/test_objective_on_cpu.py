@@ -243,6 +243,13 @@ def test_both_engines_give_the_same_loss_and_gradient(setup, preset, micro_batch
     for key, name in (("actor/loss", "actor/policy_loss"), ("actor/pg_loss", "actor/pg_loss"),
                       ("actor/entropy_loss", "actor/entropy_loss"), ("actor/kl_loss", "kl_loss")):  # fmt: skip
         assert theirs["metrics"][name] == pytest.approx(metrics[key], rel=1e-4, abs=1e-6), key
+    # a loss's own scalars (LossTerms.metrics) reach verl's metrics as well; over one micro-batch they agree
+    for key in ("actor/m2po_masked_frac", "actor/tc_band_scale"):
+        if key in metrics:
+            assert key in theirs["metrics"], key
+            if micro_batch_size == 12:
+                assert theirs["metrics"][key] == pytest.approx(metrics[key], rel=1e-4, abs=1e-6), key
+    assert ("actor/tc_band_scale" in metrics) == (preset == "gepo_tc_ess")
     assert set(grads) == set(theirs["grads"])
     total = sum(g.square().sum() for g in grads.values()).sqrt()
     assert total > 0

@@ -12,7 +12,7 @@ advantage repeated over its tokens for outcome rewards), ``response_mask`` [B, T
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -33,11 +33,14 @@ class LossTerms:
         weight: importance weights the loss used, detached: [B] for sequence-level losses,
             [B, T] for token-level ones.
         clipped: [B, T] bool, True where the clipped branch of the surrogate was active.
+        metrics: scalars of this loss's own, under their full metric names (e.g. M2PO's masked
+            share), reported beside the shared ones by every engine.
     """
 
     loss_mat: torch.Tensor
     weight: torch.Tensor
     clipped: torch.Tensor
+    metrics: dict[str, float] = field(default_factory=dict)
 
 
 def clipped_surrogate(
@@ -296,13 +299,16 @@ def m2po_loss_terms(
     loss_it = -M_it r_it A_it,  r_it = p_it / q_it (gradient through r),  M = :func:`m2po_keep_mask`.
 
     The mask is taken over the tokens this call sees (the embedded engine: the whole batch; verl's
-    engine: each micro-batch, as AReaL does). ``clipped`` marks the masked tokens; ``weight`` is r.
+    engine: each micro-batch, as AReaL does). ``clipped`` marks the masked tokens; ``weight`` is r;
+    ``actor/m2po_masked_frac`` is the masked share of the response tokens.
     """
     log_ratio = iw.token_log_weight(log_p, log_q).clamp(-LOG_WEIGHT_CLAMP, LOG_WEIGHT_CLAMP)
     keep = m2po_keep_mask(log_ratio, response_mask, threshold)
     ratio = torch.exp(log_ratio)
     loss_mat = torch.where(keep, -advantages * ratio, torch.zeros_like(ratio))
-    return LossTerms(loss_mat, ratio.detach(), response_mask.bool() & ~keep)
+    masked = response_mask.bool() & ~keep
+    masked_frac = (masked.sum() / response_mask.bool().sum().clamp(min=1)).item()
+    return LossTerms(loss_mat, ratio.detach(), masked, {"actor/m2po_masked_frac": masked_frac})
 
 
 def vespo_log_coefficient(log_w: torch.Tensor, k: torch.Tensor, lam: torch.Tensor) -> torch.Tensor:
@@ -373,7 +379,8 @@ def gepo_token_clip_loss_terms(
 
     ``ess_bound``: the clip band shrinks with the measured divergence of the batch,
     (low, high) x ESS, ESS = (sum r)^2 / (n sum r^2) over the response tokens' r_it (detached;
-    1 on-policy, smaller the further p has moved from q) -- GEPO-TC-ESS.
+    1 on-policy, smaller the further p has moved from q) -- GEPO-TC-ESS; the factor is reported as
+    ``actor/tc_band_scale``.
     """
     log_weight = iw.group_expectation_log_weight(
         log_p, log_q, response_mask, group_index=group_index, log_denominator=log_denominator, reduction=reduction
@@ -381,12 +388,14 @@ def gepo_token_clip_loss_terms(
     mask = response_mask.bool()
     token_log_ratio = iw.token_log_weight(log_p.detach(), log_q).clamp(-LOG_WEIGHT_CLAMP, LOG_WEIGHT_CLAMP)
     ratio = torch.exp(token_log_ratio)
+    metrics = {}
     if ess_bound:
         ess = iw.normalised_ess(ratio[mask])
         clip_low, clip_high = clip_low * ess, clip_high * ess
+        metrics["actor/tc_band_scale"] = float(ess)
     clipped = ((advantages > 0) & (ratio > 1.0 + clip_high)) | ((advantages < 0) & (ratio < 1.0 - clip_low))
     clipped = clipped & mask
     weight = torch.exp(log_weight.detach().clamp(-LOG_WEIGHT_CLAMP, LOG_WEIGHT_CLAMP))
     rho = torch.where(clipped, torch.ones_like(log_p), torch.exp(log_p - log_p.detach()))
     loss_mat = -advantages * weight.unsqueeze(-1) * rho
-    return LossTerms(loss_mat, weight, clipped)
+    return LossTerms(loss_mat, weight, clipped, metrics)
