@@ -297,6 +297,8 @@ def joined_markdown(task: str, designs: list[tuple[Plan, list[dict], dict]]) -> 
     issue 24's "is there a method never worse and better than GRPO somewhere?". ``designs``: (plan,
     finished runs, chosen rates) per design; each design's drops pair with its own on-policy runs."""
     parts = [[r for r in main_runs(runs, plan, chosen) if r["task"] == task] for plan, runs, chosen in designs]
+    missing = [f"{len(_cells(part))} of {_planned(plan)} planned runs of `{plan.design}`"
+               for (plan, _, _), part in zip(designs, parts) if len(_cells(part)) < _planned(plan)]  # fmt: skip
     parts = [p for p in parts if p]
     names = ", ".join(f"`{plan.design}` ({plan.steps} steps)" for plan, runs, _ in designs if runs)
     lines = [f"### Task `{task}`, every stale condition of {names}", "",
@@ -305,8 +307,21 @@ def joined_markdown(task: str, designs: list[tuple[Plan, list[dict], dict]]) -> 
              *doc_block(task, "joined_verdicts", verdict_markdown(verdict_rows(*parts))),
              "", "**Is there a method whose drop is no larger than every other method's in every stale condition, and "
              "smaller than GRPO's in at least one?**", "",
-             *doc_block(task, "joined_winner", dominance_markdown(dominance_rows(*parts))), ""]  # fmt: skip
+             *doc_block(task, "joined_winner", dominance_markdown(dominance_rows(*parts)) + (
+                 f"\n\n*Provisional: {'; '.join(missing)} are in the rows. A design's missing runs can change "
+                 "every verdict above, and a condition without rows is not in them at all.*" if missing else "")),
+             ""]  # fmt: skip
     return "\n".join(lines)
+
+
+def _planned(plan: Plan) -> int:
+    """Main runs a design plans for one task: each method at its chosen rate, every condition and seed."""
+    return len(plan.algos) * len(plan.delays) * len(plan.seeds)
+
+
+def _cells(runs: list[dict]) -> set[tuple]:
+    """The (method, condition, seed) cells that runs fill (a cell counted once)."""
+    return {(r["algo"], str(r["delay"]), r["seed"]) for r in runs}
 
 
 _BLOCK = re.compile(r"<!-- study:(\w+):(\w+) -->\n(?:.*?\n)??<!-- /study -->", re.S)  # may be empty

@@ -282,6 +282,27 @@ def test_joined_section_keeps_each_designs_blocks_apart():
     assert "`powered` (200 steps), `powered_long` (600 steps)" in md
 
 
+def test_joined_answer_is_marked_provisional_until_every_planned_run_is_in():
+    from sweep.render import joined_markdown
+
+    seeds = [0, 1, 2, 3, 4]
+    short = _plan(steps=200, design="powered", seeds=seeds)
+    long = _plan(steps=600, delays=[0, "fix256"], design="powered_long", seeds=seeds)
+    runs_short = _drops_runs({("gepo", "fix4"): 0.1, ("grpo_paper", "fix4"): 0.0})
+    runs_long = _drops_runs({("gepo", "fix256"): 0.1, ("grpo_paper", "fix256"): 0.2})
+
+    def winner_block(long_runs):
+        md = joined_markdown("long", [(short, runs_short, {}), (long, long_runs, {})])
+        return md[md.index("<!-- study:long:joined_winner -->"):]
+
+    assert "Provisional" not in winner_block(runs_long)  # 20 of 20 planned cells of each design
+    partial = winner_block([r for r in runs_long if r["seed"] < 3])
+    assert "*Provisional: 12 of 20 planned runs of `powered_long` are in the rows." in partial
+    assert partial.index("**Answer:") < partial.index("Provisional") < partial.index("<!-- /study -->")
+    # a design with no rows yet: its condition is in no verdict, and the answer says so
+    assert "*Provisional: 0 of 20 planned runs of `powered_long`" in winner_block([])
+
+
 def test_join_is_refused_outside_table_only(tmp_path):
     cli = [sys.executable, str(REPO / "scripts" / "bench" / "delay_sweep.py"), "--design", "powered", "--join",
            "powered_long", "--out", str(tmp_path / "o")]  # fmt: skip
