@@ -297,8 +297,11 @@ def joined_markdown(task: str, designs: list[tuple[Plan, list[dict], dict]]) -> 
     issue 24's "is there a method never worse and better than GRPO somewhere?". ``designs``: (plan,
     finished runs, chosen rates) per design; each design's drops pair with its own on-policy runs."""
     parts = [[r for r in main_runs(runs, plan, chosen) if r["task"] == task] for plan, runs, chosen in designs]
-    missing = [f"{len(_cells(part))} of {_planned(plan)} planned runs of `{plan.design}`"
-               for (plan, _, _), part in zip(designs, parts) if len(_cells(part)) < _planned(plan)]  # fmt: skip
+    missing = []
+    for (plan, _, _), part in zip(designs, parts):
+        have, planned = len(_cells(part)), _planned(plan)
+        if have < planned:
+            missing.append(f"{have} of {planned} planned runs of `{plan.design}`")
     parts = [p for p in parts if p]
     names = ", ".join(f"`{plan.design}` ({plan.steps} steps)" for plan, runs, _ in designs if runs)
     lines = [f"### Task `{task}`, every stale condition of {names}", "",

@@ -345,6 +345,14 @@ def vespo(b: Batch, k_pos=2.0, lam_pos=3.0, k_neg=3.0, lam_neg=2.0):
     return loss_rows, ws, clip_rows
 
 
+def token_ratio_ess(b: Batch) -> float:
+    """ESS of the response tokens' r_it = p_it / q_it over the batch, (sum r)^2 / (n sum r^2)
+    (GEPO-TC-ESS's band factor)."""
+    rs = [math.exp(_clamp(p - q)) for prow, qrow, mrow in zip(_rows(b.log_p), _rows(b.log_q), _mask_rows(b.mask))
+          for p, q, keep in zip(prow, qrow, mrow) if keep]  # fmt: skip
+    return math.fsum(rs) ** 2 / (len(rs) * math.fsum(r * r for r in rs))
+
+
 def gepo_tc(b: Batch, lo=0.2, hi=0.2, reduction="mean", ess_bound=False, labels=None):
     """GEPO-TC: value -A w_i on every token, w_i = p_i / E_q[q]; a token is clipped where GRPO's token
     clip on r_it = p_it / q_it acts (A > 0, r > 1 + hi, or A < 0, r < 1 - lo). ess_bound: (lo, hi) x
@@ -356,8 +364,7 @@ def gepo_tc(b: Batch, lo=0.2, hi=0.2, reduction="mean", ess_bound=False, labels=
     ws = [math.exp(_clamp(p - d)) for p, d in zip(slp, den)]
     ratio_rows = [[math.exp(_clamp(p - q)) for p, q in zip(prow, qrow)] for prow, qrow in zip(_rows(b.log_p), _rows(b.log_q))]
     if ess_bound:
-        rs = [r for rrow, mrow in zip(ratio_rows, _mask_rows(b.mask)) for r, keep in zip(rrow, mrow) if keep]
-        ess = math.fsum(rs) ** 2 / (len(rs) * math.fsum(r * r for r in rs))
+        ess = token_ratio_ess(b)
         lo, hi = lo * ess, hi * ess
     loss_rows, clip_rows = [], []
     for w, rrow, arow, mrow in zip(ws, ratio_rows, _rows(b.advantages), _mask_rows(b.mask)):

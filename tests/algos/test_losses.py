@@ -225,8 +225,7 @@ def test_registered_loss_value_and_metrics_per_agg_mode(loss_mode, opts, mode):
         assert abs(metrics["actor/m2po_masked_frac"] - ref.clip_fraction(clip_rows, b.mask)) < 1e-6
         assert 0 < metrics["actor/m2po_masked_frac"] < 1  # the mask acted on this batch, and kept some
     if loss_mode == "gepo_tc":  # the ESS variant reports its band's factor: ESS of the token ratios, float64
-        rs = [math.exp(float(p - q)) for p, q, m in zip(b.log_p.flatten(), b.log_q.flatten(), b.mask.flatten()) if m]
-        want_scale = math.fsum(rs) ** 2 / (len(rs) * math.fsum(r * r for r in rs))
+        want_scale = ref.token_ratio_ess(b)
         if opts.get("tc_ess_bound"):
             assert abs(metrics["actor/tc_band_scale"] - want_scale) < 1e-12 and want_scale < 0.99
         else:
