@@ -218,6 +218,8 @@ def study_markdown(task: str, plan: Plan, per_run: list[dict], lr_table: list[di
               f"{plan.last_evals or 'quarter of'} evaluations. Intervals: 95% t over seeds, paired by seed.", ""]  # fmt: skip
     present = {r["algo"] for r in mine}
     refs = [plan.reference] + [v for v in plan.variants if v in present and v != plan.reference]
+    # a method the winner rule names gets its paired table too: the numbers a verdict on it quotes
+    refs += [r["algo"] for r in dominance_rows(mine) if r["wins"] and r["algo"] not in refs]
     drops = drop_rows(mine)
     comparisons = {ref: [c for c in comparison_rows(mine, ref) if c["task"] == task] for ref in refs}
     lines += ["**At a glance**", "", *doc_block(key, "glance", glance_markdown(mine, drops, comparisons)), ""]
