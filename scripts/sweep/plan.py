@@ -107,6 +107,10 @@ class Plan:
     of a stage 1 of its own: the long runs use the rates the 200-step study chose."""
     design: str = "legacy"
 
+    def main_runs_per_task(self) -> int:
+        """Stage-2 runs of one task: each method at its chosen rate, every condition and seed."""
+        return len(self.algos) * len(self.delays) * len(self.seeds)
+
 
 #: supervised steps of the pinned warm start (seed 0) of the designs that run
 PINNED_WARM_START_STEPS = 210

@@ -301,7 +301,7 @@ def joined_markdown(task: str, designs: list[tuple[Plan, list[dict], dict]]) -> 
     parts = [[r for r in main_runs(runs, plan, chosen) if r["task"] == task] for plan, runs, chosen in designs]
     missing = []
     for (plan, _, _), part in zip(designs, parts):
-        have, planned = len(_cells(part)), _planned(plan)
+        have, planned = len(_cells(part)), plan.main_runs_per_task()
         if have < planned:
             missing.append(f"{have} of {planned} planned runs of `{plan.design}`")
     parts = [p for p in parts if p]
@@ -317,11 +317,6 @@ def joined_markdown(task: str, designs: list[tuple[Plan, list[dict], dict]]) -> 
                  "every verdict above, and a condition without rows is not in them at all.*" if missing else "")),
              ""]  # fmt: skip
     return "\n".join(lines)
-
-
-def _planned(plan: Plan) -> int:
-    """Main runs a design plans for one task: each method at its chosen rate, every condition and seed."""
-    return len(plan.algos) * len(plan.delays) * len(plan.seeds)
 
 
 def _cells(runs: list[dict]) -> set[tuple]:

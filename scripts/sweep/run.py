@@ -195,7 +195,7 @@ class Sweep:
         have = _present(done)
         n1 = sum(1 for c in stage1 if (c[0], c[1], float(c[2]), "0", c[4]) not in have)
         _, chosen0 = choose_lrs(done, plan)
-        n2_total = len(plan.tasks) * len(plan.algos) * len(plan.delays) * len(plan.seeds)
+        n2_total = len(plan.tasks) * plan.main_runs_per_task()
         per_run_s, how = estimate_seconds(plan, [r for r in done if r.get("design_id") == design_id(plan)], self.reference)
         finished = {row_key(r) for r in done}
         n2 = sum(1 for c in self.stage2_cells(chosen0) if (c[0], c[1], float(c[2]), str(c[3]), c[4]) not in finished)
