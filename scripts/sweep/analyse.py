@@ -260,9 +260,15 @@ def dominance_rows(*designs: list[dict], grpo: str = "grpo_paper", alpha: float 
     "smaller" = significantly smaller (upper end < 0). Only conditions where m and the other both
     have paired runs count; ``complete`` says whether m was compared with every other method in
     every stale condition. ``point_losses``: comparisons where m's mean drop is larger at all.
+    ``beats_grpo_holm_at``: the conditions of ``beats_grpo_at`` that stay significant after Holm's
+    adjustment over m's comparisons with GRPO in every stale condition (a sensitivity check of the
+    rule's "at least one", which is uncorrected; the "no larger" side only gets easier to pass
+    under a correction, so the uncorrected rule is the strict one there).
 
     ``designs``: one list of runs per design (e.g. the 200-step study and its 600-step ``fix256``
     runs, each with its own on-policy reference); their stale conditions must not overlap."""
+    from verl_ext.analysis.stats import holm_adjusted
+
     _check_disjoint(designs)
     every = [r for runs in designs for r in runs]
     methods = sorted({r["algo"] for r in every})
@@ -274,11 +280,14 @@ def dominance_rows(*designs: list[dict], grpo: str = "grpo_paper", alpha: float 
         seen = {(c["condition"], c["baseline"]) for c in comps}
         losses = [c for c in comps if c["drop_lo"] > 0]
         beats_grpo = [c["condition"] for c in comps if c["baseline"] == grpo and c["drop_hi"] < 0]
+        against_grpo = [c for c in comps if c["baseline"] == grpo]
+        adjusted = holm_adjusted([c["drop_p"] for c in against_grpo])
+        beats_grpo_holm = [c["condition"] for c, p in zip(against_grpo, adjusted) if c["drop_hi"] < 0 and p < alpha]
         complete = all((cond, b) in seen for cond in stale for b in methods if b != m)
         out.append({"algo": m, "compared": len(comps), "complete": complete,
                     "significant_losses": [(c["condition"], c["baseline"]) for c in losses],
                     "point_losses": sum(c["drop_diff"] > 0 for c in comps),
-                    "beats_grpo_at": beats_grpo,
+                    "beats_grpo_at": beats_grpo, "beats_grpo_holm_at": beats_grpo_holm,
                     "wins": complete and not losses and bool(beats_grpo)})  # fmt: skip
     return out
 

@@ -135,17 +135,25 @@ def glance_markdown(per_run: list[dict], drops: list[dict], comparisons: dict[st
 def dominance_markdown(rows: list[dict]) -> str:
     """The table of :func:`sweep.analyse.dominance_rows` and its answer in one line."""
     table = ["| method | comparisons (stale) | complete | significantly larger drop than | larger mean drop (of the "
-             "comparisons) | drop smaller than grpo_paper's at | wins |", "|" + "---|" * 7]  # fmt: skip
+             "comparisons) | drop smaller than grpo_paper's at | of those, after Holm over the stale conditions | wins |",
+             "|" + "---|" * 8]  # fmt: skip
     for r in rows:
         losses = ", ".join(f"{b} at {c}" for c, b in r["significant_losses"][:4])
         more = len(r["significant_losses"]) - 4
         losses += f" (+{more} more)" if more > 0 else ""
         table.append(f"| {r['algo']} | {r['compared']} | {'yes' if r['complete'] else 'no'} | {losses or 'none'} | "
                      f"{r['point_losses']} | {', '.join(str(c) for c in r['beats_grpo_at']) or 'none'} | "
+                     f"{', '.join(str(c) for c in r['beats_grpo_holm_at']) or 'none'} | "
                      f"{'**yes**' if r['wins'] else 'no'} |")  # fmt: skip
     winners = [r["algo"] for r in rows if r["wins"]]
     answer = (f"**Answer: yes -- {', '.join(winners)}.**" if winners else
               "**Answer: no** (no method meets both conditions on the rows so far).")  # fmt: skip
+    for r in rows:
+        if r["wins"]:
+            kept = ", ".join(str(c) for c in r["beats_grpo_holm_at"])
+            answer += (f" Holm's adjustment over the stale conditions keeps {r['algo']}'s smaller drop than GRPO's at "
+                       f"{kept}." if kept else f" None of {r['algo']}'s smaller drops than GRPO's survives Holm's "
+                       "adjustment over the stale conditions: that half of the win rests on uncorrected tests.")  # fmt: skip
     return "\n".join(table + ["", answer])
 
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from verl_ext.analysis.stats import binomial_eval_sd, mde, paired_test, t_test_power
+from verl_ext.analysis.stats import binomial_eval_sd, holm_adjusted, mde, paired_test, t_test_power
 
 
 def test_paired_test_matches_hand_computation():
@@ -84,3 +84,27 @@ def test_binomial_eval_sd():
     assert binomial_eval_sd(0.5, 64) == pytest.approx(0.0625)
     assert binomial_eval_sd(0.3, 512, evaluations=5) == pytest.approx(math.sqrt(0.21 / 2560))
     assert binomial_eval_sd(0.3, 256, samples=4) == binomial_eval_sd(0.3, 512, samples=2)
+
+
+def test_holm_adjusted_by_hand_keeps_order_nan_and_cap():
+    # sorted: 0.005 x 4 = 0.02, 0.01 x 3 = 0.03, 0.03 x 2 = 0.06, 0.04 x 1 = 0.04 -> monotone 0.06
+    assert holm_adjusted([0.01, 0.04, 0.03, 0.005]) == pytest.approx([0.03, 0.06, 0.06, 0.02])
+    out = holm_adjusted([0.01, math.nan, 0.02])  # NaN is not one of the family: k = 2
+    assert out[0] == pytest.approx(0.02) and math.isnan(out[1]) and out[2] == pytest.approx(0.02)
+    assert holm_adjusted([0.6, 0.7]) == [1.0, 1.0]
+    assert holm_adjusted([]) == []
+    with pytest.raises(ValueError, match="1.5"):
+        holm_adjusted([0.1, 1.5])
+
+
+def test_holm_controls_the_family_wise_error_and_is_never_weaker_than_bonferroni():
+    rng = np.random.default_rng(0)
+    k, alpha, draws = 5, 0.05, 20000
+    null = rng.uniform(size=(draws, k))  # every hypothesis true
+    any_rejected = sum(min(holm_adjusted(row)) < alpha for row in null)
+    assert any_rejected / draws <= alpha + 3 * math.sqrt(alpha * (1 - alpha) / draws)
+    mixed = np.concatenate([rng.uniform(0, 0.02, size=(2000, 2)), rng.uniform(size=(2000, 3))], axis=1)
+    holm = sum(sum(p < alpha for p in holm_adjusted(row)) for row in mixed)
+    bonferroni = sum(sum(p * k < alpha for p in row) for row in mixed)
+    assert holm > bonferroni  # step-down rejects strictly more here, and never fewer per row
+    assert all(sum(p < alpha for p in holm_adjusted(row)) >= sum(p * k < alpha for p in row) for row in mixed)

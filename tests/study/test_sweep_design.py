@@ -195,6 +195,38 @@ def test_dominance_names_the_method_never_worse_and_better_than_grpo_somewhere()
     assert "**Answer: no**" in dominance_markdown(list(rows.values()))
 
 
+def test_dominance_says_whether_the_win_over_grpo_survives_holm():
+    """One uncorrected p of ~0.025 in three stale conditions: a win by the rule, which Holm's
+    adjustment (x3 for the smallest p) does not keep; a clear win (p ~1e-5) it keeps."""
+    from scipy import stats
+
+    from sweep.analyse import dominance_rows
+    from sweep.render import dominance_markdown
+
+    spread = [0.015, -0.015, 0.01, -0.01, 0.0]  # mean 0, sd 0.0127
+
+    def runs(advantage_at_fix64: float) -> list[dict]:
+        out = []
+        for s, e in enumerate(spread):
+            for algo in ("grpo_paper", "m"):
+                out.append({"task": "long", "algo": algo, "lr": 1e-4, "delay": 0, "seed": s, "lq_mean": 0.5,
+                            "staleness": 0.0, "staleness_max": 0.0})  # fmt: skip
+                for cond in ("fix4", "fix16", "fix64"):
+                    lq = 0.4 if algo == "grpo_paper" else 0.4 + e + (advantage_at_fix64 if cond == "fix64" else 0.0)
+                    out.append({"task": "long", "algo": algo, "lr": 1e-4, "delay": cond, "seed": s, "lq_mean": lq,
+                                "staleness": 1.0, "staleness_max": 1.0})  # fmt: skip
+        return out
+
+    weak = {r["algo"]: r for r in dominance_rows(runs(0.02))}["m"]
+    p = stats.ttest_1samp([0.02 + e for e in spread], 0.0).pvalue
+    assert 0.05 / 3 < p < 0.05  # significant alone, not after x3
+    assert weak["wins"] and weak["beats_grpo_at"] == ["fix64"] and weak["beats_grpo_holm_at"] == []
+    assert "rests on uncorrected tests" in dominance_markdown([weak])
+    clear = {r["algo"]: r for r in dominance_rows(runs(0.1))}["m"]
+    assert clear["wins"] and clear["beats_grpo_holm_at"] == ["fix64"]
+    assert "keeps m's smaller drop than GRPO's at fix64." in dominance_markdown([clear])
+
+
 def test_dominance_spans_designs_each_paired_with_its_own_on_policy_runs():
     """The 600-step fix256 runs join the 200-step study: a method must be no worse there too, and
     its drop there is measured from the 600-step on-policy runs, not the 200-step ones."""

@@ -12,6 +12,8 @@ shares. With n seeds the n paired differences d_1..d_n are treated as i.i.d. nor
   noncentral t distribution).
 * :func:`binomial_eval_sd` -- the sampling std of one run's accuracy score (the mean of k
   evaluations of m problems x s samples), the floor of any run-to-run std.
+* :func:`holm_adjusted` -- Holm's step-down adjustment of a family of p-values: reject where the
+  adjusted p is below alpha and the family-wise error rate is at most alpha.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Sequence
 
-__all__ = ["PairedTest", "paired_test", "mde", "t_test_power", "binomial_eval_sd"]
+__all__ = ["PairedTest", "paired_test", "mde", "t_test_power", "binomial_eval_sd", "holm_adjusted"]
 
 
 @dataclass(frozen=True)
@@ -133,3 +135,19 @@ def binomial_eval_sd(accuracy: float, problems: int, samples: int = 1, evaluatio
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"{name}={v!r} must be an int >= 1")
     return math.sqrt(accuracy * (1 - accuracy) / (problems * samples * evaluations))
+
+
+def holm_adjusted(p_values: Sequence[float]) -> list[float]:
+    """Holm's step-down adjusted p-values (Holm 1979), in the order given: with the k p-values
+    sorted ascending, p_(i) becomes max_{j <= i} min(1, (k - j + 1) p_(j)). NaN stays NaN and does
+    not count in k (a comparison without a test is not one of the family)."""
+    ps = [float(p) for p in p_values]
+    bad = [p for p in ps if not (math.isnan(p) or 0.0 <= p <= 1.0)]
+    if bad:
+        raise ValueError(f"p-values must lie in [0, 1] (or be NaN), got {bad}")
+    order = sorted((i for i, p in enumerate(ps) if not math.isnan(p)), key=lambda i: ps[i])
+    out, running = list(ps), 0.0
+    for rank, i in enumerate(order):
+        running = max(running, min(1.0, (len(order) - rank) * ps[i]))
+        out[i] = running
+    return out
