@@ -320,7 +320,9 @@ def choice_rows(*designs: list[dict], alpha: float = 0.05) -> list[dict]:
     score is not significantly below it (the paired score difference, best minus the method, has
     its 95% interval's lower end <= 0), and likewise the smallest mean drop and the methods whose
     drop is not significantly larger. ``score``: method -> mean stale score; ``drop``: method ->
-    (mean, low, high) of its paired drop and t interval, for every method with runs there."""
+    (mean, low, high) of its paired drop and t interval, for every method with runs there.
+    ``seeds``: the most seeds any method has there; with fewer than two nothing can be tested, and
+    ``tied_score`` / ``tied_drop`` are None (not "no method ties")."""
     from verl_ext.analysis.stats import paired_test
 
     _check_disjoint(designs)
@@ -340,15 +342,16 @@ def choice_rows(*designs: list[dict], alpha: float = 0.05) -> list[dict]:
                         drop[a] = (t.mean, t.ci_low, t.ci_high)
                 if not score:
                     continue
+                seeds = max(sum(r["algo"] == a for r in here) for a in score)
                 best_score = max(score, key=score.get)
-                tied_score = _not_worse(runs, task, cond, best_score, "score", alpha)
+                tied_score = _not_worse(runs, task, cond, best_score, "score", alpha) if seeds >= 2 else None
                 best_drop = min(drop, key=lambda a: drop[a][0]) if drop else None
-                tied_drop = _not_worse(runs, task, cond, best_drop, "drop", alpha) if best_drop else []
+                tied_drop = _not_worse(runs, task, cond, best_drop, "drop", alpha) if best_drop and seeds >= 2 else None
                 st_mean, st_max = realised_staleness(here)
                 out.append({"task": task, "condition": cond, "steps": max(r.get("steps", 0) or 0 for r in here),
                             "staleness_mean": st_mean, "staleness_max": st_max, "score": score, "drop": drop,
-                            "best_score": best_score, "tied_score": tied_score, "best_drop": best_drop,
-                            "tied_drop": tied_drop})  # fmt: skip
+                            "seeds": seeds, "best_score": best_score, "tied_score": tied_score,
+                            "best_drop": best_drop, "tied_drop": tied_drop})  # fmt: skip
     return out
 
 
@@ -379,10 +382,11 @@ def _not_worse(runs: list[dict], task: str, cond, best: str, by: str, alpha: flo
 
 def recommended(choices: list[dict]) -> list[tuple[str, int]]:
     """Methods by the number of stale conditions (of :func:`choice_rows`) where their score is not
-    significantly below the best, most first: the candidates for one default at every staleness."""
+    significantly below the best, most first: the candidates for one default at every staleness. A
+    condition with one seed (nothing tested there) counts for no method."""
     counts: dict[str, int] = {}
     for c in choices:
-        for a in c["tied_score"]:
+        for a in c["tied_score"] or []:
             counts[a] = counts.get(a, 0) + 1
     return sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
 

@@ -157,6 +157,13 @@ def dominance_markdown(rows: list[dict]) -> str:
     return "\n".join(table + ["", answer])
 
 
+def _others(tied: list[str] | None, seeds: int) -> str:
+    """The methods tied with the best (after it, which comes first), or why none can be named."""
+    if tied is None:
+        return f"untested ({seeds} seed{'s' if seeds != 1 else ''})"
+    return ", ".join(tied[1:]) or "none"
+
+
 def choice_markdown(rows: list[dict], references: tuple[str, ...] = ("gepo", "grpo_paper")) -> str:
     """The "which loss for which staleness" table of :func:`sweep.analyse.choice_rows`, a row per
     stale condition, and a line naming the methods not significantly below the best score in the
@@ -172,7 +179,7 @@ def choice_markdown(rows: list[dict], references: tuple[str, ...] = ("gepo", "gr
                 for a in references]  # fmt: skip
         table.append(f"| {cond} | {_cell(r['staleness_mean'], math.nan, 1)} / {_cell(r['staleness_max'], math.nan, 0)} | "
                      f"{r['best_score']} {_cell(r['score'][r['best_score']], math.nan)} | "
-                     f"{', '.join(r['tied_score'][1:]) or 'none'} | {drop} | {', '.join(r['tied_drop'][1:]) or 'none'} | "
+                     f"{_others(r['tied_score'], r['seeds'])} | {drop} | {_others(r['tied_drop'], r['seeds'])} | "
                      + " | ".join(refs) + " |")  # fmt: skip
     ranked = recommended(rows)
     if not ranked:
@@ -180,7 +187,9 @@ def choice_markdown(rows: list[dict], references: tuple[str, ...] = ("gepo", "gr
     top = ranked[0][1]
     leaders = [a for a, n in ranked if n == top]
     others = ", ".join(f"{a} {n}" for a, n in ranked if n != top)
-    line = (f"Not significantly below the best score in {top} of the {len(rows)} stale conditions: "
+    tested = sum(r["tied_score"] is not None for r in rows)
+    where = f"{tested} stale conditions" + (" with two seeds or more" if tested < len(rows) else "")
+    line = (f"Not significantly below the best score in {top} of the {where}: "
             f"**{', '.join(leaders)}**" + (f" (then: {others})." if others else "."))  # fmt: skip
     return "\n".join(table + ["", line])
 

@@ -1,7 +1,6 @@
 """Dataset loaders: generic jsonl/parquet with field mapping and the built-in benchmarks."""
 
 import json
-import os
 from pathlib import Path
 
 import pyarrow as pa

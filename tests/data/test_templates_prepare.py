@@ -1,7 +1,6 @@
 """Prompt templates and the verl parquet writer (read back through verl's own RLHFDataset)."""
 
 import os
-from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest

@@ -276,7 +276,17 @@ def test_choice_rows_name_the_best_and_the_methods_not_significantly_worse():
     assert "| gspo |" in line  # the drop not significantly larger than grpo_paper's
     counts = dict(recommended(list(rows.values())))
     leaders = [a for a, n in counts.items() if n == max(counts.values())]
-    assert f"**{', '.join(leaders)}**" in md and f"in {max(counts.values())} of the 2 stale conditions" in md
+    assert f"**{', '.join(leaders)}**" in md and f"in {max(counts.values())} of the 2 stale conditions:" in md
+    # a condition with one seed so far: nothing tested there, said so, and it counts for no method
+    one_seed = runs + [r | {"delay": "fix256", "lq_mean": r["lq_mean"] - 0.1} for r in runs
+                       if r["delay"] == "fix64" and r["seed"] == 0]  # fmt: skip
+    rows = {r["condition"]: r for r in choice_rows(one_seed)}
+    assert rows["fix256"]["seeds"] == 1 and rows["fix256"]["tied_score"] is None and rows["fix256"]["tied_drop"] is None
+    assert dict(recommended(list(rows.values()))) == counts
+    md = choice_markdown(list(rows.values()))
+    line = next(l for l in md.splitlines() if l.startswith("| `fix256` |"))
+    assert line.count("untested (1 seed)") == 2
+    assert "of the 2 stale conditions with two seeds or more:" in md
 
 
 def test_verdicts_give_each_method_minus_the_reference_with_its_sign():

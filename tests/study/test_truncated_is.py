@@ -1,7 +1,5 @@
 """GRPO with truncated IS (verl's decoupled rollout correction) in replay mode."""
 
-import json
-
 import pytest
 
 from verl_ext.loss_bridge import RolloutCorrection, rollout_correction_settings
