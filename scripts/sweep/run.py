@@ -111,13 +111,22 @@ def run_jobs(jobs: list[tuple], workers: int, out: Path, t0: float, on_done) -> 
     if not jobs:
         return
     ctx = mp.get_context("spawn")
+    started = time.time()
     with ctx.Pool(workers, maxtasksperchild=8) as pool:
         for i, (d, secs, err) in enumerate(pool.imap_unordered(run_one, [j[0] for j in jobs]), 1):
             rel = Path(d).relative_to(out) if Path(d).is_relative_to(out) else d
-            print(f"[{i}/{len(jobs)}] {rel} {secs:.0f}s {'FAILED ' + err if err else ''} "
-                  f"(elapsed {time.time() - t0:.0f}s)", flush=True)  # fmt: skip
+            now = time.time()
+            print(progress_line(i, len(jobs), str(rel), secs, err, now - t0, now - started), flush=True)
             if not err:
                 on_done(d, secs)
+
+
+def progress_line(done: int, total: int, run: str, secs: float, err: str, elapsed_s: float, stage_s: float) -> str:
+    """One line per finished run: its place, name and seconds, the sweep's elapsed time, and the
+    time left at this stage's pace so far (``stage_s`` / ``done`` per run, workers included)."""
+    left_s = (total - done) * stage_s / done
+    return (f"[{done}/{total}] {run} {secs:.0f}s {'FAILED ' + err + ' ' if err else ''}"
+            f"(elapsed {elapsed_s:.0f}s, ~{left_s / 3600:.1f} h left)")  # fmt: skip
 
 
 def _evaluations(plan: Plan) -> int:

@@ -36,7 +36,7 @@ from sweep.plan import (
 )
 from sweep.render import doc_block, glance_markdown, study_markdown, update_doc
 from sweep.rows import append_row, collect, load_rows, make_row
-from sweep.run import SECONDS_PER_EVAL_PROBLEM, SECONDS_PER_STEP_16, Sweep, estimate_seconds
+from sweep.run import SECONDS_PER_EVAL_PROBLEM, SECONDS_PER_STEP_16, Sweep, estimate_seconds, progress_line
 from tests.study.conftest import REPO, compose_cfg
 from tests.study.test_sweep_table import _write_run
 
@@ -550,3 +550,11 @@ def test_update_doc_replaces_the_pages_study_blocks_and_refuses_unknown_ones(tmp
     with pytest.raises(ValueError, match="short:glance"):
         update_doc(page, generated)
     assert page.read_text() == before  # nothing half-written
+
+
+def test_progress_line_gives_the_time_left_at_the_stage_pace():
+    # 4 of 10 runs done in 2 h of this stage: 6 more at 0.5 h each
+    line = progress_line(4, 10, "runs/long/gepo@5e-05/dfix256/s1", 470.4, "", 9000.0, 7200.0)
+    assert line == "[4/10] runs/long/gepo@5e-05/dfix256/s1 470s (elapsed 9000s, ~3.0 h left)"
+    assert progress_line(10, 10, "r", 1.0, "", 5.0, 5.0).endswith("~0.0 h left)")
+    assert "FAILED exit 1 (elapsed" in progress_line(1, 2, "r", 3.0, "exit 1", 5.0, 5.0)
