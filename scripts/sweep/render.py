@@ -107,14 +107,9 @@ def glance_markdown(per_run: list[dict], drops: list[dict], comparisons: dict[st
     out = ["Score (mean of the last evaluations; mean ± sd over seeds, number of seeds):", "", *score, "",
            "Drop from on-policy (on-policy score minus the condition's, paired by seed; mean [95% t interval]):", "",
            *drop]  # fmt: skip
-    cells = [r for r in rows.values() if r["delay"] != 0 and r["drop_test"].n
-             and math.isfinite(r["drop_test"].mean) and math.isfinite(r["kl_mean"])]  # fmt: skip
-    if len(cells) >= 3:
-        from scipy import stats
-
-        rho = stats.spearmanr([r["kl_mean"] for r in cells], [r["drop_test"].mean for r in cells])
-        out += ["", f"Across the {len(cells)} stale (method, condition) cells, the drop's Spearman correlation with "
-                f"the cell's mean KL(sampler ‖ learner): rho = {rho.statistic:.2f} (p {_p(float(rho.pvalue))})."]  # fmt: skip
+    for key, what in (("kl_mean", "mean KL(sampler ‖ learner)"),
+                      ("weight_wrong_mean", "weight on wrong answers' gradients (relative to REINFORCE)")):
+        out += _drop_correlation(list(rows.values()), key, what)
     for ref, ref_rows in comparisons.items():
         comp = {(c["baseline"], c["condition"]): c for c in ref_rows}
         stale_conds = [c for c in conds if c != 0]
@@ -130,6 +125,20 @@ def glance_markdown(per_run: list[dict], drops: list[dict], comparisons: dict[st
                 *lines]  # fmt: skip
     return "\n".join(out)
 
+
+
+def _drop_correlation(drops: list[dict], key: str, what: str) -> list[str]:
+    """A line: the Spearman correlation, over the stale (method, condition) cells with a drop and a
+    finite ``key``, between the drop and the cell's ``key`` (none with fewer than 3 cells)."""
+    cells = [r for r in drops if r["delay"] != 0 and r["drop_test"].n and math.isfinite(r["drop_test"].mean)
+             and math.isfinite(r[key])]  # fmt: skip
+    if len(cells) < 3:
+        return []
+    from scipy import stats
+
+    rho = stats.spearmanr([r[key] for r in cells], [r["drop_test"].mean for r in cells])
+    return ["", f"Across the {len(cells)} stale (method, condition) cells, the drop's Spearman correlation with "
+            f"the cell's {what}: rho = {rho.statistic:.2f} (p {_p(float(rho.pvalue))})."]  # fmt: skip
 
 
 def dominance_markdown(rows: list[dict]) -> str:

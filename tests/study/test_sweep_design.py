@@ -388,7 +388,8 @@ def test_glance_matrices_hold_each_methods_score_drop_and_paired_difference():
             for c, v in ((0, base), ("fix16", base - drop + rng.gauss(0, 0.01))):
                 lq[(a, c, s)] = v
                 per_run.append({"task": "long", "algo": a, "delay": c, "seed": s, "lq_mean": v, "kl": drop if c else 0.0,
-                                "staleness": 15.3 if c else 0.0, "staleness_max": 16.0 if c else 0.0})  # fmt: skip
+                                "weight_wrong": 1 - 3 * drop if c else 1.0, "staleness": 15.3 if c else 0.0,
+                                "staleness_max": 16.0 if c else 0.0})  # fmt: skip
     md = glance_markdown(per_run, drop_rows(per_run), {"gepo": comparison_rows(per_run, "gepo")})
     lines = md.splitlines()
     gepo_drop = sum(lq[("gepo", 0, s)] - lq[("gepo", "fix16", s)] for s in range(4)) / 4
@@ -398,7 +399,9 @@ def test_glance_matrices_hold_each_methods_score_drop_and_paired_difference():
     assert any(l.startswith("| grpo_paper | " + f"{diff:+.3f} [") and ", p " in l for l in lines)
     assert any(l.startswith("| gepo | ") and "(4)" in l for l in lines)  # the seed count beside each score
     # the drop ranks with KL here (KL = the planted drop): rho 1 over the 3 stale cells
-    assert "Across the 3 stale (method, condition) cells" in md and "rho = 1.00" in md
+    assert "Across the 3 stale (method, condition) cells" in md and "mean KL(sampler ‖ learner): rho = 1.00" in md
+    # and against the weight left on wrong answers (planted: 1 - 3 x drop): rho -1
+    assert "weight on wrong answers' gradients (relative to REINFORCE): rho = -1.00" in md
 
 
 def test_kl_variance_rows_correlate_each_methods_runs():
