@@ -260,6 +260,7 @@ def dominance_rows(*designs: list[dict], grpo: str = "grpo_paper", alpha: float 
     "smaller" = significantly smaller (upper end < 0). Only conditions where m and the other both
     have paired runs count; ``complete`` says whether m was compared with every other method in
     every stale condition. ``point_losses``: comparisons where m's mean drop is larger at all.
+    ``wins_so_far``: both conditions hold on the comparisons made (``wins`` also needs ``complete``).
     ``beats_grpo_holm_at``: the conditions of ``beats_grpo_at`` that stay significant after Holm's
     adjustment over m's comparisons with GRPO in every stale condition (a sensitivity check of the
     rule's "at least one", which is uncorrected; the "no larger" side only gets easier to pass
@@ -288,6 +289,7 @@ def dominance_rows(*designs: list[dict], grpo: str = "grpo_paper", alpha: float 
                     "significant_losses": [(c["condition"], c["baseline"]) for c in losses],
                     "point_losses": sum(c["drop_diff"] > 0 for c in comps),
                     "beats_grpo_at": beats_grpo, "beats_grpo_holm_at": beats_grpo_holm,
+                    "wins_so_far": not losses and bool(beats_grpo),
                     "wins": complete and not losses and bool(beats_grpo)})  # fmt: skip
     return out
 
@@ -322,7 +324,8 @@ def choice_rows(*designs: list[dict], alpha: float = 0.05) -> list[dict]:
     drop is not significantly larger. ``score``: method -> mean stale score; ``drop``: method ->
     (mean, low, high) of its paired drop and t interval, for every method with runs there.
     ``seeds``: the most seeds any method has there; with fewer than two nothing can be tested, and
-    ``tied_score`` / ``tied_drop`` are None (not "no method ties")."""
+    ``tied_score`` / ``tied_drop`` are None (not "no method ties"). ``untested``: methods with one
+    seed there while others have more (no interval: in neither list, and not ruled out)."""
     from verl_ext.analysis.stats import paired_test
 
     _check_disjoint(designs)
@@ -342,7 +345,9 @@ def choice_rows(*designs: list[dict], alpha: float = 0.05) -> list[dict]:
                         drop[a] = (t.mean, t.ci_low, t.ci_high)
                 if not score:
                     continue
-                seeds = max(sum(r["algo"] == a for r in here) for a in score)
+                per_method = {a: sum(r["algo"] == a for r in here) for a in score}
+                seeds = max(per_method.values())
+                untested = sorted(a for a, n in per_method.items() if n < 2) if seeds >= 2 else []
                 best_score = max(score, key=score.get)
                 tied_score = _not_worse(runs, task, cond, best_score, "score", alpha) if seeds >= 2 else None
                 best_drop = min(drop, key=lambda a: drop[a][0]) if drop else None
@@ -350,7 +355,7 @@ def choice_rows(*designs: list[dict], alpha: float = 0.05) -> list[dict]:
                 st_mean, st_max = realised_staleness(here)
                 out.append({"task": task, "condition": cond, "steps": max(r.get("steps", 0) or 0 for r in here),
                             "staleness_mean": st_mean, "staleness_max": st_max, "score": score, "drop": drop,
-                            "seeds": seeds, "best_score": best_score, "tied_score": tied_score,
+                            "seeds": seeds, "untested": untested, "best_score": best_score, "tied_score": tied_score,
                             "best_drop": best_drop, "tied_drop": tied_drop})  # fmt: skip
     return out
 

@@ -153,10 +153,17 @@ def dominance_markdown(rows: list[dict]) -> str:
         table.append(f"| {r['algo']} | {r['compared']} | {'yes' if r['complete'] else 'no'} | {losses or 'none'} | "
                      f"{r['point_losses']} | {', '.join(str(c) for c in r['beats_grpo_at']) or 'none'} | "
                      f"{', '.join(str(c) for c in r['beats_grpo_holm_at']) or 'none'} | "
-                     f"{'**yes**' if r['wins'] else 'no'} |")  # fmt: skip
+                     f"{'**yes**' if r['wins'] else 'not yet (incomplete)' if r['wins_so_far'] else 'no'} |")  # fmt: skip
     winners = [r["algo"] for r in rows if r["wins"]]
-    answer = (f"**Answer: yes -- {', '.join(winners)}.**" if winners else
-              "**Answer: no** (no method meets both conditions on the rows so far).")  # fmt: skip
+    pending = [r["algo"] for r in rows if r["wins_so_far"] and not r["complete"]]
+    if winners:
+        answer = f"**Answer: yes -- {', '.join(winners)}.**"
+    elif pending:
+        answer = (f"**Answer: not decided yet.** On the comparisons made so far {', '.join(pending)} "
+                  f"meet{'s' if len(pending) == 1 else ''} both conditions, but a stale condition still lacks the "
+                  "paired runs (two seeds or more) to compare every method there.")  # fmt: skip
+    else:
+        answer = "**Answer: no** (no method meets both conditions on the rows so far)."
     for r in rows:
         if r["wins"]:
             kept = ", ".join(str(c) for c in r["beats_grpo_holm_at"])
@@ -166,11 +173,13 @@ def dominance_markdown(rows: list[dict]) -> str:
     return "\n".join(table + ["", answer])
 
 
-def _others(tied: list[str] | None, seeds: int) -> str:
-    """The methods tied with the best (after it, which comes first), or why none can be named."""
+def _others(tied: list[str] | None, seeds: int, untested: list[str]) -> str:
+    """The methods tied with the best (after it, which comes first), or why none can be named, and
+    the methods with one seed that could not be compared."""
     if tied is None:
         return f"untested ({seeds} seed{'s' if seeds != 1 else ''})"
-    return ", ".join(tied[1:]) or "none"
+    named = ", ".join(tied[1:]) or "none"
+    return named + (f" (one seed, untested: {', '.join(untested)})" if untested else "")
 
 
 def choice_markdown(rows: list[dict], references: tuple[str, ...] = ("gepo", "grpo_paper")) -> str:
@@ -188,7 +197,8 @@ def choice_markdown(rows: list[dict], references: tuple[str, ...] = ("gepo", "gr
                 for a in references]  # fmt: skip
         table.append(f"| {cond} | {_cell(r['staleness_mean'], math.nan, 1)} / {_cell(r['staleness_max'], math.nan, 0)} | "
                      f"{r['best_score']} {_cell(r['score'][r['best_score']], math.nan)} | "
-                     f"{_others(r['tied_score'], r['seeds'])} | {drop} | {_others(r['tied_drop'], r['seeds'])} | "
+                     f"{_others(r['tied_score'], r['seeds'], r['untested'])} | {drop} | "
+                     f"{_others(r['tied_drop'], r['seeds'], r['untested'])} | "
                      + " | ".join(refs) + " |")  # fmt: skip
     ranked = recommended(rows)
     if not ranked:

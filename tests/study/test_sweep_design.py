@@ -191,7 +191,13 @@ def test_dominance_names_the_method_never_worse_and_better_than_grpo_somewhere()
     # a method missing a condition is not complete, so it cannot win
     partial = {k: v for k, v in drops.items() if k != ("gepo_tc", "fix4")}
     rows = {r["algo"]: r for r in dominance_rows(_drops_runs(partial))}
-    assert not rows["gepo_tc"]["complete"] and not rows["gepo_tc"]["wins"]
+    assert not rows["gepo_tc"]["complete"] and not rows["gepo_tc"]["wins"] and rows["gepo_tc"]["wins_so_far"]
+    md = dominance_markdown(list(rows.values()))
+    assert "**Answer: not decided yet.** On the comparisons made so far gepo_tc meets both conditions" in md
+    assert "| not yet (incomplete) |" in md
+    # without a method that meets both conditions on what is compared, the answer is no
+    rows = {r["algo"]: r for r in dominance_rows(_drops_runs({**partial, ("gepo_tc", "fix64"): 0.10}))}
+    assert not any(r["wins_so_far"] for r in rows.values())
     assert "**Answer: no**" in dominance_markdown(list(rows.values()))
 
 
@@ -287,6 +293,15 @@ def test_choice_rows_name_the_best_and_the_methods_not_significantly_worse():
     line = next(l for l in md.splitlines() if l.startswith("| `fix256` |"))
     assert line.count("untested (1 seed)") == 2
     assert "of the 2 stale conditions with two seeds or more:" in md
+    # a second seed for two of the three methods: the third is named as untested, not left out silently
+    two_seeds = one_seed + [r | {"delay": "fix256", "lq_mean": r["lq_mean"] - 0.1} for r in runs
+                            if r["delay"] == "fix64" and r["seed"] == 1 and r["algo"] != "gspo"]  # fmt: skip
+    rows = {r["condition"]: r for r in choice_rows(two_seeds)}
+    assert rows["fix256"]["seeds"] == 2 and rows["fix256"]["untested"] == ["gspo"]
+    assert "gspo" not in rows["fix256"]["tied_score"] + rows["fix256"]["tied_drop"]
+    line = next(l for l in choice_markdown(list(rows.values())).splitlines() if l.startswith("| `fix256` |"))
+    assert line.count("(one seed, untested: gspo)") == 2
+    assert rows["fix4"]["untested"] == []
 
 
 def test_verdicts_give_each_method_minus_the_reference_with_its_sign():
