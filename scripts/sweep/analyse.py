@@ -325,7 +325,7 @@ def choice_rows(*designs: list[dict], alpha: float = 0.05) -> list[dict]:
     (mean, low, high) of its paired drop and t interval, for every method with runs there.
     ``seeds``: the most seeds any method has there; with fewer than two nothing can be tested, and
     ``tied_score`` / ``tied_drop`` are None (not "no method ties"). ``untested``: methods with one
-    seed there while others have more (no interval: in neither list, and not ruled out)."""
+    seed there while others have more (no interval: not in the lists, not the best, not ruled out)."""
     from verl_ext.analysis.stats import paired_test
 
     _check_disjoint(designs)
@@ -348,9 +348,12 @@ def choice_rows(*designs: list[dict], alpha: float = 0.05) -> list[dict]:
                 per_method = {a: sum(r["algo"] == a for r in here) for a in score}
                 seeds = max(per_method.values())
                 untested = sorted(a for a, n in per_method.items() if n < 2) if seeds >= 2 else []
-                best_score = max(score, key=score.get)
+                # with two seeds somewhere, the best is chosen among the methods that can be compared
+                ranked = [a for a in score if a not in untested]
+                best_score = max(ranked, key=score.get)
                 tied_score = _not_worse(runs, task, cond, best_score, "score", alpha) if seeds >= 2 else None
-                best_drop = min(drop, key=lambda a: drop[a][0]) if drop else None
+                ranked_drop = [a for a in drop if a not in untested]
+                best_drop = min(ranked_drop, key=lambda a: drop[a][0]) if ranked_drop else None
                 tied_drop = _not_worse(runs, task, cond, best_drop, "drop", alpha) if best_drop and seeds >= 2 else None
                 st_mean, st_max = realised_staleness(here)
                 out.append({"task": task, "condition": cond, "steps": max(r.get("steps", 0) or 0 for r in here),
