@@ -280,17 +280,17 @@ def dominance_rows(*designs: list[dict], grpo: str = "grpo_paper", alpha: float 
                  if c["condition"] != 0 and c["n_drop"] >= 2]  # on-policy runs  # fmt: skip
         seen = {(c["condition"], c["baseline"]) for c in comps}
         losses = [c for c in comps if c["drop_lo"] > 0]
-        beats_grpo = [c["condition"] for c in comps if c["baseline"] == grpo and c["drop_hi"] < 0]
         against_grpo = [c for c in comps if c["baseline"] == grpo]
+        beats_grpo = [c["condition"] for c in against_grpo if c["drop_hi"] < 0]
         adjusted = holm_adjusted([c["drop_p"] for c in against_grpo])
         beats_grpo_holm = [c["condition"] for c, p in zip(against_grpo, adjusted) if c["drop_hi"] < 0 and p < alpha]
         complete = all((cond, b) in seen for cond in stale for b in methods if b != m)
+        wins_so_far = not losses and bool(beats_grpo)
         out.append({"algo": m, "compared": len(comps), "complete": complete,
                     "significant_losses": [(c["condition"], c["baseline"]) for c in losses],
                     "point_losses": sum(c["drop_diff"] > 0 for c in comps),
                     "beats_grpo_at": beats_grpo, "beats_grpo_holm_at": beats_grpo_holm,
-                    "wins_so_far": not losses and bool(beats_grpo),
-                    "wins": complete and not losses and bool(beats_grpo)})  # fmt: skip
+                    "wins_so_far": wins_so_far, "wins": complete and wins_so_far})  # fmt: skip
     return out
 
 

@@ -254,8 +254,9 @@ def study_markdown(task: str, plan: Plan, per_run: list[dict], lr_table: list[di
               f"{plan.last_evals or 'quarter of'} evaluations. Intervals: 95% t over seeds, paired by seed.", ""]  # fmt: skip
     present = {r["algo"] for r in mine}
     refs = [plan.reference] + [v for v in plan.variants if v in present and v != plan.reference]
+    dominance = dominance_rows(mine)
     # a method the winner rule names gets its paired table too: the numbers a verdict on it quotes
-    refs += [r["algo"] for r in dominance_rows(mine) if r["wins"] and r["algo"] not in refs]
+    refs += [r["algo"] for r in dominance if r["wins"] and r["algo"] not in refs]
     drops = drop_rows(mine)
     comparisons = {ref: [c for c in comparison_rows(mine, ref) if c["task"] == task] for ref in refs}
     lines += ["**At a glance**", "", *doc_block(key, "glance", glance_markdown(mine, drops, comparisons)), ""]
@@ -299,7 +300,7 @@ def study_markdown(task: str, plan: Plan, per_run: list[dict], lr_table: list[di
     lines += ["", "**Is there a method whose drop is no larger than every other method's in every stale condition, "
               "and smaller than GRPO's (`grpo_paper`) in at least one?** (\"no larger\": not significantly larger, the "
               "95% interval of the paired difference of drops reaching 0 or below; \"smaller\": significantly smaller)", ""]
-    lines += doc_block(key, "winner", dominance_markdown(dominance_rows(mine)))
+    lines += doc_block(key, "winner", dominance_markdown(dominance))
     lines += ["", "**Which loss for which staleness** (per stale condition: the highest mean score and the methods "
               "not significantly below it, paired by seed; the smallest drop and the methods whose drop is not "
               "significantly larger):", ""]  # fmt: skip
