@@ -38,6 +38,14 @@ start's weight hash and the design id (a hash of the settings a run depends on).
 is present with the same design id and warm-start hash is never run again, even if its directory
 is gone, so committing the rows file makes the study resumable on another machine.
 
+**Pinned weights.** The same warm-start recipe gives other weights on another CPU
+(``scripts/bench/warm_start_kernels.py``), so the designs with committed rows pin the weights they
+ran from (``Plan.warm_start_sha256``): ``powered_long`` runs from the copy shipped in
+``docs/study_data/warm_starts/``; ``powered``'s is not shipped, so its cells run only where the
+recipe rebuilds it. Tables use the pin and build nothing. ``--own-warm-start`` runs and tabulates
+a design from this machine's build instead: a study of its own, whose rows carry that build's hash
+and never mix with the pinned ones.
+
 **Learning rates** (designs with ``lr_grid``): stage 1 runs every algorithm on-policy at each rate
 of the grid for the ``lr_seeds``; the rule of ``sweep.analyse.choose_lrs`` picks one rate per
 algorithm, held fixed in stage 2 (every condition x seed). ``--lrs algo=lr`` pins rates and skips
@@ -75,8 +83,17 @@ from sweep.run import Sweep, warm_starts  # noqa: E402
 
 def lr_design_runs(plan: Plan, rows_path: Path, out: Path, ws: dict) -> tuple[Plan, list[dict]]:
     """``plan.lr_design`` and its finished runs (its rows in the same rows file, same warm start)."""
-    source = Plan(**dict(DESIGNS[plan.lr_design], algos=list(plan.algos), tasks=list(plan.tasks)))
+    source = _related(plan, plan.lr_design)
     return source, collect(out, source, rows_path, ws)
+
+
+def _related(plan: Plan, name: str, **kw) -> Plan:
+    """Design ``name`` with ``plan``'s methods and tasks, read with ``plan``'s warm-start policy:
+    its own pinned weights, or (``--own-warm-start``: ``plan`` pins none) this machine's build."""
+    other = Plan(**dict(DESIGNS[name], algos=list(plan.algos), tasks=list(plan.tasks)), **kw)
+    if not plan.warm_start_sha256:
+        other.warm_start_sha256 = {}
+    return other
 
 
 def rates_from_design(plan: Plan, reference: tuple[Plan, list[dict]]) -> list[str]:
@@ -118,6 +135,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="with --table-only: also tabulate these designs' rows (same rows file and methods; their outputs "
                         "in OUT/<design>/) and the questions over every stale condition of all of them "
                         "(study_<task>_joined.md)")  # fmt: skip
+    p.add_argument("--own-warm-start", action="store_true",
+                   help="run and tabulate from this machine's build of the warm start, not the weights the design "
+                        "pins (a new study: its rows carry this build's hash and never mix with the pinned rows)")  # fmt: skip
     p.add_argument("--no-figures", action="store_true")
     a = p.parse_args(argv)
     if a.update_doc and not a.update_doc.is_file():
@@ -138,6 +158,8 @@ def main(argv: list[str] | None = None) -> int:
         if not sep or algo not in ALGOS:
             p.error(f"--lrs {item!r}: expected ALGO=LR with ALGO one of {', '.join(ALGOS)}")
         lrs[algo] = float(rate)
+    if a.own_warm_start:
+        base["warm_start_sha256"] = {}
     plan = Plan(**base, extra=list(a.override), lrs=lrs)
     plan.delays = [normalize_condition(d) for d in plan.delays]
     if 0 not in plan.delays:
@@ -158,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # the user's setting wins (verl_ext.torch_threads)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("TQDM_DISABLE", "1")
-    models, ws = warm_starts(plan, a.cache_dir)
+    models, ws = warm_starts(plan, a.cache_dir, table_only=a.table_only)
     # a design that takes its rates from another also takes its first estimate from that one's runs
     reference = lr_design_runs(plan, rows_path, out, ws) if plan.lr_design else None
     if reference is not None:
@@ -182,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.join:
         designs = [(plan, per_run, chosen)]
         for name in a.join:
-            other = Plan(**dict(DESIGNS[name], algos=list(plan.algos), tasks=list(plan.tasks)), extra=list(a.override))
+            other = _related(plan, name, extra=list(a.override))
             if other.lr_design:
                 rates_from_design(other, lr_design_runs(other, rows_path, out, ws))
             runs = collect(out / name, other, rows_path, ws)

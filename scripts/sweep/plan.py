@@ -87,6 +87,13 @@ class Plan:
     """> 0: the pinned warm start of that many supervised steps (seed 0); 0: none the sweep can
     build -- the legacy design, whose accuracy-window warm start was machine-dependent and is gone,
     so its rows can be tabulated (``--table-only``) but not run."""
+    warm_start_sha256: dict = field(default_factory=dict)
+    """task -> the weights sha256 (:func:`verl_ext.data.toy.checkpoints.weights_sha256`) of the
+    warm start the design's committed rows ran from; empty: whatever this machine builds. The same
+    recipe gives other weights on another CPU (torch's CPU kernels sum in a CPU-dependent order,
+    docs/study.md), so a pinned design runs from the copy shipped in
+    :data:`SHIPPED_WARM_STARTS` (or a local build with the same hash), tabulates with the pin
+    without building anything, and refuses to run from other weights."""
     last_evals: int = 0
     """a run's score (``lq_mean``): the mean of its last k evaluations; 0: of the evaluations at
     steps > 0.75 x steps (the legacy "last-quarter mean")."""
@@ -114,6 +121,14 @@ class Plan:
 
 #: supervised steps of the pinned warm start (seed 0) of the designs that run
 PINNED_WARM_START_STEPS = 210
+#: warm starts shipped with the repo, one folder per weights sha256 (its first 16 hex digits)
+SHIPPED_WARM_STARTS = Path(__file__).resolve().parents[2] / "docs" / "study_data" / "warm_starts"
+#: the weights the powered study's 200-step rows ran from (built on the machines of 2026-11; not
+#: shipped, and another CPU builds other weights: its rows are tabulated, its cells complete)
+POWERED_WARM_START = "e0af1dc20b526b76d0f350bab56dc6cb972a5514438cc30cbbebc7b48d6c7552"
+#: the weights every powered_long row runs from: the same recipe built on the machine of
+#: 2026-11-25, where the one above could not be rebuilt; shipped (SHIPPED_WARM_STARTS)
+POWERED_LONG_WARM_START = "8e41c3571dc7ea5e80fc02e1e01782d65dc2a5592dd1f6d71b964a24a80ef3f1"
 
 #: the 252-run sweep of docs/results_data/legacy_results.md: table-only (no warm start to run it from)
 LEGACY = dict(tasks=["long", "short"], algos=LEGACY_ALGOS, delays=[0, 8, 64], seeds=[0, 1, 2], steps=60, lr=1e-4,
@@ -129,16 +144,17 @@ QUICK = dict(tasks=["long", "short"], algos=["gepo", "gspo", "grpo"], delays=[0,
 POWERED = dict(tasks=["long"], algos=["gepo", "grpo_paper", "gspo_wide", "gepo_tr", "gspo", *FRONTIER_ALGOS],
                delays=[0, "fix4", "fix16", "fix64", "uni64", "logn64"], seeds=[0, 1, 2, 3, 4], steps=200, lr=1e-4,
                test_freq=20, eval_size=512, prompts=16, diagnostics_every=0, diagnostics_samples=8,
-               warm_start_steps=PINNED_WARM_START_STEPS, last_evals=5, lr_grid=[5e-5, 1e-4, 2e-4], lr_seeds=[0, 1, 2],
-               design="powered")  # fmt: skip
+               warm_start_steps=PINNED_WARM_START_STEPS, warm_start_sha256={"long": POWERED_WARM_START}, last_evals=5,
+               lr_grid=[5e-5, 1e-4, 2e-4], lr_seeds=[0, 1, 2], design="powered")  # fmt: skip
 #: the harsher condition of issue 24: every batch 256 versions old needs runs longer than 256 steps,
 #: so 600 steps (the last 344 at full staleness; the score is still the mean of the last 5 evaluations)
 #: against an on-policy reference of the same length; rates from the powered design's stage 1
 POWERED_LONG = dict(POWERED, delays=[0, "fix256"], steps=600, test_freq=40, lr_grid=[], lr_seeds=[],
-                    lr_design="powered", design="powered_long")
+                    lr_design="powered", warm_start_sha256={"long": POWERED_LONG_WARM_START}, design="powered_long")
 #: the powered pipeline end to end in minutes: tiny settings, same stages and outputs
 DRY = dict(POWERED, algos=["gepo", "grpo_paper", "gspo_wide"], delays=[0, "fix4", "uni8"], seeds=[0, 1, 2], steps=8,
-           test_freq=2, eval_size=32, prompts=4, last_evals=2, lr_grid=[1e-4, 2e-4], lr_seeds=[0], design="dry")
+           test_freq=2, eval_size=32, prompts=4, last_evals=2, lr_grid=[1e-4, 2e-4], lr_seeds=[0], warm_start_sha256={},
+           design="dry")
 DESIGNS = {"legacy": LEGACY, "quick": QUICK, "powered": POWERED, "powered_long": POWERED_LONG, "dry": DRY}
 
 _COND = re.compile(r"^(fix|uni|logn)(\d+)$")

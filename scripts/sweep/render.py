@@ -141,8 +141,9 @@ def _drop_correlation(drops: list[dict], key: str, what: str) -> list[str]:
             f"the cell's {what}: rho = {rho.statistic:.2f} (p {_p(float(rho.pvalue))})."]  # fmt: skip
 
 
-def dominance_markdown(rows: list[dict]) -> str:
-    """The table of :func:`sweep.analyse.dominance_rows` and its answer in one line."""
+def dominance_markdown(rows: list[dict], not_run: list[str] = ()) -> str:
+    """The table of :func:`sweep.analyse.dominance_rows` and its answer in one line; ``not_run``:
+    planned stale conditions without a single run yet (a win is not decided while one is)."""
     table = ["| method | comparisons (stale) | complete | significantly larger drop than | larger mean drop (of the "
              "comparisons) | drop smaller than grpo_paper's at | of those, after Holm over the stale conditions | wins |",
              "|" + "---|" * 8]  # fmt: skip
@@ -156,7 +157,11 @@ def dominance_markdown(rows: list[dict]) -> str:
                      f"{'**yes**' if r['wins'] else 'not yet (incomplete)' if r['wins_so_far'] else 'no'} |")  # fmt: skip
     winners = [r["algo"] for r in rows if r["wins"]]
     pending = [r["algo"] for r in rows if r["wins_so_far"] and not r["complete"]]
-    if winners:
+    if winners and not_run:
+        answer = (f"**Answer: not decided yet.** On the conditions run so far {', '.join(winners)} "
+                  f"meet{'s' if len(winners) == 1 else ''} both conditions, but "
+                  f"{', '.join(f'`{c}`' for c in not_run)} (planned) has no runs yet.")  # fmt: skip
+    elif winners:
         answer = f"**Answer: yes -- {', '.join(winners)}.**"
     elif pending:
         answer = (f"**Answer: not decided yet.** On the comparisons made so far {', '.join(pending)} "
@@ -165,7 +170,7 @@ def dominance_markdown(rows: list[dict]) -> str:
     else:
         answer = "**Answer: no** (no method meets both conditions on the rows so far)."
     for r in rows:
-        if r["wins"]:
+        if r["wins"] and not not_run:
             kept = ", ".join(str(c) for c in r["beats_grpo_holm_at"])
             answer += (f" Holm's adjustment over the stale conditions keeps {r['algo']}'s smaller drop than GRPO's at "
                        f"{kept}." if kept else f" None of {r['algo']}'s smaller drops than GRPO's survives Holm's "
@@ -336,11 +341,13 @@ def joined_markdown(task: str, designs: list[tuple[Plan, list[dict], dict]]) -> 
     issue 24's "is there a method never worse and better than GRPO somewhere?". ``designs``: (plan,
     finished runs, chosen rates) per design; each design's drops pair with its own on-policy runs."""
     parts = [[r for r in main_runs(runs, plan, chosen) if r["task"] == task] for plan, runs, chosen in designs]
-    missing = []
+    missing, not_run = [], []
     for (plan, _, _), part in zip(designs, parts):
         have, planned = len(_cells(part)), plan.main_runs_per_task()
         if have < planned:
             missing.append(f"{have} of {planned} planned runs of `{plan.design}`")
+        ran = {condition_key(r["delay"]) for r in part}
+        not_run += [str(d) for d in plan.delays if d != 0 and condition_key(d) not in ran]
     parts = [p for p in parts if p]
     names = ", ".join(f"`{plan.design}` ({plan.steps} steps)" for plan, runs, _ in designs if runs)
     lines = [f"### Task `{task}`, every stale condition of {names}", "",
@@ -349,7 +356,7 @@ def joined_markdown(task: str, designs: list[tuple[Plan, list[dict], dict]]) -> 
              *doc_block(task, "joined_verdicts", verdict_markdown(verdict_rows(*parts))),
              "", "**Is there a method whose drop is no larger than every other method's in every stale condition, and "
              "smaller than GRPO's in at least one?**", "",
-             *doc_block(task, "joined_winner", dominance_markdown(dominance_rows(*parts)) + (
+             *doc_block(task, "joined_winner", dominance_markdown(dominance_rows(*parts), not_run) + (
                  f"\n\n*Provisional: {'; '.join(missing)} are in the rows. A design's missing runs can change "
                  "every verdict above, and a condition without rows is not in them at all.*" if missing else "")),
              ""]  # fmt: skip

@@ -57,10 +57,12 @@ def make_row(plan: Plan, task: str, algo: str, lr: float, delay, seed: int, d: P
 
 
 def collect(out: Path, plan: Plan, rows_path: Path | None = None, ws: dict | None = None) -> list[dict]:
-    """Every finished run of the plan: the rows file's (same design id, and the warm start's hash
-    when ``ws`` maps task -> hash) and, for runs without a row, finished run directories. Each
+    """Every finished run of the plan: the rows file's (same design id, and the warm start's hash:
+    the plan's pinned one (``plan.warm_start_sha256``) or, for a task without a pin, ``ws``'s
+    when it maps task -> hash) and, for runs without a row, finished run directories. Each
     per-run dict has task, algo, lr, delay, seed, dir (or None) and the :func:`run_numbers` keys."""
     did = design_id(plan)
+    ws = {**(ws or {}), **plan.warm_start_sha256}
     found: dict[tuple, dict] = {}
     for r in load_rows(rows_path) if rows_path else []:
         if r["design_id"] != did or (ws and r["task"] in ws and r["ws_sha256"] != ws[r["task"]]):

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from sweep.analyse import choose_lrs
 from sweep.plan import (
+    SHIPPED_WARM_STARTS,
     TASKS,
     Plan,
     condition_key,
@@ -45,20 +46,36 @@ def warm_start_path(task: str, cache_dir: str, steps: int) -> str:
     return str(warm_start(cache_dir, digits=3, steps=steps, seed=0, answer_format=TASKS[task].answer_format))
 
 
-def warm_starts(plan: Plan, cache_dir: str) -> tuple[dict[str, str], dict[str, str]]:
+def warm_starts(plan: Plan, cache_dir: str, *, table_only: bool = False) -> tuple[dict[str, str], dict[str, str]]:
     """task -> warm start folder, task -> its weights' sha256, printed as they are ready. A plan
     without a pinned warm start (the legacy design, table-only) has none: ``({}, {})``, and its rows
-    are then not filtered by warm start."""
+    are then not filtered by warm start. A design that pins its weights
+    (``plan.warm_start_sha256``) runs from the copy shipped in :data:`SHIPPED_WARM_STARTS`, else
+    from this machine's build if it has the same hash, else not at all (``SystemExit`` naming both
+    hashes); with ``table_only`` it builds nothing and returns ``({}, the pins)``."""
     from verl_ext.data.toy.checkpoints import weights_sha256
 
     if plan.warm_start_steps <= 0:
         print(f"warm start: none (design {plan.design} has no pinned warm start; rows are tabulated as they are)",
               flush=True)  # fmt: skip
         return {}, {}
-    models = {t: warm_start_path(t, cache_dir, plan.warm_start_steps) for t in plan.tasks}
-    ws = {t: weights_sha256(m) for t, m in models.items()}
+    pins = plan.warm_start_sha256
+    if table_only and all(t in pins for t in plan.tasks):
+        for t in plan.tasks:
+            print(f"warm start {t}: pinned, weights sha256 {pins[t][:16]}... (tables only: nothing built)", flush=True)
+        return {}, {t: pins[t] for t in plan.tasks}
+    models, ws = {}, {}
     for t in plan.tasks:
+        shipped = SHIPPED_WARM_STARTS / pins[t][:16] if t in pins else None
+        models[t] = str(shipped) if shipped and shipped.is_dir() else warm_start_path(t, cache_dir, plan.warm_start_steps)
+        ws[t] = weights_sha256(models[t])
         print(f"warm start {t}: {models[t]} (weights sha256 {ws[t][:16]}...)", flush=True)
+        if t in pins and ws[t] != pins[t] and not table_only:
+            raise SystemExit(
+                f"warm start of task {t!r}: --design {plan.design} pins the weights sha256 {pins[t]}, but "
+                f"{models[t]} has {ws[t]}. The same recipe gives other weights on another CPU (torch's CPU "
+                f"kernels sum in another order; docs/study.md) and {SHIPPED_WARM_STARTS} has no copy of the "
+                f"pinned one: this design's cells cannot be run here (--table-only tabulates its rows)")
     return models, ws
 
 

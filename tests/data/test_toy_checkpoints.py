@@ -145,19 +145,20 @@ def test_weights_sha256_hashes_tensors_not_files(tmp_path):
 
 
 @pytest.mark.slow
-def test_default_warm_starts_are_the_pinned_ones(tmp_path):
-    """The defaults on the default task (3 digits, seed 0): the scratchpad one is the study's warm
-    start (docs/study.md: its sha256, accuracy 0.242), the short one lands inside the 0.3-0.6
-    window of the earlier time-budgeted warm start (2 minutes of CPU in all)."""
+def test_default_warm_starts_land_in_their_windows(tmp_path):
+    """The defaults on the default task (3 digits, seed 0): the scratchpad one leaves the RL
+    headroom the study needs, the short one lands inside the 0.3-0.6 window of the earlier
+    time-budgeted warm start (2 minutes of CPU in all). The weights themselves depend on the CPU
+    (torch's kernels sum in another order): the study's designs pin them by hash and ship them
+    (tests/study/test_warm_start_pins.py); on one machine the 210 scratchpad steps gave accuracies
+    0.13-0.25 under eight kernel settings (docs/study.md), the study's own 0.242 and 0.227."""
     scratch = warm_start(tmp_path, answer_format="scratchpad")
     info = json.loads((scratch / WARM_START_INFO).read_text())
-    assert scratch.name.startswith("toy_add3_scratch-pin210-")
-    assert info["weights_sha256"] == "e0af1dc20b526b76d0f350bab56dc6cb972a5514438cc30cbbebc7b48d6c7552"
-    assert info["accuracy"] == pytest.approx(0.2421875)
+    assert scratch.name.startswith("toy_add3_scratch-pin210-") and 0.1 <= info["accuracy"] <= 0.35, info
+    assert info["weights_sha256"] == weights_sha256(scratch)
     short = warm_start(tmp_path)
     info = json.loads((short / WARM_START_INFO).read_text())
     assert short.name.startswith("toy_add3-pin675-") and 0.3 <= info["accuracy"] <= 0.6, info
-    assert info["weights_sha256"] == "99e9d8280467727aaed11256b4a371cfaf0af928e33d4f94a6b9957786c9c28c"
     model, tok = load_toy_model(short)
     fresh = make_problems(512, digits=3, seed=99)
     assert 0.3 <= toy_accuracy(model, tok, fresh, temperature=1.0, seed=1) <= 0.6  # again, on other problems

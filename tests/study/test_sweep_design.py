@@ -364,6 +364,23 @@ def test_joined_answer_is_marked_provisional_until_every_planned_run_is_in():
     assert "*Provisional: 0 of 20 planned runs of `powered_long`" in winner_block([])
 
 
+def test_joined_answer_is_not_yes_while_a_planned_condition_has_no_run():
+    """A method that wins on the 200-step conditions is no winner while fix256 has no run at all."""
+    from sweep.render import joined_markdown
+
+    short = _plan(steps=200, design="powered", seeds=[0, 1, 2, 3, 4])
+    long = _plan(steps=600, delays=[0, "fix256"], design="powered_long", seeds=[0, 1, 2, 3, 4])
+    runs_short = _drops_runs({("grpo_paper", "fix4"): 0.00, ("grpo_paper", "fix64"): 0.10, ("gepo_tc", "fix4"): 0.00,
+                              ("gepo_tc", "fix64"): 0.05})  # fmt: skip
+    runs_long = _drops_runs({("gepo_tc", "fix256"): 0.1, ("grpo_paper", "fix256"): 0.1})
+    done = joined_markdown("long", [(short, runs_short, {}), (long, runs_long, {})])
+    assert "**Answer: yes -- gepo_tc.**" in done
+    waiting = joined_markdown("long", [(short, runs_short, {}), (long, [], {})])
+    assert "**Answer: yes" not in waiting and "Holm" not in waiting.split("**Answer:")[1]
+    assert "**Answer: not decided yet.** On the conditions run so far gepo_tc meets both conditions, but `fix256` " \
+           "(planned) has no runs yet." in waiting
+
+
 def test_join_is_refused_outside_table_only(tmp_path):
     cli = [sys.executable, str(REPO / "scripts" / "bench" / "delay_sweep.py"), "--design", "powered", "--join",
            "powered_long", "--out", str(tmp_path / "o")]  # fmt: skip

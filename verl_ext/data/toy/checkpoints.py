@@ -54,8 +54,9 @@ _RECIPE_VERSION = 1
 #: short: 675 steps -> 0.496 (weights sha256 99e9d828...), the middle of the steps 640-710 that all
 #: land in the 0.3-0.6 window of the earlier time-budgeted warm start; the bare 3-digit sum sits
 #: on a plateau below 2% through step 575 (0.004 at 210), then climbs to 0.45 by step 650.
-#: scratchpad: 210 steps -> 0.242 (weights sha256 e0af1dc2..., the study's warm start,
-#: docs/study.md); writing the columns out makes every digit a local function, learnt sooner.
+#: scratchpad: 210 steps -> 0.242 (weights sha256 e0af1dc2..., the study's 200-step warm start,
+#: docs/study.md; on another CPU other weights, e.g. 0.227, 8e41c357...); writing the columns out
+#: makes every digit a local function, learnt sooner.
 DEFAULT_WARM_START_STEPS = {"short": 675, "scratchpad": 210}
 
 
@@ -89,10 +90,13 @@ def warm_start(
     ``random.Random(seed)`` (cross-entropy on the response and ``</s>`` only), with deterministic
     torch ops and one torch thread, then one evaluation for the record (``n_eval`` held-out
     problems, seed ``seed + 10**6``, sampled at temperature 1 with seed ``seed + steps``). No clock
-    and no accuracy decide anything, so the weights are the same on any machine with the same
-    torch/transformers versions (recorded), checked by ``weights_sha256`` in :data:`WARM_START_INFO`
-    (one and two threads gave the same weights here, ``docs/study.md``, but other BLAS builds may
-    sum differently, and two threads ran 13x slower on a loaded machine).
+    and no accuracy decide anything, so every build on one machine gives the same weights, checked
+    by ``weights_sha256`` in :data:`WARM_START_INFO` (one and two threads gave the same weights
+    here, ``docs/study.md``; two threads ran 13x slower on a loaded machine). Another CPU may not:
+    torch and MKL choose their kernels by the CPU's instruction set and sum in another order, and
+    the training amplifies the last bits (``scripts/bench/warm_start_kernels.py``: other kernel
+    settings on one CPU, other weights each). A study that must be resumed elsewhere pins the
+    weights by hash and ships them (``scripts/sweep/plan.py``, ``Plan.warm_start_sha256``).
 
     The folder holds the model (safetensors), the tokenizer and :data:`WARM_START_INFO`
     (``accuracy``, ``steps``, ``seconds`` (wall, evaluation included), ``train_seconds``,

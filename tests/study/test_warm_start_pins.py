@@ -1,0 +1,113 @@
+"""A design's pinned warm start (``Plan.warm_start_sha256``): the same recipe gives other weights
+on another CPU, so the study's rows name the weights they ran from, the repo ships the copy the
+unfinished design runs from, tables need no build, and a run from other weights is refused."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from sweep.plan import DESIGNS, POWERED_LONG_WARM_START, SHIPPED_WARM_STARTS, Plan
+from sweep.rows import append_row, collect, load_rows
+from sweep.run import warm_starts
+from verl_ext.data.toy.checkpoints import WARM_START_INFO, weights_sha256
+
+
+def _plan(**kw) -> Plan:
+    base = dict(tasks=["long"], algos=["gepo"], delays=[0, "fix4"], seeds=[0], steps=8, lr=1e-4, test_freq=2,
+                eval_size=8, prompts=2, diagnostics_every=0, diagnostics_samples=1, last_evals=2,
+                warm_start_steps=2, design="dry")  # fmt: skip
+    return Plan(**{**base, **kw})
+
+
+def test_every_shipped_warm_start_is_named_by_its_weights_and_recipe():
+    """Each shipped folder: its name is its weights' hash, its record says the same hash, and it
+    is the recipe of the designs that pin it (210 scratchpad steps, 3 digits, seed 0)."""
+    folders = sorted(p for p in SHIPPED_WARM_STARTS.iterdir() if p.is_dir())
+    assert [f.name for f in folders] == [POWERED_LONG_WARM_START[:16]]
+    for folder in folders:
+        sha = weights_sha256(folder)
+        info = json.loads((folder / WARM_START_INFO).read_text())
+        assert sha.startswith(folder.name) and info["weights_sha256"] == sha
+        plan = Plan(**DESIGNS["powered_long"])
+        assert plan.warm_start_sha256 == {"long": sha}
+        assert {k: info["settings"][k] for k in ("steps", "digits", "seed", "answer_format")} == {
+            "steps": plan.warm_start_steps, "digits": 3, "seed": 0, "answer_format": "scratchpad"}
+
+
+def test_the_designs_that_run_pin_their_weights_and_the_small_ones_build_their_own():
+    pins = {name: Plan(**d).warm_start_sha256 for name, d in DESIGNS.items()}
+    assert set(pins["powered"]) == set(pins["powered_long"]) == {"long"}
+    assert pins["powered"] != pins["powered_long"]  # the long runs were restarted from the shipped copy
+    assert pins["dry"] == pins["quick"] == pins["legacy"] == {}
+
+
+def test_a_pinned_design_runs_from_the_shipped_copy(tmp_path):
+    plan = Plan(**DESIGNS["powered_long"])
+    models, ws = warm_starts(plan, str(tmp_path / "cache"))
+    assert models == {"long": str(SHIPPED_WARM_STARTS / POWERED_LONG_WARM_START[:16])}
+    assert ws == {"long": POWERED_LONG_WARM_START}
+    assert not (tmp_path / "cache").exists()  # nothing built
+
+
+def test_tables_of_a_pinned_design_build_nothing(tmp_path):
+    plan = Plan(**DESIGNS["powered"])  # its weights are not shipped: a run would have to build them
+    models, ws = warm_starts(plan, str(tmp_path / "cache"), table_only=True)
+    assert models == {} and ws == plan.warm_start_sha256
+    assert not (tmp_path / "cache").exists()
+
+
+def test_a_run_from_other_weights_than_the_pinned_ones_is_refused(tmp_path):
+    pin = "0" * 64
+    with pytest.raises(SystemExit) as e:
+        warm_starts(_plan(warm_start_sha256={"long": pin}), str(tmp_path))
+    (built,) = [p for p in tmp_path.iterdir() if p.is_dir()]
+    msg = str(e.value)
+    assert f"pins the weights sha256 {pin}" in msg and f"has {weights_sha256(built)}" in msg
+    assert "--table-only" in msg
+    models, ws = warm_starts(_plan(), str(tmp_path))  # unpinned: whatever this machine builds
+    assert models == {"long": str(built)} and ws == {"long": weights_sha256(built)}
+
+
+def test_rows_are_taken_from_the_pinned_weights_whatever_this_machine_builds(tmp_path):
+    rows = tmp_path / "rows.csv"
+    plan = _plan(warm_start_sha256={"long": "pinned"})
+    from sweep.plan import design_id
+
+    for seed, sha in ((0, "pinned"), (1, "this machine")):
+        append_row(rows, {"task": "long", "algo": "gepo", "lr": 1e-4, "delay": 0, "seed": seed,
+                          "design_id": design_id(plan), "ws_sha256": sha, "steps": 8, "seconds": 1.0, "lq_mean": 0.5})
+    assert len(load_rows(rows)) == 2
+    plan.seeds = [0, 1]
+    got = collect(tmp_path, plan, rows, {"long": "this machine"})
+    assert [(r["seed"], r["ws_sha256"]) for r in got] == [(0, "pinned")]
+    plan.warm_start_sha256 = {}
+    assert [r["seed"] for r in collect(tmp_path, plan, rows, {"long": "this machine"})] == [1]
+
+
+def test_own_warm_start_runs_a_pinned_design_from_this_machines_build(tmp_path):
+    """``--own-warm-start``: the design's cells count (and would run) from this machine's build and
+    its rows; without it the same build is refused, naming the pin."""
+    import shutil
+    import subprocess
+    import sys
+
+    from sweep.plan import POWERED_WARM_START, design_id
+    from tests.study.conftest import REPO
+
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    # the cache folder the recipe's settings name (the same on every machine), holding the shipped build
+    shutil.copytree(SHIPPED_WARM_STARTS / POWERED_LONG_WARM_START[:16], cache / "toy_add3_scratch-pin210-2f0ed5cb04b0")
+    rows = tmp_path / "rows.csv"
+    append_row(rows, {"task": "long", "algo": "gepo", "lr": 5e-5, "delay": 0, "seed": 0,
+                      "design_id": design_id(Plan(**DESIGNS["powered"])), "ws_sha256": POWERED_LONG_WARM_START,
+                      "steps": 200, "seconds": 1.0, "lq_mean": 0.5})  # fmt: skip
+    cli = [sys.executable, str(REPO / "scripts" / "bench" / "delay_sweep.py"), "--design", "powered", "--algos", "gepo",
+           "--plan-only", "--cache-dir", str(cache), "--rows", str(rows), "--out", str(tmp_path / "o")]  # fmt: skip
+    own = subprocess.run([*cli, "--own-warm-start"], capture_output=True, text=True, timeout=300)
+    assert own.returncode == 0, own.stderr[-2000:]
+    assert f"weights sha256 {POWERED_LONG_WARM_START[:16]}" in own.stdout and "1 finished rows" in own.stdout
+    pinned = subprocess.run(cli, capture_output=True, text=True, timeout=300)
+    assert pinned.returncode != 0 and f"pins the weights sha256 {POWERED_WARM_START}" in pinned.stderr
