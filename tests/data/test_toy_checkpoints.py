@@ -150,8 +150,8 @@ def test_default_warm_starts_land_in_their_windows(tmp_path):
     headroom the study needs, the short one lands inside the 0.3-0.6 window of the earlier
     time-budgeted warm start (2 minutes of CPU in all). The weights themselves depend on the CPU
     (torch's kernels sum in another order): the study's designs pin them by hash and ship them
-    (tests/study/test_warm_start_pins.py); on one machine the 210 scratchpad steps gave accuracies
-    0.13-0.25 under eight kernel settings (docs/study.md), the study's own 0.242 and 0.227."""
+    (tests/study/test_warm_start_pins.py); on one machine the 210 scratchpad steps gave seven
+    weights and accuracies 0.133-0.246 under seven kernel settings (docs/study.md, *Machines*)."""
     scratch = warm_start(tmp_path, answer_format="scratchpad")
     info = json.loads((scratch / WARM_START_INFO).read_text())
     assert scratch.name.startswith("toy_add3_scratch-pin210-") and 0.1 <= info["accuracy"] <= 0.35, info
