@@ -123,8 +123,8 @@ class Plan:
 PINNED_WARM_START_STEPS = 210
 #: warm starts shipped with the repo, one folder per weights sha256 (its first 16 hex digits)
 SHIPPED_WARM_STARTS = Path(__file__).resolve().parents[2] / "docs" / "study_data" / "warm_starts"
-#: the weights the powered study's 200-step rows ran from (built on the machines of 2026-11; not
-#: shipped, and another CPU builds other weights: its rows are tabulated, its cells complete)
+#: the weights the powered study's 200-step rows ran from (built on the machines of the earlier
+#: sessions; not shipped, and another CPU builds other weights: its rows are tabulated, its cells complete)
 POWERED_WARM_START = "e0af1dc20b526b76d0f350bab56dc6cb972a5514438cc30cbbebc7b48d6c7552"
 #: the weights every powered_long row runs from: the same recipe built on the machine of
 #: 2026-11-25, where the one above could not be rebuilt; shipped (SHIPPED_WARM_STARTS)

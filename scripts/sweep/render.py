@@ -154,7 +154,7 @@ def dominance_markdown(rows: list[dict], not_run: list[str] = ()) -> str:
         table.append(f"| {r['algo']} | {r['compared']} | {'yes' if r['complete'] else 'no'} | {losses or 'none'} | "
                      f"{r['point_losses']} | {', '.join(str(c) for c in r['beats_grpo_at']) or 'none'} | "
                      f"{', '.join(str(c) for c in r['beats_grpo_holm_at']) or 'none'} | "
-                     f"{'**yes**' if r['wins'] else 'not yet (incomplete)' if r['wins_so_far'] else 'no'} |")  # fmt: skip
+                     f"{_win_cell(r, not_run)} |")  # fmt: skip
     winners = [r["algo"] for r in rows if r["wins"]]
     pending = [r["algo"] for r in rows if r["wins_so_far"] and not r["complete"]]
     if winners and not_run:
@@ -176,6 +176,15 @@ def dominance_markdown(rows: list[dict], not_run: list[str] = ()) -> str:
                        f"{kept}." if kept else f" None of {r['algo']}'s smaller drops than GRPO's survives Holm's "
                        "adjustment over the stale conditions: that half of the win rests on uncorrected tests.")  # fmt: skip
     return "\n".join(table + ["", answer])
+
+
+def _win_cell(row: dict, not_run) -> str:
+    """The winner table's last column: yes only when nothing planned is missing."""
+    if row["wins"] and not not_run:
+        return "**yes**"
+    if row["wins"]:
+        return "not yet (a condition not run)"
+    return "not yet (incomplete)" if row["wins_so_far"] else "no"
 
 
 def _others(tied: list[str] | None, seeds: int, untested: list[str]) -> str:

@@ -377,6 +377,7 @@ def test_joined_answer_is_not_yes_while_a_planned_condition_has_no_run():
     assert "**Answer: yes -- gepo_tc.**" in done
     waiting = joined_markdown("long", [(short, runs_short, {}), (long, [], {})])
     assert "**Answer: yes" not in waiting and "Holm" not in waiting.split("**Answer:")[1]
+    assert "| **yes** |" not in waiting and "| not yet (a condition not run) |" in waiting
     assert "**Answer: not decided yet.** On the conditions run so far gepo_tc meets both conditions, but `fix256` " \
            "(planned) has no runs yet." in waiting
 
