@@ -44,7 +44,8 @@ ran from (``Plan.warm_start_sha256``): ``powered_long`` runs from the copy shipp
 ``docs/study_data/warm_starts/``; ``powered``'s is not shipped, so its cells run only where the
 recipe rebuilds it. Tables use the pin and build nothing. ``--own-warm-start`` runs and tabulates
 a design from this machine's build instead: a study of its own, whose rows carry that build's hash
-and never mix with the pinned ones.
+and never mix with the pinned ones; ``--table-only --warm-start-sha256 HEX`` tabulates a design's
+rows of other weights (``powered_long``'s first start).
 
 **Learning rates** (designs with ``lr_grid``): stage 1 runs every algorithm on-policy at each rate
 of the grid for the ``lr_seeds``; the rule of ``sweep.analyse.choose_lrs`` picks one rate per
@@ -65,6 +66,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import time
 from dataclasses import asdict
@@ -138,8 +140,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--own-warm-start", action="store_true",
                    help="run and tabulate from this machine's build of the warm start, not the weights the design "
                         "pins (a new study: its rows carry this build's hash and never mix with the pinned rows)")  # fmt: skip
+    p.add_argument("--warm-start-sha256", metavar="HEX",
+                   help="with --table-only: tabulate the design's rows of these weights (sha256, 64 hex digits) instead "
+                        "of the ones it pins, e.g. powered_long's first start (docs/study_data/README.md)")  # fmt: skip
     p.add_argument("--no-figures", action="store_true")
     a = p.parse_args(argv)
+    if a.warm_start_sha256 is not None:
+        if not re.fullmatch(r"[0-9a-f]{64}", a.warm_start_sha256):
+            p.error(f"--warm-start-sha256 {a.warm_start_sha256!r}: expected a sha256, 64 lowercase hex digits")
+        if not a.table_only or a.own_warm_start:
+            p.error("--warm-start-sha256: only with --table-only, and not with --own-warm-start (a run starts from "
+                    "the weights the design pins or from this machine's build)")  # fmt: skip
     if a.update_doc and not a.update_doc.is_file():
         p.error(f"--update-doc {a.update_doc}: no such file")
     if a.join and not a.table_only:
@@ -160,6 +171,8 @@ def main(argv: list[str] | None = None) -> int:
         lrs[algo] = float(rate)
     if a.own_warm_start:
         base["warm_start_sha256"] = {}
+    if a.warm_start_sha256:
+        base["warm_start_sha256"] = {t: a.warm_start_sha256 for t in base["tasks"]}
     plan = Plan(**base, extra=list(a.override), lrs=lrs)
     plan.delays = [normalize_condition(d) for d in plan.delays]
     if 0 not in plan.delays:

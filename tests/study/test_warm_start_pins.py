@@ -111,3 +111,31 @@ def test_own_warm_start_runs_a_pinned_design_from_this_machines_build(tmp_path):
     assert f"weights sha256 {POWERED_LONG_WARM_START[:16]}" in own.stdout and "1 finished rows" in own.stdout
     pinned = subprocess.run(cli, capture_output=True, text=True, timeout=300)
     assert pinned.returncode != 0 and f"pins the weights sha256 {POWERED_WARM_START}" in pinned.stderr
+
+
+def test_tables_of_other_weights_are_asked_for_by_their_hash(tmp_path):
+    """``--table-only --warm-start-sha256 HEX``: the design's rows of those weights, not of its pin
+    (how powered_long's first start is tabulated); a malformed hash or a run is refused."""
+    import subprocess
+    import sys
+
+    from sweep.plan import design_id
+    from tests.study.conftest import REPO
+
+    other = "a" * 64
+    rows = tmp_path / "rows.csv"
+    append_row(rows, {"task": "long", "algo": "gepo", "lr": 5e-5, "delay": 0, "seed": 0,
+                      "design_id": design_id(Plan(**DESIGNS["powered_long"])), "ws_sha256": other, "steps": 600,
+                      "seconds": 1.0, "lq_mean": 0.5})  # fmt: skip
+    cli = [sys.executable, str(REPO / "scripts" / "bench" / "delay_sweep.py"), "--design", "powered_long", "--algos",
+           "gepo", "--lrs", "gepo=5e-5", "--rows", str(rows), "--out", str(tmp_path / "o"), "--plan-only"]  # fmt: skip
+
+    def sweep(*extra):
+        return subprocess.run([*cli, *extra], capture_output=True, text=True, timeout=300)
+
+    assert "; 1 finished rows" in sweep("--table-only", "--warm-start-sha256", other).stdout
+    assert "; 0 finished rows" in sweep("--table-only").stdout  # the pin's rows: none here
+    bad = sweep("--table-only", "--warm-start-sha256", "a" * 63)
+    assert bad.returncode == 2 and f"--warm-start-sha256 '{'a' * 63}': expected a sha256" in bad.stderr
+    run = sweep("--warm-start-sha256", other)
+    assert run.returncode == 2 and "--warm-start-sha256: only with --table-only" in run.stderr
