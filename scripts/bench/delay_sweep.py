@@ -1,10 +1,10 @@
 """The delay sweep: algorithms x staleness conditions x seeds in replay mode, with the same warm
 start, steps and evaluation for all; designs from the 252-run legacy sweep to the powered study.
 
-    .venv/bin/python scripts/bench/delay_sweep.py --out OUT [--design legacy|quick|powered|dry]
+    .venv/bin/python scripts/bench/delay_sweep.py --out OUT [--design legacy|quick|powered|powered_long|dry]
         [--workers 2] [--tasks long] [--algos gepo gspo ...] [--delays 0 fix16 uni64 ...]
         [--seeds 0 1 2] [--steps N] [--lr LR] [--lrs gepo=1e-4 ...] [--rows PATH]
-        [--plan-only] [--table-only]
+        [--plan-only] [--table-only [--join DESIGN ...] [--warm-start-sha256 HEX]] [--own-warm-start]
 
 This file is the command line; the sweep itself is the package ``scripts/sweep/`` (plan, run,
 rows, analyse, render, figures). Each run is composed by hydra from ``recipe/gepo/config``
@@ -15,9 +15,11 @@ rows, analyse, render, figures). Each run is composed by hydra from ``recipe/gep
 ``DONE`` with the run's seconds and its warm start's weight hash); the ``@<lr>`` part appears when
 a design tries several learning rates.
 
-**Designs** (``--design``): ``powered`` (the study, docs/study.md), ``dry`` (its pipeline on tiny
-settings), ``quick`` (a smoke test) -- all from the pinned warm start (210 supervised steps, seed
-0) -- and ``legacy`` (the 252-run sweep of docs/results_data/legacy_results.md), which is
+**Designs** (``--design``): ``powered`` (the study, docs/study.md), ``powered_long`` (its harsher
+``fix256`` condition: 600 steps, with its own on-policy reference, each method at the rate
+``powered``'s stage 1 chose), ``dry`` (its pipeline on tiny settings), ``quick`` (a smoke test) --
+all from the warm start of 210 supervised steps, seed 0 (pinned by hash for the first two, see
+"Pinned weights") -- and ``legacy`` (the 252-run sweep of docs/results_data/legacy_results.md), which is
 table-only: its accuracy-window warm start was machine-dependent and is gone, so its rows can be
 tabulated (``--table-only``) but it cannot be run.
 
@@ -36,7 +38,8 @@ tabulated (``--table-only``) but it cannot be run.
 ``OUT/rows.csv``): its numbers (``sweep.analyse.run_numbers``), realised staleness, the warm
 start's weight hash and the design id (a hash of the settings a run depends on). A run whose row
 is present with the same design id and warm-start hash is never run again, even if its directory
-is gone, so committing the rows file makes the study resumable on another machine.
+is gone, so committing the rows file makes the study resumable on another machine that has its
+weights (below).
 
 **Pinned weights.** The same warm-start recipe gives other weights on another CPU
 (``scripts/bench/warm_start_kernels.py``), so the designs with committed rows pin the weights they
@@ -79,7 +82,7 @@ for _path in (REPO, REPO / "scripts"):  # the repository's packages and the swee
 from sweep.analyse import choose_lrs  # noqa: E402 -- after the path fix
 from sweep.plan import ALGOS, DESIGNS, TASKS, Plan, design_id, normalize_condition  # noqa: E402
 from sweep.render import joined_markdown, update_doc, write_outputs  # noqa: E402
-from sweep.rows import collect  # noqa: E402
+from sweep.rows import collect, rows_warm_start  # noqa: E402
 from sweep.run import Sweep, warm_starts  # noqa: E402
 
 
@@ -112,7 +115,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="runs/sweep")
     p.add_argument("--design", choices=list(DESIGNS), default="legacy",
                    help="legacy: the 252-run sweep (table-only); quick: a 5-minute smoke test; powered: the study "
-                        "(docs/study.md); dry: the powered pipeline on tiny settings")  # fmt: skip
+                        "(docs/study.md); powered_long: its 600-step fix256 condition; dry: the powered pipeline on "
+                        "tiny settings")  # fmt: skip
     p.add_argument("--quick", action="store_true", help="= --design quick")
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--tasks", nargs="+", choices=list(TASKS))
@@ -193,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # the user's setting wins (verl_ext.torch_threads)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("TQDM_DISABLE", "1")
-    models, ws = warm_starts(plan, a.cache_dir, table_only=a.table_only)
+    models, ws = warm_starts(plan, a.cache_dir, table_only=a.table_only or a.plan_only)
     # a design that takes its rates from another also takes its first estimate from that one's runs
     reference = lr_design_runs(plan, rows_path, out, ws) if plan.lr_design else None
     if reference is not None:
@@ -224,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
             other_table, other_chosen = choose_lrs(runs, other)
             (out / name).mkdir(exist_ok=True)
             write_outputs(out / name, other, runs, figures=not a.no_figures, lr_table=other_table, chosen=other_chosen,
-                          ws=ws)  # fmt: skip
+                          ws=rows_warm_start(other, ws))  # fmt: skip
             print(f"joined --design {name} (id {design_id(other)}): {len(runs)} finished runs", flush=True)
             designs.append((other, runs, other_chosen))
             written += [out / name / f"study_{task}.md" for task in plan.tasks]

@@ -1,11 +1,12 @@
 """The rows file: one row per finished run (its numbers, realised staleness, warm-start hash and
 design id), appended as runs finish; a run with a row is never run again, so committing the file
-makes a study resumable anywhere. :func:`collect` gathers a plan's finished runs from it and from
+makes a study resumable on any machine that has its weights (``Plan.warm_start_sha256``). :func:`collect` gathers a plan's finished runs from it and from
 run directories."""
 
 from __future__ import annotations
 
 import csv
+import json
 import math
 from pathlib import Path
 
@@ -62,7 +63,7 @@ def collect(out: Path, plan: Plan, rows_path: Path | None = None, ws: dict | Non
     when it maps task -> hash) and, for runs without a row, finished run directories. Each
     per-run dict has task, algo, lr, delay, seed, dir (or None) and the :func:`run_numbers` keys."""
     did = design_id(plan)
-    ws = {**(ws or {}), **plan.warm_start_sha256}
+    ws = rows_warm_start(plan, ws)
     found: dict[tuple, dict] = {}
     for r in load_rows(rows_path) if rows_path else []:
         if r["design_id"] != did or (ws and r["task"] in ws and r["ws_sha256"] != ws[r["task"]]):
@@ -78,8 +79,24 @@ def collect(out: Path, plan: Plan, rows_path: Path | None = None, ws: dict | Non
                         key = (task, algo, float(lr), str(delay), seed)
                         if key in found:
                             found[key]["dir"] = d if d.is_dir() else None
-                        elif (d / "DONE").is_file() and (d / METRICS_FILE).is_file():
+                        elif (d / "DONE").is_file() and (d / METRICS_FILE).is_file() and _same_weights(d, ws.get(task)):
                             found[key] = {"task": task, "algo": algo, "lr": float(lr), "delay": delay, "seed": seed,
                                           "dir": d, **run_numbers(read_metric_rows(d), plan.steps, plan.last_evals)}
     return list(found.values())
 
+
+def rows_warm_start(plan: Plan, ws: dict | None = None) -> dict:
+    """task -> the weights sha256 a plan's runs must have been made from: the plan's pin
+    (``plan.warm_start_sha256``) or, for a task without one, ``ws`` (this machine's build)."""
+    return {**(ws or {}), **plan.warm_start_sha256}
+
+
+def _same_weights(run: Path, sha: str | None) -> bool:
+    """A finished run folder's ``DONE`` names the warm start it ran from: it counts only for the
+    same weights (any, when ``sha`` is None)."""
+    if not sha:
+        return True
+    try:
+        return json.loads((run / "DONE").read_text()).get("ws_sha256") == sha
+    except (OSError, ValueError):
+        return False

@@ -52,7 +52,8 @@ def warm_starts(plan: Plan, cache_dir: str, *, table_only: bool = False) -> tupl
     are then not filtered by warm start. A design that pins its weights
     (``plan.warm_start_sha256``) runs from the copy shipped in :data:`SHIPPED_WARM_STARTS`, else
     from this machine's build if it has the same hash, else not at all (``SystemExit`` naming both
-    hashes); with ``table_only`` it builds nothing and returns ``({}, the pins)``."""
+    hashes); with ``table_only`` (tables or the plan, no run) it builds nothing and returns
+    ``({}, the pins)``."""
     from verl_ext.data.toy.checkpoints import weights_sha256
 
     if plan.warm_start_steps <= 0:
@@ -62,7 +63,8 @@ def warm_starts(plan: Plan, cache_dir: str, *, table_only: bool = False) -> tupl
     pins = plan.warm_start_sha256
     if table_only and all(t in pins for t in plan.tasks):
         for t in plan.tasks:
-            print(f"warm start {t}: pinned, weights sha256 {pins[t][:16]}... (tables only: nothing built)", flush=True)
+            where = "shipped" if (SHIPPED_WARM_STARTS / pins[t][:16]).is_dir() else "not shipped: a run rebuilds it or stops"
+            print(f"warm start {t}: pinned, weights sha256 {pins[t][:16]}... ({where}; nothing built)", flush=True)
         return {}, {t: pins[t] for t in plan.tasks}
     models, ws = {}, {}
     for t in plan.tasks:
@@ -270,7 +272,11 @@ class Sweep:
                 continue
             d = run_dir(self.out, self.plan, task, algo, lr, delay, seed)
             if (d / "DONE").is_file():  # finished but not in the rows file: record it, do not re-run
-                self._record(str(d), json.loads((d / "DONE").read_text()).get("seconds", math.nan))
+                done = json.loads((d / "DONE").read_text())
+                if done.get("ws_sha256") != self.ws[task]:  # another warm start's run: neither count nor overwrite it
+                    raise SystemExit(f"{d} finished from the warm start {done.get('ws_sha256')!r}, not this sweep's "
+                                     f"{self.ws[task]!r}: give the sweep another --out")  # fmt: skip
+                self._record(str(d), done.get("seconds", math.nan))
                 continue
             overrides = run_overrides(self.plan, task, algo, delay, seed, self.models[task], d, lr)
             jobs.append(((overrides, str(d)), d))

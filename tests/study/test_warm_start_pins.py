@@ -88,7 +88,8 @@ def test_rows_are_taken_from_the_pinned_weights_whatever_this_machine_builds(tmp
 
 def test_own_warm_start_runs_a_pinned_design_from_this_machines_build(tmp_path):
     """``--own-warm-start``: the design's cells count (and would run) from this machine's build and
-    its rows; without it the same build is refused, naming the pin."""
+    its rows; without it the plan counts the pin's rows and says the pinned weights are not here
+    (a run would stop: test_a_run_from_other_weights_than_the_pinned_ones_is_refused)."""
     import shutil
     import subprocess
     import sys
@@ -109,8 +110,10 @@ def test_own_warm_start_runs_a_pinned_design_from_this_machines_build(tmp_path):
     own = subprocess.run([*cli, "--own-warm-start"], capture_output=True, text=True, timeout=300)
     assert own.returncode == 0, own.stderr[-2000:]
     assert f"weights sha256 {POWERED_LONG_WARM_START[:16]}" in own.stdout and "1 finished rows" in own.stdout
+    # the plan alone builds nothing: the pin's rows (none here), and whether a run could start
     pinned = subprocess.run(cli, capture_output=True, text=True, timeout=300)
-    assert pinned.returncode != 0 and f"pins the weights sha256 {POWERED_WARM_START}" in pinned.stderr
+    assert pinned.returncode == 0 and "1 finished rows" not in pinned.stdout and "0 finished rows" in pinned.stdout
+    assert f"pinned, weights sha256 {POWERED_WARM_START[:16]}... (not shipped: a run rebuilds it or stops" in pinned.stdout
 
 
 def test_tables_of_other_weights_are_asked_for_by_their_hash(tmp_path):
@@ -139,3 +142,55 @@ def test_tables_of_other_weights_are_asked_for_by_their_hash(tmp_path):
     assert bad.returncode == 2 and f"--warm-start-sha256 '{'a' * 63}': expected a sha256" in bad.stderr
     run = sweep("--warm-start-sha256", other)
     assert run.returncode == 2 and "--warm-start-sha256: only with --table-only" in run.stderr
+
+
+def test_a_run_folder_of_other_weights_neither_counts_nor_is_overwritten(tmp_path):
+    """A finished run folder records its warm start in DONE: collect counts it only for the same
+    weights, and a sweep that finds one of other weights stops, naming it, instead of re-running
+    into it or recording it under its own hash."""
+    from sweep.plan import run_dir
+    from sweep.run import Sweep
+    from tests.study.test_sweep_table import _write_run
+
+    plan = _plan(warm_start_sha256={"long": "mine"})
+    d = run_dir(tmp_path, plan, "long", "gepo", 1e-4, "fix4", 0)
+    _write_run(d, {0: 0.3, 2: 0.4, 4: 0.5, 6: 0.6, 8: 0.7}, {s: 0.01 for s in range(1, 9)}, {s: 0.1 for s in range(1, 9)})
+    (d / "DONE").write_text(json.dumps({"seconds": 1.0, "ws_sha256": "theirs"}))
+    assert collect(tmp_path, plan, None, {}) == []
+    sweep = Sweep(plan, tmp_path, tmp_path / "rows.csv", {"long": "model"}, {"long": "mine"}, workers=1)
+    with pytest.raises(SystemExit, match=r"finished from the warm start 'theirs', not this sweep's 'mine'"):
+        sweep._jobs_for([("long", "gepo", 1e-4, "fix4", 0)], set())
+    assert not (tmp_path / "rows.csv").exists()
+    (d / "DONE").write_text(json.dumps({"seconds": 1.0, "ws_sha256": "mine"}))
+    (got,) = collect(tmp_path, plan, None, {})
+    assert got["dir"] == d and got["lq_mean"] == pytest.approx(0.65)
+    assert sweep._jobs_for([("long", "gepo", 1e-4, "fix4", 0)], set()) == []  # recorded, not re-run
+    assert [r["ws_sha256"] for r in load_rows(tmp_path / "rows.csv")] == ["mine"]
+
+
+def test_joined_tables_name_each_designs_own_weights(tmp_path):
+    """--join: each design's tables say the weights its own rows ran from (the joined design's
+    study page named the main design's)."""
+    import subprocess
+    import sys
+
+    from sweep.plan import POWERED_WARM_START, design_id
+    from sweep.rows import rows_warm_start
+    from tests.study.conftest import REPO
+
+    assert rows_warm_start(Plan(**DESIGNS["powered_long"]), {"long": "this machine"}) == {"long": POWERED_LONG_WARM_START}
+    rows = tmp_path / "rows.csv"
+    for design, sha, steps in (("powered", POWERED_WARM_START, 200), ("powered_long", POWERED_LONG_WARM_START, 600)):
+        for delay in (0, DESIGNS[design]["delays"][-1]):
+            append_row(rows, {"task": "long", "algo": "gepo", "lr": 5e-5, "delay": delay, "seed": 0,
+                              "design_id": design_id(Plan(**DESIGNS[design])), "ws_sha256": sha, "steps": steps,
+                              "seconds": 1.0, "lq_mean": 0.5})  # fmt: skip
+    out = tmp_path / "o"
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "bench" / "delay_sweep.py"), "--design", "powered",
+                           "--join", "powered_long", "--algos", "gepo", "--lrs", "gepo=5e-5", "--table-only",
+                           "--no-figures", "--rows", str(rows), "--out", str(out)],
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert f"weights sha256 `{POWERED_WARM_START}`" in (out / "study_long.md").read_text()
+    assert f"weights sha256 `{POWERED_LONG_WARM_START}`" in (out / "powered_long" / "study_long.md").read_text()
+    assert "joined --design powered_long (id 5ca4cb33ca5b): 2 finished runs" in proc.stdout

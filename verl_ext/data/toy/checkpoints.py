@@ -2,7 +2,7 @@
 
 * :func:`warm_start` -- exactly N supervised steps from a seed (N per answer format by default,
   :data:`DEFAULT_WARM_START_STEPS`), saved as a normal HF folder and cached by its settings; the
-  same weights on any machine (same torch/transformers versions).
+  same weights at every build on one machine, not across CPUs (its docstring).
 * :func:`weights_sha256` -- the identity of a model folder's weights.
 * :func:`resolve_toy_model` -- the model both engines train for the toy task: a given
   folder, else the toy task's warm start.
