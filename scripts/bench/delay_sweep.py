@@ -146,7 +146,8 @@ def main(argv: list[str] | None = None) -> int:
                         "pins (a new study: its rows carry this build's hash and never mix with the pinned rows)")  # fmt: skip
     p.add_argument("--warm-start-sha256", metavar="HEX",
                    help="with --table-only: tabulate the design's rows of these weights (sha256, 64 hex digits) instead "
-                        "of the ones it pins, e.g. powered_long's first start (docs/study_data/README.md)")  # fmt: skip
+                        "of the ones it pins, e.g. powered_long's first start (docs/study_data/README.md); --join designs keep "
+                        "their own")  # fmt: skip
     p.add_argument("--no-figures", action="store_true")
     a = p.parse_args(argv)
     if a.warm_start_sha256 is not None:
