@@ -86,17 +86,18 @@ from sweep.rows import collect, rows_warm_start  # noqa: E402
 from sweep.run import Sweep, warm_starts  # noqa: E402
 
 
-def lr_design_runs(plan: Plan, rows_path: Path, out: Path, ws: dict) -> tuple[Plan, list[dict]]:
-    """``plan.lr_design`` and its finished runs (its rows in the same rows file, same warm start)."""
-    source = _related(plan, plan.lr_design)
+def lr_design_runs(plan: Plan, rows_path: Path, out: Path, ws: dict, own: bool) -> tuple[Plan, list[dict]]:
+    """``plan.lr_design`` and its finished runs: its rows in the same rows file, of the weights it
+    pins (or, with ``own``, of this machine's build ``ws``)."""
+    source = _related(plan, plan.lr_design, own)
     return source, collect(out, source, rows_path, ws)
 
 
-def _related(plan: Plan, name: str, **kw) -> Plan:
-    """Design ``name`` with ``plan``'s methods and tasks, read with ``plan``'s warm-start policy:
-    its own pinned weights, or (``--own-warm-start``: ``plan`` pins none) this machine's build."""
+def _related(plan: Plan, name: str, own: bool, **kw) -> Plan:
+    """Design ``name`` with ``plan``'s methods and tasks: its rows are those of the weights it pins,
+    or with ``own`` (``--own-warm-start``) those of this machine's build."""
     other = Plan(**dict(DESIGNS[name], algos=list(plan.algos), tasks=list(plan.tasks)), **kw)
-    if not plan.warm_start_sha256:
+    if own:
         other.warm_start_sha256 = {}
     return other
 
@@ -153,9 +154,11 @@ def main(argv: list[str] | None = None) -> int:
     if a.warm_start_sha256 is not None:
         if not re.fullmatch(r"[0-9a-f]{64}", a.warm_start_sha256):
             p.error(f"--warm-start-sha256 {a.warm_start_sha256!r}: expected a sha256, 64 lowercase hex digits")
-        if not a.table_only or a.own_warm_start:
-            p.error("--warm-start-sha256: only with --table-only, and not with --own-warm-start (a run starts from "
-                    "the weights the design pins or from this machine's build)")  # fmt: skip
+        if not (a.table_only or a.plan_only) or a.own_warm_start:
+            p.error("--warm-start-sha256: only with --table-only or --plan-only, and not with --own-warm-start (a run "
+                    "starts from the weights the design pins or from this machine's build)")  # fmt: skip
+        if a.design == "legacy" or a.quick:
+            p.error(f"--warm-start-sha256: --design {'quick' if a.quick else a.design} has no pinned warm start")
     if a.update_doc and not a.update_doc.is_file():
         p.error(f"--update-doc {a.update_doc}: no such file")
     if a.join and not a.table_only:
@@ -200,12 +203,13 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TQDM_DISABLE", "1")
     models, ws = warm_starts(plan, a.cache_dir, table_only=a.table_only or a.plan_only)
     # a design that takes its rates from another also takes its first estimate from that one's runs
-    reference = lr_design_runs(plan, rows_path, out, ws) if plan.lr_design else None
+    reference = lr_design_runs(plan, rows_path, out, ws, a.own_warm_start) if plan.lr_design else None
     if reference is not None:
         missing = rates_from_design(plan, reference)
         if missing and not a.table_only:
             p.exit(2, f"{p.prog}: error: --design {plan.design} takes its rates from --design {plan.lr_design}'s stage 1, "
-                      f"which has no chosen rate yet for {', '.join(missing)} in {rows_path}: run that design first "
+                      f"which has no chosen rate yet for {', '.join(missing)} in {rows_path} (counting its rows of the "
+                      f"weights {rows_warm_start(reference[0], ws)}): run that design first "
                       "(or pin them with --lrs ALGO=LR)\n")  # fmt: skip
         (out / "plan.json").write_text(json.dumps({**asdict(plan), "design_id": design_id(plan)}, indent=1))
     sweep = Sweep(plan, out, rows_path, models, ws, a.workers, t0, reference=reference)
@@ -217,14 +221,15 @@ def main(argv: list[str] | None = None) -> int:
         sweep.run(done)
     per_run = sweep.finished()
     lr_table, chosen = choose_lrs(per_run, plan)
-    write_outputs(out, plan, per_run, figures=not a.no_figures, lr_table=lr_table, chosen=chosen, ws=ws)
+    write_outputs(out, plan, per_run, figures=not a.no_figures, lr_table=lr_table, chosen=chosen,
+                  ws=rows_warm_start(plan, ws))
     written = [out / f"study_{task}.md" for task in plan.tasks]
     if a.join:
         designs = [(plan, per_run, chosen)]
         for name in a.join:
-            other = _related(plan, name, extra=list(a.override))
+            other = _related(plan, name, a.own_warm_start, extra=list(a.override))
             if other.lr_design:
-                rates_from_design(other, lr_design_runs(other, rows_path, out, ws))
+                rates_from_design(other, lr_design_runs(other, rows_path, out, ws, a.own_warm_start))
             runs = collect(out / name, other, rows_path, ws)
             other_table, other_chosen = choose_lrs(runs, other)
             (out / name).mkdir(exist_ok=True)

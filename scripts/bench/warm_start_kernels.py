@@ -27,6 +27,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 
+#: the environment variables that choose torch's and MKL's kernels (the parent's are not inherited)
+KERNEL_VARIABLES = ("ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "MKL_CBWR")
 #: the settings tried: this CPU's defaults, then torch's and MKL's kernels forced to other paths
 SETTINGS: list[dict[str, str]] = [
     {},
@@ -50,7 +52,8 @@ print(json.dumps({"sha256": info["weights_sha256"], "accuracy": info["accuracy"]
 
 def build(setting: dict[str, str], steps: int, answer_format: str) -> dict:
     """One warm start built under ``setting`` (environment variables) in a new process."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1", **setting}
+    inherited = {k: v for k, v in os.environ.items() if k not in KERNEL_VARIABLES}  # "defaults" means defaults
+    env = {**inherited, "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1", **setting}
     with tempfile.TemporaryDirectory() as cache:
         proc = subprocess.run([sys.executable, "-c", _BUILD, cache, str(steps), answer_format], env=env, cwd=REPO,
                               capture_output=True, text=True)  # fmt: skip

@@ -157,10 +157,16 @@ def dominance_markdown(rows: list[dict], not_run: list[str] = ()) -> str:
                      f"{_win_cell(r, not_run)} |")  # fmt: skip
     winners = [r["algo"] for r in rows if r["wins"]]
     pending = [r["algo"] for r in rows if r["wins_so_far"] and not r["complete"]]
+    # while a planned condition has no run, a method no other beats anywhere may still win there
+    unbeaten = [r["algo"] for r in rows if not r["significant_losses"] and not r["wins"]]
+    waiting = f"{', '.join(f'`{c}`' for c in not_run)} (planned) {'has' if len(not_run) == 1 else 'have'} no runs yet"
     if winners and not_run:
         answer = (f"**Answer: not decided yet.** On the conditions run so far {', '.join(winners)} "
-                  f"meet{'s' if len(winners) == 1 else ''} both conditions, but "
-                  f"{', '.join(f'`{c}`' for c in not_run)} (planned) has no runs yet.")  # fmt: skip
+                  f"meet{'s' if len(winners) == 1 else ''} both conditions, but {waiting}.")  # fmt: skip
+    elif not_run and unbeaten:
+        answer = (f"**Answer: not decided yet.** No method meets both conditions on the conditions run so far; "
+                  f"{', '.join(unbeaten)} {'is' if len(unbeaten) == 1 else 'are'} beaten by no other method so far, and "
+                  f"{waiting}.")  # fmt: skip
     elif winners:
         answer = f"**Answer: yes -- {', '.join(winners)}.**"
     elif pending:
@@ -179,10 +185,11 @@ def dominance_markdown(rows: list[dict], not_run: list[str] = ()) -> str:
 
 
 def _win_cell(row: dict, not_run) -> str:
-    """The winner table's last column: yes only when nothing planned is missing."""
+    """The winner table's last column: yes only when nothing planned is missing; not yet while a
+    planned condition has no run and no other method beats this one anywhere."""
     if row["wins"] and not not_run:
         return "**yes**"
-    if row["wins"]:
+    if row["wins"] or (not_run and not row["significant_losses"]):
         return "not yet (a condition not run)"
     return "not yet (incomplete)" if row["wins_so_far"] else "no"
 
@@ -262,7 +269,9 @@ def study_markdown(task: str, plan: Plan, per_run: list[dict], lr_table: list[di
     key = doc_key(task, plan)
     lines = [f"### Task `{task}` ({TASKS[task].answer_format} answers), design `{plan.design}` (id {design_id(plan)})", ""]
     if ws and task in ws:
-        lines += [f"Warm start: pinned, {plan.warm_start_steps} supervised steps, seed 0; weights sha256 `{ws[task]}`.", ""]
+        which = "pinned" if task in plan.warm_start_sha256 else "this machine's build (not pinned)"
+        lines += [f"Warm start: {which}, {plan.warm_start_steps} supervised steps, seed 0; weights sha256 `{ws[task]}`.",
+                  ""]  # fmt: skip
     lines += [f"{plan.steps} learner steps, {plan.prompts} prompts x G=8, evaluation every {plan.test_freq} steps on "
               f"{plan.eval_size} held-out problems (one sample each, temperature 1); a run's score = mean of its last "
               f"{plan.last_evals or 'quarter of'} evaluations. Intervals: 95% t over seeds, paired by seed.", ""]  # fmt: skip
@@ -314,7 +323,7 @@ def study_markdown(task: str, plan: Plan, per_run: list[dict], lr_table: list[di
     lines += ["", "**Is there a method whose drop is no larger than every other method's in every stale condition, "
               "and smaller than GRPO's (`grpo_paper`) in at least one?** (\"no larger\": not significantly larger, the "
               "95% interval of the paired difference of drops reaching 0 or below; \"smaller\": significantly smaller)", ""]
-    lines += doc_block(key, "winner", dominance_markdown(dominance))
+    lines += doc_block(key, "winner", dominance_markdown(dominance, _not_run(plan, mine)))
     lines += ["", "**Which loss for which staleness** (per stale condition: the highest mean score and the methods "
               "not significantly below it, paired by seed; the smallest drop and the methods whose drop is not "
               "significantly larger):", ""]  # fmt: skip
@@ -355,8 +364,7 @@ def joined_markdown(task: str, designs: list[tuple[Plan, list[dict], dict]]) -> 
         have, planned = len(_cells(part)), plan.main_runs_per_task()
         if have < planned:
             missing.append(f"{have} of {planned} planned runs of `{plan.design}`")
-        ran = {condition_key(r["delay"]) for r in part}
-        not_run += [str(d) for d in plan.delays if d != 0 and condition_key(d) not in ran]
+        not_run += _not_run(plan, part)
     parts = [p for p in parts if p]
     names = ", ".join(f"`{plan.design}` ({plan.steps} steps)" for plan, runs, _ in designs if runs)
     lines = [f"### Task `{task}`, every stale condition of {names}", "",
@@ -370,6 +378,12 @@ def joined_markdown(task: str, designs: list[tuple[Plan, list[dict], dict]]) -> 
                  "every verdict above, and a condition without rows is not in them at all.*" if missing else "")),
              ""]  # fmt: skip
     return "\n".join(lines)
+
+
+def _not_run(plan: Plan, runs: list[dict]) -> list[str]:
+    """The plan's stale conditions without a single run among ``runs``."""
+    ran = {condition_key(r["delay"]) for r in runs}
+    return [str(d) for d in plan.delays if d != 0 and condition_key(d) not in ran]
 
 
 def _cells(runs: list[dict]) -> set[tuple]:

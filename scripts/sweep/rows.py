@@ -77,8 +77,8 @@ def collect(out: Path, plan: Plan, rows_path: Path | None = None, ws: dict | Non
                     for seed in plan.seeds:
                         d = run_dir(out, plan, task, algo, lr, delay, seed)
                         key = (task, algo, float(lr), str(delay), seed)
-                        if key in found:
-                            found[key]["dir"] = d if d.is_dir() else None
+                        if key in found:  # the row's run folder, if this one is of the same weights
+                            found[key]["dir"] = d if d.is_dir() and _same_weights(d, ws.get(task)) else None
                         elif (d / "DONE").is_file() and (d / METRICS_FILE).is_file() and _same_weights(d, ws.get(task)):
                             found[key] = {"task": task, "algo": algo, "lr": float(lr), "delay": delay, "seed": seed,
                                           "dir": d, **run_numbers(read_metric_rows(d), plan.steps, plan.last_evals)}

@@ -49,11 +49,10 @@ def warm_start_path(task: str, cache_dir: str, steps: int) -> str:
 def warm_starts(plan: Plan, cache_dir: str, *, table_only: bool = False) -> tuple[dict[str, str], dict[str, str]]:
     """task -> warm start folder, task -> its weights' sha256, printed as they are ready. A plan
     without a pinned warm start (the legacy design, table-only) has none: ``({}, {})``, and its rows
-    are then not filtered by warm start. A design that pins its weights
-    (``plan.warm_start_sha256``) runs from the copy shipped in :data:`SHIPPED_WARM_STARTS`, else
-    from this machine's build if it has the same hash, else not at all (``SystemExit`` naming both
-    hashes); with ``table_only`` (tables or the plan, no run) it builds nothing and returns
-    ``({}, the pins)``."""
+    are then not filtered by warm start. A task the design pins (``plan.warm_start_sha256``) runs
+    from the copy shipped in :data:`SHIPPED_WARM_STARTS` if its hash is the pin, else from this
+    machine's build if that has it, else not at all (``SystemExit`` naming the hashes); with
+    ``table_only`` (tables or the plan, no run) a pinned task is not built: no folder, the pin."""
     from verl_ext.data.toy.checkpoints import weights_sha256
 
     if plan.warm_start_steps <= 0:
@@ -61,23 +60,29 @@ def warm_starts(plan: Plan, cache_dir: str, *, table_only: bool = False) -> tupl
               flush=True)  # fmt: skip
         return {}, {}
     pins = plan.warm_start_sha256
-    if table_only and all(t in pins for t in plan.tasks):
-        for t in plan.tasks:
-            where = "shipped" if (SHIPPED_WARM_STARTS / pins[t][:16]).is_dir() else "not shipped: a run rebuilds it or stops"
-            print(f"warm start {t}: pinned, weights sha256 {pins[t][:16]}... ({where}; nothing built)", flush=True)
-        return {}, {t: pins[t] for t in plan.tasks}
     models, ws = {}, {}
     for t in plan.tasks:
         shipped = SHIPPED_WARM_STARTS / pins[t][:16] if t in pins else None
-        models[t] = str(shipped) if shipped and shipped.is_dir() else warm_start_path(t, cache_dir, plan.warm_start_steps)
-        ws[t] = weights_sha256(models[t])
+        shipped_sha = weights_sha256(shipped) if shipped is not None and shipped.is_dir() else None
+        if t in pins and table_only:
+            where = "shipped" if shipped_sha == pins[t] else "not shipped: a run rebuilds it or stops"
+            print(f"warm start {t}: pinned, weights sha256 {pins[t][:16]}... ({where}; nothing built)", flush=True)
+            ws[t] = pins[t]
+            continue
+        if shipped_sha is not None and shipped_sha == pins[t]:
+            models[t], ws[t] = str(shipped), shipped_sha
+        else:
+            models[t] = warm_start_path(t, cache_dir, plan.warm_start_steps)
+            ws[t] = weights_sha256(models[t])
         print(f"warm start {t}: {models[t]} (weights sha256 {ws[t][:16]}...)", flush=True)
-        if t in pins and ws[t] != pins[t] and not table_only:
+        if t in pins and ws[t] != pins[t]:
+            copy = (f"the shipped copy {shipped} has {shipped_sha}" if shipped_sha is not None
+                    else f"{SHIPPED_WARM_STARTS} has no copy of it")  # fmt: skip
             raise SystemExit(
-                f"warm start of task {t!r}: --design {plan.design} pins the weights sha256 {pins[t]}, but "
-                f"{models[t]} has {ws[t]}. The same recipe gives other weights on another CPU (torch's CPU "
-                f"kernels sum in another order; docs/study.md) and {SHIPPED_WARM_STARTS} has no copy of the "
-                f"pinned one: this design's cells cannot be run here (--table-only tabulates its rows)")
+                f"warm start of task {t!r}: --design {plan.design} pins the weights sha256 {pins[t]}, but this "
+                f"machine's build {models[t]} has {ws[t]} (the same recipe gives other weights on another CPU: "
+                f"docs/study.md 1, Machines) and {copy}. This design's cells cannot be run here; --table-only "
+                f"tabulates its rows, --own-warm-start runs it as a new study from this machine's build")
     return models, ws
 
 
@@ -241,6 +246,9 @@ class Sweep:
     def run(self, done: list[dict]) -> None:
         """Stage 1, the learning-rate choice, stage 2; runs with a row in ``done`` are skipped."""
         plan = self.plan
+        for task in plan.tasks:  # before any run: a folder of another warm start under OUT stops the sweep now
+            for finished in sorted((self.out / "runs" / task).glob("*/*/*/DONE")):
+                self._done_record(finished.parent, task)
         jobs = self._jobs_for(self.stage1_cells(), _present(done))
         print(f"stage 1: {len(jobs)} runs ({self.workers} workers)", flush=True)
         run_jobs(jobs, self.workers, self.out, self.t0, self._record)
@@ -264,6 +272,15 @@ class Sweep:
         lr = float(rate) if rate else self.plan.lr
         append_row(self.rows_path, make_row(self.plan, task, algo, lr, delay, seed, d, self.ws[task], secs))
 
+    def _done_record(self, d: Path, task: str) -> dict:
+        """A finished run folder's ``DONE``; one of another warm start than this sweep's stops the
+        sweep, naming it (neither counted, nor recorded under this sweep's hash, nor run into)."""
+        done = json.loads((d / "DONE").read_text())
+        if done.get("ws_sha256") != self.ws[task]:
+            raise SystemExit(f"{d} finished from the warm start {done.get('ws_sha256')!r}, not this sweep's "
+                             f"{self.ws[task]!r}: give the sweep another --out")  # fmt: skip
+        return done
+
     def _jobs_for(self, cells: list[tuple], have: set) -> list[tuple]:
         """The jobs of the cells not yet run; a run finished but without a row gets its row now."""
         jobs = []
@@ -272,11 +289,7 @@ class Sweep:
                 continue
             d = run_dir(self.out, self.plan, task, algo, lr, delay, seed)
             if (d / "DONE").is_file():  # finished but not in the rows file: record it, do not re-run
-                done = json.loads((d / "DONE").read_text())
-                if done.get("ws_sha256") != self.ws[task]:  # another warm start's run: neither count nor overwrite it
-                    raise SystemExit(f"{d} finished from the warm start {done.get('ws_sha256')!r}, not this sweep's "
-                                     f"{self.ws[task]!r}: give the sweep another --out")  # fmt: skip
-                self._record(str(d), done.get("seconds", math.nan))
+                self._record(str(d), self._done_record(d, task).get("seconds", math.nan))
                 continue
             overrides = run_overrides(self.plan, task, algo, delay, seed, self.models[task], d, lr)
             jobs.append(((overrides, str(d)), d))

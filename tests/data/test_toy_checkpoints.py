@@ -2,6 +2,7 @@
 settings, cached by them, identified by its weights' sha256; per answer format a default step count."""
 
 import json
+import shutil
 import subprocess
 import sys
 import time
@@ -17,6 +18,7 @@ from verl_ext.data.toy.checkpoints import (
     WARM_START_INFO,
     default_warm_start_steps,
     warm_start,
+    warm_start_folder,
     weights_sha256,
 )
 from verl_ext.data.task_model import resolve_task_model
@@ -82,6 +84,14 @@ def test_pinned_warm_start_is_a_pure_function_of_its_settings(tmp_path):
     other = warm_start(tmp_path / "a", **{**TINY, "n_eval": 8})  # same weights, other record: own folder
     assert other != a and weights_sha256(other) == info["weights_sha256"]
     assert not list((tmp_path / "a").glob(".toy_add1-pin12-*-*"))  # no temporary folder left behind
+    # the folder a warm start of these settings lives in, known before it exists; a copy of pinned
+    # weights put there is used as is (how a study's shipped warm start reaches older code)
+    assert warm_start_folder(tmp_path / "a", **TINY) == a
+    assert warm_start_folder(tmp_path / "a", **{**TINY, "n_eval": 8}) == other
+    planted = warm_start_folder(tmp_path / "c", **TINY)
+    shutil.copytree(other, planted)
+    assert warm_start(tmp_path / "c", **TINY) == planted
+    assert json.loads((planted / WARM_START_INFO).read_text())["n_eval"] == 8  # the copy, not a new training
 
     # the recorded accuracy is toy_accuracy's on the documented problems and seed
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -155,7 +165,6 @@ def test_default_warm_starts_land_in_their_windows(tmp_path):
     scratch = warm_start(tmp_path, answer_format="scratchpad")
     info = json.loads((scratch / WARM_START_INFO).read_text())
     assert scratch.name.startswith("toy_add3_scratch-pin210-") and 0.1 <= info["accuracy"] <= 0.35, info
-    assert info["weights_sha256"] == weights_sha256(scratch)
     short = warm_start(tmp_path)
     info = json.loads((short / WARM_START_INFO).read_text())
     assert short.name.startswith("toy_add3-pin675-") and 0.3 <= info["accuracy"] <= 0.6, info

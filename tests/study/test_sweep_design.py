@@ -382,6 +382,22 @@ def test_joined_answer_is_not_yes_while_a_planned_condition_has_no_run():
            "(planned) has no runs yet." in waiting
 
 
+def test_an_unbeaten_method_is_not_a_no_while_a_planned_condition_has_no_run():
+    """No method beats GRPO on what ran, but two are beaten by none: a planned condition without
+    runs could still make one win, so neither the answer nor their rows say no."""
+    from sweep.analyse import dominance_rows
+    from sweep.render import dominance_markdown
+
+    drops = {("grpo_paper", "fix4"): 0.05, ("gepo_tc", "fix4"): 0.05, ("gepo", "fix4"): 0.20}
+    rows = dominance_rows(_drops_runs(drops))
+    assert "**Answer: no**" in dominance_markdown(rows)
+    md = dominance_markdown(rows, ["fix256"])
+    assert "**Answer: not decided yet.** No method meets both conditions on the conditions run so far; " \
+           "gepo_tc, grpo_paper are beaten by no other method so far, and `fix256` (planned) has no runs yet." in md
+    assert "| gepo | " in md and md.split("| gepo | ")[1].split("\n")[0].endswith("| no |")  # beaten: no, whatever runs
+    assert md.split("| gepo_tc | ")[1].split("\n")[0].endswith("| not yet (a condition not run) |")
+
+
 def test_join_is_refused_outside_table_only(tmp_path):
     cli = [sys.executable, str(REPO / "scripts" / "bench" / "delay_sweep.py"), "--design", "powered", "--join",
            "powered_long", "--out", str(tmp_path / "o")]  # fmt: skip

@@ -86,7 +86,7 @@ def test_rows_are_taken_from_the_pinned_weights_whatever_this_machine_builds(tmp
     assert [r["seed"] for r in collect(tmp_path, plan, rows, {"long": "this machine"})] == [1]
 
 
-def test_own_warm_start_runs_a_pinned_design_from_this_machines_build(tmp_path):
+def test_own_warm_start_counts_a_pinned_designs_cells_from_this_machines_build(tmp_path):
     """``--own-warm-start``: the design's cells count (and would run) from this machine's build and
     its rows; without it the plan counts the pin's rows and says the pinned weights are not here
     (a run would stop: test_a_run_from_other_weights_than_the_pinned_ones_is_refused)."""
@@ -100,7 +100,10 @@ def test_own_warm_start_runs_a_pinned_design_from_this_machines_build(tmp_path):
     cache = tmp_path / "cache"
     cache.mkdir()
     # the cache folder the recipe's settings name (the same on every machine), holding the shipped build
-    shutil.copytree(SHIPPED_WARM_STARTS / POWERED_LONG_WARM_START[:16], cache / "toy_add3_scratch-pin210-2f0ed5cb04b0")
+    from verl_ext.data.toy.checkpoints import warm_start_folder
+
+    shutil.copytree(SHIPPED_WARM_STARTS / POWERED_LONG_WARM_START[:16],
+                    warm_start_folder(cache, answer_format="scratchpad", steps=210))  # fmt: skip
     rows = tmp_path / "rows.csv"
     append_row(rows, {"task": "long", "algo": "gepo", "lr": 5e-5, "delay": 0, "seed": 0,
                       "design_id": design_id(Plan(**DESIGNS["powered"])), "ws_sha256": POWERED_LONG_WARM_START,
@@ -117,8 +120,8 @@ def test_own_warm_start_runs_a_pinned_design_from_this_machines_build(tmp_path):
 
 
 def test_tables_of_other_weights_are_asked_for_by_their_hash(tmp_path):
-    """``--table-only --warm-start-sha256 HEX``: the design's rows of those weights, not of its pin
-    (how powered_long's first start is tabulated); a malformed hash or a run is refused."""
+    """``--warm-start-sha256 HEX`` (tables or the plan): the design's rows of those weights, not of
+    its pin (how powered_long's first start is tabulated); a malformed hash or a run is refused."""
     import subprocess
     import sys
 
@@ -131,17 +134,17 @@ def test_tables_of_other_weights_are_asked_for_by_their_hash(tmp_path):
                       "design_id": design_id(Plan(**DESIGNS["powered_long"])), "ws_sha256": other, "steps": 600,
                       "seconds": 1.0, "lq_mean": 0.5})  # fmt: skip
     cli = [sys.executable, str(REPO / "scripts" / "bench" / "delay_sweep.py"), "--design", "powered_long", "--algos",
-           "gepo", "--lrs", "gepo=5e-5", "--rows", str(rows), "--out", str(tmp_path / "o"), "--plan-only"]  # fmt: skip
+           "gepo", "--lrs", "gepo=5e-5", "--rows", str(rows), "--out", str(tmp_path / "o")]  # fmt: skip
 
     def sweep(*extra):
         return subprocess.run([*cli, *extra], capture_output=True, text=True, timeout=300)
 
-    assert "; 1 finished rows" in sweep("--table-only", "--warm-start-sha256", other).stdout
-    assert "; 0 finished rows" in sweep("--table-only").stdout  # the pin's rows: none here
-    bad = sweep("--table-only", "--warm-start-sha256", "a" * 63)
+    assert "; 1 finished rows" in sweep("--plan-only", "--warm-start-sha256", other).stdout
+    assert "; 0 finished rows" in sweep("--plan-only").stdout  # the pin's rows: none here
+    bad = sweep("--plan-only", "--warm-start-sha256", "a" * 63)
     assert bad.returncode == 2 and f"--warm-start-sha256 '{'a' * 63}': expected a sha256" in bad.stderr
-    run = sweep("--warm-start-sha256", other)
-    assert run.returncode == 2 and "--warm-start-sha256: only with --table-only" in run.stderr
+    run = sweep("--warm-start-sha256", other)  # a run: refused before anything starts
+    assert run.returncode == 2 and "--warm-start-sha256: only with --table-only or --plan-only" in run.stderr
 
 
 def test_a_run_folder_of_other_weights_neither_counts_nor_is_overwritten(tmp_path):
@@ -193,4 +196,48 @@ def test_joined_tables_name_each_designs_own_weights(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert f"weights sha256 `{POWERED_WARM_START}`" in (out / "study_long.md").read_text()
     assert f"weights sha256 `{POWERED_LONG_WARM_START}`" in (out / "powered_long" / "study_long.md").read_text()
-    assert "joined --design powered_long (id 5ca4cb33ca5b): 2 finished runs" in proc.stdout
+    assert f"joined --design powered_long (id {design_id(Plan(**DESIGNS['powered_long']))}): 2 finished runs" in proc.stdout
+
+
+def test_tables_of_a_partly_pinned_plan_build_only_the_unpinned_task(tmp_path):
+    models, ws = warm_starts(_plan(tasks=["long", "short"], warm_start_sha256={"long": "0" * 64}), str(tmp_path),
+                             table_only=True)  # fmt: skip
+    assert set(models) == {"short"} and ws["long"] == "0" * 64 and ws["short"] == weights_sha256(models["short"])
+
+
+def test_a_shipped_copy_of_other_weights_is_not_used_and_said_so(tmp_path, monkeypatch):
+    """A shipped folder whose weights are not the pin (a corrupt or partial copy): the sweep falls
+    back to this machine's build and, as that is not the pin either, stops naming both."""
+    import shutil
+
+    import sweep.run
+
+    pin = "f" * 64
+    tiny = warm_starts(_plan(), str(tmp_path / "cache"))[0]["long"]
+    shipped = tmp_path / "shipped"
+    shutil.copytree(tiny, shipped / pin[:16])
+    monkeypatch.setattr(sweep.run, "SHIPPED_WARM_STARTS", shipped)
+    with pytest.raises(SystemExit, match=rf"the shipped copy {shipped / pin[:16]} has {weights_sha256(tiny)}"):
+        warm_starts(_plan(warm_start_sha256={"long": pin}), str(tmp_path / "cache"))
+
+
+def test_a_joined_design_keeps_its_pin_whatever_the_main_design_pins(tmp_path):
+    """--join reads each design's rows of the weights it pins, also beside a design without a pin
+    (legacy); only --own-warm-start reads them as this machine's build."""
+    import subprocess
+    import sys
+
+    from sweep.plan import POWERED_WARM_START, design_id
+    from tests.study.conftest import REPO
+
+    rows = tmp_path / "rows.csv"
+    for seed, sha in ((0, POWERED_WARM_START), (1, "another build")):
+        append_row(rows, {"task": "long", "algo": "gepo", "lr": 5e-5, "delay": 0, "seed": seed,
+                          "design_id": design_id(Plan(**DESIGNS["powered"])), "ws_sha256": sha, "steps": 200,
+                          "seconds": 1.0, "lq_mean": 0.5})  # fmt: skip
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "bench" / "delay_sweep.py"), "--design", "legacy",
+                           "--tasks", "long", "--algos", "gepo", "--table-only", "--join", "powered", "--no-figures",
+                           "--rows", str(rows), "--out", str(tmp_path / "o")],
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert f"joined --design powered (id {design_id(Plan(**DESIGNS['powered']))}): 1 finished runs" in proc.stdout

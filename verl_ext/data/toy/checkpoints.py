@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from verl_ext.data.toy.cache import cached_folder
+from verl_ext.data.toy.cache import cached_folder, settings_key
 from verl_ext.data.toy.model import new_toy_model
 from verl_ext.data.toy.problems import (
     check_answer_format,
@@ -38,6 +38,7 @@ __all__ = [
     "DEFAULT_WARM_START_STEPS",
     "default_warm_start_steps",
     "warm_start",
+    "warm_start_folder",
     "weights_sha256",
     "resolve_toy_model",
 ]
@@ -118,6 +119,31 @@ def warm_start(
         warmup_steps: optimizer steps of linear learning-rate warm-up.
         n_eval: held-out problems of the final evaluation (one sample each).
     """
+    name, settings = _pinned_settings(digits, steps, seed, answer_format, batch_size, lr, warmup_steps, n_eval)
+
+    def build(folder: Path) -> None:
+        with _one_thread_deterministic():
+            model, tok, info = _train(settings)
+        model.save_pretrained(folder)
+        tok.save_pretrained(folder)
+        info["weights_sha256"] = weights_sha256(folder)
+        (folder / WARM_START_INFO).write_text(json.dumps(info, indent=2) + "\n")
+
+    return cached_folder(cache_dir, name, settings, build, done_file=WARM_START_INFO)
+
+
+def warm_start_folder(cache_dir: str | os.PathLike, digits: int = 3, **kwargs: Any) -> Path:
+    """The folder :func:`warm_start` with the same arguments returns, built or not (its name is
+    the settings' key, the same on every machine): where a copy of pinned weights goes so that
+    ``warm_start`` uses it instead of training."""
+    name, settings = _pinned_settings(digits, **kwargs)
+    return Path(cache_dir) / f"{name}-{settings_key(settings)}"
+
+
+def _pinned_settings(digits: int = 3, steps: int | None = None, seed: int = 0, answer_format: str = "short",
+                     batch_size: int = 64, lr: float = 1e-3, warmup_steps: int = 50,
+                     n_eval: int = 256) -> tuple[str, dict]:  # fmt: skip
+    """(folder name stem, settings) of a warm start, every argument checked (:func:`warm_start`)."""
     digits = check_digits(digits)
     answer_format = check_answer_format(answer_format)
     steps = default_warm_start_steps(answer_format) if steps is None else steps
@@ -141,17 +167,7 @@ def warm_start(
         "n_eval": n_eval,
         "eval_temperature": 1.0,
     }
-
-    def build(folder: Path) -> None:
-        with _one_thread_deterministic():
-            model, tok, info = _train(settings)
-        model.save_pretrained(folder)
-        tok.save_pretrained(folder)
-        info["weights_sha256"] = weights_sha256(folder)
-        (folder / WARM_START_INFO).write_text(json.dumps(info, indent=2) + "\n")
-
-    name = f"{toy_data_source(digits, answer_format)}-pin{steps}"
-    return cached_folder(cache_dir, name, settings, build, done_file=WARM_START_INFO)
+    return f"{toy_data_source(digits, answer_format)}-pin{steps}", settings
 
 
 @contextlib.contextmanager
