@@ -43,8 +43,8 @@ weights (below).
 
 **Pinned weights.** The same warm-start recipe gives other weights on another CPU
 (``scripts/bench/warm_start_kernels.py``), so the designs with committed rows pin the weights they
-ran from (``Plan.warm_start_sha256``): ``powered_long`` runs from the copy shipped in
-``docs/study_data/warm_starts/``; ``powered``'s is not shipped, so its cells run only where the
+ran from (``Plan.warm_start_sha256``): ``powered_long`` runs from the copy the package ships
+(``verl_ext/data/toy/pinned/``); ``powered``'s is not shipped, so its cells run only where the
 recipe rebuilds it. Tables use the pin and build nothing. ``--own-warm-start`` runs and tabulates
 a design from this machine's build instead: a study of its own, whose rows carry that build's hash
 and never mix with the pinned ones; ``--table-only --warm-start-sha256 HEX`` tabulates a design's

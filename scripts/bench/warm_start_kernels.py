@@ -43,7 +43,7 @@ SETTINGS: list[dict[str, str]] = [
 _BUILD = """
 import json, sys, torch
 from verl_ext.data.toy.checkpoints import WARM_START_INFO, warm_start
-path = warm_start(sys.argv[1], steps=int(sys.argv[2]), answer_format=sys.argv[3])
+path = warm_start(sys.argv[1], steps=int(sys.argv[2]), answer_format=sys.argv[3], use_shipped=False)
 info = json.loads((path / WARM_START_INFO).read_text())
 print(json.dumps({"sha256": info["weights_sha256"], "accuracy": info["accuracy"],
                   "capability": torch.backends.cpu.get_cpu_capability()}))

@@ -91,9 +91,9 @@ class Plan:
     """task -> the weights sha256 (:func:`verl_ext.data.toy.checkpoints.weights_sha256`) of the
     warm start the design's committed rows ran from; empty: whatever this machine builds. The same
     recipe gives other weights on another CPU (torch's CPU kernels sum in a CPU-dependent order,
-    docs/study.md), so a pinned design runs from the copy shipped in
-    :data:`SHIPPED_WARM_STARTS` (or a local build with the same hash), tabulates with the pin
-    without building anything, and refuses to run from other weights."""
+    docs/study.md), so a pinned design runs only from a warm start with that hash (the package's
+    shipped copy, or a build that matches), tabulates with the pin without building anything, and
+    refuses to run from other weights."""
     last_evals: int = 0
     """a run's score (``lq_mean``): the mean of its last k evaluations; 0: of the evaluations at
     steps > 0.75 x steps (the legacy "last-quarter mean")."""
@@ -121,13 +121,12 @@ class Plan:
 
 #: supervised steps of the pinned warm start (seed 0) of the designs that run
 PINNED_WARM_START_STEPS = 210
-#: warm starts shipped with the repo, one folder per weights sha256 (its first 16 hex digits)
-SHIPPED_WARM_STARTS = Path(__file__).resolve().parents[2] / "docs" / "study_data" / "warm_starts"
 #: the weights the powered study's 200-step rows ran from (built on the machines of the earlier
 #: sessions; not shipped, and another CPU builds other weights: its rows are tabulated, its cells complete)
 POWERED_WARM_START = "e0af1dc20b526b76d0f350bab56dc6cb972a5514438cc30cbbebc7b48d6c7552"
 #: the weights every powered_long row runs from: the same recipe built on the machine of
-#: 2026-11-25, where the one above could not be rebuilt; shipped (SHIPPED_WARM_STARTS)
+#: 2026-11-25, where the one above could not be rebuilt; shipped with the package
+#: (verl_ext.data.toy.checkpoints.PINNED_WARM_STARTS), so warm_start() returns it on any machine
 POWERED_LONG_WARM_START = "8e41c3571dc7ea5e80fc02e1e01782d65dc2a5592dd1f6d71b964a24a80ef3f1"
 
 #: the 252-run sweep of docs/results_data/legacy_results.md: table-only (no warm start to run it from)

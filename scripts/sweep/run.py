@@ -16,7 +16,6 @@ from pathlib import Path
 
 from sweep.analyse import choose_lrs
 from sweep.plan import (
-    SHIPPED_WARM_STARTS,
     TASKS,
     Plan,
     condition_key,
@@ -50,9 +49,10 @@ def warm_starts(plan: Plan, cache_dir: str, *, table_only: bool = False) -> tupl
     """task -> warm start folder, task -> its weights' sha256, printed as they are ready. A plan
     without a pinned warm start (the legacy design, table-only) has none: ``({}, {})``, and its rows
     are then not filtered by warm start. A task the design pins (``plan.warm_start_sha256``) runs
-    from the copy shipped in :data:`SHIPPED_WARM_STARTS` if its hash is the pin, else from this
-    machine's build if that has it, else not at all (``SystemExit`` naming the hashes); with
-    ``table_only`` (tables or the plan, no run) a pinned task is not built: no folder, the pin."""
+    only from a warm start of that hash -- the package's shipped copy
+    (``verl_ext.data.toy.checkpoints.PINNED_WARM_STARTS``) or this machine's build -- else not at all
+    (``SystemExit`` naming both hashes); with ``table_only`` (tables or the plan, no run) a pinned
+    task is not resolved at all: no folder, the pin."""
     from verl_ext.data.toy.checkpoints import weights_sha256
 
     if plan.warm_start_steps <= 0:
@@ -62,27 +62,19 @@ def warm_starts(plan: Plan, cache_dir: str, *, table_only: bool = False) -> tupl
     pins = plan.warm_start_sha256
     models, ws = {}, {}
     for t in plan.tasks:
-        shipped = SHIPPED_WARM_STARTS / pins[t][:16] if t in pins else None
-        shipped_sha = weights_sha256(shipped) if shipped is not None and shipped.is_dir() else None
         if t in pins and table_only:
-            where = "shipped" if shipped_sha == pins[t] else "not shipped: a run rebuilds it or stops"
-            print(f"warm start {t}: pinned, weights sha256 {pins[t][:16]}... ({where}; nothing built)", flush=True)
+            print(f"warm start {t}: pinned, weights sha256 {pins[t][:16]}... (nothing built)", flush=True)
             ws[t] = pins[t]
             continue
-        if shipped_sha is not None and shipped_sha == pins[t]:
-            models[t], ws[t] = str(shipped), shipped_sha
-        else:
-            models[t] = warm_start_path(t, cache_dir, plan.warm_start_steps)
-            ws[t] = weights_sha256(models[t])
+        models[t] = warm_start_path(t, cache_dir, plan.warm_start_steps)
+        ws[t] = weights_sha256(models[t])
         print(f"warm start {t}: {models[t]} (weights sha256 {ws[t][:16]}...)", flush=True)
         if t in pins and ws[t] != pins[t]:
-            copy = (f"the shipped copy {shipped} has {shipped_sha}" if shipped_sha is not None
-                    else f"{SHIPPED_WARM_STARTS} has no copy of it")  # fmt: skip
             raise SystemExit(
-                f"warm start of task {t!r}: --design {plan.design} pins the weights sha256 {pins[t]}, but this "
-                f"machine's build {models[t]} has {ws[t]} (the same recipe gives other weights on another CPU: "
-                f"docs/study.md 1, Machines) and {copy}. This design's cells cannot be run here; --table-only "
-                f"tabulates its rows, --own-warm-start runs it as a new study from this machine's build")
+                f"warm start of task {t!r}: --design {plan.design} pins the weights sha256 {pins[t]}, but "
+                f"{models[t]} has {ws[t]} (not shipped with the package, so built here, and the same recipe gives "
+                f"other weights on another CPU: docs/study.md 1, Machines). This design's cells cannot be run here; "
+                f"--table-only tabulates its rows, --own-warm-start runs it as a new study from that warm start")
     return models, ws
 
 

@@ -1,5 +1,5 @@
 """A design's pinned warm start (``Plan.warm_start_sha256``): the same recipe gives other weights
-on another CPU, so the study's rows name the weights they ran from, the repo ships the copy the
+on another CPU, so the study's rows name the weights they ran from, the package ships the copy the
 unfinished design runs from, tables need no build, and a run from other weights is refused."""
 
 from __future__ import annotations
@@ -8,10 +8,13 @@ import json
 
 import pytest
 
-from sweep.plan import DESIGNS, POWERED_LONG_WARM_START, SHIPPED_WARM_STARTS, Plan
+from sweep.plan import DESIGNS, POWERED_LONG_WARM_START, Plan
 from sweep.rows import append_row, collect, load_rows
 from sweep.run import warm_starts
-from verl_ext.data.toy.checkpoints import WARM_START_INFO, weights_sha256
+from verl_ext.data.toy.checkpoints import PINNED_WARM_STARTS, warm_start_folder, weights_sha256
+
+#: the package's copy of the warm start powered_long pins (210 scratchpad steps, seed 0)
+SHIPPED_LONG = warm_start_folder(PINNED_WARM_STARTS, answer_format="scratchpad", steps=210)
 
 
 def _plan(**kw) -> Plan:
@@ -21,19 +24,9 @@ def _plan(**kw) -> Plan:
     return Plan(**{**base, **kw})
 
 
-def test_every_shipped_warm_start_is_named_by_its_weights_and_recipe():
-    """Each shipped folder: its name is its weights' hash, its record says the same hash, and it
-    is the recipe of the designs that pin it (210 scratchpad steps, 3 digits, seed 0)."""
-    folders = sorted(p for p in SHIPPED_WARM_STARTS.iterdir() if p.is_dir())
-    assert [f.name for f in folders] == [POWERED_LONG_WARM_START[:16]]
-    for folder in folders:
-        sha = weights_sha256(folder)
-        info = json.loads((folder / WARM_START_INFO).read_text())
-        assert sha.startswith(folder.name) and info["weights_sha256"] == sha
-        plan = Plan(**DESIGNS["powered_long"])
-        assert plan.warm_start_sha256 == {"long": sha}
-        assert {k: info["settings"][k] for k in ("steps", "digits", "seed", "answer_format")} == {
-            "steps": plan.warm_start_steps, "digits": 3, "seed": 0, "answer_format": "scratchpad"}
+def test_the_package_ships_the_weights_powered_long_pins():
+    assert weights_sha256(SHIPPED_LONG) == POWERED_LONG_WARM_START
+    assert Plan(**DESIGNS["powered_long"]).warm_start_steps == 210
 
 
 def test_the_designs_that_run_pin_their_weights_and_the_small_ones_build_their_own():
@@ -46,13 +39,13 @@ def test_the_designs_that_run_pin_their_weights_and_the_small_ones_build_their_o
 def test_a_pinned_design_runs_from_the_shipped_copy(tmp_path):
     plan = Plan(**DESIGNS["powered_long"])
     models, ws = warm_starts(plan, str(tmp_path / "cache"))
-    assert models == {"long": str(SHIPPED_WARM_STARTS / POWERED_LONG_WARM_START[:16])}
+    assert models == {"long": str(SHIPPED_LONG)}
     assert ws == {"long": POWERED_LONG_WARM_START}
     assert not (tmp_path / "cache").exists()  # nothing built
 
 
 def test_tables_of_a_pinned_design_build_nothing(tmp_path):
-    plan = Plan(**DESIGNS["powered"])  # its weights are not shipped: a run would have to build them
+    plan = Plan(**DESIGNS["powered"])  # its weights are not shipped: a run would stop
     models, ws = warm_starts(plan, str(tmp_path / "cache"), table_only=True)
     assert models == {} and ws == plan.warm_start_sha256
     assert not (tmp_path / "cache").exists()
@@ -87,23 +80,16 @@ def test_rows_are_taken_from_the_pinned_weights_whatever_this_machine_builds(tmp
 
 
 def test_own_warm_start_counts_a_pinned_designs_cells_from_this_machines_build(tmp_path):
-    """``--own-warm-start``: the design's cells count (and would run) from this machine's build and
-    its rows; without it the plan counts the pin's rows and says the pinned weights are not here
+    """``--own-warm-start``: the design's cells count (and would run) from the warm start this
+    checkout resolves (the package's copy) and its rows; without it the plan counts the pin's rows
     (a run would stop: test_a_run_from_other_weights_than_the_pinned_ones_is_refused)."""
-    import shutil
     import subprocess
     import sys
 
     from sweep.plan import POWERED_WARM_START, design_id
     from tests.study.conftest import REPO
 
-    cache = tmp_path / "cache"
-    cache.mkdir()
-    # the cache folder the recipe's settings name (the same on every machine), holding the shipped build
-    from verl_ext.data.toy.checkpoints import warm_start_folder
-
-    shutil.copytree(SHIPPED_WARM_STARTS / POWERED_LONG_WARM_START[:16],
-                    warm_start_folder(cache, answer_format="scratchpad", steps=210))  # fmt: skip
+    cache = tmp_path / "cache"  # stays empty: this checkout's warm start is the package's copy
     rows = tmp_path / "rows.csv"
     append_row(rows, {"task": "long", "algo": "gepo", "lr": 5e-5, "delay": 0, "seed": 0,
                       "design_id": design_id(Plan(**DESIGNS["powered"])), "ws_sha256": POWERED_LONG_WARM_START,
@@ -116,7 +102,8 @@ def test_own_warm_start_counts_a_pinned_designs_cells_from_this_machines_build(t
     # the plan alone builds nothing: the pin's rows (none here), and whether a run could start
     pinned = subprocess.run(cli, capture_output=True, text=True, timeout=300)
     assert pinned.returncode == 0 and "1 finished rows" not in pinned.stdout and "0 finished rows" in pinned.stdout
-    assert f"pinned, weights sha256 {POWERED_WARM_START[:16]}... (not shipped: a run rebuilds it or stops" in pinned.stdout
+    assert f"pinned, weights sha256 {POWERED_WARM_START[:16]}... (nothing built)" in pinned.stdout
+    assert not cache.exists() or not any(cache.iterdir())
 
 
 def test_tables_of_other_weights_are_asked_for_by_their_hash(tmp_path):
@@ -203,22 +190,6 @@ def test_tables_of_a_partly_pinned_plan_build_only_the_unpinned_task(tmp_path):
     models, ws = warm_starts(_plan(tasks=["long", "short"], warm_start_sha256={"long": "0" * 64}), str(tmp_path),
                              table_only=True)  # fmt: skip
     assert set(models) == {"short"} and ws["long"] == "0" * 64 and ws["short"] == weights_sha256(models["short"])
-
-
-def test_a_shipped_copy_of_other_weights_is_not_used_and_said_so(tmp_path, monkeypatch):
-    """A shipped folder whose weights are not the pin (a corrupt or partial copy): the sweep falls
-    back to this machine's build and, as that is not the pin either, stops naming both."""
-    import shutil
-
-    import sweep.run
-
-    pin = "f" * 64
-    tiny = warm_starts(_plan(), str(tmp_path / "cache"))[0]["long"]
-    shipped = tmp_path / "shipped"
-    shutil.copytree(tiny, shipped / pin[:16])
-    monkeypatch.setattr(sweep.run, "SHIPPED_WARM_STARTS", shipped)
-    with pytest.raises(SystemExit, match=rf"the shipped copy {shipped / pin[:16]} has {weights_sha256(tiny)}"):
-        warm_starts(_plan(warm_start_sha256={"long": pin}), str(tmp_path / "cache"))
 
 
 def test_a_joined_design_keeps_its_pin_whatever_the_main_design_pins(tmp_path):

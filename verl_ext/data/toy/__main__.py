@@ -1,5 +1,6 @@
-"""``python -m verl_ext.data.toy --cache-dir DIR [--digits 3] [--steps N] [--seed 0] [--answer-format short]``:
-train (or find in the cache) the pinned warm start, print its folder, accuracy, time and weights' sha256."""
+"""``python -m verl_ext.data.toy --cache-dir DIR [--digits 3] [--steps N] [--seed 0] [--answer-format short] [--train]``:
+find the pinned warm start (shipped with the package, or in the cache) or train it, and print its folder,
+accuracy, time and weights' sha256; ``--train`` trains even where the package ships one (this CPU's build)."""
 
 from __future__ import annotations
 
@@ -21,10 +22,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=None, help=f"optimizer steps (default per format: {defaults})")
     parser.add_argument("--seed", type=int, default=0, help="seed of init, data and evaluation")
     parser.add_argument("--answer-format", default="short", choices=ANSWER_FORMATS, help="short sums or scratchpad")
+    parser.add_argument("--train", action="store_true",
+                        help="train (or take from the cache) this machine's build even where the package ships one")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     t0 = time.monotonic()
-    path = warm_start(args.cache_dir, args.digits, steps=args.steps, seed=args.seed, answer_format=args.answer_format)
+    path = warm_start(args.cache_dir, args.digits, steps=args.steps, seed=args.seed, answer_format=args.answer_format,
+                      use_shipped=not args.train)  # fmt: skip
     info = json.loads((path / WARM_START_INFO).read_text())
     print(
         f"{path}\naccuracy {info['accuracy']:.3f}, {info['steps']} steps, training {info['seconds']:.1f} s wall / "

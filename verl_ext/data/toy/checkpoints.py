@@ -35,6 +35,7 @@ from verl_ext.data.toy.scoring import toy_accuracy
 
 __all__ = [
     "WARM_START_INFO",
+    "PINNED_WARM_STARTS",
     "DEFAULT_WARM_START_STEPS",
     "default_warm_start_steps",
     "warm_start",
@@ -47,18 +48,24 @@ logger = logging.getLogger(__name__)
 
 #: name of the json file warm_start writes next to the model (accuracy, settings, weights sha256)
 WARM_START_INFO = "warm_start.json"
+#: warm starts shipped with the package, each in the folder its settings name in a cache
+#: (:func:`warm_start_folder`): the defaults' weights, the same bytes on every machine, where a
+#: build depends on the CPU (:func:`warm_start`)
+PINNED_WARM_STARTS = Path(__file__).resolve().parent / "pinned"
 # bump when the training recipe changes, so old cache entries are not reused
 _RECIPE_VERSION = 1
 
 #: supervised steps of the default warm start per answer format, chosen on the default task
-#: (3 digits, seed 0; held-out sampled accuracy at temperature 1.0 on 256 problems):
-#: short: 675 steps -> 0.496 (weights sha256 99e9d828...), the middle of the steps 640-710 that all
-#: land in the 0.3-0.6 window of the earlier time-budgeted warm start; the bare 3-digit sum sits
-#: on a plateau below 2% through step 575 (0.004 at 210), then climbs to 0.45 by step 650.
-#: scratchpad: 210 steps -> 0.242 (weights sha256 e0af1dc2..., the study's 200-step warm start,
-#: docs/study.md; on another CPU other weights, e.g. 0.227, 8e41c357...); writing the columns out
-#: makes every digit a local function, learnt sooner.
-DEFAULT_WARM_START_STEPS = {"short": 675, "scratchpad": 210}
+#: (3 digits, seed 0; held-out sampled accuracy at temperature 1.0 on 256 problems); both ship
+#: with the package (:data:`PINNED_WARM_STARTS`), so every machine uses the same bytes:
+#: short: 850 steps -> 0.484 (weights sha256 5b6147d9...). The bare 3-digit sum sits on a plateau
+#: near 0 and leaves it at a step that depends on the CPU's kernels: on the earlier machines at
+#: ~575 (675 steps gave 0.496), on the machine of 2026-11-25 later (675: 0.004, 750: 0.051, 850:
+#: 0.484; ``python -m verl_ext.data.toy --cache-dir DIR --steps N``), hence 850, built there.
+#: scratchpad: 210 steps -> 0.227 (weights sha256 8e41c357..., powered_long's warm start; the
+#: study's 200-step conditions ran from another CPU's build, e0af1dc2..., 0.242, not shipped);
+#: writing the columns out makes every digit a local function, learnt sooner.
+DEFAULT_WARM_START_STEPS = {"short": 850, "scratchpad": 210}
 
 
 def default_warm_start_steps(answer_format: str = "short") -> int:
@@ -83,8 +90,9 @@ def warm_start(
     lr: float = 1e-3,
     warmup_steps: int = 50,
     n_eval: int = 256,
+    use_shipped: bool = True,
 ) -> Path:
-    """Supervised warm start of the tiny model; returns the cached HF folder.
+    """Supervised warm start of the tiny model; returns the cached HF folder, or the shipped one.
 
     Exactly ``steps`` AdamW steps (betas 0.9/0.98, no weight decay, linear learning-rate warm-up
     over ``warmup_steps`` steps then constant, gradient clip 1.0) on fresh random problems from
@@ -96,13 +104,15 @@ def warm_start(
     here, ``docs/study.md``; two threads ran 13x slower on a loaded machine). Another CPU may not:
     torch and MKL choose their kernels by the CPU's instruction set and sum in another order, and
     the training amplifies the last bits (``scripts/bench/warm_start_kernels.py``: other kernel
-    settings on one CPU, other weights each). A study that must be resumed elsewhere pins the
-    weights by hash and ships them (``scripts/sweep/plan.py``, ``Plan.warm_start_sha256``).
+    settings on one CPU, other weights each). So the warm starts everything here uses by default
+    ship with the package (:data:`PINNED_WARM_STARTS`, one folder per settings, named as in the
+    cache): with ``use_shipped`` (the default) a shipped folder of the same settings is returned
+    as it is, the same bytes on every machine; ``use_shipped=False`` trains (the recipe itself).
 
     The folder holds the model (safetensors), the tokenizer and :data:`WARM_START_INFO`
     (``accuracy``, ``steps``, ``seconds`` (wall, evaluation included), ``train_seconds``,
     ``cpu_seconds``, ``final_loss``, ``versions``, ``settings``, ``weights_sha256``). It lives at
-    ``cache_dir/<toy_data_source>-pin<steps>-<hash of the settings>`` (``toy_add3-pin675-...``,
+    ``cache_dir/<toy_data_source>-pin<steps>-<hash of the settings>`` (``toy_add3-pin850-...``,
     ``toy_add3_scratch-pin210-...``); a second call with the same settings returns it without
     training (a file lock serialises concurrent calls).
 
@@ -118,8 +128,12 @@ def warm_start(
         lr: AdamW peak learning rate.
         warmup_steps: optimizer steps of linear learning-rate warm-up.
         n_eval: held-out problems of the final evaluation (one sample each).
+        use_shipped: return the package's copy when it has one for these settings.
     """
     name, settings = _pinned_settings(digits, steps, seed, answer_format, batch_size, lr, warmup_steps, n_eval)
+    shipped = PINNED_WARM_STARTS / f"{name}-{settings_key(settings)}"
+    if use_shipped and (shipped / WARM_START_INFO).is_file():
+        return shipped
 
     def build(folder: Path) -> None:
         with _one_thread_deterministic():
