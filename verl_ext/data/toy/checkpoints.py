@@ -61,7 +61,7 @@ _RECIPE_VERSION = 1
 #: short: 850 steps -> 0.484 (weights sha256 5b6147d9...). The bare 3-digit sum sits on a plateau
 #: near 0 and leaves it at a step that depends on the CPU's kernels: on the earlier machines at
 #: ~575 (675 steps gave 0.496), on the machine of 2026-11-25 later (675: 0.004, 750: 0.051, 850:
-#: 0.484; ``python -m verl_ext.data.toy --cache-dir DIR --steps N``), hence 850, built there.
+#: 0.484; ``python -m verl_ext.data.toy --cache-dir DIR --steps N --train``), hence 850, built there.
 #: scratchpad: 210 steps -> 0.227 (weights sha256 8e41c357..., powered_long's warm start; the
 #: study's 200-step conditions ran from another CPU's build, e0af1dc2..., 0.242, not shipped);
 #: writing the columns out makes every digit a local function, learnt sooner.
