@@ -24,14 +24,18 @@ def method_styles(algos: list[str]) -> dict[str, dict]:
             for i, algo in enumerate(sorted(set(algos)))}  # fmt: skip
 
 
-def _figure(n_methods: int):
-    """A figure wide enough for a legend beside the axes (one line per method)."""
+def _method_figure(folder: Path, per_run: list[dict]):
+    """(fig, ax, methods, styles) of a figure with one series per method of ``per_run``: wide
+    enough for a legend beside the axes, ``folder`` created for it."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    return plt.subplots(figsize=(6 + (2.2 if n_methods > 1 else 0), 4))
+    folder.mkdir(parents=True, exist_ok=True)
+    algos = sorted({r["algo"] for r in per_run})
+    fig, ax = plt.subplots(figsize=(6 + (2.2 if len(algos) > 1 else 0), 4))
+    return fig, ax, algos, method_styles(algos)
 
 
 def _save_figure(fig, ax, path: Path) -> Path:
@@ -54,12 +58,9 @@ def staleness_figure(folder: Path, per_run: list[dict]) -> Path:
     apart; the x value is otherwise the realised mean."""
     from verl_ext.analysis.stats import paired_test
 
-    folder.mkdir(parents=True, exist_ok=True)
-    algos = sorted({r["algo"] for r in per_run})
-    styles = method_styles(algos)
+    fig, ax, algos, styles = _method_figure(folder, per_run)
     xs = [r.get("staleness", math.nan) for r in per_run]
     span = max((x for x in xs if math.isfinite(x)), default=0.0)
-    fig, ax = _figure(len(algos))
     for i, algo in enumerate(algos):
         dodge = 0.02 * span * ((i + 0.5) / len(algos) - 0.5)
         pts = []
@@ -121,10 +122,7 @@ def run_figures(out: Path, task: str, per_run: list[dict], log) -> None:
 def kl_variance_figure(folder: Path, per_run: list[dict]) -> Path:
     """IS-weight variance against KL(sampler || learner), one point a run, per method (log axes;
     on-policy runs, whose KL is ~0, sit at the left edge)."""
-    folder.mkdir(parents=True, exist_ok=True)
-    algos = sorted({r["algo"] for r in per_run})
-    styles = method_styles(algos)
-    fig, ax = _figure(len(algos))
+    fig, ax, algos, styles = _method_figure(folder, per_run)
     for algo in algos:
         pts = [(max(r["kl"], 1e-6), max(r["var"], 1e-6)) for r in per_run if r["algo"] == algo
                and math.isfinite(r.get("kl", math.nan)) and math.isfinite(r.get("var", math.nan))]  # fmt: skip
