@@ -4,7 +4,8 @@ start, steps and evaluation for all; designs from the 252-run legacy sweep to th
     .venv/bin/python scripts/bench/delay_sweep.py --out OUT [--design legacy|quick|powered|powered_long|dry]
         [--workers 2] [--tasks long] [--algos gepo gspo ...] [--delays 0 fix16 uni64 ...]
         [--seeds 0 1 2] [--steps N] [--lr LR] [--lrs gepo=1e-4 ...] [--rows PATH]
-        [--plan-only] [--table-only [--join DESIGN ...] [--warm-start-sha256 HEX]] [--own-warm-start]
+        [--plan-only] [--table-only [--join DESIGN ...] [--warm-start-sha256 HEX] [--replicate DESIGN=HEX ...]]
+        [--own-warm-start]
 
 This file is the command line; the sweep itself is the package ``scripts/sweep/`` (plan, run,
 rows, analyse, render, figures). Each run is composed by hydra from ``recipe/gepo/config``
@@ -48,7 +49,10 @@ ran from (``Plan.warm_start_sha256``): ``powered_long`` runs from the copy the p
 recipe rebuilds it. Tables use the pin and build nothing. ``--own-warm-start`` runs and tabulates
 a design from this machine's build instead: a study of its own, whose rows carry that build's hash
 and never mix with the pinned ones; ``--table-only --warm-start-sha256 HEX`` tabulates a design's
-rows of other weights (``powered_long``'s first start).
+rows of other weights (``powered_long``'s first start). ``--table-only --replicate DESIGN=HEX`` puts
+the design's drops from the weights HEX beside those from its pin, per stale condition both ran,
+with Spearman's rho of the methods' mean drops between the two (``replicate_<task>.md``, block
+``replicate``): whether the ranking holds on another build of the same recipe.
 
 **Learning rates** (designs with ``lr_grid``): stage 1 runs every algorithm on-policy at each rate
 of the grid for the ``lr_seeds``; the rule of ``sweep.analyse.choose_lrs`` picks one rate per
@@ -72,7 +76,7 @@ import os
 import re
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -81,7 +85,8 @@ for _path in (REPO, REPO / "scripts"):  # the repository's packages and the swee
         sys.path.insert(0, str(_path))
 from sweep.analyse import choose_lrs  # noqa: E402 -- after the path fix
 from sweep.plan import ALGOS, DESIGNS, TASKS, Plan, design_id, normalize_condition  # noqa: E402
-from sweep.render import joined_markdown, update_doc, write_outputs  # noqa: E402
+from sweep.analyse import main_runs  # noqa: E402
+from sweep.render import joined_markdown, replicate_markdown, update_doc, write_outputs  # noqa: E402
 from sweep.rows import collect, rows_warm_start  # noqa: E402
 from sweep.run import Sweep, warm_starts  # noqa: E402
 
@@ -100,6 +105,24 @@ def _related(plan: Plan, name: str, own: bool, **kw) -> Plan:
     if own:
         other.warm_start_sha256 = {}
     return other
+
+
+def _replicate(out: Path, plan: Plan, per_run: list[dict], chosen: dict, sha: str, rows_path: Path,
+               ws: dict) -> list[Path]:  # fmt: skip
+    """``OUT/replicate_<task>.md``: ``plan``'s drops from its pinned weights (``per_run``) beside
+    those of its rows and run folders from the weights ``sha``, each at the rates ``plan`` chose."""
+    other = replace(plan, warm_start_sha256={t: sha for t in plan.tasks})
+    theirs = collect(out, other, rows_path, ws)
+    _, their_chosen = choose_lrs(theirs, other)
+    ours, theirs = main_runs(per_run, plan, chosen), main_runs(theirs, other, their_chosen)
+    print(f"--replicate {plan.design}: {len(theirs)} runs from the weights {sha[:16]}...", flush=True)
+    paths = []
+    for task in plan.tasks:
+        text = replicate_markdown(task, plan, ours, theirs, rows_warm_start(plan, ws)[task], sha)
+        paths.append(out / f"replicate_{task}.md")
+        paths[-1].write_text(text + "\n")
+        print("\n" + text, flush=True)
+    return paths
 
 
 def rates_from_design(plan: Plan, reference: tuple[Plan, list[dict]]) -> list[str]:
@@ -149,8 +172,21 @@ def main(argv: list[str] | None = None) -> int:
                    help="with --table-only: tabulate the design's rows of these weights (sha256, 64 hex digits) instead "
                         "of the ones it pins, e.g. powered_long's first start (docs/study_data/README.md); --join designs keep "
                         "their own")  # fmt: skip
+    p.add_argument("--replicate", nargs="+", default=[], metavar="DESIGN=HEX",
+                   help="with --table-only: DESIGN's (--design or a --join design) drops from the weights HEX (sha256) "
+                        "beside those from its pin, and Spearman's rho of the methods' drops between the two "
+                        "(replicate_<task>.md), e.g. powered_long=<its first start>")  # fmt: skip
     p.add_argument("--no-figures", action="store_true")
     a = p.parse_args(argv)
+    replicate = {}
+    for item in a.replicate:
+        name, _, sha = item.partition("=")
+        if name not in [a.design, *a.join] or not re.fullmatch(r"[0-9a-f]{64}", sha):
+            p.error(f"--replicate {item!r}: expected DESIGN=HEX, DESIGN --design or a --join design "
+                    f"({', '.join([a.design, *a.join])}), HEX a sha256 (64 lowercase hex digits)")  # fmt: skip
+        replicate[name] = sha
+    if replicate and not a.table_only:
+        p.error("--replicate: only with --table-only (it tabulates rows, runs nothing)")
     if a.warm_start_sha256 is not None:
         if not re.fullmatch(r"[0-9a-f]{64}", a.warm_start_sha256):
             p.error(f"--warm-start-sha256 {a.warm_start_sha256!r}: expected a sha256, 64 lowercase hex digits")
@@ -224,6 +260,8 @@ def main(argv: list[str] | None = None) -> int:
     write_outputs(out, plan, per_run, figures=not a.no_figures, lr_table=lr_table, chosen=chosen,
                   ws=rows_warm_start(plan, ws))
     written = [out / f"study_{task}.md" for task in plan.tasks]
+    if plan.design in replicate:
+        written += _replicate(out, plan, per_run, chosen, replicate[plan.design], rows_path, ws)
     if a.join:
         designs = [(plan, per_run, chosen)]
         for name in a.join:
@@ -238,6 +276,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"joined --design {name} (id {design_id(other)}): {len(runs)} finished runs", flush=True)
             designs.append((other, runs, other_chosen))
             written += [out / name / f"study_{task}.md" for task in plan.tasks]
+            if name in replicate:
+                written += _replicate(out / name, other, runs, other_chosen, replicate[name], rows_path, ws)
         for task in plan.tasks:
             (out / f"study_{task}_joined.md").write_text(joined_markdown(task, designs))
             written.append(out / f"study_{task}_joined.md")

@@ -92,6 +92,35 @@ def paired_drops(per_run: list[dict]) -> dict[tuple, list[float]]:
     return drops
 
 
+def replicate_rows(this: list[dict], other: list[dict]) -> list[dict]:
+    """Does the ranking of the methods' drops hold on another draw of the warm start? Per (task,
+    stale condition) that both ``this`` and ``other`` (the same design's runs from two warm starts)
+    ran: each method's mean drop (paired by seed within its own start) and seed count from each,
+    and Spearman's rho between the two over the methods with drops from both (NaN, p NaN, with
+    fewer than 3).
+
+    Returns one dict per (task, condition), sorted: ``task``, ``delay``, ``methods`` (a list of
+    (algo, drop mean this, n this, drop mean other, n other), n = 0 and NaN where a start has no
+    drop), ``rho``, ``rho_p``, ``n_methods`` (the methods with drops from both)."""
+    ours, theirs = paired_drops(this), paired_drops(other)
+    rows = []
+    cells = {k[0::2] for k in ours} & {k[0::2] for k in theirs}  # (task, condition) of both starts
+    for task, delay in sorted(cells, key=lambda k: (k[0], condition_key(k[1]))):
+        methods = []
+        for algo in sorted({a for t, a, d in [*ours, *theirs] if (t, d) == (task, delay)}):
+            a, b = ours.get((task, algo, delay), []), theirs.get((task, algo, delay), [])
+            methods.append((algo, mean_std(a)[0], len(a), mean_std(b)[0], len(b)))
+        both = [(m[1], m[3]) for m in methods if m[2] and m[4]]
+        rho = p = math.nan
+        if len(both) >= 3:
+            from scipy import stats
+
+            result = stats.spearmanr([x for x, _ in both], [y for _, y in both])
+            rho, p = float(result.statistic), float(result.pvalue)
+        rows.append({"task": task, "delay": delay, "methods": methods, "rho": rho, "rho_p": p, "n_methods": len(both)})
+    return rows
+
+
 # what run_numbers returns, in the order of the per-run CSV
 RUN_KEYS = ("start", "best", "last", "lq_mean", "gap", "kl", "var", "weight_mean", "clipfrac", "staleness",
             "staleness_max", "err", "clipfrac_pos", "clipfrac_neg", "zero_grad_stale", "weight_right",

@@ -21,6 +21,7 @@ from sweep.analyse import (
     mean_std,
     realised_staleness,
     recommended,
+    replicate_rows,
     stability_rows,
     summarize,
     verdict_rows,
@@ -378,6 +379,26 @@ def joined_markdown(task: str, designs: list[tuple[Plan, list[dict], dict]]) -> 
                  "every verdict above, and a condition without rows is not in them at all.*" if missing else "")),
              ""]  # fmt: skip
     return "\n".join(lines)
+
+
+def replicate_markdown(task: str, plan: Plan, this: list[dict], other: list[dict], this_sha: str, other_sha: str) -> str:
+    """``plan``'s drops from its pinned warm start (``this``) beside those from another build of the
+    same recipe (``other``), per stale condition both ran, with Spearman's rho of the methods' mean
+    drops between the two (:func:`sweep.analyse.replicate_rows`): a block ``replicate`` of
+    ``doc_key(task, plan)``."""
+    rows = [r for r in replicate_rows(this, other) if r["task"] == task]
+    parts = []
+    for r in rows:
+        table = [f"| method | drop, `{this_sha[:8]}...` (seeds) | drop, `{other_sha[:8]}...` (seeds) |", "|---|---|---|"]
+        for algo, ours, n_ours, theirs, n_theirs in sorted(r["methods"], key=lambda m: (math.isnan(m[1]), m[1])):
+            table.append(f"| {algo} | {_ci(ours, math.nan, math.nan)} ({n_ours}) | {_ci(theirs, math.nan, math.nan)} ({n_theirs}) |")
+        rho = (f"Spearman's rho of the {r['n_methods']} methods' mean drops between the two warm starts: "
+               f"**{r['rho']:.2f}** (p {_p(r['rho_p'])})." if math.isfinite(r["rho"])
+               else f"Fewer than 3 methods have drops from both warm starts ({r['n_methods']}): no rho.")  # fmt: skip
+        parts += [f"`{r['delay']}` (sorted by the first column):", "", *table, "", rho, ""]
+    if not rows:
+        parts = ["No stale condition has drops from both warm starts."]
+    return "\n".join(doc_block(doc_key(task, plan), "replicate", "\n".join(parts).rstrip()))
 
 
 def _not_run(plan: Plan, runs: list[dict]) -> list[str]:
