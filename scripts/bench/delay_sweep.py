@@ -83,9 +83,8 @@ REPO = Path(__file__).resolve().parents[2]
 for _path in (REPO, REPO / "scripts"):  # the repository's packages and the sweep package
     if str(_path) not in sys.path:
         sys.path.insert(0, str(_path))
-from sweep.analyse import choose_lrs  # noqa: E402 -- after the path fix
+from sweep.analyse import choose_lrs, main_runs  # noqa: E402 -- after the path fix
 from sweep.plan import ALGOS, DESIGNS, TASKS, Plan, design_id, normalize_condition  # noqa: E402
-from sweep.analyse import main_runs  # noqa: E402
 from sweep.render import joined_markdown, replicate_markdown, update_doc, write_outputs  # noqa: E402
 from sweep.rows import collect, rows_warm_start  # noqa: E402
 from sweep.run import Sweep, warm_starts  # noqa: E402
