@@ -23,10 +23,13 @@ def test_dry_design_runs_rows_tables_and_resumes(tmp_path):
         rows = list(csv.DictReader(fh))
     assert len(rows) == 8  # stage 1: 2 (seed 0 on-policy); stage 2: 2 x 2 x 2 minus those 2
     plan = json.loads((tmp_path / "plan.json").read_text())
-    from verl_ext.data.toy.checkpoints import WARM_START_INFO
+    from sweep.run import warm_start_path
+    from verl_ext.data.toy.checkpoints import weights_sha256
 
-    ws = next(p for p in (REPO / ".cache" / "heterorl").glob(f"toy_add3_scratch-pin{plan['warm_start_steps']}-*"))
-    sha = json.loads((ws / WARM_START_INFO).read_text())["weights_sha256"]
+    # the folder the sweep ran from (the package's shipped copy, else its build in the default cache)
+    ws = warm_start_path("long", str(REPO / ".cache" / "heterorl"), plan["warm_start_steps"])
+    assert f"warm start long: {ws} " in proc.stdout
+    sha = weights_sha256(ws)
     assert {r["ws_sha256"] for r in rows} == {sha} and {r["design_id"] for r in rows} == {plan["design_id"]}
     stale = [r for r in rows if r["delay"] == "fix2"]
     assert stale and all(float(r["staleness_max"]) == 2.0 for r in stale)
