@@ -250,6 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     sweep = Sweep(plan, out, rows_path, models, ws, a.workers, t0, reference=reference)
     done = sweep.finished()
     print(sweep.outline(done), flush=True)
+    print(sweep.seed_progress(done), flush=True)
     if a.plan_only:
         return 0
     if not a.table_only:

@@ -235,6 +235,19 @@ class Sweep:
                 f"finished rows. Estimate: {total} runs x {per_run_s:.0f} s ({how}) / {self.workers} workers = "
                 f"{total * per_run_s / self.workers / 3600:.2f} h; outputs in {self.out}, rows in {self.rows_path}")  # fmt: skip
 
+    def seed_progress(self, done: list[dict]) -> str:
+        """Stage 2's finished runs per seed (``stage 2 by seed: 0 28/28, 1 8/28, ...``), of the
+        methods with a rate: a seed complete in every condition is one more pair in every paired
+        comparison, so this says when an interim table gains a seed."""
+        _, chosen = choose_lrs(done, self.plan)
+        finished = {row_key(r) for r in done}
+        parts = []
+        for seed in self.plan.seeds:
+            cells = [c for c in self.stage2_cells(chosen) if c[4] == seed]
+            n = sum((c[0], c[1], float(c[2]), str(c[3]), c[4]) in finished for c in cells)
+            parts.append(f"{seed} {n}/{len(cells)}")
+        return "stage 2 by seed: " + ", ".join(parts)
+
     def run(self, done: list[dict]) -> None:
         """Stage 1, the learning-rate choice, stage 2; runs with a row in ``done`` are skipped."""
         plan = self.plan

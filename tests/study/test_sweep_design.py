@@ -521,6 +521,19 @@ def test_the_outline_counts_each_stage_2_run_left_once(tmp_path):
     assert "stage 2 (conditions x seeds) 7 runs to do of 12" in line
 
 
+def test_the_plan_says_how_far_each_seed_is(tmp_path):
+    """Per seed, stage 2's finished runs of the methods with a rate; a row of another rate or
+    method counts for nothing."""
+    plan = _plan(lrs={"gepo": 1e-4, "grpo_paper": 1e-4})
+    rows = [{"task": "long", "algo": algo, "lr": 1e-4, "delay": delay, "seed": 0, "lq_mean": 0.5, "dir": None}
+            for algo in ("gepo", "grpo_paper") for delay in (0, "fix4")]  # fmt: skip
+    rows.append({"task": "long", "algo": "gepo", "lr": 1e-4, "delay": 0, "seed": 1, "lq_mean": 0.5, "dir": None})
+    rows.append({"task": "long", "algo": "gepo", "lr": 2e-4, "delay": "fix4", "seed": 1, "lq_mean": 0.5, "dir": None})
+    rows.append({"task": "long", "algo": "gspo", "lr": 1e-4, "delay": 0, "seed": 2, "lq_mean": 0.5, "dir": None})
+    sweep = Sweep(plan, tmp_path, tmp_path / "rows.csv", {"long": "x"}, {"long": "h"}, workers=2)
+    assert sweep.seed_progress(rows) == "stage 2 by seed: 0 4/4, 1 1/4, 2 0/4"
+
+
 def test_powered_design_meets_the_issue_minimums():
     """Issue 13 item 4: >= 512 evaluation problems, >= 5 evaluations averaged, >= 5 seeds, >= 200
     steps; item 2: conditions 0, 4, 16, 64 with fixed and uniform staleness."""
