@@ -51,6 +51,7 @@ if [ -n "$running" ] && [ "$MODE" = run ]; then
 fi
 
 if [ ! -d "$WT" ]; then
+  git -C "$REPO" worktree prune  # a registration left by a worktree whose folder is gone blocks the add
   git -C "$REPO" worktree add --detach "$WT" "$COMMIT"
 fi
 have=$(git -C "$WT" rev-parse HEAD)
