@@ -97,6 +97,10 @@ def lr_design_runs(plan: Plan, rows_path: Path, out: Path, ws: dict, own: bool) 
     return source, collect(out, source, rows_path, ws)
 
 
+#: a weights hash as the rows file and --warm-start-sha256 / --replicate take it
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
 def _related(plan: Plan, name: str, own: bool, **kw) -> Plan:
     """Design ``name`` with ``plan``'s methods and tasks: its rows are those of the weights it pins,
     or with ``own`` (``--own-warm-start``) those of this machine's build."""
@@ -180,14 +184,14 @@ def main(argv: list[str] | None = None) -> int:
     replicate = {}
     for item in a.replicate:
         name, _, sha = item.partition("=")
-        if name not in [a.design, *a.join] or not re.fullmatch(r"[0-9a-f]{64}", sha):
+        if name not in [a.design, *a.join] or not _SHA256.fullmatch(sha):
             p.error(f"--replicate {item!r}: expected DESIGN=HEX, DESIGN --design or a --join design "
                     f"({', '.join([a.design, *a.join])}), HEX a sha256 (64 lowercase hex digits)")  # fmt: skip
         replicate[name] = sha
     if replicate and not a.table_only:
         p.error("--replicate: only with --table-only (it tabulates rows, runs nothing)")
     if a.warm_start_sha256 is not None:
-        if not re.fullmatch(r"[0-9a-f]{64}", a.warm_start_sha256):
+        if not _SHA256.fullmatch(a.warm_start_sha256):
             p.error(f"--warm-start-sha256 {a.warm_start_sha256!r}: expected a sha256, 64 lowercase hex digits")
         if not (a.table_only or a.plan_only) or a.own_warm_start:
             p.error("--warm-start-sha256: only with --table-only or --plan-only, and not with --own-warm-start (a run "

@@ -175,6 +175,12 @@ def estimate_seconds(plan: Plan, done: list[dict], reference: Optional[tuple[Pla
         f"{SECONDS_PER_EVAL_PROBLEM} s (measured defaults, one worker, load ~4)")
 
 
+def _cell_key(cell: tuple) -> tuple:
+    """A (task, algo, lr, condition, seed) cell as the rows file keys it (:func:`sweep.rows.row_key`)."""
+    task, algo, lr, delay, seed = cell
+    return (task, algo, float(lr), str(delay), seed)
+
+
 @dataclass
 class Sweep:
     """A plan being run in ``out``: its finished runs, what is left to run, and the runs."""
@@ -223,7 +229,7 @@ class Sweep:
         n2_total = len(plan.tasks) * plan.main_runs_per_task()
         per_run_s, how = estimate_seconds(plan, [r for r in done if r.get("design_id") == design_id(plan)], self.reference)
         finished = {row_key(r) for r in done}
-        n2 = sum(1 for c in self.stage2_cells(chosen0) if (c[0], c[1], float(c[2]), str(c[3]), c[4]) not in finished)
+        n2 = sum(1 for c in self.stage2_cells(chosen0) if _cell_key(c) not in finished)
         # methods stage 1 has not chosen a rate for yet: all their cells, but the on-policy runs of
         # the lr seeds, which stage 1 makes at the rate it will choose
         unchosen = [x for x in plan.algos if multi_lr(plan) and x not in chosen0]
@@ -241,11 +247,11 @@ class Sweep:
         comparison, so this says when an interim table gains a seed."""
         _, chosen = choose_lrs(done, self.plan)
         finished = {row_key(r) for r in done}
+        cells = self.stage2_cells(chosen)
         parts = []
         for seed in self.plan.seeds:
-            cells = [c for c in self.stage2_cells(chosen) if c[4] == seed]
-            n = sum((c[0], c[1], float(c[2]), str(c[3]), c[4]) in finished for c in cells)
-            parts.append(f"{seed} {n}/{len(cells)}")
+            mine = [c for c in cells if c[4] == seed]
+            parts.append(f"{seed} {sum(_cell_key(c) in finished for c in mine)}/{len(mine)}")
         return "stage 2 by seed: " + ", ".join(parts)
 
     def run(self, done: list[dict]) -> None:
@@ -290,7 +296,7 @@ class Sweep:
         """The jobs of the cells not yet run; a run finished but without a row gets its row now."""
         jobs = []
         for task, algo, lr, delay, seed in cells:
-            if (task, algo, float(lr), str(delay), seed) in have:
+            if _cell_key((task, algo, lr, delay, seed)) in have:
                 continue
             d = run_dir(self.out, self.plan, task, algo, lr, delay, seed)
             if (d / "DONE").is_file():  # finished but not in the rows file: record it, do not re-run
