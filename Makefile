@@ -10,7 +10,7 @@ STAMP   = $(VENV)/.heterorl-installed
 ARGS   ?=
 PYTEST_ARGS ?=
 
-.PHONY: install demo test test-all bench verl-smoke verl-smoke-megatron clean-venv
+.PHONY: install demo test test-all bench results verl-smoke verl-smoke-megatron clean-venv
 
 install: $(STAMP)
 
@@ -53,6 +53,14 @@ verl-smoke-megatron: install
 
 bench: install
 	$(PY) scripts/bench/bench_losses.py
+
+# docs/results.md's tables from the committed study rows (no run; docs/study.md 8-9). The
+# --replicate hash is powered_long's first warm start, whose fix256 drops are set beside the pinned one's.
+FIRST_LONG_START = e0af1dc20b526b76d0f350bab56dc6cb972a5514438cc30cbbebc7b48d6c7552
+results: install
+	$(PY) scripts/bench/delay_sweep.py --design powered --join powered_long --out /tmp/study_tables \
+	    --rows docs/study_data/rows_powered.csv --table-only --update-doc docs/results.md \
+	    --replicate powered_long=$(FIRST_LONG_START)
 
 clean-venv:
 	rm -rf $(VENV)

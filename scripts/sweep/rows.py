@@ -17,8 +17,14 @@ from verl_ext.rundir import METRICS_FILE, read_metric_rows
 ROW_FIELDS = ("task", "algo", "lr", "delay", "seed", "design_id", "ws_sha256", "steps", "seconds", *RUN_KEYS)
 
 
+def cell_key(task: str, algo: str, lr, delay, seed) -> tuple:
+    """A (task, algo, lr, condition, seed) cell as the rows file keys it: the learning rate as a
+    float and the condition as a string, so ``5e-05`` and ``"5e-05"`` are one cell."""
+    return (task, algo, float(lr), str(delay), int(seed))
+
+
 def row_key(r: dict) -> tuple:
-    return (r["task"], r["algo"], float(r["lr"]), str(r["delay"]), int(r["seed"]))
+    return cell_key(r["task"], r["algo"], r["lr"], r["delay"], r["seed"])
 
 
 def _parse_row(raw: dict) -> dict:
@@ -76,7 +82,7 @@ def collect(out: Path, plan: Plan, rows_path: Path | None = None, ws: dict | Non
                 for delay in plan.delays:
                     for seed in plan.seeds:
                         d = run_dir(out, plan, task, algo, lr, delay, seed)
-                        key = (task, algo, float(lr), str(delay), seed)
+                        key = cell_key(task, algo, lr, delay, seed)
                         if key in found:  # the row's run folder, if this one is of the same weights
                             found[key]["dir"] = d if d.is_dir() and _same_weights(d, ws.get(task)) else None
                         elif (d / "DONE").is_file() and (d / METRICS_FILE).is_file() and _same_weights(d, ws.get(task)):

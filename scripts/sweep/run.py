@@ -25,7 +25,7 @@ from sweep.plan import (
     run_dir,
     run_overrides,
 )
-from sweep.rows import append_row, collect, make_row, row_key
+from sweep.rows import append_row, cell_key, collect, make_row, row_key
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG_DIR = REPO / "recipe" / "gepo" / "config"
@@ -175,12 +175,6 @@ def estimate_seconds(plan: Plan, done: list[dict], reference: Optional[tuple[Pla
         f"{SECONDS_PER_EVAL_PROBLEM} s (measured defaults, one worker, load ~4)")
 
 
-def _cell_key(cell: tuple) -> tuple:
-    """A (task, algo, lr, condition, seed) cell as the rows file keys it (:func:`sweep.rows.row_key`)."""
-    task, algo, lr, delay, seed = cell
-    return (task, algo, float(lr), str(delay), seed)
-
-
 @dataclass
 class Sweep:
     """A plan being run in ``out``: its finished runs, what is left to run, and the runs."""
@@ -229,7 +223,7 @@ class Sweep:
         n2_total = len(plan.tasks) * plan.main_runs_per_task()
         per_run_s, how = estimate_seconds(plan, [r for r in done if r.get("design_id") == design_id(plan)], self.reference)
         finished = {row_key(r) for r in done}
-        n2 = sum(1 for c in self.stage2_cells(chosen0) if _cell_key(c) not in finished)
+        n2 = sum(1 for c in self.stage2_cells(chosen0) if cell_key(*c) not in finished)
         # methods stage 1 has not chosen a rate for yet: all their cells, but the on-policy runs of
         # the lr seeds, which stage 1 makes at the rate it will choose
         unchosen = [x for x in plan.algos if multi_lr(plan) and x not in chosen0]
@@ -251,7 +245,7 @@ class Sweep:
         parts = []
         for seed in self.plan.seeds:
             mine = [c for c in cells if c[4] == seed]
-            parts.append(f"{seed} {sum(_cell_key(c) in finished for c in mine)}/{len(mine)}")
+            parts.append(f"{seed} {sum(cell_key(*c) in finished for c in mine)}/{len(mine)}")
         return "stage 2 by seed: " + ", ".join(parts)
 
     def run(self, done: list[dict]) -> None:
@@ -296,7 +290,7 @@ class Sweep:
         """The jobs of the cells not yet run; a run finished but without a row gets its row now."""
         jobs = []
         for task, algo, lr, delay, seed in cells:
-            if _cell_key((task, algo, lr, delay, seed)) in have:
+            if cell_key(task, algo, lr, delay, seed) in have:
                 continue
             d = run_dir(self.out, self.plan, task, algo, lr, delay, seed)
             if (d / "DONE").is_file():  # finished but not in the rows file: record it, do not re-run
