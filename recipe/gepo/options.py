@@ -5,8 +5,8 @@ A run executes in one of three ways (a *runner*): the embedded engine in replay 
 (``replay``), the embedded engine in async mode (``async``) or the verl engine (``verl``).
 
 - HeteroRL's own options are dataclass fields (``hetero:`` -> :class:`~recipe.gepo.sections.HeteroConfig`,
-  ``task:`` -> :class:`~recipe.gepo.local.tasks.TaskConfig`, ``verl_engine:`` ->
-  :class:`~recipe.gepo.verl_engine.config.VerlEngineConfig`). Each is declared with :func:`option`,
+  ``task:`` -> :class:`~recipe.gepo.sections.TaskConfig`, ``verl_engine:`` ->
+  :class:`~recipe.gepo.sections.VerlEngineConfig`). Each is declared with :func:`option`,
   which records, where the field is declared, the runners that honour it and what the others do
   instead.
 - verl's own keys (``actor_rollout_ref``, ``data``, ``trainer``, ``algorithm``, ...) are all
@@ -14,8 +14,11 @@ A run executes in one of three ways (a *runner*): the embedded engine in replay 
   Any other verl key whose value differs from the composed defaults (``gepo_trainer.yaml``) is
   refused by the embedded engine.
 
-:func:`check_options` is called once, at start, by both engines' validated constructors; it
-names the key, its value, the runner that would ignore it and the runners that honour it.
+:func:`check_section` (the project's sections) and :func:`check_verl_keys` (verl's keys) are called
+once, at start, by both engines' validated constructors; they name the key, its value, the runner
+that would ignore it and the runners that honour it. Within a section, a field that only one
+setting reads (a delay distribution's parameter, a task's data field) is refused under the others
+by the section's own validation (``recipe.gepo.sections``).
 """
 
 from __future__ import annotations
@@ -76,7 +79,8 @@ def _instead(field: dataclasses.Field, runner: str) -> str:
     return instead.get(runner, "") if isinstance(instead, dict) else instead
 
 
-def _field_default(field: dataclasses.Field) -> Any:
+def field_default(field: dataclasses.Field) -> Any:
+    """A dataclass field's default (its factory's product for a mutable one; MISSING if none)."""
     if field.default is not dataclasses.MISSING:
         return field.default
     if field.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
@@ -89,7 +93,7 @@ def option_fields(cls: type, prefix: str) -> Iterator[tuple[str, dataclasses.Fie
     the config dataclasses nested in it (``hetero.delay.*``)."""
     for f in dataclasses.fields(cls):
         key = f"{prefix}.{f.name}"
-        default = _field_default(f)
+        default = field_default(f)
         if dataclasses.is_dataclass(default) and not isinstance(default, type):
             yield from option_fields(type(default), key)
         else:

@@ -20,7 +20,7 @@ from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
-from recipe.gepo.options import ASYNC, EMBEDDED, EVERYWHERE, REPLAY, VERL, option
+from recipe.gepo.options import ASYNC, EMBEDDED, EVERYWHERE, REPLAY, VERL, field_default, option
 
 ENGINES = ("local", "verl")
 MODES = ("replay", "async")
@@ -55,20 +55,31 @@ class DelayConfig:
     trace_column: Optional[str] = None
     """trace: CSV column name, if the file is a CSV."""
 
+    # dist -> the fields it reads; any other field set away from its default is refused
+    _FIELDS_OF = {"none": (), "constant": ("value",), "uniform": ("low", "high", "integer"),
+                  "lognormal": ("low", "high", "confidence", "offset"),
+                  "weibull": ("low", "high", "confidence", "offset"), "trace": ("trace_path", "trace_column")}  # fmt: skip
+
     def model_params(self) -> dict[str, Any]:
         """Keyword arguments for ``make_delay_model(self.dist, **params)``."""
-        if self.dist in ("lognormal", "weibull"):
-            return {"low": self.low, "high": self.high, "confidence": self.confidence, "offset": self.offset}
-        if self.dist == "constant":
-            return {"value": self.value}
-        if self.dist == "uniform":
-            return {"low": self.low, "high": self.high, "integer": self.integer}
+        params = {name: getattr(self, name) for name in self._FIELDS_OF.get(self.dist, ())}
         if self.dist == "trace":
-            params: dict[str, Any] = {"path": self.trace_path}
-            if self.trace_column is not None:
-                params["column"] = self.trace_column
-            return params
-        return {}
+            params = {"path": self.trace_path, **({"column": self.trace_column} if self.trace_column is not None else {})}
+        return params
+
+    def check_fields(self, prefix: str = "hetero.delay") -> None:
+        """Refuse (ValueError naming ``prefix.field``) a field set away from its default that
+        ``dist`` does not read: it would be ignored."""
+        if self.dist not in self._FIELDS_OF:
+            return  # make_delay_model names the unknown dist
+        takes, defaults = self._FIELDS_OF[self.dist], DelayConfig()
+        for f in fields(self):
+            value, default = getattr(self, f.name), getattr(defaults, f.name)
+            if f.name != "dist" and f.name not in takes and value != default:
+                raise ValueError(
+                    f"{prefix}.{f.name}={value!r} is not read by {prefix}.dist={self.dist}, which takes "
+                    f"{', '.join(takes) or 'no parameters'}; leave it at its default {default!r} (a "
+                    f"hetero_delay preset may have set it)")  # fmt: skip
 
     def build(self):
         from verl_ext.hetero.delay import make_delay_model
@@ -345,6 +356,9 @@ class HeteroConfig:
         ):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"hetero.{name}={getattr(self, name)!r}; expected one of {allowed}")
+        if self.transport_url and self.transport != "fs":
+            raise ValueError(f"hetero.transport_url={self.transport_url!r} is read by hetero.transport=fs only "
+                             f"(hetero.transport={self.transport}): set hetero.transport=fs or leave the URL empty")  # fmt: skip
         if self.num_samplers < 1:
             raise ValueError(f"hetero.num_samplers={self.num_samplers} must be >= 1")
         if self.max_delay < 0:
@@ -390,6 +404,7 @@ class HeteroConfig:
         if (self.learner_ray_resources or self.sampler_ray_resources) and not self.ray_address:
             raise ValueError("hetero.learner_ray_resources / hetero.sampler_ray_resources place actors on the "
                              "nodes of a Ray cluster: set hetero.ray_address to join one")
+        self.delay.check_fields()
         try:
             self.delay.build()
         except ValueError as err:
@@ -482,13 +497,31 @@ class TaskConfig:
     own chat template) need the tokenizer: the verl engine applies it; the embedded engine renders
     prompts without one and refuses them at start."""
 
+    # task.name -> the fields only that task reads; set away from their defaults under the other
+    # task they would be ignored, so they are refused
+    _ONLY_FOR = {"toy_addition": ("digits", "answer_format", "warm_start_steps"),
+                 "math": ("model", "dataset", "dataset_options", "dataset_path", "eval_dataset",
+                          "eval_dataset_options", "template")}  # fmt: skip
+    # the fields that shape the data files a run writes from this section (the verl engine: only
+    # when data.train_files / val_files are not given)
+    DATA_FIELDS = ("digits", "answer_format", "eval_size", "dataset", "dataset_options", "dataset_path",
+                   "eval_dataset", "eval_dataset_options", "template")  # fmt: skip
+
+    def changed_fields(self, names) -> list[tuple[str, Any, Any]]:
+        """``(name, value, default)`` of the fields in ``names`` set away from their defaults."""
+        defaults = {f.name: field_default(f) for f in fields(self)}  # not TaskConfig(): it validates with this
+        return [(n, getattr(self, n), defaults[n]) for n in names if getattr(self, n) != defaults[n]]
+
     def __post_init__(self):
         if self.name not in TASKS:
             raise ValueError(f"task.name={self.name!r}; expected one of {TASKS}")
         if self.answer_format not in ("short", "scratchpad"):
             raise ValueError(f"task.answer_format={self.answer_format!r}; expected short | scratchpad")
-        if self.answer_format != "short" and self.name != "toy_addition":
-            raise ValueError("task.answer_format applies to task.name=toy_addition only")
+        for other in TASKS:
+            if other != self.name:
+                for key, value, default in self.changed_fields(self._ONLY_FOR[other]):
+                    raise ValueError(f"task.{key}={value!r} applies to task.name={other} only (task.name={self.name}); "
+                                     f"leave it at its default {default!r}")  # fmt: skip
         if self.diagnostics_every < 0 or self.diagnostics_samples < 1:
             raise ValueError(
                 f"task.diagnostics_every={self.diagnostics_every} must be >= 0 and "
@@ -500,9 +533,6 @@ class TaskConfig:
 
         if self.model not in ("", MODEL_NAME):
             raise ValueError(f"task.model={self.model!r}; expected '' (use actor_rollout_ref.model.path) or {MODEL_NAME!r}")
-        if self.model and self.name != "math":
-            raise ValueError(f"task.model={self.model!r} applies to task.name=math only "
-                             f"(task.name={self.name} trains its own model)")  # fmt: skip
         for key in ("dataset_options", "eval_dataset_options"):
             if not isinstance(getattr(self, key), dict):
                 raise ValueError(f"task.{key}={getattr(self, key)!r} must be a mapping of load_benchmark options")

@@ -107,6 +107,11 @@ def test_cli_without_preset_prints_one_paragraph_not_a_traceback():
     [
         ({"name": "math", "model": "llama-7b"}, "task.model='llama-7b'; expected '' .*'smollm2-135m-instruct'"),
         ({"model": "smollm2-135m-instruct"}, "applies to task.name=math only"),
+        ({"dataset": "gsm8k"}, r"task.dataset='gsm8k' applies to task.name=math only \(task.name=toy_addition\)"),
+        ({"template": "chat"}, "task.template='chat' applies to task.name=math only"),
+        ({"name": "math", "digits": 4}, r"task.digits=4 applies to task.name=toy_addition only \(task.name=math\)"),
+        ({"name": "math", "warm_start_steps": 5}, "task.warm_start_steps=5 applies to task.name=toy_addition only"),
+        ({"name": "math", "answer_format": "scratchpad"}, "task.answer_format='scratchpad' applies to task.name=toy_addition"),
         ({"name": "math", "dataset_options": ["split", "train"]}, "task.dataset_options=.* must be a mapping"),
         ({"name": "math", "eval_dataset_options": "test"}, "task.eval_dataset_options=.* must be a mapping"),
     ],
@@ -128,3 +133,28 @@ def test_dataset_options_reach_the_embedded_engines_task_and_chat_templates_are_
     assert TaskConfig.from_omegaconf({"name": "math", "dataset_options": None}).dataset_options == {}  # YAML null
     with pytest.raises(ValueError, match="template 'chat' applies the model's own chat template"):
         Task(TaskConfig(name="math", dataset="gsm8k", template="chat", eval_dataset="gsm8k", eval_size=1), seed=0)
+
+
+def test_a_given_model_path_with_warm_start_steps_is_refused(tmp_path):
+    """task.warm_start_steps makes the toy warm start; a given model folder is trained as is."""
+    from verl_ext.data.task_model import resolve_task_model
+
+    (tmp_path / "model").mkdir()
+    with pytest.raises(ValueError, match=r"task.warm_start_steps=3 sets the toy warm start's steps, but actor_rollout_ref.model.path="):
+        resolve_task_model(str(tmp_path / "model"), TaskConfig(warm_start_steps=3), seed=0)
+    assert resolve_task_model(str(tmp_path / "model"), TaskConfig(), seed=0) == str(tmp_path / "model")
+
+
+@pytest.mark.parametrize("estimator, needs", [("gae", "values"), ("remax", "reward_baselines"),
+                                              ("optimal_token_baseline", "old_log_probs")])
+def test_an_estimator_the_embedded_engine_cannot_feed_fails_at_start(estimator, needs):
+    """verl's registry has estimators that need a critic's values, reward baselines or recomputed
+    log-probs; the embedded engine refuses them at start, naming the inputs (not a TypeError at step 1)."""
+    from recipe.gepo.local.engine import check_registered
+    from recipe.gepo.local.rollout import unfed_advantage_inputs
+
+    with pytest.raises(ValueError, match=rf"algorithm.adv_estimator='{estimator}' needs \[.*'{needs}'"):
+        check_registered("gepo", estimator)
+    for usable in ("grpo", "bnpo", "rloo", "reinforce_plus_plus"):
+        assert unfed_advantage_inputs(usable) == []
+        check_registered("gepo", usable)

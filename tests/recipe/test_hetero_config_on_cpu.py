@@ -1,5 +1,6 @@
 """The hetero: section composes and validates; bad values fail before any work, naming the field."""
 
+import re
 from pathlib import Path
 
 import pytest
@@ -53,3 +54,34 @@ def test_bad_values_name_the_field(override, field):
 def test_unknown_key_is_named():
     with pytest.raises(ValueError, match="max_dealy"):
         hetero_from("+hetero.max_dealy=3")
+
+
+@pytest.mark.parametrize(
+    "overrides, key",
+    [
+        (["hetero.delay.dist=lognormal", "hetero.delay.integer=true"], "hetero.delay.integer=True"),
+        (["hetero.delay.dist=constant", "hetero.delay.value=4", "hetero.delay.offset=100"], "hetero.delay.offset=100"),
+        (["hetero.delay.dist=uniform", "hetero.delay.low=0", "hetero.delay.trace_path=x.csv"], "hetero.delay.trace_path='x.csv'"),
+        (["hetero.delay.dist=none", "hetero.delay.value=5"], "hetero.delay.value=5"),
+        (["hetero.delay.dist=constant", "hetero.delay.value=4", "hetero.delay.low=60"], "hetero.delay.low=60"),
+    ],
+)
+def test_a_delay_field_the_distribution_does_not_read_is_refused(overrides, key):
+    """A parameter of another distribution would be ignored: refused, naming it and what dist takes."""
+    with pytest.raises(ValueError, match=re.escape(key) + " is not read by hetero.delay.dist="):
+        hetero_from(*overrides)
+
+
+def test_each_distribution_takes_its_own_fields():
+    assert hetero_from("hetero.delay.dist=constant", "hetero.delay.value=4").delay.build().sample(
+        3, __import__("numpy").random.default_rng(0)).tolist() == [4.0, 4.0, 4.0]
+    uniform = hetero_from("hetero.delay.dist=uniform", "hetero.delay.low=0", "hetero.delay.high=3", "hetero.delay.integer=true")
+    draws = uniform.delay.build().sample(200, __import__("numpy").random.default_rng(0))
+    assert set(draws.tolist()) == {0.0, 1.0, 2.0, 3.0}
+    assert hetero_from("hetero.delay.dist=weibull", "hetero.delay.offset=1").delay.offset == 1
+
+
+def test_transport_url_needs_the_fs_transport():
+    with pytest.raises(ValueError, match=r"hetero.transport_url='/x' is read by hetero.transport=fs only \(hetero.transport=ray\)"):
+        hetero_from("hetero.transport=ray", "hetero.transport_url=/x")
+    assert hetero_from("hetero.transport=fs", "hetero.transport_url=/x").transport_url == "/x"

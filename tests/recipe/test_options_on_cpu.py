@@ -96,7 +96,7 @@ CASES = [
 
 @pytest.mark.parametrize("prefix, cls, key, field, runner", CASES, ids=[f"{c[2]}-{c[4]}" for c in CASES])
 def test_every_field_is_honoured_or_refused(prefix, cls, key, field, runner):
-    default = options._field_default(field)
+    default = options.field_default(field)
     value = other_value(field.name, default)
     assert value != default
     setting = _setting(cls, key, field, value)

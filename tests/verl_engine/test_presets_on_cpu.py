@@ -309,3 +309,62 @@ def test_a_missing_data_file_fails_at_start_naming_the_key_and_the_path(tmp_path
     with pytest.raises(VerlEngineConfigError, match=rf"data.{key}=.*{re.escape(str(missing))}"):
         run(cfg)
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        (["data.train_files=/d/train.parquet"], "data.train_files is given but data.val_files is empty"),
+        (["data.val_files=/d/val.parquet"], "data.val_files is given but data.train_files is empty"),
+        (["data.train_files=/d/train.parquet", "data.val_files=/d/val.parquet", "task.eval_size=64"],
+         "task.eval_size=64 shapes the data written from the task: section, but data.train_files"),
+        (["data.train_files=/d/train.parquet", "data.val_files=/d/val.parquet", "task.digits=4"], "task.digits=4 shapes"),
+    ],
+)
+def test_data_files_come_as_a_pair_and_make_the_task_data_fields_unused(overrides, match):
+    """The verl engine writes both data files from the task: section unless both are given: one given
+    file would be overwritten, and given files leave the section's data fields unread."""
+    with pytest.raises(VerlEngineConfigError, match=match):
+        validate(preset_cfg("cpu_toy", "hetero.engine=verl", *overrides))  # cpu_toy: both files "" (from task:)
+    validate(preset_cfg("cpu_toy", "hetero.engine=verl", "data.train_files=/d/t.parquet", "data.val_files=/d/v.parquet"))
+
+
+@pytest.mark.parametrize(
+    "key, value, source",
+    [
+        ("trainer.v1.sampler.max_off_policy_threshold", 12, "hetero.max_delay=8"),
+        ("trainer.v1.sampler.max_off_policy_strategy", "wait", "hetero.stale_policy=drop"),
+        ("trainer.v1.trainer_mode", "separate_async", "the verl engine's own trainer"),
+    ],
+)
+def test_a_verl_key_the_engine_derives_is_refused_unless_it_agrees(key, value, source):
+    """engine_settings sets these three from hetero:; another value would be overwritten silently."""
+    with pytest.raises(VerlEngineConfigError, match=rf"{re.escape(key)}={value!r}: the verl engine sets it to .* from {re.escape(source)}"):
+        validate(preset_cfg("qwen3_1p7b_fsdp", f"{key}={value}"))
+    # the value the engine derives passes, and so does the untouched default
+    validate(preset_cfg("qwen3_1p7b_fsdp", "hetero.max_delay=11", "trainer.v1.sampler.max_off_policy_threshold=12"))
+    validate(preset_cfg("qwen3_1p7b_fsdp"))
+
+
+def test_a_hub_model_id_reaches_verl_as_it_is(tmp_path):
+    """The GPU presets name hub models (Qwen/Qwen3-1.7B): verl's workers load them; a local folder
+    is resolved to its absolute path, and the toy task, whose data files are written with the
+    model's tokenizer here, needs a local one."""
+    from recipe.gepo.verl_engine.runner import resolve_task_files
+
+    files = [f"data.train_files={tmp_path / 't.parquet'}", f"data.val_files={tmp_path / 'v.parquet'}"]
+    cfg = preset_cfg("qwen3_1p7b_fsdp", *files, f"trainer.default_local_dir={tmp_path / 'run'}")
+    assert cfg.actor_rollout_ref.model.path == "Qwen/Qwen3-1.7B"
+    assert resolve_task_files(cfg).actor_rollout_ref.model.path == "Qwen/Qwen3-1.7B"
+    with pytest.raises(ValueError, match="'Qwen/Qwen3-1.7B' is a hub id, not a local folder: the toy task's data"):
+        resolve_task_files(preset_cfg("qwen3_1p7b_fsdp", "data.train_files=", "data.val_files="))
+    (tmp_path / "Qwen" / "Qwen3-1.7B").mkdir(parents=True)  # a local folder of that name wins
+    local = preset_cfg("qwen3_1p7b_fsdp", *files, "actor_rollout_ref.model.path=Qwen/Qwen3-1.7B")
+    import os
+
+    here = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        assert resolve_task_files(local).actor_rollout_ref.model.path == str(tmp_path / "Qwen" / "Qwen3-1.7B")
+    finally:
+        os.chdir(here)

@@ -262,8 +262,10 @@ class TraceDelay(DelayModel):
         values: the delays themselves, instead of ``path`` (exactly one of the two).
         order: ``"resample"`` draws i.i.d. from the measured values with the given rng (each
             sampler gets its own sequence); ``"sequential"`` replays them in file order, cycling,
-            starting at a position drawn from the rng.
-        scale: multiplies every value (e.g. 1e-3 for a trace in milliseconds).
+            starting at a position drawn from the rng -- within one ``sample(n, rng)`` call only:
+            :class:`DelaySchedule` (every engine and mode) refuses it. Python API (and the CLI's
+            ``--order``) only; ``hetero.delay`` has no key for it.
+        scale: multiplies every value (e.g. 1e-3 for a trace in milliseconds); Python API only.
     """
 
     name = "trace"
@@ -383,6 +385,12 @@ class DelaySchedule:
     """
 
     def __init__(self, model: DelayModel, seed: int = 0):
+        # one draw from a fresh rng per delay: a trace cannot be walked in file order here, and
+        # "sequential" would silently give exactly the draws of "resample"
+        if isinstance(model, TraceDelay) and model.order == "sequential":
+            raise ValueError("DelaySchedule: trace order='sequential' cannot replay the trace in file order: each "
+                             "delay is one draw from its own rng (seed, key, stream), which would give exactly the "
+                             "draws of order='resample'; use order='resample' (what hetero.delay.dist=trace runs)")  # fmt: skip
         self.model, self.seed = model, int(seed)
 
     def delay(self, key: int, stream: int = 0, speed_factor: float = 1.0) -> float:

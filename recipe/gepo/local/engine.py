@@ -88,6 +88,14 @@ def check_registered(loss_mode: str, adv_estimator: Any) -> None:
         )
     if name not in core_algos.ADV_ESTIMATOR_REGISTRY:
         raise ValueError(f"algorithm.adv_estimator={name!r} is not registered; known: {sorted(core_algos.ADV_ESTIMATOR_REGISTRY)}")
+    from recipe.gepo.local.rollout import unfed_advantage_inputs
+
+    unfed = unfed_advantage_inputs(name)
+    if unfed:
+        usable = sorted(n for n in core_algos.ADV_ESTIMATOR_REGISTRY if not unfed_advantage_inputs(n))
+        raise ValueError(f"algorithm.adv_estimator={name!r} needs {unfed}, which the embedded engine does not "
+                         f"compute (no critic, reward baselines or recomputed log-probs); it runs {usable}, "
+                         "and the verl engine runs verl's own (hetero.engine=verl)")  # fmt: skip
 
 
 @dataclass

@@ -42,6 +42,19 @@ def _parameters(fn: Callable) -> Mapping[str, inspect.Parameter]:
     return inspect.signature(fn).parameters  # read once per estimator: the learner calls this for every group
 
 
+ADVANTAGE_INPUTS = ("token_level_rewards", "response_mask", "index", "norm_adv_by_std_in_grpo", "config")
+"""What :func:`sequence_advantages` gives an estimator: rewards, masks and group ids (no critic
+values, reward baselines or log-probs)."""
+
+
+def unfed_advantage_inputs(name: str) -> list[str]:
+    """The required arguments of verl's estimator ``name`` that :func:`sequence_advantages` cannot
+    give (``gae`` needs ``values``, ``remax`` ``reward_baselines``, ...): empty when it can run."""
+    params = _parameters(get_adv_estimator_fn(name))
+    return [k for k, p in params.items() if p.default is inspect.Parameter.empty
+            and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) and k not in ADVANTAGE_INPUTS]  # fmt: skip
+
+
 def sequence_advantages(
     rewards: torch.Tensor, response_mask: torch.Tensor, uids: list[str], algorithm_config: Any
 ) -> torch.Tensor:

@@ -147,6 +147,21 @@ def _sampler_parallelism(cfg: DictConfig) -> dict[str, int]:
     return {"gpus": n_gpus, "tp": tp, "dp": dp, "pp": pp, "replicas": n_gpus // per_replica}
 
 
+def check_task_data(cfg: DictConfig, task) -> None:
+    """``data.train_files`` / ``val_files``: both empty (written from the ``task:`` section) or both
+    given (then the section's data fields, :attr:`TaskConfig.DATA_FIELDS`, would be ignored: refused)."""
+    train, val = cfg.data.get("train_files", None), cfg.data.get("val_files", None)
+    if bool(train) != bool(val):
+        given, missing = ("data.train_files", "data.val_files") if train else ("data.val_files", "data.train_files")
+        _fail(f"{given} is given but {missing} is empty: give both, or neither (then both are written "
+              f"from the task: section and a given one would be overwritten)")  # fmt: skip
+    if train:
+        for key, value, default in task.changed_fields(task.DATA_FIELDS):
+            _fail(f"task.{key}={value!r} shapes the data written from the task: section, but data.train_files "
+                  f"and data.val_files are given and used as they are: leave task.{key} at its default "
+                  f"{default!r} (a verl_preset may have set it) or the data files empty")  # fmt: skip
+
+
 def check_data_files(cfg: DictConfig) -> None:
     """Before training (not in a dry run: a cluster's files are not on the laptop that plans it):
     every local ``data.train_files`` / ``data.val_files`` entry must be a readable file, else
@@ -224,6 +239,8 @@ def validate(cfg: DictConfig) -> Validated:
     task = TaskConfig.from_omegaconf(cfg.task)
     check_section(task, "task", VERL)
     task.check_files()  # a math task's task.dataset_path is read when data.train_files is empty
+    check_task_data(cfg, task)
+    check_derived_keys(cfg, hetero)
 
     r = cfg.actor_rollout_ref.rollout
     if r.name not in ROLLOUT_BACKENDS:
@@ -360,6 +377,32 @@ def build_plan(cfg: DictConfig) -> str:
     return render(validate(cfg))
 
 
+def derived_keys(hetero: HeteroConfig) -> dict[str, Any]:
+    """verl's keys that :func:`engine_settings` sets from ``hetero:`` (and their values)."""
+    return {
+        "trainer.v1.trainer_mode": TRAINER_NAME,
+        "trainer.v1.sampler.max_off_policy_threshold": verl_threshold(hetero.max_delay),
+        "trainer.v1.sampler.max_off_policy_strategy": hetero.stale_policy,
+    }
+
+
+def check_derived_keys(cfg: DictConfig, hetero: HeteroConfig) -> None:
+    """A derived key (:func:`derived_keys`) left at its composed default or set to the derived value
+    passes; any other value would be overwritten by :func:`engine_settings`: refused, naming the
+    ``hetero`` key that sets it."""
+    from recipe.gepo.options import default_config
+
+    defaults = default_config()
+    source = {"trainer.v1.trainer_mode": "the verl engine's own trainer",
+              "trainer.v1.sampler.max_off_policy_threshold": f"hetero.max_delay={hetero.max_delay}",
+              "trainer.v1.sampler.max_off_policy_strategy": f"hetero.stale_policy={hetero.stale_policy}"}  # fmt: skip
+    for key, derived in derived_keys(hetero).items():
+        value = OmegaConf.select(cfg, key)
+        if value not in (derived, OmegaConf.select(defaults, key)):
+            _fail(f"{key}={value!r}: the verl engine sets it to {derived!r} from {source[key]}; "
+                  f"leave it unset and set the hetero key instead")  # fmt: skip
+
+
 def dry_run(cfg: DictConfig) -> None:
     """Validate ``cfg``, print the plan and return. Touches no GPU, starts nothing."""
     print(build_plan(cfg))
@@ -376,9 +419,8 @@ def engine_settings(cfg: DictConfig, ray_address: str | None = None) -> DictConf
     hetero = HeteroConfig.from_omegaconf(cfg.hetero)
     out = OmegaConf.create(OmegaConf.to_container(cfg, resolve=False))
     with open_dict(out):
-        out.trainer.v1.trainer_mode = TRAINER_NAME
-        out.trainer.v1.sampler.max_off_policy_threshold = verl_threshold(hetero.max_delay)
-        out.trainer.v1.sampler.max_off_policy_strategy = hetero.stale_policy
+        for key, value in derived_keys(hetero).items():
+            OmegaConf.update(out, key, value, force_add=True)
         ray_init = out.get("ray_kwargs", {}).get("ray_init", None)
         if ray_address and ray_init is not None:
             for key in ("num_cpus", "num_gpus"):

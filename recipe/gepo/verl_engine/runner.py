@@ -8,6 +8,7 @@ message instead of verl's ResourcePoolManager / NCCL errors.
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,15 @@ def require_gpus(cfg: DictConfig | None = None) -> int:
     )
 
 
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+
+def is_hub_id(model_path: str) -> bool:
+    """A model path that is no local file or folder but reads as a model hub id (``org/name``, e.g.
+    the GPU presets' ``Qwen/Qwen3-1.7B``): verl's workers load it from the hub themselves."""
+    return bool(HUB_ID.fullmatch(model_path)) and not Path(model_path).exists()
+
+
 def resolve_task_files(cfg: DictConfig) -> DictConfig:
     """Fill ``actor_rollout_ref.model.path`` and ``data.train_files/val_files`` from the ``task:``
     section when they are empty (the toy task: the same warm start as the embedded engine; a math
@@ -53,9 +63,17 @@ def resolve_task_files(cfg: DictConfig) -> DictConfig:
 
     out = OmegaConf.create(OmegaConf.to_container(cfg, resolve=False))
     task = TaskConfig.from_omegaconf(cfg.task)
-    model_path = resolve_task_model(str(cfg.actor_rollout_ref.model.path or ""), task, int(cfg.hetero.seed))
+    given = str(cfg.actor_rollout_ref.model.path or "")
+    if is_hub_id(given):
+        if task.name == "toy_addition" and not cfg.data.get("train_files", None):
+            raise ValueError(f"actor_rollout_ref.model.path={given!r} is a hub id, not a local folder: the toy "
+                             "task's data files are written with the model's tokenizer here, so give a local "
+                             "copy, or data.train_files / data.val_files")  # fmt: skip
+        model_path = given  # as verl's workers load it
+    else:
+        model_path = str(Path(resolve_task_model(given, task, int(cfg.hetero.seed))).resolve())
     with open_dict(out):
-        out.actor_rollout_ref.model.path = str(Path(model_path).resolve())
+        out.actor_rollout_ref.model.path = model_path
         if task.name == "toy_addition" and not cfg.data.get("train_files", None):  # "" in the cpu_toy preset
             assets = prepare_toy_assets(
                 Path(task.cache_dir) / "verl_toy",
