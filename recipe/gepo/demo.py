@@ -6,7 +6,9 @@ Warm-starts the toy model (cached after the first time), trains it with GEPO in 
 one learner and two sampler actors on Ray, weights reaching each sampler after a log-normal
 delay (seconds), a max tolerable staleness of 4 versions -- and prints held-out accuracy before
 and after, staleness, dropped groups, IS-weight variance and the learner's idle fraction.
-Any override (``algorithm_preset=grpo``, ``hetero.mode=replay``, ...) is applied on top.
+Any override (``algorithm_preset=grpo``, ``hetero.mode=replay``, ...) is applied on top. Under
+``hetero.mode=replay`` the demo leaves out its async-only settings (two samplers and their speed
+factors: replay has one in-process sampler) and its delays count learner steps, not seconds.
 """
 
 from __future__ import annotations
@@ -35,6 +37,18 @@ DEMO_OVERRIDES = [
     "trainer.default_local_dir=runs/demo",
     "task.eval_size=512",
 ]
+ASYNC_ONLY = ("hetero.num_samplers=", "hetero.sampler_speed_factors=")
+"""The demo's settings that replay mode refuses (it has one in-process sampler)."""
+
+
+def demo_config(argv: list[str]):
+    """The demo's overrides, then ``argv``'s, composed; the async-only ones left out in replay mode."""
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
+        cfg = compose(config_name="gepo_trainer", overrides=DEMO_OVERRIDES + list(argv))
+        if cfg.hetero.mode == "replay":
+            mine = [o for o in DEMO_OVERRIDES if not o.startswith(ASYNC_ONLY)]
+            cfg = compose(config_name="gepo_trainer", overrides=mine + list(argv))
+    return cfg
 
 
 def _fmt(value, spec: str = ".3f") -> str:
@@ -45,8 +59,7 @@ def main(argv: list[str]) -> int:
     from recipe.gepo.main_gepo import run
     from recipe.gepo.report import load_metrics, summarize
 
-    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
-        cfg = compose(config_name="gepo_trainer", overrides=DEMO_OVERRIDES + list(argv))
+    cfg = demo_config(argv)
     start = time.time()
     run(cfg)
     run_dir = Path(str(cfg.trainer.default_local_dir))
@@ -60,7 +73,7 @@ def main(argv: list[str]) -> int:
 
     rows = [
         ("algorithm (loss mode)", str(cfg.actor_rollout_ref.actor.policy_loss.loss_mode)),
-        ("mode / samplers", f"{cfg.hetero.mode} / {cfg.hetero.num_samplers}"),
+        ("mode / samplers", f"{cfg.hetero.mode} / {cfg.hetero.num_samplers if cfg.hetero.mode == 'async' else 1}"),
         ("learner steps", str(s["last_step"])),
         ("held-out accuracy before", _fmt(s["eval_first"])),
         ("held-out accuracy after", _fmt(s["eval_last"])),
