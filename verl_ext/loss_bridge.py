@@ -36,7 +36,8 @@ from verl.trainer.ppo.core_algos import agg_loss, get_policy_loss_fn, kl_penalty
 from verl_ext.algos import importance as iw
 from verl_ext.algos.diagnostics import importance_weight_stats, sampler_learner_kl
 from verl_ext.loss_config import loss_option
-from verl_ext.verl_losses import HETERORL_LOSS_MODES
+# sampler_kl_penalty lives with the losses: they add it themselves when verl's own ppo_loss calls them
+from verl_ext.verl_losses import HETERORL_LOSS_MODES, sampler_kl_penalty
 
 # verl's built-in losses whose importance weight is per sequence (length-normalised), not per token
 _SEQUENCE_LEVEL_BUILTINS = {"gspo", "geo_mean"}
@@ -146,19 +147,6 @@ def rollout_correction_settings(algorithm_config: Any) -> Optional[RolloutCorrec
     )  # fmt: skip
 
 
-def sampler_kl_penalty(
-    log_prob: torch.Tensor,
-    sampler_log_prob: torch.Tensor,
-    response_mask: torch.Tensor,
-    global_batch_info: Optional[dict] = None,
-) -> torch.Tensor:
-    """The paper's KL(sampler || learner) penalty: per-token k3 estimate, token-mean per sequence,
-    mean over sequences. Tensors [B, T] -> scalar (gradient through ``log_prob``).
-    ``global_batch_info`` (verl's) scales a micro-batch's share so micro-batch losses sum up."""
-    kl = iw.k3_sampler_learner_kl(log_prob, sampler_log_prob)
-    return agg_loss(loss_mat=kl, loss_mask=response_mask, loss_agg_mode="seq-mean-token-mean", **(global_batch_info or {}))
-
-
 def builtin_weight_stats(
     loss_mode: str, log_prob: torch.Tensor, old_log_prob: torch.Tensor, response_mask: torch.Tensor
 ) -> dict[str, float]:
@@ -248,6 +236,9 @@ def _policy_loss(
     extra = {}
     if getattr(loss_fn, "accepts_group_info", False):
         extra = {"group_log_denominator": group_log_denominator, "group_index": group_index}
+    if getattr(loss_fn, "adds_sampler_kl", False):
+        # compute_actor_loss adds the penalty for every loss, after the policy loss's own metrics
+        extra["add_sampler_kl"] = False
     pg_loss, metrics = loss_fn(
         old_log_prob=old_log_prob,
         log_prob=log_prob,

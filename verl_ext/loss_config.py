@@ -17,8 +17,9 @@ class HeteroPolicyLossConfig(PolicyLossConfig):
     """verl's ``PolicyLossConfig`` plus the hyper-parameters of HeteroRL's losses.
 
     Select it with ``actor_rollout_ref.actor.policy_loss._target_=verl_ext.loss_config.HeteroPolicyLossConfig``
-    (the recipe's presets do). verl's own losses ignore the extra fields, except
-    ``sampler_kl_coef``, which the project's loss bridge applies to every loss.
+    (the recipe's presets do). verl's own losses ignore the extra fields; a loss-specific one set
+    under a loss that does not read it is refused (:data:`LOSS_SPECIFIC_OPTIONS`).
+    ``sampler_kl_coef`` is the exception: the project's engines add it to every loss.
     """
 
     group_size: int = 0
@@ -26,8 +27,10 @@ class HeteroPolicyLossConfig(PolicyLossConfig):
     denominator or group index reaches the loss. 0 = unknown (GEPO then needs one of those)."""
 
     seq_reduction: str = "mean"
-    """Sequence log-probability used in sequence-level weights (GEPO, EqP, GEPO-adaptive).
-    "mean": length-normalised geometric mean, as the paper's code; "sum": full sequence."""
+    """Sequence log-probability in the group-expectation losses' weights and denominators: gepo,
+    eqp, gepo_adaptive, gepo_tr, gepo_tc (and the engines' GEPO denominators and E[A] diagnostic).
+    "mean": length-normalised geometric mean, as the paper's code; "sum": full sequence. verl's
+    gspo / geo_mean always length-normalise, topr has ``topr_reduction``: "sum" is refused there."""
 
     adaptive_kl_threshold: float = 0.002
     """gepo_adaptive: a sequence whose token-mean KL(sampler || learner) is below this uses p_i/q_i."""
@@ -59,7 +62,10 @@ class HeteroPolicyLossConfig(PolicyLossConfig):
 
     sampler_kl_coef: float = 0.0
     """Weight of the KL(sampler || learner) penalty (per-token k3, (p/q - 1) - log(p/q)) added to
-    the loss (the paper's runs: 0.005). 0 = off."""
+    the loss (the paper's runs: 0.005). 0 = off. The project's engines (loss bridge) add it to every
+    loss, verl's too; under verl's stock trainer (``verl.trainer.main_ppo``) only the project's
+    losses (:data:`verl_ext.verl_losses.HETERORL_LOSS_MODES`) add it, against the old_log_prob verl
+    passes them -- verl's own losses cannot see it there."""
 
     def __post_init__(self):
         parent = getattr(super(), "__post_init__", None)
@@ -88,6 +94,9 @@ class HeteroPolicyLossConfig(PolicyLossConfig):
 
 #: options that belong to one family of losses (the others would ignore them)
 LOSS_SPECIFIC_OPTIONS: dict[str, tuple[str, ...]] = {
+    # the losses that pass it to verl_ext.algos.losses (verl_losses.py); gspo/geo_mean always
+    # length-normalise, topr reads topr_reduction
+    "seq_reduction": ("gepo", "eqp", "gepo_adaptive", "gepo_tr", "gepo_tc"),
     "adaptive_kl_threshold": ("gepo_adaptive",),
     "delta_l_alpha": ("delta_l",),
     "topr_reduction": ("topr",),

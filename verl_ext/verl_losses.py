@@ -11,11 +11,17 @@ Registered policy losses (``actor_rollout_ref.actor.policy_loss.loss_mode``):
     from their papers). Their options: :class:`verl_ext.loss_config.HeteroPolicyLossConfig`.
 Registered advantage estimators (``algorithm.adv_estimator``): bnpo.
 
-Every loss here has verl's signature (see ``verl.workers.utils.losses.ppo_loss``) plus two
-optional keyword arguments that verl never passes but the project's engines do:
+Every loss here has verl's signature (see ``verl.workers.utils.losses.ppo_loss``) plus optional
+keyword arguments that verl never passes but the project's engines do:
 ``group_log_denominator`` [B] (GEPO's log E_q[q], computed over whole prompt groups upstream) and
-``group_index`` [B] (prompt-group labels). Without them, groups are taken as contiguous runs of
-``policy_loss.group_size`` sequences, and a batch that does not split into whole groups is an error.
+``group_index`` [B] (prompt-group labels), for the group losses. Without them, groups are taken as
+contiguous runs of ``policy_loss.group_size`` sequences, and a batch that does not split into whole
+groups is an error.
+
+Every loss here also adds ``policy_loss.sampler_kl_coef`` x :func:`sampler_kl_penalty` itself, so
+the penalty is applied when verl's own ``ppo_loss`` calls the loss (``python -m
+verl.trainer.main_ppo``); the loss bridge, which adds it for every loss and reports it apart,
+passes ``add_sampler_kl=False``.
 """
 
 from __future__ import annotations
@@ -84,6 +90,19 @@ def check_contiguous_groups(config: Any) -> None:
         )
 
 
+def sampler_kl_penalty(
+    log_prob: torch.Tensor,
+    sampler_log_prob: torch.Tensor,
+    response_mask: torch.Tensor,
+    global_batch_info: Optional[dict] = None,
+) -> torch.Tensor:
+    """The paper's KL(sampler || learner) penalty: per-token k3 estimate, token-mean per sequence,
+    mean over sequences. Tensors [B, T] -> scalar (gradient through ``log_prob``).
+    ``global_batch_info`` (verl's) scales a micro-batch's share so micro-batch losses sum up."""
+    kl = iw.k3_sampler_learner_kl(log_prob, sampler_log_prob)
+    return agg_loss(loss_mat=kl, loss_mask=response_mask, loss_agg_mode="seq-mean-token-mean", **(global_batch_info or {}))
+
+
 def _finish(
     terms: losses.LossTerms,
     old_log_prob: torch.Tensor,
@@ -93,18 +112,25 @@ def _finish(
     config: Any,
     rollout_is_weights: Optional[torch.Tensor],
     loss: Optional[torch.Tensor] = None,
+    add_sampler_kl: bool = True,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Aggregate a loss matrix the verl way and attach the shared metrics."""
+    """Aggregate a loss matrix the verl way, add the sampler-KL penalty (unless the caller adds it)
+    and attach the shared metrics."""
+    info = (config.get("global_batch_info", None) if config is not None else None) or {}
     loss_mat = terms.loss_mat
     if rollout_is_weights is not None:
         loss_mat = loss_mat * rollout_is_weights
     if loss is None:
-        loss = agg_loss(
-            loss_mat=loss_mat,
-            loss_mask=response_mask,
-            loss_agg_mode=loss_agg_mode,
-            **(config.get("global_batch_info", None) or {}),
-        )
+        loss = agg_loss(loss_mat=loss_mat, loss_mask=response_mask, loss_agg_mode=loss_agg_mode, **info)
+    coef = float(loss_option(config, "sampler_kl_coef"))
+    penalty_metric = {}
+    if add_sampler_kl and coef > 0:
+        # verl's ppo_loss calls only this function, so the option must act here; against the
+        # old policy verl passes (the sampler's q, or verl's recomputed old policy), as the bridge does
+        loss = loss + coef * sampler_kl_penalty(log_prob, old_log_prob, response_mask, info)
+        with torch.no_grad():
+            # this micro-batch's own value: verl averages pg metrics over micro-batches
+            penalty_metric["actor/sampler_kl_penalty"] = sampler_kl_penalty(log_prob, old_log_prob, response_mask).item()
     mask = response_mask.bool()
     n_tokens = mask.sum().clamp(min=1)
     metrics = {
@@ -114,6 +140,7 @@ def _finish(
     }
     metrics.update(importance_weight_stats(terms.weight, response_mask))
     metrics.update(terms.metrics)
+    metrics.update(penalty_metric)
     return loss, metrics
 
 
@@ -123,12 +150,20 @@ def _group_aware(fn):
     return fn
 
 
+def _adds_sampler_kl(fn):
+    """Mark a loss as adding the sampler-KL penalty itself unless ``add_sampler_kl=False`` (the
+    loss bridge passes that, to add the penalty once for every loss)."""
+    fn.adds_sampler_kl = True
+    return fn
+
+
 def _group_denominator_loss(name: str, terms_fn: Callable[..., losses.LossTerms], doc: str,
                             options: Callable[[Any], dict] = lambda config: {}):
     """Register ``name``: a loss whose terms take the clip range and GEPO's group denominator
     (from upstream per-sequence values, a ``group_index``, or contiguous ``group_size`` groups, as
     :func:`resolve_groups` finds them); ``options(config)`` adds its own keyword arguments."""
 
+    @_adds_sampler_kl
     @_group_aware
     def loss(
         old_log_prob: torch.Tensor,
@@ -140,6 +175,7 @@ def _group_denominator_loss(name: str, terms_fn: Callable[..., losses.LossTerms]
         rollout_is_weights: Optional[torch.Tensor] = None,
         group_log_denominator: Optional[torch.Tensor] = None,
         group_index: Optional[torch.Tensor] = None,
+        add_sampler_kl: bool = True,
     ) -> tuple[torch.Tensor, dict[str, float]]:
         low, high = clip_range(config)
         gi, log_den = resolve_groups(config, log_prob.shape[0], group_index, group_log_denominator, log_prob.device)
@@ -148,7 +184,8 @@ def _group_denominator_loss(name: str, terms_fn: Callable[..., losses.LossTerms]
             clip_low=low, clip_high=high, group_index=gi, log_denominator=log_den,
             reduction=loss_option(config, "seq_reduction"), **options(config),
         )  # fmt: skip
-        return _finish(terms, old_log_prob, log_prob, response_mask, loss_agg_mode, config, rollout_is_weights)
+        return _finish(terms, old_log_prob, log_prob, response_mask, loss_agg_mode, config, rollout_is_weights,
+                       add_sampler_kl=add_sampler_kl)  # fmt: skip
 
     loss.__name__ = loss.__qualname__ = f"compute_policy_loss_{name}"
     loss.__doc__ = doc + " All tensors [B, T] but the optional group arguments [B]."
@@ -187,6 +224,7 @@ def _token_loss(name: str, terms_fn: Callable[..., losses.LossTerms], doc: str,
     """Register ``name``: a loss whose terms need no prompt groups, only its own options
     (``options(config)``)."""
 
+    @_adds_sampler_kl
     def loss(
         old_log_prob: torch.Tensor,
         log_prob: torch.Tensor,
@@ -195,9 +233,11 @@ def _token_loss(name: str, terms_fn: Callable[..., losses.LossTerms], doc: str,
         loss_agg_mode: str = "token-mean",
         config: Any = None,
         rollout_is_weights: Optional[torch.Tensor] = None,
+        add_sampler_kl: bool = True,
     ) -> tuple[torch.Tensor, dict[str, float]]:
         terms = terms_fn(log_prob, old_log_prob, advantages, response_mask, **options(config))
-        return _finish(terms, old_log_prob, log_prob, response_mask, loss_agg_mode, config, rollout_is_weights)
+        return _finish(terms, old_log_prob, log_prob, response_mask, loss_agg_mode, config, rollout_is_weights,
+                       add_sampler_kl=add_sampler_kl)  # fmt: skip
 
     loss.__name__ = loss.__qualname__ = f"compute_policy_loss_{name}"
     loss.__doc__ = doc + " All tensors [B, T]."
@@ -225,6 +265,7 @@ compute_policy_loss_topr = _token_loss(
 
 
 @register_policy_loss("eqp")
+@_adds_sampler_kl
 @_group_aware
 def compute_policy_loss_eqp(
     old_log_prob: torch.Tensor,
@@ -236,6 +277,7 @@ def compute_policy_loss_eqp(
     rollout_is_weights: Optional[torch.Tensor] = None,
     group_log_denominator: Optional[torch.Tensor] = None,
     group_index: Optional[torch.Tensor] = None,
+    add_sampler_kl: bool = True,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """EqP: group expectation with gradient through the denominator. Needs whole groups in the
     batch (``group_index`` or contiguous ``group_size`` groups); an upstream denominator cannot be
@@ -246,10 +288,12 @@ def compute_policy_loss_eqp(
         log_prob, old_log_prob, advantages, response_mask,
         clip_low=low, clip_high=high, group_index=gi, reduction=loss_option(config, "seq_reduction"),
     )  # fmt: skip
-    return _finish(terms, old_log_prob, log_prob, response_mask, loss_agg_mode, config, rollout_is_weights)
+    return _finish(terms, old_log_prob, log_prob, response_mask, loss_agg_mode, config, rollout_is_weights,
+                   add_sampler_kl=add_sampler_kl)  # fmt: skip
 
 
 @register_policy_loss("delta_l")
+@_adds_sampler_kl
 def compute_policy_loss_delta_l(
     old_log_prob: torch.Tensor,
     log_prob: torch.Tensor,
@@ -258,6 +302,7 @@ def compute_policy_loss_delta_l(
     loss_agg_mode: str = "token-mean",
     config: Any = None,
     rollout_is_weights: Optional[torch.Tensor] = None,
+    add_sampler_kl: bool = True,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Delta-L normalisation: GRPO's clipped token surrogate aggregated as
     (1/M) sum_i x_i sum_t loss_it with x_i = L_i^-alpha / sum_j L_j^-alpha. ``loss_agg_mode`` is
@@ -275,7 +320,8 @@ def compute_policy_loss_delta_l(
         loss_mat, response_mask, float(loss_option(config, "delta_l_alpha")), scale,
         global_batch_size=info.get("global_batch_size"), dp_size=int(info.get("dp_size") or 1),
     )  # fmt: skip
-    return _finish(terms, old_log_prob, log_prob, response_mask, loss_agg_mode, config, None, loss=loss)
+    return _finish(terms, old_log_prob, log_prob, response_mask, loss_agg_mode, config, None, loss=loss,
+                   add_sampler_kl=add_sampler_kl)  # fmt: skip
 
 
 @register_adv_est("bnpo")

@@ -11,7 +11,7 @@ from verl.utils.config import omega_conf_to_dataclass
 from verl_ext.loss_config import HeteroPolicyLossConfig
 
 from . import reference as ref
-from .verl_helpers import actor_config, call_loss
+from .verl_helpers import actor_config, actor_from_section, call_loss, composed_actor_section
 
 
 @pytest.mark.parametrize(
@@ -34,8 +34,10 @@ def test_defaults_and_valid_values_accepted():
     c = HeteroPolicyLossConfig()
     assert (c.group_size, c.seq_reduction, c.sampler_kl_coef, c.delta_l_alpha) == (0, "mean", 0.0, 1.0)
     assert c.adaptive_kl_threshold == 0.002 and c.topr_reduction == "sum"
-    # topr_reduction is topr's own option: accepted with that loss (the guard refuses it with another)
-    HeteroPolicyLossConfig(loss_mode="topr", seq_reduction="sum", topr_reduction="mean", group_size=8, sampler_kl_coef=0.005)
+    # topr_reduction is topr's own option, seq_reduction GEPO's: accepted with their losses (the
+    # guard refuses them with another)
+    HeteroPolicyLossConfig(loss_mode="topr", topr_reduction="mean", group_size=8, sampler_kl_coef=0.005)
+    HeteroPolicyLossConfig(loss_mode="gepo", seq_reduction="sum", group_size=8, sampler_kl_coef=0.005)
 
 
 def test_new_loss_options_defaults():
@@ -141,3 +143,69 @@ def test_upstream_denominator_needs_no_group_size(loss_mode):
     den = torch.tensor(ref.group_log_denominator(ref.seq_log_prob(b.log_q, b.mask), b.groups.tolist()), dtype=torch.float64)
     loss, _ = call_loss(loss_mode, b, actor_config(loss_mode, group_size=0), group_log_denominator=den)
     assert torch.isfinite(loss)
+
+
+# ---- seq_reduction: read by the group-expectation losses only -----------------------------------
+
+SEQ_REDUCTION_READERS = ("gepo", "eqp", "gepo_adaptive", "gepo_tr", "gepo_tc")
+# verl's gspo / geo_mean always length-normalise; topr has topr_reduction; the rest are token-level
+SEQ_REDUCTION_IGNORED_BY = ("vanilla", "gspo", "geo_mean", "cispo", "topr", "delta_l", "m2po", "vespo")
+
+
+@pytest.mark.parametrize("loss_mode", SEQ_REDUCTION_IGNORED_BY)
+def test_seq_reduction_sum_with_a_loss_that_ignores_it_fails_naming_the_key(loss_mode):
+    with pytest.raises(ValueError, match="seq_reduction") as err:
+        HeteroPolicyLossConfig(loss_mode=loss_mode, seq_reduction="sum")
+    assert loss_mode in str(err.value) and "gepo" in str(err.value)
+    # at start, from the YAML verl's trainer composes (hydra + omega_conf_to_dataclass)
+    section = composed_actor_section(
+        "actor_rollout_ref.actor.policy_loss._target_=verl_ext.loss_config.HeteroPolicyLossConfig",
+        f"actor_rollout_ref.actor.policy_loss.loss_mode={loss_mode}",
+        "+actor_rollout_ref.actor.policy_loss.seq_reduction=sum",
+    )
+    with pytest.raises((ValueError, InstantiationException), match="seq_reduction"):
+        actor_from_section(section)
+    # the default spelled out is harmless
+    assert HeteroPolicyLossConfig(loss_mode=loss_mode, seq_reduction="mean").seq_reduction == "mean"
+
+
+@pytest.mark.parametrize("loss_mode", SEQ_REDUCTION_READERS)
+def test_seq_reduction_sum_accepted_and_changes_the_loss_of_its_losses(loss_mode):
+    b = ref.make_batch(seed=73, drift=0.4)
+    mean_cfg = actor_config(loss_mode, "seq-mean-token-mean", group_size=4)
+    sum_cfg = actor_config(loss_mode, "seq-mean-token-mean", group_size=4, seq_reduction="sum")
+    assert sum_cfg.policy_loss.seq_reduction == "sum"
+    mean_loss, _ = call_loss(loss_mode, b, mean_cfg)
+    sum_loss, _ = call_loss(loss_mode, b, sum_cfg)
+    assert abs(mean_loss.item() - sum_loss.item()) > 1e-6
+
+
+def test_seq_reduction_readers_are_exactly_the_project_losses_that_read_it():
+    """The guard's table against the code: every project loss, given an unvalidated YAML config
+    (a DictConfig, which the project's losses take), changes its loss with seq_reduction=sum iff
+    the table lists it. verl's own losses have no such field."""
+    from verl.trainer.ppo.core_algos import get_policy_loss_fn
+
+    from verl_ext.loss_config import LOSS_SPECIFIC_OPTIONS
+    from verl_ext.verl_losses import HETERORL_LOSS_MODES
+
+    assert set(LOSS_SPECIFIC_OPTIONS["seq_reduction"]) == set(SEQ_REDUCTION_READERS)
+    b = ref.make_batch(seed=74, drift=0.4)
+    readers = set()
+    for loss_mode in HETERORL_LOSS_MODES:
+        values = []
+        for reduction in ("mean", "sum"):
+            section = composed_actor_section(
+                f"actor_rollout_ref.actor.policy_loss.loss_mode={loss_mode}",
+                "+actor_rollout_ref.actor.policy_loss.group_size=4",
+                f"+actor_rollout_ref.actor.policy_loss.seq_reduction={reduction}",
+                "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean",
+            )
+            loss, _ = get_policy_loss_fn(loss_mode)(
+                old_log_prob=b.log_q, log_prob=b.log_p, advantages=b.advantages, response_mask=b.mask,
+                loss_agg_mode=section.loss_agg_mode, config=section, rollout_is_weights=None,
+            )  # fmt: skip
+            values.append(loss.item())
+        if values[0] != values[1]:
+            readers.add(loss_mode)
+    assert readers == set(SEQ_REDUCTION_READERS)

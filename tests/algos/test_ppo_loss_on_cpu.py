@@ -179,3 +179,59 @@ def test_gepo_through_ppo_loss_with_hydra_sum_reduction(actor_yaml):
     loss_sum, _ = ppo_loss(cfg_sum, model_output, data)
     rows_sum, _, _ = ref.gepo(b, 0.2, 0.28, reduction="sum")
     assert abs(loss_sum.item() - ref.aggregate(rows_sum, b.mask, "token-mean")) < 1e-10
+
+
+# ---- policy_loss.sampler_kl_coef under verl's own ppo_loss (python -m verl.trainer.main_ppo) ----
+
+
+def _torch_penalty(log_p, log_q, mask):
+    """Independent float64 penalty: k3 per token, token-mean per sequence, mean over sequences."""
+    r = log_p - log_q
+    m = mask.to(log_p.dtype)
+    return (((torch.exp(r) - 1 - r) * m).sum(-1) / m.sum(-1)).mean()
+
+
+@pytest.mark.parametrize("loss_mode", HETERORL_LOSS_MODES)
+def test_sampler_kl_coef_reaches_the_loss_through_verl_ppo_loss(actor_yaml, loss_mode):
+    """verl's stock ppo_loss calls only the registered function: the penalty must act there, by
+    coef x KL(sampler || learner) in value and in gradient, reported as actor/sampler_kl_penalty."""
+    coef = 0.5
+    results = {}
+    for c in (0.0, coef):
+        config = make_config(actor_yaml, loss_mode, **{"policy_loss.sampler_kl_coef": c})
+        data, model_output, leaf, _, b = make_data(seed=7)
+        loss, metrics = ppo_loss(config, model_output, data)
+        loss.backward()
+        results[c] = (loss.item(), leaf.grad.clone(), _metric_values(metrics))
+    want = ref.sampler_kl(b)
+    assert want > 1e-3
+    assert abs((results[coef][0] - results[0.0][0]) - coef * want) < 1e-12
+    assert abs(results[coef][2]["actor/sampler_kl_penalty"] - want) < 1e-12
+    assert "actor/sampler_kl_penalty" not in results[0.0][2]
+    # gradient: coef x the penalty's, at the response positions of the jagged model output
+    _, model_output, leaf, (pl, rl), b = make_data(seed=7)
+    lp = b.log_p.clone().requires_grad_(True)
+    _torch_penalty(lp, b.log_q, b.mask).backward()
+    diff = results[coef][1] - results[0.0][1]
+    pos = 0
+    for i in range(b.mask.shape[0]):
+        start, n = int(pl[i]) - 1, int(rl[i])
+        torch.testing.assert_close(diff[pos + start : pos + start + n], coef * lp.grad[i, :n], rtol=1e-9, atol=1e-13)
+        pos += int(pl[i] + rl[i])
+
+
+@pytest.mark.parametrize("loss_mode", HETERORL_LOSS_MODES)
+def test_registered_loss_leaves_the_penalty_to_the_bridge_when_asked(actor_yaml, loss_mode):
+    """The loss bridge adds the penalty itself (add_sampler_kl=False), so it is counted once."""
+    fn = get_policy_loss_fn(loss_mode)
+    assert getattr(fn, "adds_sampler_kl", False)
+    _, _, _, _, b = make_data(seed=8)
+    plain = make_config(actor_yaml, loss_mode)
+    with_coef = make_config(actor_yaml, loss_mode, **{"policy_loss.sampler_kl_coef": 0.5})
+    kw = dict(old_log_prob=b.log_q, log_prob=b.log_p, advantages=b.advantages, response_mask=b.mask,
+              rollout_is_weights=None)  # fmt: skip
+    base, _ = fn(loss_agg_mode=plain.loss_agg_mode, config=plain, **kw)
+    left_out, metrics = fn(loss_agg_mode=with_coef.loss_agg_mode, config=with_coef, add_sampler_kl=False, **kw)
+    added, _ = fn(loss_agg_mode=with_coef.loss_agg_mode, config=with_coef, **kw)
+    assert left_out.item() == base.item() and "actor/sampler_kl_penalty" not in metrics
+    assert abs(added.item() - base.item() - 0.5 * ref.sampler_kl(b)) < 1e-12
