@@ -64,7 +64,7 @@ class EvalConfig:
 
     #: HF model folder, a ``.gguf`` file, or a folder holding exactly one ``.gguf``. Required.
     model_path: str | None = None
-    #: tokenizer folder (or .gguf) when it is not next to the model; None: from ``model_path``.
+    #: tokenizer folder (or .gguf, HF engine only) when it is not next to the model; None: from ``model_path``.
     tokenizer_path: str | None = None
     #: benchmarks to run: math500, aime24, aime25, amc23, gsm8k, toy (any of load_benchmark's names).
     benchmarks: list[str] = field(default_factory=lambda: ["amc23", "aime24", "aime25", "math500"])
@@ -88,13 +88,14 @@ class EvalConfig:
     template: str = "qwen3_think"
     #: base random seed; each chunk of problems is sampled with a seed derived from it.
     seed: int = 0
-    #: sequences per ``generate`` call (HF engine); a chunk is max(1, batch_size // samples) problems.
+    #: sequences per ``generate`` call; a chunk is max(1, batch_size // samples) problems
+    #: (vllm: must be >= samples_per_problem, as vLLM gets a chunk's sequences in one call).
     batch_size: int = 16
-    #: auto (vLLM if importable and CUDA present, else HF), hf, or vllm.
+    #: auto (vLLM if importable, CUDA present and vLLM honours every option; else HF), hf, or vllm.
     engine: str = "auto"
     #: auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16 or float16.
     dtype: str = "auto"
-    #: auto, cpu, cuda, cuda:1, ...
+    #: auto, cpu, cuda, cuda:1, ... (vllm: auto / cuda only; it uses the visible GPU).
     device: str = "auto"
     #: folder for records.jsonl, run_config.json, summary.json, summary.md.
     output_dir: str = "outputs/eval"
@@ -149,6 +150,12 @@ class EvalConfig:
             raise ValueError(f"dtype={self.dtype!r} unknown; choose auto, float32, bfloat16 or float16")
         if self.batch_size < 1:
             raise ValueError(f"batch_size={self.batch_size} must be >= 1")
+        if self.engine != "auto":
+            # at start, before any model or vLLM import: an option the engine would ignore is refused
+            from verl_ext.eval.generate import check_engine_options
+
+            check_engine_options(self.engine, tokenizer_path=self.tokenizer_path, dtype=self.dtype, device=self.device,
+                                 batch_size=self.batch_size, samples_per_problem=self.samples_per_problem)
         if self.history_file and self.step is None:
             raise ValueError("history_file is set but step is not: pass step=<training step>")
         from verl_ext.data.toy.problems import ANSWER_FORMATS
@@ -392,14 +399,9 @@ def run_evaluation(cfg: EvalConfig, generator=None) -> dict:
     if n_todo:
         params = SamplingParams(cfg.temperature, cfg.top_p, cfg.top_k, cfg.max_new_tokens)
         if generator is None:
-            dtype = cfg.dtype
-            if dtype == "auto":
-                import torch
-
-                dtype = "bfloat16" if torch.cuda.is_available() and cfg.device != "cpu" else "float32"
-            generator = make_generator(cfg.engine, cfg.model_path, params, batch_size=cfg.batch_size, dtype=dtype,
+            generator = make_generator(cfg.engine, cfg.model_path, params, batch_size=cfg.batch_size, dtype=cfg.dtype,
                                        device=cfg.device, tokenizer_path=cfg.tokenizer_path, seed=cfg.seed,
-                                       show_progress=cfg.progress)
+                                       show_progress=cfg.progress, samples_per_problem=cfg.samples_per_problem)
         elif getattr(generator, "params", params) != params:
             raise ValueError(f"the generator samples with {generator.params}, the config asks for {params}")
         from verl_ext.data.templates import render_prompt

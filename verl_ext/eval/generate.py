@@ -8,8 +8,11 @@ caller sets; the evaluation entry point defaults it to 4096).
   over sequences, and an explicit seed per call (``torch.manual_seed``), so a given batch of
   prompts with a given seed samples the same completions on the same machine.
 * :class:`VLLMGenerator` -- a thin wrapper used only when ``vllm`` is importable (and selected
-  by ``engine=auto`` only when CUDA is available). It was NOT run in this project's CPU
-  environment; see docs/evaluation.md.
+  by ``engine=auto`` only when CUDA is available and vLLM honours every option set). It was NOT
+  run in this project's CPU environment; see docs/evaluation.md.
+
+:func:`check_engine_options` decides, without importing vLLM, which settings an engine honours;
+an option vLLM would ignore is refused naming the key and value, before anything is loaded.
 
 Models load from an HF folder or a GGUF file (``model_path=/dir/model.gguf``, or a folder
 holding exactly one ``.gguf`` and no ``config.json``); GGUF weights are dequantised.
@@ -33,6 +36,9 @@ __all__ = [
     "HFGenerator",
     "VLLMGenerator",
     "vllm_available",
+    "check_engine_options",
+    "resolve_engine",
+    "vllm_llm_kwargs",
     "make_generator",
 ]
 
@@ -212,19 +218,95 @@ def vllm_available() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
 
+#: devices vLLM runs on as asked: it places a single-GPU model on the first visible GPU itself
+_VLLM_DEVICES = ("auto", "cuda", "cuda:0")
+
+
+def check_engine_options(engine: str, *, tokenizer_path=None, dtype: str = "float32", device: str = "auto",
+                         batch_size: int = 16, samples_per_problem: int | None = None) -> None:
+    """Refuse, naming the key and value, an option ``engine`` (``hf`` or ``vllm``) would not
+    honour. Pure: imports neither vLLM nor a model, so it runs at start.
+
+    HF honours all of them. vLLM takes ``tokenizer_path`` (an HF tokenizer folder, as its
+    ``tokenizer=``) and every ``dtype``; it cannot be pointed at the CPU or a given GPU (it uses the
+    visible GPUs: set ``CUDA_VISIBLE_DEVICES``), and it schedules a generate call's sequences
+    itself, so ``batch_size`` acts only as the chunk size: a chunk of one problem still sends its
+    ``samples_per_problem`` sequences in one call.
+    """
+    if engine not in ("hf", "vllm"):
+        raise ValueError(f"engine={engine!r} unknown; choose hf or vllm (auto is resolved by resolve_engine)")
+    if dtype not in ("auto", *_DTYPES):
+        raise ValueError(f"dtype={dtype!r} unknown; choose one of {['auto', *sorted(_DTYPES)]}")
+    if batch_size < 1:
+        raise ValueError(f"batch_size={batch_size} must be >= 1")
+    if engine == "hf":
+        return
+    if str(device) not in _VLLM_DEVICES:
+        raise ValueError(
+            f"device={device!r} is not honoured by engine=vllm (vLLM runs on the visible GPU; choose a GPU with "
+            "CUDA_VISIBLE_DEVICES and device=auto or cuda), or use engine=hf"
+        )
+    if tokenizer_path and str(tokenizer_path).endswith(".gguf"):
+        raise ValueError(
+            f"tokenizer_path={str(tokenizer_path)!r}: engine=vllm takes an HF tokenizer folder (its tokenizer=), "
+            "not a .gguf file; give the base model's tokenizer folder or use engine=hf"
+        )
+    if samples_per_problem is not None and batch_size < samples_per_problem:
+        raise ValueError(
+            f"batch_size={batch_size} is not honoured by engine=vllm with samples_per_problem={samples_per_problem}: "
+            "vLLM gets a problem's samples in one call and batches them itself; set batch_size >= "
+            "samples_per_problem or use engine=hf"
+        )
+
+
+def resolve_engine(engine: str, *, vllm_usable: bool | None = None, **options) -> str:
+    """``hf`` or ``vllm`` for ``engine`` (``auto``, ``hf``, ``vllm``), after
+    :func:`check_engine_options` on ``options``. ``auto`` is vLLM when it is importable, CUDA is
+    available (``vllm_usable``; detected when None) and vLLM honours every option, else HF."""
+    if engine not in ("auto", "hf", "vllm"):
+        raise ValueError(f"engine={engine!r} unknown; choose auto, hf or vllm")
+    if engine == "auto":
+        if vllm_usable is None:
+            vllm_usable = vllm_available() and torch.cuda.is_available()
+        engine = "hf"
+        if vllm_usable:
+            try:
+                check_engine_options("vllm", **options)
+                engine = "vllm"
+            except ValueError:
+                pass  # an option only HF honours (device=cpu, a .gguf tokenizer, ...): auto means HF
+    check_engine_options(engine, **options)
+    return engine
+
+
+def vllm_llm_kwargs(model_path, dtype: str = "bfloat16", seed: int = 0, tokenizer_path=None) -> dict:
+    """The keyword arguments of ``vllm.LLM`` for these settings (checked, no vLLM import)."""
+    check_engine_options("vllm", tokenizer_path=tokenizer_path, dtype=dtype)
+    folder, gguf = resolve_model_path(model_path)
+    kw = {"model": str(folder / gguf) if gguf else str(folder), "dtype": dtype, "seed": int(seed)}
+    if tokenizer_path:
+        tok = Path(str(tokenizer_path)).expanduser()
+        if not tok.exists():
+            raise FileNotFoundError(f"tokenizer_path {str(tok)!r} does not exist")
+        kw["tokenizer"] = str(tok)
+    return kw
+
+
 class VLLMGenerator:
     """Thin vLLM path (GPU). Not exercised in this repository's CPU environment."""
 
     engine = "vllm"
 
-    def __init__(self, model_path, params: SamplingParams, dtype: str = "bfloat16", seed: int = 0, **llm_kw):
+    def __init__(self, model_path, params: SamplingParams, dtype: str = "bfloat16", seed: int = 0,
+                 tokenizer_path=None, show_progress: bool = True, **llm_kw):
+        kw = vllm_llm_kwargs(model_path, dtype=dtype, seed=seed, tokenizer_path=tokenizer_path)
         if not vllm_available():
             raise ImportError("engine=vllm but the 'vllm' package is not importable")
         from vllm import LLM
 
-        folder, gguf = resolve_model_path(model_path)
         self.params = params
-        self.llm = LLM(model=str(folder / gguf) if gguf else str(folder), dtype=dtype, seed=seed, **llm_kw)
+        self.show_progress = show_progress
+        self.llm = LLM(**kw, **llm_kw)
         self.tokenizer = self.llm.get_tokenizer()
 
     def generate(self, prompts: Sequence[str], n: int, seed: int = 0, desc: str = "sampling") -> list[list[Completion]]:
@@ -233,7 +315,7 @@ class VLLMGenerator:
         p = self.params
         sp = VSP(n=n, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k if p.top_k > 0 else -1,
                  max_tokens=p.max_new_tokens, seed=int(seed))
-        results = self.llm.generate(list(prompts), sp, use_tqdm=True)
+        results = self.llm.generate(list(prompts), sp, use_tqdm=self.show_progress)
         return [
             [Completion(text=o.text, n_tokens=len(o.token_ids), truncated=o.finish_reason == "length") for o in r.outputs]
             for r in results
@@ -241,13 +323,16 @@ class VLLMGenerator:
 
 
 def make_generator(engine: str, model_path, params: SamplingParams, batch_size: int = 16, dtype: str = "float32",
-                   device: str = "auto", tokenizer_path=None, seed: int = 0, show_progress: bool = True):
-    """``engine``: ``hf``, ``vllm``, or ``auto`` (vLLM if importable and CUDA is available, else HF)."""
-    if engine not in ("auto", "hf", "vllm"):
-        raise ValueError(f"engine={engine!r} unknown; choose auto, hf or vllm")
-    if engine == "auto":
-        engine = "vllm" if vllm_available() and torch.cuda.is_available() else "hf"
+                   device: str = "auto", tokenizer_path=None, seed: int = 0, show_progress: bool = True,
+                   samples_per_problem: int | None = None):
+    """``engine``: ``hf``, ``vllm``, or ``auto`` (see :func:`resolve_engine`). Every option reaches
+    the engine or is refused (:func:`check_engine_options`) before vLLM is imported."""
+    engine = resolve_engine(engine, tokenizer_path=tokenizer_path, dtype=dtype, device=device,
+                            batch_size=batch_size, samples_per_problem=samples_per_problem)  # fmt: skip
+    if dtype == "auto":  # the documented rule for both engines (vLLM's own "auto" would be the checkpoint's)
+        dtype = "bfloat16" if torch.cuda.is_available() and str(device) != "cpu" else "float32"
     if engine == "vllm":
-        return VLLMGenerator(model_path, params, dtype="auto" if dtype == "float32" else dtype, seed=seed)
+        return VLLMGenerator(model_path, params, dtype=dtype, seed=seed, tokenizer_path=tokenizer_path,
+                             show_progress=show_progress)  # fmt: skip
     return HFGenerator.from_path(model_path, params, batch_size=batch_size, dtype=dtype, device=device,
                                  tokenizer_path=tokenizer_path, show_progress=show_progress)
