@@ -2,6 +2,10 @@
 
     python scripts/bench/bench_losses.py [--batch 256] [--length 4096] [--repeats 10] [--out docs/bench_losses.md]
 
+Every loss the project registers (``verl_ext.verl_losses.HETERORL_LOSS_MODES``) and every verl
+loss a preset of ``recipe/gepo/config/algorithm_preset`` uses (tests/algos/test_bench_losses.py
+keeps the list complete); verl's other registered losses, which no preset uses, are not timed.
+
 Each loss is called exactly as verl's ``ppo_loss`` calls it (registry lookup, keyword arguments,
 an ``ActorConfig`` from the recipe's presets), on float32 tensors with a realistic mask (response
 lengths uniform in [T/4, T]). Times are medians over ``--repeats`` after two warm-up calls; losses
@@ -22,17 +26,23 @@ from verl.trainer.ppo.core_algos import get_policy_loss_fn
 from verl.utils.config import omega_conf_to_dataclass
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "recipe" / "gepo" / "config"
-# (row label, preset, loss mode)
+# (row label, preset, loss mode); the first row is the baseline of the ratios
 LOSSES = [
     ("vanilla (GRPO)", "grpo", "vanilla"),
     ("gepo", "gepo", "gepo"),
     ("eqp", "gepo", "eqp"),
     ("gepo_adaptive", "gepo", "gepo_adaptive"),
+    ("gepo_tr", "gepo_tr", "gepo_tr"),
+    ("gepo_tc", "gepo_tc", "gepo_tc"),
+    # the same loss mode, but the ESS-scaled band computes the batch's ESS first
+    ("gepo_tc (ESS bound)", "gepo_tc_ess", "gepo_tc"),
     ("gspo", "gspo", "gspo"),
     ("geo_mean (GMPO)", "gmpo", "geo_mean"),
     ("cispo", "cispo", "cispo"),
     ("topr", "topr", "topr"),
     ("delta_l", "delta_l", "delta_l"),
+    ("m2po", "m2po", "m2po"),
+    ("vespo", "vespo", "vespo"),
 ]
 
 
@@ -70,14 +80,19 @@ def time_once(fn, config, old, new, adv, mask) -> float:
     return time.perf_counter() - start
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> str:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", type=int, default=256, help="sequences B")
     parser.add_argument("--length", type=int, default=4096, help="response tokens T")
     parser.add_argument("--group-size", type=int, default=8, help="responses per prompt G")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--out", type=Path, default=None, help="write the markdown table here too")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    if args.repeats < 1:
+        parser.error(f"--repeats {args.repeats}: must be >= 1 (a median of timed calls)")
+    if args.group_size < 1 or args.batch % args.group_size:
+        parser.error(f"--batch {args.batch} --group-size {args.group_size}: the group losses need whole prompt "
+                     "groups, so the batch must be a positive multiple of the group size")  # fmt: skip
 
     old, new, adv, mask = make_batch(args.batch, args.length)
     entries = [(label, get_policy_loss_fn(mode), actor_config(preset, mode, args.group_size)) for label, preset, mode in LOSSES]
@@ -105,6 +120,7 @@ def main() -> None:
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(table + "\n")
+    return table
 
 
 if __name__ == "__main__":

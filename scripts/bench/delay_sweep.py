@@ -57,7 +57,10 @@ with Spearman's rho of the methods' mean drops between the two (``replicate_<tas
 **Learning rates** (designs with ``lr_grid``): stage 1 runs every algorithm on-policy at each rate
 of the grid for the ``lr_seeds``; the rule of ``sweep.analyse.choose_lrs`` picks one rate per
 algorithm, held fixed in stage 2 (every condition x seed). ``--lrs algo=lr`` pins rates and skips
-stage 1.
+stage 1. ``--lr-grid`` replaces the grid of such a design; ``--lr`` is the one rate of a design
+without a grid (``legacy``, ``quick``). Either is refused where no run would read it: ``--lr`` on
+a design with a grid, ``--lr-grid`` on one without stage 1, both on ``powered_long`` (its rates
+come from ``powered``'s stage 1), ``--lr`` when ``--lrs`` pins every method.
 
 **Outputs** per task: ``table_<task>.md`` / ``summary_<task>.csv`` (per algorithm and condition),
 ``stability_<task>.md``, ``runs_<task>.csv`` (one row per run), and for the powered designs
@@ -140,20 +143,20 @@ def rates_from_design(plan: Plan, reference: tuple[Plan, list[dict]]) -> list[st
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default="runs/sweep")
-    p.add_argument("--design", choices=list(DESIGNS), default="legacy",
-                   help="legacy: the 252-run sweep (table-only); quick: a 5-minute smoke test; powered: the study "
-                        "(docs/study.md); powered_long: its 600-step fix256 condition; dry: the powered pipeline on "
-                        "tiny settings")  # fmt: skip
-    p.add_argument("--quick", action="store_true", help="= --design quick")
+    p.add_argument("--design", choices=list(DESIGNS),
+                   help="legacy (the default): the 252-run sweep (table-only); quick: a 5-minute smoke test; powered: "
+                        "the study (docs/study.md); powered_long: its 600-step fix256 condition; dry: the powered "
+                        "pipeline on tiny settings")  # fmt: skip
+    p.add_argument("--quick", action="store_true", help="= --design quick (not with another --design)")
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--tasks", nargs="+", choices=list(TASKS))
     p.add_argument("--algos", nargs="+", choices=list(ALGOS))
     p.add_argument("--delays", nargs="+", type=normalize_condition, help="staleness conditions: 0 fix<k> uni<K> logn<K> or K")
     p.add_argument("--seeds", nargs="+", type=int)
     p.add_argument("--steps", type=int)
-    p.add_argument("--lr", type=float)
+    p.add_argument("--lr", type=float, help="the one rate of a design without a learning-rate grid (legacy, quick)")
     p.add_argument("--lrs", nargs="+", default=[], metavar="ALGO=LR", help="pin a rate per algorithm (skips stage 1 for it)")
-    p.add_argument("--lr-grid", nargs="+", type=float)
+    p.add_argument("--lr-grid", nargs="+", type=float, help="stage 1's rates, for a design with a stage 1 (powered, dry)")
     p.add_argument("--eval-size", type=int)
     p.add_argument("--diagnostics-every", type=int)
     p.add_argument("--rows", default=None, help="rows file (default OUT/rows.csv); commit it to make the study resumable")
@@ -181,6 +184,12 @@ def main(argv: list[str] | None = None) -> int:
                         "(replicate_<task>.md), e.g. powered_long=<its first start>")  # fmt: skip
     p.add_argument("--no-figures", action="store_true")
     a = p.parse_args(argv)
+    # --design's default is None, not legacy, so that --quick can tell an explicit --design apart
+    if a.quick and a.design not in (None, "quick"):
+        p.error(f"--quick is --design quick: not with --design {a.design} (give one of them)")
+    a.design = "quick" if a.quick else a.design or "legacy"
+    if a.update_doc and a.plan_only:
+        p.error(f"--update-doc {a.update_doc}: not with --plan-only (it tabulates nothing to write into the page)")
     replicate = {}
     for item in a.replicate:
         name, _, sha = item.partition("=")
@@ -196,15 +205,28 @@ def main(argv: list[str] | None = None) -> int:
         if not (a.table_only or a.plan_only) or a.own_warm_start:
             p.error("--warm-start-sha256: only with --table-only or --plan-only, and not with --own-warm-start (a run "
                     "starts from the weights the design pins or from this machine's build)")  # fmt: skip
-        if a.design == "legacy" or a.quick:
-            p.error(f"--warm-start-sha256: --design {'quick' if a.quick else a.design} has no pinned warm start")
+        if a.design in ("legacy", "quick"):
+            p.error(f"--warm-start-sha256: --design {a.design} has no pinned warm start")
     if a.update_doc and not a.update_doc.is_file():
         p.error(f"--update-doc {a.update_doc}: no such file")
     if a.join and not a.table_only:
         p.error(f"--join {' '.join(a.join)}: only with --table-only (each design runs in its own invocation)")
     if a.design in a.join or len(set(a.join)) < len(a.join):
         p.error(f"--join {' '.join(a.join)}: each design once, and not --design {a.design} itself")
-    base = dict(DESIGNS["quick" if a.quick else a.design])
+    base = dict(DESIGNS[a.design])
+    # rates the design would never read: the grid replaces --lr, the reference design's choice
+    # replaces both, and a grid without stage-1 seeds chooses no rate (so nothing would run)
+    if base.get("lr_design"):
+        for flag, val in (("--lr", a.lr), ("--lr-grid", a.lr_grid)):
+            if val is not None:
+                p.error(f"{flag}: --design {a.design} takes every method's rate from --design {base['lr_design']}'s "
+                        "stage 1 (pin rates with --lrs ALGO=LR)")  # fmt: skip
+    if a.lr_grid is not None and not base.get("lr_seeds"):
+        p.error(f"--lr-grid: --design {a.design} has no stage 1 (no learning-rate seeds) to try a grid in "
+                "(give its one rate with --lr, or use --design powered or dry)")  # fmt: skip
+    if a.lr is not None and (a.lr_grid or base.get("lr_grid")):
+        p.error(f"--lr {a.lr:g}: --design {a.design} chooses each method's rate from its learning-rate grid "
+                f"{a.lr_grid or base['lr_grid']} (set the grid with --lr-grid, or pin rates with --lrs ALGO=LR)")  # fmt: skip
     for key, val in (("tasks", a.tasks), ("algos", a.algos), ("delays", a.delays), ("seeds", a.seeds),
                      ("steps", a.steps), ("lr", a.lr), ("eval_size", a.eval_size), ("lr_grid", a.lr_grid),
                      ("diagnostics_every", a.diagnostics_every)):  # fmt: skip
@@ -216,6 +238,8 @@ def main(argv: list[str] | None = None) -> int:
         if not sep or algo not in ALGOS:
             p.error(f"--lrs {item!r}: expected ALGO=LR with ALGO one of {', '.join(ALGOS)}")
         lrs[algo] = float(rate)
+    if a.lr is not None and lrs and set(base["algos"]) <= set(lrs):
+        p.error(f"--lr {a.lr:g}: every method's rate is pinned with --lrs, so no run would use it")
     if a.own_warm_start:
         base["warm_start_sha256"] = {}
     if a.warm_start_sha256:
