@@ -110,6 +110,77 @@ def set_aside_metrics(run_dir: PathLike) -> Optional[Path]:
     return kept
 
 
+def set_aside_latest_checkpoint(run_dir: PathLike) -> Optional[Path]:
+    """A fresh run (``trainer.resume_mode=disable``) in a used directory: rename the ``latest``
+    pointer to ``latest.<unix time>`` so that a later ``resume_mode=auto`` start resumes this run,
+    never the one before it; the checkpoints themselves stay. Returns the new name, or None."""
+    pointer = Path(run_dir) / CHECKPOINT_DIR / LATEST_POINTER
+    if not pointer.exists():
+        return None
+    kept = pointer.with_name(f"{LATEST_POINTER}.{int(time.time())}")
+    pointer.rename(kept)
+    return kept
+
+
+RESUME_MAY_CHANGE = (
+    "trainer.total_training_steps", "trainer.save_freq", "trainer.test_freq", "trainer.logger",
+    "trainer.resume_mode", "trainer.project_name", "trainer.experiment_name", "trainer.default_local_dir",
+    "hetero.dry_run", "hetero.wait_timeout_s", "hetero.ray_address", "hetero.learner_cpus",
+    "hetero.sampler_cpus", "hetero.system_cpus", "hetero.learner_ray_resources.*",
+    "hetero.sampler_ray_resources.*", "task.cache_dir", "ray_kwargs.*",
+)  # fmt: skip
+"""Keys a resumed run may set differently from the run it resumes (``fnmatch`` patterns): how long
+it runs, what it logs and where its processes sit -- not what it trains."""
+
+
+def resume_config_changes(run_dir: PathLike, cfg: Any) -> list[tuple[str, Any, Any]]:
+    """``(key, value in config.yaml, value in cfg)`` for every key that differs between the run
+    directory's ``config.yaml`` (the run its ``latest`` checkpoint belongs to) and the config
+    ``cfg`` (an OmegaConf node) about to resume it, leaving out :data:`RESUME_MAY_CHANGE`.
+    Empty when the directory has no ``config.yaml``."""
+    import fnmatch
+
+    from omegaconf import OmegaConf
+
+    path = Path(run_dir) / CONFIG_FILE
+    if not path.is_file():
+        return []
+
+    def leaves(node: Any, prefix: str = "") -> dict[str, Any]:
+        if isinstance(node, dict):
+            out: dict[str, Any] = {}
+            for k, v in node.items():
+                out.update(leaves(v, f"{prefix}.{k}" if prefix else str(k)))
+            return out or {prefix: {}}
+        return {prefix: node}
+
+    old = leaves(OmegaConf.to_container(OmegaConf.load(path), resolve=False))
+    new = leaves(OmegaConf.to_container(cfg, resolve=True))
+    changed = []
+    for key in sorted(set(old) | set(new)):
+        if any(fnmatch.fnmatchcase(key, pattern) for pattern in RESUME_MAY_CHANGE):
+            continue
+        a, b = old.get(key, "<not set>"), new.get(key, "<not set>")
+        if a != b:
+            changed.append((key, a, b))
+    return changed
+
+
+def check_resume_config(run_dir: PathLike, cfg: Any) -> None:
+    """Refuse (ValueError naming up to eight keys and both values) to resume the checkpoint in
+    ``run_dir`` with a config that trains something else than the run that wrote it."""
+    changed = resume_config_changes(run_dir, cfg)
+    if changed:
+        listed = "; ".join(f"{k}: {a!r} -> {b!r}" for k, a, b in changed[:8])
+        more = f" and {len(changed) - 8} more" if len(changed) > 8 else ""
+        raise ValueError(
+            f"{run_dir} holds a checkpoint of a run with another config ({listed}{more}): resuming it would "
+            "train on with these settings and report them as the old run's. Use another "
+            "trainer.default_local_dir, or trainer.resume_mode=disable to start over there (its metrics "
+            "and checkpoint pointer are set aside, nothing is deleted)."
+        )
+
+
 def truncate_metrics(path: PathLike, after_step: int) -> None:
     """Keep only the lines of ``path`` whose step is at most ``after_step`` (a resumed run
     re-logs the later ones); unreadable lines (a line cut by a crash) go too."""

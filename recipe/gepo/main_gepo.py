@@ -27,9 +27,10 @@ def run_local(cfg: DictConfig) -> dict[str, Any]:
     from recipe.gepo.local.replay import run_replay
     from recipe.gepo.local.run_utils import MetricLogger
     from recipe.gepo.local.tasks import resolve_model_path
-    from recipe.gepo.report import write_report
+    from recipe.gepo.report import report_after_failure, write_report
     from verl_ext.hetero.seeding import seed_process
-    from verl_ext.rundir import set_aside_metrics, write_run_config
+    from verl_ext.rundir import (check_resume_config, latest_checkpoint_step, set_aside_latest_checkpoint,
+                                 set_aside_metrics, write_run_config)
     from verl_ext.torch_threads import set_torch_threads
 
     engine = EngineConfig.from_omegaconf(cfg)  # every check, before the warm start or any other work
@@ -37,18 +38,25 @@ def run_local(cfg: DictConfig) -> dict[str, Any]:
         print(OmegaConf.to_yaml(cfg.hetero))
         return {}
     settings = engine.settings
+    resuming = settings.resume_mode == "auto" and latest_checkpoint_step(settings.run_dir) > 0
+    if resuming:
+        check_resume_config(settings.run_dir, cfg)  # config.yaml is the checkpointed run's
+    else:  # a fresh run never appends to another run's metrics or resumes another run's checkpoint
+        set_aside_metrics(settings.run_dir)
+        set_aside_latest_checkpoint(settings.run_dir)
     seed_process(engine.hetero.seed)
     set_torch_threads(2)  # min(2, cores), unless the user set OMP_NUM_THREADS
     write_run_config(settings.run_dir, cfg)
     model_path = resolve_model_path(settings.model_path, engine.task, engine.hetero.seed)
-    if settings.resume_mode == "disable":
-        set_aside_metrics(settings.run_dir)
     run_mode = {"replay": run_replay, "async": run_async}[engine.hetero.mode]
     logger = MetricLogger(settings.run_dir, settings, cfg)
     try:
         metrics = run_mode(engine, model_path, logger)
-    finally:
+    except BaseException:
         logger.close()
+        report_after_failure(settings.run_dir)
+        raise
+    logger.close()
     write_report(settings.run_dir)  # report.md + curves.png next to metrics.jsonl
     return metrics
 

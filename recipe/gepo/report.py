@@ -396,6 +396,19 @@ def write_report(run_dir: str | os.PathLike, out_dir: str | os.PathLike | None =
     return md, curves
 
 
+def report_after_failure(run_dir: str | os.PathLike) -> None:
+    """report.md and curves.png for whatever a failed (or interrupted) run logged; a report that
+    cannot be written then is a warning, so the run's own error is the one raised."""
+    import warnings
+
+    if not (Path(run_dir) / METRICS_FILE).is_file():
+        return
+    try:
+        write_report(run_dir)
+    except Exception as err:  # noqa: BLE001 -- never mask the run's own error
+        warnings.warn(f"{run_dir}: report not written after the failure ({type(err).__name__}: {err})", stacklevel=2)
+
+
 def main(argv: list[str] | None = None) -> int:
     """CLI: write the report of each RUN_DIR; print the paths. Exit 2 on a bad RUN_DIR."""
     parser = argparse.ArgumentParser(prog="python -m recipe.gepo.report", description=__doc__.split("\n\n")[0])

@@ -115,3 +115,17 @@ def test_groups_whose_rewards_all_tie_give_zero_advantages_and_a_finite_step(set
         g.advantages = np.zeros(G, dtype=np.float32)
     metrics = learner.train_step(groups)
     assert np.isfinite(metrics["actor/loss"]) and learner.nonfinite_skipped == 0 and learner.version == 1
+
+
+def test_the_run_of_nonfinite_steps_goes_on_across_a_resume(setup):
+    """A learner restored from a checkpoint taken mid-streak keeps counting the streak: a crash
+    between non-finite steps does not reset max_nonfinite_steps."""
+    model, tokenizer, actor_config, _ = setup
+    make = lambda: Learner(model, actor_config, temperature=1.0, pad_token_id=tokenizer.pad_token_id, max_nonfinite_steps=2)  # noqa: E731
+    bad = lambda i: [make_group(tokenizer, f"r{i}-0", 400 + i), poison(make_group(tokenizer, f"r{i}-1", 500 + i), "nan_advantage")]  # noqa: E731
+    first = make()
+    first.train_step(bad(0))
+    resumed = make()
+    resumed.load_state_dict(first.state_dict())
+    with pytest.raises(NonFiniteStepError, match="2 consecutive steps"):
+        resumed.train_step(bad(1))

@@ -268,6 +268,8 @@ class Learner:
             "optimizer": self.optimizer.state_dict(),
             "version": self.version,
             "nonfinite_skipped": self.nonfinite_skipped,
+            # the run of skipped steps goes on across a crash: max_nonfinite_steps counts them all
+            "consecutive_nonfinite": self._consecutive_nonfinite,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -275,3 +277,4 @@ class Learner:
         self.optimizer.load_state_dict(state["optimizer"])
         self.version = int(state["version"])
         self.nonfinite_skipped = int(state["nonfinite_skipped"])
+        self._consecutive_nonfinite = int(state.get("consecutive_nonfinite", 0))  # absent in older checkpoints

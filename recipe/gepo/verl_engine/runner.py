@@ -130,18 +130,25 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         return {"plan": text}
     require_gpus(cfg)
     from verl.trainer.main_ppo import run_ppo
+    from verl.utils.checkpoint.checkpoint_manager import get_checkpoint_tracker_filename
     from verl.utils.device import auto_set_device
 
-    from recipe.gepo.report import write_report
-    from verl_ext.rundir import write_run_config
+    from recipe.gepo.report import report_after_failure, write_report
+    from verl_ext.rundir import check_resume_config, write_run_config
 
     settings = engine_settings(resolve_task_files(cfg), ray_address=os.environ.get("RAY_ADDRESS"))
     check_data_files(settings)
     check_megatron_stack(settings)
     auto_set_device(settings)
     run_dir = Path(str(settings.trainer.default_local_dir))
+    if str(settings.trainer.resume_mode) == "auto" and Path(get_checkpoint_tracker_filename(str(run_dir))).is_file():
+        check_resume_config(run_dir, settings)  # verl resumes the directory's checkpoint: the same run only
     write_run_config(run_dir, settings)  # what report.md reads (algorithm, delay, ...), as the embedded engine
-    run_ppo(settings, task_runner_class=task_runner_class())
+    try:
+        run_ppo(settings, task_runner_class=task_runner_class())
+    except BaseException:
+        report_after_failure(run_dir)  # what the failed run logged, as the embedded engine
+        raise
     if (run_dir / "metrics.jsonl").is_file():
         write_report(run_dir)  # report.md + curves.png next to metrics.jsonl, as the embedded engine
     return {"run_dir": str(run_dir)}

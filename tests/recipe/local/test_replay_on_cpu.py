@@ -95,3 +95,59 @@ def test_fresh_run_in_used_dir_keeps_old_metrics_beside(tiny_cfg, tmp_path):
     assert [line["step"] for line in read_metrics(tmp_path)] == [0, 1, 2]
     old = sorted(tmp_path.glob("metrics.*.jsonl"))
     assert len(old) == 1 and [json.loads(x)["step"] for x in old[0].read_text().splitlines()] == [0, 1, 2]
+
+
+def test_a_fresh_auto_run_without_a_checkpoint_does_not_append_to_old_metrics(tiny_cfg, tmp_path):
+    """resume_mode=auto and no checkpoint (a run killed before its first save, save_freq 0): the
+    run starts at step 0, so the directory's metrics.jsonl is set aside, not appended to."""
+    (tmp_path / "metrics.jsonl").write_text('{"step": 0, "eval/acc_mean": 0.9}\n{"step": 7, "reward/mean": 0.9}\n')
+    run(tiny_cfg(tmp_path, "hetero.mode=replay", "trainer.total_training_steps=2", "trainer.test_freq=0",
+                 "trainer.save_freq=0", "trainer.resume_mode=auto"))  # fmt: skip
+    assert [line["step"] for line in read_metrics(tmp_path)] == [0, 1, 2]
+    (old,) = tmp_path.glob("metrics.*.jsonl")
+    assert [json.loads(x)["step"] for x in old.read_text().splitlines()] == [0, 7]
+
+
+def test_resuming_with_another_config_is_refused_naming_the_keys(tiny_cfg, tmp_path):
+    """A checkpoint resumes only the config that wrote it: another max_delay would train on from its
+    weights and label them with the new settings. How long it runs may change."""
+    common = ("hetero.mode=replay", "trainer.save_freq=2", "trainer.test_freq=0")
+    run(tiny_cfg(tmp_path, *common, "trainer.total_training_steps=2"))
+    with pytest.raises(ValueError, match=r"another config \(hetero.max_delay: 8 -> 3\).*trainer.resume_mode=disable"):
+        run(tiny_cfg(tmp_path, *common, "hetero.max_delay=3", "trainer.total_training_steps=4",
+                     "trainer.resume_mode=auto"))  # fmt: skip
+    assert "max_delay: 8" in (tmp_path / "config.yaml").read_text()  # the run's own config was kept
+    run(tiny_cfg(tmp_path, *common, "trainer.total_training_steps=4", "trainer.resume_mode=auto"))
+    assert [line["step"] for line in read_metrics(tmp_path)] == [0, 1, 2, 3, 4]
+
+
+def test_a_fresh_run_sets_the_old_checkpoint_pointer_aside(tiny_cfg, tmp_path):
+    """resume_mode=disable starts over: a later auto start must resume that run, not the older one
+    whose checkpoint is still in the directory (it stays, under its own name)."""
+    common = ("hetero.mode=replay", "trainer.test_freq=0")
+    run(tiny_cfg(tmp_path, *common, "trainer.total_training_steps=2", "trainer.save_freq=2"))
+    run(tiny_cfg(tmp_path, *common, "hetero.max_delay=3", "trainer.total_training_steps=1", "trainer.save_freq=0"))
+    ckpt = tmp_path / "checkpoints"
+    assert (ckpt / "latest").read_text().strip() == "step_000001.pt"  # the second run's (saved at its end)
+    (kept,) = ckpt.glob("latest.*")
+    assert kept.read_text().strip() == "step_000002.pt" and (ckpt / "step_000002.pt").is_file()
+
+
+def test_a_failed_run_still_gets_its_report(tiny_cfg, tmp_path, monkeypatch):
+    """A run that raises (here: its evaluation fails after two steps) leaves report.md and
+    curves.png for what it logged; the run's own error is the one raised."""
+    from recipe.gepo.local import driver
+
+    real = driver.LearnerRuntime.evaluate
+    calls = []
+
+    def evaluate_then_fail(self, seed):
+        calls.append(seed)
+        if len(calls) > 1:
+            raise RuntimeError("evaluation failed on purpose")
+        return real(self, seed)
+
+    monkeypatch.setattr(driver.LearnerRuntime, "evaluate", evaluate_then_fail)
+    with pytest.raises(RuntimeError, match="on purpose"):
+        run(tiny_cfg(tmp_path, "hetero.mode=replay", "trainer.total_training_steps=2", "trainer.test_freq=2"))
+    assert (tmp_path / "report.md").is_file() and (tmp_path / "curves.png").is_file()
