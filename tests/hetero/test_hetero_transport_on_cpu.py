@@ -240,7 +240,7 @@ def test_rollout_inbox_exactly_once_across_a_learner_crash(transport):
     after = [g.group_uid for g in resumed.take(3, 1)]
     assert sorted(consumed_before_crash + after) == [f"s0-g{i}" for i in range(6)]
     assert resumed_inbox.poll() == 0           # nothing twice
-    assert resumed_inbox.metrics()["hetero/transport_corrupt"] == 1
+    assert resumed_inbox.metrics()["hetero/inbox_corrupt"] == 1
     bad_uid = build_group("s0 g7", version=0)
     with pytest.raises(ValueError, match="group_uid='s0 g7' is not a valid name"):
         send_group(transport, bad_uid)

@@ -207,6 +207,6 @@ class RolloutInbox:
         return len(keys)
 
     def metrics(self) -> dict[str, float]:
-        """``hetero/transport_corrupt`` and ``hetero/transport_received`` (run totals)."""
-        return {"hetero/transport_corrupt": float(self.stats["corrupt"]),
-                "hetero/transport_received": float(self.stats["received"])}
+        """``hetero/inbox_<stat>`` for every counter of :attr:`stats` (received, corrupt,
+        unauthenticated, uid_mismatch, refused, acknowledged): totals since this inbox was made."""
+        return {f"hetero/inbox_{k}": float(v) for k, v in self.stats.items()}

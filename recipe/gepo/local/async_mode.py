@@ -311,7 +311,7 @@ class TransportSource:
             groups = self.buffer.take(n, learner_version=learner_version)
         finally:
             self._hungry.clear()
-        metrics = {f"hetero/inbox_{k}": float(v) for k, v in self.inbox.stats.items()}
+        metrics = self.inbox.metrics()
         metrics.update(self.gate.metrics())
         return Batch(groups, wait_s=time.perf_counter() - t0, metrics=metrics)
 
