@@ -19,11 +19,12 @@ Also one raw TCP transfer of the same size as the fp32 message (``probe.py``), t
 of the link Ray's object transfer uses. Bounded: ``--trials`` x forms x rates transfers, each
 with a timeout; SIGTERM and Ctrl-C tear down too.
 
-    python scripts/wan/sync_bench.py --behind 1,2,4,8 [--lr 1e-6]
+    python scripts/wan/sync_bench.py --behind 1,2,4,8 [--lr 1e-6] [--model-path DIR] > rows.jsonl
 
-only prints, for a sampler k versions behind, the bytes of the direct delta, of a chain of
-one-step deltas (raw, and as the engine's delta messages) and of a full bf16 version (no network,
-no privileges). The XOR encoding is the engine's (``verl_ext.hetero.weights``), one implementation.
+only prints (JSON lines), for a sampler k versions behind, the bytes of the direct delta, of a
+chain of one-step deltas (raw, and as the engine's delta messages) and of a full bf16 version (no
+network, no privileges); the link benchmark's --rates, --trials and --out are refused with it.
+The XOR encoding is the engine's (``verl_ext.hetero.weights``), one implementation.
 """
 
 from __future__ import annotations
@@ -254,36 +255,60 @@ def summarize(result: dict) -> list[dict]:
     return out
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+DEFAULT_RATES, DEFAULT_TRIALS = "10,100,1000", 3
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
+    """The parser and the checked arguments (exits with a usage error naming a bad or conflicting
+    one): ``--behind`` is a separate offline measurement that only prints, so the link
+    benchmark's ``--rates``, ``--trials`` and ``--out`` are refused with it, not ignored."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rates", default="10,100,1000", help="comma-separated Mbit/s")
-    parser.add_argument("--trials", type=int, default=3, help="transfers per rate and form (1-10)")
+    parser.add_argument("--rates", default=None, help=f"comma-separated Mbit/s (default {DEFAULT_RATES})")
+    parser.add_argument("--trials", type=int, default=None, help=f"transfers per rate and form (1-10, default {DEFAULT_TRIALS})")
     parser.add_argument("--model-path", default="", help="HF folder; default: the cached toy model")
     parser.add_argument("--lr", type=float, default=1e-4, help="AdamW lr of the step between versions")
-    parser.add_argument("--out", default="", help="write the full result as JSON here")
-    parser.add_argument("--behind", default="", help="e.g. 1,2,4,8,16: only print the bf16-xor delta's bytes "
-                        "for a sampler k versions behind (no network, no privileges), then exit")  # fmt: skip
+    parser.add_argument("--out", default=None, help="write the full result as JSON here (not with --behind)")
+    parser.add_argument("--behind", default=None, help="e.g. 1,2,4,8,16: only print the bf16-xor delta's bytes "
+                        "for a sampler k versions behind as JSON lines (no network, no privileges), then exit; "
+                        "not with --rates, --trials, --out")  # fmt: skip
     args = parser.parse_args(argv)
-    if args.behind:
-        behind = [int(k) for k in args.behind.split(",")]
-        if not all(1 <= k <= 64 for k in behind):
-            parser.error(f"--behind {args.behind}: each k must be in [1, 64]")
-        for row in delta_vs_behind(args.model_path or default_toy_model(), args.lr, behind):
-            print(json.dumps(row))
-        return 0
+    if args.behind is not None:
+        given = [flag for flag, value in (("--rates", args.rates), ("--trials", args.trials), ("--out", args.out))
+                 if value is not None]  # fmt: skip
+        if given:
+            parser.error(f"{', '.join(given)} with --behind {args.behind}: --behind only prints its rows (JSON lines: "
+                         "redirect stdout to keep them) and runs no link benchmark; drop " + ", ".join(given))
+        try:
+            args.behind = [int(k) for k in args.behind.split(",")]
+        except ValueError:
+            parser.error(f"--behind {args.behind!r}: expected comma-separated integers, e.g. 1,2,4,8")
+        if not all(1 <= k <= 64 for k in args.behind):
+            parser.error(f"--behind {','.join(map(str, args.behind))}: each k must be in [1, 64]")
+        return parser, args
+    args.rates = DEFAULT_RATES if args.rates is None else args.rates
+    args.trials = DEFAULT_TRIALS if args.trials is None else args.trials
     try:
-        rates = [link.parse_rate_mbit(r) for r in args.rates.split(",")]
+        args.rates = [link.parse_rate_mbit(r) for r in args.rates.split(",")]
     except ValueError as err:
         parser.error(str(err))
     if not 1 <= args.trials <= 10:
         parser.error(f"--trials {args.trials}: must be in [1, 10]")
+    return parser, args
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    _, args = parse_args(argv)
+    if args.behind is not None:
+        for row in delta_vs_behind(args.model_path or default_toy_model(), args.lr, args.behind):
+            print(json.dumps(row))
+        return 0
     problems = link.missing_requirements(link.effective_caps())
     if problems:
         print(link.refusal_message(problems), file=sys.stderr)
         return link.EXIT_REFUSED
     model_path = args.model_path or default_toy_model()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run()'s finally tears down
-    result = run(rates, args.trials, model_path, args.lr)
+    result = run(args.rates, args.trials, model_path, args.lr)
     result["summary"] = summarize(result)
     print(json.dumps({k: result[k] for k in ("params", "forms", "summary", "loadavg_before", "loadavg_after")}, indent=1))
     if args.out:

@@ -26,6 +26,7 @@ key, and the records its previous launch left in flight stay valid). Rejections 
 Operators (a sampler outside the learner's Ray job, ``recipe/gepo/remote_sampler.py``)::
 
     python -m verl_ext.hetero.auth keygen sampler-7.key sampler-7     # on the sampler's machine
+    python -m verl_ext.hetero.auth pubkey sampler-7.key [--sampler-id sampler-7]  # an existing key's public hex
     python -m verl_ext.hetero.auth enrol enrolment.json sampler-7 <public hex>   # by the learner's operator
     python -m verl_ext.hetero.auth revoke enrolment.json sampler-7
 """
@@ -41,7 +42,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from cryptography.exceptions import InvalidSignature
+from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
@@ -89,11 +90,17 @@ class SamplerKey:
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "SamplerKey":
+        """A key :meth:`save` wrote; OSError when it cannot be read, ValueError naming ``path``
+        when it is not such a key."""
         head, _, pem = Path(path).read_bytes().partition(b"\n")
-        key = serialization.load_pem_private_key(pem, password=None)
+        try:
+            sampler_id = json.loads(head)["sampler_id"]
+            key = serialization.load_pem_private_key(pem, password=None)
+        except (ValueError, KeyError, TypeError, UnsupportedAlgorithm) as err:
+            raise ValueError(f"{path}: not a sampler key file (keygen writes one): {type(err).__name__}: {err}") from None
         if not isinstance(key, Ed25519PrivateKey):
             raise ValueError(f"{path}: not an Ed25519 private key")
-        return cls(str(json.loads(head)["sampler_id"]), key)
+        return cls(str(sampler_id), key)
 
     def seal(self, record: bytes) -> bytes:
         """The signed envelope of ``record`` (a serialised group)."""
@@ -219,7 +226,10 @@ def main(argv: list[str] | None = None) -> int:
     keygen = sub.add_parser("keygen", help="make a sampler's key (file mode 0600); prints its public key")
     keygen.add_argument("key_file")
     keygen.add_argument("sampler_id")
-    enrol = sub.add_parser("enrol", help="add a sampler's public key to an enrolment file")
+    pubkey = sub.add_parser("pubkey", help="print the public key of an existing key file (what enrol takes)")
+    pubkey.add_argument("key_file")
+    pubkey.add_argument("--sampler-id", default=None, help="refuse unless the key is this sampler's")
+    enrol = sub.add_parser("enrol", help="add a sampler's public key to an enrolment file (again: no change)")
     enrol.add_argument("enrolment_file")
     enrol.add_argument("sampler_id")
     enrol.add_argument("public_hex")
@@ -236,13 +246,19 @@ def main(argv: list[str] | None = None) -> int:
             key.save(args.key_file)
             print(key.public_hex())
             return 0
+        if args.command == "pubkey":
+            key = SamplerKey.load(args.key_file)
+            if args.sampler_id is not None and key.sampler_id != args.sampler_id:
+                raise ValueError(f"{args.key_file} is {key.sampler_id!r}'s key, not --sampler-id {args.sampler_id!r}'s")
+            print(key.public_hex())
+            return 0
         enrolment = Enrolment.load(args.enrolment_file)
         if args.command == "enrol":
             print(enrolment.enrol(args.sampler_id, args.public_hex))
         else:
             getattr(enrolment, args.command)(args.sampler_id)
         enrolment.save(args.enrolment_file)
-    except ValueError as err:
+    except (ValueError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     return 0
