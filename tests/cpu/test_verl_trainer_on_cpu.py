@@ -172,14 +172,28 @@ def test_delays_follow_the_model_and_a_resumed_run_loses_no_step(tmp_path):
         assert 0.0 <= late <= step_time + 1.0, (version, r)
 
 
-def test_hetero_engine_verl_trains_with_entropy_and_kl_to_reference(tmp_path):
+def test_hetero_engine_verl_trains_with_entropy_and_kl_to_reference_and_evaluates(tmp_path):
     """actor.entropy_coeff and actor.use_kl_loss reach the verl engine's objective: verl builds the
     reference model (forward-only FSDP2, its memory unpinned on the CPU) and the KL term starts
-    at 0 (learner = reference) and grows once the learner has moved."""
+    at 0 (learner = reference) and grows once the learner has moved. verl's validation (before
+    training and at the last step) lands in metrics.jsonl under the embedded engine's names too
+    (``eval/acc_mean``, ``eval/<data_source>/acc``) and so in report.md."""
+    run_dir = tmp_path / "run"
     rows = _main_gepo(
-        tmp_path / "run", 2, "actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.actor.entropy_coeff=0.01"
-    )
+        run_dir, 2, "actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.actor.entropy_coeff=0.01",
+        "trainer.val_before_train=true", "trainer.test_freq=2", "task.eval_size=8",
+    )  # fmt: skip
     train = [r for r in rows if "actor/pg_loss" in r]
     assert [r["actor/kl_loss"] for r in train][0] == pytest.approx(0.0, abs=1e-6)
     assert train[1]["actor/kl_loss"] > 1e-4
     assert all(r["actor/entropy_loss"] > 0 for r in train)
+    # verl's kl_loss / kl_coef from the loss, prefixed by verl's trainer (docs/algorithms.md)
+    assert all(r["actor/kl_coef"] == pytest.approx(0.001) and "kl_coef" not in r and "kl_loss" not in r for r in train)
+
+    evals = [r for r in rows if "eval/acc_mean" in r]
+    assert [r["step"] for r in evals] == [0, 2]  # the initial validation and the last step's
+    for r in evals:  # verl's key (one greedy sample per prompt: mean@1) and ours, the same number
+        assert 0.0 <= r["eval/acc_mean"] <= 1.0
+        assert r["eval/acc_mean"] == r["eval/toy_add3/acc"] == r["val-core/toy_add3/acc/mean@1"]
+    md = (run_dir / "report.md").read_text()
+    assert "`eval/acc_mean` (2 evaluations)" in md and "| toy_add3 | 2 |" in md

@@ -18,7 +18,9 @@ def test_constant_delay_in_steps_releases_each_version_exactly_after_its_delay()
             seen[step] = v
     # version 0 at once, then version v at step v + 3
     assert seen == {0: 0, **{v + 3: v for v in range(1, 9)}}
-    assert s.skipped == 0 and s.metrics(11)["hetero/sync_lag"] == 3.0
+    m = s.metrics(11)
+    assert m["hetero/sync_lag"] == 3.0
+    assert m["hetero/sync_superseded"] == m["hetero/sync_over_capacity"] == 0.0 and s.skipped == 0
 
 
 def test_lognormal_seconds_never_early_monotone_and_skips_superseded_versions():
@@ -39,7 +41,10 @@ def test_lognormal_seconds_never_early_monotone_and_skips_superseded_versions():
     # every version is served at the first sync point after its release, unless a newer version
     # had already been served by then (the samplers do not go back in time): then it is skipped
     skipped = sorted(set(range(served[-1])) - set(served))
-    assert s.skipped == len(skipped) > 0
+    # all of them superseded (the delay model at work), none for want of snapshots (64 kept)
+    assert s.superseded == len(skipped) > 0 and s.over_capacity == 0
+    assert s.metrics(199)["hetero/sync_superseded"] == float(len(skipped))
+    assert s.metrics(199)["hetero/sync_over_capacity"] == 0.0
     for v in served:
         assert served_at[v] - release[v] < 10.0
     for v in skipped:
@@ -47,12 +52,18 @@ def test_lognormal_seconds_never_early_monotone_and_skips_superseded_versions():
         assert any(u > v and served_at[u] <= first_sync for u in served)
 
 
-def test_snapshot_budget_skips_the_oldest_and_counts_it():
+def test_snapshot_budget_drops_the_oldest_and_counts_it_apart_from_supersession():
     s = DelayedSyncSchedule(make_delay_model("constant", value=100.0), "steps", max_pending=2)
     for step in range(5):
         s.publish(step, float(step))
-    assert sorted(s.pending) == [3, 4] and s.skipped == 3
+    assert sorted(s.pending) == [3, 4] and (s.over_capacity, s.superseded) == (3, 0)
     assert s.pop_retired() == [0, 1, 2]
+    # versions 3 and 4 are both released by 104: 4 is pushed, 3 superseded -- the other counter
+    assert s.due(104.0) == 4 and (s.over_capacity, s.superseded) == (3, 1) and s.skipped == 4
+    assert s.pop_retired() == [3]
+    m = s.metrics(4)
+    assert (m["hetero/sync_over_capacity"], m["hetero/sync_superseded"]) == (3.0, 1.0)
+    assert "hetero/sync_skipped" not in m
     with pytest.raises(ValueError, match="versions must increase"):
         s.publish(4, 5.0)
 

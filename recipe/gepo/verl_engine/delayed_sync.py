@@ -8,12 +8,14 @@ samplers receive version v only once d_v has passed -- in learner steps (``unit:
 wall-clock seconds (``unit: seconds``). Until then they keep generating with what they have.
 
 Exactness: the samplers see version v at the first sync point (a learner step end) after
-t_v + d_v, never earlier; a version whose release comes after a newer version's is skipped
-(the samplers never go back in time). Pushing version v after the learner has moved on needs its
-weights: they are kept as CPU snapshots on the actor workers (verl's
+t_v + d_v, never earlier; a version whose release comes after a newer version's is superseded
+(the samplers never go back in time), counted in ``hetero/sync_superseded`` -- the delay model at
+work, expected whenever delays vary, nothing to fix. Pushing version v after the learner has moved
+on needs its weights: they are kept as CPU snapshots on the actor workers (verl's
 ``DetachActorWorker.save_model_to_cpu``), at most ``hetero.keep_weight_versions`` of them; when
-more versions are in flight, the oldest unreleased one is skipped and counted
-(``hetero/sync_skipped``) -- raise ``keep_weight_versions`` if that counter moves.
+more versions are in flight, the oldest unreleased one is dropped although its delay had not
+passed, counted in ``hetero/sync_over_capacity`` -- raise ``keep_weight_versions`` if that counter
+moves (the delays are then no longer the model's).
 
 :class:`DelayedSyncSchedule` is the decision logic (pure Python); :class:`DelayedCheckpointManager`
 applies it to verl's manager and reports each push (``hetero/sync_pushed_version``,
@@ -64,7 +66,8 @@ class DelayedSyncSchedule:
         self.pending: dict[int, float] = {}  # version -> release time (steps or seconds)
         self.served: Optional[int] = None
         self.published: Optional[int] = None
-        self.skipped = 0
+        self.superseded = 0  # released after a newer version was: never pushed (time runs forward)
+        self.over_capacity = 0  # dropped unreleased because more than max_pending versions waited
         self.last_delay = 0.0
         self._retired: list[int] = []
 
@@ -90,7 +93,7 @@ class DelayedSyncSchedule:
             oldest = min(self.pending)
             del self.pending[oldest]
             self._retired.append(oldest)
-            self.skipped += 1
+            self.over_capacity += 1
         return release
 
     def needs_snapshot(self, version: int, now: float) -> bool:
@@ -99,7 +102,7 @@ class DelayedSyncSchedule:
 
     def due(self, now: float) -> Optional[int]:
         """The version to push now (the newest one released by ``now``), or None. Older pending
-        versions are superseded: they are retired and counted as skipped."""
+        versions are superseded: they are retired and counted in ``superseded``."""
         ready = [v for v, t in self.pending.items() if t <= now]
         if not ready:
             return None
@@ -108,12 +111,17 @@ class DelayedSyncSchedule:
             del self.pending[v]
             if v != newest:
                 self._retired.append(v)
-                self.skipped += 1
+                self.superseded += 1
         self.served = newest
         return newest
 
+    @property
+    def skipped(self) -> int:
+        """Versions never pushed: superseded plus over capacity."""
+        return self.superseded + self.over_capacity
+
     def pop_retired(self) -> list[int]:
-        """Versions whose snapshots can be freed (skipped ones), since the last call."""
+        """Versions whose snapshots can be freed (never pushed ones), since the last call."""
         retired, self._retired = self._retired, []
         return retired
 
@@ -123,7 +131,8 @@ class DelayedSyncSchedule:
             "hetero/sampler_weight_version": float(served),
             "hetero/sync_lag": float(learner_version - served) if self.served is not None else float("nan"),
             "hetero/sync_pending": float(len(self.pending)),
-            "hetero/sync_skipped": float(self.skipped),
+            "hetero/sync_superseded": float(self.superseded),
+            "hetero/sync_over_capacity": float(self.over_capacity),
             "hetero/sync_delay": self.last_delay,
         }
 

@@ -21,11 +21,14 @@ What it adds to verl's loop, each on one of verl's own extension points:
 - the bypass guard, at construction and before every actor update.
 - roles pinned to their nodes (``verl_engine.node_resources``, :mod:`.placement`); where every
   rank and server ran, in ``placement.json``.
-- the embedded engine's ``hetero/*`` and ``is/*`` metric names.
+- the embedded engine's ``hetero/*``, ``is/*``, ``reward/mean`` and evaluation
+  (``eval/<benchmark>/acc``, ``eval/acc_mean``; :func:`embedded_eval_metrics`) metric names.
 """
 
 from __future__ import annotations
 
+import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -65,7 +68,10 @@ TRACKER_FILE = "latest_checkpointed_iteration.txt"  # verl's: the checkpoint a r
 class MetricsTee:
     """verl's ``Tracking`` plus ``<run dir>/metrics.jsonl`` in the embedded engine's format
     (one ``{"step": k, <name>: float, ...}`` line per log call), so report.md / curves.png and every
-    script reading runs work on verl-engine runs too.
+    script reading runs work on verl-engine runs too. The embedded engine's names are added by the
+    trainer before verl logs (``reward/mean``, ``hetero/*``, ``is/*``; ``eval/acc_mean`` and
+    ``eval/<benchmark>/acc`` beside verl's ``val-core/...``, :func:`embedded_eval_metrics`); verl's
+    own names are kept.
 
     It also completes checkpoints (:meth:`commit_after`): verl saves step k's checkpoint before it
     logs step k's metrics, so a crash in between would resume after k with k's line never
@@ -125,6 +131,47 @@ class HeteroReplayBuffer(ReplayBufferAsync):
             self.partitions[partition_id], set(self.finished_keys[partition_id]), global_steps, self.hetero_max_delay
         )
         return stale | by_version
+
+
+_VAL_CORE_MEAN = re.compile(r"^val-core/(?P<source>.+)/(?P<var>acc|reward)/mean@(?P<n>\d+)$")
+EVAL_MEAN = "eval/acc_mean"  # recipe.gepo.report.EVAL_MEAN
+
+
+def embedded_eval_metrics(val_metrics: Mapping[str, Any]) -> dict[str, float]:
+    """The embedded engine's evaluation names for verl 0.9.1's validation metrics.
+
+    verl (``_val_metrics_update`` over ``metric_utils.process_validation_metrics``) logs, per
+    ``data_source``, ``val-core/<data_source>/acc/mean@<n>``: the fraction of correct samples (the
+    reward's 0/1 ``acc``; failed sessions count 0) averaged per prompt over its n samples, then over
+    prompts, with n = ``actor_rollout_ref.rollout.val_kwargs.n`` (verl names only that largest n
+    ``val-core``). When the reward reports no ``acc``, verl's core variable is ``reward`` (the
+    summed score) and that one is used. This mean@n is the embedded engine's ``eval/<name>/acc``
+    (``Task.evaluate``: fraction of correct responses, one sample per prompt, i.e. mean@1) for
+    n = 1 and its average over n samples per prompt (= pass@1, docs/evaluation.md) for n > 1;
+    ``best@k`` / ``maj@k`` / ``std@n`` are not accuracies of a sample and are left out.
+
+    Returns ``eval/<data_source>/acc`` for each data source and ``eval/acc_mean``, their unweighted
+    mean (the one source's value when there is one, as in the embedded engine); ``{}`` when
+    ``val_metrics`` holds no ``val-core/.../mean@n``.
+
+    What is evaluated differs from the embedded engine: verl's validation generates on the
+    sampler pool (``hybrid_engine=false``), i.e. with the weight version the samplers hold
+    (``hetero/sampler_weight_version``, behind the learner under a delay), with verl's
+    ``val_kwargs`` sampling settings (verl's default: greedy) instead of ``task.eval_temperature``."""
+    found: dict[str, dict[str, tuple[int, float]]] = {}
+    for key, value in val_metrics.items():
+        m = _VAL_CORE_MEAN.match(key)
+        if m is None:
+            continue
+        slot = found.setdefault(m["source"], {})
+        n = int(m["n"])
+        if m["var"] not in slot or n > slot[m["var"]][0]:
+            slot[m["var"]] = (n, float(value))
+    if not found:
+        return {}
+    out = {f"eval/{src}/acc": (v["acc"] if "acc" in v else v["reward"])[1] for src, v in sorted(found.items())}
+    out[EVAL_MEAN] = sum(out.values()) / len(out)
+    return out
 
 
 def _strip_actor_prefix(worker_metrics: dict) -> dict:
@@ -236,6 +283,12 @@ class HeteroSeparateAsyncTrainer(PPOTrainerSeparateAsync):
 
     # ---- q = the sampler's log-probs -------------------------------------------------------
     def _compute_old_log_prob(self, batch, metrics):
+        """q = vLLM's ``rollout_log_probs`` (``old_log_prob=sampler``), or verl's recomputation.
+        Only the latter logs verl's ``training/rollout_actor_probs_pearson_corr`` and
+        ``training/rollout_probs_diff_*`` (its ``calculate_debug_metrics``): they compare the
+        learner's recomputed log-probs with the sampler's, and under ``sampler`` the learner
+        computes none before its update (its forward pass is the loss's; ``is/kl_sampler_learner``
+        compares the two there)."""
         if self.engine_config.old_log_prob == "recompute":
             return super()._compute_old_log_prob(batch, metrics)
         data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=["rollout_log_probs"])
@@ -258,6 +311,15 @@ class HeteroSeparateAsyncTrainer(PPOTrainerSeparateAsync):
         batch = tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id, fields=fields)
         metrics["is/group_log_denominator_mean"] = float(den.mean())
         return batch
+
+    # ---- evaluation ------------------------------------------------------------------------
+    def _validate(self):
+        """verl's validation (before training, every ``test_freq`` steps, at the end) plus the
+        embedded engine's ``eval/*`` names (:func:`embedded_eval_metrics`): both of verl's paths
+        (the initial validation, logged on its own, and the in-loop one) go through here."""
+        val_metrics = super()._validate()
+        val_metrics.update(embedded_eval_metrics(val_metrics))
+        return val_metrics
 
     # ---- guard + metric names --------------------------------------------------------------
     def _update_actor(self, batch, metrics):
