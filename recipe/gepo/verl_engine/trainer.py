@@ -43,6 +43,7 @@ from verl.trainer.ppo.v1.replay_buffer import ReplayBufferAsync
 from verl.trainer.ppo.v1.trainer_base import register_trainer
 from verl.trainer.ppo.v1.trainer_separate_async import PPOTrainerSeparateAsync
 
+from recipe.gepo.report import EVAL_MEAN
 from recipe.gepo.sections import HeteroConfig, VerlEngineConfig
 from recipe.gepo.verl_engine import batch_rules
 from recipe.gepo.verl_engine.batch_rules import hetero_step_metrics, stale_group_uids
@@ -134,7 +135,6 @@ class HeteroReplayBuffer(ReplayBufferAsync):
 
 
 _VAL_CORE_MEAN = re.compile(r"^val-core/(?P<source>.+)/(?P<var>acc|reward)/mean@(?P<n>\d+)$")
-EVAL_MEAN = "eval/acc_mean"  # recipe.gepo.report.EVAL_MEAN
 
 
 def embedded_eval_metrics(val_metrics: Mapping[str, Any]) -> dict[str, float]:
