@@ -102,10 +102,14 @@ class MetricsWriter:
 def set_aside_metrics(run_dir: PathLike) -> Optional[Path]:
     """A fresh run in a used directory: rename its ``metrics.jsonl`` to ``metrics.<unix time>.jsonl``
     (never append to or overwrite another run's metrics); returns the new name, or None."""
-    path = Path(run_dir) / METRICS_FILE
+    return _set_aside(Path(run_dir) / METRICS_FILE, "metrics.{time}.jsonl")
+
+
+def _set_aside(path: Path, pattern: str) -> Optional[Path]:
+    """Rename ``path`` (if it exists) to ``pattern`` with ``{time}`` the unix time; the new path."""
     if not path.exists():
         return None
-    kept = path.with_name(f"metrics.{int(time.time())}.jsonl")
+    kept = path.with_name(pattern.format(time=int(time.time())))
     path.rename(kept)
     return kept
 
@@ -114,12 +118,7 @@ def set_aside_latest_checkpoint(run_dir: PathLike) -> Optional[Path]:
     """A fresh run (``trainer.resume_mode=disable``) in a used directory: rename the ``latest``
     pointer to ``latest.<unix time>`` so that a later ``resume_mode=auto`` start resumes this run,
     never the one before it; the checkpoints themselves stay. Returns the new name, or None."""
-    pointer = Path(run_dir) / CHECKPOINT_DIR / LATEST_POINTER
-    if not pointer.exists():
-        return None
-    kept = pointer.with_name(f"{LATEST_POINTER}.{int(time.time())}")
-    pointer.rename(kept)
-    return kept
+    return _set_aside(Path(run_dir) / CHECKPOINT_DIR / LATEST_POINTER, LATEST_POINTER + ".{time}")
 
 
 RESUME_MAY_CHANGE = (
