@@ -30,6 +30,14 @@ TRANSPORTS = ("ray", "fs")
 WEIGHT_SYNCS = ("full", "delta")
 
 
+def changed_fields(section: Any, names) -> list[tuple[str, Any, Any]]:
+    """``(name, value, default)`` of the fields ``names`` of the config dataclass ``section`` set
+    away from their declared defaults (read from the fields, not by building a default instance,
+    which would validate)."""
+    defaults = {f.name: field_default(f) for f in fields(section)}
+    return [(n, getattr(section, n), defaults[n]) for n in names if getattr(section, n) != defaults[n]]
+
+
 @dataclass
 class DelayConfig:
     """The delay model (``verl_ext.hetero.delay.make_delay_model``). Its unit follows the mode:
@@ -72,12 +80,11 @@ class DelayConfig:
         ``dist`` does not read: it would be ignored."""
         if self.dist not in self._FIELDS_OF:
             return  # make_delay_model names the unknown dist
-        takes, defaults = self._FIELDS_OF[self.dist], DelayConfig()
-        for f in fields(self):
-            value, default = getattr(self, f.name), getattr(defaults, f.name)
-            if f.name != "dist" and f.name not in takes and value != default:
+        takes = self._FIELDS_OF[self.dist]
+        for name, value, default in changed_fields(self, [f.name for f in fields(self)]):
+            if name != "dist" and name not in takes:
                 raise ValueError(
-                    f"{prefix}.{f.name}={value!r} is not read by {prefix}.dist={self.dist}, which takes "
+                    f"{prefix}.{name}={value!r} is not read by {prefix}.dist={self.dist}, which takes "
                     f"{', '.join(takes) or 'no parameters'}; leave it at its default {default!r} (a "
                     f"hetero_delay preset may have set it)")  # fmt: skip
 
@@ -507,11 +514,6 @@ class TaskConfig:
     DATA_FIELDS = ("digits", "answer_format", "eval_size", "dataset", "dataset_options", "dataset_path",
                    "eval_dataset", "eval_dataset_options", "template")  # fmt: skip
 
-    def changed_fields(self, names) -> list[tuple[str, Any, Any]]:
-        """``(name, value, default)`` of the fields in ``names`` set away from their defaults."""
-        defaults = {f.name: field_default(f) for f in fields(self)}  # not TaskConfig(): it validates with this
-        return [(n, getattr(self, n), defaults[n]) for n in names if getattr(self, n) != defaults[n]]
-
     def __post_init__(self):
         if self.name not in TASKS:
             raise ValueError(f"task.name={self.name!r}; expected one of {TASKS}")
@@ -519,7 +521,7 @@ class TaskConfig:
             raise ValueError(f"task.answer_format={self.answer_format!r}; expected short | scratchpad")
         for other in TASKS:
             if other != self.name:
-                for key, value, default in self.changed_fields(self._ONLY_FOR[other]):
+                for key, value, default in changed_fields(self, self._ONLY_FOR[other]):
                     raise ValueError(f"task.{key}={value!r} applies to task.name={other} only (task.name={self.name}); "
                                      f"leave it at its default {default!r}")  # fmt: skip
         if self.diagnostics_every < 0 or self.diagnostics_samples < 1:

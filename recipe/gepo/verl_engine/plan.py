@@ -31,7 +31,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from recipe.gepo.sections import HeteroConfig, TaskConfig, VerlEngineConfig
+from recipe.gepo.sections import HeteroConfig, TaskConfig, VerlEngineConfig, changed_fields
 from recipe.gepo.options import VERL, check_section
 from recipe.gepo.verl_engine.batch_rules import verl_threshold
 
@@ -156,7 +156,7 @@ def check_task_data(cfg: DictConfig, task) -> None:
         _fail(f"{given} is given but {missing} is empty: give both, or neither (then both are written "
               f"from the task: section and a given one would be overwritten)")  # fmt: skip
     if train:
-        for key, value, default in task.changed_fields(task.DATA_FIELDS):
+        for key, value, default in changed_fields(task, task.DATA_FIELDS):
             _fail(f"task.{key}={value!r} shapes the data written from the task: section, but data.train_files "
                   f"and data.val_files are given and used as they are: leave task.{key} at its default "
                   f"{default!r} (a verl_preset may have set it) or the data files empty")  # fmt: skip
