@@ -132,6 +132,18 @@ RESUME_MAY_CHANGE = (
 it runs, what it logs and where its processes sit -- not what it trains."""
 
 
+def config_leaves(node: Any, prefix: str = "", skip: Sequence[str] = ()) -> Iterator[tuple[str, Any]]:
+    """``(dotted key, value)`` of every leaf of a plain config tree (``OmegaConf.to_container``),
+    leaving out keys named in ``skip`` at any depth. An empty mapping is no leaf: a key added to
+    or taken from it still shows as a leaf that one side has and the other lacks."""
+    if isinstance(node, dict):
+        for k, v in node.items():
+            if k not in skip:
+                yield from config_leaves(v, f"{prefix}.{k}" if prefix else str(k), skip)
+    else:
+        yield prefix, node
+
+
 def resume_config_changes(run_dir: PathLike, cfg: Any) -> list[tuple[str, Any, Any]]:
     """``(key, value in config.yaml, value in cfg)`` for every key that differs between the run
     directory's ``config.yaml`` (the run its ``latest`` checkpoint belongs to) and the config
@@ -145,16 +157,8 @@ def resume_config_changes(run_dir: PathLike, cfg: Any) -> list[tuple[str, Any, A
     if not path.is_file():
         return []
 
-    def leaves(node: Any, prefix: str = "") -> dict[str, Any]:
-        if isinstance(node, dict):
-            out: dict[str, Any] = {}
-            for k, v in node.items():
-                out.update(leaves(v, f"{prefix}.{k}" if prefix else str(k)))
-            return out or {prefix: {}}
-        return {prefix: node}
-
-    old = leaves(OmegaConf.to_container(OmegaConf.load(path), resolve=False))
-    new = leaves(OmegaConf.to_container(cfg, resolve=True))
+    old = dict(config_leaves(OmegaConf.to_container(OmegaConf.load(path), resolve=False)))
+    new = dict(config_leaves(OmegaConf.to_container(cfg, resolve=True)))
     changed = []
     for key in sorted(set(old) | set(new)):
         if any(fnmatch.fnmatchcase(key, pattern) for pattern in RESUME_MAY_CHANGE):

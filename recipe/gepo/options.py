@@ -27,6 +27,8 @@ import dataclasses
 import fnmatch
 from typing import Any, Callable, Iterable, Iterator, Optional
 
+from verl_ext.rundir import config_leaves
+
 REPLAY, ASYNC, VERL = "replay", "async", "verl"
 RUNNERS = (REPLAY, ASYNC, VERL)
 EMBEDDED = (REPLAY, ASYNC)
@@ -168,16 +170,6 @@ PROJECT_SECTIONS = ("hetero", "task", "verl_engine")
 NOT_OPTIONS = ("hydra", "_target_", "defaults")
 
 
-def _leaves(node: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
-    if isinstance(node, dict):
-        for k, v in node.items():
-            if k in NOT_OPTIONS:
-                continue
-            yield from _leaves(v, f"{prefix}.{k}" if prefix else str(k))
-    else:
-        yield prefix, node
-
-
 def changed_verl_keys(cfg: Any, defaults: Any) -> list[tuple[str, Any, Any]]:
     """``(key, value, default)`` of every verl leaf key of the composed ``cfg`` whose unresolved
     value differs from ``defaults`` (``gepo_trainer.yaml`` composed without overrides). Values
@@ -186,9 +178,9 @@ def changed_verl_keys(cfg: Any, defaults: Any) -> list[tuple[str, Any, Any]]:
     from omegaconf import OmegaConf
 
     mine = OmegaConf.to_container(cfg, resolve=False)
-    base = dict(_leaves(OmegaConf.to_container(defaults, resolve=False)))
+    base = dict(config_leaves(OmegaConf.to_container(defaults, resolve=False), skip=NOT_OPTIONS))
     changed = []
-    for key, value in _leaves(mine):
+    for key, value in config_leaves(mine, skip=NOT_OPTIONS):
         if key.split(".")[0] in PROJECT_SECTIONS:
             continue
         default = base.get(key, "<not set>")

@@ -19,6 +19,7 @@ from recipe.gepo.sections import HeteroConfig
 from recipe.gepo.sections import TaskConfig
 from recipe.gepo.main_gepo import run_local
 from recipe.gepo.sections import VerlEngineConfig
+from verl_ext.rundir import config_leaves
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG_DIR = ROOT / "recipe" / "gepo" / "config"
@@ -116,7 +117,7 @@ def test_every_field_is_honoured_or_refused(prefix, cls, key, field, runner):
 def _yaml_verl_keys() -> list[str]:
     """Dotted leaf keys written in gepo_trainer.yaml outside HeteroRL's own sections."""
     raw = OmegaConf.to_container(OmegaConf.load(CONFIG_DIR / "gepo_trainer.yaml"), resolve=False)
-    return [k for k, _ in options._leaves(raw) if k.split(".")[0] not in options.PROJECT_SECTIONS]
+    return [k for k, _ in config_leaves(raw, skip=options.NOT_OPTIONS) if k.split(".")[0] not in options.PROJECT_SECTIONS]
 
 
 VERL_KEYS = _yaml_verl_keys()
