@@ -67,13 +67,12 @@ class DelayConfig:
     _FIELDS_OF = {"none": (), "constant": ("value",), "uniform": ("low", "high", "integer"),
                   "lognormal": ("low", "high", "confidence", "offset"),
                   "weibull": ("low", "high", "confidence", "offset"), "trace": ("trace_path", "trace_column")}  # fmt: skip
+    # field -> the model's argument, where the two names differ
+    _ARG_OF = {"trace_path": "path", "trace_column": "column"}
 
     def model_params(self) -> dict[str, Any]:
         """Keyword arguments for ``make_delay_model(self.dist, **params)``."""
-        params = {name: getattr(self, name) for name in self._FIELDS_OF.get(self.dist, ())}
-        if self.dist == "trace":
-            params = {"path": self.trace_path, **({"column": self.trace_column} if self.trace_column is not None else {})}
-        return params
+        return {self._ARG_OF.get(name, name): getattr(self, name) for name in self._FIELDS_OF.get(self.dist, ())}
 
     def check_fields(self, prefix: str = "hetero.delay") -> None:
         """Refuse (ValueError naming ``prefix.field``) a field set away from its default that
