@@ -198,7 +198,11 @@ def test_dominance_names_the_method_never_worse_and_better_than_grpo_somewhere()
     # without a method that meets both conditions on what is compared, the answer is no
     rows = {r["algo"]: r for r in dominance_rows(_drops_runs({**partial, ("gepo_tc", "fix64"): 0.10}))}
     assert not any(r["wins_so_far"] for r in rows.values())
-    assert "**Answer: no**" in dominance_markdown(list(rows.values()))
+    assert "**Answer: no** (no method meets both conditions on the rows so far)." in dominance_markdown(list(rows.values()))
+    # every method compared with every other everywhere: the no is not provisional
+    rows = dominance_rows(_drops_runs({**drops, ("gepo_tc", "fix64"): 0.10}))
+    assert all(r["complete"] for r in rows) and not any(r["wins"] for r in rows)
+    assert "**Answer: no** (no method meets both conditions)." in dominance_markdown(rows)
 
 
 def test_dominance_says_whether_the_win_over_grpo_survives_holm():
