@@ -157,7 +157,8 @@ def estimate_seconds(plan: Plan, done: list[dict], reference: Optional[tuple[Pla
     defaults (:data:`SECONDS_PER_STEP_16`, :data:`SECONDS_PER_EVAL_PROBLEM`)."""
     secs = [r["seconds"] for r in done if math.isfinite(r.get("seconds", math.nan))]
     if secs:
-        return statistics.median(secs), f"median of {len(secs)} finished runs"
+        return statistics.median(secs), (f"median of {len(secs)} finished runs; {min(secs):.0f}-{max(secs):.0f} s, "
+                                         f"{sum(secs) / 3600:.1f} worker-hours in all")
     evals = _evaluations(plan)
     eval_s = evals * plan.eval_size * SECONDS_PER_EVAL_PROBLEM
     if reference is not None:

@@ -491,7 +491,7 @@ def test_budget_estimate_uses_finished_runs_else_the_measured_defaults():
     assert secs == pytest.approx(200 * SECONDS_PER_STEP_16 + 11 * 512 * SECONDS_PER_EVAL_PROBLEM)
     assert "measured defaults" in how
     secs, how = estimate_seconds(plan, [{"seconds": 100.0}, {"seconds": 300.0}, {"seconds": 200.0}])
-    assert secs == 200.0 and "3 finished runs" in how
+    assert secs == 200.0 and "3 finished runs; 100-300 s, 0.2 worker-hours in all" in how
 
 
 def test_a_design_without_runs_estimates_from_the_design_it_takes_rates_from():
