@@ -110,10 +110,13 @@ def test_run_config_round_trip(tmp_path):
     assert rundir.read_run_config(tmp_path) == {"loss_mode": "gepo", "max_delay": 8, "preset": None, "seed": 3}
 
 
-def test_config_leaves_flattens_skips_and_a_change_under_an_empty_mapping_shows(tmp_path):
+def test_config_leaves_flattens_skips_and_resume_sees_an_empty_mapping_change(tmp_path):
     tree = {"a": {"b": 1, "c": {"d": [1, 2]}, "_target_": "x"}, "e": {}, "f": None}
     assert dict(rundir.config_leaves(tree, skip=("_target_",))) == {"a.b": 1, "a.c.d": [1, 2], "f": None}
-    # a key added under what the checkpointed run had as an empty mapping is a change resume refuses
+    assert dict(rundir.config_leaves(tree, keep_empty=True))["e"] == {}
+    # a checkpointed run's empty mapping filled, or dropped, is a change resume refuses
     rundir.write_run_config(tmp_path, OmegaConf.create(tree))
     changed = rundir.resume_config_changes(tmp_path, OmegaConf.create({**tree, "e": {"g": 2}}))
-    assert changed == [("e.g", "<not set>", 2)]
+    assert changed == [("e", {}, "<not set>"), ("e.g", "<not set>", 2)]
+    dropped = {k: v for k, v in tree.items() if k != "e"}
+    assert rundir.resume_config_changes(tmp_path, OmegaConf.create(dropped)) == [("e", {}, "<not set>")]

@@ -132,14 +132,17 @@ RESUME_MAY_CHANGE = (
 it runs, what it logs and where its processes sit -- not what it trains."""
 
 
-def config_leaves(node: Any, prefix: str = "", skip: Sequence[str] = ()) -> Iterator[tuple[str, Any]]:
+def config_leaves(node: Any, prefix: str = "", skip: Sequence[str] = (),
+                  keep_empty: bool = False) -> Iterator[tuple[str, Any]]:
     """``(dotted key, value)`` of every leaf of a plain config tree (``OmegaConf.to_container``),
-    leaving out keys named in ``skip`` at any depth. An empty mapping is no leaf: a key added to
-    or taken from it still shows as a leaf that one side has and the other lacks."""
+    leaving out keys named in ``skip`` at any depth. An empty mapping is a leaf (value ``{}``) only
+    with ``keep_empty``: then a mapping emptied or dropped shows as a change too."""
     if isinstance(node, dict):
+        if not node and keep_empty:
+            yield prefix, {}
         for k, v in node.items():
             if k not in skip:
-                yield from config_leaves(v, f"{prefix}.{k}" if prefix else str(k), skip)
+                yield from config_leaves(v, f"{prefix}.{k}" if prefix else str(k), skip, keep_empty)
     else:
         yield prefix, node
 
@@ -157,8 +160,8 @@ def resume_config_changes(run_dir: PathLike, cfg: Any) -> list[tuple[str, Any, A
     if not path.is_file():
         return []
 
-    old = dict(config_leaves(OmegaConf.to_container(OmegaConf.load(path), resolve=False)))
-    new = dict(config_leaves(OmegaConf.to_container(cfg, resolve=True)))
+    old = dict(config_leaves(OmegaConf.to_container(OmegaConf.load(path), resolve=False), keep_empty=True))
+    new = dict(config_leaves(OmegaConf.to_container(cfg, resolve=True), keep_empty=True))
     changed = []
     for key in sorted(set(old) | set(new)):
         if any(fnmatch.fnmatchcase(key, pattern) for pattern in RESUME_MAY_CHANGE):
