@@ -1,6 +1,7 @@
-"""The house's one direction of imports: ``recipe`` builds on ``verl_ext``, never the reverse
-(issue #12, item 6). Walks every source file of ``verl_ext`` and looks at every import statement,
-module-level or inside a function."""
+"""The house's one direction of imports: ``recipe`` builds on ``verl_ext``, never the reverse.
+Walks every source file and looks at every import statement, module-level or inside a function;
+relative imports are resolved against the file's own package, so the recipe (which refers to
+itself relatively, so that a copy of it runs its own code) is walked like the library."""
 
 from __future__ import annotations
 
@@ -10,16 +11,30 @@ from pathlib import Path
 import verl_ext
 
 ROOT = Path(verl_ext.__file__).parent
+REPO = ROOT.parent
+
+
+def _package_of(path: Path) -> list[str]:
+    return list(path.resolve().relative_to(REPO).with_suffix("").parts[:-1])
+
+
+def _absolute(node: ast.ImportFrom, path: Path) -> str:
+    """The dotted module an ``ImportFrom`` names, relative imports resolved against ``path``'s package."""
+    if node.level == 0:
+        return node.module or ""
+    package = _package_of(path)
+    base = package[: len(package) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
 
 
 def imported_modules(path: Path) -> list[tuple[int, str]]:
-    """(line, module) of every absolute import in ``path``."""
+    """(line, module) of every import in ``path``, relative ones resolved to absolute names."""
     out = []
     for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
         if isinstance(node, ast.Import):
             out += [(node.lineno, alias.name) for alias in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            out.append((node.lineno, node.module))
+        elif isinstance(node, ast.ImportFrom) and (node.module or node.level):
+            out.append((node.lineno, _absolute(node, path)))
         elif isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", "")) == "import_module":
             if node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str):
                 out.append((node.lineno, node.args[0].value))
@@ -51,12 +66,27 @@ def _imports_of(folder: Path) -> list[tuple[Path, int, str]]:
     return [(path, line, mod) for path in sorted(folder.rglob("*.py")) for line, mod in imported_modules(path)]
 
 
+def test_the_walk_resolves_relative_imports():
+    assert "recipe.gepo.embedded.engine" in {m for _, m in imported_modules(RECIPE / "embedded" / "driver.py")}
+    assert any(mod == "recipe.gepo.sections" for _, mod in imported_modules(RECIPE / "embedded" / "engine.py"))
+
+
+def test_the_recipe_never_names_itself_absolutely():
+    """A copy (``cp -r recipe/gepo recipe/mygepo``) must run its own modules, not gepo's."""
+    offenders = [f"{p.relative_to(REPO)}:{node.lineno}" for p in sorted(RECIPE.rglob("*.py"))
+                 for node in ast.walk(ast.parse(p.read_text()))
+                 if (isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("recipe"))
+                 or (isinstance(node, ast.Import) and any(a.name.startswith("recipe") for a in node.names))]
+    assert not offenders, "absolute imports of the recipe (use relative ones):\n" + "\n".join(offenders)
+
+
 def test_the_two_engines_never_import_each_other():
-    local, verl = RECIPE / "local", RECIPE / "verl_engine"
-    offenders = [f"{p.relative_to(RECIPE)}:{line}: {mod}" for p, line, mod in _imports_of(local)
+    embedded, verl = RECIPE / "embedded", RECIPE / "verl_engine"
+    assert _imports_of(embedded) and _imports_of(verl)
+    offenders = [f"{p.relative_to(RECIPE)}:{line}: {mod}" for p, line, mod in _imports_of(embedded)
                  if mod.startswith("recipe.gepo.verl_engine")]
     offenders += [f"{p.relative_to(RECIPE)}:{line}: {mod}" for p, line, mod in _imports_of(verl)
-                  if mod.startswith("recipe.gepo.local")]
+                  if mod.startswith("recipe.gepo.embedded")]
     assert not offenders, "\n".join(offenders)
 
 
@@ -74,8 +104,9 @@ def _module_graph(paths: list[Path], base: Path) -> dict[str, set[str]]:
             targets = []
             if isinstance(node, ast.Import):
                 targets = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                targets = [f"{node.module}.{a.name}" for a in node.names] + [node.module]
+            elif isinstance(node, ast.ImportFrom) and (node.module or node.level):
+                module = _absolute(node, path)
+                targets = [f"{module}.{a.name}" for a in node.names] + [module]
             edges |= {t for t in targets if t in names and t != mod and not mod.startswith(t + ".")}
         graph[mod] = edges
     return graph
@@ -110,7 +141,7 @@ def test_the_cycle_finder_finds_cycles():
 
 
 def test_no_import_cycles_in_the_library_or_the_recipe():
-    """Module-level and function-level imports alike: one step reads one way (issue 20)."""
+    """Module-level and function-level imports alike: one step reads one way."""
     for folder in (ROOT, RECIPE):
         graph = _module_graph(sorted(folder.rglob("*.py")), folder.parents[0] if folder is ROOT else RECIPE.parents[1])
         assert sum(map(len, graph.values())) > 20  # the walk sees the edges

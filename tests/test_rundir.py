@@ -11,7 +11,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from recipe.gepo.local.run_utils import MetricLogger, RunSettings
+from recipe.gepo.embedded.run_utils import MetricLogger, RunSettings
 from verl_ext import rundir
 
 METRICS = {"a": 1, "b": np.float32(0.5), "c": torch.tensor(2.0), "flag": True, "nan": float("nan"),

@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from recipe.gepo.local.policy import sample_groups
+from recipe.gepo.embedded.policy import sample_groups
 from verl_ext.data.toy.model import build_tokenizer, toy_model_config
 from verl_ext.eval.generate import HFGenerator, SamplingParams
 from verl_ext.sampling import eos_mask, generate, sample_continuations, token_log_probs

@@ -1,7 +1,7 @@
 """The actor objective: the one place where an engine turns a batch into the actor's loss.
 
 Both engines call :func:`compute_actor_loss` -- the embedded learner
-(``recipe/gepo/local/learner.py``) on its whole batch, the verl engine's worker
+(``recipe/gepo/embedded/learner.py``) on its whole batch, the verl engine's worker
 (``recipe/gepo/verl_engine/loss.py``, verl's ``ppo_loss`` replacement) on each micro-batch after
 unpadding. It owns every term of the objective:
 

@@ -6,7 +6,7 @@ the learner's p (``logprobs_mode=processed_logprobs`` without top-k/top-p trunca
 embedded learner scores (:func:`token_log_probs`) -- so p/q compares like with like.
 
 * :func:`generate` -- one batched ``model.generate`` on left-padded prompts, seeded, with log q;
-  every sampler calls it: the embedded engine's ``sample_groups`` (``recipe.gepo.local.policy``),
+  every sampler calls it: the embedded engine's ``sample_groups`` (``recipe.gepo.embedded.policy``),
   evaluation's ``HFGenerator`` (:mod:`verl_ext.eval.generate`) and, through
   :func:`sample_continuations`, the ``hf_cpu`` rollout server (:mod:`verl_ext.cpu.rollout`).
 * :func:`eos_mask` -- where each continuation ends (its first stop token, kept).

@@ -56,8 +56,8 @@ def _fmt(value, spec: str = ".3f") -> str:
 
 
 def main(argv: list[str]) -> int:
-    from recipe.gepo.main_gepo import run
-    from recipe.gepo.report import load_metrics, summarize
+    from .main_gepo import run
+    from .report import load_metrics, summarize
 
     cfg = demo_config(argv)
     start = time.time()

@@ -22,12 +22,12 @@ def run_local(cfg: DictConfig) -> dict[str, Any]:
     """The embedded engine: validate everything (:meth:`EngineConfig.from_omegaconf`), then train
     in the mode ``hetero.mode`` names; returns the final metrics. Scripts call this with a config
     composed by hydra's compose API."""
-    from recipe.gepo.local.async_mode import run_async
-    from recipe.gepo.local.engine import EngineConfig
-    from recipe.gepo.local.replay import run_replay
-    from recipe.gepo.local.run_utils import MetricLogger
-    from recipe.gepo.local.tasks import resolve_model_path
-    from recipe.gepo.report import report_after_failure, write_report
+    from .embedded.async_mode import run_async
+    from .embedded.engine import EngineConfig
+    from .embedded.replay import run_replay
+    from .embedded.run_utils import MetricLogger
+    from .embedded.tasks import resolve_model_path
+    from .report import report_after_failure, write_report
     from verl_ext.hetero.seeding import seed_process
     from verl_ext.rundir import (check_resume_config, latest_checkpoint_step, set_aside_latest_checkpoint,
                                  set_aside_metrics, write_run_config)
@@ -106,7 +106,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         return run_local(cfg)
     if engine == "verl":
         check_no_missing_values(cfg)
-        from recipe.gepo.verl_engine.runner import run as run_verl
+        from .verl_engine.runner import run as run_verl
 
         return run_verl(cfg)
     raise ValueError(f"hetero.engine={engine!r}; expected 'local' or 'verl'")

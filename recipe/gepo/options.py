@@ -133,7 +133,7 @@ def check_section(section: Any, prefix: str, runner: str) -> None:
 # ------------------------------------------------------------------------------ verl's own keys
 
 EMBEDDED_VERL_KEYS = (
-    # the model and the batch (recipe/gepo/local/run_utils.py RunSettings)
+    # the model and the batch (recipe/gepo/embedded/run_utils.py RunSettings)
     "actor_rollout_ref.model.path",
     "data.train_batch_size",
     "data.max_response_length",
@@ -143,7 +143,7 @@ EMBEDDED_VERL_KEYS = (
     "trainer.total_training_steps", "trainer.default_local_dir", "trainer.save_freq", "trainer.test_freq",
     "trainer.resume_mode", "trainer.logger", "trainer.project_name", "trainer.experiment_name",
     # the actor objective: verl's registered losses read the whole actor config, the learner
-    # (recipe/gepo/local/learner.py) its optimiser keys, verl_ext.loss_bridge the rest
+    # (recipe/gepo/embedded/learner.py) its optimiser keys, verl_ext.loss_bridge the rest
     "actor_rollout_ref.actor.policy_loss.*",
     "actor_rollout_ref.actor.clip_ratio", "actor_rollout_ref.actor.clip_ratio_low",
     "actor_rollout_ref.actor.clip_ratio_high", "actor_rollout_ref.actor.clip_ratio_c",
@@ -153,7 +153,7 @@ EMBEDDED_VERL_KEYS = (
     "actor_rollout_ref.actor.grad_clip",
     "actor_rollout_ref.actor.optim.lr", "actor_rollout_ref.actor.optim.betas",
     "actor_rollout_ref.actor.optim.weight_decay",
-    # advantages (recipe/gepo/local/rollout.py) and the decoupled truncated IS
+    # advantages (recipe/gepo/embedded/rollout.py) and the decoupled truncated IS
     # (verl_ext.loss_bridge.rollout_correction_settings refuses the values it cannot do)
     "algorithm.adv_estimator", "algorithm.norm_adv_by_std_in_grpo",
     "algorithm.rollout_correction.*",

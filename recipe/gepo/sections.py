@@ -20,7 +20,7 @@ from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
-from recipe.gepo.options import ASYNC, EMBEDDED, EVERYWHERE, REPLAY, VERL, field_default, option
+from .options import ASYNC, EMBEDDED, EVERYWHERE, REPLAY, VERL, field_default, option
 
 ENGINES = ("local", "verl")
 MODES = ("replay", "async")
@@ -104,7 +104,7 @@ _NO_PUBLISHING_SAMPLERS = {
 class TrustConfig:
     """Samplers you do not control (async mode: every record crosses a transport). Signed records,
     checks of what a sampler claims, trust and quarantine, a divergence bound
-    (``verl_ext.hetero.auth``, ``verl_ext.hetero.trust``, ``recipe.gepo.local.verify``;
+    (``verl_ext.hetero.auth``, ``verl_ext.hetero.trust``, ``recipe.gepo.embedded.verify``;
     docs/reliability.md, "Samplers you do not control")."""
 
     sign_records: bool = option(True, honoured_by=(ASYNC,), instead=_NO_PUBLISHING_SAMPLERS)

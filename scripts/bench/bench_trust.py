@@ -92,12 +92,12 @@ def detection(args) -> list[str]:
     import torch
     from hydra import compose, initialize_config_dir
 
-    from recipe.gepo.local.driver import build_buffer
-    from recipe.gepo.local.engine import EngineConfig
-    from recipe.gepo.local.policy import load_policy
-    from recipe.gepo.local.rollout import RolloutSettings, generate_groups
-    from recipe.gepo.local.tasks import Task, resolve_model_path
-    from recipe.gepo.local.verify import TrustGate
+    from recipe.gepo.embedded.driver import build_buffer
+    from recipe.gepo.embedded.engine import EngineConfig
+    from recipe.gepo.embedded.policy import load_policy
+    from recipe.gepo.embedded.rollout import RolloutSettings, generate_groups
+    from recipe.gepo.embedded.tasks import Task, resolve_model_path
+    from recipe.gepo.embedded.verify import TrustGate
     from verl_ext.hetero.records import RecordRejected
     from verl_ext.hetero.weights import serialize_state_dict
 
@@ -157,10 +157,10 @@ def spread(args) -> list[str]:
     import torch
     from omegaconf import OmegaConf
 
-    from recipe.gepo.local.policy import load_policy
-    from recipe.gepo.local.rollout import RolloutSettings, generate_groups
-    from recipe.gepo.local.tasks import Task, resolve_model_path
-    from recipe.gepo.local.verify import group_log_probs
+    from recipe.gepo.embedded.policy import load_policy
+    from recipe.gepo.embedded.rollout import RolloutSettings, generate_groups
+    from recipe.gepo.embedded.tasks import Task, resolve_model_path
+    from recipe.gepo.embedded.verify import group_log_probs
     from recipe.gepo.sections import TaskConfig
 
     torch.set_num_threads(1)
@@ -222,12 +222,12 @@ def ratio(args) -> list[str]:
     import torch
     from hydra import compose, initialize_config_dir
 
-    from recipe.gepo.local.driver import build_buffer, build_learner
-    from recipe.gepo.local.engine import EngineConfig
-    from recipe.gepo.local.policy import load_policy
-    from recipe.gepo.local.rollout import RolloutSettings, generate_groups
-    from recipe.gepo.local.tasks import Task, resolve_model_path
-    from recipe.gepo.local.verify import TrustGate
+    from recipe.gepo.embedded.driver import build_buffer, build_learner
+    from recipe.gepo.embedded.engine import EngineConfig
+    from recipe.gepo.embedded.policy import load_policy
+    from recipe.gepo.embedded.rollout import RolloutSettings, generate_groups
+    from recipe.gepo.embedded.tasks import Task, resolve_model_path
+    from recipe.gepo.embedded.verify import TrustGate
     from verl_ext.hetero.weights import serialize_state_dict
 
     torch.set_num_threads(1)

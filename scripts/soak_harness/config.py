@@ -50,7 +50,7 @@ def _use_seed0_warm_start(cfg) -> None:
     """The toy warm start is cached per seed; every soak seed trains from the seed-0 one."""
     from omegaconf import open_dict
 
-    from recipe.gepo.local.tasks import resolve_model_path
+    from recipe.gepo.embedded.tasks import resolve_model_path
     from recipe.gepo.sections import TaskConfig
 
     with open_dict(cfg):

@@ -33,10 +33,10 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from recipe.gepo.local.async_mode import SamplerWorker
-from recipe.gepo.local.policy import load_policy
-from recipe.gepo.local.rollout import sequence_advantages
-from recipe.gepo.local.verify import group_log_probs
+from recipe.gepo.embedded.async_mode import SamplerWorker
+from recipe.gepo.embedded.policy import load_policy
+from recipe.gepo.embedded.rollout import sequence_advantages
+from recipe.gepo.embedded.verify import group_log_probs
 from verl_ext.hetero.auth import Enrolment, SamplerKey, unverified_record
 from verl_ext.hetero.exchange import send_group
 from verl_ext.hetero.protocol import ROLLOUT_TOPIC
@@ -157,8 +157,8 @@ def start_crew(cfg, enrolment_file: Path) -> Optional[Any]:
     """The crew as a Ray actor generating for the run of ``cfg`` (Ray must be up); its keys enrolled."""
     import ray
 
-    from recipe.gepo.local.async_mode import transport_spec
-    from recipe.gepo.local.engine import EngineConfig
+    from recipe.gepo.embedded.async_mode import transport_spec
+    from recipe.gepo.embedded.engine import EngineConfig
 
     engine = EngineConfig.from_omegaconf(cfg)
     crew = ray.remote(num_cpus=0, max_restarts=0, max_concurrency=3)(LiarCrew).options(name="soak-liar-crew").remote(

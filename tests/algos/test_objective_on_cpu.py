@@ -39,8 +39,8 @@ from verl.trainer.ppo.rollout_corr_helper import (
 )
 from verl.utils.config import omega_conf_to_dataclass
 
-from recipe.gepo.local.learner import Learner, collate_groups, log_probs_and_entropy
-from recipe.gepo.local.policy import load_policy, sequence_token_log_probs
+from recipe.gepo.embedded.learner import Learner, collate_groups, log_probs_and_entropy
+from recipe.gepo.embedded.policy import load_policy, sequence_token_log_probs
 from verl_ext.hetero.records import RolloutGroup
 from verl_ext.loss_bridge import RolloutCorrection, compute_actor_loss, rollout_correction_settings
 
@@ -101,7 +101,7 @@ CORRECTED.update(_preset_corrections())
 
 @pytest.fixture(scope="module")
 def tiny_model_path() -> str:
-    """The tests' cached toy warm start (same arguments as tests/recipe/local/conftest.py)."""
+    """The tests' cached toy warm start (same arguments as tests/recipe/embedded/conftest.py)."""
     import tempfile
 
     from verl_ext.data.toy.checkpoints import warm_start
@@ -424,7 +424,7 @@ def test_rollout_correction_weights_the_loss_with_verls_truncated_is(model_and_g
 
 class _TruncatedISLearnerBefore(Learner):
     """The replay engine's TruncatedISLearner as it was before the objective owned rollout
-    correction (recipe/gepo/local/replay.py at 9f1726a^), verbatim: the behaviour to keep."""
+    correction (recipe/gepo/embedded/replay.py at 9f1726a^), verbatim: the behaviour to keep."""
 
     def __init__(self, *args, rollout_correction: dict, **kwargs):
         super().__init__(*args, **kwargs)

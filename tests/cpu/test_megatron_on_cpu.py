@@ -370,9 +370,9 @@ def _configs(*overrides: str) -> tuple:
 
 def _warm_start_groups(cfg) -> tuple:
     """:data:`GROUPS` prompt groups of :data:`G` sampled by the toy warm start, and its tokenizer."""
-    from recipe.gepo.local.policy import load_policy
-    from recipe.gepo.local.rollout import RolloutSettings, generate_groups
-    from recipe.gepo.local.tasks import Task
+    from recipe.gepo.embedded.policy import load_policy
+    from recipe.gepo.embedded.rollout import RolloutSettings, generate_groups
+    from recipe.gepo.embedded.tasks import Task
     from recipe.gepo.sections import TaskConfig
 
     model, tokenizer = load_policy(cfg.actor_rollout_ref.model.path)
@@ -561,7 +561,7 @@ def test_samplers_hold_the_exact_version_pushed_from_megatron_shards():
     import ray
     from verl.workers.rollout.llm_server import LLMServerManager
 
-    from recipe.gepo.local.policy import load_policy
+    from recipe.gepo.embedded.policy import load_policy
     from recipe.gepo.verl_engine.delayed_sync import DelayedSyncSchedule
     from tests.cpu import verl_actor as va
     from verl_ext.cpu.rollout import state_checksum

@@ -27,10 +27,10 @@ GROUPS, G = 3, 4
 def lab(tmp_path_factory):
     import ray
 
-    from recipe.gepo.local.learner import Learner
-    from recipe.gepo.local.policy import load_policy
-    from recipe.gepo.local.rollout import RolloutSettings, generate_groups
-    from recipe.gepo.local.tasks import Task
+    from recipe.gepo.embedded.learner import Learner
+    from recipe.gepo.embedded.policy import load_policy
+    from recipe.gepo.embedded.rollout import RolloutSettings, generate_groups
+    from recipe.gepo.embedded.tasks import Task
     from recipe.gepo.sections import TaskConfig
     from recipe.gepo.verl_engine.runner import resolve_task_files
     from verl.utils.config import omega_conf_to_dataclass
@@ -78,8 +78,8 @@ def _verl_step(cfg, groups, tokenizer, n_ranks, name):
 def _embedded_step(cfg, groups, tokenizer):
     from verl.utils.config import omega_conf_to_dataclass
 
-    from recipe.gepo.local.learner import Learner, collate_groups
-    from recipe.gepo.local.policy import load_policy, sequence_token_log_probs
+    from recipe.gepo.embedded.learner import Learner, collate_groups
+    from recipe.gepo.embedded.policy import load_policy, sequence_token_log_probs
 
     model, _ = load_policy(cfg.actor_rollout_ref.model.path)
     metrics = Learner(model, omega_conf_to_dataclass(cfg.actor_rollout_ref.actor),

@@ -25,7 +25,7 @@ from hydra import compose as hydra_compose
 from hydra import initialize_config_dir
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from recipe.gepo.local.learner import collate_groups
+from recipe.gepo.embedded.learner import collate_groups
 from recipe.gepo.verl_engine import batch_rules
 from verl_ext.hetero.records import RolloutGroup
 from verl_ext.loss_config import loss_option

@@ -110,7 +110,7 @@ def test_none_constant_and_steps():
 def test_one_delay_rule_for_replay_the_delay_channel_and_delayed_sync(tmp_path):
     """Version v's delay for sampler 0 is one number whoever asks: replay mode's staleness draw,
     the async delay channel of sampler 0 (seconds) and the verl engine's delayed weight sync."""
-    from recipe.gepo.local.replay import draw_staleness
+    from recipe.gepo.embedded.replay import draw_staleness
     from recipe.gepo.verl_engine.delayed_sync import DelayedSyncSchedule
 
     model = make_delay_model("lognormal", low=1, high=30)

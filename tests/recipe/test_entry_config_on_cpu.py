@@ -124,7 +124,7 @@ def test_math_task_fields_are_checked_naming_the_value(fields, match):
 def test_dataset_options_reach_the_embedded_engines_task_and_chat_templates_are_refused_there():
     """task.dataset_options / task.eval_dataset_options select the problems in the embedded engine
     too; task.template=chat (the model's own chat template) needs a tokenizer the embedded Task has not."""
-    from recipe.gepo.local.tasks import Task
+    from recipe.gepo.embedded.tasks import Task
 
     easy = {"split": "train", "max_steps": 2, "max_answer": 100, "max_question_chars": 200}
     task = Task(TaskConfig(name="math", dataset="gsm8k", dataset_options=easy, eval_dataset="gsm8k",
@@ -150,8 +150,8 @@ def test_a_given_model_path_with_warm_start_steps_is_refused(tmp_path):
 def test_an_estimator_the_embedded_engine_cannot_feed_fails_at_start(estimator, needs):
     """verl's registry has estimators that need a critic's values, reward baselines or recomputed
     log-probs; the embedded engine refuses them at start, naming the inputs (not a TypeError at step 1)."""
-    from recipe.gepo.local.engine import check_registered
-    from recipe.gepo.local.rollout import unfed_advantage_inputs
+    from recipe.gepo.embedded.engine import check_registered
+    from recipe.gepo.embedded.rollout import unfed_advantage_inputs
 
     with pytest.raises(ValueError, match=rf"algorithm.adv_estimator='{estimator}' needs \[.*'{needs}'"):
         check_registered("gepo", estimator)

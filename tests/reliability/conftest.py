@@ -13,7 +13,7 @@ CACHE_DIR = REPO / ".cache" / "heterorl"
 TRUSTING = ("hetero.trust.sign_records=false", "hetero.trust.verify_fraction=0", "hetero.trust.check_rewards=false")
 """A learner that trusts its samplers: for tests that send synthetic groups (random tokens, any q)
 to exercise the inbox and the buffer; the trust gate has its own tests
-(tests/recipe/local/test_trust_gate_on_cpu.py)."""
+(tests/recipe/embedded/test_trust_gate_on_cpu.py)."""
 
 
 def compose_trainer(*overrides: str):
@@ -24,7 +24,7 @@ def compose_trainer(*overrides: str):
 @pytest.fixture(scope="session")
 def toy_model_path() -> str:
     """The cached warm-started toy model (built once, ~75 s, if the cache is empty)."""
-    from recipe.gepo.local.tasks import resolve_model_path
+    from recipe.gepo.embedded.tasks import resolve_model_path
     from recipe.gepo.sections import TaskConfig
 
     cfg = compose_trainer()

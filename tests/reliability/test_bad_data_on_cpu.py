@@ -12,8 +12,8 @@ import zlib
 import numpy as np
 import pytest
 
-from recipe.gepo.local.async_mode import LearnerWorker
-from recipe.gepo.local.engine import EngineConfig
+from recipe.gepo.embedded.async_mode import LearnerWorker
+from recipe.gepo.embedded.engine import EngineConfig
 from verl_ext.hetero.protocol import TransportSpec
 from verl_ext.hetero.exchange import ROLLOUT_TOPIC, send_group
 from verl_ext.hetero.records import RolloutGroup

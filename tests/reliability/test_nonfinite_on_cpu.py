@@ -10,9 +10,9 @@ import pytest
 import torch
 from verl.utils.config import omega_conf_to_dataclass
 
-from recipe.gepo.local.learner import Learner, NonFiniteStepError
-from recipe.gepo.local.policy import load_policy
-from recipe.gepo.local.rollout import sequence_advantages
+from recipe.gepo.embedded.learner import Learner, NonFiniteStepError
+from recipe.gepo.embedded.policy import load_policy
+from recipe.gepo.embedded.rollout import sequence_advantages
 from verl_ext.hetero.records import RolloutGroup
 
 from .conftest import compose_trainer

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from recipe.gepo.local.tasks import Task
+from recipe.gepo.embedded.tasks import Task
 from recipe.gepo.sections import TaskConfig
 from verl_ext.data.toy.model import build_tokenizer
 from verl_ext.data.toy.problems import make_problems, scratchpad_response, toy_data_source

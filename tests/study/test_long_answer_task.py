@@ -2,7 +2,7 @@
 
 import pytest
 
-from recipe.gepo.local.tasks import Task
+from recipe.gepo.embedded.tasks import Task
 from recipe.gepo.sections import TaskConfig
 from verl_ext.data.toy.model import build_tokenizer
 from verl_ext.data.toy.problems import make_problem, make_problems, response_length, scratchpad_response

@@ -44,7 +44,7 @@ from tests.study.test_sweep_table import _write_run
 def _staleness(overrides: list[str], steps: int, seed: int = 0) -> list[int]:
     """The staleness replay mode trains step k on, for steps 0..steps-1 (replay's own rule)."""
     from recipe.gepo.sections import HeteroConfig
-    from recipe.gepo.local.replay import draw_staleness
+    from recipe.gepo.embedded.replay import draw_staleness
     from verl_ext.hetero.delay import DelaySchedule
 
     hetero = HeteroConfig.from_omegaconf(compose_cfg(overrides + ["hetero.mode=replay", f"hetero.seed={seed}"]).hetero)

@@ -24,7 +24,7 @@ over groups of |E_hat_w[A]_g - E_fresh[A]_g|, for the weights
 (``group_expectation`` for gepo / gepo_adaptive / eqp, ``ratio`` otherwise). The fresh estimate
 has Monte-Carlo noise of its own: ``diag/fresh_std_error`` (mean over groups of the standard
 error of the fresh mean) is logged beside it, so an error near that level means "no detectable
-error". In replay mode ``task.diagnostics_every=k`` turns it on (see ``recipe/gepo/local/replay.py``).
+error". In replay mode ``task.diagnostics_every=k`` turns it on (see ``recipe/gepo/embedded/replay.py``).
 
 **Scatter plots.** ``python -m verl_ext.analysis.run_diagnostics RUN_DIR... --out DIR`` draws,
 with Pearson's r per run and pooled (:mod:`verl_ext.analysis.run_figures`), the error against

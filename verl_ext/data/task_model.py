@@ -1,5 +1,5 @@
 """The model a run trains when ``actor_rollout_ref.model.path`` does not name one: one rule for
-both engines (the embedded engine's ``recipe.gepo.local.tasks.resolve_model_path`` and the verl
+both engines (the embedded engine's ``recipe.gepo.embedded.tasks.resolve_model_path`` and the verl
 engine's ``resolve_task_files``), so they train the same cached folder.
 
 - a given ``model_path``: that local HF folder;

@@ -50,7 +50,7 @@ def send_group(transport: Transport, group: RolloutGroup, topic: str = ROLLOUT_T
 
 class GroupGate(Protocol):
     """What a learner checks of a decoded group before it may enter the buffer
-    (:class:`~recipe.gepo.local.verify.TrustGate` is one: trust, verification)."""
+    (:class:`~recipe.gepo.embedded.verify.TrustGate` is one: trust, verification)."""
 
     def admit(self, group: RolloutGroup) -> bool:
         """Raise :class:`RecordRejected` to refuse ``group``; else True when a check vouched for it

@@ -3,7 +3,7 @@ sampler, and when it is quarantined (issue 23 items 2-3).
 
 The learner checks what a sampler claims about a group (its log-probs q under the claimed
 version, its rewards and advantages) on a sampled fraction of groups; the checks themselves are
-the engine's (:mod:`recipe.gepo.local.verify`). This module keeps the books:
+the engine's (:mod:`recipe.gepo.embedded.verify`). This module keeps the books:
 
 - **which groups are checked**: every group of a sampler still on probation (its first
   ``probation_groups`` checks), then each group with probability ``verify_fraction`` (a seeded
@@ -154,7 +154,7 @@ class TrustLedger:
     # ---------------------------------------------------------------- divergence
     def observe_divergence(self, sampler_id: str, value: float) -> None:
         """A consumed group's measured divergence (its ``is/kl_sampler_learner``-style k3 KL estimate,
-        :func:`recipe.gepo.local.learner.group_divergence`)."""
+        :func:`recipe.gepo.embedded.learner.group_divergence`)."""
         if self.max_divergence <= 0:
             return
         books = self._of(sampler_id)

@@ -28,7 +28,7 @@ from verl.utils.metric import AggregationType, Metric
 from verl.workers.utils.losses import ppo_loss as verl_ppo_loss
 from verl.workers.utils.padding import no_padding_2_padding
 
-from recipe.gepo.verl_engine.batch_rules import GROUP_LOG_DENOMINATOR
+from .batch_rules import GROUP_LOG_DENOMINATOR
 from verl_ext.loss_bridge import compute_actor_loss
 
 # compute_actor_loss's loss-valued metrics -> the names this worker reports (verl's where it has one)

@@ -31,9 +31,9 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from recipe.gepo.sections import HeteroConfig, TaskConfig, VerlEngineConfig, changed_fields
-from recipe.gepo.options import VERL, check_section
-from recipe.gepo.verl_engine.batch_rules import verl_threshold
+from ..sections import HeteroConfig, TaskConfig, VerlEngineConfig, changed_fields
+from ..options import VERL, check_section
+from .batch_rules import verl_threshold
 
 # ---------------------------------------------------------------------------- names in verl's registries
 
@@ -390,7 +390,7 @@ def check_derived_keys(cfg: DictConfig, hetero: HeteroConfig) -> None:
     """A derived key (:func:`derived_keys`) left at its composed default or set to the derived value
     passes; any other value would be overwritten by :func:`engine_settings`: refused, naming the
     ``hetero`` key that sets it."""
-    from recipe.gepo.options import default_config
+    from ..options import default_config
 
     defaults = default_config()
     source = {"trainer.v1.trainer_mode": "the verl engine's own trainer",

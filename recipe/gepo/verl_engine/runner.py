@@ -7,6 +7,8 @@ message instead of verl's ResourcePoolManager / NCCL errors.
 
 from __future__ import annotations
 
+import importlib
+
 import os
 import re
 from pathlib import Path
@@ -14,7 +16,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from recipe.gepo.verl_engine.plan import check_data_files, check_megatron_stack, engine_settings, render, validate
+from .plan import check_data_files, check_megatron_stack, engine_settings, render, validate
 
 
 class NoGPUError(RuntimeError):
@@ -56,7 +58,7 @@ def resolve_task_files(cfg: DictConfig) -> DictConfig:
     pair; files written under ``task.cache_dir``); returns a copy."""
     from omegaconf import OmegaConf, open_dict
 
-    from recipe.gepo.sections import TaskConfig
+    from ..sections import TaskConfig
     from verl_ext.data.prepare import prepare_math_assets
     from verl_ext.data.task_model import resolve_task_model
     from verl_ext.data.toy_assets import prepare_toy_assets
@@ -111,9 +113,12 @@ def task_runner_class():
 
     base = TaskRunnerV1.__ray_actor_class__
 
+    trainer_module = f"{__package__}.trainer"  # this recipe's own trainer, also in a copied recipe
+
     class HeteroTaskRunner(base):
         def run(self, config):
-            import recipe.gepo.verl_engine.trainer  # noqa: F401  (registers the trainer)
+            importlib.import_module(trainer_module)  # registers the trainer in this process
+
 
             return super().run(config)
 
@@ -133,7 +138,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     from verl.utils.checkpoint.checkpoint_manager import get_checkpoint_tracker_filename
     from verl.utils.device import auto_set_device
 
-    from recipe.gepo.report import report_after_failure, write_report
+    from ..report import report_after_failure, write_report
     from verl_ext.rundir import check_resume_config, write_run_config
 
     settings = engine_settings(resolve_task_files(cfg), ray_address=os.environ.get("RAY_ADDRESS"))

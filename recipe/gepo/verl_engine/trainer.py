@@ -43,14 +43,14 @@ from verl.trainer.ppo.v1.replay_buffer import ReplayBufferAsync
 from verl.trainer.ppo.v1.trainer_base import register_trainer
 from verl.trainer.ppo.v1.trainer_separate_async import PPOTrainerSeparateAsync
 
-from recipe.gepo.report import EVAL_MEAN
-from recipe.gepo.sections import HeteroConfig, VerlEngineConfig
-from recipe.gepo.verl_engine import batch_rules
-from recipe.gepo.verl_engine.batch_rules import hetero_step_metrics, stale_group_uids
-from recipe.gepo.verl_engine.delayed_sync import DelayedCheckpointManager, DelayedSyncSchedule
-from recipe.gepo.verl_engine.loss import bridge_loss_fn
-from recipe.gepo.verl_engine.placement import pin_pools_to_node_roles
-from recipe.gepo.verl_engine.plan import (
+from ..report import EVAL_MEAN
+from ..sections import HeteroConfig, VerlEngineConfig
+from . import batch_rules
+from .batch_rules import hetero_step_metrics, stale_group_uids
+from .delayed_sync import DelayedCheckpointManager, DelayedSyncSchedule
+from .loss import bridge_loss_fn
+from .placement import pin_pools_to_node_roles
+from .plan import (
     TRAINER_NAME, check_loss_mode_unchanged, check_no_forced_bypass, delay_unit, requested_loss_mode,
 )
 from verl_ext.cpu.patches import fix_separate_async_logger

@@ -13,9 +13,9 @@ from typing import Any, Optional, Protocol
 import torch
 from omegaconf import DictConfig
 
-from recipe.gepo.local.run_utils import RunSettings
-from recipe.gepo.options import check_section, check_verl_keys, default_config, runner_of
-from recipe.gepo.sections import HeteroConfig, TaskConfig, VerlEngineConfig
+from .run_utils import RunSettings
+from ..options import check_section, check_verl_keys, default_config, runner_of
+from ..sections import HeteroConfig, TaskConfig, VerlEngineConfig
 from verl_ext.hetero.records import RolloutGroup
 
 
@@ -88,7 +88,7 @@ def check_registered(loss_mode: str, adv_estimator: Any) -> None:
         )
     if name not in core_algos.ADV_ESTIMATOR_REGISTRY:
         raise ValueError(f"algorithm.adv_estimator={name!r} is not registered; known: {sorted(core_algos.ADV_ESTIMATOR_REGISTRY)}")
-    from recipe.gepo.local.rollout import unfed_advantage_inputs
+    from .rollout import unfed_advantage_inputs
 
     unfed = unfed_advantage_inputs(name)
     if unfed:
@@ -135,7 +135,7 @@ class RolloutSource(Protocol):
 
     def trained(self, groups: list[RolloutGroup], divergence: list[float]) -> None:
         """After a step on ``groups``: each group's measured divergence under the weights the step
-        started from (:func:`recipe.gepo.local.learner.group_divergence`: the group's
+        started from (:func:`recipe.gepo.embedded.learner.group_divergence`: the group's
         ``is/kl_sampler_learner``, the k3 estimate of KL(sampler || learner))."""
 
     def drain_events(self) -> list[dict]:

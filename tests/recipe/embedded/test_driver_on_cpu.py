@@ -1,13 +1,13 @@
 """The one driver loop: options that used to work in replay mode only work in async mode too,
 because both modes build the learner and run the step in one place
-(``recipe/gepo/local/driver.py``). The async learner here is the engine's own ``LearnerWorker``
+(``recipe/gepo/embedded/driver.py``). The async learner here is the engine's own ``LearnerWorker``
 in-process over a real fs exchange (no Ray)."""
 
 from __future__ import annotations
 
 import pickle
 
-from recipe.gepo.local.engine import EngineConfig
+from recipe.gepo.embedded.engine import EngineConfig
 from verl_ext.hetero.exchange import send_group
 from verl_ext.loss_bridge import rollout_correction_settings
 

@@ -9,11 +9,11 @@ from typing import Any
 
 import torch
 
-from recipe.gepo.local.engine import EngineConfig
-from recipe.gepo.local.learner import collate_groups
-from recipe.gepo.local.policy import sample_groups, sequence_token_log_probs
-from recipe.gepo.local.run_utils import RunSettings
-from recipe.gepo.local.tasks import Task
+from .engine import EngineConfig
+from .learner import collate_groups
+from .policy import sample_groups, sequence_token_log_probs
+from .run_utils import RunSettings
+from .tasks import Task
 from verl_ext.algos.importance import sequence_log_prob
 from verl_ext.hetero.records import RolloutGroup
 from verl_ext.hetero.seeding import diagnostics_seed

@@ -136,7 +136,7 @@ def test_a_fresh_run_sets_the_old_checkpoint_pointer_aside(tiny_cfg, tmp_path):
 def test_a_failed_run_still_gets_its_report(tiny_cfg, tmp_path, monkeypatch):
     """A run that raises (here: its evaluation fails after two steps) leaves report.md and
     curves.png for what it logged; the run's own error is the one raised."""
-    from recipe.gepo.local import driver
+    from recipe.gepo.embedded import driver
 
     real = driver.LearnerRuntime.evaluate
     calls = []

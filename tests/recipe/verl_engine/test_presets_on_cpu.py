@@ -279,7 +279,7 @@ def test_both_engines_train_the_same_pinned_warm_start(tmp_path):
     engine's: one rule (verl_ext.data.task_model.resolve_task_model), the same cached folder."""
     from pathlib import Path
 
-    from recipe.gepo.local.tasks import resolve_model_path
+    from recipe.gepo.embedded.tasks import resolve_model_path
     from recipe.gepo.sections import TaskConfig
     from recipe.gepo.verl_engine.runner import resolve_task_files
 

@@ -50,9 +50,9 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from recipe.gepo.local.policy import load_policy, sequence_token_log_probs
-from recipe.gepo.local.rollout import sequence_advantages
-from recipe.gepo.local.tasks import Task
+from .policy import load_policy, sequence_token_log_probs
+from .rollout import sequence_advantages
+from .tasks import Task
 from verl_ext.algos.advantages import bnpo_group_mismatch
 from verl_ext.hetero.auth import Enrolment
 from verl_ext.hetero.buffer import RolloutBuffer

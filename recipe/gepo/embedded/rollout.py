@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from verl.trainer.ppo.core_algos import get_adv_estimator_fn
 
-from recipe.gepo.local.policy import sample_groups
+from .policy import sample_groups
 from verl_ext.hetero.records import RolloutGroup
 
 # score(response_text, item) -> reward; item is one prompt dict (prompt, answer, data_source)

@@ -1,6 +1,6 @@
 """Async mode: one learner actor and N sampler actors on Ray, exchanging through a transport.
 
-The loop and the learner runtime live in :mod:`recipe.gepo.local.driver`; this module is async
+The loop and the learner runtime live in :mod:`recipe.gepo.embedded.driver`; this module is async
 mode's rollout source (:class:`TransportSource`), the actors, and the supervision of the samplers.
 The messages they exchange are defined in :mod:`verl_ext.hetero.protocol`.
 
@@ -28,7 +28,7 @@ withdraws its announcements and restarts it (it rejoins with the newest weights 
 Trust (``hetero.trust``): each sampler makes its signing key where it runs; the driver records
 the public half in the run directory's ``enrolment.json`` and has the learner enrol it before the
 sampler may send (a resumed learner enrols the file's keys before it reads anything). Every
-arriving group passes the learner's :class:`~recipe.gepo.local.verify.TrustGate`.
+arriving group passes the learner's :class:`~recipe.gepo.embedded.verify.TrustGate`.
 """
 
 from __future__ import annotations
@@ -42,14 +42,14 @@ from typing import Any, Iterator, Optional
 import ray
 from tqdm import tqdm
 
-from recipe.gepo.sections import HeteroConfig
-from recipe.gepo.local.driver import LearnerRuntime, run_loop
-from recipe.gepo.local.engine import Batch, EngineConfig
-from recipe.gepo.local.policy import load_policy
-from recipe.gepo.local.rollout import RolloutSettings, generate_groups
-from recipe.gepo.local.run_utils import MetricLogger, RunSettings
-from recipe.gepo.local.tasks import Task
-from recipe.gepo.local.verify import TrustGate
+from ..sections import HeteroConfig
+from .driver import LearnerRuntime, run_loop
+from .engine import Batch, EngineConfig
+from .policy import load_policy
+from .rollout import RolloutSettings, generate_groups
+from .run_utils import MetricLogger, RunSettings
+from .tasks import Task
+from .verify import TrustGate
 from verl_ext.hetero.affinity import Pinned, machine_cpus, pin_process
 from verl_ext.hetero.auth import Enrolment, SamplerKey
 from verl_ext.hetero.delay_channel import DelayChannel
@@ -243,11 +243,11 @@ def rollout_inbox_transport(hetero: HeteroConfig, transport):
 
 
 class TransportSource:
-    """Async mode's :class:`~recipe.gepo.local.engine.RolloutSource`: groups arrive from sampler
+    """Async mode's :class:`~recipe.gepo.embedded.engine.RolloutSource`: groups arrive from sampler
     actors over the transport (a background thread polls them into the buffer); weights go out
     through a ``WeightStore``; the learner's status is published after every step.
 
-    Groups pass the :class:`~recipe.gepo.local.verify.TrustGate` on their way into the buffer
+    Groups pass the :class:`~recipe.gepo.embedded.verify.TrustGate` on their way into the buffer
     (``hetero.trust``: signatures, checks, trust, quarantine, the divergence bound)."""
 
     def __init__(self, runtime: LearnerRuntime, spec: TransportSpec):
@@ -414,7 +414,7 @@ def _placement(resources: dict[str, float]) -> dict[str, Any]:
 
 class RemoteRuntime:
     """The driver's view of the learner actor: :class:`LearnerRuntime`'s methods for
-    :func:`~recipe.gepo.local.driver.run_loop`, plus the samplers' supervision while a step waits."""
+    :func:`~recipe.gepo.embedded.driver.run_loop`, plus the samplers' supervision while a step waits."""
 
     def __init__(self, engine: EngineConfig, model_path: str, spec: TransportSpec):
         self.engine, self.model_path, self.spec = engine, model_path, spec

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from recipe.gepo.sections import TaskConfig
+from ..sections import TaskConfig
 
 class Task:
     """Prompts, scoring and evaluation of one task. ``items`` are dicts with ``prompt`` (text fed
@@ -109,7 +109,7 @@ class Task:
 
     def evaluate(self, model, tokenizer, max_new_tokens: int, seed: int = 0) -> dict[str, float]:
         """Held-out accuracy (one sample per prompt at ``eval_temperature``) as ``eval/<name>/acc``."""
-        from recipe.gepo.local.policy import sample_groups
+        from .policy import sample_groups
 
         was_training = model.training
         model.eval()

@@ -11,9 +11,9 @@ from pathlib import Path
 import numpy as np
 
 from recipe.gepo.sections import DelayConfig, HeteroConfig
-from recipe.gepo.local.async_mode import rollout_inbox_transport, transport_spec
-from recipe.gepo.local.run_utils import RunSettings
-from recipe.gepo.local.tasks import Task
+from recipe.gepo.embedded.async_mode import rollout_inbox_transport, transport_spec
+from recipe.gepo.embedded.run_utils import RunSettings
+from recipe.gepo.embedded.tasks import Task
 from recipe.gepo.sections import TaskConfig
 from verl_ext.hetero.protocol import ROLLOUT_TOPIC
 from verl_ext.hetero.transport import FsspecTransport

@@ -11,9 +11,9 @@ Read top to bottom, a run is::
         source.publish(weights, version)
         log; evaluate / checkpoint on trainer.test_freq / trainer.save_freq
 
-The two modes differ only in their :class:`~recipe.gepo.local.engine.RolloutSource`: replay
-mode's (:mod:`recipe.gepo.local.replay`) generates each batch in-process from a policy snapshot
-``tau`` versions old; async mode's (:mod:`recipe.gepo.local.async_mode`) receives groups from
+The two modes differ only in their :class:`~recipe.gepo.embedded.engine.RolloutSource`: replay
+mode's (:mod:`recipe.gepo.embedded.replay`) generates each batch in-process from a policy snapshot
+``tau`` versions old; async mode's (:mod:`recipe.gepo.embedded.async_mode`) receives groups from
 sampler actors over a transport. Each mode's ``run_*`` function builds its source and calls
 :func:`run_loop`; the entry point (``recipe/gepo/main_gepo.py``) picks the mode. In async mode the
 :class:`LearnerRuntime` lives in a Ray actor and the loop drives it through a proxy with the same
@@ -27,12 +27,12 @@ from typing import Any, Callable, Optional
 
 from tqdm import tqdm
 
-from recipe.gepo.local.diagnostics import step_diagnostics
-from recipe.gepo.local.engine import EngineConfig, RolloutSource
-from recipe.gepo.local.learner import Learner
-from recipe.gepo.local.policy import load_policy
-from recipe.gepo.local.run_utils import MetricLogger
-from recipe.gepo.local.tasks import Task
+from .diagnostics import step_diagnostics
+from .engine import EngineConfig, RolloutSource
+from .learner import Learner
+from .policy import load_policy
+from .run_utils import MetricLogger
+from .tasks import Task
 from verl_ext.hetero.buffer import RolloutBuffer
 from verl_ext.hetero.records import RecordSpec
 from verl_ext.loss_bridge import rollout_correction_settings

@@ -67,7 +67,7 @@ def test_task_resolution_writes_the_gsm8k_pair_and_a_given_model_path_wins(prese
 def test_both_engines_resolve_task_model_to_the_converted_smollm2(preset, tmp_path, monkeypatch):
     """``task.model=smollm2-135m-instruct`` with an empty model path: the cached conversion under
     task.cache_dir, through the one rule both engines call (verl_ext.data.task_model.resolve_task_model)."""
-    from recipe.gepo.local.tasks import resolve_model_path
+    from recipe.gepo.embedded.tasks import resolve_model_path
     from recipe.gepo.sections import TaskConfig
 
     folder = tmp_path / "smollm2-135m-instruct-abc"

@@ -13,8 +13,8 @@ import time
 
 import torch
 
-from recipe.gepo.local.async_mode import LearnerWorker, SamplerWorker, weight_store
-from recipe.gepo.local.engine import EngineConfig
+from recipe.gepo.embedded.async_mode import LearnerWorker, SamplerWorker, weight_store
+from recipe.gepo.embedded.engine import EngineConfig
 from verl_ext.hetero.protocol import (
     CONTROL_TOPIC,
     ROLLOUT_TOPIC,

@@ -16,8 +16,8 @@ import time
 
 import pytest
 
-from recipe.gepo.local.async_mode import LearnerWorker, SamplerWorker
-from recipe.gepo.local.engine import EngineConfig
+from recipe.gepo.embedded.async_mode import LearnerWorker, SamplerWorker
+from recipe.gepo.embedded.engine import EngineConfig
 from recipe.gepo.main_gepo import run
 from verl_ext.hetero.auth import SamplerKey
 from verl_ext.hetero.buffer import BufferTimeout
@@ -48,7 +48,7 @@ def _learner(tiny_cfg, tmp_path, policy: str, *overrides: str) -> LearnerWorker:
 
 def _groups(worker: LearnerWorker, prefix: str, version: int, n: int) -> list[RolloutGroup]:
     """Real groups from the toy model (any sampler would do: the version stamp is what counts)."""
-    from recipe.gepo.local.rollout import RolloutSettings, generate_groups
+    from recipe.gepo.embedded.rollout import RolloutSettings, generate_groups
 
     s = worker.engine.settings
     items = worker.task.train_items(n, stream=9, index=version)

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-import recipe.gepo.local.learner as learner_module
-from recipe.gepo.local.learner import Learner, collate_groups
-from recipe.gepo.local.policy import load_policy
+import recipe.gepo.embedded.learner as learner_module
+from recipe.gepo.embedded.learner import Learner, collate_groups
+from recipe.gepo.embedded.policy import load_policy
 from verl_ext.algos.importance import group_expectation_log_denominator, sequence_log_prob
 from verl_ext.hetero.records import RolloutGroup
 

@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 import torch
 
-from recipe.gepo.local.driver import build_buffer
-from recipe.gepo.local.engine import EngineConfig
-from recipe.gepo.local.policy import load_policy
-from recipe.gepo.local.rollout import RolloutSettings, generate_groups, sequence_advantages
-from recipe.gepo.local.tasks import Task
-from recipe.gepo.local.verify import TrustGate, group_log_probs
+from recipe.gepo.embedded.driver import build_buffer
+from recipe.gepo.embedded.engine import EngineConfig
+from recipe.gepo.embedded.policy import load_policy
+from recipe.gepo.embedded.rollout import RolloutSettings, generate_groups, sequence_advantages
+from recipe.gepo.embedded.tasks import Task
+from recipe.gepo.embedded.verify import TrustGate, group_log_probs
 from verl_ext.hetero.exchange import RolloutInbox, send_group
 from verl_ext.hetero.records import RecordRejected, RolloutGroup
 from verl_ext.hetero.transport import FsspecTransport
@@ -299,7 +299,7 @@ def _off_model(model_path, seed: int):
 
 def _divergence_lab(model_path, tmp_path, *overrides):
     """A lab whose learner took three real steps on honest groups (version 3); the buffer is there too."""
-    from recipe.gepo.local.driver import build_learner
+    from recipe.gepo.embedded.driver import build_learner
 
     lab = Lab(model_path, tmp_path, "hetero.trust.divergence_window=2", "hetero.trust.verify_fraction=0",
               "hetero.max_delay=4", *overrides)  # fmt: skip
@@ -354,7 +354,7 @@ def test_divergence_bound_keeps_a_slow_close_sampler_and_refuses_a_fast_divergen
 def test_group_divergence_is_the_metric_estimator_per_group():
     """group_divergence is sampler_learner_kl (the is/kl_sampler_learner estimator) on each group's
     rows: k3, token-mean per sequence, mean over the group's sequences with tokens."""
-    from recipe.gepo.local.learner import group_divergence
+    from recipe.gepo.embedded.learner import group_divergence
     from verl_ext.algos.diagnostics import sampler_learner_kl
 
     gen = torch.Generator().manual_seed(0)
