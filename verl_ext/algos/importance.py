@@ -50,6 +50,29 @@ def dense_group_index(group_index: torch.Tensor) -> tuple[torch.Tensor, int]:
     return inverse, int(inverse.max().item()) + 1 if inverse.numel() else 0
 
 
+def static_dense_group_index(group_index: torch.Tensor) -> torch.Tensor:
+    """:func:`dense_group_index`'s labels 0..G-1 [B] (the same ones: ranks of the sorted distinct
+    labels) by a sort, with shapes fixed by B and no read of G to the host: what a compiled graph
+    can hold (``torch.unique`` has a data-dependent size, and reading G back breaks the graph)."""
+    if group_index.dim() != 1:
+        raise ValueError(f"group_index must be 1-D [B], got shape {tuple(group_index.shape)}")
+    sorted_labels, order = torch.sort(group_index)
+    starts = torch.ones_like(sorted_labels, dtype=torch.bool)
+    starts[1:] = sorted_labels[1:] != sorted_labels[:-1]
+    ranks = torch.cumsum(starts.long(), dim=0) - 1
+    return torch.empty_like(ranks).scatter_(0, order, ranks)
+
+
+def segment_group_index(group_index: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Dense labels [B] and a number of segments for :func:`segment_logsumexp`: (index, G) from
+    :func:`dense_group_index` in eager mode; under ``torch.compile`` (index, B) from
+    :func:`static_dense_group_index` -- B slots bound the G groups, the slots past G stay empty and
+    are never gathered, so every group's value is the same and one graph serves every group count."""
+    if torch.compiler.is_compiling():
+        return static_dense_group_index(group_index), group_index.shape[0]
+    return dense_group_index(group_index)
+
+
 def contiguous_group_index(batch_size: int, group_size: int) -> torch.Tensor:
     """Group labels [B] for a batch laid out as whole prompt groups of ``group_size`` in a row.
 
@@ -102,7 +125,7 @@ def group_expectation_log_denominator(seq_log_q: torch.Tensor, group_index: torc
         raise ValueError(
             f"seq_log_q {tuple(seq_log_q.shape)} and group_index {tuple(group_index.shape)} must both be [B]"
         )
-    index, num_groups = dense_group_index(group_index.to(seq_log_q.device))
+    index, num_groups = segment_group_index(group_index.to(seq_log_q.device))
     log_sum_sq = segment_logsumexp(2.0 * seq_log_q, index, num_groups)
     log_sum = segment_logsumexp(seq_log_q, index, num_groups)
     return (log_sum_sq - log_sum)[index]

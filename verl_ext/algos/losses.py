@@ -106,7 +106,7 @@ def eqp_loss_terms(
     group's normalised sampler probabilities, and gradient flows through it too -- so the whole
     group must be in the batch (``group_index`` is required).
     """
-    index, num_groups = iw.dense_group_index(group_index.to(log_p.device))
+    index, num_groups = iw.segment_group_index(group_index.to(log_p.device))
     seq_log_p = iw.sequence_log_prob(log_p, response_mask, reduction)
     seq_log_q = iw.sequence_log_prob(log_q.detach(), response_mask, reduction)
     log_q_hat = seq_log_q - iw.segment_logsumexp(seq_log_q, index, num_groups)[index]
