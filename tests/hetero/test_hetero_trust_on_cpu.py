@@ -99,13 +99,20 @@ def test_one_failure_quarantines_and_purges_since_last_pass():
     t.accepted("a", "u3")
     t.accepted("a", "u4")
     assert t.refusal("a") is None
-    assert t.record("a", "c2", passed=False, reason="logprob") == ["u3", "u4"]
-    assert t.refusal("a") == "quarantined"
+    buffered = {"u4", "x"}  # u3 was already taken by a step: it cannot be dropped any more
+
+    def drop(uids):
+        gone = buffered & set(uids)
+        buffered.difference_update(gone)
+        return len(gone)
+
+    assert t.record("a", "c2", passed=False, reason="logprob", drop=drop) == ["u3", "u4"]
+    assert t.refusal("a") == "quarantined" and buffered == {"x"}
 
     m = t.metrics()
     assert m["trust/quarantined"] == 1
     assert m["trust/failed/logprob"] == 1 and m["trust/failed"] == 1
-    assert m["trust/purged"] == 2
+    assert m["trust/purged"] == 1  # only what was dropped, not the group already trained on
     assert m["trust/checked"] == 2
     assert m["trust/a/score"] == 0.0  # 1 - 1.0, floored at 0
 
@@ -115,10 +122,11 @@ def test_one_failure_quarantines_and_purges_since_last_pass():
     events = t.drain_events()
     assert len(events) == 1
     ev = events[0]
-    assert (ev["event"], ev["sampler_id"], ev["reason"], ev["purged"]) == ("quarantined", "a", "logprob", 2)
+    assert (ev["event"], ev["sampler_id"], ev["reason"], ev["purged"]) == ("quarantined", "a", "logprob", 1)
+    assert ev["unchecked_since_last_pass"] == 2
     assert t.drain_events() == []
     m = t.metrics()
-    assert m["trust/quarantined"] == 1 and m["trust/purged"] == 2
+    assert m["trust/quarantined"] == 1 and m["trust/purged"] == 1
     assert m["trust/failed/reward"] == 1 and m["trust/failed"] == 2
 
 

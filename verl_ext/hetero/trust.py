@@ -12,7 +12,8 @@ the engine's (:mod:`recipe.gepo.embedded.verify`). This module keeps the books:
   ``penalty``, a passed one adds ``recovery`` (capped at 1). Below ``quarantine_below`` the
   sampler is quarantined: every later record of it is refused (reason ``quarantined``), and the
   groups accepted from it since its last passed check are handed back to be purged from the buffer
-  (:meth:`TrustLedger.record` returns them). Quarantine is for the rest of the run and survives a
+  (:meth:`TrustLedger.record` hands them to its ``drop``; ``trust/purged`` counts the ones it
+  actually dropped, not those a step already took). Quarantine is for the rest of the run and survives a
   resume (:meth:`state_dict`);
 - **divergence** (``max_divergence`` > 0): the learner reports, after each step, the measured
   divergence of each consumed group: KL(sampler || learner) estimated as the ``is/kl_sampler_learner``
@@ -121,10 +122,14 @@ class TrustLedger:
         quarantines the sampler before a check passes)."""
         self._of(sampler_id).since_good_check.append(uid)
 
-    def record(self, sampler_id: str, uid: str, passed: bool, reason: str = "", detail: str = "") -> list[str]:
+    def record(self, sampler_id: str, uid: str, passed: bool, reason: str = "", detail: str = "",
+               drop: Callable[[list[str]], int] | None = None) -> list[str]:  # fmt: skip
         """The outcome of one check. Returns the uids to purge from the buffer: the groups
         accepted from the sampler since its last passed check, when this check quarantines it
-        (else [])."""
+        (else []). ``drop`` (e.g. the buffer's ``purge``) is called with them and returns how
+        many it actually dropped: only those count as ``trust/purged`` (a step may already have
+        trained on the others; the event gives both numbers). Without ``drop`` nothing was
+        dropped, and nothing is counted."""
         books = self._of(sampler_id)
         books.checks += 1
         self.counts["checked"] += 1
@@ -140,10 +145,11 @@ class TrustLedger:
         books.quarantined_at = time.time()
         purge = list(books.since_good_check)
         books.since_good_check = []
-        self.counts["purged"] += len(purge)
+        dropped = int(drop(purge)) if drop is not None and purge else 0
+        self.counts["purged"] += dropped
         self._events.append({"event": "quarantined", "sampler_id": sampler_id, "group_uid": uid, "reason": reason,
                              "detail": detail, "score": books.score, "checks": books.checks,
-                             "failures": books.failures, "purged": len(purge),
+                             "failures": books.failures, "purged": dropped, "unchecked_since_last_pass": len(purge),
                              "seconds_since_first_group": books.quarantined_at - (books.first_seen or books.quarantined_at),
                              "time": books.quarantined_at})  # fmt: skip
         return purge

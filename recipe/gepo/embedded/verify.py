@@ -36,6 +36,13 @@ already published after the checkpoint, with other weights; a sampler that loade
 lost version are therefore always re-scored and, when they do not match the new weights of that
 number, refused as ``lost_version`` without counting against their sampler (they come from a
 branch of the run that no longer exists; nothing a liar gains: the group does not get in).
+
+No group is admitted unchecked in place of a check that is due. The learner lets the buffer accept
+version v before it hands v's weights to the gate (it publishes them in between), so a group
+claiming v can arrive first: the gate waits for v's weights (:attr:`TrustGate.VERSION_WAIT_S` at
+most) and checks the group against them. A group whose check is due and whose version's weights
+the learner does not hold (they did not come in time, or are from before a resume) is refused as
+``unverifiable_version``, without blame: an honest sampler's group can be in that place too.
 """
 
 from __future__ import annotations
@@ -105,25 +112,40 @@ class GroupVerifier:
         self.check_advantages = estimator in GROUP_LOCAL_ESTIMATORS
         self.check_advantage_shape = estimator == "bnpo"  # batch-dependent: up to its scale
         self._versions: OrderedDict[int, bytes] = OrderedDict()  # version -> the weight store's message
+        self._newest: Optional[int] = None  # the newest version remembered
         self._loaded: Optional[int] = None
         self._lock = threading.Lock()
+        self._remembered = threading.Condition(self._lock)
 
     def remember(self, version: int, message: bytes) -> None:
         """Keep a published version's message (:meth:`WeightStore.publish` returns it; no copy)."""
         with self._lock:
             self._versions[int(version)] = message
+            self._newest = int(version) if self._newest is None else max(self._newest, int(version))
             while len(self._versions) > self.keep_versions:
                 self._versions.popitem(last=False)
+            self._remembered.notify_all()
 
     def holds(self, version: int) -> bool:
         with self._lock:
             return int(version) in self._versions
 
+    def wait_for(self, version: int, timeout_s: float) -> bool:
+        """Whether ``version`` is held, waiting up to ``timeout_s`` for it while it may still come:
+        the learner lets the buffer accept version v before :meth:`remember` has v (it publishes
+        v's weights in between), so a group claiming v can arrive first. A version older than the
+        newest held is not waited for (it will not come: pruned, or before a resume)."""
+        version = int(version)
+        with self._remembered:
+            self._remembered.wait_for(lambda: version in self._versions or (self._newest or -1) > version,
+                                      timeout=timeout_s)  # fmt: skip
+            return version in self._versions
+
     # ---------------------------------------------------------------- checks
     def check(self, group: RolloutGroup, logprobs: bool) -> Optional[tuple[str, str]]:
         """The group's rewards (when ``check_rewards``) and, when ``logprobs``, its q under the
-        claimed version. None = passed (a version the learner no longer holds, or never made, is
-        not checked here: the buffer drops or refuses such a group by its version)."""
+        claimed version. None = passed (a version the verifier does not hold is not re-scored
+        here: :meth:`TrustGate.admit` waits for it or refuses the group before asking)."""
         if self.check_rewards:
             failure = self.check_group_rewards(group)
             if failure is not None:
@@ -227,6 +249,11 @@ class TrustGate:
     the books are behind one lock, the re-scoring runs outside it.
     """
 
+    VERSION_WAIT_S = 30.0
+    """How long :meth:`admit` waits for the weights of a version the buffer already accepts (the
+    learner publishes them between the two): the time one weight publication takes, with room.
+    Only a group claiming the newest version waits, and only in that gap."""
+
     def __init__(self, engine: Any, model_path: str, task: Task, buffer: RolloutBuffer):
         hetero, trust = engine.hetero, engine.hetero.trust
         self.config, self.buffer = trust, buffer
@@ -238,6 +265,7 @@ class TrustGate:
         self.passed_over_counts: Counter[str] = Counter()  # sampler -> groups dropped unchecked over its quota
         self.lost_versions: set[int] = set()  # version numbers a crashed learner published past its checkpoint
         self.check_cpu_s = 0.0  # CPU seconds of the verifier's checks: the cost of hetero.trust in the learner
+        self.version_wait_s = self.VERSION_WAIT_S
         self.verifier: Optional[GroupVerifier] = None
         if trust.verify_fraction > 0 or trust.check_rewards:
             self.verifier = GroupVerifier(
@@ -290,7 +318,11 @@ class TrustGate:
             rescore = self.ledger.should_check(sampler) and self.config.verify_fraction > 0
             replayed = content_digest(group) in self._contents
         failure = None
-        if int(group.policy_version) in self.lost_versions and self.verifier is not None:
+        version = int(group.policy_version)
+        if self.verifier is not None and (rescore or version in self.lost_versions):
+            # the buffer takes version v before the learner hands v's weights here: wait for them
+            self.verifier.wait_for(version, self.version_wait_s)
+        if version in self.lost_versions and self.verifier is not None:
             # made with the crashed learner's weights of that number, or with ours? Only a re-score
             # tells; a version we do not hold yet (or any more) cannot be told, so it is refused too
             lost = (self.verifier.check_logprobs(group) if self.verifier.holds(group.policy_version)
@@ -306,7 +338,13 @@ class TrustGate:
             raise RecordRejected("record", "replayed", "this group's content (version, prompt, responses, log-probs) "
                                  "was received before", sampler_id=sampler, group_uid=uid)  # fmt: skip
         if self.verifier is not None:
-            rescore = rescore and self.verifier.holds(group.policy_version)
+            if rescore and not self.verifier.holds(version):
+                # a check is due and cannot be made (the weights did not come in time, or are gone:
+                # a version from before a resume): never admitted unchecked in its place; refused
+                # without blame, since an honest sampler's group can be in that place too
+                raise RecordRejected("policy_version", "unverifiable_version", f"a check is due and the learner does "
+                                     f"not hold version {version}'s weights (waited {self.version_wait_s:g} s)",
+                                     sampler_id=sampler, group_uid=uid)  # fmt: skip
             t0 = time.thread_time()  # CPU time: what the learner pays, whatever else shares its cores
             failure = self.verifier.check(group, logprobs=rescore)  # outside the lock: the slow part
             self.check_cpu_s += time.thread_time() - t0
@@ -318,9 +356,10 @@ class TrustGate:
                     self.ledger.record(sampler, uid, passed=True)
                 return rescore
             reason, detail = failure
-            purge = self.ledger.record(sampler, uid, passed=False, reason=reason, detail=detail)
-        if purge:
-            self.buffer.purge(purge, "quarantined")
+            # a quarantine drops the sampler's unchecked groups still buffered (the buffer's lock
+            # inside the gate's: the buffer never calls the gate); only those count as purged
+            self.ledger.record(sampler, uid, passed=False, reason=reason, detail=detail,
+                               drop=lambda uids: self.buffer.purge(uids, "quarantined"))  # fmt: skip
         raise RecordRejected("record", reason, detail, sampler_id=sampler, group_uid=uid)
 
     def accepted(self, group: RolloutGroup, vouched: bool = False) -> None:
