@@ -22,7 +22,7 @@ def run_local(cfg: DictConfig) -> dict[str, Any]:
     """The embedded engine: validate everything (:meth:`EngineConfig.from_omegaconf`), then train
     in the mode ``hetero.mode`` names; returns the final metrics. Scripts call this with a config
     composed by hydra's compose API."""
-    from .embedded.async_mode import run_async
+    from .embedded.supervisor import run_async
     from .embedded.engine import EngineConfig
     from .embedded.replay import run_replay
     from .embedded.run_utils import MetricLogger

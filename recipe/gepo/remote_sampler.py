@@ -5,7 +5,7 @@
 The learner runs ``python -m recipe.gepo.main_gepo hetero.mode=async hetero.transport=fs
 hetero.transport_url=<URL> ...`` with its own ``hetero.num_samplers`` samplers (indices 0 .. n-1).
 A remote sampler composes the same config (give it the learner's overrides: task, algorithm,
-delay, seed), builds a :class:`~recipe.gepo.embedded.async_mode.SamplerWorker` on the same URL and
+delay, seed), builds a :class:`~recipe.gepo.embedded.sampler.SamplerWorker` on the same URL and
 generates until the learner writes its stop marker: weights come in through the URL (each version
 after its own delay draw), rollout groups go out through it, checksummed and exactly-once. No Ray,
 no shared cluster: any machine that reaches the URL can add samplers to a run
@@ -76,7 +76,8 @@ def run_remote_sampler(cfg: DictConfig, index: int, max_batches: Optional[int] =
                        key_file: Optional[str] = None) -> dict[str, float]:
     """Generate for the run at ``hetero.transport_url`` until its stop marker (or ``max_batches``
     batches), signing with the key in ``key_file``; returns the sampler's counters."""
-    from .embedded.async_mode import SamplerWorker, transport_spec
+    from .embedded.async_shared import transport_spec
+    from .embedded.sampler import SamplerWorker
     from .embedded.engine import EngineConfig
     from .embedded.tasks import resolve_model_path
     from verl_ext.hetero.auth import SamplerKey

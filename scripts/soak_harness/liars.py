@@ -33,7 +33,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from recipe.gepo.embedded.async_mode import SamplerWorker
+from recipe.gepo.embedded.sampler import SamplerWorker
 from recipe.gepo.embedded.policy import load_policy
 from recipe.gepo.embedded.rollout import sequence_advantages
 from recipe.gepo.embedded.verify import group_log_probs
@@ -157,7 +157,7 @@ def start_crew(cfg, enrolment_file: Path) -> Optional[Any]:
     """The crew as a Ray actor generating for the run of ``cfg`` (Ray must be up); its keys enrolled."""
     import ray
 
-    from recipe.gepo.embedded.async_mode import transport_spec
+    from recipe.gepo.embedded.async_shared import transport_spec
     from recipe.gepo.embedded.engine import EngineConfig
 
     engine = EngineConfig.from_omegaconf(cfg)

@@ -17,7 +17,8 @@ from typing import Any, Optional
 import ray
 
 from recipe.gepo.sections import HeteroConfig
-from recipe.gepo.embedded.async_mode import ray_session, transport_spec
+from recipe.gepo.embedded.async_shared import transport_spec
+from recipe.gepo.embedded.supervisor import ray_session
 from recipe.gepo.embedded.run_utils import RunSettings
 from recipe.gepo.main_gepo import run
 from soak_harness.checks import RunEnd, accounting, account_uids, check_steps, final_state, judge_faults, liar_figures

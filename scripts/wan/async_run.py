@@ -81,7 +81,7 @@ def placed_actors(hetero) -> list[tuple[str, str]]:
     the finished ones too (a read-only look, through the run's own ``ray_session``)."""
     from ray._private.state import actors
 
-    from recipe.gepo.embedded.async_mode import ray_session
+    from recipe.gepo.embedded.supervisor import ray_session
 
     with ray_session(hetero):
         return sorted((a["ActorClassName"], a["Address"]["IPAddress"]) for a in actors().values()

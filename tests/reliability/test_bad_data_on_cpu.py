@@ -12,7 +12,7 @@ import zlib
 import numpy as np
 import pytest
 
-from recipe.gepo.embedded.async_mode import LearnerWorker
+from recipe.gepo.embedded.learner_actor import LearnerWorker
 from recipe.gepo.embedded.engine import EngineConfig
 from verl_ext.hetero.protocol import TransportSpec
 from verl_ext.hetero.exchange import ROLLOUT_TOPIC, send_group

@@ -5,7 +5,7 @@ not leave the crashed learner's later weight versions for samplers to pick up.
 Exactly-once of the inbox alone is unit-tested in tests/hetero/test_hetero_transport_on_cpu.py;
 here it is the engine's wiring: checkpoint_state -> acknowledge -> crash -> start(checkpoint)."""
 
-from recipe.gepo.embedded.async_mode import LearnerWorker
+from recipe.gepo.embedded.learner_actor import LearnerWorker
 from recipe.gepo.embedded.engine import EngineConfig
 from verl_ext.hetero.protocol import TransportSpec
 from verl_ext.hetero.exchange import send_group

@@ -11,19 +11,26 @@ Read top to bottom, a run is::
         source.publish(weights, version)
         log; evaluate / checkpoint on trainer.test_freq / trainer.save_freq
 
-The two modes differ only in their :class:`~recipe.gepo.embedded.engine.RolloutSource`: replay
-mode's (:mod:`recipe.gepo.embedded.replay`) generates each batch in-process from a policy snapshot
-``tau`` versions old; async mode's (:mod:`recipe.gepo.embedded.async_mode`) receives groups from
-sampler actors over a transport. Each mode's ``run_*`` function builds its source and calls
-:func:`run_loop`; the entry point (``recipe/gepo/main_gepo.py``) picks the mode. In async mode the
-:class:`LearnerRuntime` lives in a Ray actor and the loop drives it through a proxy with the same
-methods, which also supervises the samplers.
+:func:`run_loop` drives any :class:`Runtime`: the in-process :class:`LearnerRuntime` (replay mode)
+or async mode's proxy of it in a Ray actor. The two modes differ only in their
+:class:`~recipe.gepo.embedded.engine.RolloutSource` and in where the runtime lives; the entry point
+(``recipe/gepo/main_gepo.py``) picks the mode. One step, from the entry point to the optimizer:
+
+* replay: ``main_gepo.run_local`` -> :func:`.replay.run_replay` -> :func:`run_loop` ->
+  :meth:`LearnerRuntime.step` -> :meth:`.replay.ReplaySource.next_batch` (generates the batch
+  in-process from a policy snapshot ``tau`` versions old) -> :meth:`.learner.Learner.train_step`
+  (``verl_ext.loss_bridge.compute_actor_loss``, AdamW).
+* async: ``main_gepo.run_local`` -> :func:`.supervisor.run_async` -> :func:`run_loop` ->
+  :meth:`.supervisor.RemoteRuntime.step` (supervises the sampler actors of :mod:`.sampler` while
+  it waits) -> over Ray, :meth:`LearnerRuntime.step` in the learner actor
+  (:mod:`.learner_actor`) -> :meth:`.learner_actor.TransportSource.next_batch` (groups the
+  samplers sent over the transport) -> :meth:`.learner.Learner.train_step`.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Protocol, runtime_checkable
 
 from tqdm import tqdm
 
@@ -159,9 +166,38 @@ class LearnerRuntime:
 # ---------------------------------------------------------------------------- the loop
 
 
-def run_loop(runtime: Any, engine: EngineConfig, logger: MetricLogger, desc: str) -> dict[str, float]:
-    """Train for ``trainer.total_training_steps`` learner steps. ``runtime`` is a
-    :class:`LearnerRuntime` or a proxy with the same methods (async mode's learner actor).
+@runtime_checkable
+class Runtime(Protocol):
+    """What :func:`run_loop` calls: :class:`LearnerRuntime` (in this process) and
+    :class:`.supervisor.RemoteRuntime` (the learner in a Ray actor, plus the samplers' supervision)."""
+
+    def start(self, checkpoint: Optional[dict]) -> int:
+        """Restore ``checkpoint`` (None: fresh), publish the weights; returns the learner version."""
+        ...
+
+    def step(self, step: int) -> dict[str, float]:
+        """Learner step ``step`` (0-based): take a batch, update, publish; the step's metrics."""
+        ...
+
+    def evaluate(self, seed: int) -> dict[str, float]: ...
+
+    def drain_events(self) -> list[dict]:
+        """Events since the last call (e.g. a sampler quarantined), for ``events.jsonl``."""
+        ...
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        """Everything a resume needs: ``learner``, ``buffer`` and the source's own state."""
+        ...
+
+    def acknowledge(self, buffer_state: dict) -> int:
+        """After a checkpoint is durable: drop the rollouts it accounts for; returns how many."""
+        ...
+
+    def ledger_counts(self) -> dict[str, int]: ...
+
+
+def run_loop(runtime: Runtime, engine: EngineConfig, logger: MetricLogger, desc: str) -> dict[str, float]:
+    """Train for ``trainer.total_training_steps`` learner steps with ``runtime``.
     Returns the last step's metrics plus the ledger totals (``hetero/ledger_*``)."""
     settings, hetero = engine.settings, engine.hetero
     checkpoint = load_latest_checkpoint(settings.run_dir) if settings.resume_mode == "auto" else None

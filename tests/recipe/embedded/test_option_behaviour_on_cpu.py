@@ -11,7 +11,8 @@ from pathlib import Path
 import numpy as np
 
 from recipe.gepo.sections import DelayConfig, HeteroConfig
-from recipe.gepo.embedded.async_mode import rollout_inbox_transport, transport_spec
+from recipe.gepo.embedded.async_shared import transport_spec
+from recipe.gepo.embedded.learner_actor import rollout_inbox_transport
 from recipe.gepo.embedded.run_utils import RunSettings
 from recipe.gepo.embedded.tasks import Task
 from recipe.gepo.sections import TaskConfig

@@ -13,7 +13,7 @@ import ray
 import torch
 
 from recipe.gepo.sections import HeteroConfig
-from recipe.gepo.embedded.async_mode import SamplerWorker
+from recipe.gepo.embedded.sampler import SamplerWorker
 from recipe.gepo.embedded.driver import LearnerRuntime, run_loop
 from recipe.gepo.embedded.engine import EngineConfig
 from recipe.gepo.embedded.replay import GenerateOn
@@ -126,7 +126,7 @@ def test_ray_processes_stay_off_the_learner_cores():
     """Async mode's default ``hetero.system_cpus``: the cores not in ``learner_cpus``. The driver
     moves there before ``ray.init``, so the GCS, the raylet and the Ray transport's mailbox it
     starts inherit them (they took 15-40% of a pinned learner core before)."""
-    from recipe.gepo.embedded.async_mode import system_cores
+    from recipe.gepo.embedded.supervisor import system_cores
     from verl_ext.hetero.transport import RayTransport
 
     assert system_cores(HeteroConfig(learner_cpus=[0])) == [c for c in range(os.cpu_count()) if c != 0]

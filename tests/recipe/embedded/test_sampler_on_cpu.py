@@ -13,7 +13,9 @@ import time
 
 import torch
 
-from recipe.gepo.embedded.async_mode import LearnerWorker, SamplerWorker, weight_store
+from recipe.gepo.embedded.async_shared import weight_store
+from recipe.gepo.embedded.learner_actor import LearnerWorker
+from recipe.gepo.embedded.sampler import SamplerWorker
 from recipe.gepo.embedded.engine import EngineConfig
 from verl_ext.hetero.protocol import (
     CONTROL_TOPIC,

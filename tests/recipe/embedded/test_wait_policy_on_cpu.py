@@ -16,7 +16,8 @@ import time
 
 import pytest
 
-from recipe.gepo.embedded.async_mode import LearnerWorker, SamplerWorker
+from recipe.gepo.embedded.learner_actor import LearnerWorker
+from recipe.gepo.embedded.sampler import SamplerWorker
 from recipe.gepo.embedded.engine import EngineConfig
 from recipe.gepo.main_gepo import run
 from verl_ext.hetero.auth import SamplerKey

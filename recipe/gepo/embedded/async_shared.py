@@ -1,0 +1,43 @@
+"""What every process of async mode builds the same way: the transport spec, the weight store,
+and the thread rule of an actor. Used by :mod:`.sampler` (sampler process), :mod:`.learner_actor`
+(learner actor) and :mod:`.supervisor` (the driver); the messages themselves are defined in
+:mod:`verl_ext.hetero.protocol`."""
+
+from __future__ import annotations
+
+from ..sections import HeteroConfig
+from .run_utils import RunSettings
+from verl_ext.hetero.affinity import pin_process
+from verl_ext.hetero.protocol import TransportSpec
+from verl_ext.hetero.weights import WeightStore
+from verl_ext.torch_threads import set_torch_threads
+
+
+def transport_spec(hetero: HeteroConfig, settings: RunSettings) -> TransportSpec:
+    """How every process reaches the shared transport."""
+    if hetero.transport == "fs":
+        return TransportSpec("fsspec", url=hetero.transport_url or str((settings.run_dir / "exchange").resolve()))
+    # the mailbox holds every message: on the learner's node (custom resources), as the learner
+    return TransportSpec("ray", name=f"heterorl-mailbox-{settings.experiment_name}-{hetero.seed}",
+                         resources=tuple(sorted(hetero.learner_ray_resources.items())))  # fmt: skip
+
+
+def weight_store(hetero: HeteroConfig, transport, pipelined: bool = False) -> WeightStore:
+    """The weight store of the learner (publishes, ``pipelined``: without waiting for the mailbox
+    to confirm each version) and of every sampler (fetches, through its delay channel):
+    ``hetero.keep_weight_versions``, ``weights_bf16``, ``weight_sync``, ``max_delta_chain``."""
+    return WeightStore(transport, keep_last=hetero.keep_weight_versions,
+                       wire_dtype="bf16" if hetero.weights_bf16 else None,
+                       delta=hetero.weight_sync == "delta", max_delta_chain=hetero.max_delta_chain,
+                       pipelined=pipelined)  # fmt: skip
+
+
+def pin_worker(cpus: list[int], key: str) -> None:
+    """Thread rule of every actor: pinned to ``cpus`` with that many torch threads
+    (``hetero.learner_cpus`` / ``hetero.sampler_cpus``), else one torch thread (OMP_NUM_THREADS
+    wins when set): more threads than the process's share of cores only makes them wait."""
+    if cpus:
+        pin_process(cpus, key)
+    else:
+        set_torch_threads(1)
+

@@ -1,0 +1,176 @@
+"""Async mode's learner process: :class:`LearnerWorker`, a Ray actor launched by
+:mod:`.supervisor`, is the in-process :class:`~.driver.LearnerRuntime` with a
+:class:`TransportSource` as its rollout source.
+
+One step (``LearnerWorker.step`` = :meth:`~.driver.LearnerRuntime.step`):
+:meth:`TransportSource.next_batch` takes whole groups within the staleness bound from the
+``RolloutBuffer`` (a poller thread moves arriving groups into it from the transport, through
+the :class:`~.verify.TrustGate`), :meth:`~.learner.Learner.train_step` updates the model
+(``verl_ext.loss_bridge.compute_actor_loss``, then AdamW), and :meth:`TransportSource.publish`
+writes the new version to the ``WeightStore`` the samplers (:mod:`.sampler`) read. Under
+``hetero.stale_policy=wait`` the buffer does not step past the version that would make an
+announced group stale until it arrives (or ``hetero.wait_timeout_s`` passes).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Optional
+
+import ray
+
+from ..sections import HeteroConfig
+from .async_shared import pin_worker, weight_store
+from .driver import LearnerRuntime
+from .engine import Batch, EngineConfig
+from .verify import TrustGate
+from verl_ext.hetero.auth import Enrolment
+from verl_ext.hetero.delay_channel import DelayChannel
+from verl_ext.hetero.exchange import RolloutInbox
+from verl_ext.hetero.protocol import (
+    EXPECTED_TOPIC,
+    ROLLOUT_TOPIC,
+    LearnerStatus,
+    TransportSpec,
+    clear_topic,
+    publish_status,
+    request_stop,
+)
+from verl_ext.hetero.records import RolloutGroup
+from verl_ext.hetero.seeding import LEARNER_STREAM
+
+
+def rollout_inbox_transport(hetero: HeteroConfig, transport):
+    """What the learner reads rollouts through: the transport, or with ``hetero.delay_rollouts`` a
+    :class:`DelayChannel` on it that shows each group only after the delay model's draw for it
+    (the learner's own stream, seconds)."""
+    if not hetero.delay_rollouts:
+        return transport
+    return DelayChannel(transport, hetero.delay.build(), seed=hetero.seed, stream=LEARNER_STREAM, topics=[ROLLOUT_TOPIC])
+
+
+class TransportSource:
+    """Async mode's :class:`~recipe.gepo.embedded.engine.RolloutSource`: groups arrive from sampler
+    actors over the transport (a background thread polls them into the buffer); weights go out
+    through a ``WeightStore``; the learner's status is published after every step.
+
+    Groups pass the :class:`~recipe.gepo.embedded.verify.TrustGate` on their way into the buffer
+    (``hetero.trust``: signatures, checks, trust, quarantine, the divergence bound)."""
+
+    def __init__(self, runtime: LearnerRuntime, spec: TransportSpec):
+        hetero = runtime.engine.hetero
+        self.hetero, self.buffer = hetero, runtime.buffer
+        self.transport = spec.open()
+        self.gate = TrustGate(runtime.engine, runtime.model_path, runtime.task, runtime.buffer)
+        announcements = self.transport if hetero.stale_policy == "wait" else None
+        self.inbox = RolloutInbox(rollout_inbox_transport(hetero, self.transport), self.buffer, announcements=announcements,
+                                  enrolment=self.gate.enrolment, gate=self.gate)  # fmt: skip
+        self.weights = weight_store(hetero, self.transport, pipelined=True)
+        self._stop = threading.Event()
+        self._hungry = threading.Event()  # set while the learner is blocked in take()
+        self._poller = threading.Thread(target=self._poll_loop, daemon=True)
+
+    def start(self, checkpoint: Optional[dict], learner_version: int) -> None:
+        if checkpoint is None:
+            # a fresh run on a used exchange: the previous run's rollouts are not ours
+            clear_topic(self.transport, ROLLOUT_TOPIC)
+        # announcements of samplers that are gone (every sampler of this run announces anew)
+        clear_topic(self.transport, EXPECTED_TOPIC)
+        # versions newer than ours (published after the checkpoint we resume from, or by a
+        # previous run) would look like the future to samplers and to the buffer
+        # Every number after ours is lost, not only those the store still holds: it keeps
+        # keep_weight_versions, and samplers may hold older ones of the crashed branch too (the
+        # liars soak had groups of pruned lost versions admitted unchecked).
+        lost = range(learner_version + 1, max(self.weights.versions(), default=learner_version) + 1)
+        self.weights.delete_newer_than(learner_version)
+        if checkpoint is not None and "trust" in checkpoint:
+            self.gate.load_state_dict(checkpoint["trust"])  # a quarantined sampler stays so
+        self.gate.lose_versions(lost)  # samplers may still hold their weights: not held against them
+        self.gate.reload_enrolment()
+        self._poller.start()
+
+    # Poll intervals (s). The transport has no notification, so the inbox lists it: every
+    # POLL_HUNGRY_S while the learner waits for groups; otherwise the interval doubles after
+    # every empty listing up to POLL_IDLE_MAX_S. A listing costs a round trip to the mailbox
+    # actor and CPU in two processes; at a fixed 20 ms it took a third of the learner's CPU.
+    POLL_HUNGRY_S = 0.02
+    POLL_IDLE_MAX_S = 0.2
+
+    def _poll_loop(self) -> None:
+        interval = self.POLL_HUNGRY_S
+        while not self._stop.is_set():
+            self.gate.reload_enrolment()
+            accepted = self.inbox.poll()
+            self.inbox.poll_announcements()
+            if accepted or self._hungry.is_set():
+                interval = self.POLL_HUNGRY_S
+            else:
+                interval = min(2 * interval, self.POLL_IDLE_MAX_S)
+            # next_batch sets _hungry: a learner starting to wait wakes the poller at once
+            if not self._hungry.wait(timeout=interval):
+                continue
+            self._stop.wait(self.POLL_HUNGRY_S)
+
+    def next_batch(self, step: int, n: int, learner_version: int) -> Batch:
+        t0 = time.perf_counter()
+        self._hungry.set()
+        try:
+            groups = self.buffer.take(n, learner_version=learner_version)
+        finally:
+            self._hungry.clear()
+        metrics = self.inbox.metrics()
+        metrics.update(self.gate.metrics())
+        return Batch(groups, wait_s=time.perf_counter() - t0, metrics=metrics)
+
+    def publish(self, weights, version: int) -> None:
+        self.gate.remember(version, self.weights.publish(version, weights))
+        if self.hetero.max_queued_groups > 0:
+            publish_status(self.transport, LearnerStatus(version=int(version), queue_depth=len(self.buffer)), wait=False)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"trust": self.gate.state_dict()}
+
+    def acknowledge(self, buffer_state: dict) -> int:
+        return self.inbox.acknowledge(buffer_state)
+
+    def enrol(self, sampler_id: str, public_hex: Optional[str]) -> None:
+        self.gate.enrol(sampler_id, public_hex)
+
+    def trained(self, groups: list[RolloutGroup], divergence: list[float]) -> None:
+        self.gate.trained(groups, divergence)
+
+    def drain_events(self) -> list[dict]:
+        return self.gate.drain_events()
+
+    def close(self) -> None:
+        self._stop.set()
+        self.transport.flush()  # the last versions reach the mailbox (or their error is raised)
+        request_stop(self.transport)
+        if self._poller.is_alive():
+            self._poller.join(timeout=5)
+
+
+class LearnerWorker(LearnerRuntime):
+    """The learner actor: the driver's :class:`LearnerRuntime` with a :class:`TransportSource`."""
+
+    def __init__(self, engine: EngineConfig, model_path: str, spec: TransportSpec):
+        pin_worker(engine.hetero.learner_cpus, "hetero.learner_cpus")
+        super().__init__(engine, model_path, lambda runtime: TransportSource(runtime, spec))
+
+    def start(self, checkpoint: Optional[dict] = None, enrolment: str = "") -> int:
+        """:meth:`LearnerRuntime.start`, after enrolling ``enrolment`` (an
+        :class:`~verl_ext.hetero.auth.Enrolment` as JSON: the samplers launched before a resume,
+        whose groups may still be in flight) -- before the inbox reads anything."""
+        if enrolment:
+            for sampler_id, keys in Enrolment.from_json(enrolment).keys.items():
+                for public_hex in keys.values():
+                    self.source.enrol(sampler_id, public_hex)
+        return super().start(checkpoint)
+
+    @ray.method(concurrency_group="control")
+    def enrol(self, sampler_id: str, public_hex: Optional[str]) -> None:
+        """Enrol a launched sampler's key while a step runs (its own thread: the step may be
+        waiting for that sampler's groups)."""
+        self.source.enrol(sampler_id, public_hex)
+

@@ -1,0 +1,315 @@
+"""Async mode's driver process: :func:`run_async` starts Ray (:func:`ray_session`) and runs the
+one loop (:func:`~.driver.run_loop`) against a :class:`RemoteRuntime`, which launches the
+learner actor (:mod:`.learner_actor`) and N sampler actors (:mod:`.sampler`) and supervises the
+samplers while each step waits.
+
+One step, from the entry point to the optimizer: ``main_gepo.run_local`` -> :func:`run_async` ->
+:func:`~.driver.run_loop` -> :meth:`RemoteRuntime.step` (here: it also starts launched samplers
+and restarts dead ones while it waits) -> over Ray ``LearnerWorker.step``
+(:meth:`~.driver.LearnerRuntime.step` in the learner actor) -> :meth:`.learner_actor.TransportSource.next_batch`
+-> :meth:`.learner.Learner.train_step` (``verl_ext.loss_bridge.compute_actor_loss``, AdamW).
+
+The transport is Ray's object store (``hetero.transport=ray``) or an fsspec URL
+(``hetero.transport=fs``); on an fsspec URL any process that builds a
+:class:`~.sampler.SamplerWorker` on the same URL joins, which is how a sampler in another data
+centre takes part. The driver owns logging, evaluation cadence, checkpoints and the progress bar;
+it notices a dead sampler, reports it, withdraws its announcements and restarts it (it rejoins
+with the newest weights it can see).
+
+Trust (``hetero.trust``): each sampler makes its signing key where it runs; the driver records
+the public half in the run directory's ``enrolment.json`` and has the learner enrol it before the
+sampler may send (a resumed learner enrols the file's keys before it reads anything). Every
+arriving group passes the learner's :class:`~.verify.TrustGate`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import uuid
+from typing import Any, Iterator, Optional
+
+import ray
+from tqdm import tqdm
+
+from ..sections import HeteroConfig
+from .async_shared import transport_spec
+from .driver import run_loop
+from .engine import EngineConfig
+from .learner_actor import LearnerWorker
+from .run_utils import MetricLogger
+from .sampler import SamplerWorker
+from verl_ext.hetero.affinity import Pinned, machine_cpus
+from verl_ext.hetero.auth import Enrolment
+from verl_ext.hetero.protocol import (
+    EXPECTED_TOPIC,
+    LEARNER_ACTOR,
+    TransportSpec,
+    clear_stop,
+    clear_topic,
+    request_stop,
+    sampler_actor_name,
+)
+from verl_ext.rundir import ENROLMENT_FILE
+
+
+class _SamplerCounters:
+    """Sums over all samplers: response tokens per wall-clock second since the last update, the
+    seconds samplers have waited for weights within the bound (``sampler_skip_stale``) and for
+    room in the learner's queue (``max_queued_groups``), and their weight loads by path (full
+    version or deltas, ``weight_sync``) with the payload bytes they fetched.
+
+    Never blocks the step: each update collects the answers that have arrived and asks again
+    (one request in flight per sampler), so the numbers lag by up to one step."""
+
+    def __init__(self):
+        self._counters: dict[Any, dict] = {}
+        self._pending: dict[Any, Any] = {}  # ObjectRef -> actor
+        self._last = time.perf_counter()
+
+    def update(self, samplers: dict[int, Any]) -> dict[str, float]:
+        total_new = 0.0
+        if self._pending:
+            ready, _ = ray.wait(list(self._pending), num_returns=len(self._pending), timeout=0)
+            for ref in ready:
+                actor = self._pending.pop(ref)
+                try:
+                    counters = ray.get(ref)
+                except Exception:  # noqa: BLE001 - a dead sampler contributes nothing
+                    continue
+                total_new += float(counters["tokens"]) - float(self._counters.get(actor, {}).get("tokens", 0.0))
+                self._counters[actor] = counters
+        asked = set(self._pending.values())
+        for actor in samplers.values():
+            if actor not in asked:
+                self._pending[actor.counters.remote()] = actor
+        live = set(samplers.values())  # a replaced sampler's requests are dropped
+        self._pending = {ref: a for ref, a in self._pending.items() if a in live}
+        now = time.perf_counter()
+        rate = total_new / max(now - self._last, 1e-9)
+        self._last = now
+        summed = ("stale_wait_s", "queue_wait_s", *SamplerWorker.WEIGHT_STATS.values())
+        totals = {k: sum(float(c.get(k, 0.0)) for c in self._counters.values()) for k in summed}
+        return {"perf/sampler_tokens_per_s": rate, **{f"perf/sampler_{k}_total": v for k, v in totals.items()}}
+
+
+def _placement(resources: dict[str, float]) -> dict[str, Any]:
+    """Ray actor options placing an actor on the node(s) holding ``resources`` (none: anywhere)."""
+    return {"resources": dict(resources)} if resources else {}
+
+
+class RemoteRuntime:
+    """The driver's view of the learner actor, a :class:`~.driver.Runtime` for
+    :func:`~.driver.run_loop` (each call forwarded to ``LearnerWorker`` over Ray), plus the
+    samplers' supervision while a step waits."""
+
+    def __init__(self, engine: EngineConfig, model_path: str, spec: TransportSpec):
+        self.engine, self.model_path, self.spec = engine, model_path, spec
+        self.transport = spec.open()
+        clear_stop(self.transport)  # a previous run of this exchange stopped it
+        hetero = engine.hetero
+        # actors hold no CPU reservation: on a 2-core laptop the learner and samplers share the
+        # cores (hetero.*_cpus pins them); custom resources place them on a cluster's nodes
+        self.learner = ray.remote(num_cpus=0, concurrency_groups={"control": 1})(LearnerWorker).options(
+            name=LEARNER_ACTOR, **_placement(hetero.learner_ray_resources)
+        ).remote(engine, model_path, spec)
+        # two threads: run() generates while counters() answers the driver
+        self._sampler_cls = ray.remote(num_cpus=0, max_restarts=0, max_concurrency=2)(SamplerWorker)
+        self.samplers: dict[int, Any] = {}
+        self.namespaces: dict[int, str] = {}
+        self.runs: dict[Any, int] = {}
+        self.keys_pending: dict[int, Any] = {}  # sampler -> its public key's ObjectRef, until it runs
+        # the launched samplers' public keys (hetero.trust.sign_records), kept in the run directory
+        self.enrolment_path = engine.settings.run_dir / ENROLMENT_FILE
+        self.enrolment = Enrolment()
+        self.restarts = {i: 0 for i in range(engine.hetero.num_samplers)}
+        self.resume_at: dict[int, int] = {}  # sampler -> the batch index its next launch starts at
+        self.failures = 0
+        self.counters = _SamplerCounters()
+
+    def _launch(self, i: int) -> None:
+        # named, so an operator (or a fault-injection test) can find and kill a sampler
+        self.namespaces[i] = f"s{i}-{uuid.uuid4().hex[:8]}"
+        self.samplers[i] = self._sampler_cls.options(
+            name=sampler_actor_name(i, self.restarts[i]), **_placement(self.engine.hetero.sampler_ray_resources)
+        ).remote(
+            i, self.engine, self.model_path, self.spec, self.engine.hetero.speed_factors()[i], self.namespaces[i]
+        )
+        self.restarts[i] += 1
+        # its key is made where it runs; it generates once _start_ready has recorded the public half
+        self.keys_pending[i] = self.samplers[i].public_key.remote()
+
+    def _start_ready(self, bar_write) -> None:
+        """Launched samplers whose public key has arrived: the key goes into the run directory's
+        enrolment (so a learner resumed after a crash still accepts the groups they leave in
+        flight) and to the learner, and only then does the sampler run (it waits for the
+        learner's enrolment before it sends anything)."""
+        if not self.keys_pending:
+            return
+        ready, _ = ray.wait(list(self.keys_pending.values()), timeout=0, num_returns=len(self.keys_pending))
+        for i in [i for i, ref in self.keys_pending.items() if ref in ready]:
+            ref = self.keys_pending.pop(i)
+            try:
+                public_hex = ray.get(ref)
+            except Exception as err:  # noqa: BLE001 - died while starting: restarted like any failure
+                self._restart(i, err, bar_write)
+                continue
+            enrolled = None
+            if public_hex is not None:  # hetero.trust.sign_records
+                self.enrolment.enrol(f"sampler-{i}", public_hex)
+                self.enrolment.save(self.enrolment_path)
+                enrolled = self.learner.enrol.remote(f"sampler-{i}", public_hex)
+            self.runs[self.samplers[i].run.remote(self.resume_at[i], enrolled=enrolled)] = i
+
+    def start(self, checkpoint: Optional[dict]) -> int:
+        # the samplers this run launched before a crash (fresh run: none; the file is rewritten)
+        self.enrolment = Enrolment.load(self.enrolment_path) if checkpoint is not None else Enrolment()
+        self.enrolment_path.parent.mkdir(parents=True, exist_ok=True)
+        version = ray.get(self.learner.start.remote(checkpoint, self.enrolment.to_json()))
+        start = 0 if checkpoint is None else int(checkpoint["step"])
+        self.resume_at = {i: start * 1000 for i in range(self.engine.hetero.num_samplers)}  # fresh prompts after a resume
+        return version
+
+    def _launch_all(self) -> None:
+        # at the first step, after the initial evaluation: samplers started during it only slow
+        # it down on shared cores, and the soak (scripts/soak.py) showed that samplers killed
+        # while still starting, plus version 0 re-sent with a skewed clock, stall the learner at
+        # version 0 for good (it needs a first batch to publish a version the samplers can see)
+        for i in range(self.engine.hetero.num_samplers):
+            self._launch(i)
+
+    def _check_samplers(self, bar_write) -> None:
+        """A sampler whose run() returned before the stop marker died (or was killed)."""
+        finished, _ = ray.wait(list(self.runs), timeout=0, num_returns=len(self.runs)) if self.runs else ([], [])
+        for ref in finished:
+            i = self.runs.pop(ref)
+            try:
+                ray.get(ref)
+            except Exception as err:  # noqa: BLE001 - any actor failure is reported the same way
+                self._restart(i, err, bar_write)
+
+    def _restart(self, i: int, err: Exception, bar_write) -> None:
+        self.failures += 1
+        bar_write(f"[heterorl] sampler-{i} failed ({type(err).__name__}); restarting it")
+        # unreachable is not dead (ActorUnavailableError across a cut link): end it for
+        # good, so it does not keep generating beside its replacement when the link heals
+        try:
+            ray.kill(self.samplers[i], no_restart=True)
+        except Exception:  # noqa: BLE001 - already gone
+            pass
+        # its announced groups will never come: the learner must not wait for them
+        clear_topic(self.transport, EXPECTED_TOPIC, prefix=f"{self.namespaces[i]}-")
+        self.resume_at[i] += 1000  # a restarted sampler draws fresh prompts
+        self._launch(i)
+
+    def step(self, step: int) -> dict[str, float]:
+        hetero = self.engine.hetero
+        status_every = min(30.0, hetero.wait_timeout_s / 3)  # how often a blocked learner is reported
+        if not self.samplers:
+            self._launch_all()
+        pending = self.learner.step.remote(step)
+        waiting_since, next_status = time.monotonic(), status_every
+        while True:
+            ready, _ = ray.wait([pending], timeout=0.5)
+            waited = time.monotonic() - waiting_since
+            if not ready and waited >= next_status:
+                tqdm.write(
+                    f"[heterorl] step {step + 1}: waiting for rollouts for {waited:.0f}s "
+                    f"({len(self.runs)} sampler(s) running; the learner fails after "
+                    f"hetero.wait_timeout_s={hetero.wait_timeout_s:g})"
+                )
+                next_status += status_every
+            self._start_ready(tqdm.write)
+            self._check_samplers(tqdm.write)
+            if ready:
+                break
+        metrics = ray.get(pending)
+        metrics["hetero/sampler_failures"] = float(self.failures)
+        metrics.update(self.counters.update(self.samplers))
+        return metrics
+
+    def evaluate(self, seed: int) -> dict[str, float]:
+        return ray.get(self.learner.evaluate.remote(seed))
+
+    def drain_events(self) -> list[dict]:
+        return ray.get(self.learner.drain_events.remote())
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        return ray.get(self.learner.checkpoint_state.remote())
+
+    def acknowledge(self, buffer_state: dict) -> int:
+        return ray.get(self.learner.acknowledge.remote(buffer_state))
+
+    def ledger_counts(self) -> dict[str, int]:
+        return ray.get(self.learner.ledger_counts.remote())
+
+    def shutdown(self) -> None:
+        # samplers stop on the marker even if the learner actor is gone (the driver writes it too)
+        request_stop(self.transport)
+        try:
+            ray.get(self.learner.shutdown.remote(), timeout=30)
+        except Exception:  # noqa: BLE001 - a dead learner must not keep the samplers running
+            pass
+        for actor in self.samplers.values():
+            ray.kill(actor)
+
+
+def _worker_env() -> dict[str, str]:
+    import os
+    from pathlib import Path
+
+    repo = str(Path(__file__).resolve().parents[3])
+    path = os.environ.get("PYTHONPATH", "")
+    env = {"PYTHONPATH": repo + (os.pathsep + path if path else "")}
+    if os.environ.get("OMP_NUM_THREADS"):
+        env["OMP_NUM_THREADS"] = os.environ["OMP_NUM_THREADS"]
+    return env
+
+
+def run_async(engine: EngineConfig, model_path: str, logger: MetricLogger) -> dict[str, float]:
+    """Train for ``trainer.total_training_steps`` learner steps with real learner and sampler actors."""
+    hetero = engine.hetero
+    # the driver on the system cores before ray.init, so the GCS, raylet and mailbox it starts
+    # inherit them and stay off the learner's cores (the actors re-pin themselves)
+    with Pinned(system_cores(hetero), "hetero.system_cpus"):
+        return _run_async(engine, model_path, logger)
+
+
+def system_cores(hetero: HeteroConfig) -> list[int]:
+    """``hetero.system_cpus``, or by default the machine's cores not in ``learner_cpus`` (none of
+    them pinned when ``learner_cpus`` is empty)."""
+    if hetero.system_cpus or not hetero.learner_cpus:
+        return list(hetero.system_cpus)
+    rest = [c for c in machine_cpus() if c not in hetero.learner_cpus]
+    return rest or list(hetero.learner_cpus)  # a one-core machine: nowhere else to go
+
+
+@contextlib.contextmanager
+def ray_session(hetero: HeteroConfig) -> Iterator[None]:
+    """Ray for an async run, started the one way every caller shares (the run itself, the soak,
+    the WAN scripts): nothing if Ray is already up in this process; else join the cluster at
+    ``hetero.ray_address`` (the actors import this repo, so its root goes on their path), or start
+    a local instance. Shut down on exit only if started here."""
+    if ray.is_initialized():
+        yield
+        return
+    if hetero.ray_address:
+        ray.init(address=hetero.ray_address, log_to_driver=False, logging_level="ERROR",
+                 runtime_env={"env_vars": _worker_env()})  # fmt: skip
+    else:
+        ray.init(num_cpus=max(2, hetero.num_samplers + 1), include_dashboard=False, log_to_driver=False)
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
+def _run_async(engine: EngineConfig, model_path: str, logger: MetricLogger) -> dict[str, float]:
+    runtime = None
+    with ray_session(engine.hetero):
+        try:
+            runtime = RemoteRuntime(engine, model_path, transport_spec(engine.hetero, engine.settings))
+            return run_loop(runtime, engine, logger, desc="async")
+        finally:
+            if runtime is not None:
+                runtime.shutdown()
