@@ -245,6 +245,7 @@ def test_version_guard_refuses_other_verl_and_names_both_versions(monkeypatch):
     apply_patches refuses before registering any hook."""
     import verl
 
+    from verl_ext import import_hooks
     from verl_ext.cpu import patches
 
     assert verl.__version__ == patches.PATCHED_VERL_VERSION == "0.9.1"
@@ -256,10 +257,10 @@ def test_version_guard_refuses_other_verl_and_names_both_versions(monkeypatch):
     assert "0.9.1" in str(err.value) and "0.9.2" in str(err.value)
 
     monkeypatch.setattr(patches, "_applied", False)
-    hooks_before = {name: list(hooks) for name, hooks in patches._hooks.items()}
+    hooks_before = {name: list(hooks) for name, hooks in import_hooks._hooks.items()}
     with pytest.raises(patches.UnsupportedVerlVersion):
         patches.apply_patches()
-    assert {name: list(hooks) for name, hooks in patches._hooks.items()} == hooks_before
+    assert {name: list(hooks) for name, hooks in import_hooks._hooks.items()} == hooks_before
     assert patches._applied is False
 
 
@@ -276,7 +277,7 @@ def _throwaway_package(tmp_path, monkeypatch) -> str:
 def test_after_import_runs_once_after_the_module_body(tmp_path, monkeypatch):
     """A hook registered before the import runs exactly once, on the executed module (it sees an
     attribute the body set), not again on a re-import or a reload."""
-    from verl_ext.cpu.patches import after_import
+    from verl_ext.import_hooks import after_import
 
     name = _throwaway_package(tmp_path, monkeypatch)
     modname = f"{name}.mod"
@@ -297,7 +298,7 @@ def test_after_import_runs_once_after_the_module_body(tmp_path, monkeypatch):
 
 def test_after_import_on_an_imported_module_runs_at_once(tmp_path, monkeypatch):
     """Registering a hook for a module that is already imported runs it before after_import returns."""
-    from verl_ext.cpu.patches import after_import
+    from verl_ext.import_hooks import after_import
 
     name = _throwaway_package(tmp_path, monkeypatch)
     modname = f"{name}.mod"
@@ -315,7 +316,7 @@ def test_separate_async_logger_accepts_flush(monkeypatch):
     """verl's trainer_separate_async calls ``logger.info(..., flush=True)``: a stdlib logger raises
     TypeError for that (shown on a plain logger and on the module's own unwrapped logger); after
     fix_separate_async_logger the module's logger takes it."""
-    from verl_ext.cpu.patches import fix_separate_async_logger
+    from verl_ext.verl_fixes import fix_separate_async_logger
 
     plain = logging.getLogger(f"heterorl-test-{uuid.uuid4().hex[:6]}")
     plain.setLevel(logging.INFO)  # a disabled level would skip _log and hide the error

@@ -27,7 +27,7 @@ from typing import Any, Callable, Mapping, Optional
 
 import torch
 
-from verl_ext.cpu.patches import after_import, after_import_package
+from verl_ext.import_hooks import after_import, after_import_package
 
 PATCHED_VERSIONS = {"megatron-core": "0.16.1", "mbridge": "0.15.1"}
 logger = logging.getLogger(__name__)

@@ -14,98 +14,19 @@ engines for device ``cpu`` (``EngineRegistry.register``).
 
 from __future__ import annotations
 
-import importlib.abc
-import importlib.util
-import logging
-import sys
-import threading
 from functools import wraps
 from typing import Any, Callable
 
+from verl_ext.import_hooks import after_import
+from verl_ext.verl_fixes import fix_separate_async_logger
+
 PATCHED_VERL_VERSION = "0.9.1"
 
-_hooks: dict[str, list[Callable[[Any], None]]] = {}
-_package_hooks: list[tuple[str, Callable[[Any], None]]] = []  # (package, hook): every module under it
-_lock = threading.Lock()
 _applied = False
 
 
 class UnsupportedVerlVersion(RuntimeError):
     """verl_ext.cpu was asked to patch a verl release it was not written for."""
-
-
-# ---- post-import hooks ------------------------------------------------------------------------
-
-
-class _HookedLoader(importlib.abc.Loader):
-    def __init__(self, loader: Any, name: str):
-        self._loader, self._name = loader, name
-
-    def create_module(self, spec):
-        return self._loader.create_module(spec)
-
-    def exec_module(self, module):
-        self._loader.exec_module(module)
-        for hook in _package_hook_list(self._name) + _hooks.pop(self._name, []):
-            hook(module)
-
-    def __getattr__(self, attr: str) -> Any:  # get_source, get_filename, ... as the real loader
-        return getattr(self._loader, attr)
-
-
-class _PostImportFinder(importlib.abc.MetaPathFinder):
-    """Finds watched modules with the normal machinery, then runs their hooks after they execute."""
-
-    def __init__(self):
-        self._busy: set[str] = set()
-
-    def find_spec(self, fullname, path, target=None):
-        if (fullname not in _hooks and not _package_hook_list(fullname)) or fullname in self._busy:
-            return None
-        self._busy.add(fullname)
-        try:
-            spec = importlib.util.find_spec(fullname)
-        finally:
-            self._busy.discard(fullname)
-        if spec is None or spec.loader is None:
-            return None
-        spec.loader = _HookedLoader(spec.loader, fullname)
-        return spec
-
-
-_finder = _PostImportFinder()
-
-
-def after_import(module_name: str, hook: Callable[[Any], None]) -> None:
-    """Run ``hook(module)`` once ``module_name`` is imported (at once if it already is)."""
-    with _lock:
-        module = sys.modules.get(module_name)
-        if module is None:
-            _hooks.setdefault(module_name, []).append(hook)
-            if _finder not in sys.meta_path:
-                sys.meta_path.insert(0, _finder)
-            return
-    hook(module)
-
-
-def _in_package(name: str, package: str) -> bool:
-    return name == package or name.startswith(package + ".")
-
-
-def _package_hook_list(name: str) -> list[Callable[[Any], None]]:
-    return [hook for package, hook in _package_hooks if _in_package(name, package)]
-
-
-def after_import_package(package: str, hook: Callable[[Any], None]) -> None:
-    """Run ``hook(module)`` on ``package`` and every module under it: at once on those already
-    imported, and on each of the others right after its import."""
-    with _lock:
-        _package_hooks.append((package, hook))
-        if _finder not in sys.meta_path:
-            sys.meta_path.insert(0, _finder)
-        loaded = [m for name, m in list(sys.modules.items()) if m is not None and _in_package(name, package)]
-    for module in loaded:
-        hook(module)
 
 
 # ---- the fixes ---------------------------------------------------------------------------------
@@ -128,28 +49,6 @@ def _gloo_default(init: Callable) -> Callable:
 
 def _patch_gloo_default(module: Any) -> None:
     module.initialize_global_process_group_ray = _gloo_default(module.initialize_global_process_group_ray)
-
-
-class _FlushTolerantLogger(logging.LoggerAdapter):
-    """Drops the ``flush=`` keyword that print-style calls pass to a stdlib logger."""
-
-    def process(self, msg, kwargs):
-        kwargs.pop("flush", None)
-        return msg, kwargs
-
-
-def _patch_separate_async_logger(module: Any) -> None:
-    """``verl/trainer/ppo/v1/trainer_separate_async.py:181-185`` calls ``logger.info(..., flush=True)``
-    on a stdlib ``logging.Logger``: ``TypeError: Logger._log() got an unexpected keyword argument
-    'flush'`` whenever ``actor_rollout_ref.hybrid_engine=false``. A verl bug on every device (see
-    docs/scale-out.md, "Upstream report"); :func:`fix_separate_async_logger` applies this on GPUs too."""
-    if not isinstance(module.logger, _FlushTolerantLogger):
-        module.logger = _FlushTolerantLogger(module.logger, {})
-
-
-def fix_separate_async_logger() -> None:
-    """The ``flush=`` fix, for every device (the verl engine's trainer calls it)."""
-    after_import("verl.trainer.ppo.v1.trainer_separate_async", _patch_separate_async_logger)
 
 
 def _register_fsdp_engines_for_cpu(module: Any) -> None:
