@@ -16,6 +16,8 @@ topic              key                         payload
                                                generating (``stale_policy=wait`` only)
 ``control``        ``stop``                    anything: every sampler stops (driver/learner)
 ``control``        ``learner-status``          :class:`LearnerStatus`, after every learner step
+``control``        ``progress_key(sampler)``   :class:`SamplerProgress`: the batch index a
+                                               sampler has claimed, before it draws the prompts
 =================  ==========================  =================================================
 
 On Ray, the learner actor is named :data:`LEARNER_ACTOR` and sampler i's n-th launch
@@ -138,6 +140,33 @@ class Announcement(_Record):
     """The weight version generating the group."""
     sampler_id: str
     """Who generates it (named in the learner's timeout error)."""
+
+
+@dataclass(frozen=True)
+class SamplerProgress(_Record):
+    """How far a sampler launch has gone (``control/progress-<sampler id>``), written before it
+    draws a batch's prompts: a restarted sampler starts at ``next_batch``, so it draws new prompts
+    and never reuses a batch index of the launch before it."""
+
+    launch: str
+    """The launch's uid namespace (a fresh one per launch)."""
+    next_batch: int
+    """The first batch index this launch has not claimed."""
+
+
+def progress_key(sampler_id: str) -> str:
+    return f"progress-{sampler_id}"
+
+
+def claim_batch(transport: Transport, sampler_id: str, launch: str, batch_index: int) -> None:
+    """Record that ``launch`` of ``sampler_id`` draws batch ``batch_index`` (before it does)."""
+    record = SamplerProgress(str(launch), int(batch_index) + 1)
+    transport.put(CONTROL_TOPIC, progress_key(sampler_id), record.to_bytes())
+
+
+def sampler_progress(transport: Transport, sampler_id: str) -> Optional[SamplerProgress]:
+    """The last :class:`SamplerProgress` of ``sampler_id`` on this exchange, or None."""
+    return read_record(transport, SamplerProgress, CONTROL_TOPIC, progress_key(sampler_id))
 
 
 def read_record(transport: Transport, cls: type[R], topic: str, key: str) -> Optional[R]:

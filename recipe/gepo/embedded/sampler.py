@@ -33,6 +33,7 @@ from verl_ext.hetero.protocol import (
     LearnerStatus,
     TransportSpec,
     announce,
+    claim_batch,
     read_record,
     stop_requested,
 )
@@ -133,6 +134,8 @@ class SamplerWorker:
                 time.sleep(self.WAIT_POLL_S)
                 self.stats[wait] += time.perf_counter() - t0
                 continue
+            # claimed before its prompts are drawn: a restart resumes after it (supervisor.py)
+            claim_batch(self.transport, self.sampler_id, self.uid_namespace, batch_index)
             items = self.task.train_items(self.settings.prompts_per_step, stream=self.index + 1, index=batch_index)
             uid_prefix = f"{self.uid_namespace}-b{batch_index}"
             if self.hetero.stale_policy == "wait":  # the learner waits for these before they go stale

@@ -13,8 +13,9 @@ The transport is Ray's object store (``hetero.transport=ray``) or an fsspec URL
 (``hetero.transport=fs``); on an fsspec URL any process that builds a
 :class:`~.sampler.SamplerWorker` on the same URL joins, which is how a sampler in another data
 centre takes part. The driver owns logging, evaluation cadence, checkpoints and the progress bar;
-it notices a dead sampler, reports it, withdraws its announcements and restarts it (it rejoins
-with the newest weights it can see).
+it notices a dead sampler, reports it, withdraws its announcements and restarts it: the
+replacement rejoins with the newest weights it can see, at the batch index the dead one had
+reached (:meth:`RemoteRuntime._reached`), so it draws new prompts and never reuses one.
 
 Trust (``hetero.trust``): each sampler makes its signing key where it runs; the driver records
 the public half in the run directory's ``enrolment.json`` and has the learner enrol it before the
@@ -49,6 +50,7 @@ from verl_ext.hetero.protocol import (
     clear_topic,
     request_stop,
     sampler_actor_name,
+    sampler_progress,
 )
 from verl_ext.rundir import ENROLMENT_FILE
 
@@ -166,9 +168,18 @@ class RemoteRuntime:
         self.enrolment = Enrolment.load(self.enrolment_path) if checkpoint is not None else Enrolment()
         self.enrolment_path.parent.mkdir(parents=True, exist_ok=True)
         version = ray.get(self.learner.start.remote(checkpoint, self.enrolment.to_json()))
-        start = 0 if checkpoint is None else int(checkpoint["step"])
-        self.resume_at = {i: start * 1000 for i in range(self.engine.hetero.num_samplers)}  # fresh prompts after a resume
+        self.resume_at = {i: self._first_batch(i, checkpoint) for i in range(self.engine.hetero.num_samplers)}
         return version
+
+    def _first_batch(self, i: int, checkpoint: Optional[dict]) -> int:
+        """Where sampler i's first launch starts: batch 0 in a fresh run (the same prompts as any
+        fresh run of this seed); after a resume, past any batch the crashed run may have drawn:
+        ``step x 1000`` (a sampler draws far fewer batches per learner step), or further if this
+        exchange shows its launches got further."""
+        if checkpoint is None:
+            return 0
+        progress = sampler_progress(self.transport, f"sampler-{i}")
+        return max(int(checkpoint["step"]) * 1000, 0 if progress is None else progress.next_batch)
 
     def _launch_all(self) -> None:
         # at the first step, after the initial evaluation: samplers started during it only slow
@@ -199,8 +210,18 @@ class RemoteRuntime:
             pass
         # its announced groups will never come: the learner must not wait for them
         clear_topic(self.transport, EXPECTED_TOPIC, prefix=f"{self.namespaces[i]}-")
-        self.resume_at[i] += 1000  # a restarted sampler draws fresh prompts
+        self.resume_at[i] = self._reached(i)
         self._launch(i)
+
+    def _reached(self, i: int) -> int:
+        """Where sampler i's replacement starts: after the last batch its failed launch claimed
+        (the sampler claims each batch index on the exchange before it draws the prompts), so
+        the replacement draws new prompts and never reuses one; the launch's own start if it
+        claimed none."""
+        progress = sampler_progress(self.transport, f"sampler-{i}")
+        if progress is None or progress.launch != self.namespaces[i]:
+            return self.resume_at[i]
+        return max(self.resume_at[i], progress.next_batch)
 
     def step(self, step: int) -> dict[str, float]:
         hetero = self.engine.hetero

@@ -78,15 +78,26 @@ def test_killed_sampler_does_not_stop_training(tiny_cfg, tmp_path):
     assert outcome["metrics"]["hetero/sampler_failures"] >= 1
     # the failure was noticed while training went on: steps after the kill report it
     assert any(line["hetero/sampler_failures"] >= 1 for line in steps if line["step"] > killed_at)
-    # the restarted sampler-0 rejoined: it sent groups under fresh uids (batch index >= 1000)
+    # the restarted sampler-0 rejoined and resumed where the killed one stopped: its batch
+    # indices (and so its prompts, a function of seed, sampler and batch index) continue after
+    # the killed launch's, none reused and at most the batch it was drawing when killed skipped
     ckpt_dir = tmp_path / "checkpoints"
     state = torch.load(ckpt_dir / (ckpt_dir / "latest").read_text().strip(), weights_only=False)
     status = state["buffer"]["ledger"]["status"]
     # uids are "s<sampler>-<launch nonce>-b<batch>-<group>"
-    by_batch = {uid: int(re.search(r"-b(\d+)-", uid).group(1)) for uid in status}
-    rejoined = [uid for uid, batch in by_batch.items() if uid.startswith("s0-") and batch >= 1000]
+    launches: dict[str, set[int]] = {}
+    for uid in status:
+        launch, batch = re.fullmatch(r"(s0-[0-9a-f]+)-b(\d+)-\d+", uid).groups() if uid.startswith("s0-") else (None, 0)
+        if launch is not None:
+            launches.setdefault(launch, set()).add(int(batch))
+    assert len(launches) >= 2, f"the restarted sampler-0 sent nothing: {sorted(status)}"
+    ranges = sorted((min(b), max(b), launch) for launch, b in launches.items())
+    assert ranges[0][0] == 0, ranges
+    for (_, prev_last, _), (first, _, _) in zip(ranges, ranges[1:]):
+        assert prev_last < first <= prev_last + 2, f"a restart did not resume where its launch stopped: {ranges}"
+    rejoined = [uid for uid in status if uid.startswith(ranges[-1][2] + "-")]
     assert any(status[uid] == "consumed" for uid in rejoined), f"the restarted sampler-0 did not rejoin: {status}"
-    consumed_before = [uid for uid, batch in by_batch.items() if status[uid] == "consumed" and batch < 1000]
+    consumed_before = [uid for uid in status if uid.startswith(ranges[0][2] + "-") and status[uid] == "consumed"]
     assert len(consumed_before) >= 2 * killed_at  # the steps before the kill used the first sampler-0
     assert not any(s.startswith("rejected") for s in status.values())
 

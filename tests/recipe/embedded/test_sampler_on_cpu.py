@@ -22,10 +22,12 @@ from verl_ext.hetero.protocol import (
     ROLLOUT_TOPIC,
     STATUS_KEY,
     LearnerStatus,
+    SamplerProgress,
     TransportSpec,
     clear_stop,
     read_record,
     request_stop,
+    sampler_progress,
 )
 from verl_ext.hetero.weights import WeightStore
 
@@ -149,3 +151,15 @@ def test_sampler_catches_up_through_deltas_and_counts_the_path(tiny_cfg, tmp_pat
     want = WeightStore(transport).get(2)
     for name, tensor in sampler.model.state_dict().items():  # bit patterns, not values
         assert torch.equal(tensor.reshape(-1).view(torch.uint8), want[name].reshape(-1).view(torch.uint8)), name
+
+
+def test_sampler_claims_each_batch_index_before_drawing_its_prompts(tiny_cfg, tmp_path):
+    """What a restart resumes from (supervisor.RemoteRuntime._reached): the exchange names the
+    launch and the first batch index it has not claimed."""
+    sampler, published, transport = _sampler(tiny_cfg, tmp_path, "hetero.delay.value=0")
+    assert sampler_progress(transport, sampler.sampler_id) is None
+    published.publish(0, {k: v.clone() for k, v in sampler.model.state_dict().items()})
+    counters = sampler.run(start_batch=5, max_batches=2)
+    assert counters["next_batch"] == 7
+    assert sampler_progress(transport, sampler.sampler_id) == SamplerProgress(launch="s0-test", next_batch=7)
+    assert {key.split("-b")[1].split("-")[0] for key in transport.keys(ROLLOUT_TOPIC)} == {"5", "6"}
