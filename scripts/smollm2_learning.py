@@ -110,7 +110,7 @@ def evaluate(seeds: Sequence[int]) -> int:
 def eval_scores(out: Path) -> tuple[float, float, float, float]:
     """(math500 mean@k, gsm8k mean@k, share of math500 / gsm8k responses that gave a boxed answer:
     the math reward found one, ``error`` not in evaluate's NO_ANSWER_ERRORS) from records.jsonl."""
-    from recipe.gepo.evaluate import NO_ANSWER_ERRORS
+    from verl_ext.eval.run import NO_ANSWER_ERRORS
 
     records = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines() if line.strip()]
     acc = {b: _mean([float(r["acc"]) for r in records if r["benchmark"] == b]) for b in ("math500", "gsm8k")}

@@ -120,3 +120,22 @@ def test_config_leaves_flattens_skips_and_resume_sees_an_empty_mapping_change(tm
     assert changed == [("e", {}, "<not set>"), ("e.g", "<not set>", 2)]
     dropped = {k: v for k, v in tree.items() if k != "e"}
     assert rundir.resume_config_changes(tmp_path, OmegaConf.create(dropped)) == [("e", {}, "<not set>")]
+
+
+def test_one_jsonl_reader_marks_a_torn_tail_even_when_it_parses(tmp_path):
+    """Metrics, events and evaluation records all read through ``iter_jsonl``: a last line without
+    its newline is incomplete (the evaluation drops it; metrics keep it if it parses), a broken
+    middle line is an error, and a torn unparsable tail says so."""
+    path = tmp_path / "x.jsonl"
+    path.write_text('{"a": 1}\nnot json\n{"b": 2}')
+    lines = list(rundir.iter_jsonl(path))
+    assert [(ln.lineno, ln.complete, bool(ln.error)) for ln in lines] == [(1, True, False), (2, True, True), (3, False, False)]
+    assert lines[1].error.startswith("invalid JSON") and lines[2].value == {"b": 2}
+    path.write_text('{"a": 1}\n{"b": ')
+    assert list(rundir.iter_jsonl(path))[-1].error == "truncated last line"
+
+
+def test_changed_settings_is_one_rule_for_every_resume_check():
+    old, new = {"a": 1, "b": 2, "seed": 3}, {"a": 1, "b": 5, "c": 0, "seed": 4}
+    assert rundir.changed_settings(old, new, may_change=("se*",)) == [("b", 2, 5), ("c", "<not set>", 0)]
+    assert rundir.describe_changes([("k", i, i + 1) for i in range(10)], limit=2) == "k: 0 -> 1; k: 1 -> 2 and 8 more"

@@ -147,13 +147,35 @@ def config_leaves(node: Any, prefix: str = "", skip: Sequence[str] = (),
         yield prefix, node
 
 
+def changed_settings(old: Mapping[str, Any], new: Mapping[str, Any],
+                     may_change: Sequence[str] = ()) -> list[tuple[str, Any, Any]]:
+    """``(key, old value, new value)`` for every key of two flat settings mappings whose values
+    differ (a key missing on one side reads ``"<not set>"``), sorted, leaving out keys that match a
+    pattern of ``may_change`` (fnmatch). The one rule behind every "resume only with the settings
+    that wrote it" check: a run directory's checkpoint, an evaluation's records."""
+    import fnmatch
+
+    changed = []
+    for key in sorted(set(old) | set(new)):
+        if any(fnmatch.fnmatchcase(key, pattern) for pattern in may_change):
+            continue
+        a, b = old.get(key, "<not set>"), new.get(key, "<not set>")
+        if a != b:
+            changed.append((key, a, b))
+    return changed
+
+
+def describe_changes(changed: Sequence[tuple[str, Any, Any]], limit: int = 8) -> str:
+    """``"key: old -> new; ..."`` for the first ``limit`` changes, and how many more."""
+    listed = "; ".join(f"{k}: {a!r} -> {b!r}" for k, a, b in changed[:limit])
+    return listed + (f" and {len(changed) - limit} more" if len(changed) > limit else "")
+
+
 def resume_config_changes(run_dir: PathLike, cfg: Any) -> list[tuple[str, Any, Any]]:
     """``(key, value in config.yaml, value in cfg)`` for every key that differs between the run
     directory's ``config.yaml`` (the run its ``latest`` checkpoint belongs to) and the config
     ``cfg`` (an OmegaConf node) about to resume it, leaving out :data:`RESUME_MAY_CHANGE`.
     Empty when the directory has no ``config.yaml``."""
-    import fnmatch
-
     from omegaconf import OmegaConf
 
     path = Path(run_dir) / CONFIG_FILE
@@ -162,14 +184,7 @@ def resume_config_changes(run_dir: PathLike, cfg: Any) -> list[tuple[str, Any, A
 
     old = dict(config_leaves(OmegaConf.to_container(OmegaConf.load(path), resolve=False), keep_empty=True))
     new = dict(config_leaves(OmegaConf.to_container(cfg, resolve=True), keep_empty=True))
-    changed = []
-    for key in sorted(set(old) | set(new)):
-        if any(fnmatch.fnmatchcase(key, pattern) for pattern in RESUME_MAY_CHANGE):
-            continue
-        a, b = old.get(key, "<not set>"), new.get(key, "<not set>")
-        if a != b:
-            changed.append((key, a, b))
-    return changed
+    return changed_settings(old, new, RESUME_MAY_CHANGE)
 
 
 def check_resume_config(run_dir: PathLike, cfg: Any) -> None:
@@ -177,10 +192,8 @@ def check_resume_config(run_dir: PathLike, cfg: Any) -> None:
     ``run_dir`` with a config that trains something else than the run that wrote it."""
     changed = resume_config_changes(run_dir, cfg)
     if changed:
-        listed = "; ".join(f"{k}: {a!r} -> {b!r}" for k, a, b in changed[:8])
-        more = f" and {len(changed) - 8} more" if len(changed) > 8 else ""
         raise ValueError(
-            f"{run_dir} holds a checkpoint of a run with another config ({listed}{more}): resuming it would "
+            f"{run_dir} holds a checkpoint of a run with another config ({describe_changes(changed)}): resuming it would "
             "train on with these settings and report them as the old run's. Use another "
             "trainer.default_local_dir, or trainer.resume_mode=disable to start over there (its metrics "
             "and checkpoint pointer are set aside, nothing is deleted)."
@@ -232,13 +245,7 @@ def read_events(run_dir: PathLike) -> list[dict[str, Any]]:
     path = Path(run_dir) / EVENTS_FILE
     if not path.exists():
         return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return out
+    return [line.value for line in iter_jsonl(path) if not line.error]
 
 
 def write_placement(run_dir: PathLike, placement: Mapping[str, Sequence[Mapping[str, str]]]) -> Path:
@@ -359,31 +366,55 @@ class MetricLine:
     why: str = ""
 
 
+@dataclass(frozen=True)
+class JsonLine:
+    """One non-blank line of a JSON-lines file."""
+
+    lineno: int
+    """1-based line number."""
+    text: str
+    value: Any = None
+    """The parsed JSON value (None when ``error`` is set)."""
+    error: str = ""
+    """Why the line did not parse; empty when it did."""
+    complete: bool = True
+    """False for a last line without its newline: a write cut short by a kill, even if it parses."""
+
+
+def iter_jsonl(path: PathLike) -> Iterator[JsonLine]:
+    """Every non-blank line of a JSON-lines file, parsed: the one reader of the project's append-only
+    files (metrics, events, evaluation records). A torn last line comes with ``complete=False`` and,
+    if it does not parse, the error ``"truncated last line"``."""
+    lines = Path(path).read_bytes().decode("utf-8", errors="replace").split("\n")
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        complete = i < len(lines) - 1
+        try:
+            value = json.loads(line)
+        except json.JSONDecodeError as e:
+            yield JsonLine(i + 1, line, None, f"invalid JSON ({e.msg})" if complete else "truncated last line", complete)
+            continue
+        yield JsonLine(i + 1, line, value, "", complete)
+
+
 def iter_metric_lines(path: PathLike) -> Iterator[MetricLine]:
     """Every non-blank line of a ``metrics.jsonl`` file, parsed. A line that is not a JSON object
     with an integral ``step`` -- typically the torn last line of a killed run -- comes with
     ``row=None`` and the reason."""
-    text = Path(path).read_bytes().decode("utf-8", errors="replace")
-    ends_with_newline = text.endswith("\n")
-    lines = text.split("\n")
-    last_nonblank = max((i for i, ln in enumerate(lines) if ln.strip()), default=-1)
-    for i, line in enumerate(lines):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            torn = i == last_nonblank and not ends_with_newline
-            yield MetricLine(i + 1, line, None, "truncated last line" if torn else f"invalid JSON ({e.msg})")
+    for line in iter_jsonl(path):
+        obj = line.value
+        if line.error:
+            yield MetricLine(line.lineno, line.text, None, line.error)
             continue
         if not isinstance(obj, dict):
-            yield MetricLine(i + 1, line, None, f"not a JSON object ({type(obj).__name__})")
+            yield MetricLine(line.lineno, line.text, None, f"not a JSON object ({type(obj).__name__})")
             continue
         step = to_step(obj.get("step"))
         if step is None:
-            yield MetricLine(i + 1, line, None, f"no integral 'step' (got {obj.get('step')!r})")
+            yield MetricLine(line.lineno, line.text, None, f"no integral 'step' (got {obj.get('step')!r})")
             continue
-        yield MetricLine(i + 1, line, {"step": step, **{k: to_float(v) for k, v in obj.items() if k != "step"}})
+        yield MetricLine(line.lineno, line.text, {"step": step, **{k: to_float(v) for k, v in obj.items() if k != "step"}})
 
 
 def _warn_skipped(path: Path, skipped: Sequence[MetricLine]) -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from recipe.gepo.evaluate import EvalConfig, completed_problems, config_from_mapping, read_records
+from verl_ext.eval.run import EvalConfig, completed_problems, config_from_mapping, read_records
 
 ROOT = Path(__file__).resolve().parents[2]
 YAML = ROOT / "recipe" / "gepo" / "config" / "evaluate.yaml"
@@ -60,7 +60,7 @@ def test_bad_values_are_named(kw, msg):
 def test_unknown_key_and_missing_model_path(tmp_path):
     with pytest.raises(ValueError, match="temprature"):
         config_from_mapping({"temprature": 0.6})
-    from recipe.gepo.evaluate import run_evaluation
+    from verl_ext.eval.run import run_evaluation
 
     with pytest.raises(ValueError, match="model_path is not set"):
         run_evaluation(EvalConfig(output_dir=str(tmp_path)))

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from recipe.gepo.evaluate import EvalConfig, run_evaluation
+from verl_ext.eval.run import EvalConfig, run_evaluation
 from verl_ext.eval.generate import (
     SamplingParams,
     check_engine_options,

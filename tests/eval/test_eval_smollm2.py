@@ -24,7 +24,7 @@ def _smollm2_dir() -> Path:
 
 
 def test_smollm2_math500_report_matches_records(tmp_path):
-    from recipe.gepo.evaluate import EvalConfig, read_records, run_evaluation
+    from verl_ext.eval.run import EvalConfig, read_records, run_evaluation
     from verl_ext.data.datasets import load_benchmark
     from verl_ext.rewards.math_reward import compute_score
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from recipe.gepo.evaluate import EvalConfig, read_records, run_evaluation
+from verl_ext.eval.run import EvalConfig, read_records, run_evaluation
 from verl_ext.eval.generate import HFGenerator
 from verl_ext.eval.metrics import pass_at_k
 

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from recipe.gepo.evaluate import (
+from verl_ext.eval.run import (
     EvalConfig,
     _check_run_config,
     load_problems,
