@@ -154,6 +154,15 @@ class TrustLedger:
                              "time": books.quarantined_at})  # fmt: skip
         return purge
 
+    def withdraw_credit(self, sampler_id: str) -> None:
+        """Take back what one passed check earned this sampler (its ``recovery`` and the check's
+        place in its probation): the checked group turned out to be a copy, or copied. Not a
+        failure: it quarantines nobody by itself."""
+        books = self._of(sampler_id)
+        books.score = max(0.0, books.score - self.recovery)
+        books.checks = max(0, books.checks - 1)
+        self.counts["withdrawn"] += 1
+
     def refused(self, reason: str) -> None:
         self.counts[f"refused:{reason}"] += 1
 
@@ -181,9 +190,11 @@ class TrustLedger:
 
     def metrics(self) -> dict[str, float]:
         """``trust/checked``, ``trust/failed[/<reason>]``, ``trust/refused[/<reason>]``,
-        ``trust/purged``, ``trust/quarantined`` (run totals); per sampler
+        ``trust/purged``, ``trust/withdrawn`` (checks whose credit was taken back: copies),
+        ``trust/quarantined`` (run totals); per sampler
         ``trust/<sampler id>/score`` and, with a divergence bound, ``trust/<sampler id>/divergence``."""
         out = {"trust/checked": float(self.counts["checked"]), "trust/purged": float(self.counts["purged"]),
+               "trust/withdrawn": float(self.counts["withdrawn"]),
                "trust/quarantined": float(sum(b.quarantined_at is not None for b in self.samplers.values()))}  # fmt: skip
         for kind in ("failed", "refused"):
             out[f"trust/{kind}"] = float(sum(v for k, v in self.counts.items() if k.startswith(f"{kind}:")))

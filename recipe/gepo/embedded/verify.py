@@ -79,11 +79,14 @@ def group_log_probs(model: torch.nn.Module, group: RolloutGroup, temperature: fl
     padding positions as the model gives them; mask them with ``group.response_mask``)."""
     g = group.response_ids.shape[0]
     prompt_mask = group.prompt_mask if group.prompt_mask is not None else np.ones_like(group.prompt_ids)
-    prompt = torch.as_tensor(group.prompt_ids).long().expand(g, -1)
-    logprobs = sequence_token_log_probs(model, prompt, torch.as_tensor(prompt_mask).long().expand(g, -1),
-                                        torch.as_tensor(group.response_ids).long(),
-                                        torch.as_tensor(group.response_mask).long(), temperature)  # fmt: skip
-    return logprobs.float().numpy()
+    device = next(model.parameters()).device  # the group's tokens go where the scorer is
+
+    def ids(array: np.ndarray) -> torch.Tensor:
+        return torch.as_tensor(array, device=device).long()
+
+    logprobs = sequence_token_log_probs(model, ids(group.prompt_ids).expand(g, -1), ids(prompt_mask).expand(g, -1),
+                                        ids(group.response_ids), ids(group.response_mask), temperature)  # fmt: skip
+    return logprobs.float().cpu().numpy()
 
 
 class GroupVerifier:
@@ -169,8 +172,9 @@ class GroupVerifier:
         answer = None if prompt is None else self.task.answer_for(prompt)
         if answer is None:
             return "unknown_prompt", f"prompt {prompt!r} is not one of the task's training prompts"
-        mask = torch.as_tensor(group.response_mask).long()
-        responses = torch.where(mask.bool(), torch.as_tensor(group.response_ids),
+        # host work (decoding, the group's advantages): on the CPU whatever torch's default device
+        mask = torch.as_tensor(group.response_mask, device="cpu").long()
+        responses = torch.where(mask.bool(), torch.as_tensor(group.response_ids, device="cpu"),
                                 torch.full_like(mask, self.tokenizer.pad_token_id))  # fmt: skip
         texts = self.tokenizer.batch_decode(responses, skip_special_tokens=True)
         rewards = np.asarray([self.task.score(text, {"prompt": prompt, "answer": answer}) for text in texts], np.float32)
@@ -230,13 +234,22 @@ class GroupVerifier:
 
 
 def content_digest(group: RolloutGroup) -> str:
-    """What makes a group the same group whatever its uid: its version, prompt, responses and
-    log-probs (two honest samplers coincide only by drawing the very same G responses from the same
-    weights for the same prompt)."""
+    """What makes a group the same group whatever its uid, row order or reported numbers: its
+    prompt's tokens and the multiset of its responses' tokens (padding left out). The log-probs,
+    rewards, version and row order are not part of it, so a copy with its rows rotated, its q
+    nudged or another version claimed is still a copy. Two honest groups coincide only by drawing
+    the very same G responses for the same prompt (a confident model on a short answer does; such
+    a group's responses all score alike, so its group advantages carry little or nothing)."""
     h = hashlib.blake2b(digest_size=16)
-    h.update(str(int(group.policy_version)).encode())
-    for array in (group.prompt_ids, group.response_ids, group.sampler_logprobs):
-        h.update(np.ascontiguousarray(array).tobytes())
+    prompt = np.asarray(group.prompt_ids, np.int64)
+    if group.prompt_mask is not None:
+        prompt = prompt[np.asarray(group.prompt_mask).astype(bool)]
+    h.update(len(prompt).to_bytes(4, "little") + np.ascontiguousarray(prompt).tobytes())
+    mask = np.asarray(group.response_mask).astype(bool)
+    rows = sorted(np.ascontiguousarray(np.asarray(ids, np.int64)[keep]).tobytes()
+                  for ids, keep in zip(group.response_ids, mask))  # fmt: skip
+    for row in rows:
+        h.update(len(row).to_bytes(4, "little") + row)
     return h.hexdigest()
 
 
@@ -261,7 +274,9 @@ class TrustGate:
         self._enrolment_stamp: Optional[tuple[float, int]] = None
         self.ledger = trust.ledger(hetero.seed)
         self._lock = threading.Lock()
-        self._contents: set[str] = set()  # content digests of accepted groups and of groups passed over
+        # content digest of every accepted group and every group passed over -> the sampler whose
+        # passed check it earned ("" when none: unchecked, passed over, or its credit withdrawn)
+        self._contents: dict[str, str] = {}
         self.passed_over_counts: Counter[str] = Counter()  # sampler -> groups dropped unchecked over its quota
         self.lost_versions: set[int] = set()  # version numbers a crashed learner published past its checkpoint
         self.check_cpu_s = 0.0  # CPU seconds of the verifier's checks: the cost of hetero.trust in the learner
@@ -316,7 +331,14 @@ class TrustGate:
                 self.ledger.refused(refusal)
                 raise RecordRejected("sampler_id", refusal, f"sampler is {refusal}", sampler_id=sampler, group_uid=uid)
             rescore = self.ledger.should_check(sampler) and self.config.verify_fraction > 0
-            replayed = content_digest(group) in self._contents
+            digest = content_digest(group)
+            replayed = digest in self._contents
+            if replayed and self._contents[digest]:
+                # the same tokens twice: one of the two copied, and which cannot be told (the first
+                # to arrive may be the copy). The credit the first earned by its check is withdrawn,
+                # so a copier that front-runs an honest sampler gains no trust by it; no blame
+                self.ledger.withdraw_credit(self._contents[digest])
+                self._contents[digest] = ""
         failure = None
         version = int(group.policy_version)
         if self.verifier is not None and (rescore or version in self.lost_versions):
@@ -335,8 +357,8 @@ class TrustGate:
             # twice) can draw the very same responses at the same version -- a confident model on
             # a short answer does -- and their log-probs are then identical too, so a coincidence
             # looks exactly like a replay; the refusal alone takes away all a replay could gain.
-            raise RecordRejected("record", "replayed", "this group's content (version, prompt, responses, log-probs) "
-                                 "was received before", sampler_id=sampler, group_uid=uid)  # fmt: skip
+            raise RecordRejected("record", "replayed", "this group's content (its prompt and its responses' tokens, "
+                                 "in any order) was received before", sampler_id=sampler, group_uid=uid)  # fmt: skip
         if self.verifier is not None:
             if rescore and not self.verifier.holds(version):
                 # a check is due and cannot be made (the weights did not come in time, or are gone:
@@ -366,7 +388,7 @@ class TrustGate:
         """``group`` entered the buffer; ``vouched``: :meth:`admit`'s verdict on it (a group no
         check vouched for is purged if its sampler is quarantined before a check passes)."""
         with self._lock:
-            self._contents.add(content_digest(group))
+            self._contents[content_digest(group)] = str(group.sampler_id) if vouched else ""
             if not vouched:
                 self.ledger.accepted(str(group.sampler_id), group.group_uid)
 
@@ -375,7 +397,7 @@ class TrustGate:
         from now on, so a copy under another uid is refused as ``replayed`` (else a replaying
         sampler could pass off an honest group the learner never used as its own)."""
         with self._lock:
-            self._contents.add(content_digest(group))
+            self._contents.setdefault(content_digest(group), "")
             self.passed_over_counts[str(group.sampler_id)] += 1
 
     def trained(self, groups: list[RolloutGroup], divergence: list[float]) -> None:
@@ -398,12 +420,13 @@ class TrustGate:
 
     def state_dict(self) -> dict:
         with self._lock:
-            return {"ledger": self.ledger.state_dict(), "contents": sorted(self._contents),
+            return {"ledger": self.ledger.state_dict(), "contents": dict(sorted(self._contents.items())),
                     "lost_versions": sorted(self.lost_versions), "passed_over": dict(self.passed_over_counts)}
 
     def load_state_dict(self, state: dict) -> None:
         with self._lock:
             self.ledger.load_state_dict(state["ledger"])
-            self._contents = set(state["contents"])
+            contents = state["contents"]  # a list before checks earned credit per content
+            self._contents = dict(contents) if isinstance(contents, dict) else dict.fromkeys(contents, "")
             self.lost_versions = set(state.get("lost_versions", []))
             self.passed_over_counts = Counter(state.get("passed_over", {}))

@@ -1,11 +1,14 @@
 """The trust gate where its books and its timing meet the buffer: what a quarantine counts as
-purged, and groups that claim a version at the moment the learner publishes it. Real groups of the
+purged, groups that claim a version at the moment the learner publishes it, and copies with their
+rows moved or their numbers nudged. Real groups of the
 tiny toy model, async mode's TrustGate and the real buffer, in the order the learner's calls make."""
 
 from __future__ import annotations
 
 import threading
 import time
+
+import numpy as np
 
 from verl_ext.hetero.weights import serialize_state_dict
 
@@ -94,3 +97,54 @@ def test_honest_groups_in_that_gap_wait_and_pass_and_a_check_that_cannot_be_made
     t0 = time.perf_counter()
     assert fresh.offer(old) == "unverifiable_version"
     assert time.perf_counter() - t0 < 5
+
+
+def _copy(group, sampler: str, uid: str):
+    from verl_ext.hetero.records import RolloutGroup
+
+    copy = RolloutGroup.from_bytes(group.to_bytes())
+    copy.sampler_id, copy.group_uid = sampler, uid
+    return copy
+
+
+def test_near_copies_are_replays_and_honest_distinct_groups_are_not(tiny_model_path, tmp_path):
+    """An accepted group re-published by another sampler with its rows rotated, with one log q off
+    by 1e-5, or claiming another version, is refused as replayed (before: 8 of 8 admitted each);
+    distinct honest groups keep passing."""
+    lab = Lab(tiny_model_path, tmp_path, "hetero.trust.verify_fraction=1")
+    honest = lab.groups("sampler-0", n=6)
+    assert [lab.offer(g) for g in honest] == [None] * 6
+    rotated = _copy(honest[0], "sampler-9", "sampler-9-rot")
+    for name in ("response_ids", "response_mask", "sampler_logprobs", "rewards", "advantages"):
+        setattr(rotated, name, np.roll(getattr(rotated, name), 1, axis=0))
+    assert not np.array_equal(rotated.response_ids, honest[0].response_ids)  # the rows did move
+    nudged = _copy(honest[1], "sampler-9", "sampler-9-nudged")
+    row, col = map(int, np.argwhere(nudged.response_mask)[0])
+    nudged.sampler_logprobs[row, col] += 1e-5
+    other_version = _copy(honest[2], "sampler-9", "sampler-9-v0")
+    other_version.policy_version = 1
+    assert [lab.offer(g) for g in (rotated, nudged, other_version)] == ["replayed"] * 3
+    assert lab.gate.ledger.refusal("sampler-9") is None  # without blame
+    assert [lab.offer(g) for g in lab.groups("sampler-0", n=6)] == [None] * 6
+
+
+def test_a_copy_that_arrives_first_is_kept_and_earns_its_copier_nothing(tiny_model_path, tmp_path):
+    """The learner cannot tell which of two equal groups was copied: the first to arrive is kept,
+    the second refused, and the credit the first earned by its check is withdrawn (both without
+    blame), so front-running an honest sampler gains a copier no trust and no probation."""
+    lab = Lab(tiny_model_path, tmp_path, "hetero.trust.verify_fraction=1")
+    original = lab.groups("sampler-0", n=1)[0]
+    front_run = _copy(original, "sampler-9", "sampler-9-first")
+    front_run.response_ids, front_run.response_mask = front_run.response_ids[::-1].copy(), front_run.response_mask[::-1].copy()
+    front_run.sampler_logprobs = front_run.sampler_logprobs[::-1].copy()
+    front_run.rewards, front_run.advantages = front_run.rewards[::-1].copy(), front_run.advantages[::-1].copy()
+    assert lab.offer(front_run) is None  # checked: its q is right, it is someone's honest group
+    assert lab.gate.ledger.samplers["sampler-9"].checks == 1
+    assert lab.offer(original) == "replayed"
+    books = lab.gate.ledger.samplers["sampler-9"]
+    assert books.checks == 0 and books.score < 1.0  # still on probation, the check's credit gone
+    assert lab.gate.metrics()["trust/withdrawn"] == 1
+    assert lab.gate.ledger.refusal("sampler-9") is None and lab.gate.ledger.refusal("sampler-0") is None
+    # a third copy takes nothing more
+    assert lab.offer(_copy(original, "sampler-8", "sampler-8-third")) == "replayed"
+    assert lab.gate.metrics()["trust/withdrawn"] == 1
