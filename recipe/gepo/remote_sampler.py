@@ -44,7 +44,7 @@ def compose_config(overrides: Sequence[str]) -> DictConfig:
     from hydra import compose, initialize_config_dir
 
     searchpath = f"hydra.searchpath=[pkg://verl.trainer.config,file://{ROOT / 'configs'}]"
-    with initialize_config_dir(config_dir=str(ROOT / "recipe" / "gepo" / "config"), version_base=None):
+    with initialize_config_dir(config_dir=str(Path(__file__).resolve().parent / "config"), version_base=None):
         return compose(config_name="gepo_trainer", overrides=[searchpath, *overrides])
 
 

@@ -37,9 +37,16 @@ from .batch_rules import verl_threshold
 
 # ---------------------------------------------------------------------------- names in verl's registries
 
-TRAINER_NAME = "hetero_separate_async"
-"""Name under which recipe/gepo/verl_engine/trainer.py registers its trainer with verl's v1
-trainer registry; ``run`` sets ``trainer.v1.trainer_mode`` to it."""
+RECIPE_PACKAGE = __package__.rpartition(".")[0]
+"""This recipe's package: ``recipe.gepo``, or a copy's own name (``recipe.mygepo``)."""
+
+TRAINER_NAME = ("hetero_separate_async" if RECIPE_PACKAGE == "recipe.gepo"
+                else f"hetero_separate_async_{RECIPE_PACKAGE.replace('.', '_')}")  # fmt: skip
+"""Name under which this recipe's ``verl_engine/trainer.py`` registers its trainer with verl's v1
+trainer registry; ``run`` sets ``trainer.v1.trainer_mode`` to it. verl's registry is one per
+process and refuses a second class under a taken name, so a copied recipe registers under a name
+of its own (``hetero_separate_async_recipe_mygepo``): both recipes can be imported in one process,
+and each run names the trainer of the recipe it was started from."""
 
 VERL_MODE_SECTION = "separate_async"
 """verl's ``trainer.v1.<section>`` whose settings the trainer inherits (it extends verl's
