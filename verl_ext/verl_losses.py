@@ -56,7 +56,7 @@ def resolve_groups(
         return group_index.to(device), None
     group_size = int(loss_option(config, "group_size")) or int(_get(config, "rollout_n", 0) or 0)
     check_contiguous_groups(config)
-    return iw.contiguous_group_index(batch_size, group_size).to(device), None
+    return iw.contiguous_group_index(batch_size, group_size, device=device), None
 
 
 def _get(config: Any, key: str, default: Any = None) -> Any:

@@ -73,8 +73,9 @@ def segment_group_index(group_index: torch.Tensor) -> tuple[torch.Tensor, int]:
     return dense_group_index(group_index)
 
 
-def contiguous_group_index(batch_size: int, group_size: int) -> torch.Tensor:
-    """Group labels [B] for a batch laid out as whole prompt groups of ``group_size`` in a row.
+def contiguous_group_index(batch_size: int, group_size: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """Group labels [B] for a batch laid out as whole prompt groups of ``group_size`` in a row, made
+    on ``device`` (the batch's; None: torch's default device).
 
     Raises:
         ValueError: if the batch cannot be split into whole groups -- computing a group statistic
@@ -91,7 +92,7 @@ def contiguous_group_index(batch_size: int, group_size: int) -> torch.Tensor:
             f"group_size={group_size}; make micro-batches a multiple of rollout.n, or compute the "
             "group denominators upstream over whole groups"
         )
-    return torch.arange(batch_size) // group_size
+    return torch.arange(batch_size, device=device) // group_size
 
 
 def segment_logsumexp(values: torch.Tensor, group_index: torch.Tensor, num_groups: int) -> torch.Tensor:

@@ -274,10 +274,10 @@ def m2po_keep_mask(log_ratio: torch.Tensor, response_mask: torch.Tensor, thresho
     ordered, order = torch.sort(values, descending=True)
     # suffix_mean[k] = mean of ordered[k:], the mean once the k largest are dropped
     suffix_sum = torch.flip(torch.cumsum(torch.flip(ordered, [0]), 0), [0])
-    suffix_mean = suffix_sum / torch.arange(n, 0, -1, dtype=torch.float64)
+    suffix_mean = suffix_sum / torch.arange(n, 0, -1, dtype=torch.float64, device=values.device)
     below = torch.nonzero(suffix_mean < threshold)
     first_kept = int(below[0]) if below.numel() else n - 1
-    kept_sorted = torch.arange(n) >= first_kept
+    kept_sorted = torch.arange(n, device=values.device) >= first_kept
     kept = torch.empty_like(kept_sorted)
     kept[order] = kept_sorted
     keep[mask] = kept

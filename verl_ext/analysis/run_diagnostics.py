@@ -93,8 +93,10 @@ def weighted_advantage_estimates(
     full_log_p, full_log_q = full_log_p.double(), full_log_q.double()
     rewards = rewards.double()
     n_groups = int(group_index.max()) + 1
-    counts = torch.zeros(n_groups, dtype=torch.float64).index_add_(0, group_index, torch.ones_like(rewards))
-    baseline = torch.zeros(n_groups, dtype=torch.float64).index_add_(0, group_index, rewards) / counts
+    group_index = group_index.to(rewards.device)
+    zeros = torch.zeros(n_groups, dtype=torch.float64, device=rewards.device)
+    counts = zeros.clone().index_add_(0, group_index, torch.ones_like(rewards))
+    baseline = zeros.clone().index_add_(0, group_index, rewards) / counts
     adv = rewards - baseline[group_index]
     log_den = group_expectation_log_denominator(seq_log_q, group_index)
     weights = {
@@ -105,7 +107,7 @@ def weighted_advantage_estimates(
     }
     out = {}
     for kind, w in weights.items():
-        out[kind] = torch.zeros(n_groups, dtype=torch.float64).index_add_(0, group_index, w * adv) / counts
+        out[kind] = zeros.clone().index_add_(0, group_index, w * adv) / counts
     out["baseline"] = baseline
     return out
 
