@@ -69,7 +69,8 @@ def generate(
 
     Args:
         model: a HF ``PreTrainedModel`` with ``generate``.
-        input_ids, attention_mask: [N, P], left-padded (new tokens follow the prompt directly).
+        input_ids, attention_mask: [N, P], left-padded (new tokens follow the prompt directly), on
+            the model's device; the results are there too (log q in float32 whatever the model's dtype).
         max_new_tokens: >= 1.
         eos_token_ids: id(s) that end a continuation.
         pad_token_id: fills a finished row.
@@ -129,10 +130,10 @@ def left_pad(prompts: Sequence[Sequence[int]], pad_token_id: int) -> tuple[torch
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
     width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)
-    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long, device="cpu")
+    mask = torch.zeros((len(prompts), width), dtype=torch.long, device="cpu")
     for i, p in enumerate(prompts):
-        ids[i, width - len(p) :] = torch.as_tensor(list(p), dtype=torch.long)
+        ids[i, width - len(p) :] = torch.as_tensor(list(p), dtype=torch.long, device="cpu")
         mask[i, width - len(p) :] = 1
     return ids, mask
 
@@ -164,6 +165,8 @@ def sample_continuations(
             None (torch's global RNG).
     """
     input_ids, attention_mask = left_pad(prompts, pad_token_id)
+    device = next(model.parameters()).device  # the prompts go where the model is
+    input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
     gen = generate(
         model, input_ids, attention_mask, max_new_tokens=max_new_tokens, eos_token_ids=eos_token_ids,
         pad_token_id=pad_token_id, temperature=temperature, top_p=top_p, top_k=top_k, seed=generator_seed,

@@ -14,6 +14,7 @@ Everything about the model, data and optimiser stays in verl's keys. Each field 
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, Optional
@@ -28,6 +29,8 @@ STALE_POLICIES = ("drop", "wait")
 ORDERS = ("oldest", "newest")
 TRANSPORTS = ("ray", "fs")
 WEIGHT_SYNCS = ("full", "delta")
+PRECISIONS = ("fp32", "bf16")
+DEVICE_PATTERN = re.compile(r"cpu|cuda(:[0-9]+)?")
 
 
 def changed_fields(section: Any, names) -> list[tuple[str, Any, Any]]:
@@ -92,6 +95,10 @@ class DelayConfig:
 
         return make_delay_model(self.dist, **self.model_params())
 
+
+_VERL_PLACEMENT = ("verl places its workers with trainer.device / trainer.n_gpus_per_node and sets precision "
+                   "with its own keys: actor_rollout_ref.actor.fsdp_config.model_dtype (master weights), "
+                   "actor_rollout_ref.actor.fsdp_config.dtype (compute), actor_rollout_ref.rollout.dtype (sampler)")
 
 _NO_PUBLISHING_SAMPLERS = {
     REPLAY: "replay mode's one sampler is the learner's own process: no record crosses a trust boundary",
@@ -293,6 +300,26 @@ class HeteroConfig:
     max_nonfinite_steps: int = option(5, honoured_by=EMBEDDED, instead="verl does not skip non-finite steps")
     """Consecutive optimizer steps with a NaN/Inf loss or gradient (each skipped and counted in
     actor/nonfinite_skipped) after which the run stops with an error."""
+    device: str = option("cpu", honoured_by=EMBEDDED, instead=_VERL_PLACEMENT)
+    """Where the embedded engine's learner and samplers run: cpu | cuda | cuda:N (one GPU shared by
+    the learner and its samplers is enough). Every model is put there when it is built; the
+    tensors of a step follow it; weights leave it as CPU tensors (snapshots, checkpoints,
+    publishing), so a checkpoint written on a GPU resumes on the CPU. Refused at start when CUDA
+    is not available. Evaluation and the E[A] diagnostic run on the learner's model, there. async:
+    on CUDA each actor asks Ray for an equal share of one GPU (num_gpus = 1 / (num_samplers + 1))
+    and sees the GPUs as the driver does (cuda:N is the same GPU everywhere); the trust gate's
+    re-scoring model sits there too."""
+    learner_precision: str = option("fp32", honoured_by=EMBEDDED, instead=_VERL_PLACEMENT)
+    """fp32 | bf16: the learner's forward passes (its log p, entropies, the reference's and the
+    E[A] diagnostic's log p) under bf16 autocast, with fp32 master weights, fp32 gradients and
+    fp32 AdamW state; the log-softmax and the whole loss in fp32. Evaluation samples from the
+    fp32 master weights."""
+    sampler_precision: str = option("fp32", honoured_by=EMBEDDED, instead=_VERL_PLACEMENT)
+    """fp32 | bf16: the sampler's model is held in this dtype and generates in it; its reported
+    log q is that model's (log_softmax in fp32 of its logits). The learner's fp32 weights are
+    rounded to it when the sampler loads them. async: the trust gate re-scores q with a model in
+    this precision too (on the CPU a bf16 re-scoring equals the bf16 sampler's q exactly; other
+    kernels need ``hetero.trust.logprob_tolerance`` measured for them)."""
     learner_cpus: list[int] = option(factory=list, honoured_by=EMBEDDED,
         instead="verl places workers through Ray resources")
     """Core ids the learner process is pinned to (``os.sched_setaffinity``; torch threads = their
@@ -362,6 +389,11 @@ class HeteroConfig:
         ):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"hetero.{name}={getattr(self, name)!r}; expected one of {allowed}")
+        if not isinstance(self.device, str) or not DEVICE_PATTERN.fullmatch(self.device):
+            raise ValueError(f"hetero.device={self.device!r}; expected cpu | cuda | cuda:N (N a GPU index)")
+        for name in ("learner_precision", "sampler_precision"):
+            if getattr(self, name) not in PRECISIONS:
+                raise ValueError(f"hetero.{name}={getattr(self, name)!r}; expected one of {PRECISIONS}")
         if self.transport_url and self.transport != "fs":
             raise ValueError(f"hetero.transport_url={self.transport_url!r} is read by hetero.transport=fs only "
                              f"(hetero.transport={self.transport}): set hetero.transport=fs or leave the URL empty")  # fmt: skip

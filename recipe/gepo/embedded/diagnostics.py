@@ -11,6 +11,7 @@ import torch
 
 from .engine import EngineConfig
 from .learner import collate_groups
+from .placement import Placement, model_device
 from .policy import sample_groups, sequence_token_log_probs
 from .run_utils import RunSettings
 from .tasks import Task
@@ -30,6 +31,7 @@ def step_diagnostics(model, tokenizer, groups: list[RolloutGroup], task: Task, e
     diag = advantage_diagnostics(
         model, tokenizer, groups, task, engine.settings, engine.actor, engine.task.diagnostics_samples,
         seed=diagnostics_seed(engine.hetero.seed, step),
+        compute_dtype=Placement.of(engine.hetero).learner_compute_dtype,
     )  # fmt: skip
     staleness = [learner_version - g.policy_version for g in groups]
     diag["diag/staleness"] = float(sum(staleness) / len(staleness))
@@ -37,22 +39,25 @@ def step_diagnostics(model, tokenizer, groups: list[RolloutGroup], task: Task, e
 
 
 def advantage_diagnostics(
-    model, tokenizer, groups, task: Task, settings: RunSettings, actor_config: Any, samples: int, seed: int
+    model, tokenizer, groups, task: Task, settings: RunSettings, actor_config: Any, samples: int, seed: int,
+    compute_dtype: Any = None,
 ) -> dict[str, float]:
     """The E[A] estimation error of the batch ``groups`` for the current ``model`` (the learner
     before its update): see :mod:`verl_ext.analysis.run_diagnostics`. The fresh samples use
     their own seeded RNG (the torch RNG state is restored), so training is the same with and
-    without diagnostics."""
+    without diagnostics. The learner's log p is scored where the model is (with the learner's
+    autocast ``compute_dtype``, if any) and compared on the CPU."""
     from verl_ext.analysis.run_diagnostics import estimation_errors, main_weight_kind, weighted_advantage_estimates
 
     batch = collate_groups(groups, tokenizer.pad_token_id)
     mask = batch["response_mask"].bool()
     reduction = loss_option(actor_config, "seq_reduction")
+    device = model_device(model)
     with torch.no_grad():
         log_p = sequence_token_log_probs(
-            model, batch["prompt_ids"], batch["prompt_mask"], batch["response_ids"], batch["response_mask"],
-            settings.temperature,
-        )  # fmt: skip
+            model, *(batch[k].to(device) for k in ("prompt_ids", "prompt_mask", "response_ids", "response_mask")),
+            settings.temperature, compute_dtype,
+        ).to("cpu")  # fmt: skip
     log_q = batch["sampler_logprobs"]
     estimates = weighted_advantage_estimates(
         sequence_log_prob(log_p, mask, reduction), sequence_log_prob(log_q, mask, reduction),

@@ -37,7 +37,7 @@ from tqdm import tqdm
 from .diagnostics import step_diagnostics
 from .engine import EngineConfig, RolloutSource
 from .learner import Learner
-from .policy import load_policy
+from .placement import Placement
 from .run_utils import MetricLogger
 from .tasks import Task
 from verl_ext.hetero.buffer import RolloutBuffer
@@ -57,6 +57,7 @@ def build_learner(model, pad_token_id: int, engine: EngineConfig) -> Learner:
         model, engine.actor, engine.settings.temperature, pad_token_id,
         max_nonfinite_steps=engine.hetero.max_nonfinite_steps,
         rollout_correction=rollout_correction_settings(engine.algorithm),
+        compute_dtype=Placement.of(engine.hetero).learner_compute_dtype,  # hetero.learner_precision
     )  # fmt: skip
 
 
@@ -95,7 +96,8 @@ class LearnerRuntime:
     def __init__(self, engine: EngineConfig, model_path: str, make_source: Callable[["LearnerRuntime"], RolloutSource]):
         self.engine, self.model_path = engine, model_path
         self.task = Task(engine.task, engine.hetero.seed)
-        self.model, self.tokenizer = load_policy(model_path)
+        # hetero.device: the learner's fp32 master weights go there
+        self.model, self.tokenizer = Placement.of(engine.hetero).load_learner(model_path)
         self.learner = build_learner(self.model, self.tokenizer.pad_token_id, engine)
         self.buffer = build_buffer(engine, self.task)
         self.source = make_source(self)

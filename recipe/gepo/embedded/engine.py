@@ -13,6 +13,7 @@ from typing import Any, Optional, Protocol
 import torch
 from omegaconf import DictConfig
 
+from .placement import check_device
 from .run_utils import RunSettings
 from ..options import check_section, check_verl_keys, default_config, runner_of
 from ..sections import HeteroConfig, TaskConfig, VerlEngineConfig
@@ -45,8 +46,8 @@ class EngineConfig:
         composed without overrides, what verl keys are compared with; composed if not given).
 
         Raises ValueError naming the key: a bad value, a loss or estimator verl does not know, an
-        option the chosen mode would not honour (:mod:`recipe.gepo.options`), a data file that
-        cannot be read."""
+        option the chosen mode would not honour (:mod:`recipe.gepo.options`), a CUDA device this
+        machine does not have, a data file that cannot be read."""
         from verl.utils.config import omega_conf_to_dataclass
 
         from verl_ext.loss_bridge import rollout_correction_settings
@@ -68,6 +69,7 @@ class EngineConfig:
                 f"{estimator!r} needs at least 2 responses per prompt"
             )
         check_section(engine.hetero, "hetero", engine.runner)
+        check_device(engine.hetero.device)  # hetero.device=cuda where there is no CUDA
         check_section(engine.task, "task", engine.runner)
         check_section(VerlEngineConfig.from_config(cfg), "verl_engine", engine.runner)
         check_verl_keys(cfg, defaults if defaults is not None else default_config(), engine.runner)

@@ -18,6 +18,7 @@ from typing import Any, Optional
 import torch
 from verl.utils.torch_functional import entropy_from_logits
 
+from .placement import cpu_copy, model_device
 from .policy import sequence_token_log_probs
 from verl_ext.algos.diagnostics import sequence_sampler_learner_kl
 from verl_ext.algos.importance import group_expectation_log_denominator, sequence_log_prob
@@ -31,7 +32,8 @@ class NonFiniteStepError(RuntimeError):
 
 
 def collate_groups(groups: list[RolloutGroup], pad_token_id: int) -> dict[str, torch.Tensor]:
-    """Stack groups into one batch: prompts left-padded, responses right-padded.
+    """Stack groups into one batch: prompts left-padded, responses right-padded, on the CPU (the
+    learner moves it to its model's device in one go).
 
     Returns tensors with B = sum of group sizes: prompt_ids/prompt_mask [B, P], response_ids /
     response_mask / sampler_logprobs / advantages [B, R], rewards [B], group_index [B].
@@ -40,14 +42,15 @@ def collate_groups(groups: list[RolloutGroup], pad_token_id: int) -> dict[str, t
     batch_size = sum(sizes)
     max_prompt = max(len(g.prompt_ids) for g in groups)
     max_resp = max(g.response_ids.shape[1] for g in groups)
-    prompt_ids = torch.full((batch_size, max_prompt), pad_token_id, dtype=torch.long)
-    prompt_mask = torch.zeros((batch_size, max_prompt), dtype=torch.long)
-    response_ids = torch.full((batch_size, max_resp), pad_token_id, dtype=torch.long)
-    response_mask = torch.zeros((batch_size, max_resp), dtype=torch.long)
-    sampler_logprobs = torch.zeros((batch_size, max_resp), dtype=torch.float32)
-    advantages = torch.zeros((batch_size, max_resp), dtype=torch.float32)
-    rewards = torch.zeros(batch_size, dtype=torch.float32)
-    group_index = torch.zeros(batch_size, dtype=torch.long)
+    cpu = torch.device("cpu")
+    prompt_ids = torch.full((batch_size, max_prompt), pad_token_id, dtype=torch.long, device=cpu)
+    prompt_mask = torch.zeros((batch_size, max_prompt), dtype=torch.long, device=cpu)
+    response_ids = torch.full((batch_size, max_resp), pad_token_id, dtype=torch.long, device=cpu)
+    response_mask = torch.zeros((batch_size, max_resp), dtype=torch.long, device=cpu)
+    sampler_logprobs = torch.zeros((batch_size, max_resp), dtype=torch.float32, device=cpu)
+    advantages = torch.zeros((batch_size, max_resp), dtype=torch.float32, device=cpu)
+    rewards = torch.zeros(batch_size, dtype=torch.float32, device=cpu)
+    group_index = torch.zeros(batch_size, dtype=torch.long, device=cpu)
     row = 0
     for gi, group in enumerate(groups):
         t = group.as_torch()
@@ -56,7 +59,7 @@ def collate_groups(groups: list[RolloutGroup], pad_token_id: int) -> dict[str, t
         prompt_ids[rows, max_prompt - p :] = t["prompt_ids"].long()
         # a sampler may ship its own prompt padding: honour its mask
         own_mask = group.prompt_mask
-        prompt_mask[rows, max_prompt - p :] = 1 if own_mask is None else torch.as_tensor(own_mask).long()
+        prompt_mask[rows, max_prompt - p :] = 1 if own_mask is None else torch.as_tensor(own_mask, device=cpu).long()
         response_ids[rows, :r] = t["response_ids"].long()
         response_mask[rows, :r] = t["response_mask"].long()
         sampler_logprobs[rows, :r] = t["sampler_logprobs"].float()
@@ -83,17 +86,20 @@ def group_divergence(log_p: torch.Tensor, log_q: torch.Tensor, mask: torch.Tenso
     (B, T) x2, bool (B, T), (B,) group index -> [num_groups]."""
     seq_kl = sequence_sampler_learner_kl(log_p, log_q, mask).double()
     has_tokens = mask.bool().any(dim=-1).double()
-    total = torch.zeros(num_groups, dtype=torch.float64).index_add_(0, group_index, seq_kl * has_tokens)
-    count = torch.zeros(num_groups, dtype=torch.float64).index_add_(0, group_index, has_tokens)
+    zeros = torch.zeros(num_groups, dtype=torch.float64, device=seq_kl.device)
+    total = zeros.clone().index_add_(0, group_index, seq_kl * has_tokens)
+    count = zeros.index_add_(0, group_index, has_tokens)
     return (total / count.clamp(min=1)).tolist()
 
 
 def log_probs_and_entropy(
-    model, batch: dict[str, torch.Tensor], temperature: float, with_entropy: bool
+    model, batch: dict[str, torch.Tensor], temperature: float, with_entropy: bool,
+    compute_dtype: Optional[torch.dtype] = None,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """The learner's token log-probs [B, R] (with gradient) of ``batch`` (from :func:`collate_groups`)
-    and, if ``with_entropy``, the entropies [B, R] of softmax(logits / temperature) at the same
-    positions, from the same forward pass (verl's ``entropy_from_logits``, as verl's engine)."""
+    """The learner's token log-probs [B, R] (with gradient) of ``batch`` (from :func:`collate_groups`,
+    on the model's device) and, if ``with_entropy``, the entropies [B, R] of softmax(logits /
+    temperature) at the same positions, from the same forward pass (verl's ``entropy_from_logits``,
+    as verl's engine), both float32. ``compute_dtype``: the forward's autocast dtype (None: none)."""
     captured: dict[str, torch.Tensor] = {}
     hook = None
     if with_entropy:
@@ -101,7 +107,7 @@ def log_probs_and_entropy(
     try:
         log_prob = sequence_token_log_probs(
             model, batch["prompt_ids"], batch["prompt_mask"], batch["response_ids"], batch["response_mask"],
-            temperature,
+            temperature, compute_dtype,
         )  # fmt: skip
     finally:
         if hook is not None:
@@ -126,6 +132,12 @@ class Learner:
         max_nonfinite_steps: consecutive skipped (NaN/Inf) steps after which the run stops loudly.
         rollout_correction: verl's decoupled truncated IS (``algorithm.rollout_correction``, parsed
             by :func:`verl_ext.loss_bridge.rollout_correction_settings`), or None for none.
+        compute_dtype: the autocast dtype of the learner's forward passes (``hetero.learner_precision``:
+            bf16), or None (none). The weights, gradients and AdamW state keep the model's dtype
+            (fp32 master weights); the log-softmax and the loss are fp32 either way.
+
+    The learner runs where its model is (:mod:`recipe.gepo.embedded.placement` put it there): each
+    step's batch is moved to the model's device; :meth:`state_dict` holds CPU copies.
 
     With ``actor.use_kl_loss`` the reference policy is a frozen copy of ``model`` as it is here,
     at construction (verl's reference is the initial model too): construct the learner from the
@@ -141,6 +153,7 @@ class Learner:
         pad_token_id: int,
         max_nonfinite_steps: int = 5,
         rollout_correction: Optional[RolloutCorrection] = None,
+        compute_dtype: Optional[torch.dtype] = None,
     ):
         if rollout_correction is not None and not isinstance(rollout_correction, RolloutCorrection):
             raise TypeError(
@@ -148,6 +161,8 @@ class Learner:
                 f"got {rollout_correction!r}"
             )
         self.model = model
+        self.device = model_device(model)
+        self.compute_dtype = compute_dtype
         self.actor_config = actor_config
         self.temperature = temperature
         self.pad_token_id = pad_token_id
@@ -179,19 +194,20 @@ class Learner:
     def loss(self, groups: list[RolloutGroup]) -> tuple[torch.Tensor, dict[str, float], dict[str, torch.Tensor]]:
         """The objective on ``groups`` for the current weights: (scalar loss with gradient,
         metrics, the collated batch)."""
-        batch = collate_groups(groups, self.pad_token_id)
+        batch = {k: v.to(self.device) for k, v in collate_groups(groups, self.pad_token_id).items()}
         mask = batch["response_mask"].bool()
         reduction = loss_option(self.actor_config, "seq_reduction")
         seq_log_q = sequence_log_prob(batch["sampler_logprobs"], mask, reduction)
         group_log_denominator = group_expectation_log_denominator(seq_log_q, batch["group_index"])
-        log_prob, entropy = log_probs_and_entropy(self.model, batch, self.temperature, self.with_entropy)
+        log_prob, entropy = log_probs_and_entropy(self.model, batch, self.temperature, self.with_entropy,
+                                                  self.compute_dtype)
         if entropy is not None:
             batch["entropy"] = entropy
         if self.reference is not None:
             with torch.no_grad():
                 batch["ref_log_prob"] = sequence_token_log_probs(
                     self.reference, batch["prompt_ids"], batch["prompt_mask"], batch["response_ids"],
-                    batch["response_mask"], self.temperature,
+                    batch["response_mask"], self.temperature, self.compute_dtype,
                 )  # fmt: skip
         loss, metrics = self.policy_loss(log_prob, batch, group_log_denominator)
         self.group_divergence = group_divergence(log_prob.detach(), batch["sampler_logprobs"], mask, len(groups),
@@ -264,8 +280,9 @@ class Learner:
 
     def state_dict(self) -> dict[str, Any]:
         return {
-            "model": {k: v.detach().clone() for k, v in self.model.state_dict().items()},
-            "optimizer": self.optimizer.state_dict(),
+            # CPU copies: a checkpoint written on a GPU loads on any machine
+            "model": cpu_copy(dict(self.model.state_dict())),
+            "optimizer": cpu_copy(self.optimizer.state_dict()),
             "version": self.version,
             "nonfinite_skipped": self.nonfinite_skipped,
             # the run of skipped steps goes on across a crash: max_nonfinite_steps counts them all
@@ -273,6 +290,8 @@ class Learner:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` (CPU tensors: copied to the model's device, AdamW's state
+        moved to its parameters' device by torch)."""
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.version = int(state["version"])

@@ -1,6 +1,7 @@
 """A causal LM as a policy: sample G responses per prompt with their log-probs, and score them.
 
-HF transformers on CPU (or one GPU). The sampler and the learner compute log-probabilities of
+HF transformers on CPU or one GPU (where :mod:`recipe.gepo.embedded.placement` put the model).
+The sampler and the learner compute log-probabilities of
 the same distribution: ``log_softmax(logits / temperature)``, as verl's actor does, so that
 p / q compares like with like.
 
@@ -11,6 +12,7 @@ R response tokens (right-padded).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
@@ -64,18 +66,22 @@ def sample_groups(
     through :func:`verl_ext.sampling.generate`.
 
     ``seed`` fixes the sampling, so replay runs and resumed runs regenerate the same tokens.
+    The model generates where it is, in its own dtype; the returned tensors are on the CPU (log q
+    computed in fp32 from the model's logits).
     """
     if temperature <= 0:
         raise ValueError(f"temperature={temperature} must be > 0 for sampling")
     repeated = [p for p in prompts for _ in range(group_size)]
     enc = tokenizer(repeated, return_tensors="pt", padding=True)
+    device = next(model.parameters()).device  # the prompts go where the model is; the results come back
     gen = generate(
-        model, enc["input_ids"], enc["attention_mask"], max_new_tokens=max_new_tokens,
+        model, enc["input_ids"].to(device), enc["attention_mask"].to(device), max_new_tokens=max_new_tokens,
         eos_token_ids=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, temperature=temperature, seed=seed,
     )  # fmt: skip
-    response_mask = eos_mask(gen.tokens, tokenizer.eos_token_id)
-    logprobs = gen.log_q * response_mask
-    response_ids = torch.where(response_mask.bool(), gen.tokens, torch.full_like(gen.tokens, tokenizer.pad_token_id))
+    tokens, log_q = gen.tokens.to("cpu"), gen.log_q.to("cpu")
+    response_mask = eos_mask(tokens, tokenizer.eos_token_id)
+    logprobs = log_q * response_mask
+    response_ids = torch.where(response_mask.bool(), tokens, torch.full_like(tokens, tokenizer.pad_token_id))
     texts = tokenizer.batch_decode(response_ids, skip_special_tokens=True)
     return SampledBatch(enc["input_ids"], enc["attention_mask"], response_ids, response_mask, logprobs, texts)
 
@@ -87,17 +93,30 @@ def sequence_token_log_probs(
     response_ids: torch.Tensor,
     response_mask: torch.Tensor,
     temperature: float,
+    compute_dtype: Optional[torch.dtype] = None,
 ) -> torch.Tensor:
-    """Learner log-probs of the given responses, with gradient: [B, P] + [B, R] -> [B, R].
+    """Learner log-probs of the given responses, with gradient: [B, P] + [B, R] -> [B, R], float32,
+    on the inputs' device (the model's).
 
     Position ids follow the attention mask, so left padding of the prompt does not shift them
-    (matching what ``generate`` used).
+    (matching what ``generate`` used). ``compute_dtype`` (e.g. bf16): the model's forward runs
+    under autocast to it (fp32 weights stay fp32); the log-softmax is fp32 either way.
     """
     input_ids = torch.cat([prompt_ids, response_ids], dim=1)
     attention_mask = torch.cat([prompt_mask, response_mask], dim=1)
     position_ids = (attention_mask.cumsum(dim=-1) - 1).clamp(min=0)
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
+    logits = forward_logits(model, input_ids, attention_mask, position_ids, compute_dtype)
     prompt_len = prompt_ids.shape[1]
     # logits at position t predict token t+1: the response is predicted by positions P-1 .. P+R-2
     response_logits = logits[:, prompt_len - 1 : -1]
     return token_log_probs(response_logits, response_ids, temperature)
+
+
+def forward_logits(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                   position_ids: torch.Tensor, compute_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """The model's logits [B, L, V]; with ``compute_dtype`` under ``torch.autocast`` on the inputs'
+    device type (mixed precision: the weights keep their dtype, matmuls run in ``compute_dtype``)."""
+    if compute_dtype is None:
+        return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
+    with torch.autocast(device_type=input_ids.device.type, dtype=compute_dtype):
+        return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits

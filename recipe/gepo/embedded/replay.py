@@ -24,7 +24,7 @@ import torch
 
 from .driver import LearnerRuntime, run_loop
 from .engine import Batch, EngineConfig, RolloutSource
-from .policy import load_policy
+from .placement import Placement, cpu_copy
 from .rollout import RolloutSettings, generate_groups
 from .run_utils import MetricLogger
 from verl_ext.hetero.affinity import Pinned
@@ -45,7 +45,8 @@ class ReplaySource:
         engine = runtime.engine
         self.hetero, self.settings, self.algorithm = engine.hetero, engine.settings, engine.algorithm
         self.task, self.tokenizer, self.buffer = runtime.task, runtime.tokenizer, runtime.buffer
-        self.sampler_model, _ = load_policy(runtime.model_path)
+        # hetero.device / hetero.sampler_precision: the sampler's model (snapshots stay on the CPU)
+        self.sampler_model, _ = Placement.of(self.hetero).load_sampler(runtime.model_path)
         self.rollout = RolloutSettings(self.settings.group_size, self.settings.temperature, self.settings.max_new_tokens)
         self.schedule = DelaySchedule(self.hetero.delay.build(), self.hetero.seed)
         self.snapshots: dict[int, dict[str, torch.Tensor]] = {}
@@ -75,7 +76,7 @@ class ReplaySource:
         return Batch(taken, wait_s=gen_s, metrics={"perf/sampler_tokens_per_s": tokens / max(gen_s, 1e-9)})
 
     def publish(self, weights: dict[str, torch.Tensor], version: int) -> None:
-        self.snapshots[version] = {k: v.detach().clone() for k, v in weights.items()}
+        self.snapshots[version] = cpu_copy(dict(weights))
         for old in [v for v in self.snapshots if v < version - self.hetero.max_delay]:
             del self.snapshots[old]
 

@@ -66,8 +66,9 @@ def sequence_advantages(
     name = getattr(name, "value", name)
     fn = get_adv_estimator_fn(name)
     lengths = response_mask.sum(dim=-1)
-    token_rewards = torch.zeros(response_mask.shape, dtype=torch.float32)
-    token_rewards[torch.arange(len(rewards)), (lengths - 1).clamp(min=0)] = rewards.float()
+    token_rewards = torch.zeros(response_mask.shape, dtype=torch.float32, device=response_mask.device)
+    rows = torch.arange(len(rewards), device=response_mask.device)
+    token_rewards[rows, (lengths - 1).clamp(min=0)] = rewards.float()
     kwargs: dict[str, Any] = {"token_level_rewards": token_rewards, "response_mask": response_mask.float()}
     params = _parameters(fn)
     if "index" in params:
@@ -104,7 +105,9 @@ def generate_groups(
     batch = sample_groups(
         model, tokenizer, [it["prompt"] for it in items], g, settings.temperature, settings.max_new_tokens, seed
     )
-    rewards = torch.tensor([score(text, items[i // g]) for i, text in enumerate(batch.texts)], dtype=torch.float32)
+    # host side: the sampled batch is on the CPU (sample_groups brings it back from the model's device)
+    rewards = torch.tensor([score(text, items[i // g]) for i, text in enumerate(batch.texts)], dtype=torch.float32,
+                           device="cpu")  # fmt: skip
     uids = [f"{uid_prefix}-{i // g}" for i in range(len(batch.texts))]
     advantages = sequence_advantages(rewards, batch.response_mask, uids, algorithm_config)
     now = time.time()

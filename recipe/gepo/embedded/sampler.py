@@ -19,7 +19,7 @@ from typing import Any, Optional
 
 from .async_shared import pin_worker, weight_store
 from .engine import EngineConfig
-from .policy import load_policy
+from .placement import Placement
 from .rollout import RolloutSettings, generate_groups
 from .tasks import Task
 from verl_ext.hetero.auth import SamplerKey
@@ -68,7 +68,8 @@ class SamplerWorker:
         self.hetero, self.settings, self.algorithm_config = engine.hetero, engine.settings, engine.algorithm
         self.task = Task(engine.task, self.hetero.seed)
         self.rollout = RolloutSettings(self.settings.group_size, self.settings.temperature, self.settings.max_new_tokens)
-        self.model, self.tokenizer = load_policy(model_path)
+        # hetero.device / hetero.sampler_precision (weights arrive as CPU tensors, copied there)
+        self.model, self.tokenizer = Placement.of(engine.hetero).load_sampler(model_path)
         self.model.eval()
         self.transport = spec.open()
         channel = DelayChannel(

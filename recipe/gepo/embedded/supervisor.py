@@ -100,6 +100,17 @@ def _placement(resources: dict[str, float]) -> dict[str, Any]:
     return {"resources": dict(resources)} if resources else {}
 
 
+def gpu_share(hetero: HeteroConfig) -> dict[str, Any]:
+    """Ray actor options of the learner and of each sampler for ``hetero.device``: none on the CPU
+    (nothing changes); on CUDA an equal share of one GPU each, num_gpus = 1 / (num_samplers + 1)
+    (the learner and its samplers fit one GPU together), with Ray told to leave
+    CUDA_VISIBLE_DEVICES as the driver has it, so ``cuda:N`` names the same GPU in every actor."""
+    if not hetero.device.startswith("cuda"):
+        return {}
+    return {"num_gpus": 1.0 / (hetero.num_samplers + 1),
+            "runtime_env": {"env_vars": {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}}}  # fmt: skip
+
+
 class RemoteRuntime:
     """The driver's view of the learner actor, a :class:`~.driver.Runtime` for
     :func:`~.driver.run_loop` (each call forwarded to ``LearnerWorker`` over Ray), plus the
@@ -113,7 +124,7 @@ class RemoteRuntime:
         # actors hold no CPU reservation: on a 2-core laptop the learner and samplers share the
         # cores (hetero.*_cpus pins them); custom resources place them on a cluster's nodes
         self.learner = ray.remote(num_cpus=0, concurrency_groups={"control": 1})(LearnerWorker).options(
-            name=LEARNER_ACTOR, **_placement(hetero.learner_ray_resources)
+            name=LEARNER_ACTOR, **_placement(hetero.learner_ray_resources), **gpu_share(hetero)
         ).remote(engine, model_path, spec)
         # two threads: run() generates while counters() answers the driver
         self._sampler_cls = ray.remote(num_cpus=0, max_restarts=0, max_concurrency=2)(SamplerWorker)
@@ -133,7 +144,8 @@ class RemoteRuntime:
         # named, so an operator (or a fault-injection test) can find and kill a sampler
         self.namespaces[i] = f"s{i}-{uuid.uuid4().hex[:8]}"
         self.samplers[i] = self._sampler_cls.options(
-            name=sampler_actor_name(i, self.restarts[i]), **_placement(self.engine.hetero.sampler_ray_resources)
+            name=sampler_actor_name(i, self.restarts[i]), **_placement(self.engine.hetero.sampler_ray_resources),
+            **gpu_share(self.engine.hetero),
         ).remote(
             i, self.engine, self.model_path, self.spec, self.engine.hetero.speed_factors()[i], self.namespaces[i]
         )

@@ -57,6 +57,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
+from .placement import Placement
 from .policy import load_policy, sequence_token_log_probs
 from .rollout import sequence_advantages
 from .tasks import Task
@@ -101,11 +102,18 @@ class GroupVerifier:
             inside the bound can claim).
         logprob_tolerance: ``hetero.trust.logprob_tolerance``.
         check_rewards: ``hetero.trust.check_rewards``.
+        placement: the run's device and precisions: the re-scoring model is a sampler's (on
+            ``hetero.device``, in ``hetero.sampler_precision``), since it recomputes a sampler's
+            q; None: fp32 on the CPU.
     """
 
     def __init__(self, model_path: str, task: Task, temperature: float, algorithm_config: Any,
-                 keep_versions: int, logprob_tolerance: float, check_rewards: bool):  # fmt: skip
-        self.scorer, self.tokenizer = load_policy(model_path)
+                 keep_versions: int, logprob_tolerance: float, check_rewards: bool,
+                 placement: Optional[Placement] = None):  # fmt: skip
+        if placement is not None:
+            self.scorer, self.tokenizer = placement.load_sampler(model_path)
+        else:
+            self.scorer, self.tokenizer = load_policy(model_path)
         self.scorer.eval()
         self.task, self.temperature, self.algorithm_config = task, float(temperature), algorithm_config
         self.keep_versions = int(keep_versions)
@@ -286,6 +294,7 @@ class TrustGate:
             self.verifier = GroupVerifier(
                 model_path, task, engine.settings.temperature, engine.algorithm, keep_versions=hetero.max_delay + 1,
                 logprob_tolerance=trust.logprob_tolerance, check_rewards=trust.check_rewards,
+                placement=Placement.of(hetero),
             )  # fmt: skip
 
     # ---------------------------------------------------------------- enrolment
