@@ -1,0 +1,661 @@
+#!/usr/bin/env python3
+"""The GPU lane: install from the packed parts, then measure the project on one GPU, in one table.
+
+    python scripts/gpu/lane.py --parts-dir /tmp/hrl_parts --device cuda --out "$OUT"   # on the GPU machine
+    python scripts/gpu/lane.py --device cpu --quick --parts a,b,e                        # here, from the venv
+
+Install (only with ``--parts-dir``, which holds ``manifest.json`` and the parts of
+``scripts/gpu/pack.py``): every part's size and sha256 checked, each group re-joined and unpacked,
+its wheels installed with ``pip install --no-index --no-deps --target --site`` (the project itself
+too: from the code group's wheel, or built from this checkout when the manifest has no code group),
+and ``--site`` put first on ``sys.path`` and on ``PYTHONPATH`` (for the parts' processes and Ray's
+workers). Without ``--parts-dir`` the lane uses the Python it runs in.
+
+Parts (``--parts``, run in the order given; default all, as a,e,b,c,f,d: the cheap checks first,
+the SmolLM2 training last with what time is left). Each runs in its own process with its own budget,
+all within ``--budget-s`` (8 minutes) counted from the start, install included; a part without
+time left gets a ``skipped: budget`` row; a failing part writes its error in its row and the
+others go on):
+
+a. every loss of the recipe's presets (``scripts/bench/bench_losses.py``'s list, called as verl's
+   ``ppo_loss`` calls it) on the device in fp32 and bf16 against float64 on the CPU: the relative
+   error of the loss and of its gradient;
+b. their forward+backward cost against vanilla and against the memory floor (20 bytes a token --
+   read log p, log q, advantage, mask, write the gradient -- at the device's copy bandwidth,
+   measured here): ``scripts/bench/bench_losses_gpu.py`` when it is there, else eager timing;
+c. the embedded engine, GEPO on the toy, in replay and in async mode, learner and samplers on the
+   device (``hetero.device``): held-out accuracy before and after, the reward curve, the step time;
+d. SmolLM2-135M-Instruct trained with GEPO on easy GSM8K problems by the embedded engine on the
+   device: held-out accuracy (math_verify) before and after, and the step time;
+e. the honest log-prob spread between a sampler (``verl_ext.sampling.generate``, KV cache) and a
+   learner re-scoring the same tokens with one full forward pass
+   (``recipe.gepo.embedded.policy.sequence_token_log_probs``), fp32 and bf16, on the CPU and the device;
+f. the verl engine (verl's FSDP learner, the project's HF rollout server, delayed weight sync) for
+   3 steps with GEPO on the toy, on the device.
+
+Writes ``lane.json`` and ``lane.md`` into ``--out`` (default ``$OUT`` when set, else ``lane_out``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+PART_NAMES = {
+    "a": "losses against float64",
+    "b": "loss forward+backward cost",
+    "c": "embedded engine, GEPO on the toy",
+    "d": "SmolLM2-135M GEPO on easy GSM8K",
+    "e": "sampler/learner log-prob spread",
+    "f": "verl engine, 3 steps",
+}
+#: seconds each part may take (full, --quick); all of them within --budget-s
+PART_BUDGET_S = {"a": (40, 90), "b": (100, 120), "e": (40, 90), "c": (90, 240), "d": (150, 300), "f": (90, 300)}
+#: the default order: the cheap checks first, the SmolLM2 training (which takes what is left) last
+DEFAULT_ORDER = "a,e,b,c,f,d"
+#: a part is started only with at least this much time left
+MIN_PART_S = 10
+#: kept back at the end for the table
+RESERVE_S = 5
+
+Row = dict[str, Any]
+
+
+def make_row(part: str, name: str, status: str = "ok", note: str = "", **values: Any) -> Row:
+    return {"part": part, "name": name, "status": status, "values": values, "note": note}
+
+
+# ---------------------------------------------------------------------------------------------
+# install
+
+
+def install(parts_dir: Path, site: Path, stage: Path) -> list[str]:
+    """Install the packed groups of ``parts_dir`` into ``site``; lines saying what was done."""
+    sys.path.insert(0, str(HERE))
+    from pack import PackError, build_project_wheel, rejoin  # noqa: E402  (this folder's packer)
+
+    manifest = json.loads((parts_dir / "manifest.json").read_text())
+    log, wheels, copied = [], [], 0
+    groups = [g["group"] for g in manifest["groups"]]
+    for group in groups:
+        try:
+            unpacked = rejoin(parts_dir, manifest, group, stage)
+        except PackError as exc:
+            log.append(f"group {group}: not installed: {exc}")
+            continue
+        wheels += sorted((unpacked / "wheels").glob("*.whl"))
+        site_files = unpacked / "site"
+        if site_files.is_dir():
+            for src in site_files.rglob("*"):
+                if src.is_file():
+                    dst = site / src.relative_to(site_files)
+                    dst.parent.mkdir(parents=True, exist_ok=True)
+                    shutil.copyfile(src, dst)
+                    copied += 1
+        log.append(f"group {group}: {sum(p['bytes'] for p in next(g for g in manifest['groups'] if g['group'] == group)['parts']) / 2**20:.1f} MiB, sha256 ok")
+    if "code" not in groups:
+        wheels.append(build_project_wheel(ROOT, stage / "code"))
+        log.append("project: built from this checkout")
+    site.mkdir(parents=True, exist_ok=True)
+    if wheels:
+        cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+               "--no-cache-dir", "--upgrade", "--target", str(site), *map(str, wheels)]  # fmt: skip
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"pip install --target {site} failed ({proc.returncode}): {proc.stderr[-2000:]}")
+    log.append(f"{len(wheels)} wheels and {copied} data files into {site}")
+    return log
+
+
+def use_site(site: Path) -> None:
+    sys.path.insert(0, str(site))
+    parts = [str(site), str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    os.environ["PYTHONPATH"] = os.pathsep.join(parts)
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers of the parts (run in the part's own process)
+
+
+def _device(name: str):
+    import torch
+
+    dev = torch.device(name)
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError("--device cuda: torch sees no CUDA device here")
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+    return dev
+
+
+def _sync(dev) -> None:
+    import torch
+
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def _timed_ms(fn: Callable[[], None], dev) -> float:
+    import torch
+
+    if dev.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize(dev)
+        return float(start.elapsed_time(end))
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1e3
+
+
+def copy_bandwidth(dev, nbytes: int) -> float:
+    """Bytes a second a device-to-device copy moves, counting bytes read and written."""
+    import torch
+
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device=dev).fill_(1.0)
+    dst = torch.empty_like(src)
+    for _ in range(2):
+        dst.copy_(src)
+    _sync(dev)
+    ms = statistics.median(_timed_ms(lambda: dst.copy_(src), dev) for _ in range(5))
+    return 2 * src.numel() * 4 / (ms / 1e3)
+
+
+def _bench_losses():
+    sys.path.insert(0, str(ROOT / "scripts" / "bench"))
+    import bench_losses
+
+    return bench_losses
+
+
+def selected_losses(workdir: Path) -> list[tuple[str, Any, Any]]:
+    """[(label, loss function, ActorConfig)] of bench_losses.LOSSES (``--losses`` picks labels; the
+    first, vanilla, always comes: the baseline of part b's ratios), the
+    configs composed once per lane run (hydra's compose takes seconds) and shared through ``workdir``."""
+    import pickle
+
+    from verl.trainer.ppo.core_algos import get_policy_loss_fn
+
+    import verl_ext.verl_losses  # noqa: F401  registers the project's losses
+
+    bl = _bench_losses()
+    wanted = os.environ.get("LANE_LOSSES", "all")
+    labels = [label for label, _, _ in bl.LOSSES]
+    if wanted != "all":
+        picked = [w.strip() for w in wanted.split(",") if w.strip()]
+        unknown = [w for w in picked if w not in labels]
+        if unknown:
+            raise ValueError(f"--losses {unknown}: not in scripts/bench/bench_losses.py's list {labels}")
+        labels = [label for label in labels if label in picked or label == labels[0]]  # the baseline stays
+    cache = workdir / "actor_configs.pkl"
+    configs = pickle.loads(cache.read_bytes()) if cache.is_file() else {}
+    out = []
+    for label, preset, mode in bl.LOSSES:
+        if label not in labels:
+            continue
+        if label not in configs:
+            configs[label] = bl.actor_config(preset, mode, 8)
+        out.append((label, get_policy_loss_fn(mode), configs[label]))
+    cache.write_bytes(pickle.dumps(configs))
+    return out
+
+
+def loss_inputs(batch: int, length: int, group: int, seed: int = 0):
+    """float64 CPU tensors: log p, log q (log p = log q + 0.3 noise: clipping is active), advantages
+    constant within each of batch/group groups, a mask with lengths uniform in [T/4, T]."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    log_q = -torch.rand(batch, length, generator=gen, dtype=torch.float64) * 3
+    log_p = log_q + 0.3 * torch.randn(batch, length, generator=gen, dtype=torch.float64)
+    lengths = torch.randint(length // 4, length + 1, (batch,), generator=gen)
+    mask = torch.arange(length).unsqueeze(0) < lengths.unsqueeze(1)
+    adv = torch.randn(batch // group, 1, generator=gen, dtype=torch.float64).repeat_interleave(group, 0)
+    return log_p, log_q, adv.expand(-1, length).contiguous(), mask
+
+
+def _call_loss(fn, cfg, log_p, log_q, adv, mask):
+    """(loss, d loss / d log p) of one verl-signature loss, as ``ppo_loss`` calls it."""
+    log_p = log_p.detach().clone().requires_grad_(True)
+    loss, _ = fn(old_log_prob=log_q, log_prob=log_p, advantages=adv, response_mask=mask,
+                 loss_agg_mode=cfg.loss_agg_mode, config=cfg)  # fmt: skip
+    loss.backward()
+    return loss.detach(), log_p.grad.detach()
+
+
+def _rel(x, ref) -> float:
+    x, ref = x.double().cpu(), ref.double().cpu()
+    return float((x - ref).norm() / max(float(ref.norm()), 1e-30))
+
+
+# ---------------------------------------------------------------------------------------------
+# the parts: part(device, quick, emit, workdir)
+
+
+def part_a(device: str, quick: bool, emit: Callable[[Row], None], workdir: Path) -> None:
+    import torch
+
+    dev = _device(device)
+    group = 8
+    batch, length = (32, 64) if quick else (64, 512)
+    ref_inputs = loss_inputs(batch, length, group)
+    for label, fn, cfg in selected_losses(workdir):
+        try:
+            loss64, grad64 = _call_loss(fn, cfg, *ref_inputs)
+        except Exception as exc:  # noqa: BLE001 -- the error is the row
+            emit(make_row("a", label, "error", f"float64 reference on cpu: {type(exc).__name__}: {exc}"[:300]))
+            continue
+        values, errors = {}, []
+        for tag, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+            try:
+                inputs = [t.to(dev, dtype) if t.is_floating_point() else t.to(dev) for t in ref_inputs]
+                loss, grad = _call_loss(fn, cfg, *inputs)
+                values[f"{tag}_loss_rel"] = _rel(loss.reshape(1), loss64.reshape(1))
+                values[f"{tag}_grad_rel"] = _rel(grad, grad64)
+                if not bool(torch.isfinite(grad).all()):
+                    errors.append(f"{tag}: non-finite gradient")
+            except Exception as exc:  # noqa: BLE001
+                errors.append(f"{tag} on {dev}: {type(exc).__name__}: {exc}"[:300])
+        emit(make_row("a", label, "error" if errors else "ok", "; ".join(errors), B=batch, T=length, **values))
+
+
+def part_b(device: str, quick: bool, emit: Callable[[Row], None], workdir: Path) -> None:
+    dev = _device(device)
+    bandwidth = copy_bandwidth(dev, (64 if quick else 1024) * 2**20)
+    emit(make_row("b", f"copy bandwidth on {dev}", note="device-to-device copy, bytes read + written",
+                  GB_per_s=bandwidth / 1e9))  # fmt: skip
+    gpu_bench = ROOT / "scripts" / "bench" / "bench_losses_gpu.py"
+    t_start = time.time()
+    budget = float(os.environ.get("LANE_PART_BUDGET_S", "60"))
+    if gpu_bench.is_file():
+        # eager and torch.compile'd, the pure losses of the GEPO family against vanilla in the same mode
+        try:
+            for r in _run_gpu_bench(gpu_bench, device, quick, bandwidth):
+                r = dict(r)
+                error = r.pop("error", None)
+                name = f"{r.pop('loss', '?')} B={r.pop('B', '?')} T={r.pop('T', '?')}, eager / compiled"
+                values = {k: float(v) for k, v in r.items()
+                          if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in ("repeats", "bandwidth_tbs")}
+                note = f"bench_losses_gpu.py, {r.get('backend')}, median of {r.get('repeats')}; floor at the copy bandwidth"
+                emit(make_row("b", name, "error" if error else "ok", f"{error}; {note}" if error else note, **values))
+        except (Exception, SystemExit) as exc:  # noqa: BLE001 -- the eager timing below still runs
+            emit(make_row("b", "bench_losses_gpu.py", "error", f"{type(exc).__name__}: {exc}"[:300]))
+    if time.time() - t_start > budget / 2:
+        emit(make_row("b", "every preset's loss through verl's registry, eager", "skipped: budget",
+                      f"{time.time() - t_start:.0f} s of the part's {budget:.0f} s spent"))  # fmt: skip
+        return
+    bl = _bench_losses()
+    losses = selected_losses(workdir)
+    shapes = [(32, 128)] if quick else [(256, 4096), (1024, 8192)]
+    repeats = 3 if quick else 20
+    for batch, length in shapes:
+        old, new, adv, mask = (t.to(dev) for t in bl.make_batch(batch, length))
+        entries, failed = [], []
+        for label, fn, cfg in losses:
+
+            def once(fn=fn, cfg=cfg):
+                _call_loss(fn, cfg, new, old, adv, mask)
+
+            try:
+                for _ in range(2):
+                    once()
+                entries.append((label, once))
+            except Exception as exc:  # noqa: BLE001
+                failed.append(make_row("b", f"{label} B={batch} T={length}", "error", f"{type(exc).__name__}: {exc}"[:300]))
+        times: dict[str, list[float]] = {label: [] for label, _ in entries}
+        for _ in range(repeats):  # round-robin: drift hits every loss alike
+            for label, once in entries:
+                times[label].append(_timed_ms(once, dev))
+        base = statistics.median(times[losses[0][0]]) if losses and losses[0][0] in times else float("nan")
+        floor_ms = 20 * batch * length / bandwidth * 1e3
+        for label, _ in entries:
+            ms = statistics.median(times[label])
+            emit(make_row("b", f"{label} B={batch} T={length}", note=f"eager fp32, median of {repeats}",
+                          ms=ms, x_vanilla=ms / base, x_floor=ms / floor_ms))  # fmt: skip
+        for row in failed:
+            emit(row)
+
+
+def _run_gpu_bench(path: Path, device: str, quick: bool, bandwidth: float) -> list[dict]:
+    """``scripts/bench/bench_losses_gpu.py``'s rows (its ``main(argv) -> rows``), at the measured
+    bandwidth, for the losses of ``--losses`` it has (vanilla always)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_losses_gpu", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    # full: the largest shape only (the issue's target; each shape compiles every loss again)
+    argv = ["--device", device, "--bandwidth-tbs", f"{bandwidth / 1e12:.6g}"] + (["--quick"] if quick else ["--shapes", "1024x8192"])
+    wanted = os.environ.get("LANE_LOSSES", "all")
+    if wanted != "all":
+        picked = {w.strip() for w in wanted.split(",")}
+        argv += ["--losses", ",".join(k for k in module.LOSSES if k == "vanilla" or k in picked)]
+    out = module.main(argv)
+    if not isinstance(out, list) or not all(isinstance(r, dict) for r in out):
+        raise TypeError(f"bench_losses_gpu.py returned {type(out).__name__}, not a list of row dicts")
+    return out
+
+
+def part_e(device: str, quick: bool, emit: Callable[[Row], None], workdir: Path) -> None:
+    import numpy as np
+    import torch
+
+    dev = _device(device)
+
+    from recipe.gepo.embedded.policy import load_policy, sequence_token_log_probs
+    from verl_ext.data.task_model import resolve_task_model
+    from verl_ext.data.toy.problems import make_problems
+    from verl_ext.sampling import eos_mask, generate
+
+    try:
+        from recipe.gepo.sections import TrustConfig
+
+        tolerance = float(TrustConfig().logprob_tolerance)
+    except Exception:  # noqa: BLE001 -- the spread is measured all the same
+        tolerance = 1e-3
+    from recipe.gepo.sections import TaskConfig
+
+    path = resolve_task_model("", TaskConfig(), 0)
+    group, groups, batches, new_tokens = (4, 4, 1, 8) if quick else (8, 16, 8, 16)
+    cpu = torch.device("cpu")
+    if dev.type == "cpu":
+        cases = [((cpu, "fp32"), (cpu, "fp32")), ((cpu, "bf16"), (cpu, "fp32")), ((cpu, "bf16"), (cpu, "bf16"))]
+    else:
+        cases = [((cpu, "fp32"), (cpu, "fp32")), ((cpu, "bf16"), (cpu, "fp32")), ((dev, "fp32"), (dev, "fp32")),
+                 ((dev, "fp32"), (cpu, "fp32")), ((dev, "bf16"), (dev, "fp32")), ((dev, "bf16"), (dev, "bf16"))]  # fmt: skip
+    models: dict = {}
+
+    def model_on(where, dtype):
+        # sampler bf16: the model in bf16 (hetero.sampler_precision); learner bf16: fp32 weights under
+        # bf16 autocast (hetero.learner_precision) -- the same fp32 model serves both
+        key = (str(where), dtype)
+        if key not in models:
+            model, tok = load_policy(path, torch.bfloat16 if dtype == "bf16-weights" else torch.float32)
+            models[key] = (model.to(where).eval(), tok)
+        return models[key]
+
+    problems = make_problems(groups * batches, digits=3, seed=7)
+    temperature = 1.0
+    for (s_dev, s_prec), (l_dev, l_prec) in cases:
+        sampler, tok = model_on(s_dev, "bf16-weights" if s_prec == "bf16" else "fp32")
+        learner, _ = model_on(l_dev, "fp32")
+        worst, mean_abs = [], []
+        for b in range(batches):
+            prompts = [p["problem"] for p in problems[b * groups:(b + 1) * groups] for _ in range(group)]
+            enc = tok(prompts, return_tensors="pt", padding=True)
+            gen = generate(sampler, enc["input_ids"].to(s_dev), enc["attention_mask"].to(s_dev),
+                           max_new_tokens=new_tokens, eos_token_ids=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                           temperature=temperature, seed=b)  # fmt: skip
+            rmask = eos_mask(gen.tokens, tok.eos_token_id)
+            resp = torch.where(rmask.bool(), gen.tokens, torch.full_like(gen.tokens, tok.pad_token_id))
+            autocast = torch.autocast(l_dev.type, dtype=torch.bfloat16, enabled=l_prec == "bf16")
+            with torch.no_grad(), autocast:
+                log_p = sequence_token_log_probs(learner, enc["input_ids"].to(l_dev), enc["attention_mask"].to(l_dev),
+                                                 resp.to(l_dev), rmask.to(l_dev), temperature)  # fmt: skip
+            diff = (log_p.float().cpu() - gen.log_q.float().cpu()).abs() * rmask.cpu()
+            for g in range(0, diff.shape[0], group):
+                worst.append(float(diff[g:g + group].max()))
+                mean_abs.append(float(diff[g:g + group].sum() / rmask[g:g + group].sum().clamp(min=1)))
+        w = np.asarray(worst)
+        emit(make_row("e", f"toy: sampler {s_dev.type} {s_prec} / learner {l_dev.type} {l_prec}",
+                      note=f"{len(w)} groups of {group}, {new_tokens} new tokens; tolerance {tolerance:g}",
+                      max=float(w.max()), median=float(np.median(w)), p99=float(np.percentile(w, 99)),
+                      frac_over_tol=float((w > tolerance).mean()), mean_abs_token=float(np.mean(mean_abs))))  # fmt: skip
+
+
+def _main_gepo(overrides: Sequence[str], workdir: Path, timeout: float, config_dir: bool = False) -> tuple[int, str]:
+    """Run ``python -m recipe.gepo.main_gepo`` with ``overrides``; (exit status, last output)."""
+    cmd = [sys.executable, "-m", "recipe.gepo.main_gepo"] + (["--config-dir", "configs"] if config_dir else []) + list(overrides)
+    log = workdir / f"main_gepo_{int(time.time() * 1e3)}.log"
+    with open(log, "w") as fh:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            rc = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            rc = -9
+    text = log.read_text(errors="replace")
+    return rc, text[-1500:]
+
+
+def _engine_row(part: str, name: str, run_dir: Path, rc: int, tail: str, wall: float, note: str) -> Row:
+    from verl_ext.rundir import read_metric_rows
+
+    rows = read_metric_rows(run_dir, missing_ok=True, warn=False) if run_dir.is_dir() else []
+    evals = [(r["step"], r["eval/acc_mean"]) for r in rows if "eval/acc_mean" in r]
+    rewards = [(r["step"], r["reward/mean"]) for r in rows if "reward/mean" in r]
+    if rc != 0 or not rewards:
+        lines = [ln for ln in tail.strip().splitlines() if ln.strip()]
+        why = "timed out (part budget)" if rc == -9 else f"exit {rc}"
+        return make_row(part, name, "error", f"{why}: {' | '.join(lines[-3:])}"[:400], steps_done=float(len(rewards)))
+    values: dict[str, Any] = {"steps": float(rewards[-1][0]), "wall_s": wall,
+                              "reward_first": float(rewards[0][1]), "reward_last": float(rewards[-1][1])}  # fmt: skip
+    if len(evals) >= 2:
+        values["acc_before"], values["acc_after"] = float(evals[0][1]), float(evals[-1][1])
+    step_times = [r[k] for r in rows for k in ("timing/step_s", "timing_s/step", "perf/step_time_s") if k in r]
+    if step_times:
+        values["step_s"] = float(statistics.median(step_times))
+    curve = " ".join(f"{v:.2f}" for _, v in rewards[:: max(1, len(rewards) // 10)])
+    return make_row(part, name, note=f"{note}; reward curve {curve}", **values)
+
+
+def part_c(device: str, quick: bool, emit: Callable[[Row], None], workdir: Path) -> None:
+    steps, eval_size = (3, 16) if quick else (30, 256)
+    budget = float(os.environ.get("LANE_PART_BUDGET_S", "120"))
+    runs = [("replay", "fp32", "fp32"), ("async", "fp32", "fp32")] + ([] if quick else [("replay", "bf16", "bf16")])
+    for i, (mode, lp, sp) in enumerate(runs):
+        run_dir = workdir / f"c_{mode}_{lp}"
+        overrides = ["algorithm_preset=gepo", f"hetero.mode={mode}", f"hetero.device={device}",
+                     f"hetero.learner_precision={lp}", f"hetero.sampler_precision={sp}",
+                     f"trainer.total_training_steps={steps}", f"trainer.test_freq={steps}", "trainer.save_freq=-1",
+                     "trainer.resume_mode=disable", f"task.eval_size={eval_size}", "hetero.max_delay=4",
+                     f"trainer.default_local_dir={run_dir}", f"task.cache_dir={workdir / 'cache'}"]  # fmt: skip
+        if mode == "async":
+            overrides += ["hetero.num_samplers=2", "hetero.delay.low=0.1", "hetero.delay.high=1.0"]
+        else:
+            overrides += ["hetero.delay.low=1", "hetero.delay.high=4"]
+        t0 = time.time()
+        left = budget - (time.time() - START)
+        rc, tail = _main_gepo(overrides, workdir, timeout=max(5.0, left / (len(runs) - i)))
+        emit(_engine_row("c", f"{mode}, learner {lp}, samplers {sp}, {device}", run_dir, rc, tail, time.time() - t0,
+                         f"GEPO, toy 3-digit addition, {eval_size} held-out"))  # fmt: skip
+
+
+def part_d(device: str, quick: bool, emit: Callable[[Row], None], workdir: Path) -> None:
+    steps, eval_size, response, batch, group = (2, 8, 32, 2, 4) if quick else (12, 64, 160, 8, 8)
+    run_dir = workdir / "d_smollm2"
+    overrides = ["algorithm_preset=gepo", "hetero.mode=replay", f"hetero.device={device}",
+                 "hetero.delay.low=1", "hetero.delay.high=2", "hetero.max_delay=2",
+                 "task.name=math", "task.model=smollm2-135m-instruct", "task.dataset=gsm8k",
+                 "+task.dataset_options={split: train, max_steps: 2, max_answer: 100, max_question_chars: 200}",
+                 "task.eval_dataset=gsm8k",
+                 "+task.eval_dataset_options={split: test, max_steps: 2, max_answer: 100, max_question_chars: 200}",
+                 f"task.eval_size={eval_size}", "task.eval_temperature=0.5", "task.template=qwen3_nothink",
+                 f"task.cache_dir={workdir / 'cache'}", "actor_rollout_ref.rollout.temperature=0.5",
+                 f"actor_rollout_ref.rollout.n={group}", f"data.train_batch_size={batch}",
+                 f"data.max_response_length={response}", "actor_rollout_ref.actor.optim.lr=1e-5",
+                 f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={group}",
+                 f"trainer.total_training_steps={steps}", f"trainer.test_freq={steps}", "trainer.save_freq=-1",
+                 "trainer.resume_mode=disable", f"trainer.default_local_dir={run_dir}"]  # fmt: skip
+    budget = float(os.environ.get("LANE_PART_BUDGET_S", "150"))
+    t0 = time.time()
+    rc, tail = _main_gepo(overrides, workdir, timeout=max(5.0, budget - (t0 - START)))
+    emit(_engine_row("d", f"replay, {device}, {steps} steps, G={group}, {batch} prompts a step", run_dir, rc, tail,
+                     time.time() - t0, f"math_verify accuracy on {eval_size} easy GSM8K test problems, T=0.5, "
+                     "ChatML prompt (qwen3_nothink: the embedded engine renders no model-own chat template)"))  # fmt: skip
+
+
+#: the verl engine on one GPU: cpu_toy's settings with the device switched (a first attempt: this
+#: combination has not run on a GPU yet, and its row says what happened)
+VERL_GPU_OVERRIDES = ["trainer.device=cuda", "ray_kwargs.ray_init.num_gpus=1", "trainer.n_gpus_per_node=1",
+                      "actor_rollout_ref.rollout.n_gpus_per_node=1"]  # fmt: skip
+
+
+def part_f(device: str, quick: bool, emit: Callable[[Row], None], workdir: Path) -> None:
+    run_dir = workdir / "f_verl"
+    overrides = ["+verl_preset=cpu_toy", "hetero.engine=verl", "algorithm_preset=gepo", "trainer.total_training_steps=3",
+                 f"trainer.default_local_dir={run_dir}", f"task.cache_dir={workdir / 'cache'}",
+                 "trainer.resume_mode=disable"]  # fmt: skip
+    if device != "cpu":
+        overrides += VERL_GPU_OVERRIDES
+    budget = float(os.environ.get("LANE_PART_BUDGET_S", "150"))
+    t0 = time.time()
+    rc, tail = _main_gepo(overrides, workdir, timeout=max(5.0, budget - (t0 - START)), config_dir=True)
+    emit(_engine_row("f", f"verl engine, GEPO, delayed sync, {device}", run_dir, rc, tail, time.time() - t0,
+                     "FSDP2 learner + hf_cpu rollout server, toy"))  # fmt: skip
+
+
+PARTS: dict[str, Callable[..., None]] = {"a": part_a, "b": part_b, "c": part_c, "d": part_d, "e": part_e, "f": part_f}
+START = time.time()
+
+
+# ---------------------------------------------------------------------------------------------
+# the driver
+
+
+def run_part(part: str, args, budget: float, workdir: Path) -> list[Row]:
+    """One part in its own process, killed (with what it started) at ``budget`` seconds."""
+    rows_file = workdir / f"rows_{part}.jsonl"
+    rows_file.unlink(missing_ok=True)
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", part, "--device", args.device,
+           "--rows-file", str(rows_file), "--workdir", str(workdir)] + (["--quick"] if args.quick else [])  # fmt: skip
+    env = dict(os.environ, LANE_PART_BUDGET_S=f"{budget:.0f}", LANE_LOSSES=args.losses, PYTHONUNBUFFERED="1")
+    log = workdir / f"part_{part}.log"
+    with open(log, "w") as fh:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        try:
+            rc = proc.wait(timeout=budget)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            rc = None
+    rows = [json.loads(line) for line in rows_file.read_text().splitlines() if line.strip()] if rows_file.is_file() else []
+    if rc is None:
+        rows.append(make_row(part, "(part)", "error", f"timed out after its budget of {budget:.0f} s; rows above are what it finished"))
+    elif rc != 0:
+        tail = [ln for ln in log.read_text(errors="replace").splitlines() if ln.strip()][-4:]
+        rows.append(make_row(part, "(part)", "error", f"exit {rc}: {' | '.join(tail)}"[:500]))
+    elif not rows:
+        rows.append(make_row(part, "(part)", "error", "finished without a row"))
+    return rows
+
+
+def child(part: str, device: str, quick: bool, rows_file: Path, workdir: Path) -> int:
+    def emit(row: Row) -> None:
+        with open(rows_file, "a") as fh:
+            fh.write(json.dumps(row) + "\n")
+        print(json.dumps(row), flush=True)
+
+    try:
+        PARTS[part](device, quick, emit, workdir)
+    except Exception as exc:  # noqa: BLE001 -- the part's error becomes its row
+        traceback.print_exc()
+        emit(make_row(part, "(part)", "error", f"{type(exc).__name__}: {exc}"[:500]))
+    return 0
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        if value != value or math.isinf(value):
+            return str(value)
+        if value == 0 or 1e-2 <= abs(value) < 1e4:
+            return f"{value:.3g}"
+        return f"{value:.1e}"
+    return str(value)
+
+
+def render(result: dict) -> str:
+    lines = [f"GPU lane on {result['device_name']} ({result['device']}), torch {result['torch']}, "
+             f"{'quick' if result['quick'] else 'full'} sizes, {result['wall_s']:.0f} s in all", "",
+             "| part | row | status | numbers | note |", "|---|---|---|---|---|"]  # fmt: skip
+    for row in result["rows"]:
+        numbers = ", ".join(f"{k} {_fmt(v)}" for k, v in row["values"].items())
+        note = str(row["note"]).replace("|", "/").replace("\n", " ")
+        lines.append(f"| {row['part']} | {row['name']} | {row['status']} | {numbers} | {note} |")
+    return "\n".join(lines)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--parts", default=DEFAULT_ORDER,
+                        help=f"comma-separated parts of a-f, run in the order given (default {DEFAULT_ORDER})")
+    parser.add_argument("--device", default="cuda", help="cuda | cuda:N | cpu")
+    parser.add_argument("--quick", action="store_true", help="small sizes (the CPU run of the test suite)")
+    parser.add_argument("--losses", default="all",
+                        help="parts a, b: comma-separated labels of scripts/bench/bench_losses.py's list (default all)")
+    parser.add_argument("--budget-s", type=float, default=480.0, help="seconds for everything, install included")
+    parser.add_argument("--parts-dir", type=Path, default=None, help="packed parts + manifest.json: install them first")
+    parser.add_argument("--site", type=Path, default=Path(tempfile.gettempdir()) / "heterorl_site")
+    parser.add_argument("--out", type=Path, default=None, help="lane.json + lane.md (default $OUT, else lane_out)")
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--rows-file", type=Path, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--workdir", type=Path, default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        return child(args.child, args.device, args.quick, args.rows_file, args.workdir)
+    parts = [p.strip() for p in args.parts.split(",") if p.strip()]
+    unknown = [p for p in parts if p not in PARTS]
+    if unknown:
+        parser.error(f"unknown part(s) {unknown}: choose from {','.join(PARTS)}")
+    out = args.out or Path(os.environ.get("OUT") or "lane_out")
+    out.mkdir(parents=True, exist_ok=True)
+    start = time.time()
+    deadline = start + args.budget_s
+    rows: list[Row] = []
+    if args.parts_dir is not None:
+        try:
+            for line in install(args.parts_dir, args.site, Path(tempfile.gettempdir()) / "heterorl_stage"):
+                rows.append(make_row("install", line.split(":")[0], "ok", line))
+        except Exception as exc:  # noqa: BLE001 -- the parts still run, and say what they miss
+            rows.append(make_row("install", "(install)", "error", f"{type(exc).__name__}: {exc}"[:500]))
+        use_site(args.site)
+        rows.append(make_row("install", "time", "ok", wall_s=time.time() - start))
+    import torch
+
+    device_name = torch.cuda.get_device_name(0) if args.device.startswith("cuda") and torch.cuda.is_available() \
+        else (platform.processor() or platform.machine())
+    print(f"lane: {device_name}, torch {torch.__version__}, parts {','.join(parts)}", flush=True)
+    with tempfile.TemporaryDirectory(prefix="heterorl_lane_") as tmp:
+        workdir = Path(tmp)
+        for part in parts:
+            left = deadline - time.time() - RESERVE_S
+            budget = min(PART_BUDGET_S[part][1 if args.quick else 0], left)
+            if budget < MIN_PART_S:
+                rows.append(make_row(part, PART_NAMES[part], "skipped: budget", f"{max(left, 0):.0f} s left of {args.budget_s:.0f}"))
+                continue
+            t0 = time.time()
+            part_rows = run_part(part, args, budget, workdir)
+            rows += part_rows
+            print(f"part {part} ({PART_NAMES[part]}): {len(part_rows)} row(s), {time.time() - t0:.0f} s", flush=True)
+            for r in part_rows:
+                print("  ", json.dumps(r)[:400], flush=True)
+    result = {"device": args.device, "device_name": device_name, "torch": torch.__version__, "quick": args.quick,
+              "parts": parts, "wall_s": time.time() - start, "rows": rows}  # fmt: skip
+    table = render(result)
+    (out / "lane.json").write_text(json.dumps(result, indent=1) + "\n")
+    (out / "lane.md").write_text(table + "\n")
+    print("\n" + table, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
