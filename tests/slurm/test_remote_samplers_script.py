@@ -14,13 +14,13 @@ from pathlib import Path
 import pytest
 
 from tests.hetero.factories import build_group
-from tests.verl_engine.test_slurm_scripts import assert_shellcheck_clean
+from tests.slurm.test_slurm_scripts import assert_shellcheck_clean
 from verl_ext.hetero.auth import Enrolment, SamplerKey
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "slurm" / "remote_samplers.sbatch"
 VENV = Path(sys.executable).parent.parent  # the script runs $VENV/bin/python
-SETTINGS = ("EXCHANGE_URL", "KEY_DIR", "ENROLMENT_FILE", "NO_SIGN", "SAMPLER_CMD", "INDEX_BASE", "PRESET_ARGS",
+SETTINGS = ("EXCHANGE_URL", "RECIPE", "KEY_DIR", "ENROLMENT_FILE", "NO_SIGN", "SAMPLER_CMD", "INDEX_BASE", "PRESET_ARGS",
             "SLURM_ARRAY_TASK_ID", "SLURM_SUBMIT_DIR", "REPO", "VENV")  # fmt: skip
 
 
@@ -144,3 +144,25 @@ def test_a_key_of_another_sampler_is_refused_before_enrolling_it(tmp_path):
     assert result.returncode == 2
     assert "is 'sampler-7''s key, not --sampler-id 'sampler-100''s" in result.stderr
     assert not enrol_file.exists() and "--index" not in result.stdout
+
+
+def test_recipe_names_a_copied_recipe_whose_sampler_runs(tmp_path):
+    """RECIPE=recipe.mygepo runs the copy's remote sampler from REPO: the copy's edited message is
+    printed by both dry runs (validation and the final exec), the original's is not."""
+    import shutil
+
+    tree = tmp_path / "repo"
+    (tree / "recipe").mkdir(parents=True)
+    shutil.copy(ROOT / "recipe" / "__init__.py", tree / "recipe" / "__init__.py")
+    shutil.copytree(ROOT / "recipe" / "gepo", tree / "recipe" / "mygepo", ignore=shutil.ignore_patterns("__pycache__"))
+    (tree / "configs").symlink_to(ROOT / "configs", target_is_directory=True)
+    sampler = tree / "recipe" / "mygepo" / "remote_sampler.py"
+    text = sampler.read_text()
+    message = "[heterorl] remote sampler-{index}: config ok"
+    assert text.count(message) == 1
+    sampler.write_text(text.replace(message, "[mygepo] remote sampler-{index}: config ok"))
+    result = run_script(tmp_path, "hetero.dry_run=true", "hetero.trust.sign_records=false", REPO=str(tree),
+                        RECIPE="recipe.mygepo", NO_SIGN="1", PYTHONPATH="")  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.count("[mygepo] remote sampler-100: config ok (dry run)") == 2
+    assert "[heterorl] remote sampler-100: config ok" not in result.stdout

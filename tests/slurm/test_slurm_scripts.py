@@ -44,6 +44,17 @@ def test_shellcheck(script):
     assert_shellcheck_clean(script)
 
 
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
+def test_the_recipe_package_is_a_setting_defaulting_to_recipe_gepo(script):
+    """Every command the script runs names the recipe through RECIPE (a copied recipe runs its own
+    code under SLURM); only comments may name recipe.gepo."""
+    text = script.read_text()
+    assert 'RECIPE="${RECIPE:-recipe.gepo}"' in text
+    commands = [line for line in text.splitlines() if not line.lstrip().startswith("#")]
+    assert not [line for line in commands if "recipe.gepo" in line and "RECIPE=" not in line]
+    assert any('-m "$RECIPE.' in line for line in commands)
+
+
 def test_remote_samplers_refuse_to_start_without_an_exchange_url():
     env = {k: v for k, v in os.environ.items() if k != "EXCHANGE_URL"}
     result = subprocess.run(["bash", str(ROOT / "scripts/slurm/remote_samplers.sbatch")], env=env,
