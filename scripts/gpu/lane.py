@@ -451,9 +451,12 @@ def _engine_row(part: str, name: str, run_dir: Path, rc: int, tail: str, wall: f
                               "reward_first": float(rewards[0][1]), "reward_last": float(rewards[-1][1])}  # fmt: skip
     if len(evals) >= 2:
         values["acc_before"], values["acc_after"] = float(evals[0][1]), float(evals[-1][1])
-    step_times = [r[k] for r in rows for k in ("timing/step_s", "timing_s/step", "perf/step_time_s") if k in r]
+    step_times = [r["perf/step_s"] for r in rows if "perf/step_s" in r]
     if step_times:
-        values["step_s"] = float(statistics.median(step_times))
+        values["step_s_median"] = float(statistics.median(step_times))
+    idle = [r["perf/learner_idle_frac"] for r in rows if "perf/learner_idle_frac" in r]
+    if idle:
+        values["learner_idle_frac"] = float(statistics.mean(idle))
     curve = " ".join(f"{v:.2f}" for _, v in rewards[:: max(1, len(rewards) // 10)])
     return make_row(part, name, note=f"{note}; reward curve {curve}", **values)
 
@@ -468,7 +471,7 @@ def part_c(device: str, quick: bool, emit: Callable[[Row], None], workdir: Path)
                      f"hetero.learner_precision={lp}", f"hetero.sampler_precision={sp}",
                      f"trainer.total_training_steps={steps}", f"trainer.test_freq={steps}", "trainer.save_freq=-1",
                      "trainer.resume_mode=disable", f"task.eval_size={eval_size}", "hetero.max_delay=4",
-                     f"trainer.default_local_dir={run_dir}", f"task.cache_dir={workdir / 'cache'}"]  # fmt: skip
+                     f"trainer.default_local_dir={run_dir}"]  # fmt: skip
         if mode == "async":
             overrides += ["hetero.num_samplers=2", "hetero.delay.low=0.1", "hetero.delay.high=1.0"]
         else:
@@ -486,11 +489,11 @@ def part_d(device: str, quick: bool, emit: Callable[[Row], None], workdir: Path)
     overrides = ["algorithm_preset=gepo", "hetero.mode=replay", f"hetero.device={device}",
                  "hetero.delay.low=1", "hetero.delay.high=2", "hetero.max_delay=2",
                  "task.name=math", "task.model=smollm2-135m-instruct", "task.dataset=gsm8k",
-                 "+task.dataset_options={split: train, max_steps: 2, max_answer: 100, max_question_chars: 200}",
+                 "task.dataset_options={split: train, max_steps: 2, max_answer: 100, max_question_chars: 200}",
                  "task.eval_dataset=gsm8k",
-                 "+task.eval_dataset_options={split: test, max_steps: 2, max_answer: 100, max_question_chars: 200}",
+                 "task.eval_dataset_options={split: test, max_steps: 2, max_answer: 100, max_question_chars: 200}",
                  f"task.eval_size={eval_size}", "task.eval_temperature=0.5", "task.template=qwen3_nothink",
-                 f"task.cache_dir={workdir / 'cache'}", "actor_rollout_ref.rollout.temperature=0.5",
+                 "actor_rollout_ref.rollout.temperature=0.5",
                  f"actor_rollout_ref.rollout.n={group}", f"data.train_batch_size={batch}",
                  f"data.max_response_length={response}", "actor_rollout_ref.actor.optim.lr=1e-5",
                  f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={group}",
@@ -648,13 +651,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(f"part {part} ({PART_NAMES[part]}): {len(part_rows)} row(s), {time.time() - t0:.0f} s", flush=True)
             for r in part_rows:
                 print("  ", json.dumps(r)[:400], flush=True)
+            write_result(out, args, device_name, parts, start, rows)  # after each part: a killed lane keeps its rows
+    table = write_result(out, args, device_name, parts, start, rows)
+    print("\n" + table, flush=True)
+    return 0
+
+
+def write_result(out: Path, args, device_name: str, parts: list[str], start: float, rows: list[Row]) -> str:
+    import torch
+
     result = {"device": args.device, "device_name": device_name, "torch": torch.__version__, "quick": args.quick,
               "parts": parts, "wall_s": time.time() - start, "rows": rows}  # fmt: skip
     table = render(result)
     (out / "lane.json").write_text(json.dumps(result, indent=1) + "\n")
     (out / "lane.md").write_text(table + "\n")
-    print("\n" + table, flush=True)
-    return 0
+    return table
 
 
 if __name__ == "__main__":
