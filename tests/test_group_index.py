@@ -1,4 +1,4 @@
-"""uid -> group index has one owner, ``verl_ext.group_index`` (issue #12, item 2); the verl
+"""uid -> group index has one owner, ``verl_ext.group_index``; the verl
 engine's denominator and the bnpo advantage estimator both go through it."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The run directory has one owner (issue #12, item 2): both engines write metrics.jsonl through
+"""The run directory has one owner: both engines write metrics.jsonl through
 ``verl_ext.rundir`` and every reader parses it there."""
 
 from __future__ import annotations

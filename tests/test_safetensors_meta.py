@@ -1,4 +1,4 @@
-"""The safetensors header is read in one place (issue #12, item 2): ``read_metadata`` gives what
+"""The safetensors header is read in one place: ``read_metadata`` gives what
 the library wrote, and names what is wrong with bytes that are not safetensors."""
 
 from __future__ import annotations

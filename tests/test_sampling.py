@@ -1,4 +1,4 @@
-"""One sampling routine (issue #12, item 2): the embedded engine's ``sample_groups``, evaluation's
+"""One sampling routine, so the engines and evaluation cannot drift apart: the embedded engine's ``sample_groups``, evaluation's
 ``HFGenerator`` and the hf_cpu server's ``sample_continuations`` all sample through
 ``verl_ext.sampling.generate``: same seed and batch -> the same tokens in all three."""
 

@@ -5,7 +5,7 @@
 
 The learner process is pinned to ``--learner-cpus`` and the samplers to ``--sampler-cpus``
 (``hetero.learner_cpus`` / ``hetero.sampler_cpus``), so one machine behaves like a learner node
-and a sampler node (``--no-pin``: both share every core, as before issue 14).
+and a sampler node (``--no-pin``: both share every core, as before pinning existed).
 
 - Synchronous = replay mode, no delay, with the same pinning: the process generates a batch with
   the current weights on the sampler cores, then trains on the learner cores; the learner waits
@@ -118,7 +118,7 @@ def main() -> None:
                         help="async runs: hetero.system_cpus (cores of the driver and Ray's processes, e.g. 0,1); "
                              "default: the engine's (the cores not in --learner-cpus)")
     parser.add_argument("--trust-off", action="store_true",
-                        help="async runs: hetero.trust off (no signatures, no checks), as measured before issue 23")
+                        help="async runs: hetero.trust off (no signatures, no checks), as measured before signed records and checks")
     parser.add_argument("--out", type=Path, default=None)
     args, extra = parser.parse_known_args()
     pin = [] if args.no_pin else [f"hetero.learner_cpus=[{args.learner_cpus}]", f"hetero.sampler_cpus=[{args.sampler_cpus}]"]

@@ -1,5 +1,5 @@
 """Start-up and per-step time of the two engines on the same toy run, and of the verl engine with
-1 vs 2 FSDP2 learner ranks (issues 11 and 21; results in docs/scale-out.md).
+1 vs 2 FSDP2 learner ranks (results in docs/scale-out.md).
 
     python scripts/bench/bench_engines.py [--steps 8] [--out docs/bench_engines.md] [--only NAME ...]
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""What one weight publication costs the learner, piece by piece (docs/benchmarks.md, issue 14).
+"""What one weight publication costs the learner, piece by piece (docs/benchmarks.md).
 
     OMP_NUM_THREADS=1 python scripts/bench/bench_publish.py [--model PATH] [--repeats 30]
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 24's fix256 runs (delay_sweep.py --design powered_long) from their fixed checkout, in one
+# The study's fix256 runs (delay_sweep.py --design powered_long) from their fixed checkout, in one
 # command: docs/study_data/README.md says why a worktree at aac3566, why these flags and weights.
 #
 #   scripts/dev/resume_powered_long.sh            set up what is missing, start the sweep in the background

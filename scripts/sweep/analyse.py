@@ -283,7 +283,7 @@ def comparison_rows(per_run: list[dict], reference: str, alpha: float = 0.05) ->
 
 
 def dominance_rows(*designs: list[dict], grpo: str = "grpo_paper", alpha: float = 0.05) -> list[dict]:
-    """Issue 24's question, per method m: is m's drop no larger than every other method's in every
+    """The frontier question, per method m: is m's drop no larger than every other method's in every
     stale condition, and smaller than GRPO's in at least one? "No larger" = not significantly larger
     (the paired difference of drops, m minus the other, has its 95% interval's lower end <= 0);
     "smaller" = significantly smaller (upper end < 0). Only conditions where m and the other both

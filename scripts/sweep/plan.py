@@ -31,7 +31,7 @@ ALGOS: dict[str, list[str]] = {
     "gepo_nokl": ["algorithm_preset=gepo", "actor_rollout_ref.actor.policy_loss.sampler_kl_coef=0.0"],
     "grpo_nokl": ["algorithm_preset=grpo", "actor_rollout_ref.actor.policy_loss.sampler_kl_coef=0.0"],
     # (the legacy sweep's grpo_tis was verl's dual-clip grpo + token TIS; its rows are table-only)
-    # issue 24: the field's stale-data methods (verl's rollout-correction presets on top of grpo_paper)
+    # the frontier: the field's stale-data methods (verl's rollout-correction presets on top of grpo_paper)
     # and the project's variants built for it (docs/study.md section 6c)
     "grpo_tis": ["algorithm_preset=grpo_tis"],
     "grpo_seq_tis": ["algorithm_preset=grpo_seq_tis"],
@@ -43,7 +43,7 @@ ALGOS: dict[str, list[str]] = {
     "gepo_tc": ["algorithm_preset=gepo_tc"],
     "gepo_tc_ess": ["algorithm_preset=gepo_tc_ess"],
 }
-#: the methods issue 24 adds to the powered study (they join its rows file and its default methods)
+#: the frontier methods added to the powered study (they join its rows file and its default methods)
 FRONTIER_ALGOS = ["m2po", "vespo", "decoupled_ppo", "grpo_tis", "grpo_seq_tis", "grpo_icepop", "grpo_seq_mis",
                   "gepo_tc", "gepo_tc_ess"]
 LEGACY_ALGOS = ["gepo", "gspo", "grpo", "dr_grpo", "bnpo", "gepo_adaptive", "gmpo", "cispo", "topr", "delta_l",
@@ -108,7 +108,7 @@ class Plan:
     """the method every other one is compared with in the paired tables."""
     variants: list = field(default_factory=lambda: ["gepo_tr", "gepo_tc", "gepo_tc_ess"])
     """methods that also get a paired table against every other one (the project's variants:
-    issues 13 and 24 ask whether one beats every baseline), when the rows hold them."""
+    the study asks whether one beats every baseline), when the rows hold them."""
     lr_design: str = ""
     """take each method's rate from this design's stage 1 (its rows in the same rows file) instead
     of a stage 1 of its own: the long runs use the rates the 200-step study chose."""
@@ -137,7 +137,7 @@ QUICK = dict(tasks=["long", "short"], algos=["gepo", "gspo", "grpo"], delays=[0,
              warm_start_steps=PINNED_WARM_START_STEPS, design="quick")  # fmt: skip
 #: the powered study (docs/study.md): 16 prompts x G=8, 200 steps, 512 held-out problems every 20
 #: steps, score = mean of the last 5 evaluations, 5 seeds, each method's rate chosen on-policy.
-#: Issue 13's five methods and issue 24's nine (the methods are not part of the design id: rows of
+#: The first five methods and the frontier's nine (the methods are not part of the design id: rows of
 #: either join one file). Cut to fit the budget (docs/study.md): verl's dual-clip grpo and
 #: gepo_adaptive (--algos adds them).
 POWERED = dict(tasks=["long"], algos=["gepo", "grpo_paper", "gspo_wide", "gepo_tr", "gspo", *FRONTIER_ALGOS],
@@ -145,7 +145,7 @@ POWERED = dict(tasks=["long"], algos=["gepo", "grpo_paper", "gspo_wide", "gepo_t
                test_freq=20, eval_size=512, prompts=16, diagnostics_every=0, diagnostics_samples=8,
                warm_start_steps=PINNED_WARM_START_STEPS, warm_start_sha256={"long": POWERED_WARM_START}, last_evals=5,
                lr_grid=[5e-5, 1e-4, 2e-4], lr_seeds=[0, 1, 2], design="powered")  # fmt: skip
-#: the harsher condition of issue 24: every batch 256 versions old needs runs longer than 256 steps,
+#: the harsher condition of the frontier study: every batch 256 versions old needs runs longer than 256 steps,
 #: so 600 steps (the last 344 at full staleness; the score is still the mean of the last 5 evaluations)
 #: against an on-policy reference of the same length; rates from the powered design's stage 1
 POWERED_LONG = dict(POWERED, delays=[0, "fix256"], steps=600, test_freq=40, lr_grid=[], lr_seeds=[],

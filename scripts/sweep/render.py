@@ -358,7 +358,7 @@ def study_markdown(task: str, plan: Plan, per_run: list[dict], lr_table: list[di
 def joined_markdown(task: str, designs: list[tuple[Plan, list[dict], dict]]) -> str:
     """The questions that span designs (the 200-step study and the longer runs of its harsher
     condition), for one task: "which loss for which staleness" over every stale condition, and
-    issue 24's "is there a method never worse and better than GRPO somewhere?". ``designs``: (plan,
+    the frontier question "is there a method never worse and better than GRPO somewhere?". ``designs``: (plan,
     finished runs, chosen rates) per design; each design's drops pair with its own on-policy runs."""
     parts = [[r for r in main_runs(runs, plan, chosen) if r["task"] == task] for plan, runs, chosen in designs]
     missing, not_run = [], []

@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""A short async run of the embedded engine across the rate-limited link (issue 14 item 3).
+"""A short async run of the embedded engine across the rate-limited link: the
+engine over a real slow link, not an emulated delay.
 
     sudo .venv/bin/python scripts/wan/async_run.py --rate-mbit 100 --steps 10 [--out /tmp/heterorl-wan-async]
 

@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Bytes and seconds of one weight version over the rate-limited link (issue 14, item 4).
+"""Bytes and seconds of one weight version over the rate-limited link: what a
+slow link costs each weight sync, full and delta.
 
     python scripts/wan/sync_bench.py --rates 10,100,1000 --trials 3 [--out runs/wan/sync.json]
 

@@ -5,7 +5,7 @@ worker groups, about a minute).
 - Data parallelism does not change GEPO: 3 prompt groups of 4 over 2 ranks put group 2 on both
   ranks; the driver-side denominators keep the loss, the gradient norm and the updated weights
   (seen through the updated policy's log-probs) equal to one rank's.
-- Both engines agree (issue 11 item 6: the lab studies the product): the embedded ``Learner``
+- Both engines agree (the study's embedded runs stand for the verl engine): the embedded ``Learner``
   and verl's worker, from the same weights on the same groups, give the same first loss, the
   same gradient norm and the same weights after the step -- on-policy (p = q) and at a fixed
   staleness (groups sampled by an older policy than the learner's).

@@ -1,4 +1,4 @@
-"""Signed rollout records (issue 23 item 1): only enrolled samplers' groups reach the buffer, over
+"""Signed rollout records: only enrolled samplers' groups reach the buffer, over
 the fsspec transports (memory, a folder) and Ray's, with each refusal counted under its reason."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The entry's config (issue #12, item 5): every typed field of the task: and hetero: sections is
+"""The entry's config: every typed field of the task: and hetero: sections is
 written out, with a comment, in gepo_trainer.yaml (overridable without ``+``); the verl engine
 without a cluster preset fails with one paragraph naming the missing key, not omegaconf's
 traceback."""

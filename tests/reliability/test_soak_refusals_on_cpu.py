@@ -1,5 +1,5 @@
 """``scripts/soak.py`` refuses what it cannot run, clearly and before touching anything: ``--wan``
-without the network privileges the real link needs (issue 14 item 3; run as an unprivileged user
+without the network privileges the real link needs (run as an unprivileged user
 via setpriv), an unbounded link cut, a run without checkpoints."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Rewards have one owner, ``verl_ext.rewards.dispatch`` (issue #12, item 2): the embedded engine's
+"""Rewards have one owner, ``verl_ext.rewards.dispatch``: the embedded engine's
 ``Task.score`` and verl's reward loop (``custom_reward_function`` of the ``cpu_toy`` preset) both
 score through its registry, so the long-answer (scratchpad) reward is reached from both engines."""
 

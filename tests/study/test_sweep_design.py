@@ -539,13 +539,13 @@ def test_the_plan_says_how_far_each_seed_is(tmp_path):
 
 
 def test_powered_design_meets_the_issue_minimums():
-    """Issue 13 item 4: >= 512 evaluation problems, >= 5 evaluations averaged, >= 5 seeds, >= 200
-    steps; item 2: conditions 0, 4, 16, 64 with fixed and uniform staleness."""
+    """The powered design's minimums: >= 512 evaluation problems, >= 5 evaluations averaged, >= 5 seeds, >= 200
+    steps; conditions 0, 4, 16, 64 with fixed and uniform staleness."""
     p = POWERED
     assert p["eval_size"] >= 512 and p["last_evals"] >= 5 and len(p["seeds"]) >= 5 and p["steps"] >= 200
     assert p["steps"] // p["test_freq"] >= p["last_evals"]
     assert {0, "fix4", "fix16", "fix64", "uni64", "logn64"} <= set(p["delays"])
-    # item 3's baselines and item 6's variant (verl's dual-clip grpo and gepo_adaptive were cut for the budget)
+    # the paper's baselines and the project's variant (verl's dual-clip grpo and gepo_adaptive were cut for the budget)
     assert {"gepo", "grpo_paper", "gspo_wide", "gspo", "gepo_tr"} <= set(p["algos"]) and len(p["lr_grid"]) >= 2
 
 
@@ -559,7 +559,7 @@ def test_designs_that_run_start_from_the_pinned_warm_start_and_keep_their_ids():
     assert {name: design_id(Plan(**DESIGNS[name])) for name in ids} == ids
     rows = load_rows(REPO / "docs" / "study_data" / "rows_powered.csv")
     assert {r["design_id"] for r in rows} <= set(ids.values())
-    assert sum(r["design_id"] == ids["powered"] for r in rows) >= 180  # issue 13's rows stay; issue 24's join them
+    assert sum(r["design_id"] == ids["powered"] for r in rows) >= 180  # the first study's rows stay; the frontier's join them
 
 
 @pytest.mark.parametrize("algo", list(ALGOS))

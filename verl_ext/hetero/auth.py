@@ -1,4 +1,5 @@
-"""Signed rollout records: only enrolled samplers' groups reach the learner (issue 23 item 1).
+"""Signed rollout records: only enrolled samplers' groups reach the learner, so an
+unknown process cannot feed it rollouts.
 
 A sampler seals each serialised group (:meth:`RolloutGroup.to_bytes`) with its Ed25519 key; the
 learner opens it with the public keys it enrolled and refuses anything else before decoding it.

@@ -1,5 +1,5 @@
 """Trust in samplers, earned by checks: which groups to check, what a failed check costs the
-sampler, and when it is quarantined (issue 23 items 2-3).
+sampler, and when it is quarantined (an enrolled sampler can still lie about its groups).
 
 The learner checks what a sampler claims about a group (its log-probs q under the claimed
 version, its rewards and advantages) on a sampled fraction of groups; the checks themselves are

@@ -1,5 +1,5 @@
 """The learner's checks of what a sampler claims about a group, and the gate every arriving
-group passes on its way into the buffer (issue 23 items 1-3).
+group passes on its way into the buffer: signatures, re-scored log-probs, recomputed rewards.
 
 A group carries claims the learner would otherwise take on trust: the log-probs q it sampled with
 (GEPO's denominator is built from them), the policy version those came from, its rewards and its

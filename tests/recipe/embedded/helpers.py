@@ -39,7 +39,8 @@ def train_lines(lines: list[dict]) -> list[dict]:
     return [line for line in lines if line["step"] >= 1]
 
 
-# names every embedded-engine run logs at every learner step, whatever the mode (issue 5)
+# names every embedded-engine run logs at every learner step, whatever the mode (the
+# report and the plots read them)
 STEP_METRICS = (
     "hetero/staleness_mean",
     "hetero/staleness_max",

@@ -1,4 +1,4 @@
-"""Separated hardware on one box (issue 14): ``hetero.learner_cpus`` / ``hetero.sampler_cpus``
+"""Separated hardware on one box: ``hetero.learner_cpus`` / ``hetero.sampler_cpus``
 pin the learner and sampler processes, and the Ray placement keys are typed and checked.
 
 Real toy model, real Ray actors, real replay runs; pinning needs two cores (skipped otherwise).

@@ -1,4 +1,4 @@
-"""What a run leaves outside its run directory and takes from the environment (issue #12, item 5):
+"""What a run leaves outside its run directory and takes from the environment:
 TensorBoard events go into the run directory (or ``$TENSORBOARD_DIR``), never the working
 directory; the user's ``OMP_NUM_THREADS`` is respected."""
 
