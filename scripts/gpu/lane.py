@@ -421,12 +421,14 @@ def part_e(device: str, quick: bool, emit: Callable[[Row], None], workdir: Path)
                       frac_over_tol=float((w > tolerance).mean()), mean_abs_token=float(np.mean(mean_abs))))  # fmt: skip
 
 
-def _main_gepo(overrides: Sequence[str], workdir: Path, timeout: float, config_dir: bool = False) -> tuple[int, str]:
+def _main_gepo(overrides: Sequence[str], workdir: Path, timeout: float, config_dir: bool = False,
+               env: Optional[dict[str, str]] = None) -> tuple[int, str]:
     """Run ``python -m recipe.gepo.main_gepo`` with ``overrides``; (exit status, last output)."""
     cmd = [sys.executable, "-m", "recipe.gepo.main_gepo"] + (["--config-dir", "configs"] if config_dir else []) + list(overrides)
     log = workdir / f"main_gepo_{int(time.time() * 1e3)}.log"
     with open(log, "w") as fh:
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True,
+                                env=dict(os.environ, **(env or {})))  # fmt: skip
         try:
             rc = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -451,7 +453,8 @@ def _engine_row(part: str, name: str, run_dir: Path, rc: int, tail: str, wall: f
                               "reward_first": float(rewards[0][1]), "reward_last": float(rewards[-1][1])}  # fmt: skip
     if len(evals) >= 2:
         values["acc_before"], values["acc_after"] = float(evals[0][1]), float(evals[-1][1])
-    step_times = [r["perf/step_s"] for r in rows if "perf/step_s" in r]
+    # the embedded engine's step time, or verl's
+    step_times = [r.get("perf/step_s", r.get("timing_s/step")) for r in rows if "perf/step_s" in r or "timing_s/step" in r]
     if step_times:
         values["step_s_median"] = float(statistics.median(step_times))
     idle = [r["perf/learner_idle_frac"] for r in rows if "perf/learner_idle_frac" in r]
@@ -489,9 +492,9 @@ def part_d(device: str, quick: bool, emit: Callable[[Row], None], workdir: Path)
     overrides = ["algorithm_preset=gepo", "hetero.mode=replay", f"hetero.device={device}",
                  "hetero.delay.low=1", "hetero.delay.high=2", "hetero.max_delay=2",
                  "task.name=math", "task.model=smollm2-135m-instruct", "task.dataset=gsm8k",
-                 "task.dataset_options={split: train, max_steps: 2, max_answer: 100, max_question_chars: 200}",
+                 *(f"+task.{key}.{k}={v}" for key, split in (("dataset_options", "train"), ("eval_dataset_options", "test"))
+                   for k, v in (("split", split), ("max_steps", 2), ("max_answer", 100), ("max_question_chars", 200))),
                  "task.eval_dataset=gsm8k",
-                 "task.eval_dataset_options={split: test, max_steps: 2, max_answer: 100, max_question_chars: 200}",
                  f"task.eval_size={eval_size}", "task.eval_temperature=0.5", "task.template=qwen3_nothink",
                  "actor_rollout_ref.rollout.temperature=0.5",
                  f"actor_rollout_ref.rollout.n={group}", f"data.train_batch_size={batch}",
@@ -508,9 +511,12 @@ def part_d(device: str, quick: bool, emit: Callable[[Row], None], workdir: Path)
 
 
 #: the verl engine on one GPU: cpu_toy's settings with the device switched (a first attempt: this
-#: combination has not run on a GPU yet, and its row says what happened)
-VERL_GPU_OVERRIDES = ["trainer.device=cuda", "ray_kwargs.ray_init.num_gpus=1", "trainer.n_gpus_per_node=1",
+#: combination has not run on a GPU yet, and its row says what happened). Two logical GPUs on the
+#: one card (the learner's pool and the samplers' pool ask for one each), and Ray told to leave
+#: CUDA_VISIBLE_DEVICES alone so both see cuda:0. The hf_cpu rollout server keeps its model on the CPU.
+VERL_GPU_OVERRIDES = ["trainer.device=cuda", "ray_kwargs.ray_init.num_gpus=2", "trainer.n_gpus_per_node=1",
                       "actor_rollout_ref.rollout.n_gpus_per_node=1"]  # fmt: skip
+VERL_GPU_ENV = {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}
 
 
 def part_f(device: str, quick: bool, emit: Callable[[Row], None], workdir: Path) -> None:
@@ -522,9 +528,10 @@ def part_f(device: str, quick: bool, emit: Callable[[Row], None], workdir: Path)
         overrides += VERL_GPU_OVERRIDES
     budget = float(os.environ.get("LANE_PART_BUDGET_S", "150"))
     t0 = time.time()
-    rc, tail = _main_gepo(overrides, workdir, timeout=max(5.0, budget - (t0 - START)), config_dir=True)
+    rc, tail = _main_gepo(overrides, workdir, timeout=max(5.0, budget - (t0 - START)), config_dir=True,
+                          env=VERL_GPU_ENV if device != "cpu" else None)  # fmt: skip
     emit(_engine_row("f", f"verl engine, GEPO, delayed sync, {device}", run_dir, rc, tail, time.time() - t0,
-                     "FSDP2 learner + hf_cpu rollout server, toy"))  # fmt: skip
+                     "FSDP2 learner on the device, hf_cpu rollout server (its model on the CPU), toy"))  # fmt: skip
 
 
 PARTS: dict[str, Callable[..., None]] = {"a": part_a, "b": part_b, "c": part_c, "d": part_d, "e": part_e, "f": part_f}
