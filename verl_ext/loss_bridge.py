@@ -8,7 +8,8 @@ unpadding. It owns every term of the objective:
 - the policy loss, looked up in verl's registry by ``policy_loss.loss_mode`` (verl's losses or
   the project's), with GEPO's per-sequence group denominators forwarded to the losses that take
   them;
-- the KL(sampler || learner) penalty, ``policy_loss.sampler_kl_coef`` > 0;
+- the KL(sampler || learner) penalty, ``policy_loss.sampler_kl_coef`` > 0
+  (:func:`verl_ext.verl_losses.add_sampler_kl`, its one owner, called here after the policy loss);
 - the entropy bonus, ``- actor.entropy_coeff x entropy`` (verl's ``agg_loss`` of the token
   entropies under ``loss_agg_mode``), whenever the engine supplies ``entropy``;
 - the KL-to-reference term, ``+ actor.kl_loss_coef x KL(learner || reference)`` when
@@ -31,13 +32,13 @@ from typing import Any, Optional, Union
 
 import torch
 from omegaconf import DictConfig
-from verl.trainer.ppo.core_algos import agg_loss, get_policy_loss_fn, kl_penalty
+from verl.trainer.ppo.core_algos import agg_loss, kl_penalty
 
 from verl_ext.algos import importance as iw
 from verl_ext.algos.diagnostics import importance_weight_stats, sampler_learner_kl
-from verl_ext.loss_config import loss_option
-# sampler_kl_penalty lives with the losses: they add it themselves when verl's own ppo_loss calls them
-from verl_ext.verl_losses import HETERORL_LOSS_MODES, sampler_kl_penalty
+# the sampler-KL term's owner lives with the losses: verl's registry adds it to the project's losses
+# (verl's own ppo_loss calls nothing else); the bridge takes the losses alone and adds it here
+from verl_ext.verl_losses import HETERORL_LOSS_MODES, add_sampler_kl, policy_loss_fn
 
 # verl's built-in losses whose importance weight is per sequence (length-normalised), not per token
 _SEQUENCE_LEVEL_BUILTINS = {"gspo", "geo_mean"}
@@ -227,7 +228,7 @@ def _policy_loss(
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The registered policy loss with ``is/*`` metrics filled in for losses that do not report them."""
     loss_mode = config.policy_loss.get("loss_mode", "vanilla")
-    loss_fn = get_policy_loss_fn(loss_mode)
+    loss_fn = policy_loss_fn(loss_mode)  # the policy loss alone: compute_actor_loss adds the other terms
     if isinstance(config, DictConfig) and loss_mode not in HETERORL_LOSS_MODES:
         raise TypeError(
             f"verl's built-in loss {loss_mode!r} needs a verl ActorConfig, got a DictConfig; convert it with "
@@ -236,9 +237,6 @@ def _policy_loss(
     extra = {}
     if getattr(loss_fn, "accepts_group_info", False):
         extra = {"group_log_denominator": group_log_denominator, "group_index": group_index}
-    if getattr(loss_fn, "adds_sampler_kl", False):
-        # compute_actor_loss adds the penalty for every loss, after the policy loss's own metrics
-        extra["add_sampler_kl"] = False
     pg_loss, metrics = loss_fn(
         old_log_prob=old_log_prob,
         log_prob=log_prob,
@@ -335,13 +333,10 @@ def compute_actor_loss(
 
     info = config.get("global_batch_info", None) or {}
     metrics.update(gradient_mechanism_metrics(pg_loss, log_prob, advantages, response_mask, config.loss_agg_mode, info))
-    loss = pg_loss
-    coef = float(loss_option(config, "sampler_kl_coef"))
-    if coef > 0:
-        # against the loss's old policy: with rollout correction that is the proximal policy, as the
-        # sampler enters verl's decoupled objective through the IS weight only
-        penalty = sampler_kl_penalty(log_prob, old_log_prob, response_mask, info or None)
-        loss = loss + coef * penalty
+    # against the loss's old policy: with rollout correction that is the proximal policy, as the
+    # sampler enters verl's decoupled objective through the IS weight only
+    loss, penalty = add_sampler_kl(pg_loss, config, log_prob, old_log_prob, response_mask, info or None)
+    if penalty is not None:
         metrics["actor/sampler_kl_penalty"] = penalty.detach().item()
     if entropy is not None:
         entropy_loss = agg_loss(loss_mat=entropy, loss_mask=response_mask, loss_agg_mode=config.loss_agg_mode, **info)

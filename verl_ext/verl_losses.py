@@ -18,18 +18,21 @@ keyword arguments that verl never passes but the project's engines do:
 contiguous runs of ``policy_loss.group_size`` sequences, and a batch that does not split into whole
 groups is an error.
 
-Every loss here also adds ``policy_loss.sampler_kl_coef`` x :func:`sampler_kl_penalty` itself, so
-the penalty is applied when verl's own ``ppo_loss`` calls the loss (``python -m
-verl.trainer.main_ppo``); the loss bridge, which adds it for every loss and reports it apart,
-passes ``add_sampler_kl=False``.
+The losses here are policy losses alone. The sampler-KL term (``policy_loss.sampler_kl_coef`` x
+:func:`sampler_kl_penalty`) has one owner, :func:`add_sampler_kl`, reached on each route once: the
+loss bridge calls it after any policy loss (:func:`policy_loss_fn` gives it the loss alone), and
+verl's registry holds each loss here with it added (:func:`_register`), because verl's own
+``ppo_loss`` (``python -m verl.trainer.main_ppo``) calls nothing but the registered function.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 from typing import Any, Callable, Optional
 
 import torch
-from verl.trainer.ppo.core_algos import agg_loss, register_adv_est, register_policy_loss
+from verl.trainer.ppo.core_algos import agg_loss, get_policy_loss_fn, register_adv_est, register_policy_loss
 
 from verl_ext.algos import advantages as adv_lib
 from verl_ext.algos import compiled
@@ -113,25 +116,14 @@ def _finish(
     config: Any,
     rollout_is_weights: Optional[torch.Tensor],
     loss: Optional[torch.Tensor] = None,
-    add_sampler_kl: bool = True,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Aggregate a loss matrix the verl way, add the sampler-KL penalty (unless the caller adds it)
-    and attach the shared metrics."""
+    """Aggregate a loss matrix the verl way and attach the shared metrics."""
     info = (config.get("global_batch_info", None) if config is not None else None) or {}
     loss_mat = terms.loss_mat
     if rollout_is_weights is not None:
         loss_mat = loss_mat * rollout_is_weights
     if loss is None:
         loss = agg_loss(loss_mat=loss_mat, loss_mask=response_mask, loss_agg_mode=loss_agg_mode, **info)
-    coef = float(loss_option(config, "sampler_kl_coef"))
-    penalty_metric = {}
-    if add_sampler_kl and coef > 0:
-        # verl's ppo_loss calls only this function, so the option must act here; against the
-        # old policy verl passes (the sampler's q, or verl's recomputed old policy), as the bridge does
-        loss = loss + coef * sampler_kl_penalty(log_prob, old_log_prob, response_mask, info)
-        with torch.no_grad():
-            # this micro-batch's own value: verl averages pg metrics over micro-batches
-            penalty_metric["actor/sampler_kl_penalty"] = sampler_kl_penalty(log_prob, old_log_prob, response_mask).item()
     mask = response_mask.bool()
     n_tokens = mask.sum().clamp(min=1)
     metrics = {
@@ -141,7 +133,6 @@ def _finish(
     }
     metrics.update(importance_weight_stats(terms.weight, response_mask))
     metrics.update(terms.metrics)
-    metrics.update(penalty_metric)
     return loss, metrics
 
 
@@ -151,11 +142,63 @@ def _group_aware(fn):
     return fn
 
 
-def _adds_sampler_kl(fn):
-    """Mark a loss as adding the sampler-KL penalty itself unless ``add_sampler_kl=False`` (the
-    loss bridge passes that, to add the penalty once for every loss)."""
-    fn.adds_sampler_kl = True
+def add_sampler_kl(
+    loss: torch.Tensor,
+    config: Any,
+    log_prob: torch.Tensor,
+    old_log_prob: torch.Tensor,
+    response_mask: torch.Tensor,
+    global_batch_info: Optional[dict] = None,
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """The sampler-KL term, the one place it is added: ``loss + policy_loss.sampler_kl_coef x``
+    :func:`sampler_kl_penalty` against the old policy the caller passes (the sampler's q; the
+    proximal policy under the bridge's rollout correction; verl's recomputed old policy when verl
+    uses one), and the penalty; ``(loss, None)`` when the coefficient is 0."""
+    coef = float(loss_option(config, "sampler_kl_coef"))
+    if not coef > 0:
+        return loss, None
+    penalty = sampler_kl_penalty(log_prob, old_log_prob, response_mask, global_batch_info)
+    return loss + coef * penalty, penalty
+
+
+_POLICY_LOSSES: dict[str, Callable[..., tuple[torch.Tensor, dict[str, float]]]] = {}
+"""The project's policy losses alone, by loss_mode (verl's registry holds them with the term added)."""
+
+
+def policy_loss_fn(loss_mode: str) -> Callable[..., tuple[torch.Tensor, dict[str, float]]]:
+    """The policy loss ``loss_mode`` alone, without the sampler-KL term: the project's from
+    :data:`_POLICY_LOSSES`, verl's built-ins from verl's registry (which has none of the term)."""
+    return _POLICY_LOSSES.get(loss_mode) or get_policy_loss_fn(loss_mode)
+
+
+def _register(name: str, fn: Callable) -> Callable:
+    """Register ``fn`` (a policy loss alone) as verl's loss ``name`` with :func:`add_sampler_kl`
+    added after it, and keep ``fn`` for :func:`policy_loss_fn`; returns ``fn``."""
+    signature = inspect.signature(fn)
+
+    @functools.wraps(fn)  # keeps the name, module and marks (accepts_group_info)
+    def with_sampler_kl(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, dict[str, float]]:
+        loss, metrics = fn(*args, **kwargs)
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        config, log_prob, old_log_prob, response_mask = (
+            bound.arguments[k] for k in ("config", "log_prob", "old_log_prob", "response_mask"))  # fmt: skip
+        info = (config.get("global_batch_info", None) if config is not None else None) or {}
+        loss, penalty = add_sampler_kl(loss, config, log_prob, old_log_prob, response_mask, info)
+        if penalty is not None:
+            with torch.no_grad():
+                # this micro-batch's own value: verl averages pg metrics over micro-batches
+                metrics["actor/sampler_kl_penalty"] = sampler_kl_penalty(log_prob, old_log_prob, response_mask).item()
+        return loss, metrics
+
+    _POLICY_LOSSES[name] = fn
+    register_policy_loss(name)(with_sampler_kl)
     return fn
+
+
+def _register_as(name: str) -> Callable[[Callable], Callable]:
+    """:func:`_register` as a decorator."""
+    return lambda fn: _register(name, fn)
 
 
 def _terms_fn(name: str, eager: Callable[..., losses.LossTerms], config: Any) -> Callable[..., losses.LossTerms]:
@@ -169,7 +212,6 @@ def _group_denominator_loss(name: str, terms_fn: Callable[..., losses.LossTerms]
     (from upstream per-sequence values, a ``group_index``, or contiguous ``group_size`` groups, as
     :func:`resolve_groups` finds them); ``options(config)`` adds its own keyword arguments."""
 
-    @_adds_sampler_kl
     @_group_aware
     def loss(
         old_log_prob: torch.Tensor,
@@ -181,7 +223,6 @@ def _group_denominator_loss(name: str, terms_fn: Callable[..., losses.LossTerms]
         rollout_is_weights: Optional[torch.Tensor] = None,
         group_log_denominator: Optional[torch.Tensor] = None,
         group_index: Optional[torch.Tensor] = None,
-        add_sampler_kl: bool = True,
     ) -> tuple[torch.Tensor, dict[str, float]]:
         low, high = clip_range(config)
         gi, log_den = resolve_groups(config, log_prob.shape[0], group_index, group_log_denominator, log_prob.device)
@@ -190,12 +231,11 @@ def _group_denominator_loss(name: str, terms_fn: Callable[..., losses.LossTerms]
             clip_low=low, clip_high=high, group_index=gi, log_denominator=log_den,
             reduction=loss_option(config, "seq_reduction"), **options(config),
         )  # fmt: skip
-        return _finish(terms, old_log_prob, log_prob, response_mask, loss_agg_mode, config, rollout_is_weights,
-                       add_sampler_kl=add_sampler_kl)  # fmt: skip
+        return _finish(terms, old_log_prob, log_prob, response_mask, loss_agg_mode, config, rollout_is_weights)
 
     loss.__name__ = loss.__qualname__ = f"compute_policy_loss_{name}"
     loss.__doc__ = doc + " All tensors [B, T] but the optional group arguments [B]."
-    return register_policy_loss(name)(loss)
+    return _register(name, loss)
 
 
 compute_policy_loss_gepo = _group_denominator_loss(
@@ -230,7 +270,6 @@ def _token_loss(name: str, terms_fn: Callable[..., losses.LossTerms], doc: str,
     """Register ``name``: a loss whose terms need no prompt groups, only its own options
     (``options(config)``)."""
 
-    @_adds_sampler_kl
     def loss(
         old_log_prob: torch.Tensor,
         log_prob: torch.Tensor,
@@ -239,15 +278,13 @@ def _token_loss(name: str, terms_fn: Callable[..., losses.LossTerms], doc: str,
         loss_agg_mode: str = "token-mean",
         config: Any = None,
         rollout_is_weights: Optional[torch.Tensor] = None,
-        add_sampler_kl: bool = True,
     ) -> tuple[torch.Tensor, dict[str, float]]:
         terms = terms_fn(log_prob, old_log_prob, advantages, response_mask, **options(config))
-        return _finish(terms, old_log_prob, log_prob, response_mask, loss_agg_mode, config, rollout_is_weights,
-                       add_sampler_kl=add_sampler_kl)  # fmt: skip
+        return _finish(terms, old_log_prob, log_prob, response_mask, loss_agg_mode, config, rollout_is_weights)
 
     loss.__name__ = loss.__qualname__ = f"compute_policy_loss_{name}"
     loss.__doc__ = doc + " All tensors [B, T]."
-    return register_policy_loss(name)(loss)
+    return _register(name, loss)
 
 
 compute_policy_loss_m2po = _token_loss(
@@ -270,8 +307,7 @@ compute_policy_loss_topr = _token_loss(
 )  # fmt: skip
 
 
-@register_policy_loss("eqp")
-@_adds_sampler_kl
+@_register_as("eqp")
 @_group_aware
 def compute_policy_loss_eqp(
     old_log_prob: torch.Tensor,
@@ -283,7 +319,6 @@ def compute_policy_loss_eqp(
     rollout_is_weights: Optional[torch.Tensor] = None,
     group_log_denominator: Optional[torch.Tensor] = None,
     group_index: Optional[torch.Tensor] = None,
-    add_sampler_kl: bool = True,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """EqP: group expectation with gradient through the denominator. Needs whole groups in the
     batch (``group_index`` or contiguous ``group_size`` groups); an upstream denominator cannot be
@@ -294,12 +329,10 @@ def compute_policy_loss_eqp(
         log_prob, old_log_prob, advantages, response_mask,
         clip_low=low, clip_high=high, group_index=gi, reduction=loss_option(config, "seq_reduction"),
     )  # fmt: skip
-    return _finish(terms, old_log_prob, log_prob, response_mask, loss_agg_mode, config, rollout_is_weights,
-                   add_sampler_kl=add_sampler_kl)  # fmt: skip
+    return _finish(terms, old_log_prob, log_prob, response_mask, loss_agg_mode, config, rollout_is_weights)
 
 
-@register_policy_loss("delta_l")
-@_adds_sampler_kl
+@_register_as("delta_l")
 def compute_policy_loss_delta_l(
     old_log_prob: torch.Tensor,
     log_prob: torch.Tensor,
@@ -308,7 +341,6 @@ def compute_policy_loss_delta_l(
     loss_agg_mode: str = "token-mean",
     config: Any = None,
     rollout_is_weights: Optional[torch.Tensor] = None,
-    add_sampler_kl: bool = True,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Delta-L normalisation: GRPO's clipped token surrogate aggregated as
     (1/M) sum_i x_i sum_t loss_it with x_i = L_i^-alpha / sum_j L_j^-alpha. ``loss_agg_mode`` is
@@ -326,8 +358,7 @@ def compute_policy_loss_delta_l(
         loss_mat, response_mask, float(loss_option(config, "delta_l_alpha")), scale,
         global_batch_size=info.get("global_batch_size"), dp_size=int(info.get("dp_size") or 1),
     )  # fmt: skip
-    return _finish(terms, old_log_prob, log_prob, response_mask, loss_agg_mode, config, None, loss=loss,
-                   add_sampler_kl=add_sampler_kl)  # fmt: skip
+    return _finish(terms, old_log_prob, log_prob, response_mask, loss_agg_mode, config, None, loss=loss)
 
 
 @register_adv_est("bnpo")

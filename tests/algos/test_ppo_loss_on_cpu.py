@@ -20,7 +20,8 @@ from verl.workers.utils.losses import ppo_loss
 
 from verl_ext.algos import losses
 from verl_ext.loss_config import HeteroPolicyLossConfig
-from verl_ext.verl_losses import HETERORL_LOSS_MODES
+from verl_ext.loss_bridge import compute_actor_loss
+from verl_ext.verl_losses import HETERORL_LOSS_MODES, policy_loss_fn
 
 from . import reference as ref
 from .verl_helpers import actor_from_section, composed_actor_section
@@ -221,17 +222,20 @@ def test_sampler_kl_coef_reaches_the_loss_through_verl_ppo_loss(actor_yaml, loss
 
 
 @pytest.mark.parametrize("loss_mode", HETERORL_LOSS_MODES)
-def test_registered_loss_leaves_the_penalty_to_the_bridge_when_asked(actor_yaml, loss_mode):
-    """The loss bridge adds the penalty itself (add_sampler_kl=False), so it is counted once."""
-    fn = get_policy_loss_fn(loss_mode)
-    assert getattr(fn, "adds_sampler_kl", False)
+def test_the_penalty_is_added_once_on_each_route(actor_yaml, loss_mode):
+    """The policy loss alone (what the bridge takes) has no penalty whatever the coefficient; verl's
+    registry entry adds exactly coef x penalty once; the bridge's total adds it once too."""
+    alone, registered = policy_loss_fn(loss_mode), get_policy_loss_fn(loss_mode)
+    assert alone is not registered and registered.__wrapped__ is alone
     _, _, _, _, b = make_data(seed=8)
     plain = make_config(actor_yaml, loss_mode)
     with_coef = make_config(actor_yaml, loss_mode, **{"policy_loss.sampler_kl_coef": 0.5})
     kw = dict(old_log_prob=b.log_q, log_prob=b.log_p, advantages=b.advantages, response_mask=b.mask,
               rollout_is_weights=None)  # fmt: skip
-    base, _ = fn(loss_agg_mode=plain.loss_agg_mode, config=plain, **kw)
-    left_out, metrics = fn(loss_agg_mode=with_coef.loss_agg_mode, config=with_coef, add_sampler_kl=False, **kw)
-    added, _ = fn(loss_agg_mode=with_coef.loss_agg_mode, config=with_coef, **kw)
+    base, _ = alone(loss_agg_mode=plain.loss_agg_mode, config=plain, **kw)
+    left_out, metrics = alone(loss_agg_mode=with_coef.loss_agg_mode, config=with_coef, **kw)
+    added, _ = registered(loss_agg_mode=with_coef.loss_agg_mode, config=with_coef, **kw)
     assert left_out.item() == base.item() and "actor/sampler_kl_penalty" not in metrics
     assert abs(added.item() - base.item() - 0.5 * ref.sampler_kl(b)) < 1e-12
+    total, bridge_metrics = compute_actor_loss(with_coef, b.log_p, b.log_q, b.advantages, b.mask)
+    assert abs(total.item() - bridge_metrics["actor/pg_loss"] - 0.5 * ref.sampler_kl(b)) < 1e-12

@@ -21,7 +21,7 @@ from recipe.gepo.verl_engine.batch_rules import GROUP_LOG_DENOMINATOR, group_log
 from recipe.gepo.verl_engine.loss import bridge_loss_fn, hetero_ppo_loss
 from verl_ext.loss_bridge import compute_actor_loss
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 G, GROUPS, P, T = 8, 3, 5, 9
 
 
