@@ -71,21 +71,37 @@ def loss_and_grad(fn, b: ref.Batch, dtype: torch.dtype, options: dict):
     return loss.detach(), log_p.grad, weight.detach(), clipped & b.mask, out
 
 
-@pytest.mark.parametrize("labels", BATCHES[:3])
-def test_static_dense_group_index_is_dense_group_index(labels):
-    """The sort-based labels are exactly torch.unique's inverse (ranks of the sorted distinct labels)."""
+@pytest.mark.parametrize("labels", BATCHES)
+def test_leader_group_index_names_each_group_by_its_first_row(labels):
+    """Same label <=> same leader, and the leader is the group's first row (so labels < B)."""
     gi = torch.tensor(labels)
-    index, num_groups = iw.dense_group_index(gi)
-    static = iw.static_dense_group_index(gi)
-    assert torch.equal(static, index)
-    assert int(static.max()) + 1 == num_groups == len(set(labels))
-    # eager mode keeps the exact group count; the static bound is only taken while compiling
-    assert iw.segment_group_index(gi)[1] == num_groups
+    leader = iw.leader_group_index(gi).tolist()
+    for i, li in enumerate(labels):
+        assert leader[i] == labels.index(li)
+    assert len(set(leader)) == len(set(labels)) == iw.dense_group_index(gi)[1]
+    # eager mode keeps the exact group count; the bound B is only taken while compiling
+    assert iw.segment_group_index(gi)[1] == len(set(labels))
 
 
-def test_static_dense_group_index_refuses_non_1d():
+def test_leader_group_index_refuses_non_1d():
     with pytest.raises(ValueError, match="1-D"):
-        iw.static_dense_group_index(torch.zeros(2, 3, dtype=torch.long))
+        iw.leader_group_index(torch.zeros(2, 3, dtype=torch.long))
+
+
+def test_pairwise_segment_logsumexp_equals_the_scatter_one():
+    """The compiled path's group log-sum-exp: values and gradients of the eager one on every group,
+    -inf on slots no group fills, and finite gradients with values far apart across groups."""
+    gi = torch.tensor([3, 0, 3, 5, 0, 3])
+    values = torch.tensor([-1e4, -2.0, -1e4 + 1.0, 50.0, -3.0, -1e4 + 0.5], dtype=torch.float64, requires_grad=True)
+    eager = iw.segment_logsumexp(values, gi, 6)
+    pairwise = iw._pairwise_segment_logsumexp(values, gi, 6)
+    filled = torch.tensor([True, False, False, True, False, True])
+    torch.testing.assert_close(pairwise[filled], eager[filled], rtol=1e-12, atol=0)
+    assert torch.isneginf(pairwise[~filled]).all()
+    (g_eager,) = torch.autograd.grad(eager[gi].sum(), values)
+    (g_pair,) = torch.autograd.grad(pairwise[gi].sum(), values)
+    assert torch.isfinite(g_pair).all()
+    torch.testing.assert_close(g_pair, g_eager, rtol=1e-12, atol=0)
 
 
 @pytest.mark.parametrize("label,loss_mode,options,reference", VARIANTS, ids=IDS)

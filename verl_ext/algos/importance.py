@@ -50,26 +50,27 @@ def dense_group_index(group_index: torch.Tensor) -> tuple[torch.Tensor, int]:
     return inverse, int(inverse.max().item()) + 1 if inverse.numel() else 0
 
 
-def static_dense_group_index(group_index: torch.Tensor) -> torch.Tensor:
-    """:func:`dense_group_index`'s labels 0..G-1 [B] (the same ones: ranks of the sorted distinct
-    labels) by a sort, with shapes fixed by B and no read of G to the host: what a compiled graph
-    can hold (``torch.unique`` has a data-dependent size, and reading G back breaks the graph)."""
+def leader_group_index(group_index: torch.Tensor) -> torch.Tensor:
+    """Group labels [B] as each sequence's group's first row (in 0..B-1; equal label = same prompt,
+    as for :func:`dense_group_index`, whose labels these are not), by comparing every pair of
+    labels: O(B^2) work, but shapes fixed by B, no sort and no read of G to the host -- what one
+    compiled graph can hold (``torch.unique`` has a data-dependent size, and reading G back breaks
+    the graph), and a single reduction there."""
     if group_index.dim() != 1:
         raise ValueError(f"group_index must be 1-D [B], got shape {tuple(group_index.shape)}")
-    sorted_labels, order = torch.sort(group_index)
-    starts = torch.ones_like(sorted_labels, dtype=torch.bool)
-    starts[1:] = sorted_labels[1:] != sorted_labels[:-1]
-    ranks = torch.cumsum(starts.long(), dim=0) - 1
-    return torch.empty_like(ranks).scatter_(0, order, ranks)
+    n = group_index.shape[0]
+    rows = torch.arange(n, device=group_index.device)
+    same = group_index.unsqueeze(0) == group_index.unsqueeze(1)
+    return torch.where(same, rows.unsqueeze(0), n).amin(dim=1)
 
 
 def segment_group_index(group_index: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """Dense labels [B] and a number of segments for :func:`segment_logsumexp`: (index, G) from
+    """Labels [B] and a number of segments for :func:`segment_logsumexp`: (index, G) from
     :func:`dense_group_index` in eager mode; under ``torch.compile`` (index, B) from
-    :func:`static_dense_group_index` -- B slots bound the G groups, the slots past G stay empty and
+    :func:`leader_group_index` -- B slots bound the G groups, the slots no group leads stay empty and
     are never gathered, so every group's value is the same and one graph serves every group count."""
     if torch.compiler.is_compiling():
-        return static_dense_group_index(group_index), group_index.shape[0]
+        return leader_group_index(group_index), group_index.shape[0]
     return dense_group_index(group_index)
 
 
@@ -99,13 +100,28 @@ def segment_logsumexp(values: torch.Tensor, group_index: torch.Tensor, num_group
     """log(sum_{j in g} exp(values_j)) for each group g. values [B], group_index [B] in 0..G-1 -> [G].
 
     Exact and finite for values down to -1e4 (the per-group max is subtracted before exp).
+    Under ``torch.compile``: the same sums as masked reductions over [G, B] pairs (no scatter, no
+    atomics; fused into two reductions by inductor), for the B slots of :func:`segment_group_index`.
     """
+    if torch.compiler.is_compiling():
+        return _pairwise_segment_logsumexp(values, group_index, num_groups)
     neg_inf = torch.full((num_groups,), float("-inf"), dtype=values.dtype, device=values.device)
     # the shift is a constant for the gradient: d/dv of log-sum-exp is the softmax whatever it is
     group_max = neg_inf.scatter_reduce(0, group_index, values.detach(), reduce="amax", include_self=True)
     shifted = torch.exp(values - group_max[group_index])
     sums = torch.zeros(num_groups, dtype=values.dtype, device=values.device).index_add(0, group_index, shifted)
     return torch.log(sums) + group_max
+
+
+def _pairwise_segment_logsumexp(values: torch.Tensor, group_index: torch.Tensor, num_groups: int) -> torch.Tensor:
+    """:func:`segment_logsumexp` by masked reductions over every (group, sequence) pair; an empty
+    group gives -inf, and no gradient reaches a value through another group's exp."""
+    member = group_index.unsqueeze(0) == torch.arange(num_groups, device=values.device).unsqueeze(1)
+    group_max = torch.where(member, values.detach().unsqueeze(0), float("-inf")).amax(dim=1)
+    shift = torch.where(torch.isfinite(group_max), group_max, 0.0).unsqueeze(1)
+    # -inf off the group before exp: exp(0) of a masked entry would carry a gradient, a large one overflow
+    shifted = torch.where(member, values.unsqueeze(0) - shift, float("-inf"))
+    return torch.log(torch.exp(shifted).sum(dim=1)) + shift.squeeze(1)
 
 
 def group_expectation_log_denominator(seq_log_q: torch.Tensor, group_index: torch.Tensor) -> torch.Tensor:
