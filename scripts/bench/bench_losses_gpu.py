@@ -218,7 +218,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 try:
                     for _ in range(args.warmup):
                         out = step()
-                    results[(label, mode)] = out
+                    # copies: a later call may overwrite its outputs (CUDA graphs under --mode reduce-overhead)
+                    results[(label, mode)] = tuple(t.detach().clone() for t in out)
                     entries[(label, mode)] = step
                 except Exception as exc:  # noqa: BLE001 -- a compile or device failure is a finding: report it
                     errors[label] = f"{mode}: {type(exc).__name__}: {exc}"[:300]

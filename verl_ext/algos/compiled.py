@@ -3,9 +3,11 @@
 
 Why: eager GEPO launches many small kernels, and dynamo used to break its graph where the
 group count was read back to the host (``dense_group_index``). Under ``torch.compile`` the
-group statistics now index B segment slots with labels from a sort
-(:func:`verl_ext.algos.importance.segment_group_index`), so a loss's forward and backward trace
-with ``fullgraph=True``, and one graph serves every group count of a batch size.
+group statistics use B segment slots, each sequence's group named by its first row, and masked
+reductions over (group, sequence) pairs instead of scatters
+(:func:`verl_ext.algos.importance.segment_group_index`, ``segment_logsumexp``): O(B^2) work on
+[B] values, no sort, no atomics, no host read. A loss's forward and backward trace with
+``fullgraph=True``, and one graph serves every group count of a batch size.
 
 What differs from the eager functions, and only here:
 - GEPO-TC-ESS: the batch's normalised ESS of p_it / q_it is computed in the graph
