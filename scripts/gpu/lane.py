@@ -9,7 +9,8 @@ Install (only with ``--parts-dir``, which holds ``manifest.json`` and the parts 
 its wheels installed with ``pip install --no-index --no-deps --target --site`` (the project itself
 too: from the code group's wheel, or built from this checkout when the manifest has no code group),
 and ``--site`` put first on ``sys.path`` and on ``PYTHONPATH`` (for the parts' processes and Ray's
-workers). Without ``--parts-dir`` the lane uses the Python it runs in.
+workers). Without ``--parts-dir`` the lane uses the Python it runs in; with ``--no-install`` it also uses
+``--site`` as an earlier run left it (a rerun on a machine still warm).
 
 Parts (``--parts``, run in the order given; default all, as a,e,b,c,f,d: the cheap checks first,
 the SmolLM2 training last with what time is left). Each runs in its own process with its own budget,
@@ -487,7 +488,7 @@ def part_c(device: str, quick: bool, emit: Callable[[Row], None], workdir: Path)
 
 
 def part_d(device: str, quick: bool, emit: Callable[[Row], None], workdir: Path) -> None:
-    steps, eval_size, response, batch, group = (2, 8, 32, 2, 4) if quick else (12, 64, 160, 8, 8)
+    steps, eval_size, response, batch, group = (2, 8, 32, 2, 4) if quick else (10, 64, 160, 8, 8)
     run_dir = workdir / "d_smollm2"
     overrides = ["algorithm_preset=gepo", "hetero.mode=replay", f"hetero.device={device}",
                  "hetero.delay.low=1", "hetero.delay.high=2", "hetero.max_delay=2",
@@ -499,7 +500,6 @@ def part_d(device: str, quick: bool, emit: Callable[[Row], None], workdir: Path)
                  "actor_rollout_ref.rollout.temperature=0.5",
                  f"actor_rollout_ref.rollout.n={group}", f"data.train_batch_size={batch}",
                  f"data.max_response_length={response}", "actor_rollout_ref.actor.optim.lr=1e-5",
-                 f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={group}",
                  f"trainer.total_training_steps={steps}", f"trainer.test_freq={steps}", "trainer.save_freq=-1",
                  "trainer.resume_mode=disable", f"trainer.default_local_dir={run_dir}"]  # fmt: skip
     budget = float(os.environ.get("LANE_PART_BUDGET_S", "150"))
@@ -614,6 +614,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         help="parts a, b: comma-separated labels of scripts/bench/bench_losses.py's list (default all)")
     parser.add_argument("--budget-s", type=float, default=480.0, help="seconds for everything, install included")
     parser.add_argument("--parts-dir", type=Path, default=None, help="packed parts + manifest.json: install them first")
+    parser.add_argument("--no-install", action="store_true",
+                        help="install nothing: use this Python, plus --site if an earlier run installed there")
     parser.add_argument("--site", type=Path, default=Path(tempfile.gettempdir()) / "heterorl_site")
     parser.add_argument("--out", type=Path, default=None, help="lane.json + lane.md (default $OUT, else lane_out)")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -631,7 +633,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     start = time.time()
     deadline = start + args.budget_s
     rows: list[Row] = []
-    if args.parts_dir is not None:
+    if args.no_install:
+        if args.site.is_dir():
+            use_site(args.site)
+            rows.append(make_row("install", "(install)", "ok", f"none: {args.site} from an earlier run"))
+    elif args.parts_dir is not None:
         try:
             for line in install(args.parts_dir, args.site, Path(tempfile.gettempdir()) / "heterorl_stage"):
                 rows.append(make_row("install", line.split(":")[0], "ok", line))
