@@ -28,7 +28,7 @@ RECORD_FORMAT = "heterorl.rollout_group/1"
 
 _ARRAY_FIELDS = ("prompt_ids", "prompt_mask", "response_ids", "response_mask", "sampler_logprobs",
                  "rewards", "advantages")
-_SCALAR_FIELDS = ("group_uid", "policy_version", "sampler_id", "created_at", "extra")
+_SCALAR_FIELDS = ("group_uid", "policy_version", "sampler_id", "created_at", "extra", "sampler_precision")
 
 
 class RecordRejected(ValueError):
@@ -64,6 +64,10 @@ class RolloutGroup:
         sampler_id: which sampler produced it (string, e.g. ``"sampler-2"``).
         created_at: wall-clock seconds since the epoch when generation finished.
         extra: JSON-serialisable metadata (data source, ground truth, ...); not validated.
+        sampler_precision: the arithmetic the sampler computed q in (``"fp32"`` / ``"bf16"``,
+            :func:`verl_ext.hetero.precision.precision_of`); None when undeclared. Signed with the
+            record; the learner's trust gate picks its log-prob tolerance by it and refuses a
+            record without a known one.
     """
 
     group_uid: str
@@ -78,6 +82,7 @@ class RolloutGroup:
     created_at: float = field(default_factory=time.time)
     prompt_mask: np.ndarray | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    sampler_precision: str | None = None
 
     def __post_init__(self):
         # Coerce once so that torch tensors or lists from a sampler become numpy arrays; dtype
@@ -113,6 +118,8 @@ class RolloutGroup:
         tensors = {name: np.ascontiguousarray(getattr(self, name)) for name in _ARRAY_FIELDS}
         meta = {"group_uid": self.group_uid, "policy_version": int(self.policy_version),
                 "sampler_id": str(self.sampler_id), "created_at": float(self.created_at), "extra": self.extra}
+        if self.sampler_precision is not None:  # absent = undeclared (a record from before it existed)
+            meta["sampler_precision"] = str(self.sampler_precision)
         return st_save(tensors, metadata={"format": RECORD_FORMAT, "record": json.dumps(meta)})
 
     @classmethod

@@ -19,6 +19,7 @@ import torch
 from verl.trainer.ppo.core_algos import get_adv_estimator_fn
 
 from .policy import sample_groups
+from verl_ext.hetero.precision import precision_of
 from verl_ext.hetero.records import RolloutGroup
 
 # score(response_text, item) -> reward; item is one prompt dict (prompt, answer, data_source)
@@ -111,6 +112,7 @@ def generate_groups(
     uids = [f"{uid_prefix}-{i // g}" for i in range(len(batch.texts))]
     advantages = sequence_advantages(rewards, batch.response_mask, uids, algorithm_config)
     now = time.time()
+    precision = precision_of(model)  # declared in the signed record: the learner's tolerance for q depends on it
     groups = []
     for i, item in enumerate(items):
         rows = slice(i * g, (i + 1) * g)
@@ -130,6 +132,7 @@ def generate_groups(
                 sampler_id=sampler_id,
                 created_at=now,
                 extra={"answer": str(item.get("answer", "")), "texts": batch.texts[rows]},
+                sampler_precision=precision,
             )
         )
     return groups

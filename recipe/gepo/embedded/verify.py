@@ -52,6 +52,7 @@ import os
 import threading
 import time
 from collections import Counter, OrderedDict
+from dataclasses import replace
 from typing import Any, Optional
 
 import numpy as np
@@ -64,6 +65,8 @@ from .tasks import Task
 from verl_ext.algos.advantages import bnpo_group_mismatch
 from verl_ext.hetero.auth import Enrolment
 from verl_ext.hetero.buffer import RolloutBuffer
+from verl_ext.hetero.precision import (TOLERANCES, Mismatch, MismatchCusum, Tolerance, group_mismatch, precision_refusal,
+                                       single_group_failure)  # fmt: skip
 from verl_ext.hetero.records import RecordRejected, RolloutGroup
 from verl_ext.hetero.weights import deserialize_state_dict
 
@@ -225,20 +228,34 @@ class GroupVerifier:
             self._loaded = version
         return True
 
-    def check_logprobs(self, group: RolloutGroup) -> Optional[tuple[str, str]]:
+    def tolerance(self, precision: str) -> Tolerance:
+        """The bounds for a sampler declaring ``precision`` (a known one): the table's, with
+        ``logprob_tolerance`` as fp32's bound on one token."""
+        tolerance = TOLERANCES[precision]
+        return replace(tolerance, token_max=self.logprob_tolerance) if precision == "fp32" else tolerance
+
+    def measure_logprobs(self, group: RolloutGroup) -> tuple[Optional[tuple[str, str]], Optional[Mismatch]]:
+        """(failure or None, the group's :class:`Mismatch`): q re-scored under the claimed version
+        against the per-group bounds of the precision the group declares. (None, None) when the
+        version is not held."""
         rescored = self.rescore(group)
         if rescored is None:
-            return None
-        mask = np.asarray(group.response_mask).astype(bool)
+            return None, None
         reported = np.asarray(group.sampler_logprobs, np.float32)
         if reported.shape != rescored.shape:
-            return "bad_logprobs", f"log-probs of shape {reported.shape}, responses {rescored.shape}"
-        diff = np.abs(reported - rescored)[mask]
-        worst = float(diff.max()) if diff.size else 0.0
-        if not worst <= self.logprob_tolerance:  # NaN fails too
-            return "bad_logprobs", (f"max |log q reported - log q re-scored under v{group.policy_version}| = {worst:.3g} "
-                                    f"> {self.logprob_tolerance:g}")  # fmt: skip
-        return None
+            return ("bad_logprobs", f"log-probs of shape {reported.shape}, responses {rescored.shape}"), None
+        precision = group.sampler_precision
+        refusal = precision_refusal(precision)
+        if refusal is not None:
+            return refusal, None
+        mismatch = group_mismatch(reported, rescored, group.response_mask)
+        over = single_group_failure(mismatch, self.tolerance(precision), precision)
+        if over is not None:
+            return ("bad_logprobs", f"log q reported against re-scored under v{group.policy_version}: {over}"), mismatch
+        return None, mismatch
+
+    def check_logprobs(self, group: RolloutGroup) -> Optional[tuple[str, str]]:
+        return self.measure_logprobs(group)[0]
 
 
 def content_digest(group: RolloutGroup) -> str:
@@ -289,6 +306,7 @@ class TrustGate:
         self.lost_versions: set[int] = set()  # version numbers a crashed learner published past its checkpoint
         self.check_cpu_s = 0.0  # CPU seconds of the verifier's checks: the cost of hetero.trust in the learner
         self.version_wait_s = self.VERSION_WAIT_S
+        self.cusum = MismatchCusum()  # per sampler: small lies in q, summed over its checked groups
         self.verifier: Optional[GroupVerifier] = None
         if trust.verify_fraction > 0 or trust.check_rewards:
             self.verifier = GroupVerifier(
@@ -339,6 +357,12 @@ class TrustGate:
             if refusal is not None:
                 self.ledger.refused(refusal)
                 raise RecordRejected("sampler_id", refusal, f"sampler is {refusal}", sampler_id=sampler, group_uid=uid)
+            if self.verifier is not None and self.config.verify_fraction > 0:
+                # the tolerance of a re-score depends on it: refused on every group, checked or not
+                unknown = precision_refusal(group.sampler_precision)
+                if unknown is not None:
+                    self.ledger.refused(unknown[0])
+                    raise RecordRejected("sampler_precision", *unknown, sampler_id=sampler, group_uid=uid)
             rescore = self.ledger.should_check(sampler) and self.config.verify_fraction > 0
             digest = content_digest(group)
             replayed = digest in self._contents
@@ -377,11 +401,20 @@ class TrustGate:
                                      f"not hold version {version}'s weights (waited {self.version_wait_s:g} s)",
                                      sampler_id=sampler, group_uid=uid)  # fmt: skip
             t0 = time.thread_time()  # CPU time: what the learner pays, whatever else shares its cores
-            failure = self.verifier.check(group, logprobs=rescore)  # outside the lock: the slow part
+            # outside the lock: the slow part
+            failure = self.verifier.check_group_rewards(group) if self.verifier.check_rewards else None
+            mismatch = None
+            if failure is None and rescore:
+                failure, mismatch = self.verifier.measure_logprobs(group)
             self.check_cpu_s += time.thread_time() - t0
         else:
-            rescore = False
+            rescore, mismatch = False, None
         with self._lock:
+            if failure is None and mismatch is not None:
+                precision = str(group.sampler_precision)
+                repeated = self.cusum.add(sampler, mismatch, self.verifier.tolerance(precision), precision)
+                if repeated is not None:
+                    failure = ("bad_logprobs", repeated)
             if failure is None:
                 if rescore:
                     self.ledger.record(sampler, uid, passed=True)
@@ -425,12 +458,14 @@ class TrustGate:
         over its quota: who floods) and ``perf/trust_check_cpu_s_total`` (CPU seconds spent checking)."""
         with self._lock:
             passed = {f"trust/{sampler}/passed_over": float(n) for sampler, n in self.passed_over_counts.items()}
-            return {**self.ledger.metrics(), **passed, "perf/trust_check_cpu_s_total": self.check_cpu_s}
+            cusum = {f"trust/{sampler}/mismatch_cusum": value for sampler, value in self.cusum.sums.items()}
+            return {**self.ledger.metrics(), **passed, **cusum, "perf/trust_check_cpu_s_total": self.check_cpu_s}
 
     def state_dict(self) -> dict:
         with self._lock:
             return {"ledger": self.ledger.state_dict(), "contents": dict(sorted(self._contents.items())),
-                    "lost_versions": sorted(self.lost_versions), "passed_over": dict(self.passed_over_counts)}
+                    "lost_versions": sorted(self.lost_versions), "passed_over": dict(self.passed_over_counts),
+                    "cusum": self.cusum.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         with self._lock:
@@ -439,3 +474,4 @@ class TrustGate:
             self._contents = dict(contents) if isinstance(contents, dict) else dict.fromkeys(contents, "")
             self.lost_versions = set(state.get("lost_versions", []))
             self.passed_over_counts = Counter(state.get("passed_over", {}))
+            self.cusum.load_state_dict(state.get("cusum", {}))
