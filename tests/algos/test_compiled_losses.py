@@ -229,3 +229,17 @@ def test_inductor_compiled_matches_float64(loss_mode, options):
         torch.testing.assert_close(loss.double(), r_loss, **F32)
         torch.testing.assert_close(grad.double(), r_grad, **F32)
         torch.testing.assert_close(weight.double(), r_weight, **F32)
+
+
+def test_compiled_branches_make_no_tensor_on_the_default_device():
+    """The functions only a compiled graph runs (so the eager device checks never see them), on CPU
+    inputs with torch's default device set to meta: a tensor made without device= would fail here."""
+    gi = torch.tensor([4, 1, 4, 1, 7])
+    values = torch.randn(5, dtype=torch.float64)
+    x, mask = torch.randn(5, 3), torch.ones(5, 3, dtype=torch.bool)
+    with torch.device("meta"):
+        leader = iw.leader_group_index(gi)
+        lse = iw._pairwise_segment_logsumexp(values, leader, 5)
+        ess = compiled.token_ratio_ess(x, x - 0.1, mask)
+    assert leader.device.type == lse.device.type == ess.device.type == "cpu"
+    assert leader.tolist() == [0, 1, 0, 1, 4]
