@@ -74,8 +74,8 @@ def test_a_failing_part_does_not_stop_the_others(tmp_path):
 
 
 @pytest.mark.slow
-def test_lane_on_cpu_every_loss_and_the_embedded_engine(tmp_path):
-    result = run_lane(tmp_path, "--device", "cpu", "--quick", "--parts", "a,c", "--budget-s", "900", timeout=1200)
+def test_lane_on_cpu_every_loss_and_both_engines(tmp_path):
+    result = run_lane(tmp_path, "--device", "cpu", "--quick", "--parts", "a,c,f", "--budget-s", "1000", timeout=1200)
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("bench_losses", REPO / "scripts" / "bench" / "bench_losses.py")
@@ -89,3 +89,6 @@ def test_lane_on_cpu_every_loss_and_the_embedded_engine(tmp_path):
     _finite_ok(rows_c)
     for row in rows_c:
         assert row["values"]["steps"] == 3 and 0 <= row["values"]["acc_after"] <= 1
+    (row_f,) = [r for r in result["rows"] if r["part"] == "f"]
+    _finite_ok([row_f])
+    assert row_f["values"]["steps"] == 3
