@@ -243,3 +243,20 @@ def test_compiled_branches_make_no_tensor_on_the_default_device():
         ess = compiled.token_ratio_ess(x, x - 0.1, mask)
     assert leader.device.type == lse.device.type == ess.device.type == "cpu"
     assert leader.tolist() == [0, 1, 0, 1, 4]
+
+
+def test_a_changed_batch_size_compiles_once_more_then_never_again():
+    """compiled_loss_terms' default dynamic=None: static first, the batch size symbolic after its
+    first change -- varying micro-batches do not recompile each time, and stay correct."""
+    torch.compiler.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    fn = torch.compile(lambda *a, **k: compiled.traceable_loss_terms("eqp", *a, **k), fullgraph=True, backend=counter)
+    frames = []
+    for seed, labels in enumerate([BATCHES[0], BATCHES[0] + [1000, 7], BATCHES[2][:7], BATCHES[3] * 2]):
+        b = ragged_batch(seed, labels)
+        loss, grad, _, _, _ = loss_and_grad(fn, b, torch.float32, {})
+        e_loss, e_grad, _, _, _ = loss_and_grad(losses.eqp_loss_terms, b, torch.float32, {})
+        torch.testing.assert_close(loss, e_loss, rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(grad, e_grad, rtol=1e-6, atol=1e-8)
+        frames.append(counter.frame_count)
+    assert frames == [1, 2, 2, 2]
