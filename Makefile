@@ -52,13 +52,13 @@ verl-smoke-megatron: install
 	    trainer.total_training_steps=2 $(ARGS)
 
 bench: install
-	$(PY) scripts/bench/bench_losses.py
+	$(PY) -m scripts.bench.bench_losses
 
 # docs/results.md's tables from the committed study rows (no run; docs/study.md 8-9). The
 # --replicate hash is powered_long's first warm start, whose fix256 drops are set beside the pinned one's.
 FIRST_LONG_START = e0af1dc20b526b76d0f350bab56dc6cb972a5514438cc30cbbebc7b48d6c7552
 results: install
-	$(PY) scripts/bench/delay_sweep.py --design powered --join powered_long --out /tmp/study_tables \
+	$(PY) -m scripts.bench.delay_sweep --design powered --join powered_long --out /tmp/study_tables \
 	    --rows docs/study_data/rows_powered.csv --table-only --update-doc docs/results.md \
 	    --replicate powered_long=$(FIRST_LONG_START)
 

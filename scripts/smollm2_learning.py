@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """Does SmolLM2-135M-Instruct learn through the verl engine? The runs and their report, one command each.
 
-    python scripts/smollm2_learning.py run --seeds 0 1 --steps 30      # one seed after another (resumable)
-    python scripts/smollm2_learning.py report                          # table on stdout + figure
-    python scripts/smollm2_learning.py evaluate                        # start vs each seed's last checkpoint
+    python -m scripts.smollm2_learning run --seeds 0 1 --steps 30      # one seed after another (resumable)
+    python -m scripts.smollm2_learning report                          # table on stdout + figure
+    python -m scripts.smollm2_learning evaluate                        # start vs each seed's last checkpoint
 
 ``run`` trains ``+verl_preset=cpu_smollm2_math hetero.engine=verl`` once per seed into
 ``runs/smollm2_gepo_s<seed>`` (``nice``, one torch thread a process, a checkpoint every 5 steps,

@@ -2,8 +2,8 @@
 bounded time while a separate thread injects faults at random, then account for every rollout
 group by uid.
 
-    python scripts/soak.py                 # 10 minutes, seed 0
-    python scripts/soak.py --minutes 1 --seed 3 --run-dir /tmp/soak
+    python -m scripts.soak                 # 10 minutes, seed 0
+    python -m scripts.soak --minutes 1 --seed 3 --run-dir /tmp/soak
 
 Faults (one every ``--fault-every`` seconds on average, kind drawn at random):
 
@@ -76,12 +76,10 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
-from soak_harness.report import report  # noqa: E402
-from soak_harness.wan_link import WanLink  # noqa: E402
+if not __package__:  # run as a file: its sibling modules are reachable only through the package
+    raise SystemExit("run it from the repository root as: python -m scripts.soak ...")
+from .soak_harness.report import report  # noqa: E402
+from .soak_harness.wan_link import WanLink  # noqa: E402
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -1,6 +1,6 @@
 """Async against synchronous generate-then-train on "separated hardware": same work, same model.
 
-    python scripts/bench/bench_async.py [--steps 60] [--delays 0 1 5] [--learner-cpus 0] [--sampler-cpus 1]
+    python -m scripts.bench.bench_async [--steps 60] [--delays 0 1 5] [--learner-cpus 0] [--sampler-cpus 1]
                                         [--warmup 5] [--out FILE] [extra hydra overrides ...]
 
 The learner process is pinned to ``--learner-cpus`` and the samplers to ``--sampler-cpus``
@@ -42,9 +42,7 @@ from pathlib import Path
 import numpy as np
 
 REPO = Path(__file__).resolve().parents[2]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-from verl_ext.rundir import read_metric_rows  # noqa: E402 -- after the path fix
+from verl_ext.rundir import read_metric_rows
 
 COMMON = ["algorithm_preset=gepo", "trainer.resume_mode=disable", "trainer.test_freq=0", "trainer.save_freq=0",
           "task.eval_size=64"]  # fmt: skip

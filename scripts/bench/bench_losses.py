@@ -1,6 +1,6 @@
 """Forward + backward time of every policy loss, as a ratio to verl's vanilla loss in the same run.
 
-    python scripts/bench/bench_losses.py [--batch 256] [--length 4096] [--repeats 10] [--out docs/bench_losses.md]
+    python -m scripts.bench.bench_losses [--batch 256] [--length 4096] [--repeats 10] [--out docs/bench_losses.md]
 
 Every loss the project registers (``verl_ext.verl_losses.HETERORL_LOSS_MODES``) and every verl
 loss a preset of ``recipe/gepo/config/algorithm_preset`` uses (tests/algos/test_bench_losses.py

@@ -1,9 +1,9 @@
 """What ``hetero.trust`` costs the learner, and how soon it catches a sampler that starts lying.
 
-    python scripts/bench/bench_trust.py overhead [--steps 60] [--repeats 2] [--fractions 0 0.25 1] [--out FILE]
-    python scripts/bench/bench_trust.py detection [--trials 200] [--fractions 0.05 0.1 0.25 0.5 1] [--out FILE]
-    python scripts/bench/bench_trust.py spread [--batches 20] [--out FILE]
-    python scripts/bench/bench_trust.py ratio [--model toy|smollm2] [--prompts 8] [--out FILE]
+    python -m scripts.bench.bench_trust overhead [--steps 60] [--repeats 2] [--fractions 0 0.25 1] [--out FILE]
+    python -m scripts.bench.bench_trust detection [--trials 200] [--fractions 0.05 0.1 0.25 0.5 1] [--out FILE]
+    python -m scripts.bench.bench_trust spread [--batches 20] [--out FILE]
+    python -m scripts.bench.bench_trust ratio [--model toy|smollm2] [--prompts 8] [--out FILE]
 
 ``ratio``: in one process, one torch thread, the CPU time of each check per group against the CPU
 time of the learner's ``train_step`` per group, on the same freshly generated groups: the cost of
@@ -39,21 +39,19 @@ sampler's rate of groups.
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 from pathlib import Path
 
 import numpy as np
 
 REPO = Path(__file__).resolve().parents[2]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+if not __package__:  # run as a file: its sibling modules are reachable only through the package
+    raise SystemExit("run it from the repository root as: python -m scripts.bench.bench_trust ...")
 
 
 
 def overhead(args) -> list[str]:
-    from bench_async import COMMON, TRUST_OFF, async_overrides, loadavg, run
+    from .bench_async import COMMON, TRUST_OFF, async_overrides, loadavg, run
 
     from verl_ext.rundir import read_metric_rows
 
@@ -295,7 +293,7 @@ def main() -> None:
     for p in (o, d, sp, ra):
         p.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
-    from bench_async import emit, loadavg
+    from .bench_async import emit, loadavg
 
     part = {"overhead": overhead, "detection": detection, "spread": spread, "ratio": ratio}[args.part]
     emit([f"(load at the start: {loadavg()})", *part(args)], args.out)

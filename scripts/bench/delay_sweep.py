@@ -1,7 +1,7 @@
 """The delay sweep: algorithms x staleness conditions x seeds in replay mode, with the same warm
 start, steps and evaluation for all; designs from the 252-run legacy sweep to the powered study.
 
-    .venv/bin/python scripts/bench/delay_sweep.py --out OUT [--design legacy|quick|powered|powered_long|dry]
+    .venv/bin/python -m scripts.bench.delay_sweep --out OUT [--design legacy|quick|powered|powered_long|dry]
         [--workers 2] [--tasks long] [--algos gepo gspo ...] [--delays 0 fix16 uni64 ...]
         [--seeds 0 1 2] [--steps N] [--lr LR] [--lrs gepo=1e-4 ...] [--rows PATH]
         [--plan-only] [--table-only [--join DESIGN ...] [--warm-start-sha256 HEX] [--replicate DESIGN=HEX ...]]
@@ -83,14 +83,13 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-for _path in (REPO, REPO / "scripts"):  # the repository's packages and the sweep package
-    if str(_path) not in sys.path:
-        sys.path.insert(0, str(_path))
-from sweep.analyse import choose_lrs, main_runs  # noqa: E402 -- after the path fix
-from sweep.plan import ALGOS, DESIGNS, TASKS, Plan, design_id, normalize_condition  # noqa: E402
-from sweep.render import joined_markdown, replicate_markdown, update_doc, write_outputs  # noqa: E402
-from sweep.rows import collect, rows_warm_start  # noqa: E402
-from sweep.run import Sweep, warm_starts  # noqa: E402
+if not __package__:  # run as a file: its sibling modules are reachable only through the package
+    raise SystemExit("run it from the repository root as: python -m scripts.bench.delay_sweep ...")
+from ..sweep.analyse import choose_lrs, main_runs  # noqa: E402
+from ..sweep.plan import ALGOS, DESIGNS, TASKS, Plan, design_id, normalize_condition  # noqa: E402
+from ..sweep.render import joined_markdown, replicate_markdown, update_doc, write_outputs  # noqa: E402
+from ..sweep.rows import collect, rows_warm_start  # noqa: E402
+from ..sweep.run import Sweep, warm_starts  # noqa: E402
 
 
 def lr_design_runs(plan: Plan, rows_path: Path, out: Path, ws: dict, own: bool) -> tuple[Plan, list[dict]]:

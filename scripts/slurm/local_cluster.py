@@ -1,15 +1,15 @@
 #!/usr/bin/env python3
 """A real SLURM cluster of N nodes on one Linux box, each node a network + UTS namespace.
 
-    python scripts/slurm/local_cluster.py up --nodes 3 [--rate-mbit 100] [--cpus-per-node 2]
+    python -m scripts.slurm.local_cluster up --nodes 3 [--rate-mbit 100] [--cpus-per-node 2]
     export SLURM_CONF=/tmp/heterorl-slurm/slurm.conf      # `up` prints this as its last line
     sinfo; srun -N2 hostname; sbatch --nodes=2 job.sbatch  # any Slurm command, pointed at it
-    python scripts/slurm/local_cluster.py status [--json]
-    python scripts/slurm/local_cluster.py cut --node n2        # fault: n2's cable pulled
-    python scripts/slurm/local_cluster.py heal --node n2       # and plugged back in
-    python scripts/slurm/local_cluster.py node-gone --node n2  # fault: n2 powered off (processes, namespace, veth)
-    python scripts/slurm/local_cluster.py node-back --node n2  # n2 rebuilt; its slurmd re-registers
-    python scripts/slurm/local_cluster.py down                 # idempotent: removes whatever is left
+    python -m scripts.slurm.local_cluster status [--json]
+    python -m scripts.slurm.local_cluster cut --node n2        # fault: n2's cable pulled
+    python -m scripts.slurm.local_cluster heal --node n2       # and plugged back in
+    python -m scripts.slurm.local_cluster node-gone --node n2  # fault: n2 powered off (processes, namespace, veth)
+    python -m scripts.slurm.local_cluster node-back --node n2  # n2 rebuilt; its slurmd re-registers
+    python -m scripts.slurm.local_cluster down                 # idempotent: removes whatever is left
 
 What it builds (``ClusterConfig``): a bridge ``hrl-sbr0`` in the root namespace holding the
 controller's address (10.214.0.1/24; distinct from ``scripts/wan``'s ``hrl-br0`` and 10.213.0.0),

@@ -9,8 +9,8 @@
 * :mod:`soak_harness.checks` -- after the run: the final ledger, the accounting by uid, each fault judged;
 * :mod:`soak_harness.report` -- the result and its summary lines.
 
-``scripts/`` is not a package (verl ships a top-level ``scripts`` package): ``scripts/soak.py``
-runs with ``scripts/`` on ``sys.path`` and imports ``soak_harness``. Nothing here imports Ray
+Imported as ``scripts.soak_harness`` (run the soak as ``python -m scripts.soak`` from the
+repository root; see ``scripts/__init__.py``). Nothing here imports Ray
 at module level except :mod:`~soak_harness.run` and :mod:`~soak_harness.injector` (``--wan`` sets
 the cluster's auth environment before Ray is imported).
 """

@@ -11,7 +11,7 @@ from typing import Any, Callable, Optional
 
 import ray
 
-from soak_harness.faults import BAD_REASON, LIAR_UID, SAMPLER_ACTOR, SAMPLER_UID, WAN_FAULT_WEIGHTS, Fault
+from .faults import BAD_REASON, LIAR_UID, SAMPLER_ACTOR, SAMPLER_UID, WAN_FAULT_WEIGHTS, Fault
 from verl_ext.rundir import load_latest_checkpoint, read_events
 
 _NO_STATE = {"step": 0, "learner": {"version": 0}, "buffer": {"ledger": {"status": {}, "duplicates": {}}}}
@@ -113,7 +113,7 @@ def liar_figures(ledger: dict[str, str], crew: dict[str, Any], run_dir: Path) ->
         outcomes.setdefault(kind, Counter())[ledger.get(uid, "not read")] += 1
     first = crew.get("first_sent", {})
     quarantined_at = {e["sampler_id"]: e["time"] for e in read_events(run_dir) if e.get("event") == "quarantined"}
-    from soak_harness.liars import LIES, liar_id
+    from .liars import LIES, liar_id
 
     to_quarantine = {kind: (round(quarantined_at[liar_id(kind)] - first[kind], 1) if liar_id(kind) in quarantined_at
                             and kind in first else None) for kind in LIES}  # fmt: skip

@@ -10,7 +10,7 @@ from typing import Optional
 
 import ray
 
-from soak_harness.faults import (
+from .faults import (
     BAD_GROUP_EDITS,
     SAMPLER_ACTOR,
     SAMPLER_UID,
@@ -19,7 +19,7 @@ from soak_harness.faults import (
     Fault,
     fault_weights,
 )
-from soak_harness.wan_link import WanLink
+from .wan_link import WanLink
 from verl_ext.hetero.auth import SamplerKey, unverified_record
 from verl_ext.hetero.exchange import send_group
 from verl_ext.hetero.protocol import (

@@ -6,7 +6,7 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from soak_harness.faults import Fault
+from .faults import Fault
 
 
 @dataclass

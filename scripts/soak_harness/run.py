@@ -21,14 +21,14 @@ from recipe.gepo.embedded.async_shared import transport_spec
 from recipe.gepo.embedded.supervisor import ray_session
 from recipe.gepo.embedded.run_utils import RunSettings
 from recipe.gepo.main_gepo import run
-from soak_harness.checks import RunEnd, accounting, account_uids, check_steps, final_state, judge_faults, liar_figures
-from soak_harness.config import soak_config
-from soak_harness.faults import SAMPLER_ACTOR
-from soak_harness.injector import Injector
-from soak_harness.liars import start_crew
-from soak_harness.report import SoakResult
-from soak_harness.wan_link import WanLink
-from soak_harness.watchers import TransportWatcher, Watcher
+from .checks import RunEnd, accounting, account_uids, check_steps, final_state, judge_faults, liar_figures
+from .config import soak_config
+from .faults import SAMPLER_ACTOR
+from .injector import Injector
+from .liars import start_crew
+from .report import SoakResult
+from .wan_link import WanLink
+from .watchers import TransportWatcher, Watcher
 from verl_ext.hetero.auth import Enrolment, SamplerKey
 from verl_ext.hetero.protocol import LEARNER_ACTOR, ROLLOUT_TOPIC, WEIGHTS_TOPIC
 from verl_ext.hetero.transport import Transport

@@ -4,11 +4,9 @@ rate-limited veth pair) and its network faults ``link_cut``, ``link_slow`` and `
 from __future__ import annotations
 
 import random
-import sys
 import time
 from typing import Optional
 
-from soak_harness.config import REPO
 
 
 class WanLink:
@@ -16,9 +14,7 @@ class WanLink:
     ``scripts/soak.py``). Check :meth:`refusal` before :meth:`up`: it names the missing privileges."""
 
     def __init__(self, rate_mbit: float, fault_s: float):
-        sys.path.insert(0, str(REPO / "scripts" / "wan"))
-        import cluster
-        import link
+        from ..wan import cluster, link
 
         self.cluster, self.link = cluster, link
         self.link_cfg, self.cluster_cfg = link.LinkConfig(), cluster.ClusterConfig()

@@ -8,6 +8,6 @@
 * :mod:`sweep.render` -- markdown and CSV outputs, and the study blocks of a doc page;
 * :mod:`sweep.figures` -- the figures.
 
-``scripts/`` is not a package (verl ships a top-level ``scripts`` package): the entry script
-and ``tests/study/conftest.py`` put ``scripts/`` on ``sys.path`` and import ``sweep``.
+Imported as ``scripts.sweep`` (run the entry script as ``python -m scripts.bench.delay_sweep``
+from the repository root; see ``scripts/__init__.py``).
 """

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 
-from sweep.plan import Plan, condition_key, multi_lr
+from .plan import Plan, condition_key, multi_lr
 
 
 def mean_std(values: list[float]) -> tuple[float, float]:

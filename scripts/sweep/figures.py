@@ -6,8 +6,8 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from sweep.analyse import mean_std
-from sweep.plan import condition_key
+from .analyse import mean_std
+from .plan import condition_key
 
 
 _MARKERS = ("o", "s", "^", "D", "v", "P", "X")

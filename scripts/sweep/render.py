@@ -9,7 +9,7 @@ import math
 import re
 from pathlib import Path
 
-from sweep.analyse import (
+from .analyse import (
     RUN_KEYS,
     choice_rows,
     comparison_rows,
@@ -26,8 +26,8 @@ from sweep.analyse import (
     summarize,
     verdict_rows,
 )
-from sweep.figures import kl_variance_figure, run_figures, staleness_figure
-from sweep.plan import TASKS, Plan, condition_key, design_id, multi_lr, normalize_condition
+from .figures import kl_variance_figure, run_figures, staleness_figure
+from .plan import TASKS, Plan, condition_key, design_id, multi_lr, normalize_condition
 
 
 def _cell(m: float, s: float, digits: int = 3, sci: bool = False) -> str:

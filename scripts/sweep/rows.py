@@ -10,8 +10,8 @@ import json
 import math
 from pathlib import Path
 
-from sweep.analyse import RUN_KEYS, run_numbers
-from sweep.plan import Plan, design_id, lrs_to_try, normalize_condition, run_dir
+from .analyse import RUN_KEYS, run_numbers
+from .plan import Plan, design_id, lrs_to_try, normalize_condition, run_dir
 from verl_ext.rundir import METRICS_FILE, read_metric_rows
 
 ROW_FIELDS = ("task", "algo", "lr", "delay", "seed", "design_id", "ws_sha256", "steps", "seconds", *RUN_KEYS)

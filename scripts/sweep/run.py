@@ -14,8 +14,8 @@ from typing import Optional
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from sweep.analyse import choose_lrs
-from sweep.plan import (
+from .analyse import choose_lrs
+from .plan import (
     TASKS,
     Plan,
     condition_key,
@@ -25,7 +25,7 @@ from sweep.plan import (
     run_dir,
     run_overrides,
 )
-from sweep.rows import append_row, cell_key, collect, make_row, row_key
+from .rows import append_row, cell_key, collect, make_row, row_key
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG_DIR = REPO / "recipe" / "gepo" / "config"

@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
 """A two-node Ray cluster across the rate-limited link: head = learner node, worker = sampler node.
 
-    python scripts/wan/cluster.py up --rate-mbit 100   # link (link.py up) + Ray head + Ray worker
-    python scripts/wan/cluster.py status
-    python scripts/wan/cluster.py worker-gone --seconds 20   # fault: sampler node gone and back
-    python scripts/wan/cluster.py down                 # Ray processes of this script, then the link
+    python -m scripts.wan.cluster up --rate-mbit 100   # link (link.py up) + Ray head + Ray worker
+    python -m scripts.wan.cluster status
+    python -m scripts.wan.cluster worker-gone --seconds 20   # fault: sampler node gone and back
+    python -m scripts.wan.cluster down                 # Ray processes of this script, then the link
 
 The head runs in the root namespace bound to the learner-side address with the custom resource
 ``{"learner_node": 1}``; the worker node runs inside the sampler namespace
@@ -34,9 +34,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import link  # noqa: E402
-from link import LinkConfig  # noqa: E402
+if not __package__:  # run as a file: its sibling modules are reachable only through the package
+    raise SystemExit("run it from the repository root as: python -m scripts.wan.cluster ...")
+from . import link  # noqa: E402
+from .link import LinkConfig  # noqa: E402
 
 ROOT = Path("/tmp/heterorl-wan")
 STATE_FILE = ROOT / "cluster.json"

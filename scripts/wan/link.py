@@ -1,13 +1,13 @@
 #!/usr/bin/env python3
 """A real, rate-limited network link between the learner and the samplers, on one Linux box.
 
-    python scripts/wan/link.py up --rate-mbit 100    # namespace + veth pair + tbf on both ends
-    python scripts/wan/link.py set-rate --rate-mbit 10
-    python scripts/wan/link.py status [--json]
-    python scripts/wan/link.py cut                   # fault: the cable is pulled (both directions)
-    python scripts/wan/link.py heal                  # and plugged back in
-    python scripts/wan/link.py ns-gone --seconds 20  # fault: the sampler namespace deleted, then rebuilt
-    python scripts/wan/link.py down                  # idempotent: removes whatever is left
+    python -m scripts.wan.link up --rate-mbit 100    # namespace + veth pair + tbf on both ends
+    python -m scripts.wan.link set-rate --rate-mbit 10
+    python -m scripts.wan.link status [--json]
+    python -m scripts.wan.link cut                   # fault: the cable is pulled (both directions)
+    python -m scripts.wan.link heal                  # and plugged back in
+    python -m scripts.wan.link ns-gone --seconds 20  # fault: the sampler namespace deleted, then rebuilt
+    python -m scripts.wan.link down                  # idempotent: removes whatever is left
 
 What it builds (``LinkConfig``): a network namespace for the samplers (``heterorl-smp``) joined to
 the root namespace (the learner's) by a veth pair with two private addresses on a /30

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Measure the link with one bounded TCP bulk transfer: learner side -> sampler namespace.
 
-    python scripts/wan/probe.py --mbytes 8          # link must be up (scripts/wan/link.py up)
+    python -m scripts.wan.probe --mbytes 8          # link must be up (scripts/wan/link.py up)
 
 A receiver runs inside the sampler namespace (``ip netns exec``) on the sampler-side address; the
 sender in the root namespace connects to it and writes ``--mbytes`` MB. The receiver reports the
@@ -17,11 +17,11 @@ import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 from typing import Optional, Sequence
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from link import LinkConfig  # noqa: E402
+if not __package__:  # run as a file: its sibling modules are reachable only through the package
+    raise SystemExit("run it from the repository root as: python -m scripts.wan.probe ...")
+from .link import LinkConfig  # noqa: E402
 
 PORT = 6399
 

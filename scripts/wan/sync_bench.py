@@ -2,7 +2,7 @@
 """Bytes and seconds of one weight version over the rate-limited link: what a
 slow link costs each weight sync, full and delta.
 
-    python scripts/wan/sync_bench.py --rates 10,100,1000 --trials 3 [--out runs/wan/sync.json]
+    python -m scripts.wan.sync_bench --rates 10,100,1000 --trials 3 [--out runs/wan/sync.json]
 
 Brings up the link and the two-node Ray cluster (``cluster.py``), places a receiver actor on the
 sampler node (``resources={"sampler_node": ...}``: it runs inside the namespace), and for each
@@ -20,7 +20,7 @@ Also one raw TCP transfer of the same size as the fp32 message (``probe.py``), t
 of the link Ray's object transfer uses. Bounded: ``--trials`` x forms x rates transfers, each
 with a timeout; SIGTERM and Ctrl-C tear down too.
 
-    python scripts/wan/sync_bench.py --behind 1,2,4,8 [--lr 1e-6] [--model-path DIR] > rows.jsonl
+    python -m scripts.wan.sync_bench --behind 1,2,4,8 [--lr 1e-6] [--model-path DIR] > rows.jsonl
 
 only prints (JSON lines), for a sampler k versions behind, the bytes of the direct delta, of a
 chain of one-step deltas (raw, and as the engine's delta messages) and of a full bf16 version (no
@@ -42,10 +42,9 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import cluster  # noqa: E402
-import link  # noqa: E402
-import probe  # noqa: E402
+if not __package__:  # run as a file: its sibling modules are reachable only through the package
+    raise SystemExit("run it from the repository root as: python -m scripts.wan.sync_bench ...")
+from . import cluster, link, probe  # noqa: E402
 
 # the engine's XOR delta (hetero.weight_sync=delta): what is measured here is what the engine sends
 from verl_ext.hetero.weights import decode_xor, encode_xor, floating_bits  # noqa: E402,F401

@@ -5,19 +5,15 @@ itself is ``test_soak_slow.py``."""
 from __future__ import annotations
 
 import random
-import sys
 from collections import Counter
 
 import pytest
 
 from verl_ext.hetero.transport import CorruptMessage, FsspecTransport
 
-from .conftest import REPO
 
-if str(REPO / "scripts") not in sys.path:
-    sys.path.append(str(REPO / "scripts"))
 
-from soak_harness.checks import (  # noqa: E402
+from scripts.soak_harness.checks import (  # noqa: E402
     FinalState,
     RunEnd,
     StepCheck,
@@ -27,7 +23,7 @@ from soak_harness.checks import (  # noqa: E402
     judge_faults,
     liar_figures,
 )
-from soak_harness.faults import ExchangeDamage, Fault, fault_weights  # noqa: E402
+from scripts.soak_harness.faults import ExchangeDamage, Fault, fault_weights  # noqa: E402
 
 
 @pytest.mark.parametrize("damage", ["truncated", "corrupt", "half_written"])
@@ -98,7 +94,7 @@ def test_fault_judges():
 def test_liar_accounting_counts_poisoned_groups_false_alarms_and_time_to_quarantine(tmp_path):
     """--liars: a lying group consumed is poisoned; an honest uid refused by a trust reason or
     purged by a quarantine is a false alarm (other refusals, e.g. future_version after a crash, are not)."""
-    from soak_harness.liars import liar_id
+    from scripts.soak_harness.liars import liar_id
     from verl_ext.rundir import append_event
 
     ledger = {"s0-ab12-b1-0": "consumed", "s1-ab12-b1-1": "rejected:bad_logprobs", "s2-ab12-b1-2": "dropped:quarantined",

@@ -19,7 +19,7 @@ KNOWN_GAPS: set[str] = set()
 @pytest.mark.timeout(600)
 def test_one_minute_soak_loses_nothing(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "scripts/soak.py", "--minutes", "1", "--seed", "5", "--fault-every", "2",
+        [sys.executable, "-m", "scripts.soak", "--minutes", "1", "--seed", "5", "--fault-every", "2",
          "--learner-crashes", "1", "--save-freq", "5", "--run-dir", str(tmp_path / "soak")],
         cwd=REPO, capture_output=True, text=True, timeout=560,
     )  # fmt: skip
@@ -45,7 +45,7 @@ def test_one_minute_soak_loses_nothing(tmp_path):
 def test_soak_with_liars_trains_on_no_poisoned_group_and_rejects_no_honest_one(tmp_path):
     """``--liars``: every insider lie quarantined, nothing poisoned reaches a step, no honest group refused."""
     proc = subprocess.run(
-        [sys.executable, "scripts/soak.py", "--minutes", "2", "--seed", "2", "--fault-every", "4", "--liars",
+        [sys.executable, "-m", "scripts.soak", "--minutes", "2", "--seed", "2", "--fault-every", "4", "--liars",
          "--learner-crashes", "1", "--save-freq", "5", "--run-dir", str(tmp_path / "soak")],
         cwd=REPO, capture_output=True, text=True, timeout=560,
     )  # fmt: skip
@@ -54,9 +54,7 @@ def test_soak_with_liars_trains_on_no_poisoned_group_and_rejects_no_honest_one(t
     assert "poisoned groups trained on: 0 " in out and "honest groups rejected: 0" in out, out[-3000:]
     sent = int(re.search(r"poisoned groups trained on: 0 \(of (\d+) lying groups sent\)", out).group(1))
     assert sent >= 9, out[-3000:]
-    if str(REPO / "scripts") not in sys.path:
-        sys.path.append(str(REPO / "scripts"))
-    from soak_harness.liars import INSIDER_LIES, OUTSIDER_LIES
+    from scripts.soak_harness.liars import INSIDER_LIES, OUTSIDER_LIES
 
     for kind in INSIDER_LIES:
         row = re.search(rf"^  {kind}\s+([0-9.]+|-)\s+(\{{.*\}})$", out, re.M)

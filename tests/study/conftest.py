@@ -1,10 +1,9 @@
-"""Fixtures of the study tests: a tiny 1-digit toy warm start (seconds, cached), config composition,
-and ``scripts/`` on ``sys.path`` for the sweep package (``sweep``)."""
+"""Fixtures of the study tests: a tiny 1-digit toy warm start (seconds, cached) and config
+composition. The sweep package is ``scripts.sweep`` (the tests run from the repository root)."""
 
 from __future__ import annotations
 
 import os
-import sys
 import tempfile
 from pathlib import Path
 
@@ -13,9 +12,6 @@ from hydra import compose, initialize_config_dir
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG_DIR = REPO / "recipe" / "gepo" / "config"
-# the delay sweep's package, scripts/sweep, imported as ``sweep`` (as scripts/bench/delay_sweep.py does)
-if str(REPO / "scripts") not in sys.path:
-    sys.path.append(str(REPO / "scripts"))
 
 
 def compose_cfg(overrides: list[str]):

@@ -1,6 +1,6 @@
 """``--replicate DESIGN=HEX``: a design's drops from its pinned warm start beside those from another
 build of the same recipe (powered_long's first start), and whether the methods' ranking holds
-(Spearman's rho of their mean drops) -- ``sweep.analyse.replicate_rows`` and the command line."""
+(Spearman's rho of their mean drops) -- ``scripts.sweep.analyse.replicate_rows`` and the command line."""
 
 from __future__ import annotations
 
@@ -10,10 +10,9 @@ import sys
 
 import pytest
 
-from sweep.analyse import replicate_rows
-from sweep.plan import DESIGNS, POWERED_LONG_WARM_START, Plan, design_id
-from sweep.rows import append_row
-from tests.study.conftest import REPO
+from scripts.sweep.analyse import replicate_rows
+from scripts.sweep.plan import DESIGNS, POWERED_LONG_WARM_START, Plan, design_id
+from scripts.sweep.rows import append_row
 
 OTHER = "b" * 64
 
@@ -49,7 +48,7 @@ def test_a_reversed_ranking_reads_minus_one_and_too_few_methods_no_rho():
 
 
 def _sweep(tmp_path, *extra: str) -> subprocess.CompletedProcess:
-    cli = [sys.executable, str(REPO / "scripts" / "bench" / "delay_sweep.py"), "--design", "powered_long",
+    cli = [sys.executable, "-m", "scripts.bench.delay_sweep", "--design", "powered_long",
            "--algos", "gepo", "vespo", "grpo_paper", "--lrs", "gepo=5e-5", "vespo=5e-5", "grpo_paper=5e-5",
            "--rows", str(tmp_path / "rows.csv"), "--out", str(tmp_path / "o"), "--no-figures"]  # fmt: skip
     return subprocess.run([*cli, *extra], capture_output=True, text=True, timeout=300)

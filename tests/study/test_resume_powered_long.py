@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.verl_engine.test_slurm_scripts import assert_shellcheck_clean
+from tests.slurm.test_slurm_scripts import assert_shellcheck_clean
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "dev" / "resume_powered_long.sh"

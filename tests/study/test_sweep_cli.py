@@ -7,13 +7,12 @@ import sys
 
 import pytest
 
-from tests.study.conftest import REPO
 
-SCRIPT = str(REPO / "scripts" / "bench" / "delay_sweep.py")
+SCRIPT = ["-m", "scripts.bench.delay_sweep"]  # from the repository root
 
 
 def _sweep(tmp_path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, SCRIPT, "--out", str(tmp_path / "o"), *args], capture_output=True,
+    return subprocess.run([sys.executable, *SCRIPT, "--out", str(tmp_path / "o"), *args], capture_output=True,
                           text=True, timeout=120)  # fmt: skip
 
 

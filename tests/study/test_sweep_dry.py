@@ -14,7 +14,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 @pytest.mark.slow
 def test_dry_design_runs_rows_tables_and_resumes(tmp_path):
-    cmd = [sys.executable, str(REPO / "scripts" / "bench" / "delay_sweep.py"), "--design", "dry", "--out", str(tmp_path),
+    cmd = [sys.executable, "-m", "scripts.bench.delay_sweep", "--design", "dry", "--out", str(tmp_path),
            "--workers", "2", "--steps", "4", "--seeds", "0", "1", "--delays", "0", "fix2", "--algos", "gepo",
            "grpo_paper", "--lr-grid", "1e-4", "--no-figures"]  # fmt: skip
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
@@ -23,7 +23,7 @@ def test_dry_design_runs_rows_tables_and_resumes(tmp_path):
         rows = list(csv.DictReader(fh))
     assert len(rows) == 8  # stage 1: 2 (seed 0 on-policy); stage 2: 2 x 2 x 2 minus those 2
     plan = json.loads((tmp_path / "plan.json").read_text())
-    from sweep.run import warm_start_path
+    from scripts.sweep.run import warm_start_path
     from verl_ext.data.toy.checkpoints import weights_sha256
 
     # the folder the sweep ran from (the package's shipped copy, else its build in the default cache)

@@ -12,7 +12,7 @@ REPO = Path(__file__).resolve().parents[2]
 @pytest.mark.slow
 def test_quick_sweep_writes_tables_and_figures(tmp_path):
     proc = subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "bench" / "delay_sweep.py"), "--quick", "--out", str(tmp_path),
+        [sys.executable, "-m", "scripts.bench.delay_sweep", "--quick", "--out", str(tmp_path),
          "--workers", "2", "--steps", "8", "--algos", "gepo", "grpo_tis"],
         cwd=REPO, capture_output=True, text=True, timeout=600,
     )  # fmt: skip

@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from sweep.analyse import run_numbers, stability_rows, summarize
-from sweep.plan import Plan
-from sweep.render import markdown_table, stability_table, write_outputs
-from sweep.rows import collect
+from scripts.sweep.analyse import run_numbers, stability_rows, summarize
+from scripts.sweep.plan import Plan
+from scripts.sweep.render import markdown_table, stability_table, write_outputs
+from scripts.sweep.rows import collect
 
 
 def _write_run(d: Path, evals: dict[int, float], kl: dict[int, float], var: dict[int, float], err=None):

@@ -8,9 +8,9 @@ import json
 
 import pytest
 
-from sweep.plan import DESIGNS, POWERED_LONG_WARM_START, Plan
-from sweep.rows import append_row, collect, load_rows
-from sweep.run import warm_starts
+from scripts.sweep.plan import DESIGNS, POWERED_LONG_WARM_START, Plan
+from scripts.sweep.rows import append_row, collect, load_rows
+from scripts.sweep.run import warm_starts
 from verl_ext.data.toy.checkpoints import PINNED_WARM_STARTS, warm_start_folder, weights_sha256
 
 #: the package's copy of the warm start powered_long pins (210 scratchpad steps, seed 0)
@@ -66,7 +66,7 @@ def test_a_run_from_other_weights_than_the_pinned_ones_is_refused(tmp_path):
 def test_rows_are_taken_from_the_pinned_weights_whatever_this_machine_builds(tmp_path):
     rows = tmp_path / "rows.csv"
     plan = _plan(warm_start_sha256={"long": "pinned"})
-    from sweep.plan import design_id
+    from scripts.sweep.plan import design_id
 
     for seed, sha in ((0, "pinned"), (1, "this machine")):
         append_row(rows, {"task": "long", "algo": "gepo", "lr": 1e-4, "delay": 0, "seed": seed,
@@ -86,15 +86,14 @@ def test_own_warm_start_counts_a_pinned_designs_cells_from_this_machines_build(t
     import subprocess
     import sys
 
-    from sweep.plan import POWERED_WARM_START, design_id
-    from tests.study.conftest import REPO
+    from scripts.sweep.plan import POWERED_WARM_START, design_id
 
     cache = tmp_path / "cache"  # stays empty: this checkout's warm start is the package's copy
     rows = tmp_path / "rows.csv"
     append_row(rows, {"task": "long", "algo": "gepo", "lr": 5e-5, "delay": 0, "seed": 0,
                       "design_id": design_id(Plan(**DESIGNS["powered"])), "ws_sha256": POWERED_LONG_WARM_START,
                       "steps": 200, "seconds": 1.0, "lq_mean": 0.5})  # fmt: skip
-    cli = [sys.executable, str(REPO / "scripts" / "bench" / "delay_sweep.py"), "--design", "powered", "--algos", "gepo",
+    cli = [sys.executable, "-m", "scripts.bench.delay_sweep", "--design", "powered", "--algos", "gepo",
            "--plan-only", "--cache-dir", str(cache), "--rows", str(rows), "--out", str(tmp_path / "o")]  # fmt: skip
     own = subprocess.run([*cli, "--own-warm-start"], capture_output=True, text=True, timeout=300)
     assert own.returncode == 0, own.stderr[-2000:]
@@ -112,15 +111,14 @@ def test_tables_of_other_weights_are_asked_for_by_their_hash(tmp_path):
     import subprocess
     import sys
 
-    from sweep.plan import design_id
-    from tests.study.conftest import REPO
+    from scripts.sweep.plan import design_id
 
     other = "a" * 64
     rows = tmp_path / "rows.csv"
     append_row(rows, {"task": "long", "algo": "gepo", "lr": 5e-5, "delay": 0, "seed": 0,
                       "design_id": design_id(Plan(**DESIGNS["powered_long"])), "ws_sha256": other, "steps": 600,
                       "seconds": 1.0, "lq_mean": 0.5})  # fmt: skip
-    cli = [sys.executable, str(REPO / "scripts" / "bench" / "delay_sweep.py"), "--design", "powered_long", "--algos",
+    cli = [sys.executable, "-m", "scripts.bench.delay_sweep", "--design", "powered_long", "--algos",
            "gepo", "--lrs", "gepo=5e-5", "--rows", str(rows), "--out", str(tmp_path / "o")]  # fmt: skip
 
     def sweep(*extra):
@@ -138,8 +136,8 @@ def test_a_run_folder_of_other_weights_neither_counts_nor_is_overwritten(tmp_pat
     """A finished run folder records its warm start in DONE: collect counts it only for the same
     weights, and a sweep that finds one of other weights stops, naming it, instead of re-running
     into it or recording it under its own hash."""
-    from sweep.plan import run_dir
-    from sweep.run import Sweep
+    from scripts.sweep.plan import run_dir
+    from scripts.sweep.run import Sweep
     from tests.study.test_sweep_table import _write_run
 
     plan = _plan(warm_start_sha256={"long": "mine"})
@@ -164,9 +162,8 @@ def test_joined_tables_name_each_designs_own_weights(tmp_path):
     import subprocess
     import sys
 
-    from sweep.plan import POWERED_WARM_START, design_id
-    from sweep.rows import rows_warm_start
-    from tests.study.conftest import REPO
+    from scripts.sweep.plan import POWERED_WARM_START, design_id
+    from scripts.sweep.rows import rows_warm_start
 
     assert rows_warm_start(Plan(**DESIGNS["powered_long"]), {"long": "this machine"}) == {"long": POWERED_LONG_WARM_START}
     rows = tmp_path / "rows.csv"
@@ -176,7 +173,7 @@ def test_joined_tables_name_each_designs_own_weights(tmp_path):
                               "design_id": design_id(Plan(**DESIGNS[design])), "ws_sha256": sha, "steps": steps,
                               "seconds": 1.0, "lq_mean": 0.5})  # fmt: skip
     out = tmp_path / "o"
-    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "bench" / "delay_sweep.py"), "--design", "powered",
+    proc = subprocess.run([sys.executable, "-m", "scripts.bench.delay_sweep", "--design", "powered",
                            "--join", "powered_long", "--algos", "gepo", "--lrs", "gepo=5e-5", "--table-only",
                            "--no-figures", "--rows", str(rows), "--out", str(out)],
                           capture_output=True, text=True, timeout=300)  # fmt: skip
@@ -198,15 +195,14 @@ def test_a_joined_design_keeps_its_pin_whatever_the_main_design_pins(tmp_path):
     import subprocess
     import sys
 
-    from sweep.plan import POWERED_WARM_START, design_id
-    from tests.study.conftest import REPO
+    from scripts.sweep.plan import POWERED_WARM_START, design_id
 
     rows = tmp_path / "rows.csv"
     for seed, sha in ((0, POWERED_WARM_START), (1, "another build")):
         append_row(rows, {"task": "long", "algo": "gepo", "lr": 5e-5, "delay": 0, "seed": seed,
                           "design_id": design_id(Plan(**DESIGNS["powered"])), "ws_sha256": sha, "steps": 200,
                           "seconds": 1.0, "lq_mean": 0.5})  # fmt: skip
-    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "bench" / "delay_sweep.py"), "--design", "legacy",
+    proc = subprocess.run([sys.executable, "-m", "scripts.bench.delay_sweep", "--design", "legacy",
                            "--tasks", "long", "--algos", "gepo", "--table-only", "--join", "powered", "--no-figures",
                            "--rows", str(rows), "--out", str(tmp_path / "o")],
                           capture_output=True, text=True, timeout=300)  # fmt: skip

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.wan.wan_scripts import WAN, load
+from tests.wan.wan_scripts import load
 
 
 link = load("link")
@@ -76,7 +76,7 @@ UNPRIVILEGED_COMMANDS = [
 @pytest.mark.parametrize("argv", UNPRIVILEGED_COMMANDS, ids=lambda argv: " ".join(argv[:2]))
 def test_without_privileges_every_command_refuses_and_changes_nothing(argv):
     """A real unprivileged run: drop every capability with setpriv (as root), or run as is (as a user)."""
-    cmd = [sys.executable, str(WAN / argv[0]), *argv[1:]]
+    cmd = [sys.executable, "-m", f"scripts.wan.{argv[0].removesuffix('.py')}", *argv[1:]]  # from the repository root
     if os.geteuid() == 0:
         setpriv = shutil.which("setpriv")
         if not setpriv:
