@@ -92,7 +92,7 @@ def check_no_missing_values(cfg: DictConfig) -> None:
         f"hetero.engine=verl: mandatory value(s) missing ('???') in the composed config: {', '.join(missing)}. "
         "verl's ppo_trainer defaults leave them to a cluster preset: from the repository root pick one "
         f"with `--config-dir configs +verl_preset=<name>` (<name>: {', '.join(presets)}; files in "
-        f"configs/verl_preset/), e.g. `python -m recipe.gepo.main_gepo --config-dir configs "
+        f"configs/verl_preset/), e.g. `python -m {__package__}.main_gepo --config-dir configs "
         f"+verl_preset={example} hetero.engine=verl hetero.dry_run=true`, or set each key on the command "
         f"line ({missing[0]}=...)."
     )

@@ -256,7 +256,7 @@ def make_figures(runs: Sequence[Run], labels: Sequence[str], out: Path, fmt: str
 
 def main(argv: list[str] | None = None) -> int:
     """CLI entry point; returns the exit status (argparse exits 2 on bad arguments)."""
-    parser = argparse.ArgumentParser(prog="python -m recipe.gepo.plot", description=__doc__.split("\n\n")[0],
+    parser = argparse.ArgumentParser(prog=f"python -m {__package__}.plot", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories (metrics.jsonl, config.yaml)")
     parser.add_argument("--out", required=True, type=Path, help="folder for the figures (created)")

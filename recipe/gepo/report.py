@@ -411,7 +411,7 @@ def report_after_failure(run_dir: str | os.PathLike) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """CLI: write the report of each RUN_DIR; print the paths. Exit 2 on a bad RUN_DIR."""
-    parser = argparse.ArgumentParser(prog="python -m recipe.gepo.report", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog=f"python -m {__package__}.report", description=__doc__.split("\n\n")[0])
     parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
     args = parser.parse_args(argv)
     for d in args.run_dirs:
