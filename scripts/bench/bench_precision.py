@@ -19,14 +19,11 @@ One torch thread; ``nice`` it on a shared machine. The toy's 128 groups take abo
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 import numpy as np
 
 REPO = Path(__file__).resolve().parents[2]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
 
 MODELS = {
     "toy": [],

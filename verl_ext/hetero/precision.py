@@ -68,18 +68,21 @@ TOLERANCES: dict[str, Tolerance] = {
                       bias_reference=3e-5, bias_limit=1e-3),
     # bf16 sampler, re-scored in fp32 (or bf16). Honest, max |Δ| a token: 0.18 (toy, CUDA), 0.60 (SmolLM2,
     # CUDA bf16 vs fp32), 0.43 (bf16 vs bf16); mean |Δ| a token 4.6e-3 (toy), 0.033 / 0.037 (SmolLM2,
-    # median over groups) -- GPU_FIRST_RUN.md 3, 4. bench_precision.py (toy, CPU, 128 groups): max 0.15,
-    # largest group mean 0.022 (median 0.004), largest group KL 7.4e-4, largest |mean signed Δ| 0.0092
-    # (median 0.001). A liar reporting q at T=0.7 for draws at T=1.0: mean |Δ| 0.53 a token (SmolLM2, CUDA),
-    # 0.38 (SmolLM2, CPU), group median 0.091 and group KL up to 1.5 (toy, CPU: the per-group bounds refuse
-    # 68% of its groups). group_kl is prime-rl's accepted mean mismatch KL (0.015; 20x the toy's largest
-    # honest group); group_mean_abs 0.15 is 4x SmolLM2's honest median; token_max 2.0 is 3.3x SmolLM2's
-    # largest honest token; reference 0.05 is 1.35x SmolLM2's honest median (2.3x the toy's largest group),
-    # so the limit 0.3 lets groups 0.05 over it through 6 times; bias_reference 0.01 is above the toy's
-    # largest honest |mean signed Δ|, and q lowered by 0.03 a token fails at the 5th checked group (the test's
-    # measurement, tests/recipe/embedded/test_trust_precision_on_cpu.py).
-    "bf16": Tolerance(token_max=2.0, group_mean_abs=0.15, group_kl=0.015, reference=0.05, cusum_limit=0.3,
-                      bias_reference=0.01, bias_limit=0.1),
+    # median over groups) -- GPU_FIRST_RUN.md 3, 4. bench_precision.py on the CPU, toy (128 groups of G=8):
+    # max 0.15, largest group mean 0.022 (median 0.004), largest group KL 7.4e-4, largest |mean signed Δ|
+    # 0.0092 (median 0.001); SmolLM2 (8 groups of G=4, 32 tokens): max 0.31, largest group mean 0.058
+    # (median 0.043), largest group KL 0.0029, largest |mean signed Δ| 0.0091 (median 0.0042). A liar
+    # reporting q at T=0.7 for draws at T=1.0: mean |Δ| 0.53 a token (SmolLM2, CUDA), group median 0.71
+    # (SmolLM2, CPU), 0.091 with group KL up to 1.5 (toy, CPU: the per-group bounds refuse 68% of its
+    # groups). group_kl is prime-rl's accepted mean mismatch KL (0.015; 5x SmolLM2's largest honest group
+    # on the CPU); group_mean_abs 0.15 is 2.6x SmolLM2's largest honest group mean; token_max 2.0 is 3.3x
+    # SmolLM2's largest honest token; reference 0.08 is 1.4x SmolLM2's largest honest group mean and 1.9x
+    # its median (0.05, tried first, was only 0.007 above that median: too thin a margin for honest
+    # SmolLM2 samplers over a long run); bias_reference 0.02 is 2.2x the largest honest |mean
+    # signed Δ| of both models. q lowered by 0.04 a token fails at the 5th checked group (the tiny toy model
+    # of tests/recipe/embedded/test_trust_precision_on_cpu.py).
+    "bf16": Tolerance(token_max=2.0, group_mean_abs=0.15, group_kl=0.015, reference=0.08, cusum_limit=0.3,
+                      bias_reference=0.02, bias_limit=0.1),
 }
 PRECISIONS = tuple(TOLERANCES)
 
