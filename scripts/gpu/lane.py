@@ -66,7 +66,7 @@ PART_NAMES = {
     "f": "verl engine, 3 steps",
 }
 #: seconds each part may take (full, --quick); all of them within --budget-s
-PART_BUDGET_S = {"a": (40, 90), "b": (100, 120), "e": (40, 90), "c": (90, 240), "d": (150, 300), "f": (90, 300)}
+PART_BUDGET_S = {"a": (30, 90), "b": (100, 120), "e": (30, 90), "c": (90, 240), "d": (150, 300), "f": (80, 300)}
 #: the default order: the cheap checks first, the SmolLM2 training (which takes what is left) last
 DEFAULT_ORDER = "a,e,b,c,f,d"
 #: a part is started only with at least this much time left
@@ -283,26 +283,6 @@ def part_b(device: str, quick: bool, emit: Callable[[Row], None], workdir: Path)
     bandwidth = copy_bandwidth(dev, (64 if quick else 1024) * 2**20)
     emit(make_row("b", f"copy bandwidth on {dev}", note="device-to-device copy, bytes read + written",
                   GB_per_s=bandwidth / 1e9))  # fmt: skip
-    gpu_bench = ROOT / "scripts" / "bench" / "bench_losses_gpu.py"
-    t_start = time.time()
-    budget = float(os.environ.get("LANE_PART_BUDGET_S", "60"))
-    if gpu_bench.is_file():
-        # eager and torch.compile'd, the pure losses of the GEPO family against vanilla in the same mode
-        try:
-            for r in _run_gpu_bench(gpu_bench, device, quick, bandwidth):
-                r = dict(r)
-                error = r.pop("error", None)
-                name = f"{r.pop('loss', '?')} B={r.pop('B', '?')} T={r.pop('T', '?')}, eager / compiled"
-                values = {k: float(v) for k, v in r.items()
-                          if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in ("repeats", "bandwidth_tbs")}
-                note = f"bench_losses_gpu.py, {r.get('backend')}, median of {r.get('repeats')}; floor at the copy bandwidth"
-                emit(make_row("b", name, "error" if error else "ok", f"{error}; {note}" if error else note, **values))
-        except (Exception, SystemExit) as exc:  # noqa: BLE001 -- the eager timing below still runs
-            emit(make_row("b", "bench_losses_gpu.py", "error", f"{type(exc).__name__}: {exc}"[:300]))
-    if time.time() - t_start > budget / 2:
-        emit(make_row("b", "every preset's loss through verl's registry, eager", "skipped: budget",
-                      f"{time.time() - t_start:.0f} s of the part's {budget:.0f} s spent"))  # fmt: skip
-        return
     bl = _bench_losses()
     losses = selected_losses(workdir)
     shapes = [(32, 128)] if quick else [(256, 4096), (1024, 8192)]
@@ -333,26 +313,53 @@ def part_b(device: str, quick: bool, emit: Callable[[Row], None], workdir: Path)
                           ms=ms, x_vanilla=ms / base, x_floor=ms / floor_ms))  # fmt: skip
         for row in failed:
             emit(row)
+    gpu_bench = ROOT / "scripts" / "bench" / "bench_losses_gpu.py"
+    if gpu_bench.is_file():
+        # eager and torch.compile'd, the pure losses of the GEPO family against vanilla in the same mode,
+        # in a process of its own, stopped with the time the part has left (compiling takes a while)
+        left = float(os.environ.get("LANE_PART_BUDGET_S", "100")) - (time.time() - START) - 3
+        try:
+            for r in _run_gpu_bench(gpu_bench, device, quick, bandwidth, workdir, left):
+                r = dict(r)
+                error = r.pop("error", None)
+                name = f"{r.pop('loss', '?')} B={r.pop('B', '?')} T={r.pop('T', '?')}, eager / compiled"
+                values = {k: float(v) for k, v in r.items()
+                          if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in ("repeats", "bandwidth_tbs")}
+                note = f"bench_losses_gpu.py, {r.get('backend')}, median of {r.get('repeats')}; floor at the copy bandwidth"
+                emit(make_row("b", name, "error" if error else "ok", f"{error}; {note}" if error else note, **values))
+        except Exception as exc:  # noqa: BLE001 -- the rows above stand
+            emit(make_row("b", "bench_losses_gpu.py", "error", f"{type(exc).__name__}: {exc}"[:400]))
 
 
-def _run_gpu_bench(path: Path, device: str, quick: bool, bandwidth: float) -> list[dict]:
-    """``scripts/bench/bench_losses_gpu.py``'s rows (its ``main(argv) -> rows``), at the measured
-    bandwidth, for the losses of ``--losses`` it has (vanilla always)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("bench_losses_gpu", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    # full: the largest shape only (the issue's target; each shape compiles every loss again)
-    argv = ["--device", device, "--bandwidth-tbs", f"{bandwidth / 1e12:.6g}"] + (["--quick"] if quick else ["--shapes", "1024x8192"])
+def _run_gpu_bench(path: Path, device: str, quick: bool, bandwidth: float, workdir: Path, timeout: float) -> list[dict]:
+    """``scripts/bench/bench_losses_gpu.py``'s rows (its ``--json``), at the measured bandwidth, for
+    the losses of ``--losses`` it has (vanilla always); full sizes: the largest shape only (each
+    shape compiles every loss again)."""
+    if timeout < 5:
+        raise TimeoutError(f"not started: {max(timeout, 0):.0f} s left of the part's budget")
+    out = workdir / "bench_losses_gpu.json"
+    out.unlink(missing_ok=True)
+    cmd = [sys.executable, str(path), "--device", device, "--bandwidth-tbs", f"{bandwidth / 1e12:.6g}", "--json", str(out)]
+    cmd += ["--quick"] if quick else ["--shapes", "1024x8192"]
     wanted = os.environ.get("LANE_LOSSES", "all")
     if wanted != "all":
         picked = {w.strip() for w in wanted.split(",")}
-        argv += ["--losses", ",".join(k for k in module.LOSSES if k == "vanilla" or k in picked)]
-    out = module.main(argv)
-    if not isinstance(out, list) or not all(isinstance(r, dict) for r in out):
-        raise TypeError(f"bench_losses_gpu.py returned {type(out).__name__}, not a list of row dicts")
-    return out
+        import importlib.util
+
+        spec = importlib.util.spec_from_file_location("bench_losses_gpu", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)  # only to read its list of losses
+        cmd += ["--losses", ",".join(k for k in module.LOSSES if k == "vanilla" or k in picked)]
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise TimeoutError(f"bench_losses_gpu.py stopped after the {timeout:.0f} s the part had left") from None
+    if proc.returncode != 0 or not out.is_file():
+        raise RuntimeError(f"bench_losses_gpu.py exit {proc.returncode}: {(proc.stderr or proc.stdout)[-300:]}")
+    rows = json.loads(out.read_text())
+    if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
+        raise TypeError("bench_losses_gpu.py --json holds no list of row dicts")
+    return rows
 
 
 def part_e(device: str, quick: bool, emit: Callable[[Row], None], workdir: Path) -> None:
@@ -466,7 +473,7 @@ def _engine_row(part: str, name: str, run_dir: Path, rc: int, tail: str, wall: f
 
 
 def part_c(device: str, quick: bool, emit: Callable[[Row], None], workdir: Path) -> None:
-    steps, eval_size = (3, 16) if quick else (30, 256)
+    steps, eval_size = (3, 16) if quick else (20, 256)
     budget = float(os.environ.get("LANE_PART_BUDGET_S", "120"))
     runs = [("replay", "fp32", "fp32"), ("async", "fp32", "fp32")] + ([] if quick else [("replay", "bf16", "bf16")])
     for i, (mode, lp, sp) in enumerate(runs):
