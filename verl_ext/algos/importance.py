@@ -182,11 +182,26 @@ def group_expectation_log_weight(
     """
     seq_log_p = sequence_log_prob(log_p, response_mask, reduction)
     if log_denominator is None:
-        if group_index is None:
-            raise ValueError("group_expectation_log_weight needs group_index or log_denominator")
         seq_log_q = sequence_log_prob(log_q.detach(), response_mask, reduction)
-        log_denominator = group_expectation_log_denominator(seq_log_q, group_index)
+        log_denominator = resolve_log_denominator(seq_log_q, group_index, None, "group_expectation_log_weight")
     return seq_log_p - log_denominator.detach()
+
+
+def resolve_log_denominator(
+    seq_log_q: torch.Tensor,
+    group_index: torch.Tensor | None,
+    log_denominator: torch.Tensor | None,
+    caller: str,
+) -> torch.Tensor:
+    """The one rule for where GEPO's denominator log E_q[q] comes from, [B]: ``log_denominator``
+    when given (computed upstream over whole groups, exact when a micro-batch holds partial
+    groups), else estimated from ``seq_log_q`` [B] over the groups of ``group_index`` [B].
+    Raises ValueError naming ``caller`` when neither is given."""
+    if log_denominator is not None:
+        return log_denominator
+    if group_index is None:
+        raise ValueError(f"{caller} needs group_index or log_denominator")
+    return group_expectation_log_denominator(seq_log_q, group_index)
 
 
 def k3_sampler_learner_kl(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:

@@ -133,10 +133,7 @@ def gepo_adaptive_loss_terms(
     ``kl_threshold`` uses the sequence weight p_i / q_i (GSPO's); otherwise GEPO's p_i / E_q[q].
     """
     seq_log_q = iw.sequence_log_prob(log_q.detach(), response_mask, reduction)
-    if log_denominator is None:
-        if group_index is None:
-            raise ValueError("gepo_adaptive needs group_index or log_denominator")
-        log_denominator = iw.group_expectation_log_denominator(seq_log_q, group_index)
+    log_denominator = iw.resolve_log_denominator(seq_log_q, group_index, log_denominator, "gepo_adaptive")
     seq_kl = iw.sequence_log_prob(iw.k3_sampler_learner_kl(log_p.detach(), log_q), response_mask, "mean")
     log_den = torch.where(seq_kl < kl_threshold, seq_log_q, log_denominator.detach())
     log_weight = iw.sequence_log_prob(log_p, response_mask, reduction) - log_den
@@ -168,10 +165,7 @@ def gepo_tr_loss_terms(
     (0, G] (q_i / E_q[q] <= sum_j q_j / max_j q_j). ``weight`` reports c_i r_i = p_i / E_q[q].
     """
     seq_log_q = iw.sequence_log_prob(log_q.detach(), response_mask, reduction)
-    if log_denominator is None:
-        if group_index is None:
-            raise ValueError("gepo_tr needs group_index or log_denominator")
-        log_denominator = iw.group_expectation_log_denominator(seq_log_q, group_index)
+    log_denominator = iw.resolve_log_denominator(seq_log_q, group_index, log_denominator, "gepo_tr")
     seq_log_ratio = iw.sequence_log_prob(log_p, response_mask, reduction) - seq_log_q
     loss_mat, ratio, clipped = clipped_surrogate(seq_log_ratio, advantages, clip_low, clip_high)
     group_factor = torch.exp(seq_log_q - log_denominator.detach())
