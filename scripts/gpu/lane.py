@@ -110,8 +110,11 @@ def install(parts_dir: Path, site: Path, stage: Path) -> list[str]:
                     copied += 1
         log.append(f"group {group}: {sum(p['bytes'] for p in next(g for g in manifest['groups'] if g['group'] == group)['parts']) / 2**20:.1f} MiB, sha256 ok")
     if "code" not in groups:
-        wheels.append(build_project_wheel(ROOT, stage / "code"))
-        log.append("project: built from this checkout")
+        try:
+            wheels.append(build_project_wheel(ROOT, stage / "code"))
+            log.append("project: built from this checkout")
+        except (PackError, OSError) as exc:  # the other wheels are installed all the same
+            log.append(f"project: not installed: building its wheel from {ROOT} failed: {exc}"[:600])
     site.mkdir(parents=True, exist_ok=True)
     if wheels:
         cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",

@@ -194,7 +194,8 @@ def tracked_files(root: Path, tops: Sequence[str]) -> list[Path]:
                              capture_output=True, check=True)  # fmt: skip
         rels = [r for r in out.stdout.decode().split("\0") if r]
     except (OSError, subprocess.CalledProcessError):
-        rels = [str(p.relative_to(root)) for t in tops for p in (root / t).rglob("*") if p.is_file()]
+        rels = [str(p.relative_to(root)) for t in tops
+                for p in ([root / t] if (root / t).is_file() else (root / t).rglob("*")) if p.is_file()]  # fmt: skip
     return [root / r for r in sorted(rels) if (root / r).is_file() and "__pycache__" not in r and not r.endswith(".pyc")]
 
 

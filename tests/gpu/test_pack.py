@@ -125,6 +125,16 @@ def test_code_group_carries_the_project_with_its_entry_points(tmp_path):
     assert "[verl.plugins]" in entry_points and "heterorl = verl_ext.verl_losses" in entry_points
 
 
+def test_tracked_files_outside_a_git_checkout(tmp_path):
+    (tmp_path / "verl_ext" / "sub").mkdir(parents=True)
+    (tmp_path / "verl_ext" / "sub" / "a.py").write_text("")
+    (tmp_path / "verl_ext" / "__pycache__").mkdir()
+    (tmp_path / "verl_ext" / "__pycache__" / "a.cpython-312.pyc").write_bytes(b"")
+    (tmp_path / "pyproject.toml").write_text("")
+    found = pack.tracked_files(tmp_path, ["verl_ext", "pyproject.toml", "README.md"])
+    assert [p.relative_to(tmp_path).as_posix() for p in found] == ["pyproject.toml", "verl_ext/sub/a.py"]
+
+
 def _tiny_wheel(dest: Path) -> Path:
     wheel = dest / "lanetoy-1.0-py3-none-any.whl"
     with zipfile.ZipFile(wheel, "w") as zf:
