@@ -4,15 +4,23 @@ The config is ``config/gepo_trainer.yaml``: verl's ``ppo_trainer`` defaults, an 
 (``algorithm_preset=gepo|grpo|...``), a ``hetero:`` section and a ``task:`` section.
 ``hetero.engine=local`` runs the embedded engine (replay or async mode); ``hetero.engine=verl``
 hands over to verl's trainer on a GPU cluster.
+
+A config the project refuses (:class:`~recipe.gepo.options.ConfigError`: an unknown key, a bad
+value, an option the chosen engine would ignore) ends the command with one line naming the key and
+the value; ``HETERORL_DEBUG=1`` shows the traceback instead.
 """
 
 from __future__ import annotations
 
+import os
+import sys
 from pathlib import Path
 from typing import Any
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
+
+from .options import ConfigError
 
 # the verl engine's cluster presets (``--config-dir configs +verl_preset=<name>``)
 VERL_PRESET_DIR = Path(__file__).resolve().parents[2] / "configs" / "verl_preset"
@@ -27,13 +35,15 @@ def run_local(cfg: DictConfig) -> dict[str, Any]:
     from .embedded.replay import run_replay
     from .embedded.run_utils import MetricLogger
     from .embedded.tasks import resolve_model_path
-    from .report import report_after_failure, write_report
+    from .report import report_after_failure, write_config_notes, write_report
     from verl_ext.hetero.seeding import seed_process
     from verl_ext.rundir import (check_resume_config, latest_checkpoint_step, set_aside_latest_checkpoint,
                                  set_aside_metrics, write_run_config)
     from verl_ext.torch_threads import set_torch_threads
 
     engine = EngineConfig.from_omegaconf(cfg)  # every check, before the warm start or any other work
+    for note in engine.notes:  # options without effect that the study's configs keep: one line each
+        print(f"note: {note}", file=sys.stderr)
     if engine.hetero.dry_run:
         print(OmegaConf.to_yaml(cfg.hetero))
         return {}
@@ -47,6 +57,7 @@ def run_local(cfg: DictConfig) -> dict[str, Any]:
     seed_process(engine.hetero.seed)
     set_torch_threads(2)  # min(2, cores), unless the user set OMP_NUM_THREADS
     write_run_config(settings.run_dir, cfg)
+    write_config_notes(settings.run_dir, engine.notes)  # report.md lists them
     model_path = resolve_model_path(settings.model_path, engine.task, engine.hetero.seed)
     run_mode = {"replay": run_replay, "async": run_async}[engine.hetero.mode]
     logger = MetricLogger(settings.run_dir, settings, cfg)
@@ -61,7 +72,7 @@ def run_local(cfg: DictConfig) -> dict[str, Any]:
     return metrics
 
 
-class MissingValueError(ValueError):
+class MissingValueError(ConfigError):
     """A mandatory (``???``) value is still missing in the composed config; the message names
     every such key and how to set it."""
 
@@ -109,15 +120,32 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         from .verl_engine.runner import run as run_verl
 
         return run_verl(cfg)
-    raise ValueError(f"hetero.engine={engine!r}; expected 'local' or 'verl'")
+    raise ConfigError(f"hetero.engine={engine!r}; expected 'local' or 'verl'")
+
+
+DEBUG_ENV = "HETERORL_DEBUG"
+"""Set to 1 to see the traceback of a refused config (the command line shows one line)."""
+
+
+def refusal(err: ConfigError) -> str:
+    """The command line's text for a refused config: ``error: <message>``."""
+    return f"error: {err}"
+
+
+def run_command(cfg: DictConfig) -> None:
+    """:func:`run` for the command line: a refused config exits with one line (:func:`refusal`),
+    or, under ``HETERORL_DEBUG=1``, raises with its traceback."""
+    try:
+        run(cfg)
+    except ConfigError as err:  # the key and the value on one line, not a traceback
+        if os.environ.get(DEBUG_ENV, "") not in ("", "0"):
+            raise
+        raise SystemExit(refusal(err)) from None
 
 
 @hydra.main(config_path="config", config_name="gepo_trainer", version_base=None)
 def main(cfg: DictConfig) -> None:
-    try:
-        run(cfg)
-    except MissingValueError as err:  # one paragraph on the command line, not a traceback
-        raise SystemExit(f"error: {err}") from None
+    run_command(cfg)
 
 
 if __name__ == "__main__":

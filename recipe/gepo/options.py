@@ -24,6 +24,7 @@ by the section's own validation (``recipe.gepo.sections``).
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import fnmatch
 from typing import Any, Callable, Iterable, Iterator, Optional
 
@@ -102,8 +103,27 @@ def option_fields(cls: type, prefix: str) -> Iterator[tuple[str, dataclasses.Fie
             yield key, f, cls
 
 
-class OptionNotHonoured(ValueError):
+class ConfigError(ValueError):
+    """A config the project refuses at start: one line naming the key and the value. The entry
+    point (``recipe.gepo.main_gepo``) prints it without a traceback unless ``HETERORL_DEBUG=1``."""
+
+
+class OptionNotHonoured(ConfigError):
     """A non-default option value that the chosen runner would silently ignore."""
+
+
+def unknown_key_error(prefix: str, unknown: Iterable[str], known: Iterable[str]) -> ConfigError:
+    """The refusal of keys ``unknown`` under ``prefix`` (a dotted section, "" for the top level),
+    naming each and the closest known key (``difflib``)."""
+    known = sorted(known)
+    parts = []
+    for name in sorted(unknown):
+        key = f"{prefix}.{name}" if prefix else name
+        close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+        parts.append(f"{key}" + (f" (did you mean {prefix + '.' if prefix else ''}{close[0]}?)" if close else ""))
+    where = f"under {prefix}" if prefix else "at the top level"
+    return ConfigError(f"unknown key(s) {', '.join(parts)}: not an option {where} "
+                       f"(known: {', '.join(known[:40])}{', ...' if len(known) > 40 else ''})")  # fmt: skip
 
 
 def _refusal(key: str, value: Any, default: Any, runner: str, honoured: Iterable[str], instead: str) -> str:
@@ -189,16 +209,39 @@ def changed_verl_keys(cfg: Any, defaults: Any) -> list[tuple[str, Any, Any]]:
     return changed
 
 
+EMBEDDED_NOT_HONOURED = {
+    "actor_rollout_ref.actor.policy_loss.group_size":
+        "the embedded engine passes each batch's prompt groups to the loss itself; group_size only forms "
+        "groups where none reach the loss (it follows actor_rollout_ref.rollout.n)",
+    "algorithm.rollout_correction.loss_type": "it is read only by verl's bypass mode, which the embedded engine "
+                                              "does not run",
+    "actor_rollout_ref.actor.policy_loss.rollout_correction": "verl's bypass mode fills it in; the embedded engine "
+                                                             "reads algorithm.rollout_correction",
+    "algorithm.rollout_correction.bypass_mode": "the embedded engine runs verl's decoupled mode only; without "
+                                                "rollout correction its losses already use the sampler's q",
+}  # fmt: skip
+"""verl keys under a pattern of :data:`EMBEDDED_VERL_KEYS` that the embedded engine nevertheless
+does not read, each with what it does instead (quoted in the refusal)."""
+
+
 def embedded_honours(key: str) -> bool:
+    """Whether the embedded engine acts on the verl key ``key``."""
+    if key in EMBEDDED_NOT_HONOURED:
+        return False
     return any(fnmatch.fnmatchcase(key, pattern) for pattern in EMBEDDED_VERL_KEYS)
 
 
 def check_verl_keys(cfg: Any, defaults: Any, runner: str) -> None:
-    """The embedded engine (``runner`` replay or async): refuse every verl key changed from the
-    defaults that it does not act on, naming all of them. The verl engine honours its own keys."""
+    """Every runner: refuse a verl key that verl does not know (:func:`check_known_keys`). The
+    embedded engine (``runner`` replay or async): refuse every verl key changed from the defaults
+    that it does not act on, naming all of them. The verl engine honours its own keys."""
+    check_known_keys(cfg, defaults)
     if runner == VERL:
         return
     refused = [(k, v, d) for k, v, d in changed_verl_keys(cfg, defaults) if not embedded_honours(k)]
+    if len(refused) == 1 and refused[0][0] in EMBEDDED_NOT_HONOURED:
+        key, value, default = refused[0]
+        raise OptionNotHonoured(_refusal(key, value, default, runner, (VERL,), EMBEDDED_NOT_HONOURED[key]))
     if refused:
         listed = "; ".join(f"{k}={v!r} (default {d!r})" for k, v, d in refused[:8])
         more = f" and {len(refused) - 8} more" if len(refused) > 8 else ""
@@ -207,6 +250,203 @@ def check_verl_keys(cfg: Any, defaults: Any, runner: str) -> None:
             f"verl keys listed in recipe/gepo/options.py EMBEDDED_VERL_KEYS; these are honoured by "
             f"{RUNNER_NAMES[VERL]}. Leave them at their defaults or use the verl engine."
         )
+
+
+# ------------------------------------------------------------------------------ unknown keys
+
+
+def _schema_fields(node: dict) -> set[str]:
+    """The field names of the verl (or project) dataclass a config node's ``_target_`` names."""
+    import importlib
+
+    target = node.get("_target_")
+    if not isinstance(target, str) or "." not in target:
+        return set()
+    module, _, name = target.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError):
+        return set()
+    return {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set()
+
+
+FREE_FORM_SECTIONS = ("ray_kwargs", "reward.custom_reward_function")
+"""verl sections whose keys are passed on as keyword arguments (``ray.init``, a custom reward
+function's ``reward_kwargs``): any key is accepted there, as in the sections empty in the defaults."""
+
+
+def unknown_verl_keys(cfg: Any, defaults: Any) -> list[tuple[str, str, set[str]]]:
+    """``(key, section, known names there)`` for every verl leaf key of ``cfg`` that verl does
+    not know: a key added (``+section.key=...``) under a section of the composed defaults
+    (``defaults``: ``gepo_trainer.yaml`` composed without overrides) that does not have it, and
+    whose dataclass (the section's ``_target_``, in the defaults or as composed: a preset may
+    switch it, e.g. to Megatron's) has no such field either. Free-form sections take any key:
+    those empty or null in the defaults (``model.override_config``, ``engine_kwargs.vllm``, ...)
+    and :data:`FREE_FORM_SECTIONS`."""
+    from omegaconf import OmegaConf
+
+    base = OmegaConf.to_container(defaults, resolve=False)
+    mine = OmegaConf.to_container(cfg, resolve=False)
+    unknown = []
+    for key, _ in config_leaves(mine, skip=NOT_OPTIONS):
+        parts = key.split(".")
+        if parts[0] in PROJECT_SECTIONS:
+            continue
+        node: Any = base
+        for depth, part in enumerate(parts):
+            if isinstance(node, dict) and part in node:
+                node = node[part]
+                continue
+            section = ".".join(parts[:depth])
+            free = any(section == f or section.startswith(f + ".") for f in FREE_FORM_SECTIONS)
+            if isinstance(node, dict) and node and not free:
+                composed = OmegaConf.select(cfg, section, default=None) if section else None
+                composed = OmegaConf.to_container(composed, resolve=False) if OmegaConf.is_dict(composed) else {}
+                names = {k for k in node if k not in NOT_OPTIONS} | _schema_fields(node) | _schema_fields(composed)
+                if part not in names:
+                    unknown.append((key, section, names))
+            break
+    return unknown
+
+
+def check_known_keys(cfg: Any, defaults: Any) -> None:
+    """Refuse (:class:`ConfigError`) verl keys verl does not know (:func:`unknown_verl_keys`),
+    naming each and the closest known key."""
+    unknown = unknown_verl_keys(cfg, defaults)
+    if unknown:
+        key, section, names = unknown[0]
+        name = key[len(section) + 1:] if section else key
+        raise unknown_key_error(section, [name.split(".")[0]], names)
+
+
+# ------------------------------------------------------------------------------ dependent options
+
+
+@dataclasses.dataclass(frozen=True)
+class Dependency:
+    """An option read only in some settings of another key: ``key`` set away from its default is
+    refused (or, with ``report``, reported) while ``inert(get)`` is true, where ``get(dotted key)``
+    returns the composed config's resolved value."""
+
+    key: str
+    on: str
+    """The key whose value decides whether ``key`` is read (named in the refusal with its value)."""
+    inert: Callable[[Callable[[str], Any]], bool]
+    why: str
+    """What leaves ``key`` without effect (quoted in the refusal)."""
+    runners: tuple[str, ...] = RUNNERS
+    report: str = ""
+    """Why the study keeps it (an algorithm preset, a script that passes it to every run): then it is
+    reported in one line at start and in report.md instead of refused."""
+
+
+_ACTOR = "actor_rollout_ref.actor"
+_LOSS_MODE = f"{_ACTOR}.policy_loss.loss_mode"
+_RC = "algorithm.rollout_correction"
+# the loss modes that read the clip range (verl's core_algos, verl_ext.verl_losses)
+_CLIP_READERS = ("vanilla", "dppo_tv", "dppo_kl", "gspo", "clip_cov", "geo_mean", "cispo",
+                 "gepo", "gepo_adaptive", "gepo_tr", "gepo_tc", "eqp", "delta_l")  # fmt: skip
+_DUAL_CLIP_READERS = ("vanilla", "dppo_tv", "dppo_kl")
+
+
+def _loss_reads(*modes: str) -> Callable[[Callable[[str], Any]], bool]:
+    return lambda get: get(_LOSS_MODE) not in modes
+
+
+def _shipped_warm_start(get: Callable[[str], Any]) -> bool:
+    """The toy task's model is a warm start shipped with the package (``task.cache_dir`` unread)."""
+    if get("task.name") != "toy_addition" or get("actor_rollout_ref.model.path"):
+        return False
+    from verl_ext.data.toy.checkpoints import PINNED_WARM_STARTS, WARM_START_INFO, warm_start_folder
+
+    folder = warm_start_folder(".", digits=int(get("task.digits")), steps=get("task.warm_start_steps"),
+                               seed=int(get("hetero.seed")), answer_format=str(get("task.answer_format")))  # fmt: skip
+    return (PINNED_WARM_STARTS / folder.name / WARM_START_INFO).is_file()
+
+
+def _no_logger(get: Callable[[str], Any]) -> bool:
+    backends = get("trainer.logger") or []
+    backends = [backends] if isinstance(backends, str) else list(backends)
+    return all(b == "console" for b in backends)
+
+
+DEPENDENCIES: tuple[Dependency, ...] = (
+    Dependency(f"{_ACTOR}.clip_ratio", f"{_ACTOR}.clip_ratio_low",
+               lambda get: (get(f"{_ACTOR}.clip_ratio_low") is not None and get(f"{_ACTOR}.clip_ratio_high") is not None)
+               or get(_LOSS_MODE) not in _CLIP_READERS,
+               "clip_ratio is only the fallback of clip_ratio_low / clip_ratio_high, and both are set "
+               "(or the loss reads no clip range)", report="the algorithm presets gmpo and gspo set it"),
+    Dependency(f"{_ACTOR}.clip_ratio_low", _LOSS_MODE, _loss_reads(*_CLIP_READERS), "this loss reads no clip range"),
+    Dependency(f"{_ACTOR}.clip_ratio_high", _LOSS_MODE, _loss_reads(*_CLIP_READERS), "this loss reads no clip range"),
+    Dependency(f"{_ACTOR}.clip_ratio_c", _LOSS_MODE, _loss_reads(*_DUAL_CLIP_READERS),
+               f"the dual clip is read only by loss_mode {' / '.join(_DUAL_CLIP_READERS)}"),
+    *(Dependency(f"{_ACTOR}.policy_loss.{name}", _LOSS_MODE, _loss_reads("clip_cov"), "read only by loss_mode clip_cov")
+      for name in ("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub")),
+    *(Dependency(f"{_ACTOR}.policy_loss.{name}", _LOSS_MODE, _loss_reads("kl_cov"), "read only by loss_mode kl_cov")
+      for name in ("kl_cov_ratio", "ppo_kl_coef")),
+    Dependency(f"{_ACTOR}.policy_loss.dro_beta", _LOSS_MODE, _loss_reads("dro"), "read only by loss_mode dro"),
+    *(Dependency(f"{_ACTOR}.{name}", _LOSS_MODE, _loss_reads("sapo"), "read only by loss_mode sapo")
+      for name in ("tau_pos", "tau_neg")),
+    Dependency(f"{_ACTOR}.loss_scale_factor", f"{_ACTOR}.loss_agg_mode",
+               lambda get: get(f"{_ACTOR}.loss_agg_mode") != "seq-mean-token-sum-norm" and get(_LOSS_MODE) != "delta_l",
+               "read only by loss_agg_mode=seq-mean-token-sum-norm and loss_mode delta_l"),
+    *(Dependency(f"{_ACTOR}.{name}", f"{_ACTOR}.use_kl_loss", lambda get: not get(f"{_ACTOR}.use_kl_loss"),
+                 "the KL-to-reference term is off") for name in ("kl_loss_coef", "kl_loss_type")),
+    *(Dependency(f"{_RC}.{name}", f"{_RC}.rollout_is", lambda get: get(f"{_RC}.rollout_is") in (None, "", "null"),
+                 "no IS weight is computed") for name in ("rollout_is_threshold", "rollout_is_batch_normalize")),
+    Dependency(f"{_RC}.rollout_rs_threshold", f"{_RC}.rollout_rs",
+               lambda get: get(f"{_RC}.rollout_rs") in (None, "", "null"), "no rejection sampling"),
+    Dependency("trainer.project_name", "trainer.logger", _no_logger,
+               "only a Tracking backend (tensorboard, wandb, ...) is told the project name", runners=EMBEDDED),
+    Dependency("task.cache_dir", "task.warm_start_steps", _shipped_warm_start,
+               "the toy model is the warm start shipped with the package (task.digits, answer_format, "
+               "warm_start_steps and hetero.seed at the shipped settings), read from the package", runners=EMBEDDED,
+               report="the study's scripts pass it to every run, shipped warm start or not"),
+    Dependency("hetero.max_delta_chain", "hetero.weight_sync", lambda get: get("hetero.weight_sync") != "delta",
+               "samplers apply deltas only under weight_sync=delta"),
+    Dependency("hetero.trust.divergence_window", "hetero.trust.max_divergence",
+               lambda get: not get("hetero.trust.max_divergence"), "the divergence bound is off"),
+)  # fmt: skip
+"""Every option read only in some settings of another key, in one place (checked by
+:func:`check_dependencies`). The project's own loss options are checked by their config
+(``verl_ext.loss_config.LOSS_SPECIFIC_OPTIONS``), a delay model's and a task's fields by their
+section (``recipe.gepo.sections``)."""
+
+
+def inert_options(cfg: Any, defaults: Any, runner: str) -> list[tuple[Dependency, Any, Any, Any]]:
+    """``(dependency, value, default, value of dependency.on)`` for every option of
+    :data:`DEPENDENCIES` that ``runner`` would read, set away from its default in ``cfg`` while the
+    key it depends on leaves it without effect."""
+    from omegaconf import OmegaConf
+
+    def getter(config: Any) -> Callable[[str], Any]:
+        return lambda key: OmegaConf.select(config, key, default=None)
+
+    get, get_default = getter(cfg), getter(defaults)
+    found = []
+    for dep in DEPENDENCIES:
+        if runner not in dep.runners:
+            continue
+        value, default = get(dep.key), get_default(dep.key)
+        if value != default and dep.inert(get):
+            found.append((dep, value, default, get(dep.on)))
+    return found
+
+
+def _inert_text(dep: Dependency, value: Any, default: Any, on_value: Any) -> str:
+    return f"{dep.key}={value!r} has no effect with {dep.on}={on_value!r} ({dep.why}); its default is {default!r}"
+
+
+def check_dependencies(cfg: Any, defaults: Any, runner: str) -> list[str]:
+    """Refuse (:class:`ConfigError`, naming both keys) the first option of :data:`DEPENDENCIES` set
+    away from its default while the key it depends on leaves it without effect; returns one line
+    for each such option the study's presets keep (``report``), for the run to print and report."""
+    notes = []
+    for dep, value, default, on_value in inert_options(cfg, defaults, runner):
+        if not dep.report:
+            raise ConfigError(_inert_text(dep, value, default, on_value) + f": leave it at its default or change {dep.on}")
+        notes.append(_inert_text(dep, value, default, on_value) + f" (not refused: {dep.report})")
+    return notes
 
 
 def default_config(config_dir: Optional[str] = None) -> Any:

@@ -44,6 +44,9 @@ from verl_ext.rundir import (  # noqa: F401 -- CONFIG_FILE, METRICS_FILE, read_r
 )
 
 REPORT_FILE = "report.md"
+CONFIG_NOTES_FILE = "config_notes.txt"
+"""Options of the run that had no effect and were reported, not refused (one a line; written at
+start by the engines, listed in report.md's notes)."""
 CURVES_FILE = "curves.png"
 
 EVAL_MEAN = "eval/acc_mean"
@@ -316,8 +319,25 @@ def _at(v: Any, step: Any) -> str:
     return "n/a" if step is None else f"{_fmt(v)} (step {step})"
 
 
-def render_markdown(summary: dict[str, Any], df: pd.DataFrame, curves_name: str = CURVES_FILE) -> str:
-    """``report.md`` text for ``summary`` (from :func:`summarize`) and its metrics frame."""
+def write_config_notes(run_dir: str | os.PathLike, notes: list[str]) -> None:
+    """Keep ``notes`` (:func:`recipe.gepo.options.check_dependencies`) in the run directory for
+    report.md; none: no file (a fresh run removes an earlier run's)."""
+    path = Path(run_dir) / CONFIG_NOTES_FILE
+    if notes:
+        path.write_text("".join(f"{n}\n" for n in notes), encoding="utf-8")
+    elif path.exists():
+        path.unlink()
+
+
+def read_config_notes(run_dir: str | os.PathLike) -> list[str]:
+    path = Path(run_dir) / CONFIG_NOTES_FILE
+    return [line for line in path.read_text(encoding="utf-8").splitlines() if line] if path.is_file() else []
+
+
+def render_markdown(summary: dict[str, Any], df: pd.DataFrame, curves_name: str = CURVES_FILE,
+                    config_notes: list[str] = ()) -> str:
+    """``report.md`` text for ``summary`` (from :func:`summarize`) and its metrics frame;
+    ``config_notes``: options without effect that the run kept (:data:`CONFIG_NOTES_FILE`)."""
     s = summary
     name = Path(s["run_dir"]).name
     step_range = "" if s["first_step"] is None else f" (step {s['first_step']} to {s['last_step']})"
@@ -362,7 +382,7 @@ def render_markdown(summary: dict[str, Any], df: pd.DataFrame, curves_name: str 
         missing.append("eval/... accuracy")
     if staleness_histogram(df) is None:
         missing.append("hetero/staleness_hist/<k>")
-    notes = []
+    notes = [f"No effect: `{n}`." for n in config_notes]
     if missing:
         notes.append("Not logged (shown as n/a): " + ", ".join(f"`{m}`" for m in missing) + ".")
     inf = {c: int(np.isinf(df[c].to_numpy(dtype="float64")).sum()) for c in df.columns if c != "step"}
@@ -391,7 +411,8 @@ def write_report(run_dir: str | os.PathLike, out_dir: str | os.PathLike | None =
                          summary=summary)
     md = out / REPORT_FILE
     tmp = md.with_name(f".{md.name}.tmp")
-    tmp.write_text(render_markdown(summary, run.metrics, curves.name), encoding="utf-8")
+    tmp.write_text(render_markdown(summary, run.metrics, curves.name, read_config_notes(run.run_dir)),
+                   encoding="utf-8")
     os.replace(tmp, md)
     return md, curves
 

@@ -21,7 +21,7 @@ from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
-from .options import ASYNC, EMBEDDED, EVERYWHERE, REPLAY, VERL, field_default, option
+from .options import ASYNC, EMBEDDED, EVERYWHERE, REPLAY, VERL, field_default, option, unknown_key_error
 
 ENGINES = ("local", "verl")
 MODES = ("replay", "async")
@@ -205,13 +205,16 @@ class HeteroConfig:
     (``verl_ext.hetero.delay.DelaySchedule``) turns it into delays in every engine and mode."""
     max_delay: int = option(8, honoured_by=EVERYWHERE)
     """Staleness bound: the learner at version v trains only on groups from versions >= v - max_delay."""
-    stale_policy: str = option("drop", honoured_by=EVERYWHERE)
+    stale_policy: str = option("drop", honoured_by=(ASYNC, VERL), instead={
+        REPLAY: "replay mode caps each drawn staleness at max_delay, which is what waiting for a group means "
+                "there: no replay group is ever stale, and drop and wait give the same run",
+    })
     """Groups past the bound: drop (counted in hetero/dropped) or wait. async: under wait, samplers
     announce each group before generating it and the learner does not step past the version that
     would make an announced group stale until it arrives (or wait_timeout_s passes: then it fails
-    naming the group); a dead sampler's announcements are withdrawn when it is restarted. replay:
-    the drawn staleness is capped at max_delay, which is what waiting for that group means there,
-    so no replay group is ever stale and drop and wait give the same run."""
+    naming the group); a dead sampler's announcements are withdrawn when it is restarted. verl:
+    verl's ``trainer.v1.sampler.max_off_policy_strategy``. replay mode refuses wait: it caps the
+    drawn staleness at max_delay, so no replay group is ever stale."""
     wait_timeout_s: float = option(600.0, honoured_by=(ASYNC,), instead={
         REPLAY: "replay mode generates each batch in-process and never waits",
         VERL: "verl's wait strategy has no timeout",
@@ -364,7 +367,13 @@ class HeteroConfig:
     dry_run: bool = option(False, honoured_by=EVERYWHERE)
     """Validate the config, print the plan and exit without running."""
     seed: int = option(0, honoured_by=EVERYWHERE)
-    """Root seed: model init, data order, delay draws (one independent stream per sampler)."""
+    """Root seed. Both engines: the delay draws (one independent stream per sampler) and the toy
+    task's data and warm start (a built one; the shipped warm starts are seed 0's). The embedded
+    engine also: the prompt order of either task, every sampling draw (replay: per step; async: per
+    sampler and batch), the trust checks' draws, the E[A] diagnostic's samples and the driver's
+    torch generator. The verl engine seeds nothing else: verl's own keys do (the data order
+    ``actor_rollout_ref.actor.data_loader_seed``, vLLM ``actor_rollout_ref.rollout.seed``); the
+    model starts from its checkpoint in both engines."""
 
     def __post_init__(self):
         if isinstance(self.delay, dict):
@@ -459,17 +468,17 @@ class HeteroConfig:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
-            raise ValueError(f"unknown hetero keys {unknown}; known: {sorted(known)}")
+            raise unknown_key_error("hetero", unknown, known)
         delay = data.pop("delay", {}) or {}
         known_delay = {f.name for f in fields(DelayConfig)}
         unknown_delay = sorted(set(delay) - known_delay)
         if unknown_delay:
-            raise ValueError(f"unknown hetero.delay keys {unknown_delay}; known: {sorted(known_delay)}")
+            raise unknown_key_error("hetero.delay", unknown_delay, known_delay)
         trust = data.pop("trust", {}) or {}
         known_trust = {f.name for f in fields(TrustConfig)}
         unknown_trust = sorted(set(trust) - known_trust)
         if unknown_trust:
-            raise ValueError(f"unknown hetero.trust keys {unknown_trust}; known: {sorted(known_trust)}")
+            raise unknown_key_error("hetero.trust", unknown_trust, known_trust)
         return cls(delay=DelayConfig(**delay), trust=TrustConfig(**trust), **data)
 
     def to_dict(self) -> dict[str, Any]:
@@ -579,6 +588,9 @@ class TaskConfig:
         for key in ("dataset_options", "eval_dataset_options"):  # `key: null` in YAML = no options
             if data.get(key, {}) is None:
                 data[key] = {}
+        known = {f.name for f in fields(cls)}
+        if set(data) - known:
+            raise unknown_key_error("task", set(data) - known, known)
         return cls(**data)
 
     def check_files(self) -> None:
@@ -637,7 +649,7 @@ class VerlEngineConfig:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
-            raise ValueError(f"unknown verl_engine keys {unknown}; known: {sorted(known)}")
+            raise unknown_key_error("verl_engine", unknown, known)
         return cls(**data)
 
     def to_dict(self) -> dict[str, Any]:

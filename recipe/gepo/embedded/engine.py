@@ -15,7 +15,8 @@ from omegaconf import DictConfig
 
 from .placement import check_device
 from .run_utils import RunSettings
-from ..options import check_section, check_verl_keys, default_config, runner_of
+from ..options import (ConfigError, check_dependencies, check_known_keys, check_section, check_verl_keys,
+                       default_config, runner_of)
 from ..sections import HeteroConfig, TaskConfig, VerlEngineConfig
 from verl_ext.hetero.records import RolloutGroup
 
@@ -34,6 +35,8 @@ class EngineConfig:
     """verl ``ActorConfig`` (``actor_rollout_ref.actor``): loss, optimiser, clip."""
     algorithm: Any
     """verl ``AlgoConfig`` (``algorithm``): advantage estimator, rollout correction."""
+    notes: list[str] = field(default_factory=list)
+    """Options without effect that are reported, not refused (:func:`recipe.gepo.options.check_dependencies`)."""
 
     @property
     def runner(self) -> str:
@@ -45,9 +48,21 @@ class EngineConfig:
         """Build and validate from the composed config (``defaults``: ``gepo_trainer.yaml``
         composed without overrides, what verl keys are compared with; composed if not given).
 
-        Raises ValueError naming the key: a bad value, a loss or estimator verl does not know, an
-        option the chosen mode would not honour (:mod:`recipe.gepo.options`), a CUDA device this
-        machine does not have, a data file that cannot be read."""
+        Raises :class:`~recipe.gepo.options.ConfigError` (a ValueError) naming the key: an unknown
+        key, a bad value, a loss or estimator verl does not know, an option the chosen mode would
+        not honour or that another key leaves without effect (:mod:`recipe.gepo.options`), a CUDA
+        device this machine does not have, a data file that cannot be read."""
+        defaults = defaults if defaults is not None else default_config()
+        check_known_keys(cfg, defaults)  # before verl's dataclasses meet an unknown field
+        try:
+            return cls._validated(cfg, defaults)
+        except ConfigError:
+            raise
+        except ValueError as err:  # the sections' and verl's validators: a one-line config error too
+            raise ConfigError(str(err)) from err
+
+    @classmethod
+    def _validated(cls, cfg: DictConfig, defaults: DictConfig) -> "EngineConfig":
         from verl.utils.config import omega_conf_to_dataclass
 
         from verl_ext.loss_bridge import rollout_correction_settings
@@ -72,7 +87,8 @@ class EngineConfig:
         check_device(engine.hetero.device)  # hetero.device=cuda where there is no CUDA
         check_section(engine.task, "task", engine.runner)
         check_section(VerlEngineConfig.from_config(cfg), "verl_engine", engine.runner)
-        check_verl_keys(cfg, defaults if defaults is not None else default_config(), engine.runner)
+        check_verl_keys(cfg, defaults, engine.runner)
+        engine.notes = check_dependencies(cfg, defaults, engine.runner)
         rollout_correction_settings(engine.algorithm)  # names a value the learner cannot do
         engine.task.check_files()
         return engine

@@ -12,7 +12,8 @@ run continues exactly where the interrupted one was.
 ``hetero.stale_policy``: the cap is the emulation of a learner that never trains past the bound,
 so no replay group is ever stale: ``drop`` has nothing to drop, and ``wait`` (wait for the group
 that would otherwise go stale) is what the cap already does -- the learner trains on the version
-exactly ``max_delay`` behind instead of a later, fresher one. Both policies give the same run.
+exactly ``max_delay`` behind instead of a later, fresher one. Both policies would give the same
+run, so replay mode refuses ``wait`` (``recipe.gepo.sections.HeteroConfig.stale_policy``).
 """
 
 from __future__ import annotations

@@ -26,13 +26,13 @@ trainer re-checks the loss mode before every update (:func:`check_loss_mode_unch
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from ..sections import HeteroConfig, TaskConfig, VerlEngineConfig, changed_fields
-from ..options import VERL, check_section
+from ..options import VERL, ConfigError, check_dependencies, check_section, check_verl_keys, default_config
 from .batch_rules import verl_threshold
 
 # ---------------------------------------------------------------------------- names in verl's registries
@@ -103,7 +103,7 @@ def check_loss_mode_unchanged(expected: str, actor_cfg: Any) -> None:
 ROLLOUT_BACKENDS = ("vllm", "sglang", "hf_cpu")  # hf_cpu: verl_ext/cpu (CPU machines)
 
 
-class VerlEngineConfigError(ValueError):
+class VerlEngineConfigError(ConfigError):
     """The composed config cannot run on the verl engine; the message names the key."""
 
 
@@ -119,6 +119,8 @@ class Validated:
     algorithm: Any  # verl AlgoConfig
     use_reference_policy: bool
     use_critic: bool
+    notes: list[str] = field(default_factory=list)
+    """Options without effect that are reported, not refused (:func:`recipe.gepo.options.check_dependencies`)."""
 
 
 def _fail(message: str) -> None:
@@ -227,8 +229,22 @@ def check_megatron_stack(cfg: DictConfig) -> None:
 
 
 def validate(cfg: DictConfig) -> Validated:
-    """Check everything the verl engine needs; raise :class:`VerlEngineConfigError` (or verl's /
-    HeteroConfig's own ValueError) naming the first bad key."""
+    """Check everything the verl engine needs; raise :class:`~recipe.gepo.options.ConfigError`
+    (:class:`VerlEngineConfigError`, or the sections' and verl's own ValueError as one) naming the
+    first bad key: an unknown key (``+trainer.total_training_step``) before verl's dataclasses see it."""
+    defaults = default_config()
+    check_verl_keys(cfg, defaults, VERL)  # unknown keys
+    try:
+        validated = _validate(cfg)
+    except ConfigError:
+        raise
+    except ValueError as err:
+        raise ConfigError(str(err)) from err
+    validated.notes = check_dependencies(cfg, defaults, VERL)
+    return validated
+
+
+def _validate(cfg: DictConfig) -> Validated:
     from verl.trainer.ppo.utils import need_critic, need_reference_policy
     from verl.utils.config import omega_conf_to_dataclass, validate_config
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 
 import os
+import sys
 import re
 from pathlib import Path
 from typing import Any
@@ -129,6 +130,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     """Validate, then dry-run (``hetero.dry_run=true``: print the plan, return ``{"plan": text}``)
     or train on the Ray cluster (returns ``{}`` when verl's loop ends)."""
     validated = validate(cfg)
+    for note in validated.notes:  # options without effect that the study's configs keep: one line each
+        print(f"note: {note}", file=sys.stderr)
     if validated.hetero.dry_run:
         text = render(validated)
         print(text)
@@ -138,7 +141,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     from verl.utils.checkpoint.checkpoint_manager import get_checkpoint_tracker_filename
     from verl.utils.device import auto_set_device
 
-    from ..report import report_after_failure, write_report
+    from ..report import report_after_failure, write_config_notes, write_report
     from verl_ext.rundir import check_resume_config, write_run_config
 
     settings = engine_settings(resolve_task_files(cfg), ray_address=os.environ.get("RAY_ADDRESS"))
@@ -149,6 +152,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     if str(settings.trainer.resume_mode) == "auto" and Path(get_checkpoint_tracker_filename(str(run_dir))).is_file():
         check_resume_config(run_dir, settings)  # verl resumes the directory's checkpoint: the same run only
     write_run_config(run_dir, settings)  # what report.md reads (algorithm, delay, ...), as the embedded engine
+    write_config_notes(run_dir, validated.notes)
     try:
         run_ppo(settings, task_runner_class=task_runner_class())
     except BaseException:

@@ -6,7 +6,8 @@ after ``hetero.wait_timeout_s`` naming it; announcements of a dead sampler are w
 learner and sampler are the engine's own classes in-process (no Ray), over a real fs exchange.
 
 Replay: the drawn staleness is capped at the bound, which is what waiting for the group at the
-edge means there, so no group is ever stale and ``wait`` gives exactly the run ``drop`` gives.
+edge means there, so no group is ever stale; ``wait`` would give exactly the run ``drop`` gives and
+is refused there.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from recipe.gepo.embedded.learner_actor import LearnerWorker
 from recipe.gepo.embedded.sampler import SamplerWorker
 from recipe.gepo.embedded.engine import EngineConfig
 from recipe.gepo.main_gepo import run
+from recipe.gepo.options import OptionNotHonoured
 from verl_ext.hetero.auth import SamplerKey
 from verl_ext.hetero.buffer import BufferTimeout
 from verl_ext.hetero.exchange import send_group
@@ -148,16 +150,14 @@ def test_async_sampler_announces_its_groups_only_under_wait(tiny_cfg, tmp_path):
         learner.shutdown()
 
 
-def test_replay_wait_is_the_capped_draw_same_run_as_drop(tiny_cfg, tmp_path):
-    runs = {}
-    for policy in ("drop", "wait"):
-        cfg = tiny_cfg(tmp_path / policy, "hetero.mode=replay", "hetero.max_delay=2", "hetero.delay.low=2",
-                       "hetero.delay.high=9", f"hetero.stale_policy={policy}", "trainer.total_training_steps=4",
-                       "trainer.test_freq=0")  # fmt: skip
-        run(cfg)
-        runs[policy] = [{k: v for k, v in line.items() if not k.startswith(("perf/", "hetero/wait_s"))}
-                        for line in read_metrics(tmp_path / policy)]  # fmt: skip
-    assert runs["wait"] == runs["drop"]
-    steps = train_lines(runs["wait"])
+def test_replay_caps_the_draw_and_refuses_wait(tiny_cfg, tmp_path):
+    """Replay's capped draw is what waiting means there, so wait would give drop's run: refused."""
+    overrides = ("hetero.mode=replay", "hetero.max_delay=2", "hetero.delay.low=2", "hetero.delay.high=9",
+                 "trainer.total_training_steps=4", "trainer.test_freq=0")  # fmt: skip
+    with pytest.raises(OptionNotHonoured, match=r"hetero.stale_policy='wait' is not honoured by .*mode=replay"):
+        run(tiny_cfg(tmp_path / "wait", *overrides, "hetero.stale_policy=wait"))
+    assert not (tmp_path / "wait").exists()
+    run(tiny_cfg(tmp_path / "drop", *overrides))
+    steps = train_lines(read_metrics(tmp_path / "drop"))
     assert max(line["hetero/staleness_max"] for line in steps) == 2  # draws past the bound sit at it
     assert all(line["hetero/dropped"] == 0 and line["hetero/expected"] == 0 for line in steps)
