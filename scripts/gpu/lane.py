@@ -6,8 +6,9 @@
 
 Install (only with ``--parts-dir``, which holds ``manifest.json`` and the parts of
 ``scripts/gpu/pack.py``): every part's size and sha256 checked, each group re-joined and unpacked,
-its wheels installed with ``pip install --no-index --no-deps --target --site`` (the project itself
-too: from the code group's wheel, or built from this checkout when the manifest has no code group),
+its wheels installed with ``pip install --no-index --no-deps --target --site`` (the project from the
+code group's wheel; without one, the checkout the lane runs from, with the project's entry points
+written into ``--site``),
 and ``--site`` put first on ``sys.path`` and on ``PYTHONPATH`` (for the parts' processes and Ray's
 workers). Without ``--parts-dir`` the lane uses the Python it runs in; with ``--no-install`` it also uses
 ``--site`` as an earlier run left it (a rerun on a machine still warm).
@@ -88,7 +89,7 @@ def make_row(part: str, name: str, status: str = "ok", note: str = "", **values:
 def install(parts_dir: Path, site: Path, stage: Path) -> list[str]:
     """Install the packed groups of ``parts_dir`` into ``site``; lines saying what was done."""
     sys.path.insert(0, str(HERE))
-    from pack import PackError, build_project_wheel, rejoin  # noqa: E402  (this folder's packer)
+    from pack import PackError, rejoin, write_project_metadata  # noqa: E402  (this folder's packer)
 
     manifest = json.loads((parts_dir / "manifest.json").read_text())
     log, wheels, copied = [], [], 0
@@ -109,12 +110,12 @@ def install(parts_dir: Path, site: Path, stage: Path) -> list[str]:
                     shutil.copyfile(src, dst)
                     copied += 1
         log.append(f"group {group}: {sum(p['bytes'] for p in next(g for g in manifest['groups'] if g['group'] == group)['parts']) / 2**20:.1f} MiB, sha256 ok")
+    site.mkdir(parents=True, exist_ok=True)
     if "code" not in groups:
-        try:
-            wheels.append(build_project_wheel(ROOT, stage / "code"))
-            log.append("project: built from this checkout")
-        except (PackError, OSError) as exc:  # the other wheels are installed all the same
-            log.append(f"project: not installed: building its wheel from {ROOT} failed: {exc}"[:600])
+        # the project's code is this checkout (on the path through PYTHONPATH): only its metadata,
+        # for the entry points verl loads the project's plugins from
+        info = write_project_metadata(ROOT, site)
+        log.append(f"project: this checkout, its entry points in {info.name}")
     site.mkdir(parents=True, exist_ok=True)
     if wheels:
         cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",

@@ -216,6 +216,24 @@ def build_project_wheel(root: Path, dest: Path) -> Path:
     return wheels[-1]
 
 
+def write_project_metadata(root: Path, site: Path) -> Path:
+    """``heterorl-<version>.dist-info`` in ``site`` with the project's entry points, read from its
+    pyproject.toml (standard library only): with ``root`` on the path, verl then loads the project's
+    plugins (``verl.plugins``) without a wheel being built -- which would need setuptools."""
+    import tomllib
+
+    project = tomllib.loads((root / "pyproject.toml").read_text())["project"]
+    info = site / f"{project['name']}-{project['version']}.dist-info"
+    info.mkdir(parents=True, exist_ok=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {project['name']}\nVersion: {project['version']}\n")
+    groups = project.get("entry-points", {})
+    text = "".join(f"[{group}]\n" + "".join(f"{k} = {v}\n" for k, v in eps.items()) + "\n" for group, eps in groups.items())
+    (info / "entry_points.txt").write_text(text)
+    (info / "INSTALLER").write_text("scripts/gpu/lane.py\n")
+    (info / "RECORD").write_text("")
+    return info
+
+
 def _located_package(import_name: str) -> Path:
     spec = importlib.util.find_spec(import_name)
     if spec is None or not spec.submodule_search_locations:

@@ -135,6 +135,16 @@ def test_tracked_files_outside_a_git_checkout(tmp_path):
     assert [p.relative_to(tmp_path).as_posix() for p in found] == ["pyproject.toml", "verl_ext/sub/a.py"]
 
 
+def test_project_metadata_carries_the_entry_points(tmp_path):
+    import importlib.metadata
+
+    pack.write_project_metadata(REPO, tmp_path)
+    (dist,) = importlib.metadata.distributions(path=[str(tmp_path)])
+    assert dist.metadata["Name"] == "heterorl"
+    plugins = {ep.name: ep.value for ep in dist.entry_points if ep.group == "verl.plugins"}
+    assert plugins == {"heterorl": "verl_ext.verl_losses", "heterorl_cpu": "verl_ext.cpu"}
+
+
 def _tiny_wheel(dest: Path) -> Path:
     wheel = dest / "lanetoy-1.0-py3-none-any.whl"
     with zipfile.ZipFile(wheel, "w") as zf:
