@@ -65,8 +65,8 @@ from .tasks import Task
 from verl_ext.algos.advantages import bnpo_group_mismatch
 from verl_ext.hetero.auth import Enrolment
 from verl_ext.hetero.buffer import RolloutBuffer
-from verl_ext.hetero.precision import (TOLERANCES, Mismatch, MismatchCusum, Tolerance, group_mismatch, precision_refusal,
-                                       single_group_failure)  # fmt: skip
+from verl_ext.hetero.precision import (TOLERANCES, Mismatch, MismatchCusum, Tolerance, group_mismatch, precision_of,
+                                       precision_refusal, single_group_failure)  # fmt: skip
 from verl_ext.hetero.records import RecordRejected, RolloutGroup
 from verl_ext.hetero.weights import deserialize_state_dict
 
@@ -118,6 +118,7 @@ class GroupVerifier:
         else:
             self.scorer, self.tokenizer = load_policy(model_path)
         self.scorer.eval()
+        self.scorer_precision = precision_of(self.scorer)
         self.task, self.temperature, self.algorithm_config = task, float(temperature), algorithm_config
         self.keep_versions = int(keep_versions)
         self.logprob_tolerance, self.check_rewards = float(logprob_tolerance), bool(check_rewards)
@@ -228,9 +229,15 @@ class GroupVerifier:
             self._loaded = version
         return True
 
+    def bounds_precision(self, precision: str) -> str:
+        """Whose bounds a sampler declaring ``precision`` gets: its own, or bf16's when the scorer
+        runs in bf16 (``hetero.sampler_precision=bf16``: the re-score has bf16's spread itself)."""
+        return "bf16" if self.scorer_precision == "bf16" else precision
+
     def tolerance(self, precision: str) -> Tolerance:
-        """The bounds for a sampler declaring ``precision`` (a known one): the table's, with
-        ``logprob_tolerance`` as fp32's bound on one token."""
+        """The bounds for a sampler declaring ``precision`` (a known one): the table's for
+        :meth:`bounds_precision`, with ``logprob_tolerance`` as fp32's bound on one token."""
+        precision = self.bounds_precision(precision)
         tolerance = TOLERANCES[precision]
         return replace(tolerance, token_max=self.logprob_tolerance) if precision == "fp32" else tolerance
 
@@ -249,7 +256,7 @@ class GroupVerifier:
         if refusal is not None:
             return refusal, None
         mismatch = group_mismatch(reported, rescored, group.response_mask)
-        over = single_group_failure(mismatch, self.tolerance(precision), precision)
+        over = single_group_failure(mismatch, self.tolerance(precision), self.bounds_precision(precision))
         if over is not None:
             return ("bad_logprobs", f"log q reported against re-scored under v{group.policy_version}: {over}"), mismatch
         return None, mismatch
@@ -412,7 +419,8 @@ class TrustGate:
         with self._lock:
             if failure is None and mismatch is not None:
                 precision = str(group.sampler_precision)
-                repeated = self.cusum.add(sampler, mismatch, self.verifier.tolerance(precision), precision)
+                repeated = self.cusum.add(sampler, mismatch, self.verifier.tolerance(precision),
+                                          self.verifier.bounds_precision(precision))  # fmt: skip
                 if repeated is not None:
                     failure = ("bad_logprobs", repeated)
             if failure is None:

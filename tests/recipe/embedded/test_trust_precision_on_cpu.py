@@ -111,3 +111,16 @@ def test_the_precision_travels_in_the_record():
     assert RolloutGroup.from_bytes(group.to_bytes()).sampler_precision == "bf16"
     group.sampler_precision = None
     assert RolloutGroup.from_bytes(group.to_bytes()).sampler_precision is None
+
+
+def test_a_bf16_scorer_gives_every_sampler_the_bf16_bounds(tiny_model_path, tmp_path):
+    """With hetero.sampler_precision=bf16 the learner re-scores in bf16 too: an honest fp32 sampler's
+    groups then differ from the re-score by bf16's spread, and are judged by bf16's bounds."""
+    lab = Lab(tiny_model_path, tmp_path, "hetero.sampler_precision=bf16", "hetero.trust.verify_fraction=1")
+    verifier = lab.gate.verifier
+    assert verifier.scorer_precision == "bf16" and verifier.bounds_precision("fp32") == "bf16"
+    honest = lab.groups("sampler-4", n=8)  # the fp32 model: declared fp32
+    assert {g.sampler_precision for g in honest} == {"fp32"}
+    spreads = [group_mismatch(g.sampler_logprobs, verifier.rescore(g), g.response_mask) for g in honest]
+    assert max(m.token_max for m in spreads) > 1e-3  # over fp32's bound: the scorer's own rounding
+    assert [lab.offer(g) for g in honest] == [None] * 8
