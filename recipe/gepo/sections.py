@@ -540,9 +540,11 @@ class TaskConfig:
     eval_dataset_options: dict[str, Any] = option(factory=dict, honoured_by=EVERYWHERE)
     """math: ``load_benchmark`` options of ``eval_dataset`` (as ``dataset_options``)."""
     template: str = option("qwen3_nothink", honoured_by=EVERYWHERE)
-    """math: prompt template (``verl_ext.data.templates``). ``chat`` / ``chat_1shot`` (the model's
-    own chat template) need the tokenizer: the verl engine applies it; the embedded engine renders
-    prompts without one and refuses them at start."""
+    """math: prompt template (``verl_ext.data.templates``). ``chat`` / ``chat_1shot`` render with
+    the model's own chat template (SmolLM2's ChatML with its system prompt; ``chat_1shot`` adds one
+    worked example ending in ``\\boxed{5}``, what ``+verl_preset=cpu_smollm2_math`` uses): the verl
+    engine applies it to the prompt messages, the embedded engine renders the text with the
+    model's tokenizer (a tokenizer without a chat template is refused at start)."""
 
     # task.name -> the fields only that task reads; set away from their defaults under the other
     # task they would be ignored, so they are refused

@@ -121,18 +121,36 @@ def test_math_task_fields_are_checked_naming_the_value(fields, match):
         TaskConfig(**fields)
 
 
-def test_dataset_options_reach_the_embedded_engines_task_and_chat_templates_are_refused_there():
+def test_dataset_options_reach_the_embedded_engines_task_and_chat_templates_render_with_its_tokenizer():
     """task.dataset_options / task.eval_dataset_options select the problems in the embedded engine
-    too; task.template=chat (the model's own chat template) needs a tokenizer the embedded Task has not."""
+    too; task.template=chat / chat_1shot (the model's own chat template) render with the model's
+    tokenizer, as verl applies it (refused without one); the other templates ignore the tokenizer."""
     from recipe.gepo.embedded.tasks import Task
+    from verl_ext.data.templates import render_prompt
+    from verl_ext.data.toy.model import build_tokenizer
 
     easy = {"split": "train", "max_steps": 2, "max_answer": 100, "max_question_chars": 200}
     task = Task(TaskConfig(name="math", dataset="gsm8k", dataset_options=easy, eval_dataset="gsm8k",
                            eval_dataset_options={**easy, "split": "test"}, eval_size=3), seed=0)  # fmt: skip
     assert len(task._train_pool) == 880 and len(task.eval_items) == 3
     assert TaskConfig.from_omegaconf({"name": "math", "dataset_options": None}).dataset_options == {}  # YAML null
-    with pytest.raises(ValueError, match="template 'chat' applies the model's own chat template"):
+    with pytest.raises(ValueError, match="task.template='chat' renders with the model's own chat template: the task needs"):
         Task(TaskConfig(name="math", dataset="gsm8k", template="chat", eval_dataset="gsm8k", eval_size=1), seed=0)
+    chatml = build_tokenizer()  # character-level; SmolLM2's ChatML template (its default system prompt)
+    chatml.chat_template = ("{{ '<|im_start|>system\nYou are SmolLM<|im_end|>\n' }}{% for m in messages %}"
+                            "{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endfor %}"
+                            "{{ '<|im_start|>assistant\n' }}")  # fmt: skip
+    one_shot = Task(TaskConfig(name="math", dataset="gsm8k", dataset_options=easy, eval_dataset="gsm8k",
+                               eval_dataset_options={**easy, "split": "test"}, eval_size=3, template="chat_1shot"),
+                    seed=0, tokenizer=chatml)  # fmt: skip
+    problem = "Ann has 2 cats and 3 dogs. How many pets?"
+    assert one_shot.eval_items[0]["prompt"].startswith("<|im_start|>system\nYou are SmolLM<|im_end|>\n<|im_start|>user\n")
+    assert [p["prompt"] for p in one_shot._train_pool[:2]] != [p["prompt"] for p in task._train_pool[:2]]
+    assert one_shot._train_pool[0]["prompt"].count("\\boxed{5}") == 1  # the worked example
+    assert render_prompt(problem, "chat_1shot", chatml).endswith("Problem: " + problem + "\nSolution:<|im_end|>\n<|im_start|>assistant\n")
+    ignored = Task(TaskConfig(name="math", dataset="gsm8k", dataset_options=easy, eval_dataset="gsm8k",
+                              eval_dataset_options={**easy, "split": "test"}, eval_size=3), seed=0, tokenizer=chatml)  # fmt: skip
+    assert ignored.eval_items == task.eval_items  # qwen3_nothink renders without the tokenizer, as before
 
 
 def test_a_given_model_path_with_warm_start_steps_is_refused(tmp_path):

@@ -38,6 +38,7 @@ __all__ = [
     "render_prompt",
     "chat_template_kwargs",
     "check_template",
+    "needs_tokenizer",
 ]
 
 TEMPLATES = ("qwen3_think", "qwen3_nothink", "plain", "toy", "chat", "chat_1shot")
@@ -62,6 +63,12 @@ def check_template(template: str) -> str:
     if template not in TEMPLATES:
         raise ValueError(f"unknown prompt template {template!r}; known templates: {', '.join(TEMPLATES)}")
     return template
+
+
+def needs_tokenizer(template: str) -> bool:
+    """Whether ``template`` is rendered by the model's own chat template (``chat``, ``chat_1shot``):
+    :func:`render_prompt` then needs the model's tokenizer."""
+    return check_template(template) in _OWN_CHAT
 
 
 def _check_problem(problem: str, template: str) -> str:

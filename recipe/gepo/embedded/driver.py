@@ -95,9 +95,9 @@ class LearnerRuntime:
 
     def __init__(self, engine: EngineConfig, model_path: str, make_source: Callable[["LearnerRuntime"], RolloutSource]):
         self.engine, self.model_path = engine, model_path
-        self.task = Task(engine.task, engine.hetero.seed)
         # hetero.device: the learner's fp32 master weights go there
         self.model, self.tokenizer = Placement.of(engine.hetero).load_learner(model_path)
+        self.task = Task(engine.task, engine.hetero.seed, self.tokenizer)
         self.learner = build_learner(self.model, self.tokenizer.pad_token_id, engine)
         self.buffer = build_buffer(engine, self.task)
         self.source = make_source(self)

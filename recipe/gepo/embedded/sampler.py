@@ -66,10 +66,10 @@ class SamplerWorker:
         self.key = key if engine.hetero.trust.sign_records else None
         self.uid_namespace = uid_namespace  # unique per launch: a restarted sampler never reuses a uid
         self.hetero, self.settings, self.algorithm_config = engine.hetero, engine.settings, engine.algorithm
-        self.task = Task(engine.task, self.hetero.seed)
         self.rollout = RolloutSettings(self.settings.group_size, self.settings.temperature, self.settings.max_new_tokens)
         # hetero.device / hetero.sampler_precision (weights arrive as CPU tensors, copied there)
         self.model, self.tokenizer = Placement.of(engine.hetero).load_sampler(model_path)
+        self.task = Task(engine.task, self.hetero.seed, self.tokenizer)
         self.model.eval()
         self.transport = spec.open()
         channel = DelayChannel(

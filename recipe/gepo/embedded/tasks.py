@@ -19,7 +19,9 @@ class Task:
     """Prompts, scoring and evaluation of one task. ``items`` are dicts with ``prompt`` (text fed
     to the model) and ``answer``."""
 
-    def __init__(self, config: TaskConfig, seed: int):
+    def __init__(self, config: TaskConfig, seed: int, tokenizer=None):
+        """``tokenizer``: the model's, for the templates rendered by its own chat template
+        (``task.template=chat`` / ``chat_1shot``; refused without one); the others ignore it."""
         self.config, self.seed = config, seed
         if config.name == "toy_addition":
             from verl_ext.data.toy.problems import make_problems
@@ -30,11 +32,16 @@ class Task:
             self._train_pool = None
         else:
             from verl_ext.data.datasets import load_benchmark
-            from verl_ext.data.templates import render_prompt
+            from verl_ext.data.templates import needs_tokenizer, render_prompt
+
+            if needs_tokenizer(config.template) and tokenizer is None:
+                raise ValueError(f"task.template={config.template!r} renders with the model's own chat template: "
+                                 "the task needs the model's tokenizer")  # fmt: skip
+            own = tokenizer if needs_tokenizer(config.template) else None  # the others render without one
 
             def items(name, path, options, limit=None):
                 rows = load_benchmark(name, path=path or None, limit=limit, **options)
-                return [{"prompt": render_prompt(r["problem"], config.template), "answer": r["answer"]} for r in rows]
+                return [{"prompt": render_prompt(r["problem"], config.template, own), "answer": r["answer"]} for r in rows]
 
             self._train_pool = items(config.dataset, config.dataset_path, config.dataset_options)
             self.eval_items = items(config.eval_dataset, None, config.eval_dataset_options, config.eval_size)
