@@ -326,12 +326,12 @@ def check_known_keys(cfg: Any, defaults: Any) -> None:
 class Dependency:
     """An option read only in some settings of another key: ``key`` set away from its default is
     refused (or, with ``report``, reported) while ``inert(get)`` is true, where ``get(dotted key)``
-    returns the composed config's resolved value."""
+    returns the composed config's resolved value (``get(key, resolve=False)``: as written)."""
 
     key: str
     on: str
     """The key whose value decides whether ``key`` is read (named in the refusal with its value)."""
-    inert: Callable[[Callable[[str], Any]], bool]
+    inert: Callable[[Callable[..., Any]], bool]
     why: str
     """What leaves ``key`` without effect (quoted in the refusal)."""
     runners: tuple[str, ...] = RUNNERS
@@ -364,10 +364,14 @@ def _shipped_warm_start(get: Callable[[str], Any]) -> bool:
     return (PINNED_WARM_STARTS / folder.name / WARM_START_INFO).is_file()
 
 
-def _no_logger(get: Callable[[str], Any]) -> bool:
+def _project_name_unread(get: Callable[..., Any]) -> bool:
+    """No tracking backend of the embedded engine is told ``trainer.project_name``: console prints
+    no names and TensorBoard writes to ``$TENSORBOARD_DIR`` (default ``<run dir>/tensorboard``,
+    ``recipe.gepo.embedded.run_utils.MetricLogger``); nor does the run dir interpolate it."""
     backends = get("trainer.logger") or []
     backends = [backends] if isinstance(backends, str) else list(backends)
-    return all(b == "console" for b in backends)
+    return all(b in ("console", "tensorboard") for b in backends) and "project_name" not in str(
+        get("trainer.default_local_dir", resolve=False))
 
 
 DEPENDENCIES: tuple[Dependency, ...] = (
@@ -396,8 +400,9 @@ DEPENDENCIES: tuple[Dependency, ...] = (
                  "no IS weight is computed") for name in ("rollout_is_threshold", "rollout_is_batch_normalize")),
     Dependency(f"{_RC}.rollout_rs_threshold", f"{_RC}.rollout_rs",
                lambda get: get(f"{_RC}.rollout_rs") in (None, "", "null"), "no rejection sampling"),
-    Dependency("trainer.project_name", "trainer.logger", _no_logger,
-               "only a Tracking backend (tensorboard, wandb, ...) is told the project name", runners=EMBEDDED),
+    Dependency("trainer.project_name", "trainer.logger", _project_name_unread,
+               "only a tracking backend other than console and tensorboard (file, wandb, mlflow, ...) is told the "
+               "project name", runners=EMBEDDED),
     Dependency("task.cache_dir", "task.warm_start_steps", _shipped_warm_start,
                "the toy model is the warm start shipped with the package (task.digits, answer_format, "
                "warm_start_steps and hetero.seed at the shipped settings), read from the package", runners=EMBEDDED,
@@ -419,8 +424,15 @@ def inert_options(cfg: Any, defaults: Any, runner: str) -> list[tuple[Dependency
     key it depends on leaves it without effect."""
     from omegaconf import OmegaConf
 
-    def getter(config: Any) -> Callable[[str], Any]:
-        return lambda key: OmegaConf.select(config, key, default=None)
+    def getter(config: Any) -> Callable[..., Any]:
+        def get(key: str, resolve: bool = True) -> Any:
+            if resolve:
+                return OmegaConf.select(config, key, default=None)
+            parent, _, leaf = key.rpartition(".")
+            node = OmegaConf.select(config, parent, default=None) if parent else config
+            return node._get_node(leaf)._value() if OmegaConf.is_dict(node) and leaf in node else None
+
+        return get
 
     get, get_default = getter(cfg), getter(defaults)
     found = []

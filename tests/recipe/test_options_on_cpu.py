@@ -209,6 +209,7 @@ def test_a_missing_math_dataset_file_fails_naming_the_key_and_path(tmp_path):
     (["algorithm.rollout_correction.rollout_is_batch_normalize=true"], "rollout_is_batch_normalize", "rollout_is=None"),
     (["algorithm.rollout_correction.rollout_rs_threshold=0.5_2.0"], "rollout_rs_threshold", "rollout_rs=None"),
     (["trainer.project_name=other"], "trainer.project_name", "trainer.logger=[]"),
+    (["trainer.project_name=other", "trainer.logger=[tensorboard]"], "trainer.project_name", "trainer.logger=['tensorboard']"),
     (["hetero.max_delta_chain=3"], "hetero.max_delta_chain", "hetero.weight_sync='full'"),
     (["hetero.trust.divergence_window=3"], "hetero.trust.divergence_window", "hetero.trust.max_divergence=0.0"),
 ])  # fmt: skip
@@ -223,7 +224,8 @@ def test_an_option_another_key_leaves_inert_is_refused_naming_both(defaults, ove
     ["algorithm.rollout_correction.rollout_is=token", "algorithm.rollout_correction.rollout_is_threshold=3.0"],
     ["actor_rollout_ref.actor.policy_loss.loss_mode=vanilla", "actor_rollout_ref.actor.clip_ratio_c=2.0"],
     ["hetero.weight_sync=delta", "hetero.max_delta_chain=3"],
-    ["trainer.logger=[tensorboard]", "trainer.project_name=other"],
+    ["trainer.logger=[file]", "trainer.project_name=other"],
+    ["trainer.default_local_dir=runs/${trainer.project_name}", "trainer.project_name=other"],
 ])  # fmt: skip
 def test_the_same_option_with_its_switch_on_is_accepted(defaults, overrides):
     assert options.check_dependencies(compose_cfg(*overrides), defaults, options.ASYNC) == []
@@ -331,16 +333,17 @@ def _c(*change: str, setup: tuple[str, ...] = ()) -> Case:
 
 
 A, PL, RC = "actor_rollout_ref.actor", "actor_rollout_ref.actor.policy_loss", "algorithm.rollout_correction"
-TENSORBOARD = ("trainer.logger=[tensorboard]",)
+FILE_LOGGER = ("trainer.logger=[file]",)  # verl's file backend writes ./<project_name>/<experiment_name>.jsonl
+DELAYS = ("trainer.total_training_steps=6", "hetero.delay.low=0.1")  # staleness that can vary
 CASES_REPLAY: dict[str, Case] = {
     # hetero:
     "hetero.delay.dist": _c("hetero.delay.dist=none"),
     "hetero.delay.low": _c("hetero.delay.low=0.01"),
-    "hetero.delay.high": _c("hetero.delay.high=1.5"),
+    "hetero.delay.high": _c("hetero.delay.high=30.0", setup=DELAYS),
     "hetero.delay.integer": _c("hetero.delay.integer=true", setup=("hetero.delay.dist=uniform", "hetero.delay.low=0",
                                                                    "hetero.delay.high=1.9")),
-    "hetero.delay.confidence": _c("hetero.delay.confidence=0.2"),
-    "hetero.delay.offset": _c("hetero.delay.offset=5.0"),
+    "hetero.delay.confidence": _c("hetero.delay.confidence=0.2", setup=DELAYS),
+    "hetero.delay.offset": _c("hetero.delay.offset=5.0", setup=DELAYS),
     "hetero.delay.value": _c("hetero.delay.value=1", setup=("hetero.delay.dist=constant",)),
     "hetero.delay.trace_path": _c("hetero.delay.trace_path={data}/ones.txt",
                                   setup=("hetero.delay.dist=trace", "hetero.delay.trace_path={data}/zeros.txt")),
@@ -374,9 +377,9 @@ CASES_REPLAY: dict[str, Case] = {
     "trainer.save_freq": _c("trainer.save_freq=1"),
     "trainer.test_freq": _c("trainer.test_freq=1"),
     "trainer.resume_mode": _c("trainer.resume_mode=auto", setup=("trainer.default_local_dir={data}/resumable",)),
-    "trainer.logger": _c(*TENSORBOARD),
-    "trainer.project_name": _c("trainer.project_name=other", setup=TENSORBOARD),
-    "trainer.experiment_name": _c("trainer.experiment_name=other", setup=TENSORBOARD),
+    "trainer.logger": _c("trainer.logger=[tensorboard]"),
+    "trainer.project_name": _c("trainer.project_name=other", setup=FILE_LOGGER),
+    "trainer.experiment_name": _c("trainer.experiment_name=other", setup=FILE_LOGGER),
     f"{PL}.loss_mode": _c(f"{PL}.loss_mode=vanilla"),
     f"{PL}.clip_cov_ratio": _c(f"{PL}.clip_cov_ratio=0.5", setup=(f"{PL}.loss_mode=clip_cov",)),
     f"{PL}.clip_cov_lb": _c(f"{PL}.clip_cov_lb=-5.0", setup=(f"{PL}.loss_mode=clip_cov", f"{PL}.clip_cov_ratio=0.5")),
