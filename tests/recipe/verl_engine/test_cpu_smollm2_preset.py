@@ -16,7 +16,7 @@ from recipe.gepo.verl_engine.plan import validate
 from recipe.gepo.verl_engine.runner import resolve_task_files
 from verl_ext.data import smollm2
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def compose_config(*overrides):

@@ -16,7 +16,7 @@ from recipe.gepo.verl_engine.plan import (
     requested_loss_mode,
 )
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def gepo_cfg(*overrides):

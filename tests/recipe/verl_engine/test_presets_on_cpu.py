@@ -15,14 +15,14 @@ from verl.workers.config import ActorConfig, RolloutConfig
 
 from recipe.gepo.verl_engine.plan import build_plan, dry_run
 from recipe.gepo.verl_engine.runner import run
-from recipe.gepo.verl_engine.plan import ForcedLossModeError
+from recipe.gepo.options import ConfigError
 from recipe.gepo.options import OptionNotHonoured
 from recipe.gepo.verl_engine.plan import VerlEngineConfigError, engine_settings, validate
 from recipe.gepo.verl_engine.runner import NoGPUError
 from verl_ext.loss_config import HeteroPolicyLossConfig
 
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 # the GPU cluster presets; cpu_* presets run verl on this machine (tested below and in tests/cpu/)
 PRESETS = sorted(p.stem for p in (ROOT / "configs" / "verl_preset").glob("*.yaml") if not p.stem.startswith("cpu_"))
 
@@ -145,8 +145,9 @@ def test_joining_a_running_ray_cluster_drops_the_local_start_sizes():
 @pytest.mark.parametrize(
     "overrides, error, match",
     [
-        (["algorithm.rollout_correction.bypass_mode=true"], ForcedLossModeError, "bypass_mode=true"),
-        (["trainer.use_v1=false"], ForcedLossModeError, "trainer.use_v1=false"),
+        # verl would replace the loss: refused as a one-line ConfigError (ForcedLossModeError's message)
+        (["algorithm.rollout_correction.bypass_mode=true"], ConfigError, "bypass_mode=true"),
+        (["trainer.use_v1=false"], ConfigError, "trainer.use_v1=false"),
         (["actor_rollout_ref.hybrid_engine=true"], VerlEngineConfigError, "hybrid_engine"),
         (["actor_rollout_ref.rollout.name=hf"], VerlEngineConfigError, "rollout.name='hf'"),
         (["actor_rollout_ref.rollout.calculate_log_probs=false"], VerlEngineConfigError, "calculate_log_probs"),

@@ -18,7 +18,7 @@ from recipe.gepo.verl_engine import trainer as hetero_trainer  # noqa: E402
 from recipe.gepo.verl_engine.plan import TRAINER_NAME  # noqa: E402
 from recipe.gepo.verl_engine.plan import ForcedLossModeError  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def test_registered_in_verls_trainer_registry():
