@@ -1,4 +1,5 @@
-"""``rollout.name=hf_cpu``: verl rollout replicas that generate with HF transformers on the CPU.
+"""``rollout.name=hf_cpu``: verl rollout replicas that generate with HF transformers (on the CPU, or
+on the CUDA device of the replica's workers).
 
 verl 0.9.1 ships rollouts for vLLM, SGLang and TensorRT-LLM only. This backend has the same three
 parts as theirs, registered through verl's own registries (``RolloutReplicaRegistry``, the rollout
@@ -13,6 +14,13 @@ class registry of ``verl/workers/rollout/base.py``):
 - :class:`HFCPUServerAdapter` (a ``BaseRollout``): lives in verl's worker (the hybrid actor worker,
   or the ``CheckpointEngineWorker`` of a standalone replica) and loads each weight update into the
   server's model, for real.
+
+Where the server's model lives: on the device of the replica's own workers (the GPU bundle verl
+gives the replica), as verl's vLLM replica places its engine. Each worker reports its process's
+verl platform device (:func:`worker_placement`); on the ``cpu`` platform the server stays on the
+CPU, exactly as before; on ``cuda`` the server is started with Ray's ``NOSET`` variable and the
+worker's own ``CUDA_VISIBLE_DEVICES``, and its model goes to the worker's device. A CUDA placement
+in a process that sees no CUDA device is refused when the server starts (:func:`server_device`).
 """
 
 from __future__ import annotations
@@ -43,6 +51,44 @@ def server_name(replica_rank: int, node_rank: int, name_suffix: str = "") -> str
     return f"{ROLLOUT_NAME}_server_{replica_rank}_{node_rank}{name_suffix}"
 
 
+def worker_placement() -> dict[str, Any]:
+    """Where the calling process (a replica's worker) computes, by verl's platform: ``device``
+    (``cpu``, or ``cuda:<index>`` as this process numbers its devices), the name and value of its
+    visible-devices variable, and the Ray variables that keep Ray from overwriting it."""
+    from verl.plugin.platform import get_platform
+    from verl.utils.device import get_device_id, get_device_name
+
+    name = get_device_name()
+    if name == "cpu":
+        return {"device": "cpu", "visible_key": None, "visible_devices": None, "ray_noset": []}
+    platform = get_platform()
+    key = platform.visible_devices_envvar()
+    return {"device": f"{name}:{int(get_device_id())}", "visible_key": key, "visible_devices": os.environ.get(key),
+            "ray_noset": list(platform.ray_noset_envvars())}  # fmt: skip
+
+
+def server_device(device: str, visible_key: Optional[str] = None, visible_devices: Optional[str] = None) -> torch.device:
+    """The rollout server's device for ``device`` (:func:`worker_placement`'s): the CPU, or a CUDA
+    device this process must see (``visible_devices``, the worker's, is made this process's
+    ``visible_key`` first, before CUDA starts here). Anything else is refused, naming it."""
+    kind = str(device).split(":", 1)[0]
+    if kind not in ("cpu", "cuda"):
+        raise ValueError(f"rollout.name=hf_cpu: the replica's workers are on {device!r}; its server runs on cpu or cuda only")
+    dev = torch.device(device)
+    if dev.type == "cpu":
+        return dev
+    if visible_key and visible_devices is not None:
+        os.environ[visible_key] = visible_devices
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    index = 0 if dev.index is None else dev.index
+    if index >= count:
+        raise RuntimeError(
+            f"rollout.name=hf_cpu: the replica's workers are on {device!r} but the rollout server's process sees "
+            f"{count} CUDA device(s) (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})"
+        )
+    return torch.device("cuda", index)
+
+
 def state_checksum(named: dict[str, torch.Tensor]) -> str:
     """sha256 over names and bytes of a state dict (sorted by name): equal weights, equal digest."""
     digest = hashlib.sha256()
@@ -53,16 +99,19 @@ def state_checksum(named: dict[str, torch.Tensor]) -> str:
 
 
 class HFCPUServer:
-    """One rollout server: a HF causal LM on the CPU answering verl's token-in-token-out calls.
+    """One rollout server: a HF causal LM answering verl's token-in-token-out calls.
 
     Args:
         config: verl ``RolloutConfig`` (``response_length``, ``prompt_length``, ``dtype``,
             ``max_num_seqs``, ``seed``).
         model_config: verl ``HFModelConfig`` (``local_path``, ``tokenizer``).
         replica_rank, node_rank: this server's place (for the seed and the logs).
+        device, visible_key, visible_devices: where the model goes (:func:`server_device`; the
+            replica passes its workers' :func:`worker_placement`); ``cpu`` by default.
     """
 
-    def __init__(self, config: Any, model_config: Any, replica_rank: int = 0, node_rank: int = 0, **_: Any):
+    def __init__(self, config: Any, model_config: Any, replica_rank: int = 0, node_rank: int = 0, device: str = "cpu",
+                 visible_key: Optional[str] = None, visible_devices: Optional[str] = None, **_: Any):  # fmt: skip
         from transformers import AutoModelForCausalLM
         from verl.utils.config import omega_conf_to_dataclass
         from verl.workers.config import HFModelConfig, RolloutConfig
@@ -71,10 +120,13 @@ class HFCPUServer:
         model_config = omega_conf_to_dataclass(model_config, dataclass_type=HFModelConfig)
         self.config, self.model_config = config, model_config
         self.replica_rank, self.node_rank = replica_rank, node_rank
+        self.device = server_device(device, visible_key, visible_devices)  # before the model: refused early
         dtype = getattr(torch, str(config.dtype)) if isinstance(config.dtype, str) else config.dtype
         self.model = AutoModelForCausalLM.from_pretrained(
             model_config.local_path, dtype=dtype, attn_implementation="sdpa"
         ).eval()
+        if self.device.type != "cpu":
+            self.model.to(self.device)  # sample_continuations sends the prompts where the model is
         tokenizer = model_config.tokenizer
         eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
         generation_eos = getattr(self.model.generation_config, "eos_token_id", None)
@@ -214,7 +266,7 @@ class HFCPUServer:
     async def set_global_steps(self, global_steps: int) -> None:
         self.global_steps = global_steps
 
-    # ---- verl's control calls: nothing to free or pause on the CPU -------------------------------
+    # ---- verl's control calls: nothing to free or pause (the model stays loaded) -----------------
     async def wake_up(self, tags: Optional[list[str]] = None) -> None:
         return None
 
@@ -250,18 +302,24 @@ class HFCPUReplica(RolloutReplica):
     async def launch_servers(self) -> None:
         if len(self.workers) != self.world_size:
             raise RuntimeError(f"hf_cpu replica {self.replica_rank}: {len(self.workers)} workers, expected {self.world_size}")
-        node_ids = await asyncio.gather(
-            *[w.__ray_call__.remote(lambda self: ray.get_runtime_context().get_node_id()) for w in self.workers]
-        )
+        infos = await asyncio.gather(
+            *[w.__ray_call__.remote(lambda self: (ray.get_runtime_context().get_node_id(), worker_placement()))
+              for w in self.workers]
+        )  # fmt: skip
         server_cls = ray.remote(HFCPUServer)
         for node_rank in range(self.nnodes):
-            node_id = node_ids[node_rank * self.gpus_per_replica_node]
+            node_id, placement = infos[node_rank * self.gpus_per_replica_node]
+            # on an accelerator: Ray must leave the worker's visible devices to the server (as for vLLM's)
+            env = {"runtime_env": {"env_vars": {v: "1" for v in placement["ray_noset"]}}} if placement["ray_noset"] else {}
             server = server_cls.options(
                 scheduling_strategy=ray.util.scheduling_strategies.NodeAffinitySchedulingStrategy(node_id=node_id, soft=False),
                 name=server_name(self.replica_rank, node_rank, self.name_suffix),
                 max_concurrency=self.max_concurrency,
                 num_cpus=0,
-            ).remote(config=self.config, model_config=self.model_config, replica_rank=self.replica_rank, node_rank=node_rank)
+                **env,
+            ).remote(config=self.config, model_config=self.model_config, replica_rank=self.replica_rank, node_rank=node_rank,
+                     device=placement["device"], visible_key=placement["visible_key"],
+                     visible_devices=placement["visible_devices"])  # fmt: skip
             self.servers.append(server)
         await asyncio.gather(*[s.status.remote() for s in self.servers])  # loaded and answering
         self._server_handle = self.servers[0]
