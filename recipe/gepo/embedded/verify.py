@@ -68,6 +68,7 @@ from verl_ext.hetero.buffer import RolloutBuffer
 from verl_ext.hetero.precision import (TOLERANCES, Mismatch, MismatchCusum, Tolerance, group_mismatch, precision_of,
                                        precision_refusal, single_group_failure)  # fmt: skip
 from verl_ext.hetero.records import RecordRejected, RolloutGroup
+from verl_ext.hetero.staleness import is_stale
 from verl_ext.hetero.weights import deserialize_state_dict
 
 GROUP_LOCAL_ESTIMATORS = ("grpo",)
@@ -400,6 +401,9 @@ class TrustGate:
             raise RecordRejected("record", "replayed", "this group's content (its prompt and its responses' tokens, "
                                  "in any order) was received before", sampler_id=sampler, group_uid=uid)  # fmt: skip
         if self.verifier is not None:
+            if rescore and not self.verifier.holds(version) and is_stale(self.buffer.learner_version, version,
+                                                                          self.buffer.max_delay):  # fmt: skip
+                rescore = False  # past the bound: the buffer drops it on arrival, no one trains on it
             if rescore and not self.verifier.holds(version):
                 # a check is due and cannot be made (the weights did not come in time, or are gone:
                 # a version from before a resume): never admitted unchecked in its place; refused

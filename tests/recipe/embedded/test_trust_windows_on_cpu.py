@@ -97,6 +97,13 @@ def test_honest_groups_in_that_gap_wait_and_pass_and_a_check_that_cannot_be_made
     t0 = time.perf_counter()
     assert fresh.offer(old) == "unverifiable_version"
     assert time.perf_counter() - t0 < 5
+    # ... but a group already past the staleness bound is left to the buffer, which drops it unused
+    # (an async run's honest samplers send such groups all the time)
+    fresh.buffer.set_learner_version(fresh.engine.hetero.max_delay + 1)
+    stale = fresh.groups("sampler-8", n=1)[0]
+    checked = fresh.gate.metrics()["trust/checked"]
+    assert fresh.offer(stale) is None and fresh.buffer.ledger.status[stale.group_uid] == "dropped:stale"
+    assert fresh.gate.metrics()["trust/checked"] == checked and len(fresh.buffer) == 0
 
 
 def _copy(group, sampler: str, uid: str):
