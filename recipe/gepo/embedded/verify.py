@@ -42,7 +42,8 @@ version v before it hands v's weights to the gate (it publishes them in between)
 claiming v can arrive first: the gate waits for v's weights (:attr:`TrustGate.VERSION_WAIT_S` at
 most) and checks the group against them. A group whose check is due and whose version's weights
 the learner does not hold (they did not come in time, or are from before a resume) is refused as
-``unverifiable_version``, without blame: an honest sampler's group can be in that place too.
+``unverifiable_version``, without blame: an honest sampler's group can be in that place too (one
+already past the staleness bound is left to the buffer, which drops it unused).
 """
 
 from __future__ import annotations
