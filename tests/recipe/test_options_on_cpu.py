@@ -250,17 +250,22 @@ def test_a_reported_option_is_in_the_run_report(tmp_path, tiny_model):
 # ------------------------------------------------------------------------ unknown keys
 
 
-@pytest.mark.parametrize("override, suggestion", [
+TYPOS = [
     ("+algorithm.rollout_correction.rollout_is_treshold=3", "algorithm.rollout_correction.rollout_is_threshold"),
     ("+trainer.total_training_step=3", "trainer.total_training_steps"),
     ("+actor_rollout_ref.actor.clip_ratio_hgih=1", "actor_rollout_ref.actor.clip_ratio_high"),
+]  # fmt: skip
+TYPOS_ONE_RUNNER = [
     ("+actor_rollout_ref.actor.policy_loss.sampler_kl_cof=1", "actor_rollout_ref.actor.policy_loss.sampler_kl_coef"),
     ("+task.digit=2", "task.digits"),
     ("+hetero.max_dealy=2", "hetero.max_delay"),
     ("+hetero.delay.lo=2", "hetero.delay.low"),
     ("+hetero.trust.verify_fracton=0.5", "hetero.trust.verify_fraction"),
-])  # fmt: skip
-@pytest.mark.parametrize("runner", options.RUNNERS)
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("override, suggestion, runner", [(*t, r) for t in TYPOS for r in options.RUNNERS]
+                         + [(*t, options.REPLAY) for t in TYPOS_ONE_RUNNER])  # fmt: skip
 def test_an_unknown_key_is_refused_in_every_section_naming_the_closest(override, suggestion, runner):
     engine = ["hetero.engine=verl"] if runner == options.VERL else [f"hetero.mode={runner}"]
     cfg = compose_cfg(override, *engine)
@@ -288,7 +293,9 @@ def test_keys_verl_knows_are_not_unknown(defaults, override):
 # ------------------------------------------------------------------------ one line on the command line
 
 
+@pytest.mark.slow
 def test_a_refusal_is_one_line_without_traceback():
+    """The real command line (a subprocess: half a minute of imports): one line on stderr."""
     plain = subprocess.run([sys.executable, "-m", "recipe.gepo.main_gepo", "+trainer.total_training_step=3"], cwd=ROOT,
                            env={k: v for k, v in os.environ.items() if k != DEBUG_ENV}, capture_output=True, text=True,
                            timeout=300)  # fmt: skip
@@ -442,8 +449,7 @@ OBSERVED_ELSEWHERE = {
 math task, a compiled graph with the same numbers): the test that shows each."""
 SELECTORS = ("hetero.engine", "hetero.mode")
 """They choose the runner itself."""
-FAST = ("hetero.max_delay", "hetero.seed", f"{PL}.loss_mode", f"{A}.optim.lr", f"{RC}.rollout_is",
-        "trainer.save_freq")  # fmt: skip
+FAST = ("hetero.max_delay", f"{PL}.loss_mode", f"{A}.optim.lr", f"{RC}.rollout_is")
 """The representative subset of CASES_REPLAY run by default (the rest: ``-m slow``)."""
 
 
