@@ -91,10 +91,13 @@ def account_uids(seen: dict[str, set[str]], ledger: dict[str, str], in_transport
 
 # --------------------------------------------------------------------------- samplers that lie (hetero.trust)
 TRUST_REASONS = ("unsigned", "unenrolled", "revoked", "bad_signature", "sampler_mismatch", "bad_logprobs",
-                 "bad_rewards", "bad_advantages", "unknown_prompt", "quarantined", "divergent")  # fmt: skip
+                 "bad_rewards", "bad_advantages", "unknown_prompt", "quarantined", "divergent",
+                 "undeclared_precision", "unknown_precision")  # fmt: skip
 """Refusals of the signature check and the trust gate: an honest group refused for one is a false
 alarm. Not ``replayed``: content identical to an accepted group is refused by design and without
-blame, an honest coincidence included (it shows under the run's reasons)."""
+blame, an honest coincidence included (it shows under the run's reasons); nor ``lost_version`` and
+``unverifiable_version``: groups whose version's weights the learner does not hold (a crashed
+learner's, or from before a resume) cannot be checked, and are refused without blame."""
 
 
 def honest_rejected(ledger: dict[str, str]) -> list[str]:
