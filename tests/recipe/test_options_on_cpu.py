@@ -294,9 +294,10 @@ def test_keys_verl_knows_are_not_unknown(defaults, override):
 
 
 @pytest.mark.slow
-def test_a_refusal_is_one_line_without_traceback():
+def test_a_refusal_is_one_line_without_traceback(tmp_path):
     """The real command line (a subprocess: half a minute of imports): one line on stderr."""
-    plain = subprocess.run([sys.executable, "-m", "recipe.gepo.main_gepo", "+trainer.total_training_step=3"], cwd=ROOT,
+    plain = subprocess.run([sys.executable, "-m", "recipe.gepo.main_gepo", "+trainer.total_training_step=3",
+                            f"hydra.run.dir={tmp_path}"], cwd=ROOT,
                            env={k: v for k, v in os.environ.items() if k != DEBUG_ENV}, capture_output=True, text=True,
                            timeout=300)  # fmt: skip
     assert plain.returncode == 1
