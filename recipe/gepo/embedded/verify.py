@@ -9,9 +9,12 @@ advantages. :class:`GroupVerifier` re-derives them on the learner:
   exactly as the samplers received them (the weight store's message of that version: the wire
   dtype's rounding included; the learner keeps the messages of the ``max_delay + 1`` versions a
   group within the bound can claim, and decodes one only when a check needs it), compared with the reported
-  q token by token: the largest absolute difference must be at most
-  ``hetero.trust.logprob_tolerance``. This catches q that is scaled, shuffled, copied from another
-  version, and a claimed version other than the one used. Cost: one forward pass of the group
+  q within the bounds of the precision the group declares (``sampler_precision``: the largest
+  |Δ| a token, fp32's being ``hetero.trust.logprob_tolerance``, the mean |Δ| and the mismatch KL a
+  token), and summed per sampler over its checked groups (:class:`~verl_ext.hetero.precision.MismatchCusum`,
+  so a small lie repeated adds up; :mod:`verl_ext.hetero.precision`). This catches q that is scaled,
+  shuffled, copied from another version or reported at another temperature, and a claimed version
+  other than the one used. Cost: one forward pass of the group
   (~11 ms for G=8 x 16 tokens on the toy model, one core), paid for ``verify_fraction`` of groups.
 - **rewards** (``check_rewards``): the responses decoded from their tokens and scored by the
   learner's own task against the learner's own copy of the prompt's answer (a prompt the task
