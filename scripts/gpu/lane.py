@@ -499,7 +499,9 @@ def part_c(device: str, quick: bool, emit: Callable[[Row], None], workdir: Path)
 
 
 def part_d(device: str, quick: bool, emit: Callable[[Row], None], workdir: Path) -> None:
-    steps, eval_size, response, batch, group = (2, 8, 32, 2, 4) if quick else (10, 64, 160, 8, 8)
+    # held-out: 128 of the 133 easy GSM8K test problems (one sample each; the initial accuracy with
+    # chat_1shot is ~1.6%: 1 of 64 samples on CPU, 16 problems x 4, T=0.5, 160 tokens)
+    steps, eval_size, response, batch, group = (2, 8, 32, 2, 4) if quick else (10, 128, 160, 8, 8)
     run_dir = workdir / "d_smollm2"
     overrides = ["algorithm_preset=gepo", "hetero.mode=replay", f"hetero.device={device}",
                  "hetero.delay.low=1", "hetero.delay.high=2", "hetero.max_delay=2",
@@ -507,7 +509,7 @@ def part_d(device: str, quick: bool, emit: Callable[[Row], None], workdir: Path)
                  *(f"+task.{key}.{k}={v}" for key, split in (("dataset_options", "train"), ("eval_dataset_options", "test"))
                    for k, v in (("split", split), ("max_steps", 2), ("max_answer", 100), ("max_question_chars", 200))),
                  "task.eval_dataset=gsm8k",
-                 f"task.eval_size={eval_size}", "task.eval_temperature=0.5", "task.template=qwen3_nothink",
+                 f"task.eval_size={eval_size}", "task.eval_temperature=0.5", "task.template=chat_1shot",
                  "actor_rollout_ref.rollout.temperature=0.5",
                  f"actor_rollout_ref.rollout.n={group}", f"data.train_batch_size={batch}",
                  f"data.max_response_length={response}", "actor_rollout_ref.actor.optim.lr=1e-5",
@@ -518,13 +520,16 @@ def part_d(device: str, quick: bool, emit: Callable[[Row], None], workdir: Path)
     rc, tail = _main_gepo(overrides, workdir, timeout=max(5.0, budget - (t0 - START)))
     emit(_engine_row("d", f"replay, {device}, {steps} steps, G={group}, {batch} prompts a step", run_dir, rc, tail,
                      time.time() - t0, f"math_verify accuracy on {eval_size} easy GSM8K test problems, T=0.5, "
-                     "ChatML prompt (qwen3_nothink: the embedded engine renders no model-own chat template)"))  # fmt: skip
+                     "SmolLM2's own chat template with one worked example (chat_1shot, as cpu_smollm2_math)"))  # fmt: skip
 
 
 #: the verl engine on one GPU: cpu_toy's settings with the device switched (a first attempt: this
 #: combination has not run on a GPU yet, and its row says what happened). Two logical GPUs on the
 #: one card (the learner's pool and the samplers' pool ask for one each), and Ray told to leave
-#: CUDA_VISIBLE_DEVICES alone so both see cuda:0. The hf_cpu rollout server keeps its model on the CPU.
+#: CUDA_VISIBLE_DEVICES alone so both see the card. The hf_cpu rollout server's model goes to the
+#: device of its replica's worker (verl_ext/cpu/rollout.py worker_placement), so on CUDA here. A
+#: risk this cannot check on CPU: under that Ray setting verl's Worker calls set_device(<its Ray GPU
+#: id>), and one of the two pools holds logical GPU 1, which a one-GPU machine does not have.
 VERL_GPU_OVERRIDES = ["trainer.device=cuda", "ray_kwargs.ray_init.num_gpus=2", "trainer.n_gpus_per_node=1",
                       "actor_rollout_ref.rollout.n_gpus_per_node=1"]  # fmt: skip
 VERL_GPU_ENV = {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}
@@ -542,7 +547,7 @@ def part_f(device: str, quick: bool, emit: Callable[[Row], None], workdir: Path)
     rc, tail = _main_gepo(overrides, workdir, timeout=max(5.0, budget - (t0 - START)), config_dir=True,
                           env=VERL_GPU_ENV if device != "cpu" else None)  # fmt: skip
     emit(_engine_row("f", f"verl engine, GEPO, delayed sync, {device}", run_dir, rc, tail, time.time() - t0,
-                     "FSDP2 learner on the device, hf_cpu rollout server (its model on the CPU), toy"))  # fmt: skip
+                     "FSDP2 learner on the device, hf_cpu rollout server on its replica worker's device, toy"))  # fmt: skip
 
 
 PARTS: dict[str, Callable[..., None]] = {"a": part_a, "b": part_b, "c": part_c, "d": part_d, "e": part_e, "f": part_f}
