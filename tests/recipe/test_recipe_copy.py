@@ -94,9 +94,8 @@ def test_two_recipes_register_two_trainers_in_one_process(tmp_path):
     pytest.importorskip("transfer_queue", reason="verl's v1 trainer needs TransferQueue")
     copy_recipe(tmp_path)
     code = (
-        "import sys; sys.path.insert(0, sys.argv[1])\n"
+        "import importlib.util, sys\n"
         "import recipe.mygepo.verl_engine.trainer as mine\n"
-        "import importlib.util, pathlib\n"
         # the original package under its own name, from the repository
         "spec = importlib.util.spec_from_file_location('recipe.gepo', sys.argv[2] + '/__init__.py',"
         " submodule_search_locations=[sys.argv[2]])\n"
@@ -109,5 +108,6 @@ def test_two_recipes_register_two_trainers_in_one_process(tmp_path):
         "print('ok')\n"
     )
     out = subprocess.run([sys.executable, "-c", code, str(tmp_path), str(ORIGINAL)], capture_output=True, text=True,
-                         env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=300, cwd=tmp_path)  # fmt: skip
+                         env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(tmp_path)), timeout=300,
+                         cwd=tmp_path)  # fmt: skip
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stdout[-2000:] + out.stderr[-4000:]
