@@ -20,6 +20,7 @@ from omegaconf import OmegaConf
 from verl.utils.config import omega_conf_to_dataclass
 from verl.workers.config import HFModelConfig, RolloutConfig
 
+from verl_ext.cpu import rollout
 from verl_ext.cpu.rollout import HFCPUServer, server_device, state_checksum, worker_placement
 from verl_ext.data.toy_assets import prepare_toy_assets
 
@@ -72,7 +73,7 @@ def test_the_server_refuses_cuda_before_loading_its_model(model_config):
         HFCPUServer(rollout_config(), model_config, device="cuda:0")
 
 
-def test_cpu_path_unchanged_and_no_tensor_on_a_default_device(model_config):
+def test_cpu_path_unchanged_and_no_tensor_on_a_default_device(model_config, monkeypatch):
     tok = model_config.tokenizer
     prompts = [tok.encode(text) for text in PROMPT_TEXTS]
     before = HFCPUServer(rollout_config(), model_config)  # built as before the device argument existed
@@ -82,7 +83,15 @@ def test_cpu_path_unchanged_and_no_tensor_on_a_default_device(model_config):
     assert sample_all(server, prompts) == reference  # same seed, same tokens and log-probs
 
     # a weight update from CPU tensors, then generation, all with the default device on meta: a
-    # tensor made without its inputs' device would land on meta and fail (as it would beside CUDA)
+    # tensor made without its inputs' device would land on meta and fail (as it would beside CUDA).
+    # The default device is per thread, and the server generates in a worker thread: meta there too.
+    real = rollout.sample_continuations
+
+    def sample_under_meta(*args, **kwargs):
+        with torch.device("meta"):
+            return real(*args, **kwargs)
+
+    monkeypatch.setattr(rollout, "sample_continuations", sample_under_meta)
     new = {n: p.detach().clone() * 0.5 for n, p in server.model.named_parameters()}
     torch.set_default_device("meta")
     try:
