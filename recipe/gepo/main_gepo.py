@@ -13,7 +13,6 @@ the value; ``HETERORL_DEBUG=1`` shows the traceback instead.
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -30,46 +29,36 @@ def run_local(cfg: DictConfig) -> dict[str, Any]:
     """The embedded engine: validate everything (:meth:`EngineConfig.from_omegaconf`), then train
     in the mode ``hetero.mode`` names; returns the final metrics. Scripts call this with a config
     composed by hydra's compose API."""
-    from .embedded.supervisor import run_async
     from .embedded.engine import EngineConfig
     from .embedded.replay import run_replay
     from .embedded.run_utils import MetricLogger
+    from .embedded.supervisor import run_async
     from .embedded.tasks import resolve_model_path
-    from .report import report_after_failure, write_config_notes, write_report
+    from .lifecycle import print_notes, run_directory
     from verl_ext.hetero.seeding import seed_process
-    from verl_ext.rundir import (check_resume_config, latest_checkpoint_step, set_aside_latest_checkpoint,
-                                 set_aside_metrics, write_run_config)
+    from verl_ext.rundir import latest_checkpoint_step, set_aside_latest_checkpoint, set_aside_metrics
     from verl_ext.torch_threads import set_torch_threads
 
     engine = EngineConfig.from_omegaconf(cfg)  # every check, before the warm start or any other work
-    for note in engine.notes:  # options without effect that the study's configs keep: one line each
-        print(f"note: {note}", file=sys.stderr)
+    print_notes(engine.notes)
     if engine.hetero.dry_run:
         print(OmegaConf.to_yaml(cfg.hetero))
         return {}
     settings = engine.settings
     resuming = settings.resume_mode == "auto" and latest_checkpoint_step(settings.run_dir) > 0
-    if resuming:
-        check_resume_config(settings.run_dir, cfg)  # config.yaml is the checkpointed run's
-    else:  # a fresh run never appends to another run's metrics or resumes another run's checkpoint
+    if not resuming:  # a fresh run never appends to another run's metrics or resumes another run's checkpoint
         set_aside_metrics(settings.run_dir)
         set_aside_latest_checkpoint(settings.run_dir)
     seed_process(engine.hetero.seed)
     set_torch_threads(2)  # min(2, cores), unless the user set OMP_NUM_THREADS
-    write_run_config(settings.run_dir, cfg)
-    write_config_notes(settings.run_dir, engine.notes)  # report.md lists them
-    model_path = resolve_model_path(settings.model_path, engine.task, engine.hetero.seed)
     run_mode = {"replay": run_replay, "async": run_async}[engine.hetero.mode]
-    logger = MetricLogger(settings.run_dir, settings, cfg)
-    try:
-        metrics = run_mode(engine, model_path, logger)
-    except BaseException:
-        logger.close()
-        report_after_failure(settings.run_dir)
-        raise
-    logger.close()
-    write_report(settings.run_dir)  # report.md + curves.png next to metrics.jsonl
-    return metrics
+    with run_directory(settings.run_dir, cfg, engine.notes, resuming):
+        model_path = resolve_model_path(settings.model_path, engine.task, engine.hetero.seed)
+        logger = MetricLogger(settings.run_dir, settings, cfg)
+        try:
+            return run_mode(engine, model_path, logger)
+        finally:
+            logger.close()
 
 
 class MissingValueError(ConfigError):

@@ -10,13 +10,13 @@ from __future__ import annotations
 import importlib
 
 import os
-import sys
 import re
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig
 
+from ..lifecycle import print_notes, run_directory
 from .plan import check_data_files, check_megatron_stack, engine_settings, render, validate
 
 
@@ -119,8 +119,6 @@ def task_runner_class():
     class HeteroTaskRunner(base):
         def run(self, config):
             importlib.import_module(trainer_module)  # registers the trainer in this process
-
-
             return super().run(config)
 
     return ray.remote(num_cpus=1)(HeteroTaskRunner)
@@ -128,10 +126,9 @@ def task_runner_class():
 
 def run(cfg: DictConfig) -> dict[str, Any]:
     """Validate, then dry-run (``hetero.dry_run=true``: print the plan, return ``{"plan": text}``)
-    or train on the Ray cluster (returns ``{}`` when verl's loop ends)."""
+    or train on the Ray cluster (returns ``{"run_dir": ...}`` when verl's loop ends)."""
     validated = validate(cfg)
-    for note in validated.notes:  # options without effect that the study's configs keep: one line each
-        print(f"note: {note}", file=sys.stderr)
+    print_notes(validated.notes)
     if validated.hetero.dry_run:
         text = render(validated)
         print(text)
@@ -141,23 +138,13 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     from verl.utils.checkpoint.checkpoint_manager import get_checkpoint_tracker_filename
     from verl.utils.device import auto_set_device
 
-    from ..report import report_after_failure, write_config_notes, write_report
-    from verl_ext.rundir import check_resume_config, write_run_config
-
     settings = engine_settings(resolve_task_files(cfg), ray_address=os.environ.get("RAY_ADDRESS"))
     check_data_files(settings)
     check_megatron_stack(settings)
     auto_set_device(settings)
     run_dir = Path(str(settings.trainer.default_local_dir))
-    if str(settings.trainer.resume_mode) == "auto" and Path(get_checkpoint_tracker_filename(str(run_dir))).is_file():
-        check_resume_config(run_dir, settings)  # verl resumes the directory's checkpoint: the same run only
-    write_run_config(run_dir, settings)  # what report.md reads (algorithm, delay, ...), as the embedded engine
-    write_config_notes(run_dir, validated.notes)
-    try:
+    # verl resumes the directory's checkpoint by itself: the same run only
+    resuming = str(settings.trainer.resume_mode) == "auto" and Path(get_checkpoint_tracker_filename(str(run_dir))).is_file()
+    with run_directory(run_dir, settings, validated.notes, resuming):
         run_ppo(settings, task_runner_class=task_runner_class())
-    except BaseException:
-        report_after_failure(run_dir)  # what the failed run logged, as the embedded engine
-        raise
-    if (run_dir / "metrics.jsonl").is_file():
-        write_report(run_dir)  # report.md + curves.png next to metrics.jsonl, as the embedded engine
     return {"run_dir": str(run_dir)}

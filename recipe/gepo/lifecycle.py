@@ -1,0 +1,48 @@
+"""The run-directory lifecycle both engines share, written once.
+
+A run (embedded or verl engine) prints its config notes, refuses to resume another run's
+checkpoint, leaves ``config.yaml`` and the notes in its run directory, and writes ``report.md`` +
+``curves.png`` after it ends -- after a failure too, from whatever it logged, without masking the
+failure's own error.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+from .report import METRICS_FILE, report_after_failure, write_config_notes, write_report
+
+
+def print_notes(notes: list[str]) -> None:
+    """Options without effect that the study's configs keep: one line each on stderr."""
+    for note in notes:
+        print(f"note: {note}", file=sys.stderr)
+
+
+@contextmanager
+def run_directory(run_dir: str | os.PathLike, cfg: Any, notes: list[str], resuming: bool) -> Iterator[Path]:
+    """Around one training run in ``run_dir`` (``cfg``: the composed OmegaConf config):
+
+    - resuming, the directory's ``config.yaml`` must be this config's (else ValueError naming the
+      keys, before anything is written);
+    - ``config.yaml`` and the config notes are written;
+    - the body runs; when it raises, report.md is written from what was logged and the error goes on;
+    - when it ends, report.md and curves.png are written next to ``metrics.jsonl``."""
+    from verl_ext.rundir import check_resume_config, write_run_config
+
+    run_dir = Path(run_dir)
+    if resuming:
+        check_resume_config(run_dir, cfg)
+    write_run_config(run_dir, cfg)
+    write_config_notes(run_dir, notes)
+    try:
+        yield run_dir
+    except BaseException:
+        report_after_failure(run_dir)
+        raise
+    if (run_dir / METRICS_FILE).is_file():
+        write_report(run_dir)
