@@ -101,15 +101,15 @@ def check_no_missing_values(cfg: DictConfig) -> None:
 def run(cfg: DictConfig) -> dict[str, Any]:
     """Dispatch on ``hetero.engine``: the embedded engine, or (after checking that no mandatory
     value is missing) the verl engine."""
-    engine = cfg.hetero.engine
-    if engine == "local":
+    engine_name = cfg.hetero.engine
+    if engine_name == "local":
         return run_local(cfg)
-    if engine == "verl":
+    if engine_name == "verl":
         check_no_missing_values(cfg)
         from .verl_engine.runner import run as run_verl
 
         return run_verl(cfg)
-    raise ConfigError(f"hetero.engine={engine!r}; expected 'local' or 'verl'")
+    raise ConfigError(f"hetero.engine={engine_name!r}; expected 'local' or 'verl'")
 
 
 DEBUG_ENV = "HETERORL_DEBUG"
