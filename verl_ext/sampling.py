@@ -64,6 +64,7 @@ def generate(
     top_k: int = 0,
     seed: Optional[int] = None,
     with_log_q: bool = True,
+    gumbel_seeds: Optional[Sequence[int]] = None,
 ) -> Generation:
     """Continue every prompt once.
 
@@ -81,12 +82,26 @@ def generate(
             torch RNG as it was; None draws from torch's global RNG.
         with_log_q: also return log q (keeps the logits of every step: off for long generations
             that need only the tokens).
+        gumbel_seeds: draw by seeded Gumbel-max instead (:class:`verl_ext.hetero.gumbel.GumbelMax`:
+            sampling the learner can check): one seed per group of N / len(seeds) consecutive rows,
+            the same softmax(logits / T) sampled with noise any machine re-derives from the seed;
+            needs temperature > 0 and no truncation (``seed`` is then unused).
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
     if temperature < 0:
         raise ValueError(f"temperature={temperature} must be >= 0")
     greedy = temperature == 0
+    processors = None
+    if gumbel_seeds is not None:
+        if greedy or top_p < 1.0 or (top_k and top_k > 0):
+            raise ValueError(f"gumbel_seeds: Gumbel-max draws the untruncated softmax(logits / T); got "
+                             f"temperature={temperature}, top_p={top_p}, top_k={top_k}")  # fmt: skip
+        from transformers import LogitsProcessorList
+
+        from verl_ext.hetero.gumbel import GumbelMax
+
+        processors = LogitsProcessorList([GumbelMax(gumbel_seeds, input_ids.shape[0], input_ids.shape[1], temperature)])
     kwargs = dict(
         input_ids=input_ids,
         attention_mask=attention_mask,
@@ -100,7 +115,9 @@ def generate(
         output_logits=with_log_q,
         return_dict_in_generate=True,
     )
-    if seed is None:
+    if processors is not None:  # greedy over the noised scores the processor leaves
+        kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None, logits_processor=processors)
+    if seed is None or processors is not None:
         out = model.generate(**kwargs)
     else:
         fork_devices = [input_ids.device] if input_ids.device.type == "cuda" else []

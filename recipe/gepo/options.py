@@ -411,6 +411,8 @@ DEPENDENCIES: tuple[Dependency, ...] = (
                "samplers apply deltas only under weight_sync=delta"),
     Dependency("hetero.trust.divergence_window", "hetero.trust.max_divergence",
                lambda get: not get("hetero.trust.max_divergence"), "the divergence bound is off"),
+    Dependency("hetero.trust.checkable_sampling", "hetero.trust.verify_fraction",
+               lambda get: not get("hetero.trust.verify_fraction"), "no group is re-scored, so no token is checked"),
 )  # fmt: skip
 """Every option read only in some settings of another key, in one place (checked by
 :func:`check_dependencies`). The project's own loss options are checked by their config

@@ -156,6 +156,15 @@ class TrustConfig:
     max_delay: a slow-but-close sampler keeps contributing, a fast-but-divergent one does not."""
     divergence_window: int = option(8, honoured_by=(ASYNC,), instead=_NO_PUBLISHING_SAMPLERS)
     """Consumed groups per sampler the divergence bound averages over."""
+    checkable_sampling: bool = option(False, honoured_by=(ASYNC,), instead=_NO_PUBLISHING_SAMPLERS)
+    """Samplers draw each group by seeded Gumbel-max (``verl_ext.hetero.gumbel``), its seed in the
+    signed record; each group the learner re-scores (``verify_fraction``, probation) also has its
+    tokens re-derived from the same forward's logits and that noise: a token further below the
+    noised best than its declared precision's near-tie margin refuses the group (token_mismatch,
+    a failed check), so a sampler drawing from other weights, another temperature or a truncated
+    distribution is caught even when its q matches its tokens. A group without a seed is refused
+    (unseeded, without blame). Cost: the noise, V Philox draws a token (SmolLM2-135M on the CPU:
+    +9% on each re-score; the sampler's draw about as fast as ordinary sampling; docs/reliability.md)."""
 
     # TrustLedger's constructor argument -> the field (hetero.trust.<field>) that sets it
     _LEDGER_FIELDS = {"verify_fraction": "verify_fraction", "probation_groups": "probation_groups",

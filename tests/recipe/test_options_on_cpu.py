@@ -212,6 +212,8 @@ def test_a_missing_math_dataset_file_fails_naming_the_key_and_path(tmp_path):
     (["trainer.project_name=other", "trainer.logger=[tensorboard]"], "trainer.project_name", "trainer.logger=['tensorboard']"),
     (["hetero.max_delta_chain=3"], "hetero.max_delta_chain", "hetero.weight_sync='full'"),
     (["hetero.trust.divergence_window=3"], "hetero.trust.divergence_window", "hetero.trust.max_divergence=0.0"),
+    (["hetero.trust.checkable_sampling=true", "hetero.trust.verify_fraction=0"], "hetero.trust.checkable_sampling",
+     "hetero.trust.verify_fraction=0"),
 ])  # fmt: skip
 def test_an_option_another_key_leaves_inert_is_refused_naming_both(defaults, overrides, key, on):
     cfg = compose_cfg(*overrides)
@@ -224,6 +226,7 @@ def test_an_option_another_key_leaves_inert_is_refused_naming_both(defaults, ove
     ["algorithm.rollout_correction.rollout_is=token", "algorithm.rollout_correction.rollout_is_threshold=3.0"],
     ["actor_rollout_ref.actor.policy_loss.loss_mode=vanilla", "actor_rollout_ref.actor.clip_ratio_c=2.0"],
     ["hetero.weight_sync=delta", "hetero.max_delta_chain=3"],
+    ["hetero.trust.checkable_sampling=true"],
     ["trainer.logger=[file]", "trainer.project_name=other"],
     ["trainer.default_local_dir=runs/${trainer.project_name}", "trainer.project_name=other"],
 ])  # fmt: skip

@@ -16,8 +16,21 @@ that is not the learner's argmax is therefore allowed when its noised score is w
 5, SmolLM2 on the CPU): under the same noise, bf16's argmax differs from fp32's at 1.95% of tokens;
 the noised margin between the best two tokens is under 0.1 at 1.6% of tokens.
 
-Not yet wired into the engines: the samplers draw with ``verl_ext.sampling.generate``, and the
-record carries no seed. :func:`sample` and :func:`check_tokens` are the two halves that would be.
+Wired into the embedded engine's async mode under ``hetero.trust.checkable_sampling``: the
+samplers draw through ``verl_ext.sampling.generate(gumbel_seeds=...)`` (:class:`GumbelMax`, one
+seed per group from :func:`group_seed`), the seed travels in the group's signed record
+(``RolloutGroup.sampling_seed``), and the learner's trust gate runs :func:`check_scores` on the
+logits of the forward it already runs to re-score q. :func:`sample` and :func:`check_tokens` are
+the two halves on their own (one full forward a step: a reference).
+
+The tie margin a precision allows (:data:`TIE_MARGINS`): the noised scores of two tokens are
+log q + g (up to one shared constant), so their difference moves between two computations by at
+most the sum of the two tokens' |Δ log q|: twice the largest honest |Δ log q| a token measured
+for that precision.
+
+What it does not constrain: the choice of the seed. A sampler may draw with several seeds and
+send the draw it likes best (the check holds each draw to the distribution, not the seed to a
+value the learner picked); the learner does not assign seeds.
 """
 
 from __future__ import annotations
@@ -27,6 +40,25 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+
+TIE_MARGINS: dict[str, float] = {
+    # fp32: the largest honest |Δ log q| a token is 6.7e-5 (SmolLM2, CUDA vs CUDA; GPU_FIRST_RUN.md 3,
+    # 4): a margin 2e-3 is 15x twice that, and 1e-3 above the hetero.trust tolerance on one token.
+    "fp32": 2e-3,
+    # bf16: 0.60 is the largest honest |Δ log q| a token (SmolLM2, CUDA bf16 vs fp32; GPU_FIRST_RUN.md 4),
+    # so two tokens' noised scores move apart by 1.2 at most; bf16's argmax differs from fp32's at
+    # 1.95% of SmolLM2's tokens, with the best two within 0.1 at 1.6% (GPU_FIRST_RUN.md 5).
+    "bf16": 1.2,
+}
+"""The largest (best - chosen) noised score a checked token may have, per declared precision."""
+
+
+def group_seed(base_seed: int, index: int) -> int:
+    """The Gumbel seed of group ``index`` of a batch drawn with ``base_seed`` (a 63-bit integer;
+    distinct groups get unrelated noise)."""
+    words = np.random.SeedSequence([int(base_seed) & (2**63 - 1), int(index)]).generate_state(2, np.uint32)
+    return (int(words[0]) << 31) ^ int(words[1])
 
 
 def gumbel_noise(seed: int, row: int, position: int, vocab: int) -> np.ndarray:
@@ -39,6 +71,28 @@ def gumbel_noise(seed: int, row: int, position: int, vocab: int) -> np.ndarray:
 
 def _noise(seed: int, rows: int, position: int, vocab: int) -> torch.Tensor:
     return torch.from_numpy(np.stack([gumbel_noise(seed, r, position, vocab) for r in range(rows)]))
+
+
+class GumbelMax:
+    """A HF ``generate`` logits processor (greedy decoding) that turns each step into a Gumbel-max
+    draw: row i of the batch, generated position t, takes argmax(logits / T + g(seed, i % G, t))
+    with ``seed = seeds[i // G]`` (G = rows / len(seeds): each seed one group's consecutive rows).
+    Returns -inf everywhere but the chosen token (chosen in float64, whatever the model's dtype)."""
+
+    def __init__(self, seeds, rows: int, prompt_length: int, temperature: float):
+        self.seeds = [int(s) for s in seeds]
+        if not self.seeds or rows % len(self.seeds):
+            raise ValueError(f"{rows} rows do not split into groups of {len(self.seeds)} seeds")
+        self.group_size, self.prompt_length, self.temperature = rows // len(self.seeds), int(prompt_length), temperature
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        position = input_ids.shape[1] - self.prompt_length
+        g = self.group_size
+        noise = torch.cat([_noise(seed, g, position, scores.shape[-1]) for seed in self.seeds])
+        chosen = (scores.double().cpu() / self.temperature + noise).argmax(-1).to(scores.device)
+        out = torch.full_like(scores, float("-inf"))
+        out[torch.arange(len(chosen), device=scores.device), chosen] = 0.0
+        return out
 
 
 @dataclass(frozen=True)
@@ -93,15 +147,27 @@ def check_tokens(model, prompt_ids, response_ids, response_mask, temperature: fl
     compare with the response's tokens (the module docstring)."""
     device = next(model.parameters()).device
     responses = torch.as_tensor(np.asarray(response_ids), dtype=torch.long, device=device)
-    mask = torch.as_tensor(np.asarray(response_mask)).bool()
-    g, r = responses.shape
+    g = responses.shape[0]
     prompt = torch.as_tensor(prompt_ids, dtype=torch.long, device=device).reshape(1, -1).expand(g, -1)
     ids = torch.cat([prompt, responses], dim=1)
-    logits = model(input_ids=ids).logits[:, prompt.shape[1] - 1 : -1, :].double().cpu()  # [G, R, V]
-    noise = torch.stack([_noise(seed, g, t, logits.shape[-1]) for t in range(r)], dim=1)  # [G, R, V]
+    logits = model(input_ids=ids).logits[:, prompt.shape[1] - 1 : -1, :]  # [G, R, V]
+    return check_scores(logits, response_ids, response_mask, temperature, seed, tie_margin)
+
+
+def check_scores(logits: torch.Tensor, response_ids, response_mask, temperature: float, seed: int,
+                 tie_margin: float) -> TokenCheck:  # fmt: skip
+    """The token check on logits already computed: ``logits`` [G, R, V] predicting each response
+    token (the learner's re-scoring forward gives them), the responses' tokens [G, R] and mask."""
+    responses = torch.as_tensor(np.asarray(response_ids), dtype=torch.long, device="cpu")
+    mask = torch.as_tensor(np.asarray(response_mask), device="cpu").bool()
+    rows, positions = mask.nonzero(as_tuple=True)  # only the response's tokens: padding needs no noise
+    logits = logits.detach()[rows.to(logits.device), positions.to(logits.device)].double().cpu()  # [N, V]
+    vocab = logits.shape[-1]
+    noise = torch.from_numpy(np.stack([gumbel_noise(seed, r, t, vocab) for r, t in zip(rows.tolist(), positions.tolist())])
+                             if len(rows) else np.zeros((0, vocab)))  # fmt: skip
     scores = logits / temperature + noise
-    chosen = scores.gather(-1, responses.cpu()[..., None]).squeeze(-1)
-    margin = (scores.max(-1).values - chosen)[mask]
+    chosen = scores.gather(-1, responses[rows, positions][:, None]).squeeze(-1)
+    margin = scores.max(-1).values - chosen
     off = margin > 0
     return TokenCheck(int(mask.sum()), int((off & (margin <= tie_margin)).sum()), int((margin > tie_margin).sum()),
                       float(margin.max()) if margin.numel() else 0.0)  # fmt: skip

@@ -28,7 +28,8 @@ RECORD_FORMAT = "heterorl.rollout_group/1"
 
 _ARRAY_FIELDS = ("prompt_ids", "prompt_mask", "response_ids", "response_mask", "sampler_logprobs",
                  "rewards", "advantages")
-_SCALAR_FIELDS = ("group_uid", "policy_version", "sampler_id", "created_at", "extra", "sampler_precision")
+_SCALAR_FIELDS = ("group_uid", "policy_version", "sampler_id", "created_at", "extra", "sampler_precision",
+                  "sampling_seed")
 
 
 class RecordRejected(ValueError):
@@ -68,6 +69,9 @@ class RolloutGroup:
             :func:`verl_ext.hetero.precision.precision_of`); None when undeclared. Signed with the
             record; the learner's trust gate picks its log-prob tolerance by it and refuses a
             record without a known one.
+        sampling_seed: the seed of the group's Gumbel-max draw (``verl_ext.hetero.gumbel``: the
+            learner re-derives its tokens from it); None when drawn otherwise. Signed with the
+            record.
     """
 
     group_uid: str
@@ -83,6 +87,7 @@ class RolloutGroup:
     prompt_mask: np.ndarray | None = None
     extra: dict[str, Any] = field(default_factory=dict)
     sampler_precision: str | None = None
+    sampling_seed: int | None = None
 
     def __post_init__(self):
         # Coerce once so that torch tensors or lists from a sampler become numpy arrays; dtype
@@ -120,6 +125,8 @@ class RolloutGroup:
                 "sampler_id": str(self.sampler_id), "created_at": float(self.created_at), "extra": self.extra}
         if self.sampler_precision is not None:  # absent = undeclared (a record from before it existed)
             meta["sampler_precision"] = str(self.sampler_precision)
+        if self.sampling_seed is not None:  # absent = not drawn by seeded Gumbel-max
+            meta["sampling_seed"] = int(self.sampling_seed)
         return st_save(tensors, metadata={"format": RECORD_FORMAT, "record": json.dumps(meta)})
 
     @classmethod

@@ -61,13 +61,15 @@ def sample_groups(
     temperature: float,
     max_new_tokens: int,
     seed: int,
+    gumbel_seeds: Optional[list[int]] = None,
 ) -> SampledBatch:
     """G samples per prompt at ``temperature`` (no top-k/top-p: q is exactly softmax(logits / T)),
     through :func:`verl_ext.sampling.generate`.
 
     ``seed`` fixes the sampling, so replay runs and resumed runs regenerate the same tokens.
     The model generates where it is, in its own dtype; the returned tensors are on the CPU (log q
-    computed in fp32 from the model's logits).
+    computed in fp32 from the model's logits). ``gumbel_seeds``: one per prompt, each prompt's G
+    responses drawn by seeded Gumbel-max (``hetero.trust.checkable_sampling``; ``seed`` unused).
     """
     if temperature <= 0:
         raise ValueError(f"temperature={temperature} must be > 0 for sampling")
@@ -77,6 +79,7 @@ def sample_groups(
     gen = generate(
         model, enc["input_ids"].to(device), enc["attention_mask"].to(device), max_new_tokens=max_new_tokens,
         eos_token_ids=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, temperature=temperature, seed=seed,
+        gumbel_seeds=gumbel_seeds,
     )  # fmt: skip
     tokens, log_q = gen.tokens.to("cpu"), gen.log_q.to("cpu")
     response_mask = eos_mask(tokens, tokenizer.eos_token_id)

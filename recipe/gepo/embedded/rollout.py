@@ -19,6 +19,7 @@ import torch
 from verl.trainer.ppo.core_algos import get_adv_estimator_fn
 
 from .policy import sample_groups
+from verl_ext.hetero.gumbel import group_seed
 from verl_ext.hetero.precision import precision_of
 from verl_ext.hetero.records import RolloutGroup
 
@@ -93,6 +94,7 @@ def generate_groups(
     sampler_id: str,
     seed: int,
     uid_prefix: str,
+    checkable: bool = False,
 ) -> list[RolloutGroup]:
     """Generate one rollout group per prompt item with the model's current weights.
 
@@ -101,11 +103,13 @@ def generate_groups(
         policy_version: the learner version these weights came from (stamped on every group).
         seed: sampling seed (same seed, same weights -> same tokens).
         uid_prefix: group uids are ``f"{uid_prefix}-{i}"``; must be unique across the run.
+        checkable: ``hetero.trust.checkable_sampling``: each group drawn by seeded Gumbel-max, its
+            seed (:func:`~verl_ext.hetero.gumbel.group_seed` of ``seed`` and i) in its record.
     """
     g = settings.group_size
-    batch = sample_groups(
-        model, tokenizer, [it["prompt"] for it in items], g, settings.temperature, settings.max_new_tokens, seed
-    )
+    group_seeds = [group_seed(seed, i) for i in range(len(items))] if checkable else None
+    batch = sample_groups(model, tokenizer, [it["prompt"] for it in items], g, settings.temperature,
+                          settings.max_new_tokens, seed, gumbel_seeds=group_seeds)  # fmt: skip
     # host side: the sampled batch is on the CPU (sample_groups brings it back from the model's device)
     rewards = torch.tensor([score(text, items[i // g]) for i, text in enumerate(batch.texts)], dtype=torch.float32,
                            device="cpu")  # fmt: skip
@@ -133,6 +137,7 @@ def generate_groups(
                 created_at=now,
                 extra={"answer": str(item.get("answer", "")), "texts": batch.texts[rows]},
                 sampler_precision=precision,
+                sampling_seed=None if group_seeds is None else group_seeds[i],
             )
         )
     return groups

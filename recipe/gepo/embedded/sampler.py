@@ -147,6 +147,7 @@ class SamplerWorker:
                 self.model, self.tokenizer, items, self.task.score, self.rollout, self.algorithm_config,
                 policy_version=self.version, sampler_id=self.sampler_id,
                 seed=sampler_sampling_seed(self.hetero.seed, batch_index, self.index), uid_prefix=uid_prefix,
+                checkable=self.hetero.trust.checkable_sampling,
             )  # fmt: skip
             gen_s = time.perf_counter() - t0
             if self.speed_factor > 1:

@@ -16,6 +16,12 @@ advantages. :class:`GroupVerifier` re-derives them on the learner:
   shuffled, copied from another version or reported at another temperature, and a claimed version
   other than the one used. Cost: one forward pass of the group
   (~11 ms for G=8 x 16 tokens on the toy model, one core), paid for ``verify_fraction`` of groups.
+- **tokens** (``checkable_sampling``): a re-scored group carries the seed of its Gumbel-max draw;
+  the same forward's logits and that seed's noise re-derive which token each position had to
+  take (:func:`verl_ext.hetero.gumbel.check_scores`), near ties within the declared precision's
+  margin allowed (``token_mismatch`` otherwise: a sampler on other weights, at another temperature
+  or truncating, even with q true to its tokens). Cost: the noise, V draws a token (SmolLM2 on
+  the CPU: +9% on the re-score). A group without a seed is refused (``unseeded``, without blame).
 - **rewards** (``check_rewards``): the responses decoded from their tokens and scored by the
   learner's own task against the learner's own copy of the prompt's answer (a prompt the task
   does not have fails: ``unknown_prompt``); the advantages recomputed from those rewards with
@@ -24,7 +30,7 @@ advantages. :class:`GroupVerifier` re-derives them on the learner:
   the group's reward deviations, within BNPO's clamp: ``bnpo_group_mismatch``).
 
 A check returns ``None`` (passed), or ``(reason, detail)``: reason one of ``bad_logprobs``,
-``bad_rewards``, ``bad_advantages``, ``unknown_prompt``; the caller turns it into a rejection and a
+``token_mismatch``, ``bad_rewards``, ``bad_advantages``, ``unknown_prompt``; the caller turns it into a rejection and a
 failed check in the :class:`~verl_ext.hetero.trust.TrustLedger`.
 
 :class:`TrustGate` is what async mode's inbox asks about every decoded, well-formed group
@@ -63,17 +69,19 @@ import numpy as np
 import torch
 
 from .placement import Placement
-from .policy import load_policy, sequence_token_log_probs
+from .policy import forward_logits, load_policy, sequence_token_log_probs
 from .rollout import sequence_advantages
 from .tasks import Task
 from verl_ext.algos.advantages import bnpo_group_mismatch
 from verl_ext.hetero.auth import Enrolment
 from verl_ext.hetero.buffer import RolloutBuffer
+from verl_ext.hetero.gumbel import TIE_MARGINS, TokenCheck, check_scores
 from verl_ext.hetero.precision import (TOLERANCES, Mismatch, MismatchCusum, Tolerance, group_mismatch, precision_of,
                                        precision_refusal, single_group_failure)  # fmt: skip
 from verl_ext.hetero.records import RecordRejected, RolloutGroup
 from verl_ext.hetero.staleness import is_stale
 from verl_ext.hetero.weights import deserialize_state_dict
+from verl_ext.sampling import token_log_probs
 
 GROUP_LOCAL_ESTIMATORS = ("grpo",)
 """verl advantage estimators whose advantages depend on the group alone (recomputable per group)."""
@@ -98,6 +106,25 @@ def group_log_probs(model: torch.nn.Module, group: RolloutGroup, temperature: fl
     return logprobs.float().cpu().numpy()
 
 
+@torch.no_grad()
+def group_scores(model: torch.nn.Module, group: RolloutGroup, temperature: float) -> tuple[np.ndarray, torch.Tensor]:
+    """One forward pass: the log-probs :func:`group_log_probs` gives and the logits [G, R, V] they
+    come from (those predicting each response token: the token check re-derives the tokens from them)."""
+    g = group.response_ids.shape[0]
+    prompt_mask = group.prompt_mask if group.prompt_mask is not None else np.ones_like(group.prompt_ids)
+    device = next(model.parameters()).device
+
+    def ids(array: np.ndarray) -> torch.Tensor:
+        return torch.as_tensor(array, device=device).long()
+
+    responses = ids(group.response_ids)
+    input_ids = torch.cat([ids(group.prompt_ids).expand(g, -1), responses], dim=1)
+    attention_mask = torch.cat([ids(prompt_mask).expand(g, -1), ids(group.response_mask)], dim=1)
+    position_ids = (attention_mask.cumsum(dim=-1) - 1).clamp(min=0)  # as sequence_token_log_probs
+    logits = forward_logits(model, input_ids, attention_mask, position_ids)[:, len(group.prompt_ids) - 1 : -1]
+    return token_log_probs(logits, responses, temperature).float().cpu().numpy(), logits
+
+
 class GroupVerifier:
     """Re-derives a group's claims on the learner (see module docstring).
 
@@ -113,11 +140,13 @@ class GroupVerifier:
         placement: the run's device and precisions: the re-scoring model is a sampler's (on
             ``hetero.device``, in ``hetero.sampler_precision``), since it recomputes a sampler's
             q; None: fp32 on the CPU.
+        checkable_sampling: ``hetero.trust.checkable_sampling``: a re-scored group with a
+            ``sampling_seed`` also has its tokens re-derived from the same forward's logits.
     """
 
     def __init__(self, model_path: str, task: Task, temperature: float, algorithm_config: Any,
                  keep_versions: int, logprob_tolerance: float, check_rewards: bool,
-                 placement: Optional[Placement] = None):  # fmt: skip
+                 placement: Optional[Placement] = None, checkable_sampling: bool = False):  # fmt: skip
         if placement is not None:
             self.scorer, self.tokenizer = placement.load_sampler(model_path)
         else:
@@ -127,6 +156,8 @@ class GroupVerifier:
         self.task, self.temperature, self.algorithm_config = task, float(temperature), algorithm_config
         self.keep_versions = int(keep_versions)
         self.logprob_tolerance, self.check_rewards = float(logprob_tolerance), bool(check_rewards)
+        self.checkable_sampling = bool(checkable_sampling)
+        self.token_counts: Counter[str] = Counter()  # tokens checked / near ties / mismatches, all groups
         estimator = algorithm_config.get("adv_estimator", "grpo")
         estimator = getattr(estimator, "value", estimator)
         self.check_advantages = estimator in GROUP_LOCAL_ESTIMATORS
@@ -214,12 +245,14 @@ class GroupVerifier:
             return "bad_advantages", f"reported {reported_adv.tolist()}, recomputed {advantages.tolist()}"
         return None
 
-    def rescore(self, group: RolloutGroup) -> Optional[np.ndarray]:
+    def rescore(self, group: RolloutGroup, with_logits: bool = False):
         """float32 (G, R): the group's token log-probs under the claimed version's weights, or None
-        when that version is not held."""
+        when that version is not held; ``with_logits``: (log-probs, logits) of :func:`group_scores`."""
         with self._lock:
             if not self._load(int(group.policy_version)):
                 return None
+            if with_logits:
+                return group_scores(self.scorer, group, self.temperature)
             return group_log_probs(self.scorer, group, self.temperature)
 
     def _load(self, version: int) -> bool:
@@ -250,9 +283,11 @@ class GroupVerifier:
         """(failure or None, the group's :class:`Mismatch`): q re-scored under the claimed version
         against the per-group bounds of the precision the group declares. (None, None) when the
         version is not held."""
-        rescored = self.rescore(group)
-        if rescored is None:
+        check_tokens = self.checkable_sampling and group.sampling_seed is not None
+        scored = self.rescore(group, with_logits=check_tokens)
+        if scored is None:
             return None, None
+        rescored, logits = scored if check_tokens else (scored, None)
         reported = np.asarray(group.sampler_logprobs, np.float32)
         if reported.shape != rescored.shape:
             return ("bad_logprobs", f"log-probs of shape {reported.shape}, responses {rescored.shape}"), None
@@ -264,7 +299,29 @@ class GroupVerifier:
         over = single_group_failure(mismatch, self.tolerance(precision), self.bounds_precision(precision))
         if over is not None:
             return ("bad_logprobs", f"log q reported against re-scored under v{group.policy_version}: {over}"), mismatch
+        if logits is not None:
+            return self.token_failure(group, logits, precision), mismatch
         return None, mismatch
+
+    def tie_margin(self, precision: str) -> float:
+        """The near-tie margin of the token check for a sampler declaring ``precision``."""
+        return TIE_MARGINS[self.bounds_precision(precision)]
+
+    def token_failure(self, group: RolloutGroup, logits: torch.Tensor, precision: str) -> Optional[tuple[str, str]]:
+        """The token check (``checkable_sampling``): each token re-derived from ``logits`` and the
+        noise of the group's seed, up to the precision's near-tie margin; a token further below
+        the noised best fails the group (``token_mismatch``)."""
+        margin = self.tie_margin(precision)
+        found: TokenCheck = check_scores(logits, group.response_ids, group.response_mask, self.temperature,
+                                         int(group.sampling_seed), margin)  # fmt: skip
+        self.token_counts.update(tokens_checked=found.tokens, token_near_ties=found.near_ties,
+                                 token_mismatches=found.mismatches)
+        if found.mismatches == 0:
+            return None
+        return "token_mismatch", (f"{found.mismatches} of {found.tokens} tokens are not what seed "
+                                  f"{group.sampling_seed}'s noise selects under v{group.policy_version} (worst "
+                                  f"noised margin {found.worst_margin:.3g} > {margin:g}, {precision}'s near-tie "
+                                  f"allowance)")  # fmt: skip
 
     def check_logprobs(self, group: RolloutGroup) -> Optional[tuple[str, str]]:
         return self.measure_logprobs(group)[0]
@@ -324,7 +381,7 @@ class TrustGate:
             self.verifier = GroupVerifier(
                 model_path, task, engine.settings.temperature, engine.algorithm, keep_versions=hetero.max_delay + 1,
                 logprob_tolerance=trust.logprob_tolerance, check_rewards=trust.check_rewards,
-                placement=Placement.of(hetero),
+                placement=Placement.of(hetero), checkable_sampling=trust.checkable_sampling,
             )  # fmt: skip
 
     # ---------------------------------------------------------------- enrolment
@@ -375,6 +432,14 @@ class TrustGate:
                 if unknown is not None:
                     self.ledger.refused(unknown[0])
                     raise RecordRejected("sampler_precision", *unknown, sampler_id=sampler, group_uid=uid)
+                seed = group.sampling_seed
+                if self.config.checkable_sampling and (not isinstance(seed, (int, np.integer)) or isinstance(seed, bool)):
+                    # the token check needs it: refused on every group, checked or not (no blame:
+                    # a sampler not configured for it, not a lie shown)
+                    self.ledger.refused("unseeded")
+                    raise RecordRejected("sampling_seed", "unseeded", f"sampling_seed={seed!r}: "
+                                         "hetero.trust.checkable_sampling needs each group's Gumbel-max seed "
+                                         "(an integer) in its signed record", sampler_id=sampler, group_uid=uid)  # fmt: skip
             rescore = self.ledger.should_check(sampler) and self.config.verify_fraction > 0
             digest = content_digest(group)
             replayed = digest in self._contents
@@ -475,7 +540,10 @@ class TrustGate:
         with self._lock:
             passed = {f"trust/{sampler}/passed_over": float(n) for sampler, n in self.passed_over_counts.items()}
             cusum = {f"trust/{sampler}/mismatch_cusum": value for sampler, value in self.cusum.sums.items()}
-            return {**self.ledger.metrics(), **passed, **cusum, "perf/trust_check_cpu_s_total": self.check_cpu_s}
+            tokens = ({f"trust/{k}": float(v) for k, v in self.verifier.token_counts.items()}
+                      if self.verifier is not None and self.verifier.checkable_sampling else {})  # fmt: skip
+            return {**self.ledger.metrics(), **passed, **cusum, **tokens,
+                    "perf/trust_check_cpu_s_total": self.check_cpu_s}
 
     def state_dict(self) -> dict:
         with self._lock:
