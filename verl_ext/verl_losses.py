@@ -1,7 +1,7 @@
 """HeteroRL's policy losses and advantage estimators, registered into verl's registries.
 
 Loaded by ``import verl`` in every process (entry point ``heterorl`` of group ``verl.plugins`` in
-pyproject.toml). verl only logs a failing plugin at DEBUG level, so ``tests/test_verl_plugin_on_cpu.py``
+pyproject.toml). verl only logs a failing plugin at DEBUG level, so ``tests/test_verl_plugin.py``
 asserts that the names below arrived. The CPU backend is a separate entry point (:mod:`verl_ext.cpu`);
 nothing here imports it.
 

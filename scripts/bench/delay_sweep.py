@@ -31,7 +31,7 @@ tabulated (``--table-only``) but it cannot be run.
   ``max_delay`` k), except the first k steps, when only that many versions exist.
 * ``uni<K>`` -- staleness uniform on {0, ..., K} (``hetero.delay.dist=uniform``, low 0, high K,
   ``integer=true``; ``max_delay`` K). Rows made before the named model read a trace file of the
-  values 0..K resampled i.i.d.: the same draws (tests/hetero/test_hetero_delay_on_cpu.py).
+  values 0..K resampled i.i.d.: the same draws (tests/hetero/test_hetero_delay.py).
 * ``logn<K>`` or a bare integer K (the legacy sweep's "max delay K") -- the paper's log-normal
   in learner steps (99.5% of the mass in [1, 64], median 8), rounded, capped at K.
 

@@ -51,8 +51,8 @@ from verl_ext.loss_bridge import (
 )
 from verl_ext.verl_losses import HETERORL_LOSS_MODES, sampler_kl_penalty
 
-from .test_ppo_loss_on_cpu import GROUP as PPO_GROUP
-from .test_ppo_loss_on_cpu import make_data
+from .test_ppo_loss import GROUP as PPO_GROUP
+from .test_ppo_loss import make_data
 from .verl_helpers import actor_config, actor_from_section, composed_actor_section
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "recipe" / "gepo" / "config"
@@ -257,7 +257,7 @@ def _preset(preset: str):
     """(verl ActorConfig, algorithm section) of ``algorithm_preset=<preset>`` with every term of the
     objective on. gepo_trainer.yaml merges its preset last: the trainer without one is composed by
     hydra once, and each preset merged onto it (hydra's composition of every preset is
-    tests/recipe/test_presets_on_cpu.py's)."""
+    tests/recipe/test_presets.py's)."""
     if "" not in _PRESET_CACHE:
         with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
             _PRESET_CACHE[""] = compose(config_name="gepo_trainer", overrides=["~algorithm_preset"])

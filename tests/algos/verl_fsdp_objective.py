@@ -1,4 +1,4 @@
-"""The verl engine's side of tests/algos/test_objective_on_cpu.py, run in its own process.
+"""The verl engine's side of tests/algos/test_objective.py, run in its own process.
 
 ``python tests/algos/verl_fsdp_objective.py IN.pt OUT.pt`` (the repository on PYTHONPATH): a
 single-rank gloo process group (what a verl worker process is), verl's real ``TrainingWorker``

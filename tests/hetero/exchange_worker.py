@@ -1,6 +1,6 @@
 """A learner or a sampler process exchanging weights and rollouts through an fsspec transport.
 
-Run by test_hetero_kill_on_cpu.py as ``python exchange_worker.py ROLE URL WORKDIR ...``; either
+Run by test_hetero_kill.py as ``python exchange_worker.py ROLE URL WORKDIR ...``; either
 process may be SIGKILLed at any moment and restarted with the same arguments. A ``slowlink://``
 URL is the local disk written through a throttled link (see SlowLinkFileSystem).
 

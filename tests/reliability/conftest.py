@@ -13,7 +13,7 @@ CACHE_DIR = REPO / ".cache" / "heterorl"
 TRUSTING = ("hetero.trust.sign_records=false", "hetero.trust.verify_fraction=0", "hetero.trust.check_rewards=false")
 """A learner that trusts its samplers: for tests that send synthetic groups (random tokens, any q)
 to exercise the inbox and the buffer; the trust gate has its own tests
-(tests/recipe/embedded/test_trust_gate_on_cpu.py)."""
+(tests/recipe/embedded/test_trust_gate.py)."""
 
 
 def compose_trainer(*overrides: str):

@@ -80,7 +80,7 @@ TOLERANCES: dict[str, Tolerance] = {
     # its median (0.05, tried first, was only 0.009 above that median: too thin a margin for honest
     # SmolLM2 samplers over a long run); bias_reference 0.02 is 2.2x the largest honest |mean
     # signed Δ| of both models. q lowered by 0.04 a token fails at the 5th checked group (the tiny toy model
-    # of tests/recipe/embedded/test_trust_precision_on_cpu.py).
+    # of tests/recipe/embedded/test_trust_precision.py).
     "bf16": Tolerance(token_max=2.0, group_mean_abs=0.15, group_kl=0.015, reference=0.08, cusum_limit=0.3,
                       bias_reference=0.02, bias_limit=0.1),
 }

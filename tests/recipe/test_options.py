@@ -436,17 +436,17 @@ CASES_REPLAY: dict[str, Case] = {
 selectors: how to see it change a tiny replay run."""
 
 OBSERVED_ELSEWHERE = {
-    "hetero.device": "tests/recipe/embedded/test_device_on_cpu.py::test_every_tensor_of_a_step_is_on_the_configured_device",
-    "hetero.learner_cpus": "tests/recipe/embedded/test_pinning_on_cpu.py::test_pinned_moves_the_process_and_restores_it",
-    "hetero.sampler_cpus": "tests/recipe/embedded/test_pinning_on_cpu.py::test_replay_generates_on_the_sampler_cores_and_gives_the_same_run",
-    "task.name": "tests/recipe/test_options_on_cpu.py::test_a_math_task_option_changes_the_prompts",
+    "hetero.device": "tests/recipe/embedded/test_device.py::test_every_tensor_of_a_step_is_on_the_configured_device",
+    "hetero.learner_cpus": "tests/recipe/embedded/test_pinning.py::test_pinned_moves_the_process_and_restores_it",
+    "hetero.sampler_cpus": "tests/recipe/embedded/test_pinning.py::test_replay_generates_on_the_sampler_cores_and_gives_the_same_run",
+    "task.name": "tests/recipe/test_options.py::test_a_math_task_option_changes_the_prompts",
     "task.model": "tests/data/test_smollm2.py",
-    "task.dataset": "tests/recipe/test_options_on_cpu.py::test_a_math_task_option_changes_the_prompts",
-    "task.dataset_options": "tests/recipe/test_options_on_cpu.py::test_a_math_task_option_changes_the_prompts",
-    "task.dataset_path": "tests/recipe/embedded/test_option_behaviour_on_cpu.py::test_math_task_reads_its_dataset_path_and_eval_dataset",
-    "task.eval_dataset": "tests/recipe/test_options_on_cpu.py::test_a_math_task_option_changes_the_prompts",
-    "task.eval_dataset_options": "tests/recipe/test_options_on_cpu.py::test_a_math_task_option_changes_the_prompts",
-    "task.template": "tests/recipe/test_options_on_cpu.py::test_a_math_task_option_changes_the_prompts",
+    "task.dataset": "tests/recipe/test_options.py::test_a_math_task_option_changes_the_prompts",
+    "task.dataset_options": "tests/recipe/test_options.py::test_a_math_task_option_changes_the_prompts",
+    "task.dataset_path": "tests/recipe/embedded/test_option_behaviour.py::test_math_task_reads_its_dataset_path_and_eval_dataset",
+    "task.eval_dataset": "tests/recipe/test_options.py::test_a_math_task_option_changes_the_prompts",
+    "task.eval_dataset_options": "tests/recipe/test_options.py::test_a_math_task_option_changes_the_prompts",
+    "task.template": "tests/recipe/test_options.py::test_a_math_task_option_changes_the_prompts",
     f"{PL}.compile": "tests/algos/test_compiled_losses.py",
 }  # fmt: skip
 """Honoured (option, replay) pairs a tiny toy replay run cannot show (a GPU, the process's cores, the

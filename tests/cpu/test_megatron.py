@@ -264,7 +264,7 @@ def test_float32_megatron_weights_are_accepted_on_the_cpu():
 @pytest.mark.slow
 def test_make_verl_smoke_megatron_trains_two_gepo_steps(tmp_path):
     """``make verl-smoke-megatron``: verl's stock main_ppo, Megatron TP=2 over gloo, GEPO."""
-    from tests.cpu.test_verl_trainer_on_cpu import _stock_main_ppo
+    from tests.cpu.test_verl_trainer import _stock_main_ppo
 
     out = _stock_main_ppo(tmp_path, "algorithm.adv_estimator=grpo", "actor_rollout_ref.actor.policy_loss.loss_mode=gepo",
                           preset="cpu_toy_megatron")  # fmt: skip

@@ -77,4 +77,4 @@ def test_bad_settings_are_named():
 
 
 # DelayedCheckpointManager runs against verl's real CheckpointEngineManager, hf_cpu replica and
-# actor workers in tests/cpu/test_verl_actor_on_cpu.py (slow).
+# actor workers in tests/cpu/test_verl_actor.py (slow).

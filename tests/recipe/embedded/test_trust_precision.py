@@ -14,7 +14,7 @@ from recipe.gepo.embedded.verify import group_log_probs
 from verl_ext.hetero.precision import TOLERANCES, MismatchCusum, group_mismatch, precision_of
 from verl_ext.hetero.records import RolloutGroup
 
-from .test_trust_gate_on_cpu import Lab
+from .test_trust_gate import Lab
 
 
 def _bf16(model_path):

@@ -11,7 +11,7 @@ import torch
 from recipe.gepo.embedded.policy import load_policy
 from verl_ext.hetero.gumbel import check_tokens, gumbel_noise, sample
 
-from .test_trust_gate_on_cpu import Lab, _off_model
+from .test_trust_gate import Lab, _off_model
 
 TIE_MARGIN = 0.3
 """GPU_FIRST_RUN.md 5: where bf16 flips SmolLM2's choice, the best two noised scores are close (under

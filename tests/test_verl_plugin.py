@@ -201,7 +201,7 @@ def test_fresh_process_import_verl_registers_everything(probes):
 
 def test_fresh_process_import_verl_installs_the_cpu_backend(probes):
     """On this machine (no accelerator) ``import verl`` alone registers the CPU backend; its patches
-    of verl wait until verl picks the platform (tests/cpu/test_platform_on_cpu.py)."""
+    of verl wait until verl picks the platform (tests/cpu/test_platform.py)."""
     backend = probes["fresh"].registry()["cpu_backend"]
     assert "verl_ext.cpu" in backend["modules"]
     assert backend["platform"] and backend["rollout"] and backend["replica"] and backend["checkpoint_engine"]

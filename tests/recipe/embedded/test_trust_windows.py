@@ -12,7 +12,7 @@ import numpy as np
 
 from verl_ext.hetero.weights import serialize_state_dict
 
-from .test_trust_gate_on_cpu import Lab, _with_rewards
+from .test_trust_gate import Lab, _with_rewards
 
 
 def test_purged_counts_only_the_groups_a_quarantine_actually_dropped(tiny_model_path, tmp_path):

@@ -11,7 +11,7 @@ from recipe.gepo.embedded.engine import EngineConfig
 from verl_ext.hetero.exchange import send_group
 from verl_ext.loss_bridge import rollout_correction_settings
 
-from .test_wait_policy_on_cpu import KEY, _groups, _learner, _until
+from .test_wait_policy import KEY, _groups, _learner, _until
 
 
 def test_async_learner_applies_rollout_correction_and_diagnostics(tiny_cfg, tmp_path):

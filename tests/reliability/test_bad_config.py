@@ -1,7 +1,7 @@
 """Bad configuration fails in ``run(cfg)`` before any work: no run directory, no Ray, no model,
 and an error that names the offending key and value.
 
-(``HeteroConfig`` field validation alone is tested in tests/recipe/test_hetero_config_on_cpu.py;
+(``HeteroConfig`` field validation alone is tested in tests/recipe/test_hetero_config.py;
 here the whole entry point is driven, which is what a user runs.)
 """
 

@@ -24,7 +24,7 @@ from verl_ext.hetero.weights import (
     wire_tensors,
 )
 
-from .test_hetero_transport_on_cpu import FakeClock, _data_path
+from .test_hetero_transport import FakeClock, _data_path
 
 _memory_ids = itertools.count()
 

@@ -20,7 +20,7 @@ from recipe.gepo.embedded.verify import group_log_probs
 from verl_ext.hetero.auth import Enrolment, SamplerKey
 from verl_ext.hetero.records import RecordRejected, RolloutGroup
 
-from .test_trust_gate_on_cpu import Lab
+from .test_trust_gate import Lab
 
 ON = "hetero.trust.checkable_sampling=true"
 

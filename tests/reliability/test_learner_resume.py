@@ -2,7 +2,7 @@
 exchange): no rollout group lost or consumed twice, by group uid; and the resumed learner does
 not leave the crashed learner's later weight versions for samplers to pick up.
 
-Exactly-once of the inbox alone is unit-tested in tests/hetero/test_hetero_transport_on_cpu.py;
+Exactly-once of the inbox alone is unit-tested in tests/hetero/test_hetero_transport.py;
 here it is the engine's wiring: checkpoint_state -> acknowledge -> crash -> start(checkpoint)."""
 
 from recipe.gepo.embedded.learner_actor import LearnerWorker
@@ -11,7 +11,7 @@ from verl_ext.hetero.protocol import TransportSpec
 from verl_ext.hetero.exchange import send_group
 
 from .conftest import TRUSTING, compose_trainer
-from .test_bad_data_on_cpu import group
+from .test_bad_data import group
 
 
 def new_worker(root, model_path, batch):
