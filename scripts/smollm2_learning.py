@@ -41,8 +41,18 @@ FIGURE = ROOT / "docs" / "figures" / "smollm2_learning.png"
 EVAL_DIR = ROOT / "outputs" / "eval" / "smollm2"
 #: recipe.gepo.evaluate overrides shared by every model evaluated: the training template and
 #: temperature, the full softmax (as the sampler drew), responses a little longer than in training
-EVAL_SETTINGS = ["benchmarks=[math500,gsm8k]", "limit=20", "samples_per_problem=4", "temperature=0.5", "top_p=1.0",
-                 "top_k=0", "max_new_tokens=256", "template=chat_1shot", "batch_size=16", "dtype=float32"]  # fmt: skip
+EVAL_SETTINGS = [
+    "benchmarks=[math500,gsm8k]",
+    "limit=20",
+    "samples_per_problem=4",
+    "temperature=0.5",
+    "top_p=1.0",
+    "top_k=0",
+    "max_new_tokens=256",
+    "template=chat_1shot",
+    "batch_size=16",
+    "dtype=float32",
+]
 
 
 def run_dir(seed: int) -> Path:
@@ -51,11 +61,26 @@ def run_dir(seed: int) -> Path:
 
 def train_command(seed: int, steps: int) -> list[str]:
     out = run_dir(seed)
-    return ["nice", "-n", "10", sys.executable, "-m", "recipe.gepo.main_gepo", "--config-dir", "configs",
-            "+verl_preset=cpu_smollm2_math", "hetero.engine=verl", f"trainer.total_training_steps={steps}",
-            "trainer.save_freq=5", "trainer.resume_mode=auto", f"hetero.seed={seed}", f"data.seed={seed}",
-            f"actor_rollout_ref.rollout.seed={seed}", f"trainer.default_local_dir={out}",
-            f"trainer.rollout_data_dir={out / 'rollouts'}"]  # fmt: skip
+    return [
+        "nice",
+        "-n",
+        "10",
+        sys.executable,
+        "-m",
+        "recipe.gepo.main_gepo",
+        "--config-dir",
+        "configs",
+        "+verl_preset=cpu_smollm2_math",
+        "hetero.engine=verl",
+        f"trainer.total_training_steps={steps}",
+        "trainer.save_freq=5",
+        "trainer.resume_mode=auto",
+        f"hetero.seed={seed}",
+        f"data.seed={seed}",
+        f"actor_rollout_ref.rollout.seed={seed}",
+        f"trainer.default_local_dir={out}",
+        f"trainer.rollout_data_dir={out / 'rollouts'}",
+    ]
 
 
 def run(seeds: Sequence[int], steps: int) -> int:
@@ -64,8 +89,13 @@ def run(seeds: Sequence[int], steps: int) -> int:
         out.mkdir(parents=True, exist_ok=True)
         print(f"seed {seed}: {out} ({steps} steps)", flush=True)
         with open(out / "run.log", "a") as log:
-            proc = subprocess.run(train_command(seed, steps), cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                                  env=dict(os.environ, OMP_NUM_THREADS="1"))  # fmt: skip
+            proc = subprocess.run(
+                train_command(seed, steps),
+                cwd=ROOT,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=dict(os.environ, OMP_NUM_THREADS="1"),
+            )
         if proc.returncode != 0:
             print(f"error: seed {seed} exited with status {proc.returncode}; see {out / 'run.log'}", file=sys.stderr)
             return proc.returncode
@@ -94,8 +124,17 @@ def evaluate(seeds: Sequence[int]) -> int:
         models[f"s{seed}_step{step}"] = str(target)
     for name, path in models.items():
         print(f"evaluating {name}: {path}", flush=True)
-        cmd = ["nice", "-n", "10", sys.executable, "-m", "recipe.gepo.evaluate", f"model_path={path}",
-               f"output_dir={EVAL_DIR / name}", *EVAL_SETTINGS]  # fmt: skip
+        cmd = [
+            "nice",
+            "-n",
+            "10",
+            sys.executable,
+            "-m",
+            "recipe.gepo.evaluate",
+            f"model_path={path}",
+            f"output_dir={EVAL_DIR / name}",
+            *EVAL_SETTINGS,
+        ]
         proc = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"))
         if proc.returncode != 0:
             print(f"error: evaluating {name} exited with status {proc.returncode}", file=sys.stderr)
@@ -114,8 +153,10 @@ def eval_scores(out: Path) -> tuple[float, float, float, float]:
 
     records = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines() if line.strip()]
     acc = {b: _mean([float(r["acc"]) for r in records if r["benchmark"] == b]) for b in ("math500", "gsm8k")}
-    boxed = {b: _mean([float(r.get("error") not in NO_ANSWER_ERRORS) for r in records if r["benchmark"] == b])
-             for b in ("math500", "gsm8k")}  # fmt: skip
+    boxed = {
+        b: _mean([float(r.get("error") not in NO_ANSWER_ERRORS) for r in records if r["benchmark"] == b])
+        for b in ("math500", "gsm8k")
+    }
     return acc["math500"], acc["gsm8k"], boxed["math500"], boxed["gsm8k"]
 
 
@@ -149,7 +190,9 @@ def report(seeds: Sequence[int], window: int, out_png: Optional[Path]) -> int:
     if not runs:
         print(f"error: no run of seeds {list(seeds)} under {RUNS}", file=sys.stderr)
         return 2
-    print(f"| seed | steps | reward first {window} | reward last {window} | rise | boxed first -> last | accuracy first -> last |")
+    print(
+        f"| seed | steps | reward first {window} | reward last {window} | rise | boxed first -> last | accuracy first -> last |"
+    )
     print("|---:|---:|---:|---:|---:|---|---|")
     firsts, rises = [], []
     for seed, rows in runs.items():
@@ -160,8 +203,10 @@ def report(seeds: Sequence[int], window: int, out_png: Optional[Path]) -> int:
         rises.append(last - first)
         boxed = [_mean([rows[s].get("boxed", float("nan")) for s in part]) for part in (head, tail)]
         acc = [_mean([rows[s].get("acc", float("nan")) for s in part]) for part in (head, tail)]
-        print(f"| {seed} | {len(steps)} | {first:.3f} | {last:.3f} | {last - first:+.3f} | "
-              f"{boxed[0]:.2f} -> {boxed[1]:.2f} | {acc[0]:.3f} -> {acc[1]:.3f} |")  # fmt: skip
+        print(
+            f"| {seed} | {len(steps)} | {first:.3f} | {last:.3f} | {last - first:+.3f} | "
+            f"{boxed[0]:.2f} -> {boxed[1]:.2f} | {acc[0]:.3f} -> {acc[1]:.3f} |"
+        )
     spread = max(firsts) - min(firsts)
     verdict = "yes" if len(runs) > 1 and min(rises) > spread else "no" if len(runs) > 1 else "needs two seeds"
     print(f"\nseed-to-seed spread of the first-{window} means: {spread:.3f}; every seed's rise above it: {verdict}")

@@ -45,8 +45,17 @@ CANDIDATES = (
 )
 
 
-def measure(model, tokenizer, cand: Candidate, n_prompts: int, group: int, max_new_tokens: int,
-            boxed_weight: float, batch: int, seed: int) -> dict:  # fmt: skip
+def measure(
+    model,
+    tokenizer,
+    cand: Candidate,
+    n_prompts: int,
+    group: int,
+    max_new_tokens: int,
+    boxed_weight: float,
+    batch: int,
+    seed: int,
+) -> dict:
     from verl_ext.data.datasets import load_benchmark
     from verl_ext.data.templates import render_prompt
     from verl_ext.rewards.dispatch import score_batch
@@ -55,15 +64,24 @@ def measure(model, tokenizer, cand: Candidate, n_prompts: int, group: int, max_n
     pool = load_benchmark("gsm8k", split="train", **cand.filters)
     picks = np.random.default_rng(seed).choice(len(pool), size=n_prompts, replace=False)
     items = [pool[i] for i in picks]
-    prompts = [tokenizer(render_prompt(it["problem"], cand.template, tokenizer), add_special_tokens=False)["input_ids"]
-               for it in items]  # fmt: skip
+    prompts = [
+        tokenizer(render_prompt(it["problem"], cand.template, tokenizer), add_special_tokens=False)["input_ids"]
+        for it in items
+    ]
     flat = [p for p in prompts for _ in range(group)]
     eos = [tokenizer.eos_token_id]
     t0 = time.monotonic()
     outs = []
     for start in range(0, len(flat), batch):
-        outs += sample_continuations(model, flat[start : start + batch], max_new_tokens, eos, tokenizer.pad_token_id,
-                                     temperature=cand.temperature, generator_seed=seed + start)  # fmt: skip
+        outs += sample_continuations(
+            model,
+            flat[start : start + batch],
+            max_new_tokens,
+            eos,
+            tokenizer.pad_token_id,
+            temperature=cand.temperature,
+            generator_seed=seed + start,
+        )
     seconds = time.monotonic() - t0
     texts = [tokenizer.decode(o.token_ids, skip_special_tokens=True) for o in outs]
     golds = [it["answer"] for it in items for _ in range(group)]
@@ -108,21 +126,37 @@ def main(argv: list[str] | None = None) -> int:
     folder = prepare_smollm2(args.cache_dir)
     tokenizer = AutoTokenizer.from_pretrained(folder)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="sdpa").eval()
-    print(f"model {folder}, torch threads {torch.get_num_threads()}, {args.prompts} prompts x G={args.group}, "
-          f"{args.max_new_tokens} new tokens, reward = acc + {args.boxed_weight} x boxed\n")  # fmt: skip
-    print("| candidate (filter / template / T) | pool | prompt tok max | reward mean | acc | boxed | var>0 | "
-          "acc var>0 | resp tok | truncated | s | load avg before -> after |")
+    print(
+        f"model {folder}, torch threads {torch.get_num_threads()}, {args.prompts} prompts x G={args.group}, "
+        f"{args.max_new_tokens} new tokens, reward = acc + {args.boxed_weight} x boxed\n"
+    )
+    print(
+        "| candidate (filter / template / T) | pool | prompt tok max | reward mean | acc | boxed | var>0 | "
+        "acc var>0 | resp tok | truncated | s | load avg before -> after |"
+    )
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for cand in CANDIDATES:
         if args.only and cand.name not in args.only:
             continue
         before = os.getloadavg()[0]
-        r = measure(model, tokenizer, cand, args.prompts, args.group, args.max_new_tokens, args.boxed_weight,
-                    args.batch, args.seed)  # fmt: skip
+        r = measure(
+            model,
+            tokenizer,
+            cand,
+            args.prompts,
+            args.group,
+            args.max_new_tokens,
+            args.boxed_weight,
+            args.batch,
+            args.seed,
+        )
         after = os.getloadavg()[0]
-        print(f"| {cand.name} | {r['pool']} | {r['prompt_tokens_max']} | {r['reward_mean']:.3f} | {r['acc_mean']:.3f} | "
-              f"{r['boxed']:.2f} | {r['var_groups']:.2f} | {r['acc_var_groups']:.2f} | {r['resp_tokens_mean']:.0f} | "
-              f"{r['truncated']:.2f} | {r['seconds']:.0f} | {before:.2f} -> {after:.2f} |", flush=True)  # fmt: skip
+        print(
+            f"| {cand.name} | {r['pool']} | {r['prompt_tokens_max']} | {r['reward_mean']:.3f} | {r['acc_mean']:.3f} | "
+            f"{r['boxed']:.2f} | {r['var_groups']:.2f} | {r['acc_var_groups']:.2f} | {r['resp_tokens_mean']:.0f} | "
+            f"{r['truncated']:.2f} | {r['seconds']:.0f} | {before:.2f} -> {after:.2f} |",
+            flush=True,
+        )
     return 0
 
 

@@ -96,8 +96,17 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         from soak_harness.run import soak  # imports Ray: after wan.up() set the cluster's auth environment
 
-        result = soak(args.minutes, args.seed, args.run_dir, args.fault_every, args.learner_crashes, args.save_freq,
-                      overrides=args.overrides, wan=wan, liars=args.liars)
+        result = soak(
+            args.minutes,
+            args.seed,
+            args.run_dir,
+            args.fault_every,
+            args.learner_crashes,
+            args.save_freq,
+            overrides=args.overrides,
+            wan=wan,
+            liars=args.liars,
+        )
     finally:
         if wan is not None:
             wan.down()
@@ -106,21 +115,32 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--minutes", type=float, default=10.0, help="wall-clock budget (default 10)")
     parser.add_argument("--seed", type=int, default=0, help="fault schedule and run seed")
     parser.add_argument("--run-dir", type=Path, default=None, help="default /tmp/heterorl-soak-<seed>-<time>")
     parser.add_argument("--fault-every", type=float, default=5.0, help="mean seconds between faults (default 5)")
     parser.add_argument("--learner-crashes", type=int, default=2, help="learner kills, after a checkpoint (default 2)")
     parser.add_argument("--save-freq", type=int, default=5, help="checkpoint every k steps (default 5)")
-    parser.add_argument("--liars", action="store_true",
-                        help="lying samplers join the run (soak_harness/liars.py); the summary counts poisoned groups trained on")
-    parser.add_argument("--wan", action="store_true",
-                        help="samplers across the real rate-limited link of scripts/wan (needs CAP_NET_ADMIN)")
+    parser.add_argument(
+        "--liars",
+        action="store_true",
+        help="lying samplers join the run (soak_harness/liars.py); the summary counts poisoned groups trained on",
+    )
+    parser.add_argument(
+        "--wan",
+        action="store_true",
+        help="samplers across the real rate-limited link of scripts/wan (needs CAP_NET_ADMIN)",
+    )
     parser.add_argument("--wan-rate-mbit", type=float, default=100.0, help="--wan: link rate (default 100)")
-    parser.add_argument("--wan-cut-s", type=float, default=20.0,
-                        help="--wan: a link cut / slow spell lasts this to 1.5x this many seconds (default 20)")
+    parser.add_argument(
+        "--wan-cut-s",
+        type=float,
+        default=20.0,
+        help="--wan: a link cut / slow spell lasts this to 1.5x this many seconds (default 20)",
+    )
     parser.add_argument("overrides", nargs="*", help="extra hydra overrides, e.g. hetero.max_delay=2")
     return parser
 
@@ -133,7 +153,9 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
     if args.save_freq < 1:
         # the accounting reads the ledger of a checkpoint (the live learner is gone when the time
         # limit ends the run), and without checkpoints the learner deletes consumed groups at once
-        parser.error(f"--save-freq={args.save_freq} must be >= 1: the soak accounts for every group from a checkpoint's ledger")
+        parser.error(
+            f"--save-freq={args.save_freq} must be >= 1: the soak accounts for every group from a checkpoint's ledger"
+        )
     if args.wan and not 0 < args.wan_cut_s <= 120:
         parser.error(f"--wan-cut-s={args.wan_cut_s} must be in (0, 120] (bounded faults only)")
 

@@ -28,8 +28,12 @@ def test_dense_labels_follow_sorted_uids_in_any_order():
 def test_denominator_and_bnpo_use_it():
     # the denominator groups by the same labels: a uid order change leaves it unchanged
     log_q = torch.tensor([[-1.0, -2.0], [-0.5, -0.1], [-3.0, -1.0], [-0.2, -0.2], [-1.5, -0.3], [-0.7, -0.9]])
-    den = batch_rules.group_log_denominator(log_q, torch.ones(6, 2), np.array(["p2", "p1", "p2", "p1", "p1", "p2"], dtype=object))
-    relabelled = batch_rules.group_log_denominator(log_q, torch.ones(6, 2), np.array(["a", "b", "a", "b", "b", "a"], dtype=object))
+    den = batch_rules.group_log_denominator(
+        log_q, torch.ones(6, 2), np.array(["p2", "p1", "p2", "p1", "p1", "p2"], dtype=object)
+    )
+    relabelled = batch_rules.group_log_denominator(
+        log_q, torch.ones(6, 2), np.array(["a", "b", "a", "b", "b", "a"], dtype=object)
+    )
     assert torch.equal(den, relabelled) and den[0] == den[2] == den[5] and den[1] == den[3] == den[4]
     uids = np.array(["p2", "p1", "p2", "p1", "p1", "p2"], dtype=object)
     scores = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 1.0])
@@ -40,5 +44,8 @@ def test_denominator_and_bnpo_use_it():
     expected = adv_lib.bnpo_advantages(scores, uid_group_index(uids))
     assert torch.equal(adv[:, 0], expected)
     with pytest.raises(ValueError, match="None"):
-        get_adv_estimator_fn("bnpo")(token_level_rewards=rewards, response_mask=mask,
-                                     index=np.array(["a", None, "a", "b", "b", "b"], dtype=object))
+        get_adv_estimator_fn("bnpo")(
+            token_level_rewards=rewards,
+            response_mask=mask,
+            index=np.array(["a", None, "a", "b", "b", "b"], dtype=object),
+        )

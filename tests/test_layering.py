@@ -73,25 +73,35 @@ def test_the_walk_resolves_relative_imports():
 
 def test_the_recipe_never_names_itself_absolutely():
     """A copy (``cp -r recipe/gepo recipe/mygepo``) must run its own modules, not gepo's."""
-    offenders = [f"{p.relative_to(REPO)}:{node.lineno}" for p in sorted(RECIPE.rglob("*.py"))
-                 for node in ast.walk(ast.parse(p.read_text()))
-                 if (isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("recipe"))
-                 or (isinstance(node, ast.Import) and any(a.name.startswith("recipe") for a in node.names))]
+    offenders = [
+        f"{p.relative_to(REPO)}:{node.lineno}"
+        for p in sorted(RECIPE.rglob("*.py"))
+        for node in ast.walk(ast.parse(p.read_text()))
+        if (isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("recipe"))
+        or (isinstance(node, ast.Import) and any(a.name.startswith("recipe") for a in node.names))
+    ]
     assert not offenders, "absolute imports of the recipe (use relative ones):\n" + "\n".join(offenders)
 
 
 def test_the_two_engines_never_import_each_other():
     embedded, verl = RECIPE / "embedded", RECIPE / "verl_engine"
     assert _imports_of(embedded) and _imports_of(verl)
-    offenders = [f"{p.relative_to(RECIPE)}:{line}: {mod}" for p, line, mod in _imports_of(embedded)
-                 if mod.startswith("recipe.gepo.verl_engine")]
-    offenders += [f"{p.relative_to(RECIPE)}:{line}: {mod}" for p, line, mod in _imports_of(verl)
-                  if mod.startswith("recipe.gepo.embedded")]
+    offenders = [
+        f"{p.relative_to(RECIPE)}:{line}: {mod}"
+        for p, line, mod in _imports_of(embedded)
+        if mod.startswith("recipe.gepo.verl_engine")
+    ]
+    offenders += [
+        f"{p.relative_to(RECIPE)}:{line}: {mod}"
+        for p, line, mod in _imports_of(verl)
+        if mod.startswith("recipe.gepo.embedded")
+    ]
     assert not offenders, "\n".join(offenders)
 
 
 def _module_graph(paths: list[Path], base: Path) -> dict[str, set[str]]:
     """module -> the modules of ``paths`` it imports (``from pkg import sub`` counts as pkg.sub)."""
+
     def name(p: Path) -> str:
         parts = p.relative_to(base).with_suffix("").parts
         return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)

@@ -1,6 +1,7 @@
 """Static checks every file of the repository passes: pyflakes' rules (undefined names, unused
 imports and variables, redefinitions) and syntax errors, as ruff implements them (ruff honours the
-``# noqa`` of the side-effect imports that register verl plugins)."""
+``# noqa`` of the side-effect imports that register verl plugins), and ruff's formatter
+(``ruff format``, 120 columns: pyproject.toml)."""
 
 from __future__ import annotations
 
@@ -13,8 +14,13 @@ RULES = "F,E9"
 
 
 def _ruff(*paths: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ruff", "check", "--select", RULES, "--no-cache", *paths],
-                          cwd=cwd, capture_output=True, text=True, timeout=120)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "ruff", "check", "--select", RULES, "--no-cache", *paths],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_the_check_can_fail(tmp_path):
@@ -25,4 +31,28 @@ def test_the_check_can_fail(tmp_path):
 
 def test_every_python_file_passes_pyflakes_rules():
     out = _ruff("verl_ext", "recipe", "scripts", "tests")
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_the_format_check_can_fail(tmp_path):
+    (tmp_path / "ugly.py").write_text("x = {  'a':1 }\n")
+    out = subprocess.run(
+        [sys.executable, "-m", "ruff", "format", "--check", "--no-cache", "ugly.py"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 1 and "ugly.py" in out.stdout
+
+
+def test_every_python_file_is_formatted():
+    """Run ``ruff format verl_ext recipe scripts tests`` to fix a failure."""
+    out = subprocess.run(
+        [sys.executable, "-m", "ruff", "format", "--check", "--no-cache", "verl_ext", "recipe", "scripts", "tests"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stdout + out.stderr

@@ -14,18 +14,37 @@ from omegaconf import OmegaConf
 from recipe.gepo.embedded.run_utils import MetricLogger, RunSettings
 from verl_ext import rundir
 
-METRICS = {"a": 1, "b": np.float32(0.5), "c": torch.tensor(2.0), "flag": True, "nan": float("nan"),
-           "inf": float("inf"), "text": "0.5", "none": None, "vec": [1.0, 2.0]}
+METRICS = {
+    "a": 1,
+    "b": np.float32(0.5),
+    "c": torch.tensor(2.0),
+    "flag": True,
+    "nan": float("nan"),
+    "inf": float("inf"),
+    "text": "0.5",
+    "none": None,
+    "vec": [1.0, 2.0],
+}
 WRITTEN = {"step": 3, "a": 1.0, "b": 0.5, "c": 2.0, "flag": 1.0}
 
 
 def settings(run_dir) -> RunSettings:
-    cfg = OmegaConf.create({
-        "actor_rollout_ref": {"model": {"path": ""}, "rollout": {"n": 2, "temperature": 1.0}},
-        "data": {"train_batch_size": 1, "max_response_length": 4},
-        "trainer": {"total_training_steps": 1, "default_local_dir": str(run_dir), "save_freq": 0, "test_freq": 0,
-                    "resume_mode": "disable", "logger": [], "project_name": "p", "experiment_name": "e"},
-    })  # fmt: skip
+    cfg = OmegaConf.create(
+        {
+            "actor_rollout_ref": {"model": {"path": ""}, "rollout": {"n": 2, "temperature": 1.0}},
+            "data": {"train_batch_size": 1, "max_response_length": 4},
+            "trainer": {
+                "total_training_steps": 1,
+                "default_local_dir": str(run_dir),
+                "save_freq": 0,
+                "test_freq": 0,
+                "resume_mode": "disable",
+                "logger": [],
+                "project_name": "p",
+                "experiment_name": "e",
+            },
+        }
+    )
     return RunSettings.from_config(cfg)
 
 
@@ -76,7 +95,9 @@ def test_row_reader_and_frame_reader_agree_and_name_bad_lines(tmp_path):
     (tmp_path / "metrics.jsonl").write_text(
         '{"step": 0, "x": 1}\n[1]\n{"step": 1, "x": "0.5"}\n{"step": 1, "e": 0.25}\n{"step": "a"}\n{"step": 2, "x"'
     )
-    with pytest.warns(UserWarning, match=r"skipped 3 unreadable line\(s\): line 2: not a JSON object.*line 6: truncated"):
+    with pytest.warns(
+        UserWarning, match=r"skipped 3 unreadable line\(s\): line 2: not a JSON object.*line 6: truncated"
+    ):
         rows = rundir.read_metric_rows(tmp_path)
     assert rows == [{"step": 0, "x": 1.0}, {"step": 1, "x": 0.5}, {"step": 1, "e": 0.25}]
     with warnings.catch_warnings():
@@ -104,8 +125,13 @@ def test_checkpoint_round_trip_and_latest_pointer(tmp_path):
 
 
 def test_run_config_round_trip(tmp_path):
-    cfg = OmegaConf.create({"actor_rollout_ref": {"actor": {"policy_loss": {"loss_mode": "gepo"}}},
-                            "hetero": {"max_delay": 8, "seed": "${seed}"}, "seed": 3})  # fmt: skip
+    cfg = OmegaConf.create(
+        {
+            "actor_rollout_ref": {"actor": {"policy_loss": {"loss_mode": "gepo"}}},
+            "hetero": {"max_delay": 8, "seed": "${seed}"},
+            "seed": 3,
+        }
+    )
     assert rundir.write_run_config(tmp_path, cfg) == tmp_path / "config.yaml"
     assert rundir.read_run_config(tmp_path) == {"loss_mode": "gepo", "max_delay": 8, "preset": None, "seed": 3}
 
@@ -129,7 +155,11 @@ def test_one_jsonl_reader_marks_a_torn_tail_even_when_it_parses(tmp_path):
     path = tmp_path / "x.jsonl"
     path.write_text('{"a": 1}\nnot json\n{"b": 2}')
     lines = list(rundir.iter_jsonl(path))
-    assert [(ln.lineno, ln.complete, bool(ln.error)) for ln in lines] == [(1, True, False), (2, True, True), (3, False, False)]
+    assert [(ln.lineno, ln.complete, bool(ln.error)) for ln in lines] == [
+        (1, True, False),
+        (2, True, True),
+        (3, False, False),
+    ]
     assert lines[1].error.startswith("invalid JSON") and lines[2].value == {"b": 2}
     path.write_text('{"a": 1}\n{"b": ')
     assert list(rundir.iter_jsonl(path))[-1].error == "truncated last line"

@@ -36,5 +36,7 @@ def test_bad_bytes_are_named(data, why):
 def test_weights_refuse_other_safetensors_bytes():
     with pytest.raises(ValueError, match="not a weights message"):
         deserialize_state_dict(st_save({"w": torch.ones(1)}, metadata={"format": "other"}))
-    version, state = deserialize_state_dict(serialize_state_dict({"w": torch.arange(3.0)}, version=5, wire_dtype="bf16"))
+    version, state = deserialize_state_dict(
+        serialize_state_dict({"w": torch.arange(3.0)}, version=5, wire_dtype="bf16")
+    )
     assert version == 5 and torch.equal(state["w"], torch.arange(3.0))

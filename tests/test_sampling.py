@@ -59,8 +59,16 @@ def test_seeded_generate_is_reproducible_and_leaves_the_callers_rng(model_and_to
 def test_the_three_samplers_draw_the_same_tokens(model_and_tok):
     model, tok = model_and_tok
     enc = _enc(tok, PROMPTS)
-    ref = generate(model, enc["input_ids"], enc["attention_mask"], max_new_tokens=8, eos_token_ids=tok.eos_token_id,
-                   pad_token_id=tok.pad_token_id, temperature=1.0, seed=9)  # fmt: skip
+    ref = generate(
+        model,
+        enc["input_ids"],
+        enc["attention_mask"],
+        max_new_tokens=8,
+        eos_token_ids=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        temperature=1.0,
+        seed=9,
+    )
     live = eos_mask(ref.tokens, tok.eos_token_id)
 
     groups = sample_groups(model, tok, PROMPTS, 1, 1.0, 8, seed=9)
@@ -75,8 +83,13 @@ def test_the_three_samplers_draw_the_same_tokens(model_and_tok):
         assert c.token_ids == ref.tokens[row, :n].tolist() and c.log_probs == ref.log_q[row, :n].tolist()
         assert c.finished == (ref.tokens[row, n - 1].item() == tok.eos_token_id)
 
-    gen = HFGenerator(model, tok, SamplingParams(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=8),
-                      batch_size=len(PROMPTS), show_progress=False)  # fmt: skip
+    gen = HFGenerator(
+        model,
+        tok,
+        SamplingParams(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=8),
+        batch_size=len(PROMPTS),
+        show_progress=False,
+    )
     assert gen.stop_ids == [tok.eos_token_id]
     comps = gen.generate(PROMPTS, 1, seed=9)  # batch 0 is seeded with seed + 0
     for row, (c,) in enumerate(comps):

@@ -110,7 +110,11 @@ def _site_packages() -> Path:
     return Path(spec.origin).resolve().parent.parent
 
 
-VERL_TEST_FILES = ["test_core_algos_on_cpu.py", "test_dynamic_policy_losses_on_cpu.py", "test_loss_aggregation_on_cpu.py"]
+VERL_TEST_FILES = [
+    "test_core_algos_on_cpu.py",
+    "test_dynamic_policy_losses_on_cpu.py",
+    "test_loss_aggregation_on_cpu.py",
+]
 
 
 def _verl_tests_probe(site: Path) -> str:
@@ -135,7 +139,11 @@ class _Proc:
         env["VERL_USE_EXTERNAL_PLUGINS"] = plugins  # which entry points verl loads
         self.timeout = timeout
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", code, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd,
+            [sys.executable, "-c", code, *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=cwd,
             env=env,
         )
         self._result = None
@@ -155,7 +163,7 @@ class _Proc:
         _, out, err = self.result()
         lines = [l for l in out.splitlines() if l.startswith("REGISTRY=")]
         assert lines, (out[-2000:], err[-3000:])
-        return json.loads(lines[0][len("REGISTRY="):])
+        return json.loads(lines[0][len("REGISTRY=") :])
 
 
 @pytest.fixture(scope="module")
@@ -169,9 +177,12 @@ def probes():
         "config_only": _Proc(_LOSS_IMPORT_PROBE, cwd="/", timeout=300, args=("verl_ext.loss_config",), plugins="none"),
         # only the losses' entry point: the config, the losses and the loss bridge
         "losses_only": _Proc(
-            _LOSS_IMPORT_PROBE, cwd="/", timeout=300, plugins="heterorl",
+            _LOSS_IMPORT_PROBE,
+            cwd="/",
+            timeout=300,
+            plugins="heterorl",
             args=("verl_ext.loss_config,verl_ext.verl_losses,verl_ext.loss_bridge",),
-        ),  # fmt: skip
+        ),
     }
     running["have_verl_tests"] = have_tests
     yield running
@@ -213,9 +224,13 @@ def test_importing_the_loss_config_installs_nothing(probes):
     reg = probes["config_only"].registry()
     assert not reg["loss_module_loaded"] and not REQUIRED_LOSSES & set(reg["losses"])
     assert reg["cpu_backend"] == {
-        "modules": [], "platform": False, "rollout": False, "replica": False, "checkpoint_engine": False,
+        "modules": [],
+        "platform": False,
+        "rollout": False,
+        "replica": False,
+        "checkpoint_engine": False,
         "patches_applied": False,
-    }  # fmt: skip
+    }
 
 
 def test_importing_the_losses_does_not_install_the_cpu_backend(probes):
@@ -224,9 +239,13 @@ def test_importing_the_losses_does_not_install_the_cpu_backend(probes):
     reg = probes["losses_only"].registry()
     assert REQUIRED_LOSSES <= set(reg["losses"])
     assert reg["cpu_backend"] == {
-        "modules": [], "platform": False, "rollout": False, "replica": False, "checkpoint_engine": False,
+        "modules": [],
+        "platform": False,
+        "rollout": False,
+        "replica": False,
+        "checkpoint_engine": False,
         "patches_applied": False,
-    }  # fmt: skip
+    }
 
 
 def test_ray_worker_import_verl_registers_everything(probes):

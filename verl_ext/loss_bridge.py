@@ -36,6 +36,7 @@ from verl.trainer.ppo.core_algos import agg_loss, kl_penalty
 
 from verl_ext.algos import importance as iw
 from verl_ext.algos.diagnostics import importance_weight_stats, sampler_learner_kl
+
 # the sampler-KL term's owner lives with the losses: verl's registry adds it to the project's losses
 # (verl's own ppo_loss calls nothing else); the bridge takes the losses alone and adds it here
 from verl_ext.verl_losses import HETERORL_LOSS_MODES, add_sampler_kl, policy_loss_fn
@@ -106,9 +107,11 @@ class RolloutCorrection:
 
         mask = response_mask.bool()
         weights, kept, _ = compute_rollout_correction_and_rejection_mask(
-            proximal_log_prob.detach() * mask, sampler_log_prob * mask, mask.float(),
+            proximal_log_prob.detach() * mask,
+            sampler_log_prob * mask,
+            mask.float(),
             **dataclasses.asdict(self),
-        )  # fmt: skip
+        )
         if weights is not None:
             weights = weights.batch["rollout_is_weights"].detach()
         return weights, kept.bool() & mask
@@ -142,10 +145,12 @@ def rollout_correction_settings(algorithm_config: Any) -> Optional[RolloutCorrec
     elif isinstance(threshold, int) and not isinstance(threshold, bool):
         threshold = float(threshold)
     return RolloutCorrection(
-        rollout_is=rollout_is, rollout_is_threshold=threshold,
+        rollout_is=rollout_is,
+        rollout_is_threshold=threshold,
         rollout_is_batch_normalize=bool(rc.get("rollout_is_batch_normalize", False)),
-        rollout_rs=rollout_rs, rollout_rs_threshold=rc.get("rollout_rs_threshold", None),
-    )  # fmt: skip
+        rollout_rs=rollout_rs,
+        rollout_rs_threshold=rc.get("rollout_rs_threshold", None),
+    )
 
 
 def builtin_weight_stats(
@@ -191,8 +196,12 @@ def gradient_mechanism_metrics(
         return {}
     with torch.enable_grad():
         unit = torch.zeros_like(log_prob, dtype=torch.float64, requires_grad=True)
-        ref = agg_loss(loss_mat=-advantages.double() * unit, loss_mask=response_mask, loss_agg_mode=loss_agg_mode,
-                       **(global_batch_info or {}))  # fmt: skip
+        ref = agg_loss(
+            loss_mat=-advantages.double() * unit,
+            loss_mask=response_mask,
+            loss_agg_mode=loss_agg_mode,
+            **(global_batch_info or {}),
+        )
         (grad_ref,) = torch.autograd.grad(ref, unit)
     with torch.no_grad():
         mask = response_mask.bool()
@@ -326,9 +335,15 @@ def compute_actor_loss(
         rollout_is_weights, response_mask = rollout_correction.apply(old_log_prob, sampler_log_prob, data_mask)
 
     pg_loss, metrics = _policy_loss(
-        config, log_prob, old_log_prob, advantages, response_mask, group_log_denominator, group_index,
+        config,
+        log_prob,
+        old_log_prob,
+        advantages,
+        response_mask,
+        group_log_denominator,
+        group_index,
         rollout_is_weights,
-    )  # fmt: skip
+    )
     metrics["actor/pg_loss"] = pg_loss.detach().item()
 
     info = config.get("global_batch_info", None) or {}
@@ -350,15 +365,22 @@ def compute_actor_loss(
         metrics["actor/kl_coef"] = float(config.kl_loss_coef)
     metrics["actor/loss"] = loss.detach().item()
     if rollout_correction is not None:
-        metrics.update(_rollout_correction_metrics(rollout_correction, old_log_prob, sampler_log_prob, data_mask,
-                                                   response_mask, rollout_is_weights))  # fmt: skip
+        metrics.update(
+            _rollout_correction_metrics(
+                rollout_correction, old_log_prob, sampler_log_prob, data_mask, response_mask, rollout_is_weights
+            )
+        )
     return loss, metrics
 
 
 def _rollout_correction_metrics(
-    settings: RolloutCorrection, proximal_log_prob: torch.Tensor, sampler_log_prob: torch.Tensor,
-    data_mask: torch.Tensor, kept: torch.Tensor, weights: Optional[torch.Tensor],
-) -> dict[str, float]:  # fmt: skip
+    settings: RolloutCorrection,
+    proximal_log_prob: torch.Tensor,
+    sampler_log_prob: torch.Tensor,
+    data_mask: torch.Tensor,
+    kept: torch.Tensor,
+    weights: Optional[torch.Tensor],
+) -> dict[str, float]:
     """The loss saw old = the learner itself: weights and KL against the sampler over the batch's
     tokens; ``is/tis_*`` the correction's weights (truncated: above the upper bound; IcePop: outside
     the bounds), ``is/rs_rejected_frac`` the share of tokens rejection sampling removed."""
@@ -369,8 +391,9 @@ def _rollout_correction_metrics(
         out["is/tis_weight_mean"] = float(weights[data_mask].mean())
         if settings.rollout_is == "sequence":
             # verl's sequence weight is exp(sum of token log-ratios), truncated as a whole
-            raw = torch.exp(((proximal_log_prob - sampler_log_prob) * data_mask).sum(-1, keepdim=True)
-                            .clamp(-20.0, 20.0)).expand_as(raw)  # fmt: skip
+            raw = torch.exp(
+                ((proximal_log_prob - sampler_log_prob) * data_mask).sum(-1, keepdim=True).clamp(-20.0, 20.0)
+            ).expand_as(raw)
         lower, upper = settings.bounds()
         outside = raw[data_mask] > upper
         if lower is not None:

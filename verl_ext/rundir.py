@@ -122,18 +122,32 @@ def set_aside_latest_checkpoint(run_dir: PathLike) -> Optional[Path]:
 
 
 RESUME_MAY_CHANGE = (
-    "trainer.total_training_steps", "trainer.save_freq", "trainer.test_freq", "trainer.logger",
-    "trainer.resume_mode", "trainer.project_name", "trainer.experiment_name", "trainer.default_local_dir",
-    "hetero.dry_run", "hetero.wait_timeout_s", "hetero.ray_address", "hetero.learner_cpus",
-    "hetero.sampler_cpus", "hetero.system_cpus", "hetero.learner_ray_resources.*",
-    "hetero.sampler_ray_resources.*", "task.cache_dir", "ray_kwargs.*",
-)  # fmt: skip
+    "trainer.total_training_steps",
+    "trainer.save_freq",
+    "trainer.test_freq",
+    "trainer.logger",
+    "trainer.resume_mode",
+    "trainer.project_name",
+    "trainer.experiment_name",
+    "trainer.default_local_dir",
+    "hetero.dry_run",
+    "hetero.wait_timeout_s",
+    "hetero.ray_address",
+    "hetero.learner_cpus",
+    "hetero.sampler_cpus",
+    "hetero.system_cpus",
+    "hetero.learner_ray_resources.*",
+    "hetero.sampler_ray_resources.*",
+    "task.cache_dir",
+    "ray_kwargs.*",
+)
 """Keys a resumed run may set differently from the run it resumes (``fnmatch`` patterns): how long
 it runs, what it logs and where its processes sit -- not what it trains."""
 
 
-def config_leaves(node: Any, prefix: str = "", skip: Sequence[str] = (),
-                  keep_empty: bool = False) -> Iterator[tuple[str, Any]]:
+def config_leaves(
+    node: Any, prefix: str = "", skip: Sequence[str] = (), keep_empty: bool = False
+) -> Iterator[tuple[str, Any]]:
     """``(dotted key, value)`` of every leaf of a plain config tree (``OmegaConf.to_container``),
     leaving out keys named in ``skip`` at any depth. An empty mapping is a leaf (value ``{}``) only
     with ``keep_empty``: then a mapping emptied or dropped shows as a change too."""
@@ -147,8 +161,9 @@ def config_leaves(node: Any, prefix: str = "", skip: Sequence[str] = (),
         yield prefix, node
 
 
-def changed_settings(old: Mapping[str, Any], new: Mapping[str, Any],
-                     may_change: Sequence[str] = ()) -> list[tuple[str, Any, Any]]:
+def changed_settings(
+    old: Mapping[str, Any], new: Mapping[str, Any], may_change: Sequence[str] = ()
+) -> list[tuple[str, Any, Any]]:
     """``(key, old value, new value)`` for every key of two flat settings mappings whose values
     differ (a key missing on one side reads ``"<not set>"``), sorted, leaving out keys that match a
     pattern of ``may_change`` (fnmatch). The one rule behind every "resume only with the settings
@@ -393,7 +408,9 @@ def iter_jsonl(path: PathLike) -> Iterator[JsonLine]:
         try:
             value = json.loads(line)
         except json.JSONDecodeError as e:
-            yield JsonLine(i + 1, line, None, f"invalid JSON ({e.msg})" if complete else "truncated last line", complete)
+            yield JsonLine(
+                i + 1, line, None, f"invalid JSON ({e.msg})" if complete else "truncated last line", complete
+            )
             continue
         yield JsonLine(i + 1, line, value, "", complete)
 
@@ -414,7 +431,9 @@ def iter_metric_lines(path: PathLike) -> Iterator[MetricLine]:
         if step is None:
             yield MetricLine(line.lineno, line.text, None, f"no integral 'step' (got {obj.get('step')!r})")
             continue
-        yield MetricLine(line.lineno, line.text, {"step": step, **{k: to_float(v) for k, v in obj.items() if k != "step"}})
+        yield MetricLine(
+            line.lineno, line.text, {"step": step, **{k: to_float(v) for k, v in obj.items() if k != "step"}}
+        )
 
 
 def _warn_skipped(path: Path, skipped: Sequence[MetricLine]) -> None:
@@ -522,8 +541,9 @@ def read_run_config(run_dir: PathLike) -> dict[str, Any]:
 
         cfg = OmegaConf.load(path)
     except Exception as e:  # noqa: BLE001 -- any parse failure: report, keep going
-        warnings.warn(f"{path}: cannot read config ({type(e).__name__}: {e}); algorithm and delay unknown",
-                      stacklevel=2)
+        warnings.warn(
+            f"{path}: cannot read config ({type(e).__name__}: {e}); algorithm and delay unknown", stacklevel=2
+        )
         return out
 
     def get(key: str) -> Any:

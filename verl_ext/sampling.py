@@ -31,8 +31,9 @@ def token_log_probs(logits: torch.Tensor, tokens: torch.Tensor, temperature: flo
 
 def eos_mask(tokens: torch.Tensor, eos_token_ids: int | Sequence[int]) -> torch.Tensor:
     """int64 [N, R]: 1 on generated tokens up to and including the first stop token, 0 after it."""
-    stop = torch.as_tensor([eos_token_ids] if isinstance(eos_token_ids, int) else list(eos_token_ids),
-                           device=tokens.device)  # fmt: skip
+    stop = torch.as_tensor(
+        [eos_token_ids] if isinstance(eos_token_ids, int) else list(eos_token_ids), device=tokens.device
+    )
     is_eos = torch.isin(tokens, stop).long()
     eos_before = torch.cumsum(is_eos, dim=-1) - is_eos  # a stop token strictly before this position
     return (eos_before == 0).long()
@@ -95,8 +96,10 @@ def generate(
     processors = None
     if gumbel_seeds is not None:
         if greedy or top_p < 1.0 or (top_k and top_k > 0):
-            raise ValueError(f"gumbel_seeds: Gumbel-max draws the untruncated softmax(logits / T); got "
-                             f"temperature={temperature}, top_p={top_p}, top_k={top_k}")  # fmt: skip
+            raise ValueError(
+                f"gumbel_seeds: Gumbel-max draws the untruncated softmax(logits / T); got "
+                f"temperature={temperature}, top_p={top_p}, top_k={top_k}"
+            )
         from transformers import LogitsProcessorList
 
         from verl_ext.hetero.gumbel import GumbelMax
@@ -185,9 +188,17 @@ def sample_continuations(
     device = next(model.parameters()).device  # the prompts go where the model is
     input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
     gen = generate(
-        model, input_ids, attention_mask, max_new_tokens=max_new_tokens, eos_token_ids=eos_token_ids,
-        pad_token_id=pad_token_id, temperature=temperature, top_p=top_p, top_k=top_k, seed=generator_seed,
-    )  # fmt: skip
+        model,
+        input_ids,
+        attention_mask,
+        max_new_tokens=max_new_tokens,
+        eos_token_ids=eos_token_ids,
+        pad_token_id=pad_token_id,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        seed=generator_seed,
+    )
     eos = set(int(t) for t in eos_token_ids)
     lengths = eos_mask(gen.tokens, eos_token_ids).sum(dim=-1).tolist()  # up to and including the first EOS
     results = []

@@ -104,7 +104,9 @@ def sampler_kl_penalty(
     mean over sequences. Tensors [B, T] -> scalar (gradient through ``log_prob``).
     ``global_batch_info`` (verl's) scales a micro-batch's share so micro-batch losses sum up."""
     kl = iw.k3_sampler_learner_kl(log_prob, sampler_log_prob)
-    return agg_loss(loss_mat=kl, loss_mask=response_mask, loss_agg_mode="seq-mean-token-mean", **(global_batch_info or {}))
+    return agg_loss(
+        loss_mat=kl, loss_mask=response_mask, loss_agg_mode="seq-mean-token-mean", **(global_batch_info or {})
+    )
 
 
 def _finish(
@@ -182,7 +184,8 @@ def _register(name: str, fn: Callable) -> Callable:
         bound = signature.bind(*args, **kwargs)
         bound.apply_defaults()
         config, log_prob, old_log_prob, response_mask = (
-            bound.arguments[k] for k in ("config", "log_prob", "old_log_prob", "response_mask"))  # fmt: skip
+            bound.arguments[k] for k in ("config", "log_prob", "old_log_prob", "response_mask")
+        )
         info = (config.get("global_batch_info", None) if config is not None else None) or {}
         loss, penalty = add_sampler_kl(loss, config, log_prob, old_log_prob, response_mask, info)
         if penalty is not None:
@@ -206,8 +209,9 @@ def _terms_fn(name: str, eager: Callable[..., losses.LossTerms], config: Any) ->
     return compiled.compiled_loss_terms(name) if bool(loss_option(config, "compile")) else eager
 
 
-def _group_denominator_loss(name: str, terms_fn: Callable[..., losses.LossTerms], doc: str,
-                            options: Callable[[Any], dict] = lambda config: {}):
+def _group_denominator_loss(
+    name: str, terms_fn: Callable[..., losses.LossTerms], doc: str, options: Callable[[Any], dict] = lambda config: {}
+):
     """Register ``name``: a loss whose terms take the clip range and GEPO's group denominator
     (from upstream per-sequence values, a ``group_index``, or contiguous ``group_size`` groups, as
     :func:`resolve_groups` finds them); ``options(config)`` adds its own keyword arguments."""
@@ -227,10 +231,17 @@ def _group_denominator_loss(name: str, terms_fn: Callable[..., losses.LossTerms]
         low, high = clip_range(config)
         gi, log_den = resolve_groups(config, log_prob.shape[0], group_index, group_log_denominator, log_prob.device)
         terms = _terms_fn(name, terms_fn, config)(
-            log_prob, old_log_prob, advantages, response_mask,
-            clip_low=low, clip_high=high, group_index=gi, log_denominator=log_den,
-            reduction=loss_option(config, "seq_reduction"), **options(config),
-        )  # fmt: skip
+            log_prob,
+            old_log_prob,
+            advantages,
+            response_mask,
+            clip_low=low,
+            clip_high=high,
+            group_index=gi,
+            log_denominator=log_den,
+            reduction=loss_option(config, "seq_reduction"),
+            **options(config),
+        )
         return _finish(terms, old_log_prob, log_prob, response_mask, loss_agg_mode, config, rollout_is_weights)
 
     loss.__name__ = loss.__qualname__ = f"compute_policy_loss_{name}"
@@ -239,34 +250,38 @@ def _group_denominator_loss(name: str, terms_fn: Callable[..., losses.LossTerms]
 
 
 compute_policy_loss_gepo = _group_denominator_loss(
-    "gepo", losses.gepo_loss_terms,
-    "GEPO (Group Expectation Policy Optimization, arXiv 2508.17850): "
-    ":func:`verl_ext.algos.losses.gepo_loss_terms`.",
-)  # fmt: skip
+    "gepo",
+    losses.gepo_loss_terms,
+    "GEPO (Group Expectation Policy Optimization, arXiv 2508.17850): :func:`verl_ext.algos.losses.gepo_loss_terms`.",
+)
 compute_policy_loss_gepo_adaptive = _group_denominator_loss(
-    "gepo_adaptive", losses.gepo_adaptive_loss_terms,
-    "GEPO-adaptive (the reference code's \"gepo+\"): p_i/q_i for fresh sequences, p_i/E_q[q] for stale; "
+    "gepo_adaptive",
+    losses.gepo_adaptive_loss_terms,
+    'GEPO-adaptive (the reference code\'s "gepo+"): p_i/q_i for fresh sequences, p_i/E_q[q] for stale; '
     ":func:`verl_ext.algos.losses.gepo_adaptive_loss_terms`.",
     lambda config: {"kl_threshold": float(loss_option(config, "adaptive_kl_threshold"))},
-)  # fmt: skip
+)
 compute_policy_loss_gepo_tr = _group_denominator_loss(
-    "gepo_tr", losses.gepo_tr_loss_terms,
+    "gepo_tr",
+    losses.gepo_tr_loss_terms,
     "GEPO-TR: GEPO's gradient p_i/E_q[q] inside PPO's clip band on p_i/q_i; "
     ":func:`verl_ext.algos.losses.gepo_tr_loss_terms`.",
-)  # fmt: skip
+)
 
 
 compute_policy_loss_gepo_tc = _group_denominator_loss(
-    "gepo_tc", losses.gepo_token_clip_loss_terms,
+    "gepo_tc",
+    losses.gepo_token_clip_loss_terms,
     "GEPO-TC: GEPO's weight p_i/E_q[q] on every token, gradient removed where GRPO's token clip on "
     "p_it/q_it acts (``policy_loss.tc_ess_bound``: the band shrinks with the batch's ESS); "
     ":func:`verl_ext.algos.losses.gepo_token_clip_loss_terms`.",
     lambda config: {"ess_bound": bool(loss_option(config, "tc_ess_bound"))},
-)  # fmt: skip
+)
 
 
-def _token_loss(name: str, terms_fn: Callable[..., losses.LossTerms], doc: str,
-                options: Callable[[Any], dict] = lambda config: {}):
+def _token_loss(
+    name: str, terms_fn: Callable[..., losses.LossTerms], doc: str, options: Callable[[Any], dict] = lambda config: {}
+):
     """Register ``name``: a loss whose terms need no prompt groups, only its own options
     (``options(config)``)."""
 
@@ -288,23 +303,26 @@ def _token_loss(name: str, terms_fn: Callable[..., losses.LossTerms], doc: str,
 
 
 compute_policy_loss_m2po = _token_loss(
-    "m2po", losses.m2po_loss_terms,
+    "m2po",
+    losses.m2po_loss_terms,
     "M2PO: unclipped token IS with the second-moment mask, taken over the tokens of the (micro-)batch "
     "this call sees; :func:`verl_ext.algos.losses.m2po_loss_terms`.",
     lambda config: {"threshold": float(loss_option(config, "m2po_threshold"))},
-)  # fmt: skip
+)
 compute_policy_loss_vespo = _token_loss(
-    "vespo", losses.vespo_loss_terms,
-    "VESPO: REINFORCE with the sequence coefficient phi(p(y)/q(y)); "
-    ":func:`verl_ext.algos.losses.vespo_loss_terms`.",
-    lambda config: {name: float(loss_option(config, f"vespo_{name}"))
-                    for name in ("k_pos", "lambda_pos", "k_neg", "lambda_neg")},
-)  # fmt: skip
+    "vespo",
+    losses.vespo_loss_terms,
+    "VESPO: REINFORCE with the sequence coefficient phi(p(y)/q(y)); :func:`verl_ext.algos.losses.vespo_loss_terms`.",
+    lambda config: {
+        name: float(loss_option(config, f"vespo_{name}")) for name in ("k_pos", "lambda_pos", "k_neg", "lambda_neg")
+    },
+)
 compute_policy_loss_topr = _token_loss(
-    "topr", losses.topr_loss_terms,
+    "topr",
+    losses.topr_loss_terms,
     "TOPR (Tapered Off-Policy REINFORCE); :func:`verl_ext.algos.losses.topr_loss_terms`.",
     lambda config: {"reduction": loss_option(config, "topr_reduction")},
-)  # fmt: skip
+)
 
 
 @_register_as("eqp")
@@ -326,9 +344,15 @@ def compute_policy_loss_eqp(
     low, high = clip_range(config)
     gi, _ = resolve_groups(config, log_prob.shape[0], group_index, None, log_prob.device)
     terms = _terms_fn("eqp", losses.eqp_loss_terms, config)(
-        log_prob, old_log_prob, advantages, response_mask,
-        clip_low=low, clip_high=high, group_index=gi, reduction=loss_option(config, "seq_reduction"),
-    )  # fmt: skip
+        log_prob,
+        old_log_prob,
+        advantages,
+        response_mask,
+        clip_low=low,
+        clip_high=high,
+        group_index=gi,
+        reduction=loss_option(config, "seq_reduction"),
+    )
     return _finish(terms, old_log_prob, log_prob, response_mask, loss_agg_mode, config, rollout_is_weights)
 
 
@@ -355,9 +379,13 @@ def compute_policy_loss_delta_l(
     info = (config.get("global_batch_info", None) if config is not None else None) or {}
     scale = config.get("loss_scale_factor", None) if config is not None else None
     loss = losses.delta_l_aggregate(
-        loss_mat, response_mask, float(loss_option(config, "delta_l_alpha")), scale,
-        global_batch_size=info.get("global_batch_size"), dp_size=int(info.get("dp_size") or 1),
-    )  # fmt: skip
+        loss_mat,
+        response_mask,
+        float(loss_option(config, "delta_l_alpha")),
+        scale,
+        global_batch_size=info.get("global_batch_size"),
+        dp_size=int(info.get("dp_size") or 1),
+    )
     return _finish(terms, old_log_prob, log_prob, response_mask, loss_agg_mode, config, None, loss=loss)
 
 

@@ -80,7 +80,10 @@ def main(argv: list[str]) -> int:
         ("staleness mean / max (versions)", f"{_fmt(s['staleness_mean'], '.2f')} / {_fmt(s['staleness_max'], '.0f')}"),
         ("max tolerable staleness", str(cfg.hetero.max_delay)),
         ("dropped groups (stale / over quota)", f"{dropped('stale')} / {dropped('over_quota')}"),
-        ("IS-weight variance (mean over steps)", _fmt(float(weight_var.mean()) if weight_var is not None else None, ".4f")),
+        (
+            "IS-weight variance (mean over steps)",
+            _fmt(float(weight_var.mean()) if weight_var is not None else None, ".4f"),
+        ),
         ("learner idle fraction (mean)", _fmt(s["learner_idle_frac_mean"], ".2f")),
         ("wall time (s, incl. warm start)", f"{time.time() - start:.0f}"),
     ]

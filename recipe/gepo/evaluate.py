@@ -6,6 +6,7 @@
 Settings: ``config/evaluate.yaml`` beside this file, mirrored by
 :class:`verl_ext.eval.run.EvalConfig` (every field documented there).
 """
+
 from __future__ import annotations
 
 

@@ -122,15 +122,19 @@ def unknown_key_error(prefix: str, unknown: Iterable[str], known: Iterable[str])
         close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
         parts.append(f"{key}" + (f" (did you mean {prefix + '.' if prefix else ''}{close[0]}?)" if close else ""))
     where = f"under {prefix}" if prefix else "at the top level"
-    return ConfigError(f"unknown key(s) {', '.join(parts)}: not an option {where} "
-                       f"(known: {', '.join(known[:40])}{', ...' if len(known) > 40 else ''})")  # fmt: skip
+    return ConfigError(
+        f"unknown key(s) {', '.join(parts)}: not an option {where} "
+        f"(known: {', '.join(known[:40])}{', ...' if len(known) > 40 else ''})"
+    )
 
 
 def _refusal(key: str, value: Any, default: Any, runner: str, honoured: Iterable[str], instead: str) -> str:
     where = " or ".join(RUNNER_NAMES[r] for r in honoured) or "no runner"
     why = f" ({instead})" if instead else ""
-    return (f"{key}={value!r} is not honoured by {RUNNER_NAMES[runner]}{why}; it is honoured by {where}. "
-            f"Leave it at its default {default!r} or switch the engine/mode.")  # fmt: skip
+    return (
+        f"{key}={value!r} is not honoured by {RUNNER_NAMES[runner]}{why}; it is honoured by {where}. "
+        f"Leave it at its default {default!r} or switch the engine/mode."
+    )
 
 
 def check_section(section: Any, prefix: str, runner: str) -> None:
@@ -160,24 +164,37 @@ EMBEDDED_VERL_KEYS = (
     "actor_rollout_ref.rollout.n",
     "actor_rollout_ref.rollout.temperature",
     # the run (RunSettings)
-    "trainer.total_training_steps", "trainer.default_local_dir", "trainer.save_freq", "trainer.test_freq",
-    "trainer.resume_mode", "trainer.logger", "trainer.project_name", "trainer.experiment_name",
+    "trainer.total_training_steps",
+    "trainer.default_local_dir",
+    "trainer.save_freq",
+    "trainer.test_freq",
+    "trainer.resume_mode",
+    "trainer.logger",
+    "trainer.project_name",
+    "trainer.experiment_name",
     # the actor objective: verl's registered losses read the whole actor config, the learner
     # (recipe/gepo/embedded/learner.py) its optimiser keys, verl_ext.loss_bridge the rest
     "actor_rollout_ref.actor.policy_loss.*",
-    "actor_rollout_ref.actor.clip_ratio", "actor_rollout_ref.actor.clip_ratio_low",
-    "actor_rollout_ref.actor.clip_ratio_high", "actor_rollout_ref.actor.clip_ratio_c",
-    "actor_rollout_ref.actor.loss_agg_mode", "actor_rollout_ref.actor.loss_scale_factor",
-    "actor_rollout_ref.actor.entropy_coeff", "actor_rollout_ref.actor.use_kl_loss",
-    "actor_rollout_ref.actor.kl_loss_coef", "actor_rollout_ref.actor.kl_loss_type",
+    "actor_rollout_ref.actor.clip_ratio",
+    "actor_rollout_ref.actor.clip_ratio_low",
+    "actor_rollout_ref.actor.clip_ratio_high",
+    "actor_rollout_ref.actor.clip_ratio_c",
+    "actor_rollout_ref.actor.loss_agg_mode",
+    "actor_rollout_ref.actor.loss_scale_factor",
+    "actor_rollout_ref.actor.entropy_coeff",
+    "actor_rollout_ref.actor.use_kl_loss",
+    "actor_rollout_ref.actor.kl_loss_coef",
+    "actor_rollout_ref.actor.kl_loss_type",
     "actor_rollout_ref.actor.grad_clip",
-    "actor_rollout_ref.actor.optim.lr", "actor_rollout_ref.actor.optim.betas",
+    "actor_rollout_ref.actor.optim.lr",
+    "actor_rollout_ref.actor.optim.betas",
     "actor_rollout_ref.actor.optim.weight_decay",
     # advantages (recipe/gepo/embedded/rollout.py) and the decoupled truncated IS
     # (verl_ext.loss_bridge.rollout_correction_settings refuses the values it cannot do)
-    "algorithm.adv_estimator", "algorithm.norm_adv_by_std_in_grpo",
+    "algorithm.adv_estimator",
+    "algorithm.norm_adv_by_std_in_grpo",
     "algorithm.rollout_correction.*",
-)  # fmt: skip
+)
 """The verl keys the embedded engine acts on (``fnmatch`` patterns over dotted keys). Every other
 verl key set away from the composed default is refused by the embedded engine: e.g.
 ``actor_rollout_ref.rollout.top_p`` / ``top_k`` (its sampler draws from the full softmax at the
@@ -210,16 +227,15 @@ def changed_verl_keys(cfg: Any, defaults: Any) -> list[tuple[str, Any, Any]]:
 
 
 EMBEDDED_NOT_HONOURED = {
-    "actor_rollout_ref.actor.policy_loss.group_size":
-        "the embedded engine passes each batch's prompt groups to the loss itself; group_size only forms "
-        "groups where none reach the loss (it follows actor_rollout_ref.rollout.n)",
+    "actor_rollout_ref.actor.policy_loss.group_size": "the embedded engine passes each batch's prompt groups to the loss itself; group_size only forms "
+    "groups where none reach the loss (it follows actor_rollout_ref.rollout.n)",
     "algorithm.rollout_correction.loss_type": "it is read only by verl's bypass mode, which the embedded engine "
-                                              "does not run",
+    "does not run",
     "actor_rollout_ref.actor.policy_loss.rollout_correction": "verl's bypass mode fills it in; the embedded engine "
-                                                             "reads algorithm.rollout_correction",
+    "reads algorithm.rollout_correction",
     "algorithm.rollout_correction.bypass_mode": "the embedded engine runs verl's decoupled mode only; without "
-                                                "rollout correction its losses already use the sampler's q",
-}  # fmt: skip
+    "rollout correction its losses already use the sampler's q",
+}
 """verl keys under a pattern of :data:`EMBEDDED_VERL_KEYS` that the embedded engine nevertheless
 does not read, each with what it does instead (quoted in the refusal)."""
 
@@ -315,7 +331,7 @@ def check_known_keys(cfg: Any, defaults: Any) -> None:
     unknown = unknown_verl_keys(cfg, defaults)
     if unknown:
         key, section, names = unknown[0]
-        name = key[len(section) + 1:] if section else key
+        name = key[len(section) + 1 :] if section else key
         raise unknown_key_error(section, [name.split(".")[0]], names)
 
 
@@ -344,8 +360,21 @@ _ACTOR = "actor_rollout_ref.actor"
 _LOSS_MODE = f"{_ACTOR}.policy_loss.loss_mode"
 _RC = "algorithm.rollout_correction"
 # the loss modes that read the clip range (verl's core_algos, verl_ext.verl_losses)
-_CLIP_READERS = ("vanilla", "dppo_tv", "dppo_kl", "gspo", "clip_cov", "geo_mean", "cispo",
-                 "gepo", "gepo_adaptive", "gepo_tr", "gepo_tc", "eqp", "delta_l")  # fmt: skip
+_CLIP_READERS = (
+    "vanilla",
+    "dppo_tv",
+    "dppo_kl",
+    "gspo",
+    "clip_cov",
+    "geo_mean",
+    "cispo",
+    "gepo",
+    "gepo_adaptive",
+    "gepo_tr",
+    "gepo_tc",
+    "eqp",
+    "delta_l",
+)
 _DUAL_CLIP_READERS = ("vanilla", "dppo_tv", "dppo_kl")
 
 
@@ -359,8 +388,13 @@ def _shipped_warm_start(get: Callable[[str], Any]) -> bool:
         return False
     from verl_ext.data.toy.checkpoints import PINNED_WARM_STARTS, WARM_START_INFO, warm_start_folder
 
-    folder = warm_start_folder(".", digits=int(get("task.digits")), steps=get("task.warm_start_steps"),
-                               seed=int(get("hetero.seed")), answer_format=str(get("task.answer_format")))  # fmt: skip
+    folder = warm_start_folder(
+        ".",
+        digits=int(get("task.digits")),
+        steps=get("task.warm_start_steps"),
+        seed=int(get("hetero.seed")),
+        answer_format=str(get("task.answer_format")),
+    )
     return (PINNED_WARM_STARTS / folder.name / WARM_START_INFO).is_file()
 
 
@@ -371,49 +405,111 @@ def _project_name_unread(get: Callable[..., Any]) -> bool:
     backends = get("trainer.logger") or []
     backends = [backends] if isinstance(backends, str) else list(backends)
     return all(b in ("console", "tensorboard") for b in backends) and "project_name" not in str(
-        get("trainer.default_local_dir", resolve=False))
+        get("trainer.default_local_dir", resolve=False)
+    )
 
 
 DEPENDENCIES: tuple[Dependency, ...] = (
-    Dependency(f"{_ACTOR}.clip_ratio", f"{_ACTOR}.clip_ratio_low",
-               lambda get: (get(f"{_ACTOR}.clip_ratio_low") is not None and get(f"{_ACTOR}.clip_ratio_high") is not None)
-               or get(_LOSS_MODE) not in _CLIP_READERS,
-               "clip_ratio is only the fallback of clip_ratio_low / clip_ratio_high, and both are set "
-               "(or the loss reads no clip range)", report="the algorithm presets gmpo and gspo set it"),
+    Dependency(
+        f"{_ACTOR}.clip_ratio",
+        f"{_ACTOR}.clip_ratio_low",
+        lambda get: (
+            (get(f"{_ACTOR}.clip_ratio_low") is not None and get(f"{_ACTOR}.clip_ratio_high") is not None)
+            or get(_LOSS_MODE) not in _CLIP_READERS
+        ),
+        "clip_ratio is only the fallback of clip_ratio_low / clip_ratio_high, and both are set "
+        "(or the loss reads no clip range)",
+        report="the algorithm presets gmpo and gspo set it",
+    ),
     Dependency(f"{_ACTOR}.clip_ratio_low", _LOSS_MODE, _loss_reads(*_CLIP_READERS), "this loss reads no clip range"),
     Dependency(f"{_ACTOR}.clip_ratio_high", _LOSS_MODE, _loss_reads(*_CLIP_READERS), "this loss reads no clip range"),
-    Dependency(f"{_ACTOR}.clip_ratio_c", _LOSS_MODE, _loss_reads(*_DUAL_CLIP_READERS),
-               f"the dual clip is read only by loss_mode {' / '.join(_DUAL_CLIP_READERS)}"),
-    *(Dependency(f"{_ACTOR}.policy_loss.{name}", _LOSS_MODE, _loss_reads("clip_cov"), "read only by loss_mode clip_cov")
-      for name in ("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub")),
-    *(Dependency(f"{_ACTOR}.policy_loss.{name}", _LOSS_MODE, _loss_reads("kl_cov"), "read only by loss_mode kl_cov")
-      for name in ("kl_cov_ratio", "ppo_kl_coef")),
+    Dependency(
+        f"{_ACTOR}.clip_ratio_c",
+        _LOSS_MODE,
+        _loss_reads(*_DUAL_CLIP_READERS),
+        f"the dual clip is read only by loss_mode {' / '.join(_DUAL_CLIP_READERS)}",
+    ),
+    *(
+        Dependency(
+            f"{_ACTOR}.policy_loss.{name}", _LOSS_MODE, _loss_reads("clip_cov"), "read only by loss_mode clip_cov"
+        )
+        for name in ("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub")
+    ),
+    *(
+        Dependency(f"{_ACTOR}.policy_loss.{name}", _LOSS_MODE, _loss_reads("kl_cov"), "read only by loss_mode kl_cov")
+        for name in ("kl_cov_ratio", "ppo_kl_coef")
+    ),
     Dependency(f"{_ACTOR}.policy_loss.dro_beta", _LOSS_MODE, _loss_reads("dro"), "read only by loss_mode dro"),
-    *(Dependency(f"{_ACTOR}.{name}", _LOSS_MODE, _loss_reads("sapo"), "read only by loss_mode sapo")
-      for name in ("tau_pos", "tau_neg")),
-    Dependency(f"{_ACTOR}.loss_scale_factor", f"{_ACTOR}.loss_agg_mode",
-               lambda get: get(f"{_ACTOR}.loss_agg_mode") != "seq-mean-token-sum-norm" and get(_LOSS_MODE) != "delta_l",
-               "read only by loss_agg_mode=seq-mean-token-sum-norm and loss_mode delta_l"),
-    *(Dependency(f"{_ACTOR}.{name}", f"{_ACTOR}.use_kl_loss", lambda get: not get(f"{_ACTOR}.use_kl_loss"),
-                 "the KL-to-reference term is off") for name in ("kl_loss_coef", "kl_loss_type")),
-    *(Dependency(f"{_RC}.{name}", f"{_RC}.rollout_is", lambda get: get(f"{_RC}.rollout_is") in (None, "", "null"),
-                 "no IS weight is computed") for name in ("rollout_is_threshold", "rollout_is_batch_normalize")),
-    Dependency(f"{_RC}.rollout_rs_threshold", f"{_RC}.rollout_rs",
-               lambda get: get(f"{_RC}.rollout_rs") in (None, "", "null"), "no rejection sampling"),
-    Dependency("trainer.project_name", "trainer.logger", _project_name_unread,
-               "only a tracking backend other than console and tensorboard (file, wandb, mlflow, ...) is told the "
-               "project name", runners=EMBEDDED),
-    Dependency("task.cache_dir", "task.warm_start_steps", _shipped_warm_start,
-               "the toy model is the warm start shipped with the package (task.digits, answer_format, "
-               "warm_start_steps and hetero.seed at the shipped settings), read from the package", runners=EMBEDDED,
-               report="the study's scripts pass it to every run, shipped warm start or not"),
-    Dependency("hetero.max_delta_chain", "hetero.weight_sync", lambda get: get("hetero.weight_sync") != "delta",
-               "samplers apply deltas only under weight_sync=delta"),
-    Dependency("hetero.trust.divergence_window", "hetero.trust.max_divergence",
-               lambda get: not get("hetero.trust.max_divergence"), "the divergence bound is off"),
-    Dependency("hetero.trust.checkable_sampling", "hetero.trust.verify_fraction",
-               lambda get: not get("hetero.trust.verify_fraction"), "no group is re-scored, so no token is checked"),
-)  # fmt: skip
+    *(
+        Dependency(f"{_ACTOR}.{name}", _LOSS_MODE, _loss_reads("sapo"), "read only by loss_mode sapo")
+        for name in ("tau_pos", "tau_neg")
+    ),
+    Dependency(
+        f"{_ACTOR}.loss_scale_factor",
+        f"{_ACTOR}.loss_agg_mode",
+        lambda get: get(f"{_ACTOR}.loss_agg_mode") != "seq-mean-token-sum-norm" and get(_LOSS_MODE) != "delta_l",
+        "read only by loss_agg_mode=seq-mean-token-sum-norm and loss_mode delta_l",
+    ),
+    *(
+        Dependency(
+            f"{_ACTOR}.{name}",
+            f"{_ACTOR}.use_kl_loss",
+            lambda get: not get(f"{_ACTOR}.use_kl_loss"),
+            "the KL-to-reference term is off",
+        )
+        for name in ("kl_loss_coef", "kl_loss_type")
+    ),
+    *(
+        Dependency(
+            f"{_RC}.{name}",
+            f"{_RC}.rollout_is",
+            lambda get: get(f"{_RC}.rollout_is") in (None, "", "null"),
+            "no IS weight is computed",
+        )
+        for name in ("rollout_is_threshold", "rollout_is_batch_normalize")
+    ),
+    Dependency(
+        f"{_RC}.rollout_rs_threshold",
+        f"{_RC}.rollout_rs",
+        lambda get: get(f"{_RC}.rollout_rs") in (None, "", "null"),
+        "no rejection sampling",
+    ),
+    Dependency(
+        "trainer.project_name",
+        "trainer.logger",
+        _project_name_unread,
+        "only a tracking backend other than console and tensorboard (file, wandb, mlflow, ...) is told the "
+        "project name",
+        runners=EMBEDDED,
+    ),
+    Dependency(
+        "task.cache_dir",
+        "task.warm_start_steps",
+        _shipped_warm_start,
+        "the toy model is the warm start shipped with the package (task.digits, answer_format, "
+        "warm_start_steps and hetero.seed at the shipped settings), read from the package",
+        runners=EMBEDDED,
+        report="the study's scripts pass it to every run, shipped warm start or not",
+    ),
+    Dependency(
+        "hetero.max_delta_chain",
+        "hetero.weight_sync",
+        lambda get: get("hetero.weight_sync") != "delta",
+        "samplers apply deltas only under weight_sync=delta",
+    ),
+    Dependency(
+        "hetero.trust.divergence_window",
+        "hetero.trust.max_divergence",
+        lambda get: not get("hetero.trust.max_divergence"),
+        "the divergence bound is off",
+    ),
+    Dependency(
+        "hetero.trust.checkable_sampling",
+        "hetero.trust.verify_fraction",
+        lambda get: not get("hetero.trust.verify_fraction"),
+        "no group is re-scored, so no token is checked",
+    ),
+)
 """Every option read only in some settings of another key, in one place (checked by
 :func:`check_dependencies`). The project's own loss options are checked by their config
 (``verl_ext.loss_config.LOSS_SPECIFIC_OPTIONS``), a delay model's and a task's fields by their
@@ -458,7 +554,9 @@ def check_dependencies(cfg: Any, defaults: Any, runner: str) -> list[str]:
     notes = []
     for dep, value, default, on_value in inert_options(cfg, defaults, runner):
         if not dep.report:
-            raise ConfigError(_inert_text(dep, value, default, on_value) + f": leave it at its default or change {dep.on}")
+            raise ConfigError(
+                _inert_text(dep, value, default, on_value) + f": leave it at its default or change {dep.on}"
+            )
         notes.append(_inert_text(dep, value, default, on_value) + f" (not refused: {dep.report})")
     return notes
 

@@ -87,19 +87,46 @@ def accuracy_vs_delay(runs: Sequence[Run]) -> pd.DataFrame:
         if ev is None or run.max_delay is None:
             continue
         s = ev[1]
-        per_run.append({"algorithm": run.algorithm, "max_delay": run.max_delay, "best": float(s.max()),
-                        "last": float(s.iloc[-1]), "run": run.run_dir.name})
-    cols = ["algorithm", "max_delay", "n", "best_mean", "best_std", "last_mean", "last_std",
-            "best_values", "last_values", "runs"]
+        per_run.append(
+            {
+                "algorithm": run.algorithm,
+                "max_delay": run.max_delay,
+                "best": float(s.max()),
+                "last": float(s.iloc[-1]),
+                "run": run.run_dir.name,
+            }
+        )
+    cols = [
+        "algorithm",
+        "max_delay",
+        "n",
+        "best_mean",
+        "best_std",
+        "last_mean",
+        "last_std",
+        "best_values",
+        "last_values",
+        "runs",
+    ]
     if not per_run:
         return pd.DataFrame(columns=cols)
     rows = []
     for (algo, delay), g in pd.DataFrame(per_run).groupby(["algorithm", "max_delay"], sort=True):
         best, last = g["best"].to_numpy(), g["last"].to_numpy()
-        rows.append({"algorithm": algo, "max_delay": int(delay), "n": len(g),
-                     "best_mean": float(best.mean()), "best_std": float(best.std(ddof=1)) if len(g) > 1 else math.nan,
-                     "last_mean": float(last.mean()), "last_std": float(last.std(ddof=1)) if len(g) > 1 else math.nan,
-                     "best_values": best.tolist(), "last_values": last.tolist(), "runs": list(g["run"])})
+        rows.append(
+            {
+                "algorithm": algo,
+                "max_delay": int(delay),
+                "n": len(g),
+                "best_mean": float(best.mean()),
+                "best_std": float(best.std(ddof=1)) if len(g) > 1 else math.nan,
+                "last_mean": float(last.mean()),
+                "last_std": float(last.std(ddof=1)) if len(g) > 1 else math.nan,
+                "best_values": best.tolist(),
+                "last_values": last.tolist(),
+                "runs": list(g["run"]),
+            }
+        )
     return pd.DataFrame(rows, columns=cols)
 
 
@@ -122,8 +149,7 @@ def _skip_note(ax, text: str) -> None:
     ax.grid(False)
 
 
-def plot_curves(runs: Sequence[Run], labels: Sequence[str], path: Path, title: str = "",
-                smooth: int = 1) -> Path:
+def plot_curves(runs: Sequence[Run], labels: Sequence[str], path: Path, title: str = "", smooth: int = 1) -> Path:
     """Eval accuracy (left) and ``reward/mean`` (right, rolling mean over ``smooth`` steps)
     against step, one line per run, one legend for both panels."""
     with matplotlib.rc_context(STYLE):
@@ -136,8 +162,14 @@ def plot_curves(runs: Sequence[Run], labels: Sequence[str], path: Path, title: s
             ev = eval_accuracy(run.metrics)
             if ev is not None:
                 s = ev[1]
-                (h,) = ax_e.plot(s.index.to_numpy(), s.to_numpy(), color=c, marker="o" if len(s) <= 30 else None,
-                                 markersize=3, label=label)
+                (h,) = ax_e.plot(
+                    s.index.to_numpy(),
+                    s.to_numpy(),
+                    color=c,
+                    marker="o" if len(s) <= 30 else None,
+                    markersize=3,
+                    label=label,
+                )
                 legend.setdefault(label, h)
                 n_eval += 1
             r = series(run.metrics, "reward/mean")
@@ -148,8 +180,10 @@ def plot_curves(runs: Sequence[Run], labels: Sequence[str], path: Path, title: s
                 n_reward += 1
         ax_e.set_title("eval accuracy")
         ax_r.set_title("reward/mean" + (f" (rolling mean, {smooth} steps)" if smooth > 1 else ""))
-        for ax, n, what in ((ax_e, n_eval, "no run logged eval/... accuracy"),
-                            (ax_r, n_reward, "no run logged reward/mean")):
+        for ax, n, what in (
+            (ax_e, n_eval, "no run logged eval/... accuracy"),
+            (ax_r, n_reward, "no run logged reward/mean"),
+        ):
             if n:
                 ax.set_xlabel("step")
             else:
@@ -163,8 +197,15 @@ def plot_curves(runs: Sequence[Run], labels: Sequence[str], path: Path, title: s
             if len(legend) <= 6:
                 (ax_e if n_eval else ax_r).legend(list(legend.values()), list(legend), loc="best", fontsize="small")
             else:
-                fig.legend(list(legend.values()), list(legend), loc="upper center", bbox_to_anchor=(0.5, 0.0),
-                           ncol=3 if len(legend) <= 30 else 4, fontsize="small", frameon=False)
+                fig.legend(
+                    list(legend.values()),
+                    list(legend),
+                    loc="upper center",
+                    bbox_to_anchor=(0.5, 0.0),
+                    ncol=3 if len(legend) <= 30 else 4,
+                    fontsize="small",
+                    frameon=False,
+                )
         return save_figure(fig, path)
 
 
@@ -176,14 +217,17 @@ def plot_accuracy_vs_delay(table: pd.DataFrame, path: Path) -> Path:
         axes = fig.subplots(1, 2, sharey=True)
         algos = list(dict.fromkeys(table["algorithm"]))
         colors = _colors(len(algos))
-        for ax, which, name in ((axes[0], "best", "Best (max over evaluations)"),
-                                (axes[1], "last", "Last (final evaluation)")):
+        for ax, which, name in (
+            (axes[0], "best", "Best (max over evaluations)"),
+            (axes[1], "last", "Last (final evaluation)"),
+        ):
             for algo, c in zip(algos, colors):
                 g = table[table["algorithm"] == algo].sort_values("max_delay")
                 d = g["max_delay"].to_numpy()
                 std = np.nan_to_num(g[f"{which}_std"].to_numpy(dtype=np.float64), nan=0.0)
-                ax.errorbar(d, g[f"{which}_mean"].to_numpy(), yerr=std, color=c, marker="o", markersize=4,
-                            capsize=3, label=algo)
+                ax.errorbar(
+                    d, g[f"{which}_mean"].to_numpy(), yerr=std, color=c, marker="o", markersize=4, capsize=3, label=algo
+                )
                 for delay, vals in zip(d, g[f"{which}_values"]):
                     if len(vals) > 1:
                         ax.scatter([delay] * len(vals), vals, color=c, alpha=0.35, s=10, zorder=1)
@@ -203,8 +247,9 @@ def plot_accuracy_vs_delay(table: pd.DataFrame, path: Path) -> Path:
 # --------------------------------------------------------------------------- CLI
 
 
-def make_figures(runs: Sequence[Run], labels: Sequence[str], out: Path, fmt: str = "png",
-                 smooth: int = 1, log=print) -> dict[str, Path]:
+def make_figures(
+    runs: Sequence[Run], labels: Sequence[str], out: Path, fmt: str = "png", smooth: int = 1, log=print
+) -> dict[str, Path]:
     """Draw every figure and ``summary.csv`` into ``out``; return {name: path} of the files
     written (figures without data are skipped, with a note through ``log``)."""
     out.mkdir(parents=True, exist_ok=True)
@@ -214,20 +259,26 @@ def make_figures(runs: Sequence[Run], labels: Sequence[str], out: Path, fmt: str
     if len(algos) > 1:
         for algo in algos:
             idx = [i for i, r in enumerate(runs) if r.algorithm == algo]
-            written[f"curves_{algo}"] = plot_curves([runs[i] for i in idx], [labels[i] for i in idx],
-                                                    out / f"curves_{_slug(algo)}.{fmt}", title=algo, smooth=smooth)
+            written[f"curves_{algo}"] = plot_curves(
+                [runs[i] for i in idx],
+                [labels[i] for i in idx],
+                out / f"curves_{_slug(algo)}.{fmt}",
+                title=algo,
+                smooth=smooth,
+            )
 
     table = accuracy_vs_delay(runs)
-    left_out = [r.run_dir.name for r in runs
-                if r.max_delay is None or eval_accuracy(r.metrics) is None]
+    left_out = [r.run_dir.name for r in runs if r.max_delay is None or eval_accuracy(r.metrics) is None]
     if left_out:
         log(f"note: accuracy vs delay leaves out runs without evaluations or hetero.max_delay: {', '.join(left_out)}")
     if len(table):
         written["acc_vs_delay"] = plot_accuracy_vs_delay(table, out / f"acc_vs_delay.{fmt}")
         log("accuracy vs max delay (mean over runs; ± sample std):")
         for row in table.itertuples():
-            log(f"  {row.algorithm:<20} d={row.max_delay:<4} n={row.n}  best {_fmt(row.best_mean)} ± "
-                f"{_fmt(row.best_std)}  last {_fmt(row.last_mean)} ± {_fmt(row.last_std)}")
+            log(
+                f"  {row.algorithm:<20} d={row.max_delay:<4} n={row.n}  best {_fmt(row.best_mean)} ± "
+                f"{_fmt(row.best_std)}  last {_fmt(row.last_mean)} ± {_fmt(row.last_std)}"
+            )
     else:
         log("note: skipped acc_vs_delay: no run has both evaluations and hetero.max_delay")
 
@@ -256,8 +307,11 @@ def make_figures(runs: Sequence[Run], labels: Sequence[str], out: Path, fmt: str
 
 def main(argv: list[str] | None = None) -> int:
     """CLI entry point; returns the exit status (argparse exits 2 on bad arguments)."""
-    parser = argparse.ArgumentParser(prog=f"python -m {__package__}.plot", description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog=f"python -m {__package__}.plot",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories (metrics.jsonl, config.yaml)")
     parser.add_argument("--out", required=True, type=Path, help="folder for the figures (created)")
     parser.add_argument("--labels", nargs="+", default=None, help="one legend label per RUN_DIR")

@@ -57,9 +57,13 @@ def check_remote_config(cfg: DictConfig, index: int, key_file: Optional[str] = N
             "engine's async mode (hetero.engine=local hetero.mode=async)"
         )
     if hetero.transport != "fs":
-        raise ValueError(f"hetero.transport={hetero.transport!r}: a remote sampler reaches the learner through hetero.transport=fs")
+        raise ValueError(
+            f"hetero.transport={hetero.transport!r}: a remote sampler reaches the learner through hetero.transport=fs"
+        )
     if not hetero.transport_url:
-        raise ValueError("hetero.transport_url is empty: give the exchange URL the learner uses (s3://..., /shared/folder)")
+        raise ValueError(
+            "hetero.transport_url is empty: give the exchange URL the learner uses (s3://..., /shared/folder)"
+        )
     if index < 0:
         raise ValueError(f"--index {index}: must be >= 0 (and not an index the learner's own samplers use)")
     if hetero.trust.sign_records and not key_file:
@@ -72,8 +76,9 @@ def check_remote_config(cfg: DictConfig, index: int, key_file: Optional[str] = N
         raise ValueError(f"--key {key_file}: hetero.trust.sign_records=false, so nothing would be signed")
 
 
-def run_remote_sampler(cfg: DictConfig, index: int, max_batches: Optional[int] = None,
-                       key_file: Optional[str] = None) -> dict[str, float]:
+def run_remote_sampler(
+    cfg: DictConfig, index: int, max_batches: Optional[int] = None, key_file: Optional[str] = None
+) -> dict[str, float]:
     """Generate for the run at ``hetero.transport_url`` until its stop marker (or ``max_batches``
     batches), signing with the key in ``key_file``; returns the sampler's counters."""
     from .embedded.async_shared import transport_spec
@@ -100,19 +105,35 @@ def run_remote_sampler(cfg: DictConfig, index: int, max_batches: Optional[int] =
     model_path = resolve_model_path(engine.settings.model_path, engine.task, engine.hetero.seed)
     spec = transport_spec(engine.hetero, engine.settings)
     speed = engine.hetero.speed_factors()
-    worker = SamplerWorker(index, engine, model_path, spec, speed[index] if index < len(speed) else 1.0,
-                           uid_namespace=f"r{index}-{uuid.uuid4().hex[:8]}", key=key)  # fmt: skip
+    worker = SamplerWorker(
+        index,
+        engine,
+        model_path,
+        spec,
+        speed[index] if index < len(speed) else 1.0,
+        uid_namespace=f"r{index}-{uuid.uuid4().hex[:8]}",
+        key=key,
+    )
     print(f"[heterorl] remote sampler-{index} -> {spec.url}", flush=True)
     return worker.run(max_batches=max_batches)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    parser.add_argument("--index", type=int, required=True, help="this sampler's index (>= the learner's hetero.num_samplers)")
-    parser.add_argument("--key", default=None, help="this sampler's signing key (python -m verl_ext.hetero.auth keygen)")
-    parser.add_argument("--max-batches", type=int, default=None, help="stop after this many batches (default: at the learner's stop)")
-    parser.add_argument("overrides", nargs="*", help="hydra overrides, the learner's (hetero.transport_url=... required)")
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--index", type=int, required=True, help="this sampler's index (>= the learner's hetero.num_samplers)"
+    )
+    parser.add_argument(
+        "--key", default=None, help="this sampler's signing key (python -m verl_ext.hetero.auth keygen)"
+    )
+    parser.add_argument(
+        "--max-batches", type=int, default=None, help="stop after this many batches (default: at the learner's stop)"
+    )
+    parser.add_argument(
+        "overrides", nargs="*", help="hydra overrides, the learner's (hetero.transport_url=... required)"
+    )
     args = parser.parse_args(argv)
     overrides = ["hetero.engine=local", "hetero.mode=async", "hetero.transport=fs", *args.overrides]
     try:

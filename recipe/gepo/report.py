@@ -96,7 +96,7 @@ def staleness_histogram(df: pd.DataFrame) -> pd.Series | None:
     for c in df.columns:
         if not c.startswith(HIST_PREFIX):
             continue
-        k = to_step(c[len(HIST_PREFIX):])
+        k = to_step(c[len(HIST_PREFIX) :])
         if k is None:
             continue
         v = df[c].to_numpy(dtype="float64")
@@ -129,14 +129,28 @@ def summarize_metrics(df: pd.DataFrame) -> dict[str, Any]:
 
     ev = eval_accuracy(df)
     if ev is None:
-        out.update(eval_metric=None, eval_count=0, eval_first=math.nan, eval_last=math.nan,
-                   eval_best=math.nan, eval_first_step=None, eval_last_step=None, eval_best_step=None)
+        out.update(
+            eval_metric=None,
+            eval_count=0,
+            eval_first=math.nan,
+            eval_last=math.nan,
+            eval_best=math.nan,
+            eval_first_step=None,
+            eval_last_step=None,
+            eval_best_step=None,
+        )
     else:
         name, s = ev
-        out.update(eval_metric=name, eval_count=int(len(s)), eval_first=float(s.iloc[0]),
-                   eval_last=float(s.iloc[-1]), eval_best=float(s.max()),
-                   eval_first_step=int(s.index[0]), eval_last_step=int(s.index[-1]),
-                   eval_best_step=int(s.idxmax()))
+        out.update(
+            eval_metric=name,
+            eval_count=int(len(s)),
+            eval_first=float(s.iloc[0]),
+            eval_last=float(s.iloc[-1]),
+            eval_best=float(s.max()),
+            eval_first_step=int(s.index[0]),
+            eval_last_step=int(s.index[-1]),
+            eval_best_step=int(s.idxmax()),
+        )
 
     # staleness: group-weighted from the histogram when logged (a step that consumed nothing
     # logs staleness_mean 0 and must not pull the mean down); else consumed-weighted or plain
@@ -171,8 +185,9 @@ def summarize_metrics(df: pd.DataFrame) -> dict[str, Any]:
     out["kl_final"] = _last(series(df, "is/kl_sampler_learner"))
     out["weight_var_final"] = _last(series(df, "is/weight_var"))
     out["learner_idle_frac_mean"] = _mean(series(df, "perf/learner_idle_frac"))
-    out["reward_first"] = float(series(df, "reward/mean").iloc[0]) if series(df, "reward/mean") is not None \
-        else math.nan
+    out["reward_first"] = (
+        float(series(df, "reward/mean").iloc[0]) if series(df, "reward/mean") is not None else math.nan
+    )
     out["reward_last"] = _last(series(df, "reward/mean"))
     out["step_s_mean"] = _mean(series(df, "perf/step_s"))
     return out
@@ -197,8 +212,13 @@ def summarize(run_dir: str | os.PathLike) -> dict[str, Any]:
 def summarize_run(run: Run) -> dict[str, Any]:
     """:func:`summarize` of an already loaded :class:`Run`."""
     out = summarize_metrics(run.metrics)
-    out.update(run_dir=str(run.run_dir), loss_mode=run.loss_mode, max_delay=run.max_delay,
-               algorithm=run.algorithm, label=run.label)
+    out.update(
+        run_dir=str(run.run_dir),
+        loss_mode=run.loss_mode,
+        max_delay=run.max_delay,
+        algorithm=run.algorithm,
+        label=run.label,
+    )
     return out
 
 
@@ -207,8 +227,7 @@ def summarize_run(run: Run) -> dict[str, Any]:
 
 def _note(ax, text: str) -> None:
     """Mark a panel whose metric is absent."""
-    ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes, color="0.4",
-            wrap=True)
+    ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes, color="0.4", wrap=True)
     ax.set_xticks([])
     ax.set_yticks([])
     ax.grid(False)
@@ -224,13 +243,18 @@ def _line(ax, s: pd.Series, **kw) -> None:
 
 def _summary_text(s: dict[str, Any]) -> str:
     """A few summary numbers as monospace text for the spare panel of ``curves.png``."""
-    rows = [("steps", _fmt(s["steps"])),
-            ("eval first", _fmt(s["eval_first"])), ("eval last", _fmt(s["eval_last"])),
-            ("eval best", _fmt(s["eval_best"])),
-            ("staleness mean", _fmt(s["staleness_mean"])), ("staleness max", _fmt(s["staleness_max"])),
-            ("dropped total", _fmt(s["dropped_total"])), ("final KL", _fmt(s["kl_final"])),
-            ("final IS var", _fmt(s["weight_var_final"])),
-            ("learner idle", _fmt(s["learner_idle_frac_mean"]))]
+    rows = [
+        ("steps", _fmt(s["steps"])),
+        ("eval first", _fmt(s["eval_first"])),
+        ("eval last", _fmt(s["eval_last"])),
+        ("eval best", _fmt(s["eval_best"])),
+        ("staleness mean", _fmt(s["staleness_mean"])),
+        ("staleness max", _fmt(s["staleness_max"])),
+        ("dropped total", _fmt(s["dropped_total"])),
+        ("final KL", _fmt(s["kl_final"])),
+        ("final IS var", _fmt(s["weight_var_final"])),
+        ("learner idle", _fmt(s["learner_idle_frac_mean"])),
+    ]
     return "\n".join(f"{k:<16}{v}" for k, v in rows)
 
 
@@ -255,8 +279,14 @@ def draw_curves(df: pd.DataFrame, path: Path, title: str = "", summary: dict[str
             std = series(df, "reward/std")
             if std is not None:
                 std = std.reindex(reward.index)
-                ax_r.fill_between(reward.index.to_numpy(), (reward - std).to_numpy(),
-                                  (reward + std).to_numpy(), color="C0", alpha=0.15, label="± std")
+                ax_r.fill_between(
+                    reward.index.to_numpy(),
+                    (reward - std).to_numpy(),
+                    (reward + std).to_numpy(),
+                    color="C0",
+                    alpha=0.15,
+                    label="± std",
+                )
                 ax_r.legend(loc="best")
             ax_r.set_xlabel("step")
 
@@ -267,16 +297,24 @@ def draw_curves(df: pd.DataFrame, path: Path, title: str = "", summary: dict[str
         else:
             benches = eval_benchmarks(df)
             for i, b in enumerate(benches if len(benches) > 1 else []):
-                _line(ax_e, series(df, b), color=f"C{(i + 1) % 10}", alpha=0.7, linewidth=1,
-                      label=_EVAL_BENCH.match(b)["bench"])
+                _line(
+                    ax_e,
+                    series(df, b),
+                    color=f"C{(i + 1) % 10}",
+                    alpha=0.7,
+                    linewidth=1,
+                    label=_EVAL_BENCH.match(b)["bench"],
+                )
             name, s = ev
             _line(ax_e, s, color="C0", linewidth=2, label=name)
             ax_e.set_xlabel("step")
             ax_e.set_ylabel("accuracy")
             ax_e.legend(loc="best")
 
-        for ax, name, ylabel in ((ax_k, "is/kl_sampler_learner", "KL(sampler || learner)"),
-                                 (ax_v, "is/weight_var", "IS-weight variance")):
+        for ax, name, ylabel in (
+            (ax_k, "is/kl_sampler_learner", "KL(sampler || learner)"),
+            (ax_v, "is/weight_var", "IS-weight variance"),
+        ):
             ax.set_title(name)
             s = series(df, name)
             if s is None:
@@ -299,8 +337,16 @@ def draw_curves(df: pd.DataFrame, path: Path, title: str = "", summary: dict[str
 
         ax_text.axis("off")
         if summary is not None:
-            ax_text.text(0.02, 0.98, _summary_text(summary), ha="left", va="top", family="monospace",
-                         transform=ax_text.transAxes, fontsize=8)
+            ax_text.text(
+                0.02,
+                0.98,
+                _summary_text(summary),
+                ha="left",
+                va="top",
+                family="monospace",
+                transform=ax_text.transAxes,
+                fontsize=8,
+            )
         if title:
             fig.suptitle(title)
         fig.tight_layout()
@@ -334,8 +380,9 @@ def read_config_notes(run_dir: str | os.PathLike) -> list[str]:
     return [line for line in path.read_text(encoding="utf-8").splitlines() if line] if path.is_file() else []
 
 
-def render_markdown(summary: dict[str, Any], df: pd.DataFrame, curves_name: str = CURVES_FILE,
-                    config_notes: list[str] = ()) -> str:
+def render_markdown(
+    summary: dict[str, Any], df: pd.DataFrame, curves_name: str = CURVES_FILE, config_notes: list[str] = ()
+) -> str:
     """``report.md`` text for ``summary`` (from :func:`summarize`) and its metrics frame;
     ``config_notes``: options without effect that the run kept (:data:`CONFIG_NOTES_FILE`)."""
     s = summary
@@ -345,8 +392,10 @@ def render_markdown(summary: dict[str, Any], df: pd.DataFrame, curves_name: str 
         ("algorithm", f"{s['algorithm']} (loss mode `{s['loss_mode'] or 'n/a'}`)"),
         ("max delay", _fmt(s["max_delay"])),
         ("steps logged", f"{s['steps']}{step_range}"),
-        ("eval accuracy metric", f"`{s['eval_metric']}` ({s['eval_count']} evaluations)" if s["eval_metric"]
-         else "n/a"),
+        (
+            "eval accuracy metric",
+            f"`{s['eval_metric']}` ({s['eval_count']} evaluations)" if s["eval_metric"] else "n/a",
+        ),
         ("eval accuracy: first", _at(s["eval_first"], s["eval_first_step"])),
         ("eval accuracy: last", _at(s["eval_last"], s["eval_last_step"])),
         ("eval accuracy: best", _at(s["eval_best"], s["eval_best_step"])),
@@ -358,25 +407,41 @@ def render_markdown(summary: dict[str, Any], df: pd.DataFrame, curves_name: str 
         ("learner idle fraction (mean)", _fmt(s["learner_idle_frac_mean"])),
         ("step time mean (s)", _fmt(s["step_s_mean"])),
     ]
-    lines = [f"# Run report: {name}", "", f"Run directory: `{s['run_dir']}`", "",
-             "| quantity | value |", "|---|---|"]
+    lines = [f"# Run report: {name}", "", f"Run directory: `{s['run_dir']}`", "", "| quantity | value |", "|---|---|"]
     lines += [f"| {k} | {v} |" for k, v in rows]
     benches = eval_benchmarks(df)
     if benches:
-        lines += ["", "## Evaluation by benchmark", "", "| benchmark | evaluations | first | last | best |",
-                  "|---|---|---|---|---|"]
+        lines += [
+            "",
+            "## Evaluation by benchmark",
+            "",
+            "| benchmark | evaluations | first | last | best |",
+            "|---|---|---|---|---|",
+        ]
         for b in benches:
             e = series(df, b)
-            lines.append(f"| {_EVAL_BENCH.match(b)['bench']} | {len(e)} | {_fmt(float(e.iloc[0]))} | "
-                         f"{_fmt(float(e.iloc[-1]))} | {_fmt(float(e.max()))} (step {int(e.idxmax())}) |")
+            lines.append(
+                f"| {_EVAL_BENCH.match(b)['bench']} | {len(e)} | {_fmt(float(e.iloc[0]))} | "
+                f"{_fmt(float(e.iloc[-1]))} | {_fmt(float(e.max()))} (step {int(e.idxmax())}) |"
+            )
     if s["staleness_hist"]:
         ks = sorted(s["staleness_hist"])
-        lines += ["", "## Staleness histogram (consumed groups, whole run)", "",
-                  "| k | " + " | ".join(str(k) for k in ks) + " |",
-                  "|---|" + "---|" * len(ks),
-                  "| groups | " + " | ".join(_fmt(s["staleness_hist"][k]) for k in ks) + " |"]
-    wanted = ["reward/mean", "is/kl_sampler_learner", "is/weight_var", "hetero/staleness_mean",
-              "hetero/dropped", "perf/learner_idle_frac"]
+        lines += [
+            "",
+            "## Staleness histogram (consumed groups, whole run)",
+            "",
+            "| k | " + " | ".join(str(k) for k in ks) + " |",
+            "|---|" + "---|" * len(ks),
+            "| groups | " + " | ".join(_fmt(s["staleness_hist"][k]) for k in ks) + " |",
+        ]
+    wanted = [
+        "reward/mean",
+        "is/kl_sampler_learner",
+        "is/weight_var",
+        "hetero/staleness_mean",
+        "hetero/dropped",
+        "perf/learner_idle_frac",
+    ]
     missing = [m for m in wanted if series(df, m) is None]
     if s["eval_metric"] is None:
         missing.append("eval/... accuracy")
@@ -388,11 +453,16 @@ def render_markdown(summary: dict[str, Any], df: pd.DataFrame, curves_name: str 
     inf = {c: int(np.isinf(df[c].to_numpy(dtype="float64")).sum()) for c in df.columns if c != "step"}
     inf = {c: n for c, n in inf.items() if n}
     if inf:
-        notes.append("Infinite values, left out of the curves and numbers above: "
-                     + ", ".join(f"`{c}` ({n} step{'s' if n > 1 else ''})" for c, n in sorted(inf.items())) + ".")
+        notes.append(
+            "Infinite values, left out of the curves and numbers above: "
+            + ", ".join(f"`{c}` ({n} step{'s' if n > 1 else ''})" for c, n in sorted(inf.items()))
+            + "."
+        )
     if s["skipped_lines"]:
-        notes.append(f"{s['skipped_lines']} unreadable line(s) of metrics.jsonl skipped "
-                     f"(line numbers: {', '.join(map(str, df.attrs.get('skipped_lines', [])[:10]))}).")
+        notes.append(
+            f"{s['skipped_lines']} unreadable line(s) of metrics.jsonl skipped "
+            f"(line numbers: {', '.join(map(str, df.attrs.get('skipped_lines', [])[:10]))})."
+        )
     if notes:
         lines += ["", "## Notes", ""] + [f"- {n}" for n in notes]
     lines += ["", "## Curves", "", f"![training curves]({curves_name})", ""]
@@ -407,12 +477,10 @@ def write_report(run_dir: str | os.PathLike, out_dir: str | os.PathLike | None =
     summary = summarize_run(run)
     out = Path(out_dir) if out_dir is not None else metrics_path(run_dir).parent
     out.mkdir(parents=True, exist_ok=True)
-    curves = draw_curves(run.metrics, out / CURVES_FILE, title=f"{run.run_dir.name}: {run.label}",
-                         summary=summary)
+    curves = draw_curves(run.metrics, out / CURVES_FILE, title=f"{run.run_dir.name}: {run.label}", summary=summary)
     md = out / REPORT_FILE
     tmp = md.with_name(f".{md.name}.tmp")
-    tmp.write_text(render_markdown(summary, run.metrics, curves.name, read_config_notes(run.run_dir)),
-                   encoding="utf-8")
+    tmp.write_text(render_markdown(summary, run.metrics, curves.name, read_config_notes(run.run_dir)), encoding="utf-8")
     os.replace(tmp, md)
     return md, curves
 

@@ -67,9 +67,14 @@ class DelayConfig:
     """trace: CSV column name, if the file is a CSV."""
 
     # dist -> the fields it reads; any other field set away from its default is refused
-    _FIELDS_OF = {"none": (), "constant": ("value",), "uniform": ("low", "high", "integer"),
-                  "lognormal": ("low", "high", "confidence", "offset"),
-                  "weibull": ("low", "high", "confidence", "offset"), "trace": ("trace_path", "trace_column")}  # fmt: skip
+    _FIELDS_OF = {
+        "none": (),
+        "constant": ("value",),
+        "uniform": ("low", "high", "integer"),
+        "lognormal": ("low", "high", "confidence", "offset"),
+        "weibull": ("low", "high", "confidence", "offset"),
+        "trace": ("trace_path", "trace_column"),
+    }
     # field -> the model's argument, where the two names differ
     _ARG_OF = {"trace_path": "path", "trace_column": "column"}
 
@@ -88,7 +93,8 @@ class DelayConfig:
                 raise ValueError(
                     f"{prefix}.{name}={value!r} is not read by {prefix}.dist={self.dist}, which takes "
                     f"{', '.join(takes) or 'no parameters'}; leave it at its default {default!r} (a "
-                    f"hetero_delay preset may have set it)")  # fmt: skip
+                    f"hetero_delay preset may have set it)"
+                )
 
     def build(self):
         from verl_ext.hetero.delay import make_delay_model
@@ -96,14 +102,16 @@ class DelayConfig:
         return make_delay_model(self.dist, **self.model_params())
 
 
-_VERL_PLACEMENT = ("verl places its workers with trainer.device / trainer.n_gpus_per_node and sets precision "
-                   "with its own keys: actor_rollout_ref.actor.fsdp_config.model_dtype (master weights), "
-                   "actor_rollout_ref.actor.fsdp_config.dtype (compute), actor_rollout_ref.rollout.dtype (sampler)")
+_VERL_PLACEMENT = (
+    "verl places its workers with trainer.device / trainer.n_gpus_per_node and sets precision "
+    "with its own keys: actor_rollout_ref.actor.fsdp_config.model_dtype (master weights), "
+    "actor_rollout_ref.actor.fsdp_config.dtype (compute), actor_rollout_ref.rollout.dtype (sampler)"
+)
 
 _NO_PUBLISHING_SAMPLERS = {
     REPLAY: "replay mode's one sampler is the learner's own process: no record crosses a trust boundary",
     VERL: "verl's rollout workers are actors of the trainer's own Ray job and publish no records; samplers "
-          "outside it join through hetero.engine=local's fs transport (docs/reliability.md)",
+    "outside it join through hetero.engine=local's fs transport (docs/reliability.md)",
 }
 
 
@@ -167,9 +175,15 @@ class TrustConfig:
     +9% on each re-score; the sampler's draw about as fast as ordinary sampling; docs/reliability.md)."""
 
     # TrustLedger's constructor argument -> the field (hetero.trust.<field>) that sets it
-    _LEDGER_FIELDS = {"verify_fraction": "verify_fraction", "probation_groups": "probation_groups",
-                      "penalty": "trust_penalty", "recovery": "trust_recovery", "quarantine_below": "quarantine_below",
-                      "max_divergence": "max_divergence", "divergence_window": "divergence_window"}  # fmt: skip
+    _LEDGER_FIELDS = {
+        "verify_fraction": "verify_fraction",
+        "probation_groups": "probation_groups",
+        "penalty": "trust_penalty",
+        "recovery": "trust_recovery",
+        "quarantine_below": "quarantine_below",
+        "max_divergence": "max_divergence",
+        "divergence_window": "divergence_window",
+    }
 
     def _ledger_arguments(self) -> dict:
         return {argument: getattr(self, name) for argument, name in self._LEDGER_FIELDS.items()}
@@ -179,13 +193,16 @@ class TrustConfig:
         :meth:`TrustLedger.check_arguments`'s, checked under the hydra keys)."""
         from verl_ext.hetero.trust import TrustLedger
 
-        TrustLedger.check_arguments(self._ledger_arguments(),
-                                    names={a: f"hetero.trust.{name}" for a, name in self._LEDGER_FIELDS.items()})
+        TrustLedger.check_arguments(
+            self._ledger_arguments(), names={a: f"hetero.trust.{name}" for a, name in self._LEDGER_FIELDS.items()}
+        )
         if not self.logprob_tolerance > 0:
             raise ValueError(f"hetero.trust.logprob_tolerance={self.logprob_tolerance!r} must be > 0")
         if self.enrolment_file and not self.sign_records:
-            raise ValueError("hetero.trust.enrolment_file is set but hetero.trust.sign_records=false: "
-                             "the learner would not check signatures")  # fmt: skip
+            raise ValueError(
+                "hetero.trust.enrolment_file is set but hetero.trust.sign_records=false: "
+                "the learner would not check signatures"
+            )
 
     def ledger(self, seed: int):
         """The run's :class:`~verl_ext.hetero.trust.TrustLedger`."""
@@ -204,76 +221,121 @@ class HeteroConfig:
     mode: str = option("async", honoured_by=EVERYWHERE)
     """replay: deterministic stale-buffer emulation in one process; async: real learner and
     sampler actors exchanging weights and rollouts through a transport."""
-    num_samplers: int = option(2, honoured_by=(ASYNC,), instead={
-        REPLAY: "replay mode has one in-process sampler",
-        VERL: "the sampler pool is actor_rollout_ref.rollout.nnodes x n_gpus_per_node (/ TP x DP x PP)",
-    })
+    num_samplers: int = option(
+        2,
+        honoured_by=(ASYNC,),
+        instead={
+            REPLAY: "replay mode has one in-process sampler",
+            VERL: "the sampler pool is actor_rollout_ref.rollout.nnodes x n_gpus_per_node (/ TP x DP x PP)",
+        },
+    )
     """Sampler actors (async mode)."""
     delay: DelayConfig = option(factory=DelayConfig, honoured_by=EVERYWHERE)
     """How stale weights reach samplers: steps in replay mode, seconds in async mode. One rule
     (``verl_ext.hetero.delay.DelaySchedule``) turns it into delays in every engine and mode."""
     max_delay: int = option(8, honoured_by=EVERYWHERE)
     """Staleness bound: the learner at version v trains only on groups from versions >= v - max_delay."""
-    stale_policy: str = option("drop", honoured_by=(ASYNC, VERL), instead={
-        REPLAY: "replay mode caps each drawn staleness at max_delay, which is what waiting for a group means "
-                "there: no replay group is ever stale, and drop and wait give the same run",
-    })
+    stale_policy: str = option(
+        "drop",
+        honoured_by=(ASYNC, VERL),
+        instead={
+            REPLAY: "replay mode caps each drawn staleness at max_delay, which is what waiting for a group means "
+            "there: no replay group is ever stale, and drop and wait give the same run",
+        },
+    )
     """Groups past the bound: drop (counted in hetero/dropped) or wait. async: under wait, samplers
     announce each group before generating it and the learner does not step past the version that
     would make an announced group stale until it arrives (or wait_timeout_s passes: then it fails
     naming the group); a dead sampler's announcements are withdrawn when it is restarted. verl:
     verl's ``trainer.v1.sampler.max_off_policy_strategy``. replay mode refuses wait: it caps the
     drawn staleness at max_delay, so no replay group is ever stale."""
-    wait_timeout_s: float = option(600.0, honoured_by=(ASYNC,), instead={
-        REPLAY: "replay mode generates each batch in-process and never waits",
-        VERL: "verl's wait strategy has no timeout",
-    })
+    wait_timeout_s: float = option(
+        600.0,
+        honoured_by=(ASYNC,),
+        instead={
+            REPLAY: "replay mode generates each batch in-process and never waits",
+            VERL: "verl's wait strategy has no timeout",
+        },
+    )
     """How long the learner waits for admissible rollouts (and, under stale_policy=wait, for
     announced groups at the edge of the bound) before failing with a clear error."""
-    order: str = option("oldest", honoured_by=(ASYNC,), instead={
-        REPLAY: "replay mode trains on exactly the groups it just generated",
-        VERL: "verl's replay buffer decides the order",
-    })
+    order: str = option(
+        "oldest",
+        honoured_by=(ASYNC,),
+        instead={
+            REPLAY: "replay mode trains on exactly the groups it just generated",
+            VERL: "verl's replay buffer decides the order",
+        },
+    )
     """Which admissible groups the learner takes first: oldest or newest."""
-    transport: str = option("ray", honoured_by=(ASYNC,), instead={
-        REPLAY: "replay mode hands rollouts and weights over in memory",
-        VERL: "the verl engine moves weights with its checkpoint engine and rollouts through TransferQueue inside "
-              "one Ray cluster; samplers in another cluster exchanging through an fsspec URL run with "
-              "hetero.engine=local (docs/scale-out.md)"})
+    transport: str = option(
+        "ray",
+        honoured_by=(ASYNC,),
+        instead={
+            REPLAY: "replay mode hands rollouts and weights over in memory",
+            VERL: "the verl engine moves weights with its checkpoint engine and rollouts through TransferQueue inside "
+            "one Ray cluster; samplers in another cluster exchanging through an fsspec URL run with "
+            "hetero.engine=local (docs/scale-out.md)",
+        },
+    )
     """ray: Ray's object store (one cluster); fs: an fsspec URL shared with samplers elsewhere."""
-    transport_url: str = option("", honoured_by=(ASYNC,), instead={
-        REPLAY: "replay mode hands rollouts and weights over in memory",
-        VERL: "weights and rollouts stay inside one Ray cluster",
-    })
+    transport_url: str = option(
+        "",
+        honoured_by=(ASYNC,),
+        instead={
+            REPLAY: "replay mode hands rollouts and weights over in memory",
+            VERL: "weights and rollouts stay inside one Ray cluster",
+        },
+    )
     """fs transport: folder or URL (file://, memory://, s3://, ...). Default: <output_dir>/exchange."""
-    sampler_speed_factors: list[float] = option(factory=list, honoured_by=(ASYNC,), instead={
-        REPLAY: "replay mode has one in-process sampler",
-        VERL: "the rollout replicas receive each version together",
-    })
+    sampler_speed_factors: list[float] = option(
+        factory=list,
+        honoured_by=(ASYNC,),
+        instead={
+            REPLAY: "replay mode has one in-process sampler",
+            VERL: "the rollout replicas receive each version together",
+        },
+    )
     """Per-sampler multipliers of generation time (heterogeneous compute); empty = all 1."""
-    delay_rollouts: bool = option(False, honoured_by=(ASYNC,), instead={
-        REPLAY: "replay mode draws one staleness per batch, rollouts included",
-        VERL: "only the weight path is delayed",
-    })
+    delay_rollouts: bool = option(
+        False,
+        honoured_by=(ASYNC,),
+        instead={
+            REPLAY: "replay mode draws one staleness per batch, rollouts included",
+            VERL: "only the weight path is delayed",
+        },
+    )
     """async: also delay rollouts on their way to the learner (by the same delay model)."""
-    sampler_skip_stale: bool = option(True, honoured_by=(ASYNC,), instead={
-        REPLAY: "replay mode caps the drawn staleness at max_delay",
-        VERL: "verl's replicas always generate",
-    })
+    sampler_skip_stale: bool = option(
+        True,
+        honoured_by=(ASYNC,),
+        instead={
+            REPLAY: "replay mode caps the drawn staleness at max_delay",
+            VERL: "verl's replicas always generate",
+        },
+    )
     """async: a sampler whose newest visible weights are already more than max_delay versions
     behind the newest published version waits for newer weights instead of generating groups the
     learner must drop. Version numbers are a few bytes and are not delayed; the weights are."""
-    max_queued_groups: int = option(0, honoured_by=(ASYNC,), instead={
-        REPLAY: "replay mode generates one batch per step",
-        VERL: "verl's replay buffer bounds itself (trainer.v1.sampler)",
-    })
+    max_queued_groups: int = option(
+        0,
+        honoured_by=(ASYNC,),
+        instead={
+            REPLAY: "replay mode generates one batch per step",
+            VERL: "verl's replay buffer bounds itself (trainer.v1.sampler)",
+        },
+    )
     """async back-pressure: when > 0, samplers pause while the learner's buffer holds at least this
     many groups (the learner publishes its queue depth after every step). 0 = off: samplers
     generate continuously, as the paper's do, and groups that go stale in the queue are dropped."""
-    max_buffered_per_sampler: Optional[int] = option(None, honoured_by=(ASYNC,), instead={
-        REPLAY: "replay mode's one in-process sampler makes one batch per step",
-        VERL: "verl's samplers publish no records to a learner's buffer",
-    })
+    max_buffered_per_sampler: Optional[int] = option(
+        None,
+        honoured_by=(ASYNC,),
+        instead={
+            REPLAY: "replay mode's one in-process sampler makes one batch per step",
+            VERL: "verl's samplers publish no records to a learner's buffer",
+        },
+    )
     """async: most groups of one sampler the learner's buffer holds. A group arriving from a sampler
     at it is dropped on arrival (hetero/dropped/over_quota) before the trust gate pays for any check
     of it, and without loss of trust (order=newest: a group newer than the sampler's oldest buffered
@@ -283,19 +345,30 @@ class HeteroConfig:
     the learner costs it (memory, checks) and keeps it from crowding out the others; honest samplers
     far faster than the learner meet it too, in place of their groups going stale in the buffer
     (max_queued_groups makes them pause instead)."""
-    keep_weight_versions: int = option(4, honoured_by=(ASYNC, VERL),
-        instead="replay mode keeps exactly the max_delay + 1 snapshots its capped staleness can reach")
+    keep_weight_versions: int = option(
+        4,
+        honoured_by=(ASYNC, VERL),
+        instead="replay mode keeps exactly the max_delay + 1 snapshots its capped staleness can reach",
+    )
     """async: weight versions the weight store keeps for samplers to fetch; verl engine: delayed versions
     held in the learners' CPU memory until their delay has passed."""
-    weights_bf16: bool = option(False, honoured_by=(ASYNC,), instead={
-        REPLAY: "replay mode hands weights over in memory (the sampler uses the learner's own dtype)",
-        VERL: "verl's checkpoint engine decides the wire dtype",
-    })
+    weights_bf16: bool = option(
+        False,
+        honoured_by=(ASYNC,),
+        instead={
+            REPLAY: "replay mode hands weights over in memory (the sampler uses the learner's own dtype)",
+            VERL: "verl's checkpoint engine decides the wire dtype",
+        },
+    )
     """Send weights as bf16 over the transport (halves the bytes; the learner keeps fp32)."""
-    weight_sync: str = option("full", honoured_by=(ASYNC,), instead={
-        REPLAY: "replay mode hands weights over in memory, no transport",
-        VERL: "verl's checkpoint engine sends every version whole",
-    })
+    weight_sync: str = option(
+        "full",
+        honoured_by=(ASYNC,),
+        instead={
+            REPLAY: "replay mode hands weights over in memory, no transport",
+            VERL: "verl's checkpoint engine sends every version whole",
+        },
+    )
     """async: full = every sampler fetches each version it loads whole; delta = the learner also
     publishes each version as an XOR delta from the one before (wire-dtype bits, zlib), and a
     sampler up to max_delta_chain versions behind applies the deltas instead, checked bit-exact
@@ -303,10 +376,14 @@ class HeteroConfig:
     heavier, or a delta missing, pruned or corrupt: the full version (docs/network.md). Metrics:
     perf/sampler_weight_{full,delta}_loads_total, perf/sampler_weight_bytes_fetched_total.
     replay mode and the verl engine move no weights over a transport: they refuse delta."""
-    max_delta_chain: int = option(8, honoured_by=(ASYNC,), instead={
-        REPLAY: "replay mode hands weights over in memory, no transport",
-        VERL: "verl's checkpoint engine sends every version whole",
-    })
+    max_delta_chain: int = option(
+        8,
+        honoured_by=(ASYNC,),
+        instead={
+            REPLAY: "replay mode hands weights over in memory, no transport",
+            VERL: "verl's checkpoint engine sends every version whole",
+        },
+    )
     """async, weight_sync=delta: the most deltas a sampler applies to catch up (>= 1); deltas
     are kept for the same keep_weight_versions as full versions, so at most that many apply."""
     max_nonfinite_steps: int = option(5, honoured_by=EMBEDDED, instead="verl does not skip non-finite steps")
@@ -332,43 +409,61 @@ class HeteroConfig:
     rounded to it when the sampler loads them. async: the trust gate re-scores q with a model in
     this precision too (on the CPU a bf16 re-scoring equals the bf16 sampler's q exactly; other
     kernels need ``hetero.trust.logprob_tolerance`` measured for them)."""
-    learner_cpus: list[int] = option(factory=list, honoured_by=EMBEDDED,
-        instead="verl places workers through Ray resources")
+    learner_cpus: list[int] = option(
+        factory=list, honoured_by=EMBEDDED, instead="verl places workers through Ray resources"
+    )
     """Core ids the learner process is pinned to (``os.sched_setaffinity``; torch threads = their
     number); empty = not pinned (the default). With ``sampler_cpus`` this makes one machine a
     learner node and a sampler node. replay mode: the one process trains on these cores."""
-    sampler_cpus: list[int] = option(factory=list, honoured_by=EMBEDDED,
-        instead="verl places workers through Ray resources")
+    sampler_cpus: list[int] = option(
+        factory=list, honoured_by=EMBEDDED, instead="verl places workers through Ray resources"
+    )
     """Core ids every sampler process is pinned to (all samplers share them); empty = not
     pinned. replay mode: the one process moves to these cores while it generates a batch, so
     the synchronous learner waits while "the sampler node" generates, as it would across machines."""
-    system_cpus: list[int] = option(factory=list, honoured_by=(ASYNC,), instead={
-        REPLAY: "replay mode is one process, on hetero.learner_cpus while it trains and hetero.sampler_cpus while it generates",
-        VERL: "verl places workers through Ray resources",
-    })
+    system_cpus: list[int] = option(
+        factory=list,
+        honoured_by=(ASYNC,),
+        instead={
+            REPLAY: "replay mode is one process, on hetero.learner_cpus while it trains and hetero.sampler_cpus while it generates",
+            VERL: "verl places workers through Ray resources",
+        },
+    )
     """async: core ids for the driver process and the Ray processes it starts (GCS, raylet, the Ray
     transport's mailbox): everything that is neither the learner nor a sampler. Empty = the cores
     not in ``learner_cpus`` when that is set (nothing else shares the learner node's cores; Ray's
     own processes took 15-40% of a pinned learner core otherwise, docs/benchmarks.md), else not
     pinned. With ``ray_address`` only the driver is pinned (the cluster's processes are not this
     run's). replay mode: refused (one process)."""
-    ray_address: str = option("", honoured_by=(ASYNC,), instead={
-        REPLAY: "replay mode is one process, no Ray",
-        VERL: "set ray_kwargs.ray_init.address",
-    })
+    ray_address: str = option(
+        "",
+        honoured_by=(ASYNC,),
+        instead={
+            REPLAY: "replay mode is one process, no Ray",
+            VERL: "set ray_kwargs.ray_init.address",
+        },
+    )
     """async: "" = start a local Ray instance (``ray.init(num_cpus=...)``); else the address of a
     running Ray cluster to join (``ray.init(address=...)``, e.g. the two-node cluster of
     scripts/wan/cluster.py; "auto" = the cluster ``ray start`` recorded on this machine)."""
-    learner_ray_resources: Optional[dict[str, float]] = option(factory=dict, honoured_by=(ASYNC,), instead={
-        REPLAY: "replay mode is one process, no Ray",
-        VERL: "verl's resource pools place the workers",
-    })
+    learner_ray_resources: Optional[dict[str, float]] = option(
+        factory=dict,
+        honoured_by=(ASYNC,),
+        instead={
+            REPLAY: "replay mode is one process, no Ray",
+            VERL: "verl's resource pools place the workers",
+        },
+    )
     """async: Ray custom resources the learner actor (and the Ray transport's mailbox) requests,
     which places it on the node that has them, e.g. {learner_node: 0.01}; empty/null = anywhere."""
-    sampler_ray_resources: Optional[dict[str, float]] = option(factory=dict, honoured_by=(ASYNC,), instead={
-        REPLAY: "replay mode is one process, no Ray",
-        VERL: "verl's resource pools place the workers",
-    })
+    sampler_ray_resources: Optional[dict[str, float]] = option(
+        factory=dict,
+        honoured_by=(ASYNC,),
+        instead={
+            REPLAY: "replay mode is one process, no Ray",
+            VERL: "verl's resource pools place the workers",
+        },
+    )
     """async: Ray custom resources every sampler actor (restarts too) requests, e.g.
     {sampler_node: 0.01}; empty/null = anywhere."""
     trust: TrustConfig = option(factory=TrustConfig, honoured_by=(ASYNC,), instead=_NO_PUBLISHING_SAMPLERS)
@@ -413,8 +508,10 @@ class HeteroConfig:
             if getattr(self, name) not in PRECISIONS:
                 raise ValueError(f"hetero.{name}={getattr(self, name)!r}; expected one of {PRECISIONS}")
         if self.transport_url and self.transport != "fs":
-            raise ValueError(f"hetero.transport_url={self.transport_url!r} is read by hetero.transport=fs only "
-                             f"(hetero.transport={self.transport}): set hetero.transport=fs or leave the URL empty")  # fmt: skip
+            raise ValueError(
+                f"hetero.transport_url={self.transport_url!r} is read by hetero.transport=fs only "
+                f"(hetero.transport={self.transport}): set hetero.transport=fs or leave the URL empty"
+            )
         if self.num_samplers < 1:
             raise ValueError(f"hetero.num_samplers={self.num_samplers} must be >= 1")
         if self.max_delay < 0:
@@ -426,11 +523,17 @@ class HeteroConfig:
         if self.max_queued_groups < 0:
             raise ValueError(f"hetero.max_queued_groups={self.max_queued_groups} must be >= 0 (0 = off)")
         if self.max_buffered_per_sampler is not None and not self.max_buffered_per_sampler >= 1:
-            raise ValueError(f"hetero.max_buffered_per_sampler={self.max_buffered_per_sampler!r} must be >= 1 or null "
-                             "(null = (hetero.max_delay + 1) x data.train_batch_size)")  # fmt: skip
+            raise ValueError(
+                f"hetero.max_buffered_per_sampler={self.max_buffered_per_sampler!r} must be >= 1 or null "
+                "(null = (hetero.max_delay + 1) x data.train_batch_size)"
+            )
         if self.keep_weight_versions < 1:
             raise ValueError(f"hetero.keep_weight_versions={self.keep_weight_versions} must be >= 1")
-        if isinstance(self.max_delta_chain, bool) or not isinstance(self.max_delta_chain, int) or self.max_delta_chain < 1:
+        if (
+            isinstance(self.max_delta_chain, bool)
+            or not isinstance(self.max_delta_chain, int)
+            or self.max_delta_chain < 1
+        ):
             raise ValueError(f"hetero.max_delta_chain={self.max_delta_chain!r} must be an int >= 1")
         if self.sampler_speed_factors:
             if len(self.sampler_speed_factors) != self.num_samplers:
@@ -453,13 +556,17 @@ class HeteroConfig:
                 raise ValueError(f"hetero.{key}={resources!r} must be a mapping of resource name to amount")
             for name, amount in resources.items():
                 if name in ("CPU", "GPU", "memory", "object_store_memory"):
-                    raise ValueError(f"hetero.{key}: {name!r} is a built-in Ray resource; name a custom one "
-                                     f"(e.g. learner_node) given to the node by `ray start --resources`")
+                    raise ValueError(
+                        f"hetero.{key}: {name!r} is a built-in Ray resource; name a custom one "
+                        f"(e.g. learner_node) given to the node by `ray start --resources`"
+                    )
                 if isinstance(amount, bool) or not isinstance(amount, (int, float)) or not amount > 0:
                     raise ValueError(f"hetero.{key}.{name}={amount!r} must be a number > 0")
         if (self.learner_ray_resources or self.sampler_ray_resources) and not self.ray_address:
-            raise ValueError("hetero.learner_ray_resources / hetero.sampler_ray_resources place actors on the "
-                             "nodes of a Ray cluster: set hetero.ray_address to join one")
+            raise ValueError(
+                "hetero.learner_ray_resources / hetero.sampler_ray_resources place actors on the "
+                "nodes of a Ray cluster: set hetero.ray_address to join one"
+            )
         self.delay.check_fields()
         try:
             self.delay.build()
@@ -516,7 +623,9 @@ class TaskConfig:
     """Fresh learner samples per prompt for the E[A] diagnostic."""
     eval_size: int = option(256, honoured_by=EVERYWHERE)
     """Held-out prompts per evaluation (toy: fresh problems never trained on; math: first N)."""
-    eval_temperature: float = option(1.0, honoured_by=EMBEDDED, instead="set actor_rollout_ref.rollout.val_kwargs.temperature")
+    eval_temperature: float = option(
+        1.0, honoured_by=EMBEDDED, instead="set actor_rollout_ref.rollout.val_kwargs.temperature"
+    )
     """Sampling temperature of evaluation (one sample per prompt)."""
     warm_start_steps: int | None = option(None, honoured_by=EVERYWHERE)
     """toy_addition: the supervised warm start's steps: exactly this many from seed ``hetero.seed``
@@ -557,13 +666,31 @@ class TaskConfig:
 
     # task.name -> the fields only that task reads; set away from their defaults under the other
     # task they would be ignored, so they are refused
-    _ONLY_FOR = {"toy_addition": ("digits", "answer_format", "warm_start_steps"),
-                 "math": ("model", "dataset", "dataset_options", "dataset_path", "eval_dataset",
-                          "eval_dataset_options", "template")}  # fmt: skip
+    _ONLY_FOR = {
+        "toy_addition": ("digits", "answer_format", "warm_start_steps"),
+        "math": (
+            "model",
+            "dataset",
+            "dataset_options",
+            "dataset_path",
+            "eval_dataset",
+            "eval_dataset_options",
+            "template",
+        ),
+    }
     # the fields that shape the data files a run writes from this section (the verl engine: only
     # when data.train_files / val_files are not given)
-    DATA_FIELDS = ("digits", "answer_format", "eval_size", "dataset", "dataset_options", "dataset_path",
-                   "eval_dataset", "eval_dataset_options", "template")  # fmt: skip
+    DATA_FIELDS = (
+        "digits",
+        "answer_format",
+        "eval_size",
+        "dataset",
+        "dataset_options",
+        "dataset_path",
+        "eval_dataset",
+        "eval_dataset_options",
+        "template",
+    )
 
     def __post_init__(self):
         if self.name not in TASKS:
@@ -573,8 +700,10 @@ class TaskConfig:
         for other in TASKS:
             if other != self.name:
                 for key, value, default in changed_fields(self, self._ONLY_FOR[other]):
-                    raise ValueError(f"task.{key}={value!r} applies to task.name={other} only (task.name={self.name}); "
-                                     f"leave it at its default {default!r}")  # fmt: skip
+                    raise ValueError(
+                        f"task.{key}={value!r} applies to task.name={other} only (task.name={self.name}); "
+                        f"leave it at its default {default!r}"
+                    )
         if self.diagnostics_every < 0 or self.diagnostics_samples < 1:
             raise ValueError(
                 f"task.diagnostics_every={self.diagnostics_every} must be >= 0 and "
@@ -585,13 +714,17 @@ class TaskConfig:
         from verl_ext.data.smollm2 import MODEL_NAME
 
         if self.model not in ("", MODEL_NAME):
-            raise ValueError(f"task.model={self.model!r}; expected '' (use actor_rollout_ref.model.path) or {MODEL_NAME!r}")
+            raise ValueError(
+                f"task.model={self.model!r}; expected '' (use actor_rollout_ref.model.path) or {MODEL_NAME!r}"
+            )
         for key in ("dataset_options", "eval_dataset_options"):
             if not isinstance(getattr(self, key), dict):
                 raise ValueError(f"task.{key}={getattr(self, key)!r} must be a mapping of load_benchmark options")
         steps = self.warm_start_steps
         if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
-            raise ValueError(f"task.warm_start_steps={steps!r} must be null (the answer format's default) or an int >= 1")
+            raise ValueError(
+                f"task.warm_start_steps={steps!r} must be null (the answer format's default) or an int >= 1"
+            )
 
     @classmethod
     def from_omegaconf(cls, node: DictConfig | dict) -> "TaskConfig":
@@ -615,18 +748,24 @@ class TaskConfig:
 
 OLD_LOG_PROB_SOURCES = ("sampler", "recompute")
 
+
 @dataclass
 class VerlEngineConfig:
     """Settings of the verl engine (``hetero.engine=verl``)."""
 
-    old_log_prob: str = option("sampler", honoured_by=(VERL,), instead="the embedded engine always uses the sampler's q")
+    old_log_prob: str = option(
+        "sampler", honoured_by=(VERL,), instead="the embedded engine always uses the sampler's q"
+    )
     """What the loss uses as q (``old_log_prob``). sampler: the vLLM sampler's own token
     log-probs (``rollout_log_probs``), as the embedded engine and the GEPO paper do -- q is the
     stale policy that generated the tokens. recompute: verl's decoupled mode, the learner
     recomputes them before the update (then GEPO's q is the learner's, not the sampler's)."""
 
-    node_resources: bool = option(False, honoured_by=(VERL,), instead=(
-        "the embedded engine places its actors with hetero.learner_ray_resources / sampler_ray_resources"))
+    node_resources: bool = option(
+        False,
+        honoured_by=(VERL,),
+        instead=("the embedded engine places its actors with hetero.learner_ray_resources / sampler_ray_resources"),
+    )
     """Pin each role to its nodes: the learner's ranks go only to Ray nodes offering the custom
     resource ``heterorl_learner_node``, the sampler replicas only to nodes offering
     ``heterorl_sampler_node`` (``scripts/slurm/verl_star.sbatch`` starts its first
@@ -645,9 +784,7 @@ class VerlEngineConfig:
     def validate(self) -> None:
         """Raise ValueError naming the first bad field."""
         if self.old_log_prob not in OLD_LOG_PROB_SOURCES:
-            raise ValueError(
-                f"verl_engine.old_log_prob={self.old_log_prob!r}; expected one of {OLD_LOG_PROB_SOURCES}"
-            )
+            raise ValueError(f"verl_engine.old_log_prob={self.old_log_prob!r}; expected one of {OLD_LOG_PROB_SOURCES}")
 
     @classmethod
     def from_config(cls, cfg: DictConfig) -> "VerlEngineConfig":
@@ -656,7 +793,9 @@ class VerlEngineConfig:
         node = cfg.get("verl_engine", None) if isinstance(cfg, DictConfig) else cfg.get("verl_engine")
         if node is None:
             return cls()
-        data: dict[str, Any] = OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else dict(node)
+        data: dict[str, Any] = (
+            OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else dict(node)
+        )
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:

@@ -44,8 +44,13 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[2]
 from verl_ext.rundir import read_metric_rows
 
-COMMON = ["algorithm_preset=gepo", "trainer.resume_mode=disable", "trainer.test_freq=0", "trainer.save_freq=0",
-          "task.eval_size=64"]  # fmt: skip
+COMMON = [
+    "algorithm_preset=gepo",
+    "trainer.resume_mode=disable",
+    "trainer.test_freq=0",
+    "trainer.save_freq=0",
+    "task.eval_size=64",
+]
 SYNC = ["hetero.mode=replay", "hetero.delay.dist=none", "hetero.max_delay=0"]
 TRUST_OFF = ["hetero.trust.sign_records=false", "hetero.trust.verify_fraction=0", "hetero.trust.check_rewards=false"]
 
@@ -53,9 +58,17 @@ TRUST_OFF = ["hetero.trust.sign_records=false", "hetero.trust.verify_fraction=0"
 def async_overrides(delay_s: float, samplers: int) -> list[str]:
     # versions a sampler can be behind: d seconds of learner steps (~0.1-0.3 s each here) + a margin
     bound = 16 + int(delay_s * 12)
-    delay = ["hetero.delay.dist=none"] if delay_s == 0 else ["hetero.delay.dist=constant", f"hetero.delay.value={delay_s}"]
-    return ["hetero.mode=async", f"hetero.num_samplers={samplers}", *delay, f"hetero.max_delay={bound}",
-            f"hetero.keep_weight_versions={bound + 2}", "hetero.max_queued_groups=16"]  # fmt: skip
+    delay = (
+        ["hetero.delay.dist=none"] if delay_s == 0 else ["hetero.delay.dist=constant", f"hetero.delay.value={delay_s}"]
+    )
+    return [
+        "hetero.mode=async",
+        f"hetero.num_samplers={samplers}",
+        *delay,
+        f"hetero.max_delay={bound}",
+        f"hetero.keep_weight_versions={bound + 2}",
+        "hetero.max_queued_groups=16",
+    ]
 
 
 def loadavg() -> str:
@@ -71,8 +84,14 @@ def emit(lines: list[str], out: Path | None) -> None:
 
 
 def run(overrides: list[str], run_dir: Path, warmup: int) -> dict:
-    cmd = [sys.executable, "-m", "recipe.gepo.main_gepo", *overrides, f"trainer.default_local_dir={run_dir}",
-           f"hydra.run.dir={run_dir}/hydra"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "recipe.gepo.main_gepo",
+        *overrides,
+        f"trainer.default_local_dir={run_dir}",
+        f"hydra.run.dir={run_dir}/hydra",
+    ]
     load_before = loadavg()
     start = time.perf_counter()
     proc = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=REPO)
@@ -109,34 +128,54 @@ def main() -> None:
     parser.add_argument("--learner-cpus", default="0")
     parser.add_argument("--sampler-cpus", default="1")
     parser.add_argument("--no-pin", action="store_true")
-    parser.add_argument("--weights-bf16", action="store_true",
-                        help="async runs: hetero.weights_bf16=true (half the bytes to publish and load; the "
-                             "synchronous run hands weights over in memory)")
-    parser.add_argument("--system-cpus", default=None,
-                        help="async runs: hetero.system_cpus (cores of the driver and Ray's processes, e.g. 0,1); "
-                             "default: the engine's (the cores not in --learner-cpus)")
-    parser.add_argument("--trust-off", action="store_true",
-                        help="async runs: hetero.trust off (no signatures, no checks), as measured before signed records and checks")
+    parser.add_argument(
+        "--weights-bf16",
+        action="store_true",
+        help="async runs: hetero.weights_bf16=true (half the bytes to publish and load; the "
+        "synchronous run hands weights over in memory)",
+    )
+    parser.add_argument(
+        "--system-cpus",
+        default=None,
+        help="async runs: hetero.system_cpus (cores of the driver and Ray's processes, e.g. 0,1); "
+        "default: the engine's (the cores not in --learner-cpus)",
+    )
+    parser.add_argument(
+        "--trust-off",
+        action="store_true",
+        help="async runs: hetero.trust off (no signatures, no checks), as measured before signed records and checks",
+    )
     parser.add_argument("--out", type=Path, default=None)
     args, extra = parser.parse_known_args()
-    pin = [] if args.no_pin else [f"hetero.learner_cpus=[{args.learner_cpus}]", f"hetero.sampler_cpus=[{args.sampler_cpus}]"]
+    pin = (
+        []
+        if args.no_pin
+        else [f"hetero.learner_cpus=[{args.learner_cpus}]", f"hetero.sampler_cpus=[{args.sampler_cpus}]"]
+    )
     base = COMMON + pin + [f"trainer.total_training_steps={args.steps}"]
     with tempfile.TemporaryDirectory() as tmp:
         sync = run(base + SYNC + extra, Path(tmp) / "sync", args.warmup)
         system = [] if args.system_cpus is None else [f"hetero.system_cpus=[{args.system_cpus}]"]
         system += ["hetero.weights_bf16=true"] if args.weights_bf16 else []
         system += TRUST_OFF if args.trust_off else []
-        runs = {d: run(base + async_overrides(d, args.samplers) + system + extra, Path(tmp) / f"async{d:g}", args.warmup)
-                for d in args.delays}  # fmt: skip
+        runs = {
+            d: run(base + async_overrides(d, args.samplers) + system + extra, Path(tmp) / f"async{d:g}", args.warmup)
+            for d in args.delays
+        }
     pure_sampling, pure_training = sync["wait_s"], sync["train_s"]
     bound = max(pure_sampling, pure_training)
     n = sync["steps"]
     lines = [
         f"{args.steps} learner steps (the first {args.warmup} reported apart), toy addition (3 digits), GEPO, "
         f"8 prompts x G=8 per step; {platform.machine()}; "
-        + ("no pinning" if args.no_pin else f"learner on cores [{args.learner_cpus}], samplers on [{args.sampler_cpus}]")
+        + (
+            "no pinning"
+            if args.no_pin
+            else f"learner on cores [{args.learner_cpus}], samplers on [{args.sampler_cpus}]"
+        )
         + ("" if args.no_pin else f", driver and Ray's processes on [{args.system_cpus or 'the rest'}]")
-        + f"; async: {args.samplers} sampler(s)" + (", bf16 weights" if args.weights_bf16 else "")
+        + f"; async: {args.samplers} sampler(s)"
+        + (", bf16 weights" if args.weights_bf16 else "")
         + (", hetero.trust off" if args.trust_off else ", hetero.trust at its defaults"),
         "",
         f"synchronous run: generation (pure sampling) {pure_sampling:.2f} s, learner.train_step (pure training) "
@@ -157,13 +196,21 @@ def main() -> None:
             f"| {r['load']} |"
         )
         if r["consumed"] != sync["consumed"]:
-            lines.append(f"| (consumed {r['consumed']:.0f} groups, synchronous {sync['consumed']:.0f}: not the same work) |")
-    lines += ["", "Where the async learner's wall time went (s, steps after the warm-up):", "",
-              "| weight delay s/version | wall | train_step | publish | idle (waiting for groups) | between steps (driver) |",
-              "|---:|---:|---:|---:|---:|---:|"]
+            lines.append(
+                f"| (consumed {r['consumed']:.0f} groups, synchronous {sync['consumed']:.0f}: not the same work) |"
+            )
+    lines += [
+        "",
+        "Where the async learner's wall time went (s, steps after the warm-up):",
+        "",
+        "| weight delay s/version | wall | train_step | publish | idle (waiting for groups) | between steps (driver) |",
+        "|---:|---:|---:|---:|---:|---:|",
+    ]
     for d, r in runs.items():
-        lines.append(f"| {d:g} | {r['wall_s']:.2f} | {r['train_s']:.2f} | {r['publish_s']:.2f} | {r['wait_s']:.2f} "
-                     f"| {r['wall_s'] - r['step_s']:.2f} |")
+        lines.append(
+            f"| {d:g} | {r['wall_s']:.2f} | {r['train_s']:.2f} | {r['publish_s']:.2f} | {r['wait_s']:.2f} "
+            f"| {r['wall_s'] - r['step_s']:.2f} |"
+        )
     emit(lines, args.out)
 
 

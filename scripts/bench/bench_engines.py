@@ -37,20 +37,37 @@ REPO = Path(__file__).resolve().parents[2]
 from verl_ext.rundir import read_metric_rows
 
 COMMON = [
-    "--config-dir", "configs", "algorithm_preset=gepo", "hetero.delay.dist=none",
-    "trainer.resume_mode=disable", f"task.cache_dir={REPO / '.cache' / 'heterorl'}",
-]  # fmt: skip
-EMBEDDED_AS_CPU_TOY = ["data.train_batch_size=4", "actor_rollout_ref.rollout.n=4", "data.max_response_length=8",
-                       "trainer.logger=[console]", "trainer.save_freq=-1", "trainer.test_freq=0"]  # fmt: skip
+    "--config-dir",
+    "configs",
+    "algorithm_preset=gepo",
+    "hetero.delay.dist=none",
+    "trainer.resume_mode=disable",
+    f"task.cache_dir={REPO / '.cache' / 'heterorl'}",
+]
+EMBEDDED_AS_CPU_TOY = [
+    "data.train_batch_size=4",
+    "actor_rollout_ref.rollout.n=4",
+    "data.max_response_length=8",
+    "trainer.logger=[console]",
+    "trainer.save_freq=-1",
+    "trainer.test_freq=0",
+]
 ROWS = {
-    "embedded, async, 1 sampler": ["hetero.engine=local", "hetero.mode=async", "hetero.num_samplers=1",
-                                   *EMBEDDED_AS_CPU_TOY],
+    "embedded, async, 1 sampler": [
+        "hetero.engine=local",
+        "hetero.mode=async",
+        "hetero.num_samplers=1",
+        *EMBEDDED_AS_CPU_TOY,
+    ],
     "verl, dp=1": ["+verl_preset=cpu_toy", "hetero.engine=verl", "trainer.n_gpus_per_node=1"],
     "verl, dp=2": ["+verl_preset=cpu_toy", "hetero.engine=verl", "trainer.n_gpus_per_node=2"],
     "verl, Megatron TP=2": ["+verl_preset=cpu_toy_megatron", "hetero.engine=verl"],
-    "verl, Megatron PP=2": ["+verl_preset=cpu_toy_megatron", "hetero.engine=verl",
-                            "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=1",
-                            "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2"],
+    "verl, Megatron PP=2": [
+        "+verl_preset=cpu_toy_megatron",
+        "hetero.engine=verl",
+        "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=1",
+        "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2",
+    ],
 }
 # the per-step wall time each engine logs
 STEP_KEYS = ("timing_s/step", "perf/step_s")
@@ -68,8 +85,15 @@ def step_times(run_dir: Path) -> list[float]:
 
 def measure(name: str, steps: int, workdir: Path) -> dict:
     run_dir = workdir / name.replace(" ", "_").replace(",", "").replace("=", "")
-    cmd = [sys.executable, "-m", "recipe.gepo.main_gepo", *COMMON, *ROWS[name],
-           f"trainer.total_training_steps={steps}", f"trainer.default_local_dir={run_dir}"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "recipe.gepo.main_gepo",
+        *COMMON,
+        *ROWS[name],
+        f"trainer.total_training_steps={steps}",
+        f"trainer.default_local_dir={run_dir}",
+    ]
     load_before = os.getloadavg()[0]
     start = time.perf_counter()
     proc = subprocess.run(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)

@@ -73,9 +73,13 @@ def time_once(fn, config, old, new, adv, mask) -> float:
     log_prob = new.clone().requires_grad_(True)
     start = time.perf_counter()
     loss, _ = fn(
-        old_log_prob=old, log_prob=log_prob, advantages=adv, response_mask=mask,
-        loss_agg_mode=config.loss_agg_mode, config=config,
-    )  # fmt: skip
+        old_log_prob=old,
+        log_prob=log_prob,
+        advantages=adv,
+        response_mask=mask,
+        loss_agg_mode=config.loss_agg_mode,
+        config=config,
+    )
     loss.backward()
     return time.perf_counter() - start
 
@@ -91,11 +95,15 @@ def main(argv: list[str] | None = None) -> str:
     if args.repeats < 1:
         parser.error(f"--repeats {args.repeats}: must be >= 1 (a median of timed calls)")
     if args.group_size < 1 or args.batch % args.group_size:
-        parser.error(f"--batch {args.batch} --group-size {args.group_size}: the group losses need whole prompt "
-                     "groups, so the batch must be a positive multiple of the group size")  # fmt: skip
+        parser.error(
+            f"--batch {args.batch} --group-size {args.group_size}: the group losses need whole prompt "
+            "groups, so the batch must be a positive multiple of the group size"
+        )
 
     old, new, adv, mask = make_batch(args.batch, args.length)
-    entries = [(label, get_policy_loss_fn(mode), actor_config(preset, mode, args.group_size)) for label, preset, mode in LOSSES]
+    entries = [
+        (label, get_policy_loss_fn(mode), actor_config(preset, mode, args.group_size)) for label, preset, mode in LOSSES
+    ]
     times: dict[str, list[float]] = {label: [] for label, _, _ in entries}
     for round_ in range(args.repeats + 2):
         for label, fn, cfg in entries:

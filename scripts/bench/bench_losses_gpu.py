@@ -99,7 +99,12 @@ def make_batch(batch: int, length: int, device: torch.device, seed: int = 0):
     log_p = log_q + 0.05 * torch.randn(batch, length, generator=gen)
     lengths = torch.randint(length // 4, length + 1, (batch,), generator=gen)
     mask = (torch.arange(length).unsqueeze(0) < lengths.unsqueeze(1)).float()
-    adv = torch.randn(batch // GROUP_SIZE, 1, generator=gen).repeat_interleave(GROUP_SIZE, 0).expand(-1, length).contiguous()
+    adv = (
+        torch.randn(batch // GROUP_SIZE, 1, generator=gen)
+        .repeat_interleave(GROUP_SIZE, 0)
+        .expand(-1, length)
+        .contiguous()
+    )
     groups = torch.arange(batch) // GROUP_SIZE
     return [t.to(device) for t in (log_p, log_q, adv, mask, groups)]
 
@@ -111,14 +116,24 @@ def loss_forward(label: str, eager: bool) -> Callable[..., torch.Tensor]:
 
     def forward(log_p, log_q, adv, mask, group_index):
         if mode == "vanilla":
-            loss_mat = losses.token_clipped_loss_terms(log_p, log_q, adv, mask, clip_low=CLIP_LOW, clip_high=CLIP_HIGH).loss_mat
+            loss_mat = losses.token_clipped_loss_terms(
+                log_p, log_q, adv, mask, clip_low=CLIP_LOW, clip_high=CLIP_HIGH
+            ).loss_mat
         elif eager:
             loss_mat = compiled_losses.COMPILABLE_LOSS_TERMS[mode](
                 log_p, log_q, adv, mask, clip_low=CLIP_LOW, clip_high=CLIP_HIGH, group_index=group_index, **options
             ).loss_mat
         else:
             loss_mat = compiled_losses.traceable_loss_terms(
-                mode, log_p, log_q, adv, mask, clip_low=CLIP_LOW, clip_high=CLIP_HIGH, group_index=group_index, **options
+                mode,
+                log_p,
+                log_q,
+                adv,
+                mask,
+                clip_low=CLIP_LOW,
+                clip_high=CLIP_HIGH,
+                group_index=group_index,
+                **options,
             )[0]
         return (loss_mat * mask).sum() / mask.sum()
 
@@ -171,13 +186,21 @@ def _shapes(text: str) -> list[tuple[int, int]]:
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--shapes", type=_shapes, default=None, help="BxT,... (default 256x4096,1024x8192; --quick 32x128)")
+    parser.add_argument(
+        "--shapes", type=_shapes, default=None, help="BxT,... (default 256x4096,1024x8192; --quick 32x128)"
+    )
     parser.add_argument("--repeats", type=int, default=None, help="timed calls a loss and mode (default 20; --quick 3)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed calls first (the first compiles)")
     parser.add_argument("--losses", default=",".join(LOSSES), help=f"comma-separated, of {', '.join(LOSSES)}")
-    parser.add_argument("--backend", default=None, help="torch.compile backend (default inductor on CUDA, aot_eager on CPU)")
-    parser.add_argument("--mode", default=None, help="torch.compile mode, e.g. max-autotune-no-cudagraphs (default: none)")
-    parser.add_argument("--bandwidth-tbs", type=float, default=None, help="memory bandwidth for the floor (default: by device name)")
+    parser.add_argument(
+        "--backend", default=None, help="torch.compile backend (default inductor on CUDA, aot_eager on CPU)"
+    )
+    parser.add_argument(
+        "--mode", default=None, help="torch.compile mode, e.g. max-autotune-no-cudagraphs (default: none)"
+    )
+    parser.add_argument(
+        "--bandwidth-tbs", type=float, default=None, help="memory bandwidth for the floor (default: by device name)"
+    )
     parser.add_argument("--json", type=Path, default=None, help="write the rows here too")
     parser.add_argument("--quick", action="store_true", help="small shapes, few repeats (CPU tests)")
     args = parser.parse_args(argv)
@@ -185,7 +208,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     labels = [x for x in args.losses.split(",") if x]
     unknown = [x for x in labels if x not in LOSSES]
     if unknown or "vanilla" not in labels:
-        parser.error(f"--losses {args.losses}: unknown {unknown}" if unknown else "--losses must include vanilla (the baseline)")
+        parser.error(
+            f"--losses {args.losses}: unknown {unknown}" if unknown else "--losses must include vanilla (the baseline)"
+        )
     repeats = args.repeats if args.repeats is not None else (3 if args.quick else 20)
     if repeats < 1 or args.warmup < 1:
         parser.error("--repeats and --warmup must be >= 1")
@@ -230,7 +255,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
         median = {key: statistics.median(ts) for key, ts in times.items()}
         floor_ms = BYTES_PER_TOKEN * batch * length / (tbs * 1e12) * 1e3 if tbs else None
         for label in labels:
-            row: dict = {"device": device_name, "backend": backend, "B": batch, "T": length, "loss": label, "repeats": repeats}
+            row: dict = {
+                "device": device_name,
+                "backend": backend,
+                "B": batch,
+                "T": length,
+                "loss": label,
+                "repeats": repeats,
+            }
             for mode in ("eager", "compiled"):
                 ms = median.get((label, mode))
                 base = median.get(("vanilla", mode))

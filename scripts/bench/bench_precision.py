@@ -27,12 +27,21 @@ REPO = Path(__file__).resolve().parents[2]
 
 MODELS = {
     "toy": [],
-    "smollm2": ["task.name=math", "task.model=smollm2-135m-instruct", "task.dataset=gsm8k", "task.template=plain",
-                "+task.dataset_options.split=train", "+task.dataset_options.max_steps=2",
-                "+task.dataset_options.max_answer=100", "+task.dataset_options.max_question_chars=200",
-                "task.eval_dataset=gsm8k", "task.eval_size=4", "actor_rollout_ref.rollout.n=4",
-                "data.max_response_length=32"],
-}  # fmt: skip
+    "smollm2": [
+        "task.name=math",
+        "task.model=smollm2-135m-instruct",
+        "task.dataset=gsm8k",
+        "task.template=plain",
+        "+task.dataset_options.split=train",
+        "+task.dataset_options.max_steps=2",
+        "+task.dataset_options.max_answer=100",
+        "+task.dataset_options.max_question_chars=200",
+        "task.eval_dataset=gsm8k",
+        "task.eval_size=4",
+        "actor_rollout_ref.rollout.n=4",
+        "data.max_response_length=32",
+    ],
+}
 BIASES = (0.01, 0.03, 0.06, 0.1)
 
 
@@ -70,7 +79,9 @@ def main() -> None:
 
     torch.set_num_threads(1)
     with initialize_config_dir(config_dir=str(REPO / "recipe/gepo/config"), version_base=None):
-        cfg = compose(config_name="gepo_trainer", overrides=["hetero.mode=async", "trainer.logger=[]", *MODELS[args.model]])
+        cfg = compose(
+            config_name="gepo_trainer", overrides=["hetero.mode=async", "trainer.logger=[]", *MODELS[args.model]]
+        )
     engine = EngineConfig.from_omegaconf(cfg)
     task = Task(engine.task, 0)
     path = resolve_model_path(engine.settings.model_path, engine.task, 0)
@@ -94,8 +105,18 @@ def main() -> None:
     for b in range(args.batches):
         items = task.train_items(args.prompts, stream=5, index=b)
         for label, sampler in (("fp32", fp32), ("bf16", bf16)):
-            groups = generate_groups(sampler, tokenizer, items, task.score, settings, engine.algorithm,
-                                     policy_version=0, sampler_id=label, seed=b, uid_prefix=f"{label}-{b}")  # fmt: skip
+            groups = generate_groups(
+                sampler,
+                tokenizer,
+                items,
+                task.score,
+                settings,
+                engine.algorithm,
+                policy_version=0,
+                sampler_id=label,
+                seed=b,
+                uid_prefix=f"{label}-{b}",
+            )
             for g in groups:
                 add(f"honest {label}, learner fp32 weights", g, g.sampler_logprobs, fp32)
                 if label == "bf16":
@@ -109,21 +130,26 @@ def main() -> None:
                     add("liar bf16: q + N(0, 0.1^2) a token", g, g.sampler_logprobs + noise.astype(np.float32), rounded)
         print(f"[bench_precision] batch {b + 1}/{args.batches}", flush=True)
 
-    lines = [f"{args.model}: {args.batches} x {args.prompts} groups of G={s.group_size}, {tokens} bf16 response tokens, "
-             f"temperature 1.0, learner re-scoring in fp32, one torch thread", "",
-             "| sampler | learner | max a token | median of group max | largest group mean | median group mean "
-             "| largest group KL | largest / median group \\|mean signed Δ\\| | refused per group (as bf16) "
-             "| checked groups to failure (as bf16) | refused per group (as fp32) | to failure (as fp32) |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+    lines = [
+        f"{args.model}: {args.batches} x {args.prompts} groups of G={s.group_size}, {tokens} bf16 response tokens, "
+        f"temperature 1.0, learner re-scoring in fp32, one torch thread",
+        "",
+        "| sampler | learner | max a token | median of group max | largest group mean | median group mean "
+        "| largest group KL | largest / median group \\|mean signed Δ\\| | refused per group (as bf16) "
+        "| checked groups to failure (as bf16) | refused per group (as fp32) | to failure (as fp32) |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for name, stats in rows.items():
         sampler, learner = name.split(", learner ") if ", learner " in name else (name, "bf16-rounded weights")
         r16, n16 = detection(stats, "bf16")
         r32, n32 = detection(stats, "fp32")
-        lines.append(f"| {sampler} | {learner} | {max(m.token_max for m in stats):.2g} "
-                     f"| {np.median([m.token_max for m in stats]):.2g} | {max(m.mean_abs for m in stats):.2g} "
-                     f"| {np.median([m.mean_abs for m in stats]):.2g} | {max(m.kl for m in stats):.2g} "
-                     f"| {max(abs(m.mean_signed) for m in stats):.2g} / {np.median([abs(m.mean_signed) for m in stats]):.2g} "
-                     f"| {100 * r16:.0f}% | {n16} | {100 * r32:.0f}% | {n32} |")  # fmt: skip
+        lines.append(
+            f"| {sampler} | {learner} | {max(m.token_max for m in stats):.2g} "
+            f"| {np.median([m.token_max for m in stats]):.2g} | {max(m.mean_abs for m in stats):.2g} "
+            f"| {np.median([m.mean_abs for m in stats]):.2g} | {max(m.kl for m in stats):.2g} "
+            f"| {max(abs(m.mean_signed) for m in stats):.2g} / {np.median([abs(m.mean_signed) for m in stats]):.2g} "
+            f"| {100 * r16:.0f}% | {n16} | {100 * r32:.0f}% | {n32} |"
+        )
     text = "\n".join(lines)
     print(text)
     if args.out:

@@ -49,27 +49,37 @@ def main() -> int:
     state = AutoModelForCausalLM.from_pretrained(path).state_dict()
     torch.set_num_threads(1)
     data = serialize_state_dict(state, 1)
-    rows = [("serialise fp32", mean_ms(lambda: serialize_state_dict(state, 1), args.repeats)),
-            ("serialise bf16", mean_ms(lambda: serialize_state_dict(state, 1, "bf16"), args.repeats)),
-            (f"SHA-256 of {len(data)} bytes", mean_ms(lambda: hashlib.sha256(data).digest(), args.repeats))]
+    rows = [
+        ("serialise fp32", mean_ms(lambda: serialize_state_dict(state, 1), args.repeats)),
+        ("serialise bf16", mean_ms(lambda: serialize_state_dict(state, 1, "bf16"), args.repeats)),
+        (f"SHA-256 of {len(data)} bytes", mean_ms(lambda: hashlib.sha256(data).digest(), args.repeats)),
+    ]
     cores = sorted(os.sched_getaffinity(0))
     os.sched_setaffinity(0, cores[1:] or cores)  # Ray's processes (and the mailbox) off core 0
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
     os.sched_setaffinity(0, cores[:1])
     try:
         transport = RayTransport(name="bench-publish", namespace="bench-publish")
-        rows.append(("RayTransport.put (waits for the mailbox)", mean_ms(lambda: transport.put("w", "k", data), args.repeats)))
+        rows.append(
+            ("RayTransport.put (waits for the mailbox)", mean_ms(lambda: transport.put("w", "k", data), args.repeats))
+        )
         version = [0]
         for wire in (None, "bf16"):
             for pipelined in (False, True):
-                store = WeightStore(transport, keep_last=4, wire_dtype=wire, topic=f"w-{wire}-{pipelined}", pipelined=pipelined)
+                store = WeightStore(
+                    transport, keep_last=4, wire_dtype=wire, topic=f"w-{wire}-{pipelined}", pipelined=pipelined
+                )
 
                 def publish(store=store):
                     version[0] += 1
                     store.publish(version[0], state)
 
-                rows.append((f"WeightStore.publish {wire or 'fp32'}{', pipelined' if pipelined else ''}",
-                             mean_ms(publish, args.repeats)))
+                rows.append(
+                    (
+                        f"WeightStore.publish {wire or 'fp32'}{', pipelined' if pipelined else ''}",
+                        mean_ms(publish, args.repeats),
+                    )
+                )
                 store.flush()
         ray.kill(transport._mailbox)
     finally:

@@ -51,17 +51,28 @@ def main(argv=None) -> None:
         t0 = time.thread_time()
         sample_groups(sampler, tokenizer, [prompt], args.group_size, 1.0, args.tokens, seed=i)
         t1 = time.thread_time()
-        batch = sample_groups(sampler, tokenizer, [prompt], args.group_size, 1.0, args.tokens, seed=i,
-                              gumbel_seeds=[seeds[i]])  # fmt: skip
+        batch = sample_groups(
+            sampler, tokenizer, [prompt], args.group_size, 1.0, args.tokens, seed=i, gumbel_seeds=[seeds[i]]
+        )
         t2 = time.thread_time()
         keep = batch.prompt_mask[0].bool()
-        group = RolloutGroup(f"g{i}", batch.prompt_ids[0][keep].numpy(), batch.response_ids.numpy(),
-                             batch.response_mask.numpy().astype(np.int8), batch.sampler_logprobs.numpy(),
-                             np.zeros(args.group_size, np.float32), np.zeros(args.group_size, np.float32), 0, "s")  # fmt: skip
+        group = RolloutGroup(
+            f"g{i}",
+            batch.prompt_ids[0][keep].numpy(),
+            batch.response_ids.numpy(),
+            batch.response_mask.numpy().astype(np.int8),
+            batch.sampler_logprobs.numpy(),
+            np.zeros(args.group_size, np.float32),
+            np.zeros(args.group_size, np.float32),
+            0,
+            "s",
+        )
         t3 = time.thread_time()
         _, logits = group_scores(learner, group, 1.0)
         t4 = time.thread_time()
-        found = check_scores(logits, group.response_ids, group.response_mask, 1.0, seeds[i], TIE_MARGINS[args.precision])
+        found = check_scores(
+            logits, group.response_ids, group.response_mask, 1.0, seeds[i], TIE_MARGINS[args.precision]
+        )
         t5 = time.thread_time()
         t["sample"] += t1 - t0
         t["gumbel_sample"] += t2 - t1
@@ -69,11 +80,15 @@ def main(argv=None) -> None:
         t["check"] += t5 - t4
         tokens, mismatches, near = tokens + found.tokens, mismatches + found.mismatches, near + found.near_ties
     n = args.groups
-    print(f"model {path} (vocab {learner.config.vocab_size}), {args.precision} sampler, G={args.group_size}, "
-          f"{tokens / n:.0f} response tokens a group; CPU s a group:")  # fmt: skip
+    print(
+        f"model {path} (vocab {learner.config.vocab_size}), {args.precision} sampler, G={args.group_size}, "
+        f"{tokens / n:.0f} response tokens a group; CPU s a group:"
+    )
     print(f"  sampler: ordinary sampling {t['sample'] / n:.3f}, seeded Gumbel-max {t['gumbel_sample'] / n:.3f}")
-    print(f"  learner: re-scoring forward {t['forward'] / n:.3f}, token check on its logits {t['check'] / n:.3f} "
-          f"(+{100 * t['check'] / max(t['forward'], 1e-9):.0f}%)")  # fmt: skip
+    print(
+        f"  learner: re-scoring forward {t['forward'] / n:.3f}, token check on its logits {t['check'] / n:.3f} "
+        f"(+{100 * t['check'] / max(t['forward'], 1e-9):.0f}%)"
+    )
     print(f"  tokens checked {tokens}, near ties {near}, mismatches {mismatches}")
 
 

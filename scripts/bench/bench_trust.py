@@ -49,15 +49,21 @@ if not __package__:  # run as a file: its sibling modules are reachable only thr
     raise SystemExit("run it from the repository root as: python -m scripts.bench.bench_trust ...")
 
 
-
 def overhead(args) -> list[str]:
     from .bench_async import COMMON, TRUST_OFF, async_overrides, loadavg, run
 
     from verl_ext.rundir import read_metric_rows
 
-    base = COMMON + ["hetero.learner_cpus=[0]", "hetero.sampler_cpus=[1]", f"trainer.total_training_steps={args.steps}",
-                     *async_overrides(0.0, 1)]  # fmt: skip
-    settings = {"off": TRUST_OFF, **{f"on, fraction {f:g}": [f"hetero.trust.verify_fraction={f}"] for f in args.fractions}}
+    base = COMMON + [
+        "hetero.learner_cpus=[0]",
+        "hetero.sampler_cpus=[1]",
+        f"trainer.total_training_steps={args.steps}",
+        *async_overrides(0.0, 1),
+    ]
+    settings = {
+        "off": TRUST_OFF,
+        **{f"on, fraction {f:g}": [f"hetero.trust.verify_fraction={f}"] for f in args.fractions},
+    }
     results: dict[str, list[dict]] = {name: [] for name in settings}
     with tempfile.TemporaryDirectory() as tmp:
         for repeat in range(args.repeats):
@@ -70,18 +76,27 @@ def overhead(args) -> list[str]:
                 r["checked"] = float(rows[-1].get("trust/checked", 0.0))
                 r["rejected"] = float(rows[-1].get("hetero/rejected_total", 0.0))
                 results[name].append(r)
-                print(f"[bench_trust] {name} run {repeat}: wall/step {r['wall_s'] / r['steps']:.3f} s, check CPU "
-                      f"{r['check_cpu_s']:.2f} s / train CPU {r['train_cpu_s']:.2f} s, load {r['load']}", flush=True)
-    lines = [f"{args.steps} learner steps (first {args.warmup} apart), learner on core 0, one sampler on core 1, "
-             f"delay 0; {args.repeats} run(s) each, in alternation", "",
-             "| protections | check CPU / train_step CPU (whole run) | wall s / step, each run | q re-scored "
-             "| groups rejected | load before -> after, each run |", "|---|---:|---|---:|---:|---|"]  # fmt: skip
+                print(
+                    f"[bench_trust] {name} run {repeat}: wall/step {r['wall_s'] / r['steps']:.3f} s, check CPU "
+                    f"{r['check_cpu_s']:.2f} s / train CPU {r['train_cpu_s']:.2f} s, load {r['load']}",
+                    flush=True,
+                )
+    lines = [
+        f"{args.steps} learner steps (first {args.warmup} apart), learner on core 0, one sampler on core 1, "
+        f"delay 0; {args.repeats} run(s) each, in alternation",
+        "",
+        "| protections | check CPU / train_step CPU (whole run) | wall s / step, each run | q re-scored "
+        "| groups rejected | load before -> after, each run |",
+        "|---|---:|---|---:|---:|---|",
+    ]
     for name, rs in results.items():
         share = sum(r["check_cpu_s"] for r in rs) / sum(r["train_cpu_s"] for r in rs)
         walls = ", ".join(f"{r['wall_s'] / r['steps']:.3f}" for r in rs)
         loads = "; ".join(r["load"] for r in rs)
-        lines.append(f"| {name} | {100 * share:.1f}% | {walls} | {np.mean([r['checked'] for r in rs]):.0f} "
-                     f"| {np.mean([r['rejected'] for r in rs]):.0f} | {loads} |")  # fmt: skip
+        lines.append(
+            f"| {name} | {100 * share:.1f}% | {walls} | {np.mean([r['checked'] for r in rs]):.0f} "
+            f"| {np.mean([r['rejected'] for r in rs]):.0f} | {loads} |"
+        )
     lines.append(f"(machine load at the end: {loadavg()})")
     return lines
 
@@ -100,10 +115,14 @@ def detection(args) -> list[str]:
     from verl_ext.hetero.weights import serialize_state_dict
 
     torch.set_num_threads(1)
-    lines = [f"A sampler past its probation lies on every group (q x 1.5); {args.trials} trials per fraction, "
-             "the real TrustGate and toy model", "",
-             "| verify_fraction | lying groups admitted before quarantine: mean | median | 95th pct | max "
-             "| expected (1-f)/f | check CPU ms / re-scored group |", "|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+    lines = [
+        f"A sampler past its probation lies on every group (q x 1.5); {args.trials} trials per fraction, "
+        "the real TrustGate and toy model",
+        "",
+        "| verify_fraction | lying groups admitted before quarantine: mean | median | 95th pct | max "
+        "| expected (1-f)/f | check CPU ms / re-scored group |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     with initialize_config_dir(config_dir=str(REPO / "recipe/gepo/config"), version_base=None):
         base = compose(config_name="gepo_trainer", overrides=["hetero.mode=async", "trainer.logger=[]"])
     model_path = resolve_model_path("", EngineConfig.from_omegaconf(base).task, 0)
@@ -111,9 +130,16 @@ def detection(args) -> list[str]:
     model.eval()
     for fraction in args.fractions:
         with initialize_config_dir(config_dir=str(REPO / "recipe/gepo/config"), version_base=None):
-            cfg = compose(config_name="gepo_trainer", overrides=[
-                "hetero.mode=async", "trainer.logger=[]", f"hetero.trust.verify_fraction={fraction}",
-                f"hetero.seed={int(fraction * 1000)}", "hetero.max_delay=0"])  # fmt: skip
+            cfg = compose(
+                config_name="gepo_trainer",
+                overrides=[
+                    "hetero.mode=async",
+                    "trainer.logger=[]",
+                    f"hetero.trust.verify_fraction={fraction}",
+                    f"hetero.seed={int(fraction * 1000)}",
+                    "hetero.max_delay=0",
+                ],
+            )
         engine = EngineConfig.from_omegaconf(cfg)
         task = Task(engine.task, 0)
         buffer = build_buffer(engine, task)
@@ -121,8 +147,18 @@ def detection(args) -> list[str]:
         gate.remember(0, serialize_state_dict(model.state_dict(), 0))
         s = engine.settings
         settings = RolloutSettings(s.group_size, s.temperature, s.max_new_tokens)
-        pool = generate_groups(model, tokenizer, task.train_items(64, stream=3, index=0), task.score, settings,
-                               engine.algorithm, policy_version=0, sampler_id="x", seed=0, uid_prefix="pool")  # fmt: skip
+        pool = generate_groups(
+            model,
+            tokenizer,
+            task.train_items(64, stream=3, index=0),
+            task.score,
+            settings,
+            engine.algorithm,
+            policy_version=0,
+            sampler_id="x",
+            seed=0,
+            uid_prefix="pool",
+        )
         admitted, counter = [], 0
         for trial in range(args.trials):
             sampler = f"sampler-{trial}"
@@ -130,9 +166,18 @@ def detection(args) -> list[str]:
             while True:
                 counter += 1
                 group = pool[counter % len(pool)]
-                honest = gate.ledger.samplers.get(sampler) is None or gate.ledger.samplers[sampler].checks < engine.hetero.trust.probation_groups
-                edited = type(group)(**{**group.__dict__, "group_uid": f"{sampler}-g{counter}", "sampler_id": sampler,
-                                        "sampler_logprobs": group.sampler_logprobs * (1.0 if honest else 1.5)})  # fmt: skip
+                honest = (
+                    gate.ledger.samplers.get(sampler) is None
+                    or gate.ledger.samplers[sampler].checks < engine.hetero.trust.probation_groups
+                )
+                edited = type(group)(
+                    **{
+                        **group.__dict__,
+                        "group_uid": f"{sampler}-g{counter}",
+                        "sampler_id": sampler,
+                        "sampler_logprobs": group.sampler_logprobs * (1.0 if honest else 1.5),
+                    }
+                )
                 gate._contents.clear()  # the pool is reused: replays are not what this measures
                 try:
                     vouched = gate.admit(edited)
@@ -145,8 +190,10 @@ def detection(args) -> list[str]:
         ms = 1000 * gate.check_cpu_s / max(checked, 1)
         a = np.asarray(admitted)
         expected = (1 - fraction) / fraction
-        lines.append(f"| {fraction:g} | {a.mean():.2f} | {np.median(a):.0f} | {np.percentile(a, 95):.0f} | {a.max()} "
-                     f"| {expected:.2f} | {ms:.1f} |")  # fmt: skip
+        lines.append(
+            f"| {fraction:g} | {a.mean():.2f} | {np.median(a):.0f} | {np.percentile(a, 95):.0f} | {a.max()} "
+            f"| {expected:.2f} | {ms:.1f} |"
+        )
         print(lines[-1], flush=True)
     return lines
 
@@ -168,12 +215,18 @@ def spread(args) -> list[str]:
     algorithm = OmegaConf.create({"adv_estimator": "grpo"})
 
     def worst(model, groups):
-        return [float(np.abs(group_log_probs(model, g, 1.0) - g.sampler_logprobs)[g.response_mask.astype(bool)].max())
-                for g in groups]  # fmt: skip
+        return [
+            float(np.abs(group_log_probs(model, g, 1.0) - g.sampler_logprobs)[g.response_mask.astype(bool)].max())
+            for g in groups
+        ]
 
-    lines = [f"{args.batches} x 16 groups of G=8 (toy addition, 3 digits, T=1); per group the largest |log q sampler "
-             "- log q re-scored| over its tokens", "", "| weights | max over groups | median | 99th pct |",
-             "|---|---:|---:|---:|"]  # fmt: skip
+    lines = [
+        f"{args.batches} x 16 groups of G=8 (toy addition, 3 digits, T=1); per group the largest |log q sampler "
+        "- log q re-scored| over its tokens",
+        "",
+        "| weights | max over groups | median | 99th pct |",
+        "|---|---:|---:|---:|",
+    ]
     fp32_groups: list = []
     for label, rounding in (("fp32", False), ("bf16 on the wire (both sides)", True)):
         sampler, tokenizer = load_policy(path)
@@ -185,8 +238,18 @@ def spread(args) -> list[str]:
         scorer.eval()
         groups = []
         for b in range(args.batches):
-            groups += generate_groups(sampler, tokenizer, task.train_items(16, stream=1, index=b), task.score,
-                                      RolloutSettings(8, 1.0, 16), algorithm, 0, "s", seed=b, uid_prefix=f"b{b}")  # fmt: skip
+            groups += generate_groups(
+                sampler,
+                tokenizer,
+                task.train_items(16, stream=1, index=b),
+                task.score,
+                RolloutSettings(8, 1.0, 16),
+                algorithm,
+                0,
+                "s",
+                seed=b,
+                uid_prefix=f"b{b}",
+            )
         honest = np.asarray(worst(scorer, groups))
         fp32_groups = groups if not rounding else fp32_groups
         lines.append(f"| {label} | {honest.max():.2g} | {np.median(honest):.2g} | {np.percentile(honest, 99):.2g} |")
@@ -204,13 +267,23 @@ def spread(args) -> list[str]:
 
 RATIO_MODELS = {
     "toy": [],
-    "smollm2": ["task.name=math", "task.model=smollm2-135m-instruct", "task.dataset=gsm8k", "task.template=plain",
-                "+task.dataset_options.split=train", "+task.dataset_options.max_steps=2",
-                "+task.dataset_options.max_answer=100", "+task.dataset_options.max_question_chars=200",
-                "task.eval_dataset=gsm8k", "task.eval_size=4", "actor_rollout_ref.rollout.n=4",
-                "data.max_response_length=128", "actor_rollout_ref.rollout.temperature=0.7",
-                "actor_rollout_ref.actor.optim.lr=1e-5"],
-}  # fmt: skip
+    "smollm2": [
+        "task.name=math",
+        "task.model=smollm2-135m-instruct",
+        "task.dataset=gsm8k",
+        "task.template=plain",
+        "+task.dataset_options.split=train",
+        "+task.dataset_options.max_steps=2",
+        "+task.dataset_options.max_answer=100",
+        "+task.dataset_options.max_question_chars=200",
+        "task.eval_dataset=gsm8k",
+        "task.eval_size=4",
+        "actor_rollout_ref.rollout.n=4",
+        "data.max_response_length=128",
+        "actor_rollout_ref.rollout.temperature=0.7",
+        "actor_rollout_ref.actor.optim.lr=1e-5",
+    ],
+}
 """``ratio --model``: the task overrides (smollm2: cpu_smollm2_math's task, G and lengths)."""
 
 
@@ -230,8 +303,15 @@ def ratio(args) -> list[str]:
 
     torch.set_num_threads(1)
     with initialize_config_dir(config_dir=str(REPO / "recipe/gepo/config"), version_base=None):
-        cfg = compose(config_name="gepo_trainer", overrides=["hetero.mode=async", "trainer.logger=[]",
-                                                             f"data.train_batch_size={args.prompts}", *RATIO_MODELS[args.model]])  # fmt: skip
+        cfg = compose(
+            config_name="gepo_trainer",
+            overrides=[
+                "hetero.mode=async",
+                "trainer.logger=[]",
+                f"data.train_batch_size={args.prompts}",
+                *RATIO_MODELS[args.model],
+            ],
+        )
     engine = EngineConfig.from_omegaconf(cfg)
     task = Task(engine.task, 0)
     path = resolve_model_path(engine.settings.model_path, engine.task, 0)
@@ -241,9 +321,18 @@ def ratio(args) -> list[str]:
     s = engine.settings
     model.eval()
     t0 = time.perf_counter()
-    groups = generate_groups(model, tokenizer, task.train_items(args.prompts, stream=1, index=0), task.score,
-                             RolloutSettings(s.group_size, s.temperature, s.max_new_tokens), engine.algorithm,
-                             policy_version=0, sampler_id="x", seed=0, uid_prefix="r")  # fmt: skip
+    groups = generate_groups(
+        model,
+        tokenizer,
+        task.train_items(args.prompts, stream=1, index=0),
+        task.score,
+        RolloutSettings(s.group_size, s.temperature, s.max_new_tokens),
+        engine.algorithm,
+        policy_version=0,
+        sampler_id="x",
+        seed=0,
+        uid_prefix="r",
+    )
     gen_s = time.perf_counter() - t0
     tokens = sum(int(g.response_mask.sum()) for g in groups)
 
@@ -263,19 +352,26 @@ def ratio(args) -> list[str]:
     learner.train_step(groups)  # first step: optimizer state allocated
     train = cpu(lambda: learner.train_step(groups)) / len(groups)
     share = lambda f: 100 * (rewards + f * rescore) / train  # noqa: E731
-    lines = [f"{args.model}: {args.prompts} groups of G={s.group_size}, {tokens} response tokens "
-             f"({tokens / len(groups) / s.group_size:.0f} per response; generated in {gen_s:.0f} s), one torch thread", "",
-             "| CPU ms per group | train_step | rewards check | re-scoring | loading a version's weights (once per version) |",
-             "|---|---:|---:|---:|---:|",
-             f"| {args.model} | {1000 * train:.1f} | {1000 * rewards:.2f} | {1000 * rescore:.1f} | {1000 * load:.1f} |", "",
-             "| verify_fraction | 0 | 0.05 | 0.1 | 0.25 | 1 |", "|---|---:|---:|---:|---:|---:|",
-             f"| cost, % of training CPU | {share(0):.1f} | {share(0.05):.1f} | {share(0.1):.1f} | {share(0.25):.1f} "
-             f"| {share(1):.1f} |"]  # fmt: skip
+    lines = [
+        f"{args.model}: {args.prompts} groups of G={s.group_size}, {tokens} response tokens "
+        f"({tokens / len(groups) / s.group_size:.0f} per response; generated in {gen_s:.0f} s), one torch thread",
+        "",
+        "| CPU ms per group | train_step | rewards check | re-scoring | loading a version's weights (once per version) |",
+        "|---|---:|---:|---:|---:|",
+        f"| {args.model} | {1000 * train:.1f} | {1000 * rewards:.2f} | {1000 * rescore:.1f} | {1000 * load:.1f} |",
+        "",
+        "| verify_fraction | 0 | 0.05 | 0.1 | 0.25 | 1 |",
+        "|---|---:|---:|---:|---:|---:|",
+        f"| cost, % of training CPU | {share(0):.1f} | {share(0.05):.1f} | {share(0.1):.1f} | {share(0.25):.1f} "
+        f"| {share(1):.1f} |",
+    ]
     return lines
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = parser.add_subparsers(dest="part", required=True)
     o = sub.add_parser("overhead")
     o.add_argument("--steps", type=int, default=60)

@@ -112,8 +112,9 @@ def _related(plan: Plan, name: str, own: bool, **kw) -> Plan:
     return other
 
 
-def _replicate(out: Path, plan: Plan, per_run: list[dict], chosen: dict, sha: str, rows_path: Path,
-               ws: dict) -> list[Path]:  # fmt: skip
+def _replicate(
+    out: Path, plan: Plan, per_run: list[dict], chosen: dict, sha: str, rows_path: Path, ws: dict
+) -> list[Path]:
     """``OUT/replicate_<task>.md``: ``plan``'s drops from its pinned weights (``per_run``) beside
     those of its rows and run folders from the weights ``sha``, each at the rates ``plan`` chose."""
     other = replace(plan, warm_start_sha256={t: sha for t in plan.tasks})
@@ -142,45 +143,77 @@ def rates_from_design(plan: Plan, reference: tuple[Plan, list[dict]]) -> list[st
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default="runs/sweep")
-    p.add_argument("--design", choices=list(DESIGNS),
-                   help="legacy (the default): the 252-run sweep (table-only); quick: a 5-minute smoke test; powered: "
-                        "the study (docs/study.md); powered_long: its 600-step fix256 condition; dry: the powered "
-                        "pipeline on tiny settings")  # fmt: skip
+    p.add_argument(
+        "--design",
+        choices=list(DESIGNS),
+        help="legacy (the default): the 252-run sweep (table-only); quick: a 5-minute smoke test; powered: "
+        "the study (docs/study.md); powered_long: its 600-step fix256 condition; dry: the powered "
+        "pipeline on tiny settings",
+    )
     p.add_argument("--quick", action="store_true", help="= --design quick (not with another --design)")
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--tasks", nargs="+", choices=list(TASKS))
     p.add_argument("--algos", nargs="+", choices=list(ALGOS))
-    p.add_argument("--delays", nargs="+", type=normalize_condition, help="staleness conditions: 0 fix<k> uni<K> logn<K> or K")
+    p.add_argument(
+        "--delays", nargs="+", type=normalize_condition, help="staleness conditions: 0 fix<k> uni<K> logn<K> or K"
+    )
     p.add_argument("--seeds", nargs="+", type=int)
     p.add_argument("--steps", type=int)
     p.add_argument("--lr", type=float, help="the one rate of a design without a learning-rate grid (legacy, quick)")
-    p.add_argument("--lrs", nargs="+", default=[], metavar="ALGO=LR", help="pin a rate per algorithm (skips stage 1 for it)")
-    p.add_argument("--lr-grid", nargs="+", type=float, help="stage 1's rates, for a design with a stage 1 (powered, dry)")
+    p.add_argument(
+        "--lrs", nargs="+", default=[], metavar="ALGO=LR", help="pin a rate per algorithm (skips stage 1 for it)"
+    )
+    p.add_argument(
+        "--lr-grid", nargs="+", type=float, help="stage 1's rates, for a design with a stage 1 (powered, dry)"
+    )
     p.add_argument("--eval-size", type=int)
     p.add_argument("--diagnostics-every", type=int)
-    p.add_argument("--rows", default=None, help="rows file (default OUT/rows.csv); commit it to make the study resumable")
+    p.add_argument(
+        "--rows", default=None, help="rows file (default OUT/rows.csv); commit it to make the study resumable"
+    )
     p.add_argument("--cache-dir", default=str(REPO / ".cache" / "heterorl"))
     p.add_argument("--override", nargs="*", default=[], help="extra hydra overrides for every run")
     p.add_argument("--plan-only", action="store_true", help="print the plan and its estimated duration, run nothing")
     p.add_argument("--table-only", action="store_true", help="no runs: tables and figures from finished runs")
-    p.add_argument("--update-doc", type=Path, metavar="MD",
-                   help="after tabulating, replace the page's <!-- study:<task>:<name> --> blocks (e.g. docs/results.md) "
-                        "with the study's own")  # fmt: skip
-    p.add_argument("--join", nargs="+", default=[], choices=[d for d in DESIGNS if d != "legacy"], metavar="DESIGN",
-                   help="with --table-only: also tabulate these designs' rows (same rows file and methods; their outputs "
-                        "in OUT/<design>/) and the questions over every stale condition of all of them "
-                        "(study_<task>_joined.md)")  # fmt: skip
-    p.add_argument("--own-warm-start", action="store_true",
-                   help="run and tabulate from this machine's build of the warm start, not the weights the design "
-                        "pins (a new study: its rows carry this build's hash and never mix with the pinned rows)")  # fmt: skip
-    p.add_argument("--warm-start-sha256", metavar="HEX",
-                   help="with --table-only: tabulate the design's rows of these weights (sha256, 64 hex digits) instead "
-                        "of the ones it pins, e.g. powered_long's first start (docs/study_data/README.md); --join designs keep "
-                        "their own")  # fmt: skip
-    p.add_argument("--replicate", nargs="+", default=[], metavar="DESIGN=HEX",
-                   help="with --table-only: DESIGN's (--design or a --join design) drops from the weights HEX (sha256) "
-                        "beside those from its pin, and Spearman's rho of the methods' drops between the two "
-                        "(replicate_<task>.md), e.g. powered_long=<its first start>")  # fmt: skip
+    p.add_argument(
+        "--update-doc",
+        type=Path,
+        metavar="MD",
+        help="after tabulating, replace the page's <!-- study:<task>:<name> --> blocks (e.g. docs/results.md) "
+        "with the study's own",
+    )
+    p.add_argument(
+        "--join",
+        nargs="+",
+        default=[],
+        choices=[d for d in DESIGNS if d != "legacy"],
+        metavar="DESIGN",
+        help="with --table-only: also tabulate these designs' rows (same rows file and methods; their outputs "
+        "in OUT/<design>/) and the questions over every stale condition of all of them "
+        "(study_<task>_joined.md)",
+    )
+    p.add_argument(
+        "--own-warm-start",
+        action="store_true",
+        help="run and tabulate from this machine's build of the warm start, not the weights the design "
+        "pins (a new study: its rows carry this build's hash and never mix with the pinned rows)",
+    )
+    p.add_argument(
+        "--warm-start-sha256",
+        metavar="HEX",
+        help="with --table-only: tabulate the design's rows of these weights (sha256, 64 hex digits) instead "
+        "of the ones it pins, e.g. powered_long's first start (docs/study_data/README.md); --join designs keep "
+        "their own",
+    )
+    p.add_argument(
+        "--replicate",
+        nargs="+",
+        default=[],
+        metavar="DESIGN=HEX",
+        help="with --table-only: DESIGN's (--design or a --join design) drops from the weights HEX (sha256) "
+        "beside those from its pin, and Spearman's rho of the methods' drops between the two "
+        "(replicate_<task>.md), e.g. powered_long=<its first start>",
+    )
     p.add_argument("--no-figures", action="store_true")
     a = p.parse_args(argv)
     # --design's default is None, not legacy, so that --quick can tell an explicit --design apart
@@ -193,8 +226,10 @@ def main(argv: list[str] | None = None) -> int:
     for item in a.replicate:
         name, _, sha = item.partition("=")
         if name not in [a.design, *a.join] or not _SHA256.fullmatch(sha):
-            p.error(f"--replicate {item!r}: expected DESIGN=HEX, DESIGN --design or a --join design "
-                    f"({', '.join([a.design, *a.join])}), HEX a sha256 (64 lowercase hex digits)")  # fmt: skip
+            p.error(
+                f"--replicate {item!r}: expected DESIGN=HEX, DESIGN --design or a --join design "
+                f"({', '.join([a.design, *a.join])}), HEX a sha256 (64 lowercase hex digits)"
+            )
         replicate[name] = sha
     if replicate and not a.table_only:
         p.error("--replicate: only with --table-only (it tabulates rows, runs nothing)")
@@ -202,8 +237,10 @@ def main(argv: list[str] | None = None) -> int:
         if not _SHA256.fullmatch(a.warm_start_sha256):
             p.error(f"--warm-start-sha256 {a.warm_start_sha256!r}: expected a sha256, 64 lowercase hex digits")
         if not (a.table_only or a.plan_only) or a.own_warm_start:
-            p.error("--warm-start-sha256: only with --table-only or --plan-only, and not with --own-warm-start (a run "
-                    "starts from the weights the design pins or from this machine's build)")  # fmt: skip
+            p.error(
+                "--warm-start-sha256: only with --table-only or --plan-only, and not with --own-warm-start (a run "
+                "starts from the weights the design pins or from this machine's build)"
+            )
         if a.design in ("legacy", "quick"):
             p.error(f"--warm-start-sha256: --design {a.design} has no pinned warm start")
     if a.update_doc and not a.update_doc.is_file():
@@ -218,17 +255,31 @@ def main(argv: list[str] | None = None) -> int:
     if base.get("lr_design"):
         for flag, val in (("--lr", a.lr), ("--lr-grid", a.lr_grid)):
             if val is not None:
-                p.error(f"{flag}: --design {a.design} takes every method's rate from --design {base['lr_design']}'s "
-                        "stage 1 (pin rates with --lrs ALGO=LR)")  # fmt: skip
+                p.error(
+                    f"{flag}: --design {a.design} takes every method's rate from --design {base['lr_design']}'s "
+                    "stage 1 (pin rates with --lrs ALGO=LR)"
+                )
     if a.lr_grid is not None and not base.get("lr_seeds"):
-        p.error(f"--lr-grid: --design {a.design} has no stage 1 (no learning-rate seeds) to try a grid in "
-                "(give its one rate with --lr, or use --design powered or dry)")  # fmt: skip
+        p.error(
+            f"--lr-grid: --design {a.design} has no stage 1 (no learning-rate seeds) to try a grid in "
+            "(give its one rate with --lr, or use --design powered or dry)"
+        )
     if a.lr is not None and (a.lr_grid or base.get("lr_grid")):
-        p.error(f"--lr {a.lr:g}: --design {a.design} chooses each method's rate from its learning-rate grid "
-                f"{a.lr_grid or base['lr_grid']} (set the grid with --lr-grid, or pin rates with --lrs ALGO=LR)")  # fmt: skip
-    for key, val in (("tasks", a.tasks), ("algos", a.algos), ("delays", a.delays), ("seeds", a.seeds),
-                     ("steps", a.steps), ("lr", a.lr), ("eval_size", a.eval_size), ("lr_grid", a.lr_grid),
-                     ("diagnostics_every", a.diagnostics_every)):  # fmt: skip
+        p.error(
+            f"--lr {a.lr:g}: --design {a.design} chooses each method's rate from its learning-rate grid "
+            f"{a.lr_grid or base['lr_grid']} (set the grid with --lr-grid, or pin rates with --lrs ALGO=LR)"
+        )
+    for key, val in (
+        ("tasks", a.tasks),
+        ("algos", a.algos),
+        ("delays", a.delays),
+        ("seeds", a.seeds),
+        ("steps", a.steps),
+        ("lr", a.lr),
+        ("eval_size", a.eval_size),
+        ("lr_grid", a.lr_grid),
+        ("diagnostics_every", a.diagnostics_every),
+    ):
         if val is not None:
             base[key] = val
     lrs = {}
@@ -248,13 +299,18 @@ def main(argv: list[str] | None = None) -> int:
     if 0 not in plan.delays:
         p.error("--delays must include 0 (on-policy): every drop is measured from it")
     if plan.last_evals and plan.test_freq > 0 and plan.steps // plan.test_freq < plan.last_evals:
-        p.error(f"a score averages the last {plan.last_evals} evaluations but {plan.steps} steps / test_freq "
-                f"{plan.test_freq} gives only {plan.steps // plan.test_freq}")  # fmt: skip
+        p.error(
+            f"a score averages the last {plan.last_evals} evaluations but {plan.steps} steps / test_freq "
+            f"{plan.test_freq} gives only {plan.steps // plan.test_freq}"
+        )
     if a.workers < 1 or a.workers > 2:
         p.error("--workers must be 1 or 2 (a shared 2-core machine)")
     if plan.warm_start_steps <= 0 and not a.table_only:
-        p.exit(2, f"{p.prog}: error: --design {plan.design} is table-only (add --table-only to tabulate its rows): its "
-                  "accuracy-window warm start was machine-dependent and is gone; run --design powered, dry or quick\n")  # fmt: skip
+        p.exit(
+            2,
+            f"{p.prog}: error: --design {plan.design} is table-only (add --table-only to tabulate its rows): its "
+            "accuracy-window warm start was machine-dependent and is gone; run --design powered, dry or quick\n",
+        )
     out = Path(a.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     rows_path = Path(a.rows).resolve() if a.rows else out / "rows.csv"
@@ -269,10 +325,13 @@ def main(argv: list[str] | None = None) -> int:
     if reference is not None:
         missing = rates_from_design(plan, reference)
         if missing and not a.table_only:
-            p.exit(2, f"{p.prog}: error: --design {plan.design} takes its rates from --design {plan.lr_design}'s stage 1, "
-                      f"which has no chosen rate yet for {', '.join(missing)} in {rows_path} (counting its rows of the "
-                      f"weights {rows_warm_start(reference[0], ws)}): run that design first "
-                      "(or pin them with --lrs ALGO=LR)\n")  # fmt: skip
+            p.exit(
+                2,
+                f"{p.prog}: error: --design {plan.design} takes its rates from --design {plan.lr_design}'s stage 1, "
+                f"which has no chosen rate yet for {', '.join(missing)} in {rows_path} (counting its rows of the "
+                f"weights {rows_warm_start(reference[0], ws)}): run that design first "
+                "(or pin them with --lrs ALGO=LR)\n",
+            )
         (out / "plan.json").write_text(json.dumps({**asdict(plan), "design_id": design_id(plan)}, indent=1))
     sweep = Sweep(plan, out, rows_path, models, ws, a.workers, t0, reference=reference)
     done = sweep.finished()
@@ -284,8 +343,9 @@ def main(argv: list[str] | None = None) -> int:
         sweep.run(done)
     per_run = sweep.finished()
     lr_table, chosen = choose_lrs(per_run, plan)
-    write_outputs(out, plan, per_run, figures=not a.no_figures, lr_table=lr_table, chosen=chosen,
-                  ws=rows_warm_start(plan, ws))
+    write_outputs(
+        out, plan, per_run, figures=not a.no_figures, lr_table=lr_table, chosen=chosen, ws=rows_warm_start(plan, ws)
+    )
     written = [out / f"study_{task}.md" for task in plan.tasks]
     if plan.design in replicate:
         written += _replicate(out, plan, per_run, chosen, replicate[plan.design], rows_path, ws)
@@ -298,8 +358,15 @@ def main(argv: list[str] | None = None) -> int:
             runs = collect(out / name, other, rows_path, ws)
             other_table, other_chosen = choose_lrs(runs, other)
             (out / name).mkdir(exist_ok=True)
-            write_outputs(out / name, other, runs, figures=not a.no_figures, lr_table=other_table, chosen=other_chosen,
-                          ws=rows_warm_start(other, ws))  # fmt: skip
+            write_outputs(
+                out / name,
+                other,
+                runs,
+                figures=not a.no_figures,
+                lr_table=other_table,
+                chosen=other_chosen,
+                ws=rows_warm_start(other, ws),
+            )
             print(f"joined --design {name} (id {design_id(other)}): {len(runs)} finished runs", flush=True)
             designs.append((other, runs, other_chosen))
             written += [out / name / f"study_{task}.md" for task in plan.tasks]

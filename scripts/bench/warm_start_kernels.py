@@ -55,8 +55,13 @@ def build(setting: dict[str, str], steps: int, answer_format: str) -> dict:
     inherited = {k: v for k, v in os.environ.items() if k not in KERNEL_VARIABLES}  # "defaults" means defaults
     env = {**inherited, "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1", **setting}
     with tempfile.TemporaryDirectory() as cache:
-        proc = subprocess.run([sys.executable, "-c", _BUILD, cache, str(steps), answer_format], env=env, cwd=REPO,
-                              capture_output=True, text=True)  # fmt: skip
+        proc = subprocess.run(
+            [sys.executable, "-c", _BUILD, cache, str(steps), answer_format],
+            env=env,
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+        )
     if proc.returncode != 0:
         raise RuntimeError(f"warm start under {setting or 'the defaults'} failed:\n{proc.stderr[-2000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -70,8 +75,12 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     with open("/proc/loadavg") as fh:
         load = fh.read().split()[0]
-    lines = [f"Warm start: {a.steps} steps, {a.answer_format}, seed 0; load {load} at the start.", "",
-             "| setting | torch CPU capability | weights sha256 | accuracy |", "|---|---|---|---|"]  # fmt: skip
+    lines = [
+        f"Warm start: {a.steps} steps, {a.answer_format}, seed 0; load {load} at the start.",
+        "",
+        "| setting | torch CPU capability | weights sha256 | accuracy |",
+        "|---|---|---|---|",
+    ]
     for setting in SETTINGS:
         got = build(setting, a.steps, a.answer_format)
         name = " ".join(f"{k}={v}" for k, v in setting.items()) or "this CPU's defaults"

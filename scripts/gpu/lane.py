@@ -109,7 +109,9 @@ def install(parts_dir: Path, site: Path, stage: Path) -> list[str]:
                     dst.parent.mkdir(parents=True, exist_ok=True)
                     shutil.copyfile(src, dst)
                     copied += 1
-        log.append(f"group {group}: {sum(p['bytes'] for p in next(g for g in manifest['groups'] if g['group'] == group)['parts']) / 2**20:.1f} MiB, sha256 ok")
+        log.append(
+            f"group {group}: {sum(p['bytes'] for p in next(g for g in manifest['groups'] if g['group'] == group)['parts']) / 2**20:.1f} MiB, sha256 ok"
+        )
     site.mkdir(parents=True, exist_ok=True)
     if "code" not in groups:
         # the project's code is this checkout (on the path through PYTHONPATH): only its metadata,
@@ -118,8 +120,21 @@ def install(parts_dir: Path, site: Path, stage: Path) -> list[str]:
         log.append(f"project: this checkout, its entry points in {info.name}")
     site.mkdir(parents=True, exist_ok=True)
     if wheels:
-        cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
-               "--no-cache-dir", "--upgrade", "--target", str(site), *map(str, wheels)]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-index",
+            "--no-deps",
+            "--no-compile",
+            "--no-cache-dir",
+            "--upgrade",
+            "--target",
+            str(site),
+            *map(str, wheels),
+        ]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
             raise RuntimeError(f"pip install --target {site} failed ({proc.returncode}): {proc.stderr[-2000:]}")
@@ -240,8 +255,14 @@ def loss_inputs(batch: int, length: int, group: int, seed: int = 0):
 def _call_loss(fn, cfg, log_p, log_q, adv, mask):
     """(loss, d loss / d log p) of one verl-signature loss, as ``ppo_loss`` calls it."""
     log_p = log_p.detach().clone().requires_grad_(True)
-    loss, _ = fn(old_log_prob=log_q, log_prob=log_p, advantages=adv, response_mask=mask,
-                 loss_agg_mode=cfg.loss_agg_mode, config=cfg)  # fmt: skip
+    loss, _ = fn(
+        old_log_prob=log_q,
+        log_prob=log_p,
+        advantages=adv,
+        response_mask=mask,
+        loss_agg_mode=cfg.loss_agg_mode,
+        config=cfg,
+    )
     loss.backward()
     return loss.detach(), log_p.grad.detach()
 
@@ -285,8 +306,14 @@ def part_a(device: str, quick: bool, emit: Callable[[Row], None], workdir: Path)
 def part_b(device: str, quick: bool, emit: Callable[[Row], None], workdir: Path) -> None:
     dev = _device(device)
     bandwidth = copy_bandwidth(dev, (64 if quick else 1024) * 2**20)
-    emit(make_row("b", f"copy bandwidth on {dev}", note="device-to-device copy, bytes read + written",
-                  GB_per_s=bandwidth / 1e9))  # fmt: skip
+    emit(
+        make_row(
+            "b",
+            f"copy bandwidth on {dev}",
+            note="device-to-device copy, bytes read + written",
+            GB_per_s=bandwidth / 1e9,
+        )
+    )
     bl = _bench_losses()
     losses = selected_losses(workdir)
     shapes = [(32, 128)] if quick else [(256, 4096), (1024, 8192)]
@@ -304,7 +331,9 @@ def part_b(device: str, quick: bool, emit: Callable[[Row], None], workdir: Path)
                     once()
                 entries.append((label, once))
             except Exception as exc:  # noqa: BLE001
-                failed.append(make_row("b", f"{label} B={batch} T={length}", "error", f"{type(exc).__name__}: {exc}"[:300]))
+                failed.append(
+                    make_row("b", f"{label} B={batch} T={length}", "error", f"{type(exc).__name__}: {exc}"[:300])
+                )
         times: dict[str, list[float]] = {label: [] for label, _ in entries}
         for _ in range(repeats):  # round-robin: drift hits every loss alike
             for label, once in entries:
@@ -313,8 +342,16 @@ def part_b(device: str, quick: bool, emit: Callable[[Row], None], workdir: Path)
         floor_ms = 20 * batch * length / bandwidth * 1e3
         for label, _ in entries:
             ms = statistics.median(times[label])
-            emit(make_row("b", f"{label} B={batch} T={length}", note=f"eager fp32, median of {repeats}",
-                          ms=ms, x_vanilla=ms / base, x_floor=ms / floor_ms))  # fmt: skip
+            emit(
+                make_row(
+                    "b",
+                    f"{label} B={batch} T={length}",
+                    note=f"eager fp32, median of {repeats}",
+                    ms=ms,
+                    x_vanilla=ms / base,
+                    x_floor=ms / floor_ms,
+                )
+            )
         for row in failed:
             emit(row)
     gpu_bench = ROOT / "scripts" / "bench" / "bench_losses_gpu.py"
@@ -327,8 +364,11 @@ def part_b(device: str, quick: bool, emit: Callable[[Row], None], workdir: Path)
                 r = dict(r)
                 error = r.pop("error", None)
                 name = f"{r.pop('loss', '?')} B={r.pop('B', '?')} T={r.pop('T', '?')}, eager / compiled"
-                values = {k: float(v) for k, v in r.items()
-                          if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in ("repeats", "bandwidth_tbs")}
+                values = {
+                    k: float(v)
+                    for k, v in r.items()
+                    if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in ("repeats", "bandwidth_tbs")
+                }
                 note = f"bench_losses_gpu.py, {r.get('backend')}, median of {r.get('repeats')}; floor at the copy bandwidth"
                 emit(make_row("b", name, "error" if error else "ok", f"{error}; {note}" if error else note, **values))
         except Exception as exc:  # noqa: BLE001 -- the rows above stand
@@ -343,7 +383,16 @@ def _run_gpu_bench(path: Path, device: str, quick: bool, bandwidth: float, workd
         raise TimeoutError(f"not started: {max(timeout, 0):.0f} s left of the part's budget")
     out = workdir / "bench_losses_gpu.json"
     out.unlink(missing_ok=True)
-    cmd = [sys.executable, str(path), "--device", device, "--bandwidth-tbs", f"{bandwidth / 1e12:.6g}", "--json", str(out)]
+    cmd = [
+        sys.executable,
+        str(path),
+        "--device",
+        device,
+        "--bandwidth-tbs",
+        f"{bandwidth / 1e12:.6g}",
+        "--json",
+        str(out),
+    ]
     cmd += ["--quick"] if quick else ["--shapes", "1024x8192"]
     wanted = os.environ.get("LANE_LOSSES", "all")
     if wanted != "all":
@@ -391,8 +440,14 @@ def part_e(device: str, quick: bool, emit: Callable[[Row], None], workdir: Path)
     if dev.type == "cpu":
         cases = [((cpu, "fp32"), (cpu, "fp32")), ((cpu, "bf16"), (cpu, "fp32")), ((cpu, "bf16"), (cpu, "bf16"))]
     else:
-        cases = [((cpu, "fp32"), (cpu, "fp32")), ((cpu, "bf16"), (cpu, "fp32")), ((dev, "fp32"), (dev, "fp32")),
-                 ((dev, "fp32"), (cpu, "fp32")), ((dev, "bf16"), (dev, "fp32")), ((dev, "bf16"), (dev, "bf16"))]  # fmt: skip
+        cases = [
+            ((cpu, "fp32"), (cpu, "fp32")),
+            ((cpu, "bf16"), (cpu, "fp32")),
+            ((dev, "fp32"), (dev, "fp32")),
+            ((dev, "fp32"), (cpu, "fp32")),
+            ((dev, "bf16"), (dev, "fp32")),
+            ((dev, "bf16"), (dev, "bf16")),
+        ]
     models: dict = {}
 
     def model_on(where, dtype):
@@ -411,36 +466,72 @@ def part_e(device: str, quick: bool, emit: Callable[[Row], None], workdir: Path)
         learner, _ = model_on(l_dev, "fp32")
         worst, mean_abs = [], []
         for b in range(batches):
-            prompts = [p["problem"] for p in problems[b * groups:(b + 1) * groups] for _ in range(group)]
+            prompts = [p["problem"] for p in problems[b * groups : (b + 1) * groups] for _ in range(group)]
             enc = tok(prompts, return_tensors="pt", padding=True)
-            gen = generate(sampler, enc["input_ids"].to(s_dev), enc["attention_mask"].to(s_dev),
-                           max_new_tokens=new_tokens, eos_token_ids=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-                           temperature=temperature, seed=b)  # fmt: skip
+            gen = generate(
+                sampler,
+                enc["input_ids"].to(s_dev),
+                enc["attention_mask"].to(s_dev),
+                max_new_tokens=new_tokens,
+                eos_token_ids=tok.eos_token_id,
+                pad_token_id=tok.pad_token_id,
+                temperature=temperature,
+                seed=b,
+            )
             rmask = eos_mask(gen.tokens, tok.eos_token_id)
             resp = torch.where(rmask.bool(), gen.tokens, torch.full_like(gen.tokens, tok.pad_token_id))
             autocast = torch.autocast(l_dev.type, dtype=torch.bfloat16, enabled=l_prec == "bf16")
             with torch.no_grad(), autocast:
-                log_p = sequence_token_log_probs(learner, enc["input_ids"].to(l_dev), enc["attention_mask"].to(l_dev),
-                                                 resp.to(l_dev), rmask.to(l_dev), temperature)  # fmt: skip
+                log_p = sequence_token_log_probs(
+                    learner,
+                    enc["input_ids"].to(l_dev),
+                    enc["attention_mask"].to(l_dev),
+                    resp.to(l_dev),
+                    rmask.to(l_dev),
+                    temperature,
+                )
             diff = (log_p.float().cpu() - gen.log_q.float().cpu()).abs() * rmask.cpu()
             for g in range(0, diff.shape[0], group):
-                worst.append(float(diff[g:g + group].max()))
-                mean_abs.append(float(diff[g:g + group].sum() / rmask[g:g + group].sum().clamp(min=1)))
+                worst.append(float(diff[g : g + group].max()))
+                mean_abs.append(float(diff[g : g + group].sum() / rmask[g : g + group].sum().clamp(min=1)))
         w = np.asarray(worst)
-        emit(make_row("e", f"toy: sampler {s_dev.type} {s_prec} / learner {l_dev.type} {l_prec}",
-                      note=f"{len(w)} groups of {group}, {new_tokens} new tokens; tolerance {tolerance:g}",
-                      max=float(w.max()), median=float(np.median(w)), p99=float(np.percentile(w, 99)),
-                      frac_over_tol=float((w > tolerance).mean()), mean_abs_token=float(np.mean(mean_abs))))  # fmt: skip
+        emit(
+            make_row(
+                "e",
+                f"toy: sampler {s_dev.type} {s_prec} / learner {l_dev.type} {l_prec}",
+                note=f"{len(w)} groups of {group}, {new_tokens} new tokens; tolerance {tolerance:g}",
+                max=float(w.max()),
+                median=float(np.median(w)),
+                p99=float(np.percentile(w, 99)),
+                frac_over_tol=float((w > tolerance).mean()),
+                mean_abs_token=float(np.mean(mean_abs)),
+            )
+        )
 
 
-def _main_gepo(overrides: Sequence[str], workdir: Path, timeout: float, config_dir: bool = False,
-               env: Optional[dict[str, str]] = None) -> tuple[int, str]:
+def _main_gepo(
+    overrides: Sequence[str],
+    workdir: Path,
+    timeout: float,
+    config_dir: bool = False,
+    env: Optional[dict[str, str]] = None,
+) -> tuple[int, str]:
     """Run ``python -m recipe.gepo.main_gepo`` with ``overrides``; (exit status, last output)."""
-    cmd = [sys.executable, "-m", "recipe.gepo.main_gepo"] + (["--config-dir", "configs"] if config_dir else []) + list(overrides)
+    cmd = (
+        [sys.executable, "-m", "recipe.gepo.main_gepo"]
+        + (["--config-dir", "configs"] if config_dir else [])
+        + list(overrides)
+    )
     log = workdir / f"main_gepo_{int(time.time() * 1e3)}.log"
     with open(log, "w") as fh:
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True,
-                                env=dict(os.environ, **(env or {})))  # fmt: skip
+        proc = subprocess.Popen(
+            cmd,
+            cwd=ROOT,
+            stdout=fh,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env=dict(os.environ, **(env or {})),
+        )
         try:
             rc = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -461,12 +552,18 @@ def _engine_row(part: str, name: str, run_dir: Path, rc: int, tail: str, wall: f
         lines = [ln for ln in tail.strip().splitlines() if ln.strip()]
         why = "timed out (part budget)" if rc == -9 else f"exit {rc}"
         return make_row(part, name, "error", f"{why}: {' | '.join(lines[-3:])}"[:400], steps_done=float(len(rewards)))
-    values: dict[str, Any] = {"steps": float(rewards[-1][0]), "wall_s": wall,
-                              "reward_first": float(rewards[0][1]), "reward_last": float(rewards[-1][1])}  # fmt: skip
+    values: dict[str, Any] = {
+        "steps": float(rewards[-1][0]),
+        "wall_s": wall,
+        "reward_first": float(rewards[0][1]),
+        "reward_last": float(rewards[-1][1]),
+    }
     if len(evals) >= 2:
         values["acc_before"], values["acc_after"] = float(evals[0][1]), float(evals[-1][1])
     # the embedded engine's step time, or verl's
-    step_times = [r.get("perf/step_s", r.get("timing_s/step")) for r in rows if "perf/step_s" in r or "timing_s/step" in r]
+    step_times = [
+        r.get("perf/step_s", r.get("timing_s/step")) for r in rows if "perf/step_s" in r or "timing_s/step" in r
+    ]
     if step_times:
         values["step_s_median"] = float(statistics.median(step_times))
     idle = [r["perf/learner_idle_frac"] for r in rows if "perf/learner_idle_frac" in r]
@@ -482,11 +579,20 @@ def part_c(device: str, quick: bool, emit: Callable[[Row], None], workdir: Path)
     runs = [("replay", "fp32", "fp32"), ("async", "fp32", "fp32")] + ([] if quick else [("replay", "bf16", "bf16")])
     for i, (mode, lp, sp) in enumerate(runs):
         run_dir = workdir / f"c_{mode}_{lp}"
-        overrides = ["algorithm_preset=gepo", f"hetero.mode={mode}", f"hetero.device={device}",
-                     f"hetero.learner_precision={lp}", f"hetero.sampler_precision={sp}",
-                     f"trainer.total_training_steps={steps}", f"trainer.test_freq={steps}", "trainer.save_freq=-1",
-                     "trainer.resume_mode=disable", f"task.eval_size={eval_size}", "hetero.max_delay=4",
-                     f"trainer.default_local_dir={run_dir}"]  # fmt: skip
+        overrides = [
+            "algorithm_preset=gepo",
+            f"hetero.mode={mode}",
+            f"hetero.device={device}",
+            f"hetero.learner_precision={lp}",
+            f"hetero.sampler_precision={sp}",
+            f"trainer.total_training_steps={steps}",
+            f"trainer.test_freq={steps}",
+            "trainer.save_freq=-1",
+            "trainer.resume_mode=disable",
+            f"task.eval_size={eval_size}",
+            "hetero.max_delay=4",
+            f"trainer.default_local_dir={run_dir}",
+        ]
         if mode == "async":
             overrides += ["hetero.num_samplers=2", "hetero.delay.low=0.1", "hetero.delay.high=1.0"]
         else:
@@ -494,8 +600,17 @@ def part_c(device: str, quick: bool, emit: Callable[[Row], None], workdir: Path)
         t0 = time.time()
         left = budget - (time.time() - START)
         rc, tail = _main_gepo(overrides, workdir, timeout=max(5.0, left / (len(runs) - i)))
-        emit(_engine_row("c", f"{mode}, learner {lp}, samplers {sp}, {device}", run_dir, rc, tail, time.time() - t0,
-                         f"GEPO, toy 3-digit addition, {eval_size} held-out"))  # fmt: skip
+        emit(
+            _engine_row(
+                "c",
+                f"{mode}, learner {lp}, samplers {sp}, {device}",
+                run_dir,
+                rc,
+                tail,
+                time.time() - t0,
+                f"GEPO, toy 3-digit addition, {eval_size} held-out",
+            )
+        )
 
 
 def part_d(device: str, quick: bool, emit: Callable[[Row], None], workdir: Path) -> None:
@@ -503,24 +618,51 @@ def part_d(device: str, quick: bool, emit: Callable[[Row], None], workdir: Path)
     # chat_1shot is ~1.6%: 1 of 64 samples on CPU, 16 problems x 4, T=0.5, 160 tokens)
     steps, eval_size, response, batch, group = (2, 8, 32, 2, 4) if quick else (10, 128, 160, 8, 8)
     run_dir = workdir / "d_smollm2"
-    overrides = ["algorithm_preset=gepo", "hetero.mode=replay", f"hetero.device={device}",
-                 "hetero.delay.low=1", "hetero.delay.high=2", "hetero.max_delay=2",
-                 "task.name=math", "task.model=smollm2-135m-instruct", "task.dataset=gsm8k",
-                 *(f"+task.{key}.{k}={v}" for key, split in (("dataset_options", "train"), ("eval_dataset_options", "test"))
-                   for k, v in (("split", split), ("max_steps", 2), ("max_answer", 100), ("max_question_chars", 200))),
-                 "task.eval_dataset=gsm8k",
-                 f"task.eval_size={eval_size}", "task.eval_temperature=0.5", "task.template=chat_1shot",
-                 "actor_rollout_ref.rollout.temperature=0.5",
-                 f"actor_rollout_ref.rollout.n={group}", f"data.train_batch_size={batch}",
-                 f"data.max_response_length={response}", "actor_rollout_ref.actor.optim.lr=1e-5",
-                 f"trainer.total_training_steps={steps}", f"trainer.test_freq={steps}", "trainer.save_freq=-1",
-                 "trainer.resume_mode=disable", f"trainer.default_local_dir={run_dir}"]  # fmt: skip
+    overrides = [
+        "algorithm_preset=gepo",
+        "hetero.mode=replay",
+        f"hetero.device={device}",
+        "hetero.delay.low=1",
+        "hetero.delay.high=2",
+        "hetero.max_delay=2",
+        "task.name=math",
+        "task.model=smollm2-135m-instruct",
+        "task.dataset=gsm8k",
+        *(
+            f"+task.{key}.{k}={v}"
+            for key, split in (("dataset_options", "train"), ("eval_dataset_options", "test"))
+            for k, v in (("split", split), ("max_steps", 2), ("max_answer", 100), ("max_question_chars", 200))
+        ),
+        "task.eval_dataset=gsm8k",
+        f"task.eval_size={eval_size}",
+        "task.eval_temperature=0.5",
+        "task.template=chat_1shot",
+        "actor_rollout_ref.rollout.temperature=0.5",
+        f"actor_rollout_ref.rollout.n={group}",
+        f"data.train_batch_size={batch}",
+        f"data.max_response_length={response}",
+        "actor_rollout_ref.actor.optim.lr=1e-5",
+        f"trainer.total_training_steps={steps}",
+        f"trainer.test_freq={steps}",
+        "trainer.save_freq=-1",
+        "trainer.resume_mode=disable",
+        f"trainer.default_local_dir={run_dir}",
+    ]
     budget = float(os.environ.get("LANE_PART_BUDGET_S", "150"))
     t0 = time.time()
     rc, tail = _main_gepo(overrides, workdir, timeout=max(5.0, budget - (t0 - START)))
-    emit(_engine_row("d", f"replay, {device}, {steps} steps, G={group}, {batch} prompts a step", run_dir, rc, tail,
-                     time.time() - t0, f"math_verify accuracy on {eval_size} easy GSM8K test problems, T=0.5, "
-                     "SmolLM2's own chat template with one worked example (chat_1shot, as cpu_smollm2_math)"))  # fmt: skip
+    emit(
+        _engine_row(
+            "d",
+            f"replay, {device}, {steps} steps, G={group}, {batch} prompts a step",
+            run_dir,
+            rc,
+            tail,
+            time.time() - t0,
+            f"math_verify accuracy on {eval_size} easy GSM8K test problems, T=0.5, "
+            "SmolLM2's own chat template with one worked example (chat_1shot, as cpu_smollm2_math)",
+        )
+    )
 
 
 #: the verl engine on one GPU: cpu_toy's settings with the device switched (a first attempt: this
@@ -530,24 +672,48 @@ def part_d(device: str, quick: bool, emit: Callable[[Row], None], workdir: Path)
 #: device of its replica's worker (verl_ext/cpu/rollout.py worker_placement), so on CUDA here. A
 #: risk this cannot check on CPU: under that Ray setting verl's Worker calls set_device(<its Ray GPU
 #: id>), and one of the two pools holds logical GPU 1, which a one-GPU machine does not have.
-VERL_GPU_OVERRIDES = ["trainer.device=cuda", "ray_kwargs.ray_init.num_gpus=2", "trainer.n_gpus_per_node=1",
-                      "actor_rollout_ref.rollout.n_gpus_per_node=1"]  # fmt: skip
+VERL_GPU_OVERRIDES = [
+    "trainer.device=cuda",
+    "ray_kwargs.ray_init.num_gpus=2",
+    "trainer.n_gpus_per_node=1",
+    "actor_rollout_ref.rollout.n_gpus_per_node=1",
+]
 VERL_GPU_ENV = {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}
 
 
 def part_f(device: str, quick: bool, emit: Callable[[Row], None], workdir: Path) -> None:
     run_dir = workdir / "f_verl"
-    overrides = ["+verl_preset=cpu_toy", "hetero.engine=verl", "algorithm_preset=gepo", "trainer.total_training_steps=3",
-                 f"trainer.default_local_dir={run_dir}", f"task.cache_dir={workdir / 'cache'}",
-                 "trainer.resume_mode=disable"]  # fmt: skip
+    overrides = [
+        "+verl_preset=cpu_toy",
+        "hetero.engine=verl",
+        "algorithm_preset=gepo",
+        "trainer.total_training_steps=3",
+        f"trainer.default_local_dir={run_dir}",
+        f"task.cache_dir={workdir / 'cache'}",
+        "trainer.resume_mode=disable",
+    ]
     if device != "cpu":
         overrides += VERL_GPU_OVERRIDES
     budget = float(os.environ.get("LANE_PART_BUDGET_S", "150"))
     t0 = time.time()
-    rc, tail = _main_gepo(overrides, workdir, timeout=max(5.0, budget - (t0 - START)), config_dir=True,
-                          env=VERL_GPU_ENV if device != "cpu" else None)  # fmt: skip
-    emit(_engine_row("f", f"verl engine, GEPO, delayed sync, {device}", run_dir, rc, tail, time.time() - t0,
-                     "FSDP2 learner on the device, hf_cpu rollout server on its replica worker's device, toy"))  # fmt: skip
+    rc, tail = _main_gepo(
+        overrides,
+        workdir,
+        timeout=max(5.0, budget - (t0 - START)),
+        config_dir=True,
+        env=VERL_GPU_ENV if device != "cpu" else None,
+    )
+    emit(
+        _engine_row(
+            "f",
+            f"verl engine, GEPO, delayed sync, {device}",
+            run_dir,
+            rc,
+            tail,
+            time.time() - t0,
+            "FSDP2 learner on the device, hf_cpu rollout server on its replica worker's device, toy",
+        )
+    )
 
 
 PARTS: dict[str, Callable[..., None]] = {"a": part_a, "b": part_b, "c": part_c, "d": part_d, "e": part_e, "f": part_f}
@@ -562,8 +728,18 @@ def run_part(part: str, args, budget: float, workdir: Path) -> list[Row]:
     """One part in its own process, killed (with what it started) at ``budget`` seconds."""
     rows_file = workdir / f"rows_{part}.jsonl"
     rows_file.unlink(missing_ok=True)
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", part, "--device", args.device,
-           "--rows-file", str(rows_file), "--workdir", str(workdir)] + (["--quick"] if args.quick else [])  # fmt: skip
+    cmd = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--child",
+        part,
+        "--device",
+        args.device,
+        "--rows-file",
+        str(rows_file),
+        "--workdir",
+        str(workdir),
+    ] + (["--quick"] if args.quick else [])
     env = dict(os.environ, LANE_PART_BUDGET_S=f"{budget:.0f}", LANE_LOSSES=args.losses, PYTHONUNBUFFERED="1")
     log = workdir / f"part_{part}.log"
     with open(log, "w") as fh:
@@ -574,9 +750,18 @@ def run_part(part: str, args, budget: float, workdir: Path) -> list[Row]:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
             rc = None
-    rows = [json.loads(line) for line in rows_file.read_text().splitlines() if line.strip()] if rows_file.is_file() else []
+    rows = (
+        [json.loads(line) for line in rows_file.read_text().splitlines() if line.strip()] if rows_file.is_file() else []
+    )
     if rc is None:
-        rows.append(make_row(part, "(part)", "error", f"timed out after its budget of {budget:.0f} s; rows above are what it finished"))
+        rows.append(
+            make_row(
+                part,
+                "(part)",
+                "error",
+                f"timed out after its budget of {budget:.0f} s; rows above are what it finished",
+            )
+        )
     elif rc != 0:
         tail = [ln for ln in log.read_text(errors="replace").splitlines() if ln.strip()][-4:]
         rows.append(make_row(part, "(part)", "error", f"exit {rc}: {' | '.join(tail)}"[:500]))
@@ -610,9 +795,13 @@ def _fmt(value: Any) -> str:
 
 
 def render(result: dict) -> str:
-    lines = [f"GPU lane on {result['device_name']} ({result['device']}), torch {result['torch']}, "
-             f"{'quick' if result['quick'] else 'full'} sizes, {result['wall_s']:.0f} s in all", "",
-             "| part | row | status | numbers | note |", "|---|---|---|---|---|"]  # fmt: skip
+    lines = [
+        f"GPU lane on {result['device_name']} ({result['device']}), torch {result['torch']}, "
+        f"{'quick' if result['quick'] else 'full'} sizes, {result['wall_s']:.0f} s in all",
+        "",
+        "| part | row | status | numbers | note |",
+        "|---|---|---|---|---|",
+    ]
     for row in result["rows"]:
         numbers = ", ".join(f"{k} {_fmt(v)}" for k, v in row["values"].items())
         note = str(row["note"]).replace("|", "/").replace("\n", " ")
@@ -622,16 +811,25 @@ def render(result: dict) -> str:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--parts", default=DEFAULT_ORDER,
-                        help=f"comma-separated parts of a-f, run in the order given (default {DEFAULT_ORDER})")
+    parser.add_argument(
+        "--parts",
+        default=DEFAULT_ORDER,
+        help=f"comma-separated parts of a-f, run in the order given (default {DEFAULT_ORDER})",
+    )
     parser.add_argument("--device", default="cuda", help="cuda | cuda:N | cpu")
     parser.add_argument("--quick", action="store_true", help="small sizes (the CPU run of the test suite)")
-    parser.add_argument("--losses", default="all",
-                        help="parts a, b: comma-separated labels of scripts/bench/bench_losses.py's list (default all)")
+    parser.add_argument(
+        "--losses",
+        default="all",
+        help="parts a, b: comma-separated labels of scripts/bench/bench_losses.py's list (default all)",
+    )
     parser.add_argument("--budget-s", type=float, default=480.0, help="seconds for everything, install included")
     parser.add_argument("--parts-dir", type=Path, default=None, help="packed parts + manifest.json: install them first")
-    parser.add_argument("--no-install", action="store_true",
-                        help="install nothing: use this Python, plus --site if an earlier run installed there")
+    parser.add_argument(
+        "--no-install",
+        action="store_true",
+        help="install nothing: use this Python, plus --site if an earlier run installed there",
+    )
     parser.add_argument("--site", type=Path, default=Path(tempfile.gettempdir()) / "heterorl_site")
     parser.add_argument("--out", type=Path, default=None, help="lane.json + lane.md (default $OUT, else lane_out)")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -663,8 +861,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         rows.append(make_row("install", "time", "ok", wall_s=time.time() - start))
     import torch
 
-    device_name = torch.cuda.get_device_name(0) if args.device.startswith("cuda") and torch.cuda.is_available() \
+    device_name = (
+        torch.cuda.get_device_name(0)
+        if args.device.startswith("cuda") and torch.cuda.is_available()
         else (platform.processor() or platform.machine())
+    )
     print(f"lane: {device_name}, torch {torch.__version__}, parts {','.join(parts)}", flush=True)
     with tempfile.TemporaryDirectory(prefix="heterorl_lane_") as tmp:
         workdir = Path(tmp)
@@ -672,7 +873,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             left = deadline - time.time() - RESERVE_S
             budget = min(PART_BUDGET_S[part][1 if args.quick else 0], left)
             if budget < MIN_PART_S:
-                rows.append(make_row(part, PART_NAMES[part], "skipped: budget", f"{max(left, 0):.0f} s left of {args.budget_s:.0f}"))
+                rows.append(
+                    make_row(
+                        part, PART_NAMES[part], "skipped: budget", f"{max(left, 0):.0f} s left of {args.budget_s:.0f}"
+                    )
+                )
                 continue
             t0 = time.time()
             part_rows = run_part(part, args, budget, workdir)
@@ -689,8 +894,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 def write_result(out: Path, args, device_name: str, parts: list[str], start: float, rows: list[Row]) -> str:
     import torch
 
-    result = {"device": args.device, "device_name": device_name, "torch": torch.__version__, "quick": args.quick,
-              "parts": parts, "wall_s": time.time() - start, "rows": rows}  # fmt: skip
+    result = {
+        "device": args.device,
+        "device_name": device_name,
+        "torch": torch.__version__,
+        "quick": args.quick,
+        "parts": parts,
+        "wall_s": time.time() - start,
+        "rows": rows,
+    }
     table = render(result)
     (out / "lane.json").write_text(json.dumps(result, indent=1) + "\n")
     (out / "lane.md").write_text(table + "\n")

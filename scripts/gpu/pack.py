@@ -58,14 +58,23 @@ GROUPS = ("code", "wheels-core", "ray", "verl", "smollm2")
 DEFAULT_OUT = ROOT / ".gpu_pack"
 DEFAULT_CACHE = ROOT / ".cache" / "gpu_wheels"
 #: the platform tags a cp312 wheel for the lent machines may carry (pip matches each tag exactly)
-PLATFORMS = ["manylinux2014_x86_64", "manylinux_2_17_x86_64", "manylinux_2_24_x86_64", "manylinux_2_27_x86_64",
-             "manylinux_2_28_x86_64", "manylinux_2_31_x86_64", "manylinux_2_34_x86_64", "manylinux1_x86_64",
-             "linux_x86_64"]  # fmt: skip
+PLATFORMS = [
+    "manylinux2014_x86_64",
+    "manylinux_2_17_x86_64",
+    "manylinux_2_24_x86_64",
+    "manylinux_2_27_x86_64",
+    "manylinux_2_28_x86_64",
+    "manylinux_2_31_x86_64",
+    "manylinux_2_34_x86_64",
+    "manylinux1_x86_64",
+    "linux_x86_64",
+]
 #: distributions on PyPI only as a source archive: built here into a wheel (pure Python)
 SDIST_ONLY = {"antlr4-python3-runtime"}
 #: the lent machines' Python packages (their image, as the device tool's KINDS.md lists it, read
 #: 2026-11-17): not packed. Normalised names.
-MACHINE_HAS = frozenset("""
+MACHINE_HAS = frozenset(
+    """
 absl-py accelerate aiofiles aiohappyeyeballs aiohttp aiosignal annotated-doc anyio attrs botorch build certifi
 charset-normalizer chex click cloudpickle cmake colorama contourpy coverage cuda-bindings cuda-core cuda-pathfinder
 cuda-toolkit cupy-cuda13x cycler cython diffrax e3nn einops equinox etils execnet filelock flatbuffers flax fonttools
@@ -85,14 +94,23 @@ sortedcontainers statsmodels sympy tabulate tensorboard tensorboard-data-server 
 tiktoken timm tokenizers toolz torch torchaudio torchdiffeq torch-geometric torchmetrics torchvision tqdm
 transformers treescope triton typer typing-extensions typing-inspect urllib3 uvloop wadler-lindig werkzeug wheel
 wrapt xarray xxhash yarl zipp
-""".split())
+""".split()
+)
 #: requirements not packed although the machine lacks them: the project itself (the code group),
 #: and wandb (~20 MB; verl imports it only for its wandb logger, which the lane does not use)
 NOT_PACKED = frozenset({"heterorl", "wandb"})
 #: the marker environment of the target machine
-TARGET_ENV = {"python_version": "3.12", "python_full_version": "3.12.3", "sys_platform": "linux",
-              "platform_system": "Linux", "platform_machine": "x86_64", "implementation_name": "cpython",
-              "platform_python_implementation": "CPython", "os_name": "posix", "extra": ""}  # fmt: skip
+TARGET_ENV = {
+    "python_version": "3.12",
+    "python_full_version": "3.12.3",
+    "sys_platform": "linux",
+    "platform_system": "Linux",
+    "platform_machine": "x86_64",
+    "implementation_name": "cpython",
+    "platform_python_implementation": "CPython",
+    "os_name": "posix",
+    "extra": "",
+}
 
 
 class PackError(RuntimeError):
@@ -168,8 +186,20 @@ def fetch_wheels(requirements: Mapping[str, str], cache: Path) -> dict[str, Path
     binary = [f"{n}=={v}" for n, v in wanted.items() if n not in SDIST_ONLY]
     if binary:
         platforms = [arg for p in PLATFORMS for arg in ("--platform", p)]
-        _pip("download", "-q", "--only-binary=:all:", "--no-deps", "--python-version", "3.12", "--implementation", "cp",
-             *platforms, "-d", str(cache), *binary)  # fmt: skip
+        _pip(
+            "download",
+            "-q",
+            "--only-binary=:all:",
+            "--no-deps",
+            "--python-version",
+            "3.12",
+            "--implementation",
+            "cp",
+            *platforms,
+            "-d",
+            str(cache),
+            *binary,
+        )
     for name in wanted:
         if name in SDIST_ONLY:
             _pip("wheel", "-q", "--no-deps", "--no-binary", name, "-w", str(cache), f"{name}=={wanted[name]}")
@@ -190,13 +220,22 @@ def tracked_files(root: Path, tops: Sequence[str]) -> list[Path]:
     """The files under ``tops`` that git does not ignore, tracked or not (what a device call carries
     of the working tree), or every file there outside a git checkout; caches and byte code left out."""
     try:
-        out = subprocess.run(["git", "-C", str(root), "ls-files", "-z", "-c", "-o", "--exclude-standard", "--", *tops],
-                             capture_output=True, check=True)  # fmt: skip
+        out = subprocess.run(
+            ["git", "-C", str(root), "ls-files", "-z", "-c", "-o", "--exclude-standard", "--", *tops],
+            capture_output=True,
+            check=True,
+        )
         rels = [r for r in out.stdout.decode().split("\0") if r]
     except (OSError, subprocess.CalledProcessError):
-        rels = [str(p.relative_to(root)) for t in tops
-                for p in ([root / t] if (root / t).is_file() else (root / t).rglob("*")) if p.is_file()]  # fmt: skip
-    return [root / r for r in sorted(rels) if (root / r).is_file() and "__pycache__" not in r and not r.endswith(".pyc")]
+        rels = [
+            str(p.relative_to(root))
+            for t in tops
+            for p in ([root / t] if (root / t).is_file() else (root / t).rglob("*"))
+            if p.is_file()
+        ]
+    return [
+        root / r for r in sorted(rels) if (root / r).is_file() and "__pycache__" not in r and not r.endswith(".pyc")
+    ]
 
 
 def build_project_wheel(root: Path, dest: Path) -> Path:
@@ -227,7 +266,9 @@ def write_project_metadata(root: Path, site: Path) -> Path:
     info.mkdir(parents=True, exist_ok=True)
     (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {project['name']}\nVersion: {project['version']}\n")
     groups = project.get("entry-points", {})
-    text = "".join(f"[{group}]\n" + "".join(f"{k} = {v}\n" for k, v in eps.items()) + "\n" for group, eps in groups.items())
+    text = "".join(
+        f"[{group}]\n" + "".join(f"{k} = {v}\n" for k, v in eps.items()) + "\n" for group, eps in groups.items()
+    )
     (info / "entry_points.txt").write_text(text)
     (info / "INSTALLER").write_text("scripts/gpu/lane.py\n")
     (info / "RECORD").write_text("")
@@ -326,15 +367,19 @@ def check_part_sizes(manifest: Mapping, parts_dir: Optional[Path] = None) -> Non
                     if size != int(part["bytes"]):
                         raise PackError(f"{path}: {size} bytes, the manifest says {part['bytes']}")
             if size > limit:
-                raise PackError(f"part {part['name']} is {size} bytes, over the limit of {limit} "
-                                f"({limit / MIB:.1f} MiB)")  # fmt: skip
+                raise PackError(
+                    f"part {part['name']} is {size} bytes, over the limit of {limit} ({limit / MIB:.1f} MiB)"
+                )
 
 
 def working_tree_bytes(root: Path) -> int:
     """What travels with every device call: tracked and untracked-not-ignored files."""
     try:
-        out = subprocess.run(["git", "-C", str(root), "ls-files", "-z", "-c", "-o", "--exclude-standard"],
-                             capture_output=True, check=True)  # fmt: skip
+        out = subprocess.run(
+            ["git", "-C", str(root), "ls-files", "-z", "-c", "-o", "--exclude-standard"],
+            capture_output=True,
+            check=True,
+        )
     except (OSError, subprocess.CalledProcessError):
         return 0
     return sum((root / r).stat().st_size for r in out.stdout.decode().split("\0") if r and (root / r).is_file())
@@ -356,8 +401,15 @@ def plan_calls(parts: Sequence[Mapping], room_bytes: int, max_per_call: int = 7)
     return [names for _, names in calls]
 
 
-def pack(groups: Sequence[str], out_dir: Path, part_bytes: int, *, root: Path = ROOT, cache: Path = DEFAULT_CACHE,
-         files_of=group_files) -> dict:  # fmt: skip
+def pack(
+    groups: Sequence[str],
+    out_dir: Path,
+    part_bytes: int,
+    *,
+    root: Path = ROOT,
+    cache: Path = DEFAULT_CACHE,
+    files_of=group_files,
+) -> dict:
     """Write the groups' parts and ``manifest.json`` into ``out_dir`` (its old parts removed); the
     manifest. ``files_of(group, root, cache, work)`` gives each group's files (tests pass their own)."""
     check_limit(part_bytes)
@@ -374,14 +426,16 @@ def pack(groups: Sequence[str], out_dir: Path, part_bytes: int, *, root: Path = 
             files = files_of(group, root, cache, work)
             tar_path = work / f"{group}.tar"
             write_tar(files, tar_path)
-            manifest["groups"].append({
-                "group": group,
-                "tar": tar_path.name,
-                "bytes": tar_path.stat().st_size,
-                "sha256": sha256_file(tar_path),
-                "files": {name: {"bytes": src.stat().st_size} for name, src in sorted(files.items())},
-                "parts": split_file(tar_path, out_dir, part_bytes),
-            })  # fmt: skip
+            manifest["groups"].append(
+                {
+                    "group": group,
+                    "tar": tar_path.name,
+                    "bytes": tar_path.stat().st_size,
+                    "sha256": sha256_file(tar_path),
+                    "files": {name: {"bytes": src.stat().st_size} for name, src in sorted(files.items())},
+                    "parts": split_file(tar_path, out_dir, part_bytes),
+                }
+            )
     check_part_sizes(manifest, out_dir)
     tree = working_tree_bytes(root)
     room = CALL_BYTES - tree - 2 * MIB  # the manifest and a margin for files others add meanwhile
@@ -441,8 +495,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output folder (default .gpu_pack, gitignored)")
     parser.add_argument("--only", default=None, help=f"comma-separated groups to pack (of {','.join(GROUPS)})")
     parser.add_argument("--with", dest="with_", default=None, help="groups to pack besides code,wheels-core")
-    parser.add_argument("--part-mib", type=float, default=44.0,
-                        help="largest part in MiB (<= 60; 44 leaves room for the ~15 MiB working tree in a 64 MiB call)")
+    parser.add_argument(
+        "--part-mib",
+        type=float,
+        default=44.0,
+        help="largest part in MiB (<= 60; 44 leaves room for the ~15 MiB working tree in a 64 MiB call)",
+    )
     parser.add_argument("--wheel-cache", type=Path, default=DEFAULT_CACHE, help="downloaded wheels (gitignored)")
     args = parser.parse_args(argv)
     if args.only and args.with_:
@@ -450,7 +508,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.only:
         groups = [g.strip() for g in args.only.split(",") if g.strip()]
     elif args.with_:
-        groups = ["code", "wheels-core"] + [g.strip() for g in args.with_.split(",") if g.strip() not in ("", "code", "wheels-core")]
+        groups = ["code", "wheels-core"] + [
+            g.strip() for g in args.with_.split(",") if g.strip() not in ("", "code", "wheels-core")
+        ]
     else:
         groups = list(GROUPS)
     try:
@@ -459,10 +519,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     for group in manifest["groups"]:
-        print(f"{group['group']:12s} {group['bytes'] / MIB:7.1f} MiB  {len(group['files'])} files  "
-              f"{len(group['parts'])} part(s)")  # fmt: skip
-    print(f"working tree {manifest['working_tree_bytes'] / MIB:.1f} MiB travels with every call; the parts go in "
-          f"{len(manifest['calls'])} call(s):")  # fmt: skip
+        print(
+            f"{group['group']:12s} {group['bytes'] / MIB:7.1f} MiB  {len(group['files'])} files  "
+            f"{len(group['parts'])} part(s)"
+        )
+    print(
+        f"working tree {manifest['working_tree_bytes'] / MIB:.1f} MiB travels with every call; the parts go in "
+        f"{len(manifest['calls'])} call(s):"
+    )
     rel = os.path.relpath(args.out, ROOT) if args.out.is_absolute() else str(args.out)
     for i, call in enumerate(manifest["calls"], 1):
         print(f"  call {i}: carry {[f'{rel}/manifest.json'] + [f'{rel}/{n}' for n in call]}")

@@ -45,23 +45,37 @@ def main(argv: list[str] | None = None) -> int:
 
     model, tokenizer = load_policy(str(prepare_smollm2(args.cache_dir)))
     model.to(torch.device(args.device)).eval()
-    task = Task(TaskConfig(name="math", dataset="gsm8k", dataset_options={**EASY, "split": "train"}, eval_dataset="gsm8k",
-                           eval_dataset_options={**EASY, "split": "test"}, eval_size=args.problems,
-                           template=args.template), seed=0, tokenizer=tokenizer)  # fmt: skip
+    task = Task(
+        TaskConfig(
+            name="math",
+            dataset="gsm8k",
+            dataset_options={**EASY, "split": "train"},
+            eval_dataset="gsm8k",
+            eval_dataset_options={**EASY, "split": "test"},
+            eval_size=args.problems,
+            template=args.template,
+        ),
+        seed=0,
+        tokenizer=tokenizer,
+    )
     items, texts = task.eval_items, []
     t0 = time.time()
     for start in range(0, len(items), 4):
         chunk = [it["prompt"] for it in items[start : start + 4]]
-        texts += sample_groups(model, tokenizer, chunk, args.group, args.temperature, args.max_new_tokens, seed=start).texts
+        texts += sample_groups(
+            model, tokenizer, chunk, args.group, args.temperature, args.max_new_tokens, seed=start
+        ).texts
     seconds = time.time() - t0
     golds = [it["answer"] for it in items for _ in range(args.group)]
     results = score_batch(task.data_source, texts, golds, boxed_weight=0.1)
     acc = np.array([r["acc"] for r in results]).reshape(len(items), args.group)
     boxed = float(np.mean([r["format_boxed"] for r in results]))
-    print(f"template={args.template}: {len(items)} held-out easy GSM8K test problems x {args.group}, "
-          f"T={args.temperature}, <= {args.max_new_tokens} new tokens, {args.device}: accuracy {acc.mean():.4f} "
-          f"({int(acc.sum())}/{acc.size}), boxed {boxed:.3f}, groups with reward variance {(acc.std(1) > 0).mean():.3f}, "
-          f"{seconds:.0f} s")  # fmt: skip
+    print(
+        f"template={args.template}: {len(items)} held-out easy GSM8K test problems x {args.group}, "
+        f"T={args.temperature}, <= {args.max_new_tokens} new tokens, {args.device}: accuracy {acc.mean():.4f} "
+        f"({int(acc.sum())}/{acc.size}), boxed {boxed:.3f}, groups with reward variance {(acc.std(1) > 0).mean():.3f}, "
+        f"{seconds:.0f} s"
+    )
     return 0
 
 

@@ -274,9 +274,20 @@ def with_cluster_hosts(cfg: ClusterConfig, argv: list[str], hostname: Optional[s
     script = 'h="$1" f="$2"; shift 2; { [ -z "$h" ] || hostname "$h"; } && mount --bind "$f" /etc/hosts && exec "$@"'
     uts = ["--uts"] if hostname else []
     return [
-        "unshare", "--mount", "--propagation", "slave", *uts, "--",
-        "sh", "-c", script, "sh", hostname or "", str(cfg.hosts_file), *argv,
-    ]  # fmt: skip
+        "unshare",
+        "--mount",
+        "--propagation",
+        "slave",
+        *uts,
+        "--",
+        "sh",
+        "-c",
+        script,
+        "sh",
+        hostname or "",
+        str(cfg.hosts_file),
+        *argv,
+    ]
 
 
 def slurmd_command(cfg: ClusterConfig, name: str, slurmd: str = "slurmd") -> list[str]:
@@ -522,9 +533,13 @@ def _spawn(cfg: ClusterConfig, cmd: list[str], log_name: str) -> dict:
     """Start a daemon in a session of its own, output to ``log/<log_name>``; its pid record."""
     with open(Path(cfg.state_dir) / "log" / log_name, "ab") as log:
         proc = subprocess.Popen(
-            cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=slurm_env(cfg),
+            cmd,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=slurm_env(cfg),
             start_new_session=True,
-        )  # fmt: skip
+        )
     return proc_record(proc.pid)
 
 
@@ -571,10 +586,18 @@ def _make_dirs(cfg: ClusterConfig, controller_host: str) -> None:
 def start_munged(cfg: ClusterConfig) -> dict:
     m = Path(cfg.state_dir) / "munge"
     cmd = [
-        "setpriv", "--reuid=munge", "--regid=munge", "--init-groups", "munged", "--foreground",
-        f"--socket={cfg.munge_socket}", f"--key-file={m}/key/munge.key", f"--pid-file={m}/munged.pid",
-        f"--seed-file={m}/munged.seed", f"--log-file={m}/munged.log",
-    ]  # fmt: skip
+        "setpriv",
+        "--reuid=munge",
+        "--regid=munge",
+        "--init-groups",
+        "munged",
+        "--foreground",
+        f"--socket={cfg.munge_socket}",
+        f"--key-file={m}/key/munge.key",
+        f"--pid-file={m}/munged.pid",
+        f"--seed-file={m}/munged.seed",
+        f"--log-file={m}/munged.log",
+    ]
     record = _spawn(cfg, cmd, "munged.log")
     _wait("munged", cfg.munge_socket.exists, 15, record, f"{cfg.state_dir}/log/munged.log")
     return record
@@ -625,9 +648,10 @@ def healthy(cfg: ClusterConfig, state: dict) -> bool:
     pids = state.get("pids", {})
     have = set(netns_list())
     return (
-        alive(pids.get("munged")) and alive(pids.get("slurmctld"))
+        alive(pids.get("munged"))
+        and alive(pids.get("slurmctld"))
         and all(alive(pids.get("slurmd", {}).get(n)) and cfg.netns(n) in have for n in cfg.node_names)
-    )  # fmt: skip
+    )
 
 
 def up(cfg: ClusterConfig, rate_mbit: Optional[float], timeout_s: float = 60.0) -> Path:
@@ -649,9 +673,13 @@ def up(cfg: ClusterConfig, rate_mbit: Optional[float], timeout_s: float = 60.0) 
     try:
         _make_dirs(cfg, host)
         state = {
-            "config": asdict(cfg), "controller": {"host": host, "ip": cfg.controller_ip}, "conf": str(cfg.conf_path),
-            "rate_mbit": rate_mbit, "nodes": node_addresses(cfg), "pids": {"slurmd": {}},
-        }  # fmt: skip
+            "config": asdict(cfg),
+            "controller": {"host": host, "ip": cfg.controller_ip},
+            "conf": str(cfg.conf_path),
+            "rate_mbit": rate_mbit,
+            "nodes": node_addresses(cfg),
+            "pids": {"slurmd": {}},
+        }
         _write_state(cfg, state)
         bridge_up(cfg)
         for name in cfg.node_names:
@@ -763,16 +791,24 @@ def status(cfg: ClusterConfig) -> dict:
         present, host_if = cfg.netns(name) in have, cfg.host_if(name)
         rate = _tbf_bytes_s(host_if) if present else None
         nodes[name] = {
-            "address": ip, "netns": cfg.netns(name), "netns_present": present,
+            "address": ip,
+            "netns": cfg.netns(name),
+            "netns_present": present,
             "link": ("up" if "UP" in _link_flags(host_if) else "cut") if present and link_exists(host_if) else "absent",
-            "rate_mbit": rate * 8 / 1e6 if rate else None, "slurmd_alive": alive(pids.get("slurmd", {}).get(name)),
+            "rate_mbit": rate * 8 / 1e6 if rate else None,
+            "slurmd_alive": alive(pids.get("slurmd", {}).get(name)),
             "slurm_state": states.get(name),
-        }  # fmt: skip
+        }
     return {
-        "up": bool(state) and healthy(cfg, state), "state_dir": cfg.state_dir, "conf": state.get("conf"),
-        "controller": state.get("controller"), "bridge_present": link_exists(cfg.bridge),
-        "munged_alive": alive(pids.get("munged")), "slurmctld_alive": ctld, "nodes": nodes,
-    }  # fmt: skip
+        "up": bool(state) and healthy(cfg, state),
+        "state_dir": cfg.state_dir,
+        "conf": state.get("conf"),
+        "controller": state.get("controller"),
+        "bridge_present": link_exists(cfg.bridge),
+        "munged_alive": alive(pids.get("munged")),
+        "slurmctld_alive": ctld,
+        "nodes": nodes,
+    }
 
 
 def _print_status(s: dict, conf_line: bool = True) -> None:

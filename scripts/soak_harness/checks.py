@@ -44,8 +44,9 @@ def final_state(learner_handle: Any, run_dir: Path) -> FinalState:
         source = f"latest checkpoint, step {state['step']} (live learner unavailable: {why})"
         checkpoint_step = int(state["step"])
     ledger = state["buffer"]["ledger"]
-    return FinalState(dict(ledger["status"]), dict(ledger["duplicates"]), int(state["learner"]["version"]),
-                      source, checkpoint_step)  # fmt: skip
+    return FinalState(
+        dict(ledger["status"]), dict(ledger["duplicates"]), int(state["learner"]["version"]), source, checkpoint_step
+    )
 
 
 # --------------------------------------------------------------------------- accounting by uid
@@ -81,18 +82,35 @@ def account_uids(seen: dict[str, set[str]], ledger: dict[str, str], in_transport
             lost_uids.append(uid)
     reused = {uid: len(shas) for uid, shas in seen.items() if SAMPLER_UID.match(uid) and len(shas) > 1}
     account = UidAccount(generated, outcome, lost_uids, reused)
-    unknown = sorted(k for k in set(seen) | set(ledger)
-                     if not k.startswith("fault-") and not SAMPLER_UID.match(k) and not LIAR_UID.match(k))  # fmt: skip
+    unknown = sorted(
+        k
+        for k in set(seen) | set(ledger)
+        if not k.startswith("fault-") and not SAMPLER_UID.match(k) and not LIAR_UID.match(k)
+    )
     if unknown:
-        account.errors.append(f"{len(unknown)} rollout keys match neither the sampler uid pattern nor the "
-                              f"injector's (e.g. {unknown[:3]}): the accounting would not cover them")
+        account.errors.append(
+            f"{len(unknown)} rollout keys match neither the sampler uid pattern nor the "
+            f"injector's (e.g. {unknown[:3]}): the accounting would not cover them"
+        )
     return account
 
 
 # --------------------------------------------------------------------------- samplers that lie (hetero.trust)
-TRUST_REASONS = ("unsigned", "unenrolled", "revoked", "bad_signature", "sampler_mismatch", "bad_logprobs",
-                 "bad_rewards", "bad_advantages", "unknown_prompt", "quarantined", "divergent",
-                 "undeclared_precision", "unknown_precision")  # fmt: skip
+TRUST_REASONS = (
+    "unsigned",
+    "unenrolled",
+    "revoked",
+    "bad_signature",
+    "sampler_mismatch",
+    "bad_logprobs",
+    "bad_rewards",
+    "bad_advantages",
+    "unknown_prompt",
+    "quarantined",
+    "divergent",
+    "undeclared_precision",
+    "unknown_precision",
+)
 """Refusals of the signature check and the trust gate: an honest group refused for one is a false
 alarm. Not ``replayed``: content identical to an accepted group is refused by design and without
 blame, an honest coincidence included (it shows under the run's reasons); nor ``lost_version`` and
@@ -118,10 +136,21 @@ def liar_figures(ledger: dict[str, str], crew: dict[str, Any], run_dir: Path) ->
     quarantined_at = {e["sampler_id"]: e["time"] for e in read_events(run_dir) if e.get("event") == "quarantined"}
     from .liars import LIES, liar_id
 
-    to_quarantine = {kind: (round(quarantined_at[liar_id(kind)] - first[kind], 1) if liar_id(kind) in quarantined_at
-                            and kind in first else None) for kind in LIES}  # fmt: skip
-    return {"poisoned_trained": sum(poisoned.values()), "poisoned_by_lie": dict(poisoned), "sent": len(lied),
-            "outcomes": {k: dict(v) for k, v in sorted(outcomes.items())}, "seconds_to_quarantine": to_quarantine}  # fmt: skip
+    to_quarantine = {
+        kind: (
+            round(quarantined_at[liar_id(kind)] - first[kind], 1)
+            if liar_id(kind) in quarantined_at and kind in first
+            else None
+        )
+        for kind in LIES
+    }
+    return {
+        "poisoned_trained": sum(poisoned.values()),
+        "poisoned_by_lie": dict(poisoned),
+        "sent": len(lied),
+        "outcomes": {k: dict(v) for k, v in sorted(outcomes.items())},
+        "seconds_to_quarantine": to_quarantine,
+    }
 
 
 # --------------------------------------------------------------------------- the step metrics
@@ -146,15 +175,18 @@ def check_steps(rows: list[dict], final: FinalState, batch: int, generated: set[
     consumed_rows = [r for r in rows if "hetero/consumed" in r]
     step_rows = [r for r in consumed_rows if final.checkpoint_step is None or r["step"] <= final.checkpoint_step]
     check = StepCheck(
-        steps_done=max((int(r["step"]) for r in consumed_rows), default=0), steps_executed=len(step_rows),
+        steps_done=max((int(r["step"]) for r in consumed_rows), default=0),
+        steps_executed=len(step_rows),
         consumed_by_metrics=int(sum(r["hetero/consumed"] for r in step_rows)),
         consumed_in_ledger=sum(1 for s in final.ledger.values() if s == "consumed"),
-    )  # fmt: skip
+    )
     if consumed_rows and not generated:
         check.errors.append("the learner took steps but no sampler group was seen: the accounting saw nothing")
     if not 0 <= check.consumed_in_ledger - check.consumed_by_metrics <= batch:
-        check.errors.append(f"ledger has {check.consumed_in_ledger} consumed groups but the step metrics count "
-                            f"{check.consumed_by_metrics} (batch {batch})")
+        check.errors.append(
+            f"ledger has {check.consumed_in_ledger} consumed groups but the step metrics count "
+            f"{check.consumed_by_metrics} (batch {batch})"
+        )
     bad_finite = [r["step"] for r in step_rows if not math.isfinite(r.get("actor/loss", 0.0))]
     if bad_finite:
         check.errors.append(f"non-finite loss logged at steps {bad_finite[:5]}")
@@ -247,8 +279,12 @@ def _judge_of(kind: str) -> Optional[Callable[[Fault, RunEnd], str]]:
         return _weights_passed
     if kind in WAN_FAULT_WEIGHTS:
         return _network
-    return {"sampler_kill": _sampler_kill, "learner_crash": _learner_crash, "duplicate_message": _duplicate,
-            "clock_skew_rollout": _clock_skew_rollout}.get(kind)  # fmt: skip
+    return {
+        "sampler_kill": _sampler_kill,
+        "learner_crash": _learner_crash,
+        "duplicate_message": _duplicate,
+        "clock_skew_rollout": _clock_skew_rollout,
+    }.get(kind)
 
 
 def judge_faults(faults: list[Fault], end: RunEnd) -> None:
@@ -260,8 +296,15 @@ def judge_faults(faults: list[Fault], end: RunEnd) -> None:
 
 
 # --------------------------------------------------------------------------- the summary's figures
-def accounting(final: FinalState, uids: UidAccount, steps: StepCheck, temporaries: list[str],
-               actor_names: set[str], segments: list[dict], leftovers: list[str]) -> dict[str, Any]:
+def accounting(
+    final: FinalState,
+    uids: UidAccount,
+    steps: StepCheck,
+    temporaries: list[str],
+    actor_names: set[str],
+    segments: list[dict],
+    leftovers: list[str],
+) -> dict[str, Any]:
     """The figures :func:`soak_harness.report.report` prints."""
     outcome = uids.outcome
     return {
@@ -277,15 +320,17 @@ def accounting(final: FinalState, uids: UidAccount, steps: StepCheck, temporarie
         "lost_uids": uids.lost_uids[:20],
         "reused_uids": dict(sorted(uids.reused.items())[:20]),
         "uids_reused": len(uids.reused),
-        "sampler_groups_rejected_future": sum(1 for uid in uids.generated
-                                              if final.ledger.get(uid) == "rejected:future_version"),
+        "sampler_groups_rejected_future": sum(
+            1 for uid in uids.generated if final.ledger.get(uid) == "rejected:future_version"
+        ),
         "consumed_by_step_metrics": steps.consumed_by_metrics,
         "consumed_in_ledger_all": steps.consumed_in_ledger,
         "duplicate_arrivals": int(sum(final.duplicates.values())),
         "leftover_temporaries": len(temporaries),
         "final_policy_version": final.version,
-        "sampler_restarts": sum(1 for n in actor_names
-                                if SAMPLER_ACTOR.match(n.split(":", 1)[1]) and not n.endswith("-0")),
+        "sampler_restarts": sum(
+            1 for n in actor_names if SAMPLER_ACTOR.match(n.split(":", 1)[1]) and not n.endswith("-0")
+        ),
         "segments": segments,
         "leftover_actors_at_end": leftovers,
-    }  # fmt: skip
+    }

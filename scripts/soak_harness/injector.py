@@ -40,12 +40,25 @@ class Injector(threading.Thread):
     segment is on (``in_run``), until stopped; kills the learner at ``learner_crashes`` random
     times once the run directory ``run_dir`` has a checkpoint (setting ``crash_flag`` first)."""
 
-    def __init__(self, transport: Transport, exchange: Path, run_dir: Path, seed: int, t0: float, duration: float,
-                 mean_interval: float, learner_crashes: int, save_freq: int, wan: Optional[WanLink] = None,
-                 key: Optional[SamplerKey] = None):
+    def __init__(
+        self,
+        transport: Transport,
+        exchange: Path,
+        run_dir: Path,
+        seed: int,
+        t0: float,
+        duration: float,
+        mean_interval: float,
+        learner_crashes: int,
+        save_freq: int,
+        wan: Optional[WanLink] = None,
+        key: Optional[SamplerKey] = None,
+    ):
         super().__init__(daemon=True, name="soak-injector")
         self.transport, self.exchange, self.run_dir, self.wan = transport, exchange, run_dir, wan
-        self.key = key  # enrolled (hetero.trust.enrolment_file): its bad groups meet validation, not the signature check
+        self.key = (
+            key  # enrolled (hetero.trust.enrolment_file): its bad groups meet validation, not the signature check
+        )
         self.fault_weights = fault_weights(wan is not None)
         self.rng = random.Random(seed * 7919 + 1)
         self.damage = ExchangeDamage(exchange, self.rng)
@@ -141,8 +154,12 @@ class Injector(threading.Thread):
         """A second handle on the exchange whose sender clock is ``skew`` seconds off."""
         if self.wan is None:
             return FsspecTransport(str(self.exchange), clock=lambda: time.time() + skew)
-        return RayTransport(self.transport.name, self.transport.namespace, clock=lambda: time.time() + skew,
-                            resources=self.transport.resources)  # fmt: skip
+        return RayTransport(
+            self.transport.name,
+            self.transport.namespace,
+            clock=lambda: time.time() + skew,
+            resources=self.transport.resources,
+        )
 
     # -- the faults; each returns None when there was nothing to inject it into
     def inject(self, kind: str) -> Optional[Fault]:

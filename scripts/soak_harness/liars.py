@@ -67,8 +67,9 @@ class LiarCrew(SamplerWorker):
     def __init__(self, engine: Any, model_path: str, spec: Any):
         super().__init__(FIRST_INDEX - 1, engine, model_path, spec, speed_factor=1.0, uid_namespace="liars")
         # keys made here, as every sampler makes its own; the forger's claims sampler-0's name
-        self.keys = {kind: SamplerKey.generate("sampler-0" if kind == "forged_signature" else liar_id(kind))
-                     for kind in LIES}  # fmt: skip
+        self.keys = {
+            kind: SamplerKey.generate("sampler-0" if kind == "forged_signature" else liar_id(kind)) for kind in LIES
+        }
         self.turn = itertools.cycle(LIES)
         self.lied: dict[str, str] = {}  # uid -> kind, every group sent
         self.first_sent: dict[str, float] = {}  # kind -> wall time of its first group
@@ -111,7 +112,9 @@ class LiarCrew(SamplerWorker):
             return self._q_of_other_version(group)
         elif kind == "claims_newer":
             newest = self.published.latest_version()
-            group.policy_version = newest if newest is not None and newest > group.policy_version else group.policy_version + 1
+            group.policy_version = (
+                newest if newest is not None and newest > group.policy_version else group.policy_version + 1
+            )
         elif kind in ("reward_flip", "reward_inflate"):
             rewards = 1.0 - group.rewards if kind == "reward_flip" else np.ones_like(group.rewards)
             self._set_rewards(group, rewards)
@@ -124,8 +127,9 @@ class LiarCrew(SamplerWorker):
     def _set_rewards(self, group: RolloutGroup, rewards: np.ndarray) -> None:
         group.rewards = np.asarray(rewards, np.float32)
         mask = torch.as_tensor(group.response_mask).long()
-        group.advantages = sequence_advantages(torch.from_numpy(group.rewards), mask, [group.group_uid] * len(rewards),
-                                               self.algorithm_config).numpy()  # fmt: skip
+        group.advantages = sequence_advantages(
+            torch.from_numpy(group.rewards), mask, [group.group_uid] * len(rewards), self.algorithm_config
+        ).numpy()
 
     def _q_of_other_version(self, group: RolloutGroup) -> bool:
         others = [v for v in self.published.versions() if v != group.policy_version]
@@ -146,8 +150,16 @@ class LiarCrew(SamplerWorker):
                 original = RolloutGroup.from_bytes(unverified_record(self.transport.get(ROLLOUT_TOPIC, key)))
             except (KeyError, ValueError):
                 continue
-            for name in ("prompt_ids", "prompt_mask", "response_ids", "response_mask", "sampler_logprobs", "rewards",
-                         "advantages", "policy_version"):  # fmt: skip
+            for name in (
+                "prompt_ids",
+                "prompt_mask",
+                "response_ids",
+                "response_mask",
+                "sampler_logprobs",
+                "rewards",
+                "advantages",
+                "policy_version",
+            ):
                 setattr(group, name, getattr(original, name))
             return True
         return False
@@ -161,9 +173,11 @@ def start_crew(cfg, enrolment_file: Path) -> Optional[Any]:
     from recipe.gepo.embedded.engine import EngineConfig
 
     engine = EngineConfig.from_omegaconf(cfg)
-    crew = ray.remote(num_cpus=0, max_restarts=0, max_concurrency=3)(LiarCrew).options(name="soak-liar-crew").remote(
-        engine, str(cfg.actor_rollout_ref.model.path), transport_spec(engine.hetero, engine.settings)
-    )  # fmt: skip
+    crew = (
+        ray.remote(num_cpus=0, max_restarts=0, max_concurrency=3)(LiarCrew)
+        .options(name="soak-liar-crew")
+        .remote(engine, str(cfg.actor_rollout_ref.model.path), transport_spec(engine.hetero, engine.settings))
+    )
     enrol_insiders(enrolment_file, ray.get(crew.public_keys.remote(), timeout=300))
     crew.run.remote()
     return crew

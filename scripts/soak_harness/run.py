@@ -56,16 +56,26 @@ class Harness:
         return self.folder / "run"
 
 
-def soak(minutes: float = 10.0, seed: int = 0, run_dir: Optional[Path] = None, fault_every: float = 5.0,
-         learner_crashes: int = 2, save_freq: int = 5, wait_timeout_s: float = 120.0,
-         overrides: Optional[list[str]] = None, log=print, wan: Optional[WanLink] = None,
-         liars: bool = False) -> SoakResult:
+def soak(
+    minutes: float = 10.0,
+    seed: int = 0,
+    run_dir: Optional[Path] = None,
+    fault_every: float = 5.0,
+    learner_crashes: int = 2,
+    save_freq: int = 5,
+    wait_timeout_s: float = 120.0,
+    overrides: Optional[list[str]] = None,
+    log=print,
+    wan: Optional[WanLink] = None,
+    liars: bool = False,
+) -> SoakResult:
     """Run the soak; with ``wan`` (a :class:`WanLink` already ``up``) across the real link; with
     ``liars`` beside the lying samplers of :mod:`soak_harness.liars`."""
     folder = Path(run_dir or f"/tmp/heterorl-soak-{seed}-{int(time.time())}").resolve()
     (folder / "exchange").mkdir(parents=True, exist_ok=True)
-    cfg = soak_config(folder, seed, save_freq, wait_timeout_s, overrides or [],
-                      wan_address=wan.address if wan is not None else "")  # fmt: skip
+    cfg = soak_config(
+        folder, seed, save_freq, wait_timeout_s, overrides or [], wan_address=wan.address if wan is not None else ""
+    )
     hetero = HeteroConfig.from_omegaconf(cfg.hetero)
     if liars and not hetero.trust.sign_records:
         raise ValueError("--liars: the outsiders' lies are only refused with hetero.trust.sign_records=true")
@@ -92,8 +102,17 @@ def _stop_crew(crew) -> Optional[dict]:
 
 
 # --------------------------------------------------------------------------- set-up
-def _set_up(cfg, hetero: HeteroConfig, folder: Path, seed: int, duration: float, fault_every: float,
-            learner_crashes: int, save_freq: int, wan: Optional[WanLink]) -> Harness:
+def _set_up(
+    cfg,
+    hetero: HeteroConfig,
+    folder: Path,
+    seed: int,
+    duration: float,
+    fault_every: float,
+    learner_crashes: int,
+    save_freq: int,
+    wan: Optional[WanLink],
+) -> Harness:
     # the engine's own exchange folder, or its mailbox (same name and placement as the run's)
     transport = transport_spec(hetero, RunSettings.from_config(cfg)).open()
     # the time limit ends run(cfg) with a simulated SIGINT, which does nothing while SIGINT is
@@ -108,8 +127,19 @@ def _set_up(cfg, hetero: HeteroConfig, folder: Path, seed: int, duration: float,
         enrolment = Enrolment.load(hetero.trust.enrolment_file)
         enrolment.enrol(key.sampler_id, key.public_hex())
         enrolment.save(hetero.trust.enrolment_file)
-    injector = Injector(transport, exchange, folder / "run", seed, t0, duration, fault_every, learner_crashes,
-                        save_freq, wan=wan, key=key)  # fmt: skip
+    injector = Injector(
+        transport,
+        exchange,
+        folder / "run",
+        seed,
+        t0,
+        duration,
+        fault_every,
+        learner_crashes,
+        save_freq,
+        wan=wan,
+        key=key,
+    )
     return Harness(cfg, folder, transport, watcher, injector, duration, t0, wan is not None)
 
 
@@ -211,14 +241,28 @@ def _check(h: Harness, crew_report: Optional[dict] = None) -> SoakResult:
     rows = read_metric_rows(h.run_dir, missing_ok=True, warn=False)
     steps = check_steps(rows, final, int(h.cfg.data.train_batch_size), uids.generated)
     end_s = time.monotonic() - h.t0
-    judge_faults(h.injector.faults, RunEnd(
-        final.ledger, in_transport, final.version, int(h.cfg.hetero.max_delay), h.injector.actor_names,
-        {i: s.get("ended_s", end_s) for i, s in enumerate(h.segments)}, len(h.segments), end_s,
-    ))  # fmt: skip
+    judge_faults(
+        h.injector.faults,
+        RunEnd(
+            final.ledger,
+            in_transport,
+            final.version,
+            int(h.cfg.hetero.max_delay),
+            h.injector.actor_names,
+            {i: s.get("ended_s", end_s) for i, s in enumerate(h.segments)},
+            len(h.segments),
+            end_s,
+        ),
+    )
     return SoakResult(
-        steps_done=steps.steps_done, steps_executed=steps.steps_executed, faults=h.injector.faults,
+        steps_done=steps.steps_done,
+        steps_executed=steps.steps_executed,
+        faults=h.injector.faults,
         accounting=accounting(final, uids, steps, temporaries, h.injector.actor_names, h.segments, leftovers),
-        lost=uids.lost, consumed_twice=steps.consumed_twice, errors=h.errors + uids.errors + steps.errors,
-        wall_s=time.monotonic() - h.t0, run_dir=str(h.folder),
+        lost=uids.lost,
+        consumed_twice=steps.consumed_twice,
+        errors=h.errors + uids.errors + steps.errors,
+        wall_s=time.monotonic() - h.t0,
+        run_dir=str(h.folder),
         liars=None if crew_report is None else liar_figures(final.ledger, crew_report, h.run_dir),
-    )  # fmt: skip
+    )

@@ -8,7 +8,6 @@ import time
 from typing import Optional
 
 
-
 class WanLink:
     """The two-node cluster of scripts/wan/cluster.py and its network faults (see
     ``scripts/soak.py``). Check :meth:`refusal` before :meth:`up`: it names the missing privileges."""

@@ -49,7 +49,9 @@ def run_numbers(metrics: list[dict], total_steps: int, last_evals: int = 0) -> d
     ``diag/adv_estimation_error`` over all training steps that logged them, ``staleness_max`` the
     largest ``hetero/staleness_max``.
     """
-    evals = [(r["step"], r["eval/acc_mean"]) for r in metrics if "eval/acc_mean" in r and r["eval/acc_mean"] is not None]
+    evals = [
+        (r["step"], r["eval/acc_mean"]) for r in metrics if "eval/acc_mean" in r and r["eval/acc_mean"] is not None
+    ]
     start = next((a for s, a in evals if s == 0), math.nan)
     after = [(s, a) for s, a in evals if s > 0]
     cut = 0.75 * total_steps
@@ -62,8 +64,15 @@ def run_numbers(metrics: list[dict], total_steps: int, last_evals: int = 0) -> d
         out["gap"] = out["best"] - out["last"]
 
     def tail(key: str, all_steps: bool = False) -> list[float]:
-        return [r[key] for r in metrics if key in r and r[key] is not None and r["step"] > 0
-                and (all_steps or r["step"] > cut) and math.isfinite(r[key])]  # fmt: skip
+        return [
+            r[key]
+            for r in metrics
+            if key in r
+            and r[key] is not None
+            and r["step"] > 0
+            and (all_steps or r["step"] > cut)
+            and math.isfinite(r[key])
+        ]
 
     def tail_mean(key: str, all_steps: bool = False) -> float:
         vals = tail(key, all_steps)
@@ -122,9 +131,25 @@ def replicate_rows(this: list[dict], other: list[dict]) -> list[dict]:
 
 
 # what run_numbers returns, in the order of the per-run CSV
-RUN_KEYS = ("start", "best", "last", "lq_mean", "gap", "kl", "var", "weight_mean", "clipfrac", "staleness",
-            "staleness_max", "err", "clipfrac_pos", "clipfrac_neg", "zero_grad_stale", "weight_right",
-            "weight_wrong")  # fmt: skip
+RUN_KEYS = (
+    "start",
+    "best",
+    "last",
+    "lq_mean",
+    "gap",
+    "kl",
+    "var",
+    "weight_mean",
+    "clipfrac",
+    "staleness",
+    "staleness_max",
+    "err",
+    "clipfrac_pos",
+    "clipfrac_neg",
+    "zero_grad_stale",
+    "weight_right",
+    "weight_wrong",
+)
 
 
 def _group_key(r: dict) -> tuple:
@@ -142,8 +167,13 @@ def summarize(per_run: list[dict]) -> list[dict]:
     rows = []
     for _, runs in sorted(groups.items()):
         first = runs[0]
-        row = {"task": first["task"], "algo": first["algo"], "delay": first["delay"], "n": len(runs),
-               "seeds": sorted(r["seed"] for r in runs)}  # fmt: skip
+        row = {
+            "task": first["task"],
+            "algo": first["algo"],
+            "delay": first["delay"],
+            "n": len(runs),
+            "seeds": sorted(r["seed"] for r in runs),
+        }
         if "lr" in first:
             row["lr"] = first["lr"]
         for k in RUN_KEYS:
@@ -171,10 +201,13 @@ def stability_rows(summary: list[dict], per_run: list[dict]) -> list[dict]:
     for row in rows.values():
         diffs = row.pop("diffs")
         m, sd = mean_std(diffs)
-        row.update(pooled_drop=m, pooled_se=sd / math.sqrt(len(diffs)) if diffs else math.nan,
-                   pooled_n=len(diffs), worse=sum(x > 0 for x in diffs))  # fmt: skip
+        row.update(
+            pooled_drop=m,
+            pooled_se=sd / math.sqrt(len(diffs)) if diffs else math.nan,
+            pooled_n=len(diffs),
+            worse=sum(x > 0 for x in diffs),
+        )
     return list(rows.values())
-
 
 
 def choose_lrs(per_run: list[dict], plan: Plan, tol: float = 0.01) -> tuple[dict, dict]:
@@ -190,17 +223,44 @@ def choose_lrs(per_run: list[dict], plan: Plan, tol: float = 0.01) -> tuple[dict
         for algo in plan.algos:
             if algo in plan.lrs:
                 chosen.setdefault(algo, float(plan.lrs[algo]))
-                table.append({"task": task, "algo": algo, "lr": float(plan.lrs[algo]), "mean": math.nan, "sd": math.nan,
-                              "n": 0, "chosen": True, "pinned": True})  # fmt: skip
+                table.append(
+                    {
+                        "task": task,
+                        "algo": algo,
+                        "lr": float(plan.lrs[algo]),
+                        "mean": math.nan,
+                        "sd": math.nan,
+                        "n": 0,
+                        "chosen": True,
+                        "pinned": True,
+                    }
+                )
                 continue
             means = {}
             for lr in plan.lr_grid:
-                scores = [r["lq_mean"] for r in per_run if r["task"] == task and r["algo"] == algo and r["delay"] == 0
-                          and math.isclose(r["lr"], lr) and r["seed"] in plan.lr_seeds]  # fmt: skip
+                scores = [
+                    r["lq_mean"]
+                    for r in per_run
+                    if r["task"] == task
+                    and r["algo"] == algo
+                    and r["delay"] == 0
+                    and math.isclose(r["lr"], lr)
+                    and r["seed"] in plan.lr_seeds
+                ]
                 m, sd = mean_std(scores)
                 means[float(lr)] = m
-                table.append({"task": task, "algo": algo, "lr": float(lr), "mean": m, "sd": sd, "n": len(scores),
-                              "chosen": False, "pinned": False})  # fmt: skip
+                table.append(
+                    {
+                        "task": task,
+                        "algo": algo,
+                        "lr": float(lr),
+                        "mean": m,
+                        "sd": sd,
+                        "n": len(scores),
+                        "chosen": False,
+                        "pinned": False,
+                    }
+                )
                 if len(scores) < len(plan.lr_seeds):
                     means[float(lr)] = math.nan  # incomplete: not eligible yet
             ok = {lr: m for lr, m in means.items() if math.isfinite(m)}
@@ -273,12 +333,30 @@ def comparison_rows(per_run: list[dict], reference: str, alpha: float = 0.05) ->
                 def _mde(t):
                     return mde(t.sd, t.n, alpha) if t.n >= 2 and math.isfinite(t.sd) and t.sd > 0 else math.nan
 
-                rows.append({"task": task, "condition": cond, "staleness_mean": st_mean, "staleness_max": st_max,
-                             "reference": reference, "baseline": b, "n_drop": dt.n,
-                             "ref_drop": mean_std(ref_drop)[0], "base_drop": mean_std(b_drop)[0],
-                             "drop_diff": dt.mean, "drop_lo": dt.ci_low, "drop_hi": dt.ci_high, "drop_p": dt.p,
-                             "drop_mde": _mde(dt), "n_score": st.n, "score_diff": st.mean, "score_lo": st.ci_low,
-                             "score_hi": st.ci_high, "score_p": st.p, "score_mde": _mde(st)})  # fmt: skip
+                rows.append(
+                    {
+                        "task": task,
+                        "condition": cond,
+                        "staleness_mean": st_mean,
+                        "staleness_max": st_max,
+                        "reference": reference,
+                        "baseline": b,
+                        "n_drop": dt.n,
+                        "ref_drop": mean_std(ref_drop)[0],
+                        "base_drop": mean_std(b_drop)[0],
+                        "drop_diff": dt.mean,
+                        "drop_lo": dt.ci_low,
+                        "drop_hi": dt.ci_high,
+                        "drop_p": dt.p,
+                        "drop_mde": _mde(dt),
+                        "n_score": st.n,
+                        "score_diff": st.mean,
+                        "score_lo": st.ci_low,
+                        "score_hi": st.ci_high,
+                        "score_p": st.p,
+                        "score_mde": _mde(st),
+                    }
+                )
     return rows
 
 
@@ -305,8 +383,12 @@ def dominance_rows(*designs: list[dict], grpo: str = "grpo_paper", alpha: float 
     stale = sorted({r["delay"] for r in every if r["delay"] != 0}, key=condition_key)
     out = []
     for m in methods:
-        comps = [c for runs in designs for c in comparison_rows(runs, m, alpha)  # each design pairs with its own
-                 if c["condition"] != 0 and c["n_drop"] >= 2]  # on-policy runs  # fmt: skip
+        comps = [
+            c
+            for runs in designs
+            for c in comparison_rows(runs, m, alpha)  # each design pairs with its own
+            if c["condition"] != 0 and c["n_drop"] >= 2
+        ]  # on-policy runs
         seen = {(c["condition"], c["baseline"]) for c in comps}
         losses = [c for c in comps if c["drop_lo"] > 0]
         against_grpo = [c for c in comps if c["baseline"] == grpo]
@@ -315,16 +397,25 @@ def dominance_rows(*designs: list[dict], grpo: str = "grpo_paper", alpha: float 
         beats_grpo_holm = [c["condition"] for c, p in zip(against_grpo, adjusted) if c["drop_hi"] < 0 and p < alpha]
         complete = all((cond, b) in seen for cond in stale for b in methods if b != m)
         wins_so_far = not losses and bool(beats_grpo)
-        out.append({"algo": m, "compared": len(comps), "complete": complete,
-                    "significant_losses": [(c["condition"], c["baseline"]) for c in losses],
-                    "point_losses": sum(c["drop_diff"] > 0 for c in comps),
-                    "beats_grpo_at": beats_grpo, "beats_grpo_holm_at": beats_grpo_holm,
-                    "wins_so_far": wins_so_far, "wins": complete and wins_so_far})  # fmt: skip
+        out.append(
+            {
+                "algo": m,
+                "compared": len(comps),
+                "complete": complete,
+                "significant_losses": [(c["condition"], c["baseline"]) for c in losses],
+                "point_losses": sum(c["drop_diff"] > 0 for c in comps),
+                "beats_grpo_at": beats_grpo,
+                "beats_grpo_holm_at": beats_grpo_holm,
+                "wins_so_far": wins_so_far,
+                "wins": complete and wins_so_far,
+            }
+        )
     return out
 
 
-def verdict_rows(*designs: list[dict], against: tuple[str, ...] = ("gepo", "grpo_paper"),
-                 alpha: float = 0.05) -> list[dict]:
+def verdict_rows(
+    *designs: list[dict], against: tuple[str, ...] = ("gepo", "grpo_paper"), alpha: float = 0.05
+) -> list[dict]:
     """Each method against each of ``against``, per stale condition of each design (``designs`` as
     in :func:`dominance_rows`): the paired difference of drops, method minus the other (> 0: the
     method loses more to staleness), its 95% interval, p and ``verdict`` -- "smaller" / "larger"
@@ -337,16 +428,26 @@ def verdict_rows(*designs: list[dict], against: tuple[str, ...] = ("gepo", "grpo
                 if c["condition"] == 0:
                     continue
                 diff, lo, hi = -c["drop_diff"], -c["drop_hi"], -c["drop_lo"]  # method minus other
-                verdict = ("-" if c["n_drop"] < 2 else "smaller" if hi < 0 else "larger" if lo > 0
-                           else "no difference")  # fmt: skip
-                out.append({"task": c["task"], "algo": c["baseline"], "against": other, "condition": c["condition"],
-                            "n": c["n_drop"], "diff": diff, "lo": lo, "hi": hi, "p": c["drop_p"],
-                            "verdict": verdict})  # fmt: skip
+                verdict = "-" if c["n_drop"] < 2 else "smaller" if hi < 0 else "larger" if lo > 0 else "no difference"
+                out.append(
+                    {
+                        "task": c["task"],
+                        "algo": c["baseline"],
+                        "against": other,
+                        "condition": c["condition"],
+                        "n": c["n_drop"],
+                        "diff": diff,
+                        "lo": lo,
+                        "hi": hi,
+                        "p": c["drop_p"],
+                        "verdict": verdict,
+                    }
+                )
     return out
 
 
 def choice_rows(*designs: list[dict], alpha: float = 0.05) -> list[dict]:
-    """"Which loss for which staleness", per stale condition of each design (``designs`` as in
+    """ "Which loss for which staleness", per stale condition of each design (``designs`` as in
     :func:`dominance_rows`): the method with the highest mean stale score and the methods whose
     score is not significantly below it (the paired score difference, best minus the method, has
     its 95% interval's lower end <= 0), and likewise the smallest mean drop and the methods whose
@@ -365,7 +466,9 @@ def choice_rows(*designs: list[dict], alpha: float = 0.05) -> list[dict]:
             mine = [r for r in runs if r["task"] == task]
             for cond in sorted({r["delay"] for r in mine if r["delay"] != 0}, key=condition_key):
                 here = [r for r in mine if r["delay"] == cond]
-                score = {a: mean_std([r["lq_mean"] for r in here if r["algo"] == a])[0] for a in {r["algo"] for r in here}}
+                score = {
+                    a: mean_std([r["lq_mean"] for r in here if r["algo"] == a])[0] for a in {r["algo"] for r in here}
+                }
                 score = {a: v for a, v in score.items() if math.isfinite(v)}
                 drop = {}
                 for a in score:
@@ -385,10 +488,23 @@ def choice_rows(*designs: list[dict], alpha: float = 0.05) -> list[dict]:
                 best_drop = min(ranked_drop, key=lambda a: drop[a][0]) if ranked_drop else None
                 tied_drop = _not_worse(runs, task, cond, best_drop, "drop", alpha) if best_drop and seeds >= 2 else None
                 st_mean, st_max = realised_staleness(here)
-                out.append({"task": task, "condition": cond, "steps": max(r.get("steps", 0) or 0 for r in here),
-                            "staleness_mean": st_mean, "staleness_max": st_max, "score": score, "drop": drop,
-                            "seeds": seeds, "untested": untested, "best_score": best_score, "tied_score": tied_score,
-                            "best_drop": best_drop, "tied_drop": tied_drop})  # fmt: skip
+                out.append(
+                    {
+                        "task": task,
+                        "condition": cond,
+                        "steps": max(r.get("steps", 0) or 0 for r in here),
+                        "staleness_mean": st_mean,
+                        "staleness_max": st_max,
+                        "score": score,
+                        "drop": drop,
+                        "seeds": seeds,
+                        "untested": untested,
+                        "best_score": best_score,
+                        "tied_score": tied_score,
+                        "best_drop": best_drop,
+                        "tied_drop": tied_drop,
+                    }
+                )
     return out
 
 
@@ -463,7 +579,6 @@ def design_mde(per_run: list[dict], n_seeds: int, alpha: float = 0.05, power: fl
     return {"sigma": sigma, "df": den, "n_seeds": n_seeds, "mde_drop_diff": value, "alpha": alpha, "power": power}
 
 
-
 def kl_variance_rows(per_run: list[dict]) -> list[dict]:
     """The paper's "the importance weights' variance tracks KL" (its Figure 5e: r = 0.96), per
     method: over its runs (every condition and seed, one point a run: the run's mean
@@ -474,15 +589,28 @@ def kl_variance_rows(per_run: list[dict]) -> list[dict]:
 
     out = []
     for algo in sorted({r["algo"] for r in per_run}):
-        runs = [r for r in per_run if r["algo"] == algo and math.isfinite(r.get("kl", math.nan))
-                and math.isfinite(r.get("var", math.nan))]  # fmt: skip
+        runs = [
+            r
+            for r in per_run
+            if r["algo"] == algo and math.isfinite(r.get("kl", math.nan)) and math.isfinite(r.get("var", math.nan))
+        ]
         x, y = [r["kl"] for r in runs], [r["var"] for r in runs]
-        row = {"algo": algo, "n": len(runs), "pearson_r": math.nan, "pearson_p": math.nan, "spearman_r": math.nan,
-               "spearman_p": math.nan}  # fmt: skip
+        row = {
+            "algo": algo,
+            "n": len(runs),
+            "pearson_r": math.nan,
+            "pearson_p": math.nan,
+            "spearman_r": math.nan,
+            "spearman_p": math.nan,
+        }
         if len(runs) >= 3 and len(set(x)) > 1 and len(set(y)) > 1:
             pr, sr = stats.pearsonr(x, y), stats.spearmanr(x, y)
-            row.update(pearson_r=float(pr.statistic), pearson_p=float(pr.pvalue), spearman_r=float(sr.statistic),
-                       spearman_p=float(sr.pvalue))  # fmt: skip
+            row.update(
+                pearson_r=float(pr.statistic),
+                pearson_p=float(pr.pvalue),
+                spearman_r=float(sr.statistic),
+                spearman_p=float(sr.pvalue),
+            )
         by_cond: dict = {}
         for r in runs:
             by_cond.setdefault(r["delay"], []).append(r)
@@ -491,10 +619,12 @@ def kl_variance_rows(per_run: list[dict]) -> list[dict]:
         stale = {c: v for c, v in by_cond.items() if c != 0}
         if stale:
             top = max(stale, key=lambda c: mean_std([r["kl"] for r in stale[c]])[0])
-            row.update(top_condition=top, kl_top=mean_std([r["kl"] for r in stale[top]])[0],
-                       var_top=mean_std([r["var"] for r in stale[top]])[0])  # fmt: skip
+            row.update(
+                top_condition=top,
+                kl_top=mean_std([r["kl"] for r in stale[top]])[0],
+                var_top=mean_std([r["var"] for r in stale[top]])[0],
+            )
         else:
             row.update(top_condition="-", kl_top=math.nan, var_top=math.nan)
         out.append(row)
     return out
-

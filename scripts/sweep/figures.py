@@ -20,8 +20,10 @@ def method_styles(algos: list[str]) -> dict[str, dict]:
     import matplotlib
 
     colours = matplotlib.colormaps["tab20"].colors
-    return {algo: {"color": colours[(2 * i) % 20 + (2 * i) // 20 % 2], "marker": _MARKERS[i % len(_MARKERS)]}
-            for i, algo in enumerate(sorted(set(algos)))}  # fmt: skip
+    return {
+        algo: {"color": colours[(2 * i) % 20 + (2 * i) // 20 % 2], "marker": _MARKERS[i % len(_MARKERS)]}
+        for i, algo in enumerate(sorted(set(algos)))
+    }
 
 
 def _method_figure(folder: Path, per_run: list[dict]):
@@ -72,8 +74,16 @@ def staleness_figure(folder: Path, per_run: list[dict]) -> Path:
                 pts.append((x + dodge, t.mean, (t.ci_high - t.mean) if math.isfinite(t.ci_high) else 0.0))
         if pts:
             pts.sort()
-            ax.errorbar([p[0] for p in pts], [p[1] for p in pts], yerr=[p[2] for p in pts], capsize=2, markersize=4,
-                        linewidth=1, label=algo, **styles[algo])  # fmt: skip
+            ax.errorbar(
+                [p[0] for p in pts],
+                [p[1] for p in pts],
+                yerr=[p[2] for p in pts],
+                capsize=2,
+                markersize=4,
+                linewidth=1,
+                label=algo,
+                **styles[algo],
+            )
     ax.set_xlabel("realised mean staleness (versions)")
     ax.set_ylabel("score (mean of the last evaluations)")
     return _save_figure(fig, ax, folder / "acc_vs_staleness.png")
@@ -124,8 +134,11 @@ def kl_variance_figure(folder: Path, per_run: list[dict]) -> Path:
     on-policy runs, whose KL is ~0, sit at the left edge)."""
     fig, ax, algos, styles = _method_figure(folder, per_run)
     for algo in algos:
-        pts = [(max(r["kl"], 1e-6), max(r["var"], 1e-6)) for r in per_run if r["algo"] == algo
-               and math.isfinite(r.get("kl", math.nan)) and math.isfinite(r.get("var", math.nan))]  # fmt: skip
+        pts = [
+            (max(r["kl"], 1e-6), max(r["var"], 1e-6))
+            for r in per_run
+            if r["algo"] == algo and math.isfinite(r.get("kl", math.nan)) and math.isfinite(r.get("var", math.nan))
+        ]
         if pts:
             ax.scatter([p[0] for p in pts], [p[1] for p in pts], s=14, label=algo, **styles[algo])
     ax.set_xscale("log")
@@ -133,4 +146,3 @@ def kl_variance_figure(folder: Path, per_run: list[dict]) -> Path:
     ax.set_xlabel("KL(sampler || learner), run mean (floored at 1e-6)")
     ax.set_ylabel("IS-weight variance, run mean (floored at 1e-6)")
     return _save_figure(fig, ax, folder / "kl_vs_weight_var.png")
-

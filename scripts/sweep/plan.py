@@ -44,10 +44,33 @@ ALGOS: dict[str, list[str]] = {
     "gepo_tc_ess": ["algorithm_preset=gepo_tc_ess"],
 }
 #: the frontier methods added to the powered study (they join its rows file and its default methods)
-FRONTIER_ALGOS = ["m2po", "vespo", "decoupled_ppo", "grpo_tis", "grpo_seq_tis", "grpo_icepop", "grpo_seq_mis",
-                  "gepo_tc", "gepo_tc_ess"]
-LEGACY_ALGOS = ["gepo", "gspo", "grpo", "dr_grpo", "bnpo", "gepo_adaptive", "gmpo", "cispo", "topr", "delta_l",
-                "gepo_std", "gepo_nokl", "grpo_nokl", "grpo_tis"]
+FRONTIER_ALGOS = [
+    "m2po",
+    "vespo",
+    "decoupled_ppo",
+    "grpo_tis",
+    "grpo_seq_tis",
+    "grpo_icepop",
+    "grpo_seq_mis",
+    "gepo_tc",
+    "gepo_tc_ess",
+]
+LEGACY_ALGOS = [
+    "gepo",
+    "gspo",
+    "grpo",
+    "dr_grpo",
+    "bnpo",
+    "gepo_adaptive",
+    "gmpo",
+    "cispo",
+    "topr",
+    "delta_l",
+    "gepo_std",
+    "gepo_nokl",
+    "grpo_nokl",
+    "grpo_tis",
+]
 
 
 @dataclass(frozen=True)
@@ -130,30 +153,88 @@ POWERED_WARM_START = "e0af1dc20b526b76d0f350bab56dc6cb972a5514438cc30cbbebc7b48d
 POWERED_LONG_WARM_START = "8e41c3571dc7ea5e80fc02e1e01782d65dc2a5592dd1f6d71b964a24a80ef3f1"
 
 #: the 252-run sweep of docs/results_data/legacy_results.md: table-only (no warm start to run it from)
-LEGACY = dict(tasks=["long", "short"], algos=LEGACY_ALGOS, delays=[0, 8, 64], seeds=[0, 1, 2], steps=60, lr=1e-4,
-              test_freq=10, eval_size=64, prompts=8, diagnostics_every=10, diagnostics_samples=8)  # fmt: skip
-QUICK = dict(tasks=["long", "short"], algos=["gepo", "gspo", "grpo"], delays=[0, 64], seeds=[0], steps=16, lr=1e-4,
-             test_freq=8, eval_size=32, prompts=4, diagnostics_every=8, diagnostics_samples=8,
-             warm_start_steps=PINNED_WARM_START_STEPS, design="quick")  # fmt: skip
+LEGACY = dict(
+    tasks=["long", "short"],
+    algos=LEGACY_ALGOS,
+    delays=[0, 8, 64],
+    seeds=[0, 1, 2],
+    steps=60,
+    lr=1e-4,
+    test_freq=10,
+    eval_size=64,
+    prompts=8,
+    diagnostics_every=10,
+    diagnostics_samples=8,
+)
+QUICK = dict(
+    tasks=["long", "short"],
+    algos=["gepo", "gspo", "grpo"],
+    delays=[0, 64],
+    seeds=[0],
+    steps=16,
+    lr=1e-4,
+    test_freq=8,
+    eval_size=32,
+    prompts=4,
+    diagnostics_every=8,
+    diagnostics_samples=8,
+    warm_start_steps=PINNED_WARM_START_STEPS,
+    design="quick",
+)
 #: the powered study (docs/study.md): 16 prompts x G=8, 200 steps, 512 held-out problems every 20
 #: steps, score = mean of the last 5 evaluations, 5 seeds, each method's rate chosen on-policy.
 #: The first five methods and the frontier's nine (the methods are not part of the design id: rows of
 #: either join one file). Cut to fit the budget (docs/study.md): verl's dual-clip grpo and
 #: gepo_adaptive (--algos adds them).
-POWERED = dict(tasks=["long"], algos=["gepo", "grpo_paper", "gspo_wide", "gepo_tr", "gspo", *FRONTIER_ALGOS],
-               delays=[0, "fix4", "fix16", "fix64", "uni64", "logn64"], seeds=[0, 1, 2, 3, 4], steps=200, lr=1e-4,
-               test_freq=20, eval_size=512, prompts=16, diagnostics_every=0, diagnostics_samples=8,
-               warm_start_steps=PINNED_WARM_START_STEPS, warm_start_sha256={"long": POWERED_WARM_START}, last_evals=5,
-               lr_grid=[5e-5, 1e-4, 2e-4], lr_seeds=[0, 1, 2], design="powered")  # fmt: skip
+POWERED = dict(
+    tasks=["long"],
+    algos=["gepo", "grpo_paper", "gspo_wide", "gepo_tr", "gspo", *FRONTIER_ALGOS],
+    delays=[0, "fix4", "fix16", "fix64", "uni64", "logn64"],
+    seeds=[0, 1, 2, 3, 4],
+    steps=200,
+    lr=1e-4,
+    test_freq=20,
+    eval_size=512,
+    prompts=16,
+    diagnostics_every=0,
+    diagnostics_samples=8,
+    warm_start_steps=PINNED_WARM_START_STEPS,
+    warm_start_sha256={"long": POWERED_WARM_START},
+    last_evals=5,
+    lr_grid=[5e-5, 1e-4, 2e-4],
+    lr_seeds=[0, 1, 2],
+    design="powered",
+)
 #: the harsher condition of the frontier study: every batch 256 versions old needs runs longer than 256 steps,
 #: so 600 steps (the last 344 at full staleness; the score is still the mean of the last 5 evaluations)
 #: against an on-policy reference of the same length; rates from the powered design's stage 1
-POWERED_LONG = dict(POWERED, delays=[0, "fix256"], steps=600, test_freq=40, lr_grid=[], lr_seeds=[],
-                    lr_design="powered", warm_start_sha256={"long": POWERED_LONG_WARM_START}, design="powered_long")
+POWERED_LONG = dict(
+    POWERED,
+    delays=[0, "fix256"],
+    steps=600,
+    test_freq=40,
+    lr_grid=[],
+    lr_seeds=[],
+    lr_design="powered",
+    warm_start_sha256={"long": POWERED_LONG_WARM_START},
+    design="powered_long",
+)
 #: the powered pipeline end to end in minutes: tiny settings, same stages and outputs
-DRY = dict(POWERED, algos=["gepo", "grpo_paper", "gspo_wide"], delays=[0, "fix4", "uni8"], seeds=[0, 1, 2], steps=8,
-           test_freq=2, eval_size=32, prompts=4, last_evals=2, lr_grid=[1e-4, 2e-4], lr_seeds=[0], warm_start_sha256={},
-           design="dry")
+DRY = dict(
+    POWERED,
+    algos=["gepo", "grpo_paper", "gspo_wide"],
+    delays=[0, "fix4", "uni8"],
+    seeds=[0, 1, 2],
+    steps=8,
+    test_freq=2,
+    eval_size=32,
+    prompts=4,
+    last_evals=2,
+    lr_grid=[1e-4, 2e-4],
+    lr_seeds=[0],
+    warm_start_sha256={},
+    design="dry",
+)
 DESIGNS = {"legacy": LEGACY, "quick": QUICK, "powered": POWERED, "powered_long": POWERED_LONG, "dry": DRY}
 
 _COND = re.compile(r"^(fix|uni|logn)(\d+)$")
@@ -194,8 +275,13 @@ def condition_overrides(label) -> list[str]:
         return ["hetero.delay.dist=lognormal", "hetero.delay.low=1", "hetero.delay.high=64", f"hetero.max_delay={k}"]
     if kind == "fix":
         return ["hetero.delay.dist=constant", f"hetero.delay.value={k}", f"hetero.max_delay={k}"]
-    return ["hetero.delay.dist=uniform", "hetero.delay.low=0", f"hetero.delay.high={k}", "hetero.delay.integer=true",
-            f"hetero.max_delay={k}"]
+    return [
+        "hetero.delay.dist=uniform",
+        "hetero.delay.low=0",
+        f"hetero.delay.high={k}",
+        "hetero.delay.integer=true",
+        f"hetero.max_delay={k}",
+    ]
 
 
 def multi_lr(plan: Plan) -> bool:
@@ -219,24 +305,46 @@ def run_dir(out: Path, plan: Plan, task: str, algo: str, lr: float, delay, seed:
 
 def design_id(plan: Plan) -> str:
     """Hash of the settings a run's outcome depends on besides (task, algo, lr, condition, seed)."""
-    keys = dict(steps=plan.steps, test_freq=plan.test_freq, eval_size=plan.eval_size, prompts=plan.prompts,
-                diagnostics_every=plan.diagnostics_every, diagnostics_samples=plan.diagnostics_samples,
-                extra=list(plan.extra), warm_start_steps=plan.warm_start_steps)  # fmt: skip
+    keys = dict(
+        steps=plan.steps,
+        test_freq=plan.test_freq,
+        eval_size=plan.eval_size,
+        prompts=plan.prompts,
+        diagnostics_every=plan.diagnostics_every,
+        diagnostics_samples=plan.diagnostics_samples,
+        extra=list(plan.extra),
+        warm_start_steps=plan.warm_start_steps,
+    )
     return hashlib.sha256(json.dumps(keys, sort_keys=True).encode()).hexdigest()[:12]
 
 
-def run_overrides(plan: Plan, task: str, algo: str, delay, seed: int, model_path: str, run_dir: Path,
-                  lr: float | None = None) -> list[str]:  # fmt: skip
+def run_overrides(
+    plan: Plan, task: str, algo: str, delay, seed: int, model_path: str, run_dir: Path, lr: float | None = None
+) -> list[str]:
     """The hydra overrides of one run (``recipe/gepo/config/gepo_trainer``): the algorithm, the
     condition, replay mode on the embedded engine, the warm start and the design's settings."""
     spec = TASKS[task]
     lr = plan.lr if lr is None else lr
-    return ALGOS[algo] + condition_overrides(delay) + [
-        "hetero.engine=local", "hetero.mode=replay", f"hetero.seed={seed}",
-        f"actor_rollout_ref.model.path={model_path}", f"actor_rollout_ref.actor.optim.lr={lr}",
-        f"data.train_batch_size={plan.prompts}", f"data.max_response_length={spec.max_len}",
-        f"trainer.total_training_steps={plan.steps}", f"trainer.test_freq={plan.test_freq}", "trainer.save_freq=-1",
-        "trainer.resume_mode=disable", f"trainer.default_local_dir={run_dir}", f"task.eval_size={plan.eval_size}",
-        f"task.answer_format={spec.answer_format}",
-        f"task.diagnostics_every={plan.diagnostics_every}", f"task.diagnostics_samples={plan.diagnostics_samples}",
-    ] + plan.extra  # fmt: skip
+    return (
+        ALGOS[algo]
+        + condition_overrides(delay)
+        + [
+            "hetero.engine=local",
+            "hetero.mode=replay",
+            f"hetero.seed={seed}",
+            f"actor_rollout_ref.model.path={model_path}",
+            f"actor_rollout_ref.actor.optim.lr={lr}",
+            f"data.train_batch_size={plan.prompts}",
+            f"data.max_response_length={spec.max_len}",
+            f"trainer.total_training_steps={plan.steps}",
+            f"trainer.test_freq={plan.test_freq}",
+            "trainer.save_freq=-1",
+            "trainer.resume_mode=disable",
+            f"trainer.default_local_dir={run_dir}",
+            f"task.eval_size={plan.eval_size}",
+            f"task.answer_format={spec.answer_format}",
+            f"task.diagnostics_every={plan.diagnostics_every}",
+            f"task.diagnostics_samples={plan.diagnostics_samples}",
+        ]
+        + plan.extra
+    )

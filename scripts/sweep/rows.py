@@ -56,11 +56,21 @@ def append_row(path: Path, row: dict) -> None:
         w.writerow({k: (repr(v) if isinstance(v, float) else v) for k, v in row.items()})
 
 
-def make_row(plan: Plan, task: str, algo: str, lr: float, delay, seed: int, d: Path, ws_sha256: str,
-             seconds: float) -> dict:  # fmt: skip
-    return {"task": task, "algo": algo, "lr": float(lr), "delay": delay, "seed": seed, "design_id": design_id(plan),
-            "ws_sha256": ws_sha256, "steps": plan.steps, "seconds": seconds,
-            **run_numbers(read_metric_rows(d), plan.steps, plan.last_evals)}  # fmt: skip
+def make_row(
+    plan: Plan, task: str, algo: str, lr: float, delay, seed: int, d: Path, ws_sha256: str, seconds: float
+) -> dict:
+    return {
+        "task": task,
+        "algo": algo,
+        "lr": float(lr),
+        "delay": delay,
+        "seed": seed,
+        "design_id": design_id(plan),
+        "ws_sha256": ws_sha256,
+        "steps": plan.steps,
+        "seconds": seconds,
+        **run_numbers(read_metric_rows(d), plan.steps, plan.last_evals),
+    }
 
 
 def collect(out: Path, plan: Plan, rows_path: Path | None = None, ws: dict | None = None) -> list[dict]:
@@ -74,7 +84,12 @@ def collect(out: Path, plan: Plan, rows_path: Path | None = None, ws: dict | Non
     for r in load_rows(rows_path) if rows_path else []:
         if r["design_id"] != did or (ws and r["task"] in ws and r["ws_sha256"] != ws[r["task"]]):
             continue
-        if r["task"] in plan.tasks and r["algo"] in plan.algos and r["delay"] in plan.delays and r["seed"] in plan.seeds:
+        if (
+            r["task"] in plan.tasks
+            and r["algo"] in plan.algos
+            and r["delay"] in plan.delays
+            and r["seed"] in plan.seeds
+        ):
             found[row_key(r)] = {**r, "dir": None}
     for task in plan.tasks:
         for algo in plan.algos:
@@ -86,8 +101,15 @@ def collect(out: Path, plan: Plan, rows_path: Path | None = None, ws: dict | Non
                         if key in found:  # the row's run folder, if this one is of the same weights
                             found[key]["dir"] = d if d.is_dir() and _same_weights(d, ws.get(task)) else None
                         elif (d / "DONE").is_file() and (d / METRICS_FILE).is_file() and _same_weights(d, ws.get(task)):
-                            found[key] = {"task": task, "algo": algo, "lr": float(lr), "delay": delay, "seed": seed,
-                                          "dir": d, **run_numbers(read_metric_rows(d), plan.steps, plan.last_evals)}
+                            found[key] = {
+                                "task": task,
+                                "algo": algo,
+                                "lr": float(lr),
+                                "delay": delay,
+                                "seed": seed,
+                                "dir": d,
+                                **run_numbers(read_metric_rows(d), plan.steps, plan.last_evals),
+                            }
     return list(found.values())
 
 

@@ -56,8 +56,10 @@ def warm_starts(plan: Plan, cache_dir: str, *, table_only: bool = False) -> tupl
     from verl_ext.data.toy.checkpoints import weights_sha256
 
     if plan.warm_start_steps <= 0:
-        print(f"warm start: none (design {plan.design} has no pinned warm start; rows are tabulated as they are)",
-              flush=True)  # fmt: skip
+        print(
+            f"warm start: none (design {plan.design} has no pinned warm start; rows are tabulated as they are)",
+            flush=True,
+        )
         return {}, {}
     pins = plan.warm_start_sha256
     models, ws = {}, {}
@@ -74,7 +76,8 @@ def warm_starts(plan: Plan, cache_dir: str, *, table_only: bool = False) -> tupl
                 f"warm start of task {t!r}: --design {plan.design} pins the weights sha256 {pins[t]}, but "
                 f"{models[t]} has {ws[t]} (not shipped with the package, so built here, and the same recipe gives "
                 f"other weights on another CPU: docs/study.md 1, Machines). This design's cells cannot be run here; "
-                f"--table-only tabulates its rows, --own-warm-start runs it as a new study from that warm start")
+                f"--table-only tabulates its rows, --own-warm-start runs it as a new study from that warm start"
+            )
     return models, ws
 
 
@@ -141,15 +144,19 @@ def progress_line(done: int, total: int, run: str, secs: float, err: str, elapse
     """One line per finished run: its place, name and seconds, the sweep's elapsed time, and the
     time left at this stage's pace so far (``stage_s`` / ``done`` per run, workers included)."""
     left_s = (total - done) * stage_s / done
-    return (f"[{done}/{total}] {run} {secs:.0f}s {'FAILED ' + err + ' ' if err else ''}"
-            f"(elapsed {elapsed_s:.0f}s, ~{left_s / 3600:.1f} h left)")  # fmt: skip
+    return (
+        f"[{done}/{total}] {run} {secs:.0f}s {'FAILED ' + err + ' ' if err else ''}"
+        f"(elapsed {elapsed_s:.0f}s, ~{left_s / 3600:.1f} h left)"
+    )
 
 
 def _evaluations(plan: Plan) -> int:
     return plan.steps // plan.test_freq + 1 if plan.test_freq > 0 else 2
 
 
-def estimate_seconds(plan: Plan, done: list[dict], reference: Optional[tuple[Plan, list[dict]]] = None) -> tuple[float, str]:
+def estimate_seconds(
+    plan: Plan, done: list[dict], reference: Optional[tuple[Plan, list[dict]]] = None
+) -> tuple[float, str]:
     """Seconds per run: the median of this design's finished runs when there are some; else, with
     ``reference`` (another design of the same batch and evaluation, and its finished runs, e.g. the
     design a long design takes its rates from), its median run less its evaluations (at
@@ -157,8 +164,10 @@ def estimate_seconds(plan: Plan, done: list[dict], reference: Optional[tuple[Pla
     defaults (:data:`SECONDS_PER_STEP_16`, :data:`SECONDS_PER_EVAL_PROBLEM`)."""
     secs = [r["seconds"] for r in done if math.isfinite(r.get("seconds", math.nan))]
     if secs:
-        return statistics.median(secs), (f"median of {len(secs)} finished runs; {min(secs):.0f}-{max(secs):.0f} s, "
-                                         f"{sum(secs) / 3600:.1f} worker-hours in all")
+        return statistics.median(secs), (
+            f"median of {len(secs)} finished runs; {min(secs):.0f}-{max(secs):.0f} s, "
+            f"{sum(secs) / 3600:.1f} worker-hours in all"
+        )
     evals = _evaluations(plan)
     eval_s = evals * plan.eval_size * SECONDS_PER_EVAL_PROBLEM
     if reference is not None:
@@ -169,11 +178,13 @@ def estimate_seconds(plan: Plan, done: list[dict], reference: Optional[tuple[Pla
             per_step = max(statistics.median(ref_secs) - ref_eval_s, 0.0) / ref.steps
             return plan.steps * per_step + eval_s, (
                 f"{per_step:.2f} s/step from the median of {len(ref_secs)} finished runs of --design {ref.design} "
-                f"x {plan.steps} + {evals} evaluations x {plan.eval_size} problems x {SECONDS_PER_EVAL_PROBLEM} s")
+                f"x {plan.steps} + {evals} evaluations x {plan.eval_size} problems x {SECONDS_PER_EVAL_PROBLEM} s"
+            )
     per_step = SECONDS_PER_STEP_16 * plan.prompts / 16
     return plan.steps * per_step + eval_s, (
         f"{per_step:.2f} s/step x {plan.steps} + {evals} evaluations x {plan.eval_size} problems x "
-        f"{SECONDS_PER_EVAL_PROBLEM} s (measured defaults, one worker, load ~4)")
+        f"{SECONDS_PER_EVAL_PROBLEM} s (measured defaults, one worker, load ~4)"
+    )
 
 
 @dataclass
@@ -200,8 +211,14 @@ class Sweep:
     def stage1_cells(self) -> list[tuple]:
         """(task, algo, lr, condition, seed) of stage 1: on-policy at every rate of the grid."""
         plan = self.plan
-        return [(task, algo, lr, 0, seed) for task in plan.tasks for algo in plan.algos if algo not in plan.lrs
-                for lr in plan.lr_grid for seed in plan.lr_seeds]  # fmt: skip
+        return [
+            (task, algo, lr, 0, seed)
+            for task in plan.tasks
+            for algo in plan.algos
+            if algo not in plan.lrs
+            for lr in plan.lr_grid
+            for seed in plan.lr_seeds
+        ]
 
     def stage2_cells(self, chosen: dict) -> list[tuple]:
         """Stage 2 at the chosen rates, in priority order, so an interrupted sweep is still a usable
@@ -210,9 +227,15 @@ class Sweep:
         plan = self.plan
         ends = {plan.delays[0], max(plan.delays, key=condition_key)} if plan.delays else set()
         tiers = [[d for d in plan.delays if d in ends], [d for d in plan.delays if d not in ends]]
-        return [(task, algo, chosen.get(algo, plan.lr), delay, seed) for tier in tiers for seed in plan.seeds
-                for task in plan.tasks for delay in tier for algo in plan.algos
-                if not multi_lr(plan) or algo in chosen]  # fmt: skip
+        return [
+            (task, algo, chosen.get(algo, plan.lr), delay, seed)
+            for tier in tiers
+            for seed in plan.seeds
+            for task in plan.tasks
+            for delay in tier
+            for algo in plan.algos
+            if not multi_lr(plan) or algo in chosen
+        ]
 
     def outline(self, done: list[dict]) -> str:
         """The plan in one line: runs to do per stage, finished rows and the estimated duration."""
@@ -222,7 +245,9 @@ class Sweep:
         n1 = sum(1 for c in stage1 if (c[0], c[1], float(c[2]), "0", c[4]) not in have)
         _, chosen0 = choose_lrs(done, plan)
         n2_total = len(plan.tasks) * plan.main_runs_per_task()
-        per_run_s, how = estimate_seconds(plan, [r for r in done if r.get("design_id") == design_id(plan)], self.reference)
+        per_run_s, how = estimate_seconds(
+            plan, [r for r in done if r.get("design_id") == design_id(plan)], self.reference
+        )
         finished = {row_key(r) for r in done}
         n2 = sum(1 for c in self.stage2_cells(chosen0) if cell_key(*c) not in finished)
         # methods stage 1 has not chosen a rate for yet: all their cells, but the on-policy runs of
@@ -231,10 +256,12 @@ class Sweep:
         reused = len(set(plan.lr_seeds) & set(plan.seeds)) if 0 in plan.delays else 0
         n2 += len(plan.tasks) * len(unchosen) * (len(plan.delays) * len(plan.seeds) - reused)
         total = n1 + n2
-        return (f"plan ({plan.design}, design id {design_id(plan)}): stage 1 (learning rates, on-policy) {n1} runs to do "
-                f"of {len(stage1)}; stage 2 (conditions x seeds) {n2} runs to do of {n2_total}; {len(done)} "
-                f"finished rows. Estimate: {total} runs x {per_run_s:.0f} s ({how}) / {self.workers} workers = "
-                f"{total * per_run_s / self.workers / 3600:.2f} h; outputs in {self.out}, rows in {self.rows_path}")  # fmt: skip
+        return (
+            f"plan ({plan.design}, design id {design_id(plan)}): stage 1 (learning rates, on-policy) {n1} runs to do "
+            f"of {len(stage1)}; stage 2 (conditions x seeds) {n2} runs to do of {n2_total}; {len(done)} "
+            f"finished rows. Estimate: {total} runs x {per_run_s:.0f} s ({how}) / {self.workers} workers = "
+            f"{total * per_run_s / self.workers / 3600:.2f} h; outputs in {self.out}, rows in {self.rows_path}"
+        )
 
     def seed_progress(self, done: list[dict]) -> str:
         """Stage 2's finished runs per seed (``stage 2 by seed: 0 28/28, 1 8/28, ...``), of the
@@ -283,8 +310,10 @@ class Sweep:
         sweep, naming it (neither counted, nor recorded under this sweep's hash, nor run into)."""
         done = json.loads((d / "DONE").read_text())
         if done.get("ws_sha256") != self.ws[task]:
-            raise SystemExit(f"{d} finished from the warm start {done.get('ws_sha256')!r}, not this sweep's "
-                             f"{self.ws[task]!r}: give the sweep another --out")  # fmt: skip
+            raise SystemExit(
+                f"{d} finished from the warm start {done.get('ws_sha256')!r}, not this sweep's "
+                f"{self.ws[task]!r}: give the sweep another --out"
+            )
         return done
 
     def _jobs_for(self, cells: list[tuple], have: set) -> list[tuple]:

@@ -46,12 +46,22 @@ def main(argv=None) -> int:
         from hydra import compose, initialize_config_dir
 
         overrides = [
-            "algorithm_preset=gepo", "hetero.mode=async", "hetero.num_samplers=2", "hetero.delay.dist=none",
-            "hetero.max_delay=4", f"trainer.total_training_steps={args.steps}", f"trainer.test_freq={args.steps}",
-            f"trainer.save_freq={args.steps}", "trainer.resume_mode=disable", f"trainer.default_local_dir={args.out}",
-            "task.eval_size=64", f"hetero.ray_address={address}", "hetero.learner_ray_resources={learner_node: 0.01}",
-            "hetero.sampler_ray_resources={sampler_node: 0.01}", *args.overrides,
-        ]  # fmt: skip
+            "algorithm_preset=gepo",
+            "hetero.mode=async",
+            "hetero.num_samplers=2",
+            "hetero.delay.dist=none",
+            "hetero.max_delay=4",
+            f"trainer.total_training_steps={args.steps}",
+            f"trainer.test_freq={args.steps}",
+            f"trainer.save_freq={args.steps}",
+            "trainer.resume_mode=disable",
+            f"trainer.default_local_dir={args.out}",
+            "task.eval_size=64",
+            f"hetero.ray_address={address}",
+            "hetero.learner_ray_resources={learner_node: 0.01}",
+            "hetero.sampler_ray_resources={sampler_node: 0.01}",
+            *args.overrides,
+        ]
         with initialize_config_dir(config_dir=str(REPO / "recipe" / "gepo" / "config"), version_base=None):
             cfg = compose(config_name="gepo_trainer", overrides=overrides)
         from recipe.gepo.sections import HeteroConfig
@@ -65,13 +75,24 @@ def main(argv=None) -> int:
         load_after = Path("/proc/loadavg").read_text().split()[:3]
         placed = placed_actors(HeteroConfig.from_omegaconf(cfg.hetero))
         steps = [r for r in read_metric_rows(args.out) if "perf/step_s" in r]
-        print(json.dumps({
-            "rate_mbit": args.rate_mbit, "placed": placed, "steps": len(steps), "wall_s": round(wall, 1),
-            "load_before": load_before, "load_after": load_after,
-            "step_s": [round(r["perf/step_s"], 2) for r in steps], "train_s": [round(r["perf/train_s"], 2) for r in steps],
-            "idle": [round(r["perf/learner_idle_frac"], 2) for r in steps],
-            "ledger": {k.removeprefix("hetero/ledger_"): v for k, v in final.items() if k.startswith("hetero/ledger_")},
-        }))  # fmt: skip
+        print(
+            json.dumps(
+                {
+                    "rate_mbit": args.rate_mbit,
+                    "placed": placed,
+                    "steps": len(steps),
+                    "wall_s": round(wall, 1),
+                    "load_before": load_before,
+                    "load_after": load_after,
+                    "step_s": [round(r["perf/step_s"], 2) for r in steps],
+                    "train_s": [round(r["perf/train_s"], 2) for r in steps],
+                    "idle": [round(r["perf/learner_idle_frac"], 2) for r in steps],
+                    "ledger": {
+                        k.removeprefix("hetero/ledger_"): v for k, v in final.items() if k.startswith("hetero/ledger_")
+                    },
+                }
+            )
+        )
     finally:
         cluster.down(cluster_cfg, link_cfg)
     return 0
@@ -85,8 +106,11 @@ def placed_actors(hetero) -> list[tuple[str, str]]:
     from recipe.gepo.embedded.supervisor import ray_session
 
     with ray_session(hetero):
-        return sorted((a["ActorClassName"], a["Address"]["IPAddress"]) for a in actors().values()
-                      if a["ActorClassName"] in ("SamplerWorker", "LearnerWorker", "_Mailbox"))  # fmt: skip
+        return sorted(
+            (a["ActorClassName"], a["Address"]["IPAddress"])
+            for a in actors().values()
+            if a["ActorClassName"] in ("SamplerWorker", "LearnerWorker", "_Mailbox")
+        )
 
 
 if __name__ == "__main__":

@@ -71,9 +71,13 @@ def ray_env() -> dict[str, str]:
     cluster's own token (a worker node or driver without it is refused by the head), no
     usage-stats upload, one thread per op (this box is shared)."""
     return dict(
-        os.environ, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(TOKEN_FILE), RAY_USAGE_STATS_ENABLED="0",
-        OMP_NUM_THREADS="1", RAY_ADDRESS="",
-    )  # fmt: skip
+        os.environ,
+        RAY_AUTH_MODE="token",
+        RAY_AUTH_TOKEN_PATH=str(TOKEN_FILE),
+        RAY_USAGE_STATS_ENABLED="0",
+        OMP_NUM_THREADS="1",
+        RAY_ADDRESS="",
+    )
 
 
 def join_env() -> None:
@@ -97,20 +101,39 @@ def write_token() -> None:
 
 def head_command(cfg: ClusterConfig, link_cfg: LinkConfig) -> list[str]:
     return [
-        RAY_BIN, "start", "--head", "--block", f"--node-ip-address={link_cfg.host_ip}", f"--port={cfg.port}",
-        f"--temp-dir={cfg.temp_dir}", f"--num-cpus={cfg.head_cpus}", "--num-gpus=0",
-        f"--resources={json.dumps(cfg.head_resources)}", f"--object-store-memory={cfg.object_store_mb * 2**20}",
-        "--include-dashboard=false", "--disable-usage-stats",
-    ]  # fmt: skip
+        RAY_BIN,
+        "start",
+        "--head",
+        "--block",
+        f"--node-ip-address={link_cfg.host_ip}",
+        f"--port={cfg.port}",
+        f"--temp-dir={cfg.temp_dir}",
+        f"--num-cpus={cfg.head_cpus}",
+        "--num-gpus=0",
+        f"--resources={json.dumps(cfg.head_resources)}",
+        f"--object-store-memory={cfg.object_store_mb * 2**20}",
+        "--include-dashboard=false",
+        "--disable-usage-stats",
+    ]
 
 
 def worker_command(cfg: ClusterConfig, link_cfg: LinkConfig) -> list[str]:
     return [
-        "ip", "netns", "exec", link_cfg.netns,
-        RAY_BIN, "start", "--block", f"--address={cfg.address(link_cfg)}", f"--node-ip-address={link_cfg.ns_ip}",
-        f"--num-cpus={cfg.worker_cpus}", "--num-gpus=0", f"--resources={json.dumps(cfg.worker_resources)}",
-        f"--object-store-memory={cfg.object_store_mb * 2**20}", "--disable-usage-stats",
-    ]  # fmt: skip
+        "ip",
+        "netns",
+        "exec",
+        link_cfg.netns,
+        RAY_BIN,
+        "start",
+        "--block",
+        f"--address={cfg.address(link_cfg)}",
+        f"--node-ip-address={link_cfg.ns_ip}",
+        f"--num-cpus={cfg.worker_cpus}",
+        "--num-gpus=0",
+        f"--resources={json.dumps(cfg.worker_resources)}",
+        f"--object-store-memory={cfg.object_store_mb * 2**20}",
+        "--disable-usage-stats",
+    ]
 
 
 def _session_pids(sid: int) -> list[int]:

@@ -227,7 +227,9 @@ def _addr(cfg: LinkConfig, inside: bool) -> list[str]:
     proc = _run(_in_ns(cfg, args) if inside else args, check=False)
     if proc.returncode != 0:
         return []
-    return [f"{a['local']}/{a['prefixlen']}" for link in json.loads(proc.stdout or "[]") for a in link.get("addr_info", [])]
+    return [
+        f"{a['local']}/{a['prefixlen']}" for link in json.loads(proc.stdout or "[]") for a in link.get("addr_info", [])
+    ]
 
 
 def status(cfg: LinkConfig) -> dict:
@@ -243,9 +245,14 @@ def status(cfg: LinkConfig) -> dict:
     state["host_tbf_bytes_s"] = host_q["options"]["rate"] if host_q else None
     state["ns_tbf_bytes_s"] = ns_q["options"]["rate"] if ns_q else None
     state["up"] = bool(
-        ns and state["host_if"] and _master(cfg) == cfg.bridge and f"{cfg.host_ip}/{cfg.prefix}" in state["host_addr"]
-        and f"{cfg.ns_ip}/{cfg.prefix}" in state["ns_addr"] and host_q and ns_q
-    )  # fmt: skip
+        ns
+        and state["host_if"]
+        and _master(cfg) == cfg.bridge
+        and f"{cfg.host_ip}/{cfg.prefix}" in state["host_addr"]
+        and f"{cfg.ns_ip}/{cfg.prefix}" in state["ns_addr"]
+        and host_q
+        and ns_q
+    )
     return state
 
 
@@ -409,7 +416,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             if not status(cfg)["up"]:
                 print("link.py: the link is not up; run `link.py up --rate-mbit R` first", file=sys.stderr)
                 return EXIT_FAILED
-            {"set-rate": lambda: set_rate(cfg, rate), "cut": lambda: cut(cfg), "heal": lambda: heal(cfg)}[args.command]()
+            {"set-rate": lambda: set_rate(cfg, rate), "cut": lambda: cut(cfg), "heal": lambda: heal(cfg)}[
+                args.command
+            ]()
         elif args.command == "ns-gone":
             ns_gone(cfg, args.seconds)
         elif args.command == "down":

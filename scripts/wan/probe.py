@@ -52,8 +52,10 @@ def transfer(cfg: LinkConfig, nbytes: int, timeout: float = 60.0, port: int = PO
     """
     recv = subprocess.Popen(
         ["ip", "netns", "exec", cfg.netns, sys.executable, "-c", RECEIVER, cfg.ns_ip, str(port), str(timeout)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         if recv.stdout.readline().strip() != "ready":
             raise RuntimeError(f"receiver did not start: {recv.stderr.read()}")

@@ -116,9 +116,17 @@ def delta_vs_behind(model_path: str, lr: float, behind: list[int]) -> list[dict]
     for k in behind:
         blob = encode_xor(bits[k], bits[0])
         assert np.array_equal(decode_xor(blob, bits[0]), bits[k])
-        rows.append({"behind": k, "lr": lr, "delta_bytes": len(blob), "chain_bytes": sum(step_bytes[:k]),
-                     "engine_chain_bytes": sum(len(m) for m in messages[:k]),
-                     "bf16_full_bytes": full, "changed_frac": float(np.mean(bits[k] != bits[0]))})  # fmt: skip
+        rows.append(
+            {
+                "behind": k,
+                "lr": lr,
+                "delta_bytes": len(blob),
+                "chain_bytes": sum(step_bytes[:k]),
+                "engine_chain_bytes": sum(len(m) for m in messages[:k]),
+                "bf16_full_bytes": full,
+                "changed_frac": float(np.mean(bits[k] != bits[0])),
+            }
+        )
     return rows
 
 
@@ -156,8 +164,11 @@ class Receiver:
             digest = sha256(decode_xor(data, self.base))
         else:
             _, state = deserialize_state_dict(data)
-            digest = sha256(bf16_bits(state)) if form == "bf16" else sha256(
-                b"".join(state[k].numpy().tobytes() for k in sorted(state)))
+            digest = (
+                sha256(bf16_bits(state))
+                if form == "bf16"
+                else sha256(b"".join(state[k].numpy().tobytes() for k in sorted(state)))
+            )
         return {"bytes": len(data), "transfer_s": t1 - t0, "decode_s": time.perf_counter() - t1, "sha256": digest}
 
 
@@ -190,8 +201,10 @@ def encode_forms(v0: dict, v1: dict) -> dict[str, dict]:
 def extrapolate(bytes_per_param: float) -> dict[str, dict[str, float]]:
     """Seconds per version for the big models at 1 and 10 Gbit/s, from measured bytes/parameter
     (wire rate only: no protocol overhead, no latency)."""
-    return {name: {f"{g:g}Gbit": n * bytes_per_param * 8 / (g * 1e9) for g in BIG_RATES_GBIT}
-            for name, n in BIG_MODELS.items()}  # fmt: skip
+    return {
+        name: {f"{g:g}Gbit": n * bytes_per_param * 8 / (g * 1e9) for g in BIG_RATES_GBIT}
+        for name, n in BIG_MODELS.items()
+    }
 
 
 def run(rates: list[float], trials: int, model_path: str, lr: float) -> dict:
@@ -202,18 +215,31 @@ def run(rates: list[float], trials: int, model_path: str, lr: float) -> dict:
     v0, v1 = two_versions(model_path, lr)
     params = sum(t.numel() for t in v1.values() if t.is_floating_point())
     forms = encode_forms(v0, v1)
-    result: dict = {"model_path": model_path, "params": params, "lr": lr, "trials": trials,
-                    "loadavg_before": Path("/proc/loadavg").read_text().split()[:3], "rows": []}  # fmt: skip
+    result: dict = {
+        "model_path": model_path,
+        "params": params,
+        "lr": lr,
+        "trials": trials,
+        "loadavg_before": Path("/proc/loadavg").read_text().split()[:3],
+        "rows": [],
+    }
     for name, f in forms.items():
         result.setdefault("forms", {})[name] = {
-            "bytes": len(f["blob"]), "bytes_per_param": len(f["blob"]) / params, "encode_s": f["encode_s"],
+            "bytes": len(f["blob"]),
+            "bytes_per_param": len(f["blob"]) / params,
+            "encode_s": f["encode_s"],
             **({"changed_frac": f["changed_frac"]} if "changed_frac" in f else {}),
             "extrapolated_s": extrapolate(len(f["blob"]) / params),
-        }  # fmt: skip
+        }
     address = cluster.up(cfg, link_cfg, rates[0])
     try:
-        ray.init(address=address, _node_ip_address=link_cfg.host_ip, log_to_driver=False, logging_level="ERROR",
-                 runtime_env={"env_vars": {"PYTHONPATH": f"{REPO}:{REPO / 'scripts' / 'wan'}"}})  # fmt: skip
+        ray.init(
+            address=address,
+            _node_ip_address=link_cfg.host_ip,
+            log_to_driver=False,
+            logging_level="ERROR",
+            runtime_env={"env_vars": {"PYTHONPATH": f"{REPO}:{REPO / 'scripts' / 'wan'}"}},
+        )
         receiver = ray.remote(num_cpus=0)(Receiver).options(resources={"sampler_node": 0.01}).remote()
         result["receiver_ip"] = ray.get(receiver.node_ip.remote(), timeout=120)
         if result["receiver_ip"] != link_cfg.ns_ip:
@@ -223,7 +249,9 @@ def run(rates: list[float], trials: int, model_path: str, lr: float) -> dict:
             base = bf16_bits(v0).tobytes()
             ray.get(receiver.set_base.remote([ray.put(base)]), timeout=300)  # the sampler holds version v
             tcp = probe.transfer(link_cfg, len(forms["fp32"]["blob"]), timeout=300)
-            result["rows"].append({"rate_mbit": rate, "form": "raw-tcp", "bytes": tcp["bytes"], "transfer_s": tcp["seconds"]})
+            result["rows"].append(
+                {"rate_mbit": rate, "form": "raw-tcp", "bytes": tcp["bytes"], "transfer_s": tcp["seconds"]}
+            )
             for name in FORMS:
                 for trial in range(trials):
                     ref = ray.put(forms[name]["blob"])  # a new object each time: nothing cached on the worker
@@ -249,9 +277,16 @@ def summarize(result: dict) -> list[dict]:
     out = []
     for (rate, form), rows in groups.items():
         t = float(np.median([r["transfer_s"] for r in rows]))
-        out.append({"rate_mbit": rate, "form": form, "bytes": rows[0]["bytes"], "transfer_s": t,
-                    "decode_s": float(np.median([r.get("decode_s", 0.0) for r in rows])),
-                    "effective_mbit_s": rows[0]["bytes"] * 8 / 1e6 / t})  # fmt: skip
+        out.append(
+            {
+                "rate_mbit": rate,
+                "form": form,
+                "bytes": rows[0]["bytes"],
+                "transfer_s": t,
+                "decode_s": float(np.median([r.get("decode_s", 0.0) for r in rows])),
+                "effective_mbit_s": rows[0]["bytes"] * 8 / 1e6 / t,
+            }
+        )
     return out
 
 
@@ -264,20 +299,31 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> tuple[argparse.ArgumentP
     benchmark's ``--rates``, ``--trials`` and ``--out`` are refused with it, not ignored."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rates", default=None, help=f"comma-separated Mbit/s (default {DEFAULT_RATES})")
-    parser.add_argument("--trials", type=int, default=None, help=f"transfers per rate and form (1-10, default {DEFAULT_TRIALS})")
+    parser.add_argument(
+        "--trials", type=int, default=None, help=f"transfers per rate and form (1-10, default {DEFAULT_TRIALS})"
+    )
     parser.add_argument("--model-path", default="", help="HF folder; default: the cached toy model")
     parser.add_argument("--lr", type=float, default=1e-4, help="AdamW lr of the step between versions")
     parser.add_argument("--out", default=None, help="write the full result as JSON here (not with --behind)")
-    parser.add_argument("--behind", default=None, help="e.g. 1,2,4,8,16: only print the bf16-xor delta's bytes "
-                        "for a sampler k versions behind as JSON lines (no network, no privileges), then exit; "
-                        "not with --rates, --trials, --out")  # fmt: skip
+    parser.add_argument(
+        "--behind",
+        default=None,
+        help="e.g. 1,2,4,8,16: only print the bf16-xor delta's bytes "
+        "for a sampler k versions behind as JSON lines (no network, no privileges), then exit; "
+        "not with --rates, --trials, --out",
+    )
     args = parser.parse_args(argv)
     if args.behind is not None:
-        given = [flag for flag, value in (("--rates", args.rates), ("--trials", args.trials), ("--out", args.out))
-                 if value is not None]  # fmt: skip
+        given = [
+            flag
+            for flag, value in (("--rates", args.rates), ("--trials", args.trials), ("--out", args.out))
+            if value is not None
+        ]
         if given:
-            parser.error(f"{', '.join(given)} with --behind {args.behind}: --behind only prints its rows (JSON lines: "
-                         "redirect stdout to keep them) and runs no link benchmark; drop " + ", ".join(given))
+            parser.error(
+                f"{', '.join(given)} with --behind {args.behind}: --behind only prints its rows (JSON lines: "
+                "redirect stdout to keep them) and runs no link benchmark; drop " + ", ".join(given)
+            )
         try:
             args.behind = [int(k) for k in args.behind.split(",")]
         except ValueError:
@@ -310,7 +356,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run()'s finally tears down
     result = run(args.rates, args.trials, model_path, args.lr)
     result["summary"] = summarize(result)
-    print(json.dumps({k: result[k] for k in ("params", "forms", "summary", "loadavg_before", "loadavg_after")}, indent=1))
+    print(
+        json.dumps({k: result[k] for k in ("params", "forms", "summary", "loadavg_before", "loadavg_after")}, indent=1)
+    )
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=1))

@@ -311,7 +311,9 @@ def m2po(b: Batch, threshold: float = 0.04):
     """-M r A per token, r = p / q (no clip). weight rows: r; clipped rows: the masked tokens."""
     keep_rows = m2po_keep(b, threshold)
     loss_rows, w_rows, clip_rows = [], [], []
-    for prow, qrow, arow, mrow, krow in zip(_rows(b.log_p), _rows(b.log_q), _rows(b.advantages), _mask_rows(b.mask), keep_rows):
+    for prow, qrow, arow, mrow, krow in zip(
+        _rows(b.log_p), _rows(b.log_q), _rows(b.advantages), _mask_rows(b.mask), keep_rows
+    ):
         lr, wr, cr = [], [], []
         for p, q, a, valid, kept in zip(prow, qrow, arow, mrow, krow):
             r = math.exp(_clamp(p - q))
@@ -348,8 +350,12 @@ def vespo(b: Batch, k_pos=2.0, lam_pos=3.0, k_neg=3.0, lam_neg=2.0):
 def token_ratio_ess(b: Batch) -> float:
     """ESS of the response tokens' r_it = p_it / q_it over the batch, (sum r)^2 / (n sum r^2)
     (GEPO-TC-ESS's band factor)."""
-    rs = [math.exp(_clamp(p - q)) for prow, qrow, mrow in zip(_rows(b.log_p), _rows(b.log_q), _mask_rows(b.mask))
-          for p, q, keep in zip(prow, qrow, mrow) if keep]  # fmt: skip
+    rs = [
+        math.exp(_clamp(p - q))
+        for prow, qrow, mrow in zip(_rows(b.log_p), _rows(b.log_q), _mask_rows(b.mask))
+        for p, q, keep in zip(prow, qrow, mrow)
+        if keep
+    ]
     return math.fsum(rs) ** 2 / (len(rs) * math.fsum(r * r for r in rs))
 
 
@@ -362,12 +368,16 @@ def gepo_tc(b: Batch, lo=0.2, hi=0.2, reduction="mean", ess_bound=False, labels=
     slq = seq_log_prob(b.log_q, b.mask, reduction)
     den = group_log_denominator(slq, labels)
     ws = [math.exp(_clamp(p - d)) for p, d in zip(slp, den)]
-    ratio_rows = [[math.exp(_clamp(p - q)) for p, q in zip(prow, qrow)] for prow, qrow in zip(_rows(b.log_p), _rows(b.log_q))]
+    ratio_rows = [
+        [math.exp(_clamp(p - q)) for p, q in zip(prow, qrow)] for prow, qrow in zip(_rows(b.log_p), _rows(b.log_q))
+    ]
     if ess_bound:
         ess = token_ratio_ess(b)
         lo, hi = lo * ess, hi * ess
     loss_rows, clip_rows = [], []
     for w, rrow, arow, mrow in zip(ws, ratio_rows, _rows(b.advantages), _mask_rows(b.mask)):
         loss_rows.append([-a * w if keep else 0.0 for a, keep in zip(arow, mrow)])
-        clip_rows.append([keep and ((a > 0 and r > 1 + hi) or (a < 0 and r < 1 - lo)) for r, a, keep in zip(rrow, arow, mrow)])
+        clip_rows.append(
+            [keep and ((a > 0 and r > 1 + hi) or (a < 0 and r < 1 - lo)) for r, a, keep in zip(rrow, arow, mrow)]
+        )
     return loss_rows, ws, clip_rows

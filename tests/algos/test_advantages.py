@@ -55,7 +55,9 @@ def test_bnpo_advantages_match_paper_formula(seed):
     want, (alpha, beta) = _bnpo_reference(scores.tolist(), labels)
     torch.testing.assert_close(got, torch.tensor(want, dtype=torch.float64), rtol=1e-9, atol=1e-12)
     # the params themselves
-    means = torch.tensor([statistics.fmean(scores[np.array(labels) == l].tolist()) for l in sorted(set(labels))], dtype=torch.float64)
+    means = torch.tensor(
+        [statistics.fmean(scores[np.array(labels) == l].tolist()) for l in sorted(set(labels))], dtype=torch.float64
+    )
     a2, b2 = adv_lib.bnpo_normalization_params(means)
     assert abs(a2 - alpha) < 1e-9 and abs(b2 - beta) < 1e-9
 
@@ -66,7 +68,9 @@ def test_bnpo_non_binary_rewards_and_clamp():
     labels = [0] * 4 + [1] * 4 + [2] * 4 + [3] * 4
     want, (alpha, beta) = _bnpo_reference(scores, labels, max_abs=0.1)
     assert alpha > 1 and beta > 1  # a genuine Beta, not the fallback
-    got = adv_lib.bnpo_advantages(torch.tensor(scores, dtype=torch.float64), torch.tensor(labels), max_abs_advantage=0.1)
+    got = adv_lib.bnpo_advantages(
+        torch.tensor(scores, dtype=torch.float64), torch.tensor(labels), max_abs_advantage=0.1
+    )
     torch.testing.assert_close(got, torch.tensor(want, dtype=torch.float64), rtol=1e-9, atol=1e-12)
     assert got.abs().max().item() == pytest.approx(0.1)
 
@@ -147,7 +151,10 @@ def _bnpo_batch(seed: int, G: int = 8, n_groups: int = 6, max_abs: float = adv_l
 def test_every_honest_bnpo_group_passes_the_group_check(seed, max_abs):
     scores, adv = _bnpo_batch(seed, max_abs=max_abs)
     for rewards, advantages in zip(scores, adv):
-        assert adv_lib.bnpo_group_mismatch(rewards, advantages, max_abs_advantage=max_abs) is None, (rewards, advantages)
+        assert adv_lib.bnpo_group_mismatch(rewards, advantages, max_abs_advantage=max_abs) is None, (
+            rewards,
+            advantages,
+        )
 
 
 def _forgeries(rewards: np.ndarray, advantages: np.ndarray) -> dict[str, np.ndarray]:
@@ -156,9 +163,14 @@ def _forgeries(rewards: np.ndarray, advantages: np.ndarray) -> dict[str, np.ndar
     nudged = advantages.copy()
     nudged[np.argmax(np.abs(advantages) < adv_lib.BNPO_MAX_ABS_ADVANTAGE - 1e-3)] *= 1.5
     other = np.roll(rewards, 1)
-    return {"all signs flipped": -advantages, "one sign flipped": flipped_one, "one response scaled": nudged,
-            "another group's": (other - other.mean()) * 2.0, "past the clamp": advantages * 100.0,
-            "nan": advantages * np.nan}  # fmt: skip
+    return {
+        "all signs flipped": -advantages,
+        "one sign flipped": flipped_one,
+        "one response scaled": nudged,
+        "another group's": (other - other.mean()) * 2.0,
+        "past the clamp": advantages * 100.0,
+        "nan": advantages * np.nan,
+    }
 
 
 def test_forged_bnpo_advantages_are_named():

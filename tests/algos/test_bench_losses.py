@@ -30,8 +30,12 @@ def _preset_loss_modes() -> set[str]:
     """The loss modes the recipe's presets set (a preset without one inherits another preset's)."""
     modes = set()
     for path in PRESETS.glob("*.yaml"):
-        policy_loss = (yaml.safe_load(path.read_text()) or {}).get("actor_rollout_ref", {}).get("actor", {}) \
-            .get("policy_loss", {})  # fmt: skip
+        policy_loss = (
+            (yaml.safe_load(path.read_text()) or {})
+            .get("actor_rollout_ref", {})
+            .get("actor", {})
+            .get("policy_loss", {})
+        )
         if "loss_mode" in policy_loss:
             modes.add(policy_loss["loss_mode"])
     return modes
@@ -56,8 +60,9 @@ def test_a_tiny_run_times_every_row(bench):
     assert rows["vanilla (GRPO)"][1] == "1.00 |"
 
 
-@pytest.mark.parametrize("args, message", [(["--batch", "12"], "--batch 12 --group-size 8"),
-                                           (["--repeats", "0"], "--repeats 0")])  # fmt: skip
+@pytest.mark.parametrize(
+    "args, message", [(["--batch", "12"], "--batch 12 --group-size 8"), (["--repeats", "0"], "--repeats 0")]
+)
 def test_bad_sizes_are_refused(bench, capsys, args, message):
     with pytest.raises(SystemExit) as exc:
         bench.main(args)

@@ -16,7 +16,9 @@ REPO = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_losses_gpu", REPO / "scripts" / "bench" / "bench_losses_gpu.py")
+    spec = importlib.util.spec_from_file_location(
+        "bench_losses_gpu", REPO / "scripts" / "bench" / "bench_losses_gpu.py"
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -28,12 +30,27 @@ def test_quick_cpu_run_gives_every_row(bench, tmp_path, capsys):
     torch.compiler.reset()
     out = tmp_path / "rows.json"
     labels = ["vanilla", "gepo", "gepo_tc_ess"]
-    rows = bench.main(["--quick", "--device", "cpu", "--repeats", "1", "--warmup", "1", "--losses", ",".join(labels),
-                       "--bandwidth-tbs", "2.0", "--json", str(out)])  # fmt: skip
+    rows = bench.main(
+        [
+            "--quick",
+            "--device",
+            "cpu",
+            "--repeats",
+            "1",
+            "--warmup",
+            "1",
+            "--losses",
+            ",".join(labels),
+            "--bandwidth-tbs",
+            "2.0",
+            "--json",
+            str(out),
+        ]
+    )
     table = capsys.readouterr().out
     assert [r["loss"] for r in rows] == labels * len(bench.QUICK_SHAPES)
     assert {(r["B"], r["T"]) for r in rows} == set(bench.QUICK_SHAPES)
-    (batch, length), = bench.QUICK_SHAPES
+    ((batch, length),) = bench.QUICK_SHAPES
     floor_ms = 20 * batch * length / 2.0e12 * 1e3
     for r in rows:
         assert "error" not in r, r
@@ -57,6 +74,7 @@ def test_no_floor_without_a_bandwidth(bench):
 
 def test_bandwidth_table_names_the_issue_cards(bench):
     """First match wins, so the H100's variants and the GH200 come before the plain names."""
+
     def lookup(name):
         return next(tbs for key, tbs in bench.BANDWIDTH_TBS if key in name)
 
@@ -66,12 +84,15 @@ def test_bandwidth_table_names_the_issue_cards(bench):
     assert lookup("NVIDIA GH200 480GB") == 4.0
 
 
-@pytest.mark.parametrize("argv,message", [
-    (["--losses", "gepo"], "vanilla"),
-    (["--losses", "vanilla,nope"], "nope"),
-    (["--shapes", "12x64"], "multiple of 8"),
-    (["--shapes", "64"], "BxT"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--losses", "gepo"], "vanilla"),
+        (["--losses", "vanilla,nope"], "nope"),
+        (["--shapes", "12x64"], "multiple of 8"),
+        (["--shapes", "64"], "BxT"),
+    ],
+)
 def test_bad_arguments_are_refused(bench, argv, message, capsys):
     with pytest.raises(SystemExit):
         bench.main(["--device", "cpu", "--quick", *argv])

@@ -29,7 +29,12 @@ VARIANTS = [
     ("gepo", "gepo", {}, lambda b: ref.gepo(b, CLIP_LOW, CLIP_HIGH)),
     ("gepo sum", "gepo", {"reduction": "sum"}, lambda b: ref.gepo(b, CLIP_LOW, CLIP_HIGH, reduction="sum")),
     ("eqp", "eqp", {}, lambda b: ref.eqp(b, CLIP_LOW, CLIP_HIGH)),
-    ("gepo_adaptive", "gepo_adaptive", {"kl_threshold": 0.01}, lambda b: ref.gepo_adaptive(b, 0.01, CLIP_LOW, CLIP_HIGH)),
+    (
+        "gepo_adaptive",
+        "gepo_adaptive",
+        {"kl_threshold": 0.01},
+        lambda b: ref.gepo_adaptive(b, 0.01, CLIP_LOW, CLIP_HIGH),
+    ),
     ("gepo_tr", "gepo_tr", {}, lambda b: ref.gepo_tr(b, CLIP_LOW, CLIP_HIGH)),
     ("gepo_tc", "gepo_tc", {}, lambda b: ref.gepo_tc(b, CLIP_LOW, CLIP_HIGH)),
     ("gepo_tc ess", "gepo_tc", {"ess_bound": True}, lambda b: ref.gepo_tc(b, CLIP_LOW, CLIP_HIGH, ess_bound=True)),
@@ -63,8 +68,16 @@ def token_mean(loss_mat: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 def loss_and_grad(fn, b: ref.Batch, dtype: torch.dtype, options: dict):
     log_p = b.log_p.to(dtype).clone().requires_grad_(True)
-    out = fn(log_p, b.log_q.to(dtype), b.advantages.to(dtype), b.mask,
-             clip_low=CLIP_LOW, clip_high=CLIP_HIGH, group_index=b.groups, **options)  # fmt: skip
+    out = fn(
+        log_p,
+        b.log_q.to(dtype),
+        b.advantages.to(dtype),
+        b.mask,
+        clip_low=CLIP_LOW,
+        clip_high=CLIP_HIGH,
+        group_index=b.groups,
+        **options,
+    )
     loss_mat, weight, clipped = out[:3] if isinstance(out, tuple) else (out.loss_mat, out.weight, out.clipped)
     loss = token_mean(loss_mat, b.mask)
     loss.backward()

@@ -191,12 +191,14 @@ _PPO_SECTION: list = []
 
 def _ppo_config(loss_mode: str):
     if not _PPO_SECTION:
-        _PPO_SECTION.append(composed_actor_section(
-            "actor_rollout_ref.actor.policy_loss._target_=verl_ext.loss_config.HeteroPolicyLossConfig",
-            f"+actor_rollout_ref.actor.policy_loss.group_size={PPO_GROUP}",
-            "+actor_rollout_ref.actor.policy_loss.sampler_kl_coef=0.01",
-            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
-        ))  # fmt: skip
+        _PPO_SECTION.append(
+            composed_actor_section(
+                "actor_rollout_ref.actor.policy_loss._target_=verl_ext.loss_config.HeteroPolicyLossConfig",
+                f"+actor_rollout_ref.actor.policy_loss.group_size={PPO_GROUP}",
+                "+actor_rollout_ref.actor.policy_loss.sampler_kl_coef=0.01",
+                "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+            )
+        )
     return actor_from_section(_PPO_SECTION[0], **{"policy_loss.loss_mode": loss_mode})
 
 
@@ -223,8 +225,9 @@ for _mode in HETERORL_LOSS_MODES:
 
 def _bridge_case(loss_mode: str):
     def build(x: Inputs):
-        config = actor_config(loss_mode, loss_agg_mode="seq-mean-token-mean", rollout_n=G, group_size=G,
-                              sampler_kl_coef=0.01)  # fmt: skip
+        config = actor_config(
+            loss_mode, loss_agg_mode="seq-mean-token-mean", rollout_n=G, group_size=G, sampler_kl_coef=0.01
+        )
         leaf = x.leaf()
 
         def call():
@@ -289,9 +292,17 @@ def _preset_case(preset: str):
             seq_log_q = iw.sequence_log_prob(x.log_q, x.mask, reduction)
             log_den = iw.group_expectation_log_denominator(seq_log_q, x.group_index)
             loss, metrics = compute_actor_loss(
-                actor, leaf, x.log_q, x.advantages, x.mask, group_log_denominator=log_den,
-                group_index=x.group_index, entropy=entropy, ref_log_prob=ref_log_prob, rollout_correction=correction,
-            )  # fmt: skip
+                actor,
+                leaf,
+                x.log_q,
+                x.advantages,
+                x.mask,
+                group_log_denominator=log_den,
+                group_index=x.group_index,
+                entropy=entropy,
+                ref_log_prob=ref_log_prob,
+                rollout_correction=correction,
+            )
             return loss.detach(), _backward(loss, leaf), metrics
 
         return call
@@ -328,8 +339,9 @@ def _(x):
     leaf = x.leaf()
 
     def call():
-        terms = losses.gepo_token_clip_loss_terms(leaf, x.log_q, x.advantages, x.mask, clip_low=0.2, clip_high=0.2,
-                                                  group_index=x.group_index, ess_bound=True)  # fmt: skip
+        terms = losses.gepo_token_clip_loss_terms(
+            leaf, x.log_q, x.advantages, x.mask, clip_low=0.2, clip_high=0.2, group_index=x.group_index, ess_bound=True
+        )
         return terms, _backward((terms.loss_mat * x.mask).sum(), leaf)
 
     return call
@@ -376,14 +388,18 @@ for _estimator in ("grpo", "bnpo"):
 
 @case("diagnostics-importance_weight_stats")
 def _(x):
-    return lambda: (diagnostics.importance_weight_stats(torch.exp(x.log_p - x.log_q), x.mask),
-                    diagnostics.importance_weight_stats(torch.exp(x.log_p.sum(-1)), x.mask))  # fmt: skip
+    return lambda: (
+        diagnostics.importance_weight_stats(torch.exp(x.log_p - x.log_q), x.mask),
+        diagnostics.importance_weight_stats(torch.exp(x.log_p.sum(-1)), x.mask),
+    )
 
 
 @case("diagnostics-sampler_learner_kl")
 def _(x):
-    return lambda: (diagnostics.sampler_learner_kl(x.log_p, x.log_q, x.mask),
-                    diagnostics.sequence_sampler_learner_kl(x.log_p, x.log_q, x.mask))  # fmt: skip
+    return lambda: (
+        diagnostics.sampler_learner_kl(x.log_p, x.log_q, x.mask),
+        diagnostics.sequence_sampler_learner_kl(x.log_p, x.log_q, x.mask),
+    )
 
 
 @case("diagnostics-normalised_ess")
@@ -422,9 +438,11 @@ def _(x):
 
 @case("diagnostics-builtin_weight_stats_and_penalty")
 def _(x):
-    return lambda: (builtin_weight_stats("gspo", x.log_p, x.log_q, x.mask),
-                    builtin_weight_stats("vanilla", x.log_p, x.log_q, x.mask),
-                    sampler_kl_penalty(x.log_p, x.log_q, x.mask, {"dp_size": 1, "global_batch_size": B}))  # fmt: skip
+    return lambda: (
+        builtin_weight_stats("gspo", x.log_p, x.log_q, x.mask),
+        builtin_weight_stats("vanilla", x.log_p, x.log_q, x.mask),
+        sampler_kl_penalty(x.log_p, x.log_q, x.mask, {"dp_size": 1, "global_batch_size": B}),
+    )
 
 
 # -- sampling, the learner's re-scoring of a group and its log-probs on the toy model
@@ -457,8 +475,15 @@ PROMPTS = ["1+2=", "7+5=", "33+4="]
 def _(toy):
     model, tok = toy
     enc = tok(PROMPTS, return_tensors="pt", padding=True)
-    return lambda: sampling.generate(model, enc["input_ids"], enc["attention_mask"], max_new_tokens=4,
-                                     eos_token_ids=tok.eos_token_id, pad_token_id=tok.pad_token_id, seed=3)  # fmt: skip
+    return lambda: sampling.generate(
+        model,
+        enc["input_ids"],
+        enc["attention_mask"],
+        max_new_tokens=4,
+        eos_token_ids=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        seed=3,
+    )
 
 
 @model_case("sampling-token_log_probs_and_eos_mask")
@@ -473,19 +498,25 @@ def _(toy):
 def _(toy):
     model, tok = toy
     prompts = [tok(p)["input_ids"] for p in PROMPTS]
-    return lambda: sampling.sample_continuations(model, prompts, 4, [tok.eos_token_id], tok.pad_token_id,
-                                                 generator_seed=3)  # fmt: skip
+    return lambda: sampling.sample_continuations(
+        model, prompts, 4, [tok.eos_token_id], tok.pad_token_id, generator_seed=3
+    )
 
 
 def _group(model, tok, version: int = 0) -> RolloutGroup:
     batch = sample_groups(model, tok, ["3+4="], G, 1.0, 4, seed=5)
     keep = batch.prompt_mask[0].bool()
     return RolloutGroup(
-        group_uid="g0", prompt_ids=batch.prompt_ids[0][keep].numpy(), response_ids=batch.response_ids.numpy(),
+        group_uid="g0",
+        prompt_ids=batch.prompt_ids[0][keep].numpy(),
+        response_ids=batch.response_ids.numpy(),
         response_mask=batch.response_mask.numpy().astype(np.int8),
         sampler_logprobs=batch.sampler_logprobs.numpy().astype(np.float32),
-        rewards=np.zeros(G, np.float32), advantages=np.zeros(G, np.float32), policy_version=version, sampler_id="s0",
-    )  # fmt: skip
+        rewards=np.zeros(G, np.float32),
+        advantages=np.zeros(G, np.float32),
+        policy_version=version,
+        sampler_id="s0",
+    )
 
 
 @model_case("verify-group_log_probs")
@@ -502,8 +533,9 @@ def _(toy):
 
     def call():
         log_prob, entropy = embedded_learner.log_probs_and_entropy(model, batch, 1.0, with_entropy=True)
-        ref = sequence_token_log_probs(model, batch["prompt_ids"], batch["prompt_mask"], batch["response_ids"],
-                                       batch["response_mask"], 1.0)  # fmt: skip
+        ref = sequence_token_log_probs(
+            model, batch["prompt_ids"], batch["prompt_mask"], batch["response_ids"], batch["response_mask"], 1.0
+        )
         return log_prob.detach(), entropy.detach(), ref.detach()
 
     return call

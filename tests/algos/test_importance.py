@@ -41,7 +41,7 @@ def test_sequence_log_prob_empty_row_is_zero_and_bad_reduction_raises():
 @settings(max_examples=40, deadline=None)
 @given(
     seq_lq=st.lists(st.floats(-60.0, 0.0, allow_nan=False), min_size=1, max_size=12),
-    label_pool=st.lists(st.integers(-10**9, 10**9), min_size=1, max_size=4, unique=True),
+    label_pool=st.lists(st.integers(-(10**9), 10**9), min_size=1, max_size=4, unique=True),
     data=st.data(),
 )
 def test_group_expectation_log_denominator_shuffled_labels(seq_lq, label_pool, data):
@@ -124,7 +124,10 @@ def test_token_sequence_and_group_log_weights(reduction):
     b = ref.make_batch(seed=7, n_groups=3, group_size=4)
     torch.testing.assert_close(iw.token_log_weight(b.log_p, b.log_q), b.log_p - b.log_q)
     seq = iw.sequence_log_weight(b.log_p, b.log_q, b.mask, reduction)
-    want_seq = [p - q for p, q in zip(ref.seq_log_prob(b.log_p, b.mask, reduction), ref.seq_log_prob(b.log_q, b.mask, reduction))]
+    want_seq = [
+        p - q
+        for p, q in zip(ref.seq_log_prob(b.log_p, b.mask, reduction), ref.seq_log_prob(b.log_q, b.mask, reduction))
+    ]
     torch.testing.assert_close(seq, torch.tensor(want_seq, dtype=torch.float64), rtol=1e-12, atol=1e-12)
 
     perm = torch.randperm(12, generator=torch.Generator().manual_seed(0))
@@ -138,7 +141,11 @@ def test_token_sequence_and_group_log_weights(reduction):
     torch.testing.assert_close(got, torch.tensor([p - d for p, d in zip(slp, den)], dtype=torch.float64))
     # the upstream-denominator path gives the same weights
     got2 = iw.group_expectation_log_weight(
-        shuffled.log_p, shuffled.log_q, shuffled.mask, log_denominator=torch.tensor(den, dtype=torch.float64), reduction=reduction
+        shuffled.log_p,
+        shuffled.log_q,
+        shuffled.mask,
+        log_denominator=torch.tensor(den, dtype=torch.float64),
+        reduction=reduction,
     )
     torch.testing.assert_close(got2, got)
     with pytest.raises(ValueError):

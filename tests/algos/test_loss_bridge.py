@@ -85,9 +85,12 @@ def test_bridge_with_verls_plain_policy_loss_config():
     """A user who keeps verl's PolicyLossConfig: the bridge uses the project defaults (no penalty)."""
     b = ref.make_batch(seed=64)
     config = ActorConfig(
-        strategy="fsdp", rollout_n=1, ppo_micro_batch_size_per_gpu=1, loss_agg_mode="token-mean",
+        strategy="fsdp",
+        rollout_n=1,
+        ppo_micro_batch_size_per_gpu=1,
+        loss_agg_mode="token-mean",
         policy_loss=PolicyLossConfig(loss_mode="vanilla"),
-    )  # fmt: skip
+    )
     loss, metrics = bridge(config, b)
     assert torch.isfinite(loss) and "actor/sampler_kl_penalty" not in metrics and IS_KEYS <= set(metrics)
 
@@ -103,7 +106,9 @@ def test_bridge_forwards_group_information_to_group_losses_only():
     by_den, _ = bridge(cfg, b, group_log_denominator=den)
     assert abs(by_index.item() - want) < 1e-12 and abs(by_den.item() - want) < 1e-12
     # verl's losses do not take group arguments: the bridge must not pass them
-    loss, _ = bridge(actor_config("vanilla", "token-mean"), b, group_index=torch.tensor(labels), group_log_denominator=den)
+    loss, _ = bridge(
+        actor_config("vanilla", "token-mean"), b, group_index=torch.tensor(labels), group_log_denominator=den
+    )
     assert torch.isfinite(loss)
 
 
@@ -113,7 +118,9 @@ def test_bridge_forwards_group_information_to_group_losses_only():
 def test_gspo_on_policy_weight_is_exactly_one():
     b = ref.make_batch(seed=66, drift=0.0)
     lp = b.log_q.clone().requires_grad_(True)  # learner == sampler
-    loss, metrics = loss_bridge.compute_actor_loss(actor_config("gspo", "seq-mean-token-mean"), lp, b.log_q, b.advantages, b.mask)
+    loss, metrics = loss_bridge.compute_actor_loss(
+        actor_config("gspo", "seq-mean-token-mean"), lp, b.log_q, b.advantages, b.mask
+    )
     assert metrics["is/weight_mean"] == 1.0 and metrics["is/weight_min"] == 1.0 and metrics["is/weight_max"] == 1.0
     assert metrics["is/weight_var"] == 0.0 and metrics["actor/pg_clipfrac"] == 0.0
     assert metrics["is/kl_sampler_learner"] == 0.0
@@ -125,7 +132,9 @@ def test_gepo_on_policy_weight_is_q_over_group_expectation_and_clips():
     B, T, G = 8, 6, 4
     mask = torch.ones(B, T, dtype=torch.bool)
     # sequence mean log-probs spread over ~1 nat within each group
-    log_q = torch.linspace(-0.2, -1.4, B, dtype=torch.float64).unsqueeze(-1) + 0.05 * torch.randn(B, T, generator=g, dtype=torch.float64)
+    log_q = torch.linspace(-0.2, -1.4, B, dtype=torch.float64).unsqueeze(-1) + 0.05 * torch.randn(
+        B, T, generator=g, dtype=torch.float64
+    )
     adv = torch.tensor([1.0, -1.0, 1.0, -1.0, -1.0, 1.0, -1.0, 1.0], dtype=torch.float64).unsqueeze(-1).expand(B, T)
     b = ref.Batch(log_q.clone(), log_q, adv, mask, torch.arange(B) // G)
     loss, metrics = loss_bridge.compute_actor_loss(

@@ -33,18 +33,26 @@ def _ref_terms(loss_mode, b, **kw):
     if loss_mode == "eqp":
         return ref.eqp(b, CLIP_LOW, CLIP_HIGH, reduction=kw.get("seq_reduction", "mean"))
     if loss_mode == "gepo_adaptive":
-        return ref.gepo_adaptive(b, kw.get("adaptive_kl_threshold", 0.002), CLIP_LOW, CLIP_HIGH, kw.get("seq_reduction", "mean"))
+        return ref.gepo_adaptive(
+            b, kw.get("adaptive_kl_threshold", 0.002), CLIP_LOW, CLIP_HIGH, kw.get("seq_reduction", "mean")
+        )
     if loss_mode == "gepo_tr":
         return ref.gepo_tr(b, CLIP_LOW, CLIP_HIGH, reduction=kw.get("seq_reduction", "mean"))
     if loss_mode == "topr":
         return ref.topr(b, kw.get("topr_reduction", "sum"))
     if loss_mode == "gepo_tc":
-        return ref.gepo_tc(b, CLIP_LOW, CLIP_HIGH, reduction=kw.get("seq_reduction", "mean"), ess_bound=kw.get("tc_ess_bound", False))
+        return ref.gepo_tc(
+            b, CLIP_LOW, CLIP_HIGH, reduction=kw.get("seq_reduction", "mean"), ess_bound=kw.get("tc_ess_bound", False)
+        )
     if loss_mode == "m2po":
         return ref.m2po(b, kw.get("m2po_threshold", 0.04))
     if loss_mode == "vespo":
         return ref.vespo(
-            b, kw.get("vespo_k_pos", 2.0), kw.get("vespo_lambda_pos", 3.0), kw.get("vespo_k_neg", 3.0), kw.get("vespo_lambda_neg", 2.0)
+            b,
+            kw.get("vespo_k_pos", 2.0),
+            kw.get("vespo_lambda_pos", 3.0),
+            kw.get("vespo_k_neg", 3.0),
+            kw.get("vespo_lambda_neg", 2.0),
         )
     raise KeyError(loss_mode)
 
@@ -56,7 +64,14 @@ def _ref_terms(loss_mode, b, **kw):
 def test_gepo_loss_terms_match_reference(reduction):
     b = ref.make_batch(seed=21, drift=0.2)
     terms = losses.gepo_loss_terms(
-        b.log_p, b.log_q, b.advantages, b.mask, clip_low=CLIP_LOW, clip_high=CLIP_HIGH, group_index=b.groups, reduction=reduction
+        b.log_p,
+        b.log_q,
+        b.advantages,
+        b.mask,
+        clip_low=CLIP_LOW,
+        clip_high=CLIP_HIGH,
+        group_index=b.groups,
+        reduction=reduction,
     )
     rows, ws, clip_rows = ref.gepo(b, CLIP_LOW, CLIP_HIGH, reduction=reduction)
     torch.testing.assert_close(terms.loss_mat * b.mask, _t(rows), **F64)
@@ -68,7 +83,14 @@ def test_gepo_loss_terms_match_reference(reduction):
 def test_eqp_loss_terms_match_reference(reduction):
     b = ref.make_batch(seed=22, drift=0.2).rows(torch.randperm(12, generator=torch.Generator().manual_seed(1)))
     terms = losses.eqp_loss_terms(
-        b.log_p, b.log_q, b.advantages, b.mask, clip_low=CLIP_LOW, clip_high=CLIP_HIGH, group_index=b.groups, reduction=reduction
+        b.log_p,
+        b.log_q,
+        b.advantages,
+        b.mask,
+        clip_low=CLIP_LOW,
+        clip_high=CLIP_HIGH,
+        group_index=b.groups,
+        reduction=reduction,
     )
     rows, ws, clip_rows = ref.eqp(b, CLIP_LOW, CLIP_HIGH, reduction=reduction)
     torch.testing.assert_close(terms.loss_mat * b.mask, _t(rows), **F64)
@@ -80,7 +102,9 @@ def test_eqp_on_policy_weight_is_p_over_q_weighted_mean_of_p():
     """EqP on-policy: w_i = q_i / (sum_j q_j^2 / sum_j q_j) -- the same as GEPO's on-policy weight."""
     b = ref.make_batch(seed=23, drift=0.0)
     e = losses.eqp_loss_terms(b.log_q, b.log_q, b.advantages, b.mask, clip_low=0.2, clip_high=0.2, group_index=b.groups)
-    g = losses.gepo_loss_terms(b.log_q, b.log_q, b.advantages, b.mask, clip_low=0.2, clip_high=0.2, group_index=b.groups)
+    g = losses.gepo_loss_terms(
+        b.log_q, b.log_q, b.advantages, b.mask, clip_low=0.2, clip_high=0.2, group_index=b.groups
+    )
     torch.testing.assert_close(e.weight, g.weight, **F64)
 
 
@@ -90,7 +114,14 @@ def test_gepo_adaptive_terms_match_reference(threshold):
     # make a few sequences exactly fresh (p == q on their tokens) so both branches are exercised
     b.log_p[::3] = b.log_q[::3]
     terms = losses.gepo_adaptive_loss_terms(
-        b.log_p, b.log_q, b.advantages, b.mask, clip_low=CLIP_LOW, clip_high=CLIP_HIGH, kl_threshold=threshold, group_index=b.groups
+        b.log_p,
+        b.log_q,
+        b.advantages,
+        b.mask,
+        clip_low=CLIP_LOW,
+        clip_high=CLIP_HIGH,
+        kl_threshold=threshold,
+        group_index=b.groups,
     )
     rows, ws, _ = ref.gepo_adaptive(b, threshold, CLIP_LOW, CLIP_HIGH)
     torch.testing.assert_close(terms.loss_mat * b.mask, _t(rows), **F64)
@@ -101,7 +132,14 @@ def test_gepo_adaptive_terms_match_reference(threshold):
 def test_gepo_tr_loss_terms_match_reference(reduction):
     b = ref.make_batch(seed=23, drift=0.6 if reduction == "mean" else 0.15)
     terms = losses.gepo_tr_loss_terms(
-        b.log_p, b.log_q, b.advantages, b.mask, clip_low=CLIP_LOW, clip_high=CLIP_HIGH, group_index=b.groups, reduction=reduction
+        b.log_p,
+        b.log_q,
+        b.advantages,
+        b.mask,
+        clip_low=CLIP_LOW,
+        clip_high=CLIP_HIGH,
+        group_index=b.groups,
+        reduction=reduction,
     )
     rows, ws, clip_rows = ref.gepo_tr(b, CLIP_LOW, CLIP_HIGH, reduction=reduction)
     torch.testing.assert_close(terms.loss_mat * b.mask, _t(rows), **F64)
@@ -179,7 +217,9 @@ def test_topr_terms_match_reference(reduction):
 
 def test_token_clipped_terms_match_reference():
     b = ref.make_batch(seed=27, drift=0.4)
-    terms = losses.token_clipped_loss_terms(b.log_p, b.log_q, b.advantages, b.mask, clip_low=CLIP_LOW, clip_high=CLIP_HIGH)
+    terms = losses.token_clipped_loss_terms(
+        b.log_p, b.log_q, b.advantages, b.mask, clip_low=CLIP_LOW, clip_high=CLIP_HIGH
+    )
     rows, w_rows, clip_rows = ref.token_clip(b, CLIP_LOW, CLIP_HIGH)
     torch.testing.assert_close(terms.loss_mat * b.mask, _t(rows), **F64)
     torch.testing.assert_close(terms.weight * b.mask, _t(w_rows) * b.mask, **F64)
@@ -235,9 +275,17 @@ def test_registered_loss_value_and_metrics_per_agg_mode(loss_mode, opts, mode):
     assert abs(metrics["is/weight_min"] - min(ws)) < 1e-10
     mean = math.fsum(ws) / len(ws)
     assert abs(metrics["is/weight_var"] - math.fsum((w - mean) ** 2 for w in ws) / len(ws)) < 1e-10
-    assert abs(metrics["is/kl_sampler_learner"] - ref.sampler_kl(ref.Batch(b.log_p, b.log_q, b.advantages, b.mask, b.groups))) < 1e-10
+    assert (
+        abs(
+            metrics["is/kl_sampler_learner"]
+            - ref.sampler_kl(ref.Batch(b.log_p, b.log_q, b.advantages, b.mask, b.groups))
+        )
+        < 1e-10
+    )
     n_tok = int(b.mask.sum())
-    want_ppo_kl = math.fsum(float(q - p) for q, p, m in zip(b.log_q.flatten(), b.log_p.flatten(), b.mask.flatten()) if m) / n_tok
+    want_ppo_kl = (
+        math.fsum(float(q - p) for q, p, m in zip(b.log_q.flatten(), b.log_p.flatten(), b.mask.flatten()) if m) / n_tok
+    )
     assert abs(metrics["actor/ppo_kl"] - want_ppo_kl) < 1e-12
 
 
@@ -263,7 +311,9 @@ def test_delta_l_value_matches_reference_and_ignores_agg_mode(alpha, scale):
     want = ref.delta_l(b, alpha, CLIP_LOW, CLIP_HIGH, scale)
     values = []
     for mode in ref.AGG_MODES:
-        loss, metrics = call_loss("delta_l", b, actor_config("delta_l", mode, loss_scale_factor=scale, delta_l_alpha=alpha))
+        loss, metrics = call_loss(
+            "delta_l", b, actor_config("delta_l", mode, loss_scale_factor=scale, delta_l_alpha=alpha)
+        )
         assert "is/weight_mean" in metrics and "actor/pg_clipfrac" in metrics
         values.append(loss.item())
     # float32 tolerance: see test_delta_l_weights_keep_float64_precision
@@ -328,8 +378,10 @@ def test_delta_l_micro_batches_with_equal_lengths_sum_to_whole_batch():
     """Micro-batches with the same length profile: the global-batch scaling makes them sum exactly
     (before the fix, k micro-batches gave k times the whole-batch loss)."""
     half = ref.make_batch(seed=37, n_groups=2, drift=0.25)
-    b = ref.Batch(*(torch.cat([t, t]) for t in (half.log_p, half.log_q, half.advantages, half.mask)),
-                  list(half.groups) + [g + 1000 for g in half.groups])
+    b = ref.Batch(
+        *(torch.cat([t, t]) for t in (half.log_p, half.log_q, half.advantages, half.mask)),
+        list(half.groups) + [g + 1000 for g in half.groups],
+    )
     whole = _accumulated("delta_l", b, "token-mean", 1)
     assert abs(_accumulated("delta_l", b, "token-mean", 2) - whole) < 1e-10 * abs(whole)
 
@@ -413,7 +465,12 @@ def test_eqp_gradient_flows_through_denominator():
     m = b.mask.to(torch.float64)
     slp = (lp2 * m).sum(-1) / m.sum(-1)
     slq = (b.log_q * m).sum(-1) / m.sum(-1)
-    den = torch.stack([torch.logsumexp(slq[b.groups == g] - torch.logsumexp(slq[b.groups == g], 0) + slp[b.groups == g], 0) for g in b.groups])
+    den = torch.stack(
+        [
+            torch.logsumexp(slq[b.groups == g] - torch.logsumexp(slq[b.groups == g], 0) + slp[b.groups == g], 0)
+            for g in b.groups
+        ]
+    )
     w = torch.exp(slp - den.detach()).unsqueeze(-1)
     surr = torch.maximum(-b.advantages * w, -b.advantages * w.clamp(1 - CLIP_LOW, 1 + CLIP_HIGH))
     ((surr * m).sum() / m.sum()).backward()
@@ -421,7 +478,12 @@ def test_eqp_gradient_flows_through_denominator():
     # ... and with the denominator attached it agrees
     lp3 = b.log_p.clone().requires_grad_(True)
     slp3 = (lp3 * m).sum(-1) / m.sum(-1)
-    den3 = torch.stack([torch.logsumexp(slq[b.groups == g] - torch.logsumexp(slq[b.groups == g], 0) + slp3[b.groups == g], 0) for g in b.groups])
+    den3 = torch.stack(
+        [
+            torch.logsumexp(slq[b.groups == g] - torch.logsumexp(slq[b.groups == g], 0) + slp3[b.groups == g], 0)
+            for g in b.groups
+        ]
+    )
     w3 = torch.exp(slp3 - den3).unsqueeze(-1)
     surr3 = torch.maximum(-b.advantages * w3, -b.advantages * w3.clamp(1 - CLIP_LOW, 1 + CLIP_HIGH))
     ((surr3 * m).sum() / m.sum()).backward()
@@ -509,7 +571,14 @@ def test_gepo_float32_near_minus_5000_is_finite_and_close():
     b64 = _long_batch()
     b32 = ref.Batch(b64.log_p.float(), b64.log_q.float(), b64.advantages.float(), b64.mask, b64.groups)
     terms = losses.gepo_loss_terms(
-        b32.log_p, b32.log_q, b32.advantages, b32.mask, clip_low=0.2, clip_high=0.2, group_index=b32.groups, reduction="sum"
+        b32.log_p,
+        b32.log_q,
+        b32.advantages,
+        b32.mask,
+        clip_low=0.2,
+        clip_high=0.2,
+        group_index=b32.groups,
+        reduction="sum",
     )
     assert torch.isfinite(terms.loss_mat).all() and torch.isfinite(terms.weight).all()
     _, ws, _ = ref.gepo(b64, 0.2, 0.2, reduction="sum")
@@ -557,7 +626,9 @@ def test_m2po_terms_match_reference(seed, drift, threshold):
     torch.testing.assert_close(terms.loss_mat * b.mask, _t(rows), **F64)
     torch.testing.assert_close(terms.weight * b.mask, _t(w_rows) * b.mask, **F64)
     assert torch.equal(terms.clipped, torch.tensor(clip_rows))  # padding is never reported as masked
-    assert torch.equal(losses.m2po_keep_mask(b.log_p - b.log_q, b.mask, threshold), _keep_rows_tensor(ref.m2po_keep(b, threshold)))
+    assert torch.equal(
+        losses.m2po_keep_mask(b.log_p - b.log_q, b.mask, threshold), _keep_rows_tensor(ref.m2po_keep(b, threshold))
+    )
 
 
 def _squares(log_ratio, sel):
@@ -593,7 +664,9 @@ def test_m2po_mask_is_the_minimal_largest_first_mask(seed, drift, threshold, n_g
 def test_m2po_masks_nothing_when_every_token_is_under_the_threshold():
     b = ref.make_batch(seed=85, drift=0.0)
     g = torch.Generator().manual_seed(0)
-    b.log_p = b.log_q + 0.19 * (2 * torch.rand(b.log_q.shape, generator=g, dtype=torch.float64) - 1)  # (log r)^2 < 0.0361
+    b.log_p = b.log_q + 0.19 * (
+        2 * torch.rand(b.log_q.shape, generator=g, dtype=torch.float64) - 1
+    )  # (log r)^2 < 0.0361
     terms = losses.m2po_loss_terms(b.log_p, b.log_q, b.advantages, b.mask, threshold=0.04)
     assert not terms.clipped.any()
     r = torch.exp(b.log_p - b.log_q)
@@ -641,7 +714,9 @@ def test_m2po_micro_batches_differ_from_whole_batch_only_through_the_per_call_ma
     per_call_rows = []
     for start in range(0, B, step):
         sl = slice(start, start + step)
-        per_call_rows += ref.m2po(ref.Batch(b.log_p[sl], b.log_q[sl], b.advantages[sl], b.mask[sl], b.groups[sl]), 0.04)[0]
+        per_call_rows += ref.m2po(
+            ref.Batch(b.log_p[sl], b.log_q[sl], b.advantages[sl], b.mask[sl], b.groups[sl]), 0.04
+        )[0]
     whole = _accumulated("m2po", b, mode, 1)
     micro = _accumulated("m2po", b, mode, n_micro)
     assert abs(whole - ref.aggregate(ref.m2po(b, 0.04)[0], b.mask, mode)) < 1e-10
@@ -689,7 +764,9 @@ def test_vespo_gradient_is_minus_phi_advantage():
     lp = b.log_p.clone().requires_grad_(True)
     terms = losses.vespo_loss_terms(lp, b.log_q, b.advantages, b.mask, **VESPO_ASYM)
     (terms.loss_mat * b.mask).sum().backward()
-    _, ws, _ = ref.vespo(b, VESPO_ASYM["k_pos"], VESPO_ASYM["lambda_pos"], VESPO_ASYM["k_neg"], VESPO_ASYM["lambda_neg"])
+    _, ws, _ = ref.vespo(
+        b, VESPO_ASYM["k_pos"], VESPO_ASYM["lambda_pos"], VESPO_ASYM["k_neg"], VESPO_ASYM["lambda_neg"]
+    )
     torch.testing.assert_close(lp.grad, -_t(ws).unsqueeze(-1) * b.advantages * b.mask, **F64)
     # through the registered loss (token-mean): the same over the response-token count
     lp2 = b.log_p.clone().requires_grad_(True)
@@ -711,16 +788,25 @@ def test_vespo_no_gradient_flows_into_log_q():
 def _single_token_batch(log_w: torch.Tensor, adv: float) -> ref.Batch:
     n = log_w.numel()
     log_q = torch.full((n, 1), -1.0, dtype=torch.float64)
-    return ref.Batch(log_q + log_w.unsqueeze(-1), log_q, torch.full((n, 1), adv, dtype=torch.float64),
-                     torch.ones(n, 1, dtype=torch.bool), torch.arange(n))  # fmt: skip
+    return ref.Batch(
+        log_q + log_w.unsqueeze(-1),
+        log_q,
+        torch.full((n, 1), adv, dtype=torch.float64),
+        torch.ones(n, 1, dtype=torch.bool),
+        torch.arange(n),
+    )
 
 
 @pytest.mark.parametrize("adv,k,lam", [(1.0, 2.0, 3.0), (-1.0, 3.0, 2.0), (0.0, 2.0, 3.0)])
 def test_vespo_coefficient_peaks_at_k_over_lambda_and_is_one_at_one(adv, k, lam):
     """Authors' defaults: the positive pair (2, 3) peaks at W = 2/3, the negative (3, 2) at W = 1.5."""
-    w_grid = torch.cat([torch.linspace(0.05, 5.0, 400, dtype=torch.float64), torch.tensor([k / lam, 1.0], dtype=torch.float64)])
+    w_grid = torch.cat(
+        [torch.linspace(0.05, 5.0, 400, dtype=torch.float64), torch.tensor([k / lam, 1.0], dtype=torch.float64)]
+    )
     b = _single_token_batch(torch.log(w_grid), adv)
-    terms = losses.vespo_loss_terms(b.log_p, b.log_q, b.advantages, b.mask, k_pos=2.0, lambda_pos=3.0, k_neg=3.0, lambda_neg=2.0)
+    terms = losses.vespo_loss_terms(
+        b.log_p, b.log_q, b.advantages, b.mask, k_pos=2.0, lambda_pos=3.0, k_neg=3.0, lambda_neg=2.0
+    )
     phi = terms.weight
     assert int(phi.argmax()) == w_grid.numel() - 2  # the W = k / lam entry beats every grid point
     assert abs(phi[-1].item() - 1.0) < 1e-14  # phi(1) = 1
@@ -737,7 +823,9 @@ def test_vespo_extreme_ratios_give_zero_coefficient_without_nan():
     b.log_p[2] = b.log_q[2] - 50.0
     b.log_p[3] = b.log_q[3] - 1000.0
     lp = b.log_p.clone().requires_grad_(True)
-    terms = losses.vespo_loss_terms(lp, b.log_q, b.advantages, b.mask, k_pos=2.0, lambda_pos=3.0, k_neg=3.0, lambda_neg=2.0)
+    terms = losses.vespo_loss_terms(
+        lp, b.log_q, b.advantages, b.mask, k_pos=2.0, lambda_pos=3.0, k_neg=3.0, lambda_neg=2.0
+    )
     (terms.loss_mat * b.mask).sum().backward()
     assert torch.isfinite(terms.loss_mat).all() and torch.isfinite(lp.grad).all() and torch.isfinite(terms.weight).all()
     phi = terms.weight
@@ -755,7 +843,14 @@ def test_vespo_extreme_ratios_give_zero_coefficient_without_nan():
 
 def _tc(b, lo=CLIP_LOW, hi=CLIP_HIGH, log_p=None, **kw):
     return losses.gepo_token_clip_loss_terms(
-        b.log_p if log_p is None else log_p, b.log_q, b.advantages, b.mask, clip_low=lo, clip_high=hi, group_index=b.groups, **kw
+        b.log_p if log_p is None else log_p,
+        b.log_q,
+        b.advantages,
+        b.mask,
+        clip_low=lo,
+        clip_high=hi,
+        group_index=b.groups,
+        **kw,
     )
 
 
@@ -804,7 +899,7 @@ def test_gepo_tc_clipped_tokens_get_zero_gradient_and_the_others_are_untouched()
     (terms.loss_mat * b.mask).sum().backward()
     _, ws, clip_rows = ref.gepo_tc(b, CLIP_LOW, CLIP_HIGH)
     clipped = torch.tensor(clip_rows)
-    partial = (clipped.any(-1) & (b.mask & ~clipped).any(-1))
+    partial = clipped.any(-1) & (b.mask & ~clipped).any(-1)
     assert partial.any()  # sequences with both clipped and kept tokens
     want = torch.where(clipped, torch.zeros_like(lp), -_t(ws).unsqueeze(-1) * b.advantages) * b.mask
     torch.testing.assert_close(lp.grad, want, **F64)
@@ -850,18 +945,30 @@ def test_gepo_tc_ess_band_is_per_call():
     """The ESS is measured on the tokens one call sees, so with micro-batches the bands (and the
     loss gradient) are those of each micro-batch; the loss value does not depend on the clip."""
     fresh, stale = ref.make_batch(seed=107, n_groups=2, drift=0.3), ref.make_batch(seed=207, n_groups=2, drift=1.0)
-    b = ref.Batch(*(torch.cat([x, y]) for x, y in zip(
-        (fresh.log_p, fresh.log_q, fresh.advantages, fresh.mask, fresh.groups),
-        (stale.log_p, stale.log_q, stale.advantages, stale.mask, stale.groups + 2),
-    )))  # fmt: skip
+    b = ref.Batch(
+        *(
+            torch.cat([x, y])
+            for x, y in zip(
+                (fresh.log_p, fresh.log_q, fresh.advantages, fresh.mask, fresh.groups),
+                (stale.log_p, stale.log_q, stale.advantages, stale.mask, stale.groups + 2),
+            )
+        )
+    )
     _, _, whole_clip = ref.gepo_tc(b, CLIP_LOW, CLIP_HIGH, ess_bound=True)
     halves = [slice(0, 8), slice(8, 16)]
     micro_clip = []
     for sl in halves:
-        micro_clip += ref.gepo_tc(ref.Batch(b.log_p[sl], b.log_q[sl], b.advantages[sl], b.mask[sl], b.groups[sl]),
-                                  CLIP_LOW, CLIP_HIGH, ess_bound=True)[2]  # fmt: skip
+        micro_clip += ref.gepo_tc(
+            ref.Batch(b.log_p[sl], b.log_q[sl], b.advantages[sl], b.mask[sl], b.groups[sl]),
+            CLIP_LOW,
+            CLIP_HIGH,
+            ess_bound=True,
+        )[2]
         terms = _tc(ref.Batch(b.log_p[sl], b.log_q[sl], b.advantages[sl], b.mask[sl], b.groups[sl]), ess_bound=True)
         assert torch.equal(terms.clipped, torch.tensor(micro_clip[-8:]))
     assert micro_clip != whole_clip
     opts = dict(tc_ess_bound=True)
-    assert abs(_accumulated("gepo_tc", b, "token-mean", 2, **opts) - _accumulated("gepo_tc", b, "token-mean", 1, **opts)) < 1e-10
+    assert (
+        abs(_accumulated("gepo_tc", b, "token-mean", 2, **opts) - _accumulated("gepo_tc", b, "token-mean", 1, **opts))
+        < 1e-10
+    )

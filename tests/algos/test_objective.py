@@ -80,8 +80,12 @@ CORRECTED = {
     "grpo-tis": ("grpo", RolloutCorrection(rollout_is="token", rollout_is_threshold=1.1)),
     "gspo-tis": ("gspo", RolloutCorrection(rollout_is="sequence", rollout_is_threshold=1.5)),
     "grpo-icepop": ("grpo", RolloutCorrection(rollout_is="token", rollout_is_threshold="0.9_1.1")),
-    "grpo-rs": ("grpo", RolloutCorrection(rollout_is="token", rollout_is_threshold=2.0, rollout_rs="token_k1",
-                                          rollout_rs_threshold="0.8_1.25")),
+    "grpo-rs": (
+        "grpo",
+        RolloutCorrection(
+            rollout_is="token", rollout_is_threshold=2.0, rollout_rs="token_k1", rollout_rs_threshold="0.8_1.25"
+        ),
+    ),
 }
 
 
@@ -137,15 +141,24 @@ def make_groups(model, tokenizer, seed: int = 0, sizes=((3, [4, 6, 2, 5]), (5, [
         prompt = rng.integers(3, vocab, size=prompt_len)
         response = rng.integers(3, vocab, size=(len(lengths), width)) * mask + tokenizer.pad_token_id * (1 - mask)
         rewards = rng.integers(0, 2, size=len(lengths)).astype(np.float32)
-        groups.append(RolloutGroup(
-            group_uid=f"g{gi}", prompt_ids=prompt.astype(np.int64), response_ids=response.astype(np.int64),
-            response_mask=mask, sampler_logprobs=np.zeros((len(lengths), width), np.float32), rewards=rewards,
-            advantages=rewards - rewards.mean(), policy_version=0, sampler_id="s0",
-        ))  # fmt: skip
+        groups.append(
+            RolloutGroup(
+                group_uid=f"g{gi}",
+                prompt_ids=prompt.astype(np.int64),
+                response_ids=response.astype(np.int64),
+                response_mask=mask,
+                sampler_logprobs=np.zeros((len(lengths), width), np.float32),
+                rewards=rewards,
+                advantages=rewards - rewards.mean(),
+                policy_version=0,
+                sampler_id="s0",
+            )
+        )
     batch = collate_groups(groups, tokenizer.pad_token_id)
     with torch.no_grad():
-        own = sequence_token_log_probs(model, batch["prompt_ids"], batch["prompt_mask"], batch["response_ids"],
-                                       batch["response_mask"], TEMPERATURE)  # fmt: skip
+        own = sequence_token_log_probs(
+            model, batch["prompt_ids"], batch["prompt_mask"], batch["response_ids"], batch["response_mask"], TEMPERATURE
+        )
     noisy = own + 0.15 * torch.from_numpy(rng.standard_normal(own.shape)).float()
     row = 0
     for group in groups:
@@ -179,40 +192,75 @@ def setup(tiny_model_path, tmp_path_factory):
     groups = make_groups(initial, tokenizer)
     batch = collate_groups(groups, tokenizer.pad_token_id)
     with torch.no_grad():  # the driver's reference log-probs (verl's ref worker: the initial weights)
-        ref = sequence_token_log_probs(initial, batch["prompt_ids"], batch["prompt_mask"], batch["response_ids"],
-                                       batch["response_mask"], TEMPERATURE)  # fmt: skip
+        ref = sequence_token_log_probs(
+            initial,
+            batch["prompt_ids"],
+            batch["prompt_mask"],
+            batch["response_ids"],
+            batch["response_mask"],
+            TEMPERATURE,
+        )
     inp = {
-        "model_path": str(tmp / "model"), "presets": PRESETS, "overrides": OBJECTIVE,
-        "micro_batch_sizes": MICRO_BATCH_SIZES, "temperature": TEMPERATURE,
+        "model_path": str(tmp / "model"),
+        "presets": PRESETS,
+        "overrides": OBJECTIVE,
+        "micro_batch_sizes": MICRO_BATCH_SIZES,
+        "temperature": TEMPERATURE,
         "uids": [g.group_uid for g in groups for _ in range(g.group_size)],
-        "prompts": batch["prompt_ids"], "prompt_mask": batch["prompt_mask"], "responses": batch["response_ids"],
-        "response_mask": batch["response_mask"], "old_log_probs": batch["sampler_logprobs"],
-        "advantages": batch["advantages"], "ref_log_prob": ref * batch["response_mask"],
-    }  # fmt: skip
+        "prompts": batch["prompt_ids"],
+        "prompt_mask": batch["prompt_mask"],
+        "responses": batch["response_ids"],
+        "response_mask": batch["response_mask"],
+        "old_log_probs": batch["sampler_logprobs"],
+        "advantages": batch["advantages"],
+        "ref_log_prob": ref * batch["response_mask"],
+    }
     # rollout correction, verl's way: the driver recomputes old_log_probs with the actor (the
     # proximal policy: the trained weights before the update) and computes rollout_is_weights from
     # them and the sampler's rollout_log_probs with verl's own helper
     with torch.no_grad():
-        proximal = sequence_token_log_probs(
-            trained, batch["prompt_ids"], batch["prompt_mask"], batch["response_ids"], batch["response_mask"],
-            TEMPERATURE,
-        ) * batch["response_mask"]  # fmt: skip
+        proximal = (
+            sequence_token_log_probs(
+                trained,
+                batch["prompt_ids"],
+                batch["prompt_mask"],
+                batch["response_ids"],
+                batch["response_mask"],
+                TEMPERATURE,
+            )
+            * batch["response_mask"]
+        )
     inp["corrected"] = []
     for key, (preset, settings) in CORRECTED.items():
-        driver = DataProto.from_dict(tensors={
-            "old_log_probs": proximal, "rollout_log_probs": batch["sampler_logprobs"],
-            "response_mask": batch["response_mask"].long(),
-        })  # fmt: skip
+        driver = DataProto.from_dict(
+            tensors={
+                "old_log_probs": proximal,
+                "rollout_log_probs": batch["sampler_logprobs"],
+                "response_mask": batch["response_mask"].long(),
+            }
+        )
         rc_config = RolloutCorrectionConfig(**dataclasses.asdict(settings))
         driver, _ = compute_rollout_correction_and_add_to_batch(driver, rc_config)
-        inp["corrected"].append({"key": key, "preset": preset, "old_log_probs": proximal,
-                                 "rollout_is_weights": driver.batch["rollout_is_weights"],
-                                 "response_mask": driver.batch["response_mask"]})  # fmt: skip
+        inp["corrected"].append(
+            {
+                "key": key,
+                "preset": preset,
+                "old_log_probs": proximal,
+                "rollout_is_weights": driver.batch["rollout_is_weights"],
+                "response_mask": driver.batch["response_mask"],
+            }
+        )
     torch.save(inp, tmp / "in.pt")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     script = ROOT / "tests" / "algos" / "verl_fsdp_objective.py"
-    proc = subprocess.run([sys.executable, str(script), str(tmp / "in.pt"), str(tmp / "out.pt")],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, str(script), str(tmp / "in.pt"), str(tmp / "out.pt")],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     verl = torch.load(tmp / "out.pt", weights_only=False)
     return {"initial": initial, "tokenizer": tokenizer, "groups": groups, "verl": verl}
@@ -241,8 +289,12 @@ def test_both_engines_give_the_same_loss_and_gradient(setup, preset, micro_batch
     assert theirs["metrics"]["actor/has_group_denominator"] == 1.0
     assert theirs["loss"] == pytest.approx(loss.item(), rel=1e-4, abs=1e-6)
     # the loss-valued metrics are shares of the global batch: their sum over micro-batches is the whole's
-    for key, name in (("actor/loss", "actor/policy_loss"), ("actor/pg_loss", "actor/pg_loss"),
-                      ("actor/entropy_loss", "actor/entropy_loss"), ("actor/kl_loss", "kl_loss")):  # fmt: skip
+    for key, name in (
+        ("actor/loss", "actor/policy_loss"),
+        ("actor/pg_loss", "actor/pg_loss"),
+        ("actor/entropy_loss", "actor/entropy_loss"),
+        ("actor/kl_loss", "kl_loss"),
+    ):
         assert theirs["metrics"][name] == pytest.approx(metrics[key], rel=1e-4, abs=1e-6), key
     # a loss's own scalars (LossTerms.metrics) reach verl's metrics as well; over one micro-batch they agree
     for key in ("actor/m2po_masked_frac", "actor/tc_band_scale"):
@@ -262,8 +314,13 @@ def test_both_engines_give_the_same_loss_and_gradient(setup, preset, micro_batch
 @pytest.mark.parametrize("micro_batch_size", MICRO_BATCH_SIZES)
 def test_both_engines_apply_the_same_rollout_correction(setup, key, micro_batch_size):
     preset, settings = CORRECTED[key]
-    learner = Learner(copy.deepcopy(setup["initial"]), actor_config(preset), TEMPERATURE,
-                      setup["tokenizer"].pad_token_id, rollout_correction=settings)  # fmt: skip
+    learner = Learner(
+        copy.deepcopy(setup["initial"]),
+        actor_config(preset),
+        TEMPERATURE,
+        setup["tokenizer"].pad_token_id,
+        rollout_correction=settings,
+    )
     perturb_(learner.model)
     loss, metrics, grads, _ = learner_loss_and_grads(learner, setup["groups"])
     assert 0 < metrics["is/tis_truncated_frac"] <= 1  # the threshold bites somewhere
@@ -294,8 +351,9 @@ def model_and_groups(tiny_model_path):
 def _learner(model_and_groups, *overrides, rollout_correction=None, preset="gepo"):
     initial, tokenizer, _ = model_and_groups
     config = actor_config(preset, *overrides)
-    return Learner(copy.deepcopy(initial), config, TEMPERATURE, tokenizer.pad_token_id,
-                   rollout_correction=rollout_correction)  # fmt: skip
+    return Learner(
+        copy.deepcopy(initial), config, TEMPERATURE, tokenizer.pad_token_id, rollout_correction=rollout_correction
+    )
 
 
 def test_entropy_coeff_adds_minus_coef_times_the_entropy_gradient(model_and_groups):
@@ -318,8 +376,9 @@ def test_entropy_coeff_adds_minus_coef_times_the_entropy_gradient(model_and_grou
     for name in g_off:
         torch.testing.assert_close(g_on[name], g_off[name] - 0.3 * g_entropy[name], rtol=1e-4, atol=1e-6)
     # and a few steps of pure entropy bonus raise the entropy
-    pure = _learner(model_and_groups, f"{ACTOR}.entropy_coeff=1.0", f"{ACTOR}.use_kl_loss=false",
-                    f"{ACTOR}.optim.lr=3e-3")  # fmt: skip
+    pure = _learner(
+        model_and_groups, f"{ACTOR}.entropy_coeff=1.0", f"{ACTOR}.use_kl_loss=false", f"{ACTOR}.optim.lr=3e-3"
+    )
     before = pure.loss(groups)[1]["actor/entropy_loss"]
     for _ in range(3):
         pure.train_step(groups)
@@ -328,8 +387,9 @@ def test_entropy_coeff_adds_minus_coef_times_the_entropy_gradient(model_and_grou
 
 def test_use_kl_loss_keeps_a_frozen_reference_and_pulls_toward_it(model_and_groups):
     initial, tokenizer, groups = model_and_groups
-    learner = _learner(model_and_groups, f"{ACTOR}.entropy_coeff=0", f"{ACTOR}.kl_loss_coef=1.0",
-                       f"{ACTOR}.optim.lr=1e-3")  # fmt: skip
+    learner = _learner(
+        model_and_groups, f"{ACTOR}.entropy_coeff=0", f"{ACTOR}.kl_loss_coef=1.0", f"{ACTOR}.optim.lr=1e-3"
+    )
     assert learner.reference is not None and learner.reference is not learner.model
     assert not any(p.requires_grad for p in learner.reference.parameters())
     # at the reference the KL term is 0 and adds no gradient
@@ -361,9 +421,13 @@ def test_objective_refuses_a_term_it_cannot_compute():
     with pytest.raises(ValueError, match="use_kl_loss=true"):
         compute_actor_loss(*args, entropy=torch.zeros(2, 3))
     with pytest.raises(ValueError, match="not both"):
-        compute_actor_loss(*args, entropy=torch.zeros(2, 3), ref_log_prob=torch.zeros(2, 3),
-                           rollout_is_weights=torch.ones(2, 3),
-                           rollout_correction=RolloutCorrection("token"))  # fmt: skip
+        compute_actor_loss(
+            *args,
+            entropy=torch.zeros(2, 3),
+            ref_log_prob=torch.zeros(2, 3),
+            rollout_is_weights=torch.ones(2, 3),
+            rollout_correction=RolloutCorrection("token"),
+        )
     with pytest.raises(TypeError, match="RolloutCorrection"):
         Learner(torch.nn.Linear(1, 1), config, 1.0, 0, rollout_correction={"rollout_is": "token"})
 
@@ -374,24 +438,36 @@ def test_rollout_correction_settings_parse_and_refuse():
             return compose(config_name="gepo_trainer", overrides=["algorithm_preset=grpo", *overrides]).algorithm
 
     assert rollout_correction_settings(algo()) is None
-    got = rollout_correction_settings(algo("algorithm.rollout_correction.rollout_is=sequence",
-                                           "algorithm.rollout_correction.rollout_is_threshold=3.5"))  # fmt: skip
+    got = rollout_correction_settings(
+        algo(
+            "algorithm.rollout_correction.rollout_is=sequence", "algorithm.rollout_correction.rollout_is_threshold=3.5"
+        )
+    )
     assert got == RolloutCorrection(rollout_is="sequence", rollout_is_threshold=3.5, rollout_is_batch_normalize=False)
     # verl's typed AlgoConfig too (what main_gepo hands the drivers)
     typed = omega_conf_to_dataclass(algo("algorithm.rollout_correction.rollout_is=token"))
     assert rollout_correction_settings(typed) == RolloutCorrection("token", 2.0, False)
     # IcePop's bounds and rejection sampling: verl's values, parsed by verl
-    icepop = rollout_correction_settings(algo("algorithm.rollout_correction.rollout_is=token",
-                                              "algorithm.rollout_correction.rollout_is_threshold=0.5_5.0"))  # fmt: skip
+    icepop = rollout_correction_settings(
+        algo(
+            "algorithm.rollout_correction.rollout_is=token", "algorithm.rollout_correction.rollout_is_threshold=0.5_5.0"
+        )
+    )
     assert icepop.icepop and icepop.bounds() == (0.5, 5.0)
-    rs_only = rollout_correction_settings(algo("algorithm.rollout_correction.rollout_rs=seq_mean_k1",
-                                               "algorithm.rollout_correction.rollout_rs_threshold=0.9_1.1"))  # fmt: skip
+    rs_only = rollout_correction_settings(
+        algo(
+            "algorithm.rollout_correction.rollout_rs=seq_mean_k1",
+            "algorithm.rollout_correction.rollout_rs_threshold=0.9_1.1",
+        )
+    )
     assert rs_only.rollout_is is None and rs_only.rollout_rs == "seq_mean_k1"
-    for bad, named in (("algorithm.rollout_correction.bypass_mode=true", "bypass_mode"),
-                       ("algorithm.rollout_correction.rollout_is_threshold=2.0_0.5", "rollout_is_threshold='2.0_0.5'"),
-                       ("algorithm.rollout_correction.rollout_is_threshold=abc", "rollout_is_threshold='abc'"),
-                       ("algorithm.rollout_correction.rollout_rs=token_k9", "rollout_rs='token_k9'"),
-                       ("algorithm.rollout_correction.rollout_rs=token_k1", "rollout_rs_threshold=None")):  # fmt: skip
+    for bad, named in (
+        ("algorithm.rollout_correction.bypass_mode=true", "bypass_mode"),
+        ("algorithm.rollout_correction.rollout_is_threshold=2.0_0.5", "rollout_is_threshold='2.0_0.5'"),
+        ("algorithm.rollout_correction.rollout_is_threshold=abc", "rollout_is_threshold='abc'"),
+        ("algorithm.rollout_correction.rollout_rs=token_k9", "rollout_rs='token_k9'"),
+        ("algorithm.rollout_correction.rollout_rs=token_k1", "rollout_rs_threshold=None"),
+    ):
         with pytest.raises(ValueError, match=re.escape(named)):
             rollout_correction_settings(algo("algorithm.rollout_correction.rollout_is=token", bad))
     with pytest.raises(ValueError, match="rollout_is='tok'"):
@@ -406,8 +482,14 @@ def test_rollout_correction_weights_the_loss_with_verls_truncated_is(model_and_g
     loss, metrics, grads, batch = learner_loss_and_grads(tis, groups)
     mask = batch["response_mask"].bool()
     with torch.no_grad():
-        p = sequence_token_log_probs(tis.model, batch["prompt_ids"], batch["prompt_mask"], batch["response_ids"],
-                                     batch["response_mask"], TEMPERATURE)  # fmt: skip
+        p = sequence_token_log_probs(
+            tis.model,
+            batch["prompt_ids"],
+            batch["prompt_mask"],
+            batch["response_ids"],
+            batch["response_mask"],
+            TEMPERATURE,
+        )
     weights, _ = compute_rollout_correction_weights((p - batch["sampler_logprobs"]) * mask, mask.float(), "token", 1.05)
     raw = torch.exp(p - batch["sampler_logprobs"])[mask]
     assert 0 < metrics["is/tis_truncated_frac"] < 1  # some weights truncated, not all
@@ -440,10 +522,15 @@ class _TruncatedISLearnerBefore(Learner):
             (proximal - batch["sampler_logprobs"]) * mask, mask.float(), **self.rollout_correction
         )
         loss, metrics = compute_actor_loss(
-            self.actor_config, log_prob, proximal, batch["advantages"], mask,
-            group_log_denominator=group_log_denominator, group_index=batch["group_index"],
+            self.actor_config,
+            log_prob,
+            proximal,
+            batch["advantages"],
+            mask,
+            group_log_denominator=group_log_denominator,
+            group_index=batch["group_index"],
             rollout_is_weights=is_weights.detach(),
-        )  # fmt: skip
+        )
         raw = torch.exp((proximal - batch["sampler_logprobs"]).clamp(-20.0, 20.0))
         metrics.update(importance_weight_stats(raw, mask))
         metrics["is/kl_sampler_learner"] = sampler_learner_kl(proximal, batch["sampler_logprobs"], mask)
@@ -462,9 +549,12 @@ def test_learner_rollout_correction_equals_the_replay_truncated_is_learner(model
     plain = (f"{ACTOR}.entropy_coeff=0", f"{ACTOR}.use_kl_loss=false")
     ours = _learner(model_and_groups, *plain, preset="grpo", rollout_correction=settings)
     before = _TruncatedISLearnerBefore(
-        copy.deepcopy(initial), actor_config("grpo", *plain), TEMPERATURE, tokenizer.pad_token_id,
+        copy.deepcopy(initial),
+        actor_config("grpo", *plain),
+        TEMPERATURE,
+        tokenizer.pad_token_id,
         rollout_correction={k: v for k, v in dataclasses.asdict(settings).items() if not k.startswith("rollout_rs")},
-    )  # fmt: skip
+    )
     for _ in range(2):
         m_ours, m_before = ours.train_step(groups), before.train_step(groups)
         if level == "sequence":

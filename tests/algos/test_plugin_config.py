@@ -85,7 +85,12 @@ LOSS_SPECIFIC = [
 
 @pytest.mark.parametrize(
     "field,value,own_mode,other_mode",
-    [(*case, other) for case in LOSS_SPECIFIC for other in ("gepo", "vanilla", "gepo_tr", "m2po", "vespo", "gepo_tc") if other != case[2]],
+    [
+        (*case, other)
+        for case in LOSS_SPECIFIC
+        for other in ("gepo", "vanilla", "gepo_tr", "m2po", "vespo", "gepo_tc")
+        if other != case[2]
+    ],
 )
 def test_loss_specific_option_with_another_loss_raises_naming_it(field, value, own_mode, other_mode):
     with pytest.raises(ValueError, match=field) as err:
@@ -110,11 +115,15 @@ def test_loss_specific_guard_through_omega_conf_to_dataclass():
 
 
 def test_bad_value_through_omega_conf_to_dataclass_names_the_field():
-    node = OmegaConf.create({"_target_": "verl_ext.loss_config.HeteroPolicyLossConfig", "loss_mode": "gepo", "seq_reduction": "max"})
+    node = OmegaConf.create(
+        {"_target_": "verl_ext.loss_config.HeteroPolicyLossConfig", "loss_mode": "gepo", "seq_reduction": "max"}
+    )
     with pytest.raises((ValueError, InstantiationException), match="seq_reduction"):
         omega_conf_to_dataclass(node)
     good = omega_conf_to_dataclass(
-        OmegaConf.create({"_target_": "verl_ext.loss_config.HeteroPolicyLossConfig", "loss_mode": "gepo", "group_size": 8})
+        OmegaConf.create(
+            {"_target_": "verl_ext.loss_config.HeteroPolicyLossConfig", "loss_mode": "gepo", "group_size": 8}
+        )
     )
     assert isinstance(good, HeteroPolicyLossConfig) and good.group_size == 8
 
@@ -140,7 +149,9 @@ def test_unset_group_size_falls_back_to_verls_rollout_n(loss_mode):
 @pytest.mark.parametrize("loss_mode", ["gepo", "gepo_adaptive"])
 def test_upstream_denominator_needs_no_group_size(loss_mode):
     b = ref.make_batch(seed=71)
-    den = torch.tensor(ref.group_log_denominator(ref.seq_log_prob(b.log_q, b.mask), b.groups.tolist()), dtype=torch.float64)
+    den = torch.tensor(
+        ref.group_log_denominator(ref.seq_log_prob(b.log_q, b.mask), b.groups.tolist()), dtype=torch.float64
+    )
     loss, _ = call_loss(loss_mode, b, actor_config(loss_mode, group_size=0), group_log_denominator=den)
     assert torch.isfinite(loss)
 
@@ -202,9 +213,14 @@ def test_seq_reduction_readers_are_exactly_the_project_losses_that_read_it():
                 "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean",
             )
             loss, _ = get_policy_loss_fn(loss_mode)(
-                old_log_prob=b.log_q, log_prob=b.log_p, advantages=b.advantages, response_mask=b.mask,
-                loss_agg_mode=section.loss_agg_mode, config=section, rollout_is_weights=None,
-            )  # fmt: skip
+                old_log_prob=b.log_q,
+                log_prob=b.log_p,
+                advantages=b.advantages,
+                response_mask=b.mask,
+                loss_agg_mode=section.loss_agg_mode,
+                config=section,
+                rollout_is_weights=None,
+            )
             values.append(loss.item())
         if values[0] != values[1]:
             readers.add(loss_mode)

@@ -81,8 +81,12 @@ def make_data(seed: int, n_groups: int = 3, layout: str = "padded", dtype=torch.
     if layout == "padded":
         fields.update(prompts=prompts, responses=responses, attention_mask=attn)
     else:
-        fields["prompts"] = torch.nested.as_nested_tensor([prompts[i, P - pl[i] :] for i in range(B)], layout=torch.jagged)
-        fields["responses"] = torch.nested.as_nested_tensor([responses[i, : rl[i]] for i in range(B)], layout=torch.jagged)
+        fields["prompts"] = torch.nested.as_nested_tensor(
+            [prompts[i, P - pl[i] :] for i in range(B)], layout=torch.jagged
+        )
+        fields["responses"] = torch.nested.as_nested_tensor(
+            [responses[i, : rl[i]] for i in range(B)], layout=torch.jagged
+        )
     data = TensorDict(fields, batch_size=[B])
     tu.assign_non_tensor(data, dp_size=1, batch_num_tokens=int(rmask.sum()), global_batch_size=B)
     batch = ref.Batch(resp_lp.to(dtype), old.to(dtype), adv, rmask.bool(), torch.arange(B) // GROUP)
@@ -168,7 +172,9 @@ def test_ppo_loss_batch_not_whole_groups_raises(actor_yaml, loss_mode):
     offsets = nested.offsets()
     sub = torch.nested.nested_tensor_from_jagged(nested.values()[: offsets[8]], offsets=offsets[:9])
     sub_data = data[keep]
-    tu.assign_non_tensor(sub_data, dp_size=1, batch_num_tokens=int(sub_data["response_mask"].sum()), global_batch_size=8)
+    tu.assign_non_tensor(
+        sub_data, dp_size=1, batch_num_tokens=int(sub_data["response_mask"].sum()), global_batch_size=8
+    )
     with pytest.raises(ValueError, match="group_size"):
         ppo_loss(config, {"log_probs": sub}, sub_data)
 
@@ -230,8 +236,9 @@ def test_the_penalty_is_added_once_on_each_route(actor_yaml, loss_mode):
     _, _, _, _, b = make_data(seed=8)
     plain = make_config(actor_yaml, loss_mode)
     with_coef = make_config(actor_yaml, loss_mode, **{"policy_loss.sampler_kl_coef": 0.5})
-    kw = dict(old_log_prob=b.log_q, log_prob=b.log_p, advantages=b.advantages, response_mask=b.mask,
-              rollout_is_weights=None)  # fmt: skip
+    kw = dict(
+        old_log_prob=b.log_q, log_prob=b.log_p, advantages=b.advantages, response_mask=b.mask, rollout_is_weights=None
+    )
     base, _ = alone(loss_agg_mode=plain.loss_agg_mode, config=plain, **kw)
     left_out, metrics = alone(loss_agg_mode=with_coef.loss_agg_mode, config=with_coef, **kw)
     added, _ = registered(loss_agg_mode=with_coef.loss_agg_mode, config=with_coef, **kw)

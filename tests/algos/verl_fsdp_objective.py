@@ -49,9 +49,14 @@ def compose(preset: str, model_path: str, overrides: list[str]):
     with initialize_config_dir(config_dir=str(ROOT / "recipe" / "gepo" / "config"), version_base=None):
         return hydra_compose(
             config_name="gepo_trainer",
-            overrides=[searchpath, "+verl_preset=cpu_toy", f"algorithm_preset={preset}",
-                       f"actor_rollout_ref.model.path={model_path}", *overrides],
-        )  # fmt: skip
+            overrides=[
+                searchpath,
+                "+verl_preset=cpu_toy",
+                f"algorithm_preset={preset}",
+                f"actor_rollout_ref.model.path={model_path}",
+                *overrides,
+            ],
+        )
 
 
 def run_forward_backward(worker, data) -> dict:
@@ -115,9 +120,12 @@ def main(in_path: str, out_path: str) -> None:
             model_config = omega_conf_to_dataclass(cfg.actor_rollout_ref.model)
             actor_config.model_config = model_config
             training = TrainingWorkerConfig(
-                model_type="language_model", model_config=model_config, engine_config=actor_config.engine,
-                optimizer_config=actor_config.optim, checkpoint_config=actor_config.checkpoint,
-            )  # fmt: skip
+                model_type="language_model",
+                model_config=model_config,
+                engine_config=actor_config.engine,
+                optimizer_config=actor_config.optim,
+                checkpoint_config=actor_config.checkpoint,
+            )
             # as ActorRolloutRefWorker.init_model assigns them
             training.engine_config.use_dynamic_bsz = cfg.actor_rollout_ref.actor.use_dynamic_bsz
             training.engine_config.micro_batch_size_per_gpu = cfg.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu
@@ -152,12 +160,16 @@ def main(in_path: str, out_path: str) -> None:
         data = left_right_2_no_padding(data)  # ray_trainer._update_actor
         entropy = cfg.actor_rollout_ref.actor.calculate_entropy or cfg.actor_rollout_ref.actor.entropy_coeff != 0
         tu.assign_non_tensor(
-            data, calculate_entropy=entropy, global_batch_size=batch_size, mini_batch_size=batch_size,
-            temperature=inp["temperature"], use_remove_padding=worker.model_config.get("use_remove_padding", False),
+            data,
+            calculate_entropy=entropy,
+            global_batch_size=batch_size,
+            mini_batch_size=batch_size,
+            temperature=inp["temperature"],
+            use_remove_padding=worker.model_config.get("use_remove_padding", False),
             use_dynamic_bsz=worker.engine_config.use_dynamic_bsz,
             max_token_len_per_gpu=worker.engine_config.max_token_len_per_gpu,
             use_fused_kernels=worker.engine_config.use_fused_kernels,
-        )  # fmt: skip
+        )
         results[key] = {}
         for micro_batch_size in inp["micro_batch_sizes"]:
             # train_batch's default for this key is engine_config.micro_batch_size_per_gpu

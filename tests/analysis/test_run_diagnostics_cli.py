@@ -10,8 +10,17 @@ from verl_ext.analysis import run_diagnostics as rd
 
 def _run_dir(path, slope):
     path.mkdir()
-    lines = [{"step": k, rd.STALENESS: float(k % 4), "hetero/consumed": 2.0, rd.KL: 0.01 * k, rd.VAR: 0.02 * k + 0.001 * (k % 3),
-              rd.ERROR: slope * (k % 4) + 0.01 * k} for k in range(1, 9)]  # fmt: skip
+    lines = [
+        {
+            "step": k,
+            rd.STALENESS: float(k % 4),
+            "hetero/consumed": 2.0,
+            rd.KL: 0.01 * k,
+            rd.VAR: 0.02 * k + 0.001 * (k % 3),
+            rd.ERROR: slope * (k % 4) + 0.01 * k,
+        }
+        for k in range(1, 9)
+    ]
     (path / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
     return path
 

@@ -148,8 +148,14 @@ print("PROBE=" + json.dumps({
 
 def _probe(code: str) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if k not in ("VERL_PLATFORM", "PYTHONPATH")}
-    return subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, cwd="/", env=env)  # fmt: skip
+    return subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd="/",
+        env=env,
+    )
 
 
 def _result(proc: subprocess.Popen) -> dict:
@@ -266,8 +272,12 @@ def test_make_verl_smoke_megatron_trains_two_gepo_steps(tmp_path):
     """``make verl-smoke-megatron``: verl's stock main_ppo, Megatron TP=2 over gloo, GEPO."""
     from tests.cpu.test_verl_trainer import _stock_main_ppo
 
-    out = _stock_main_ppo(tmp_path, "algorithm.adv_estimator=grpo", "actor_rollout_ref.actor.policy_loss.loss_mode=gepo",
-                          preset="cpu_toy_megatron")  # fmt: skip
+    out = _stock_main_ppo(
+        tmp_path,
+        "algorithm.adv_estimator=grpo",
+        "actor_rollout_ref.actor.policy_loss.loss_mode=gepo",
+        preset="cpu_toy_megatron",
+    )
     assert re.findall(r"step:(\d+) - .*", out)[:2] == ["1", "2"], out[-4000:]
     for step in ("1", "2"):
         line = re.search(rf"step:{step} - (.*)", out).group(1)
@@ -302,11 +312,23 @@ def test_the_verl_engine_on_megatron_survives_a_crash_and_resumes(tmp_path):
     import time
 
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "recipe.gepo.main_gepo", "--config-dir", "configs", "+verl_preset=cpu_toy_megatron",
-           "hetero.engine=verl", "algorithm_preset=gspo", "actor_rollout_ref.actor.use_kl_loss=true",
-           "actor_rollout_ref.actor.kl_loss_coef=0.05", "actor_rollout_ref.actor.entropy_coeff=0.01",
-           "trainer.total_training_steps=4", "trainer.save_freq=1", "trainer.resume_mode=auto",
-           f"trainer.default_local_dir={run_dir}"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "recipe.gepo.main_gepo",
+        "--config-dir",
+        "configs",
+        "+verl_preset=cpu_toy_megatron",
+        "hetero.engine=verl",
+        "algorithm_preset=gspo",
+        "actor_rollout_ref.actor.use_kl_loss=true",
+        "actor_rollout_ref.actor.kl_loss_coef=0.05",
+        "actor_rollout_ref.actor.entropy_coeff=0.01",
+        "trainer.total_training_steps=4",
+        "trainer.save_freq=1",
+        "trainer.resume_mode=auto",
+        f"trainer.default_local_dir={run_dir}",
+    ]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     tracker = run_dir / "latest_checkpointed_iteration.txt"
     with open(tmp_path / "crashed.log", "w") as log:
@@ -343,8 +365,13 @@ MEGATRON = {  # name -> (ranks, overrides of cpu_toy_megatron: TP=2, float32)
     "tp2": (2, {}),
     "pp2": (2, {**TP1, "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size": 2}),
     "dp2": (2, TP1),  # TP=1 PP=1 on 2 ranks: data parallel 2, a prompt group split over the ranks
-    "tp2_sp": (2, {"actor_rollout_ref.actor.megatron.sequence_parallel": True,  # optional on the CPU
-                   "actor_rollout_ref.actor.megatron.override_transformer_config.sequence_parallel": True}),
+    "tp2_sp": (
+        2,
+        {
+            "actor_rollout_ref.actor.megatron.sequence_parallel": True,  # optional on the CPU
+            "actor_rollout_ref.actor.megatron.override_transformer_config.sequence_parallel": True,
+        },
+    ),
     "tp2_pp2": (4, {"actor_rollout_ref.actor.megatron.pipeline_model_parallel_size": 2}),  # 4 ranks
     "tp2_dp2": (4, {}),  # TP=2 on 4 ranks: 2 data-parallel TP groups
     "tp2_bf16": (2, {"actor_rollout_ref.actor.megatron.dtype": "bfloat16"}),  # verl's default dtype
@@ -378,8 +405,9 @@ def _warm_start_groups(cfg) -> tuple:
     model, tokenizer = load_policy(cfg.actor_rollout_ref.model.path)
     task = Task(TaskConfig.from_omegaconf(cfg.task), seed=0)
     settings = RolloutSettings(G, float(cfg.actor_rollout_ref.rollout.temperature), 8)
-    groups = generate_groups(model, tokenizer, task.train_items(GROUPS, 0, 0), task.score, settings,
-                             cfg.algorithm, 0, "s0", 0, "b0")  # fmt: skip
+    groups = generate_groups(
+        model, tokenizer, task.train_items(GROUPS, 0, 0), task.score, settings, cfg.algorithm, 0, "s0", 0, "b0"
+    )
     return groups, tokenizer
 
 
@@ -395,7 +423,9 @@ def agreement():
     megatron_cfg, fsdp_cfg = _configs("actor_rollout_ref.actor.policy_loss.loss_mode=gepo")
     groups, tokenizer = _warm_start_groups(megatron_cfg)
     data = va.verl_batch(groups, tokenizer.pad_token_id, va.reduction_of(megatron_cfg))
-    runs = [(name, va.with_overrides(megatron_cfg, **overrides), ranks) for name, (ranks, overrides) in MEGATRON.items()]
+    runs = [
+        (name, va.with_overrides(megatron_cfg, **overrides), ranks) for name, (ranks, overrides) in MEGATRON.items()
+    ]
     runs.append(("fsdp", fsdp_cfg, 1))
     results = {}
     ray.init(num_cpus=4, num_gpus=4, include_dashboard=False, log_to_driver=False)
@@ -464,8 +494,15 @@ FULL_OBJECTIVE = (  # every term of the actor objective on; lr 0: every preset s
     "actor_rollout_ref.actor.entropy_coeff=0.01",
     "actor_rollout_ref.actor.optim.lr=0.0",
 )
-OBJECTIVE_KEYS = ("actor/pg_loss", "grad_norm", "kl_loss", "actor/entropy_loss", "is/weight_mean", "is/weight_max",
-                  "is/weight_min")  # fmt: skip
+OBJECTIVE_KEYS = (
+    "actor/pg_loss",
+    "grad_norm",
+    "kl_loss",
+    "actor/entropy_loss",
+    "is/weight_mean",
+    "is/weight_max",
+    "is/weight_min",
+)
 
 
 def _off_policy_batch(data, reduction: str, seed: int):

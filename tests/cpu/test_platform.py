@@ -171,8 +171,10 @@ print("PROBE=" + json.dumps({
 @pytest.fixture(scope="module")
 def probes():
     running = {
-        "platform": _Probe(_PLATFORM_PROBE), "order": _Probe(_ORDER_PROBE), "rollout_first": _Probe(_ROLLOUT_FIRST_PROBE),
-    }  # fmt: skip
+        "platform": _Probe(_PLATFORM_PROBE),
+        "order": _Probe(_ORDER_PROBE),
+        "rollout_first": _Probe(_ROLLOUT_FIRST_PROBE),
+    }
     yield running
     for probe in running.values():
         probe.kill()

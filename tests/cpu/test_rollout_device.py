@@ -34,18 +34,32 @@ def model_config(tmp_path_factory):
 
 
 def rollout_config() -> RolloutConfig:
-    node = {"name": "hf_cpu", "prompt_length": 16, "response_length": 8, "dtype": "float32", "max_num_seqs": 4,
-            "calculate_log_probs": True, "tensor_model_parallel_size": 1}  # fmt: skip
+    node = {
+        "name": "hf_cpu",
+        "prompt_length": 16,
+        "response_length": 8,
+        "dtype": "float32",
+        "max_num_seqs": 4,
+        "calculate_log_probs": True,
+        "tensor_model_parallel_size": 1,
+    }
     return omega_conf_to_dataclass(OmegaConf.create(node), dataclass_type=RolloutConfig)
 
 
 def sample_all(server: HFCPUServer, prompts: list[list[int]]) -> list[tuple[list[int], list[float]]]:
     """Every prompt once, concurrently (one batch), with a fixed torch seed; the server's batching
     task is cancelled afterwards."""
+
     async def go():
         torch.manual_seed(123)
-        outs = await asyncio.gather(*[server.generate(prompt_ids=p, sampling_params={"temperature": 1.0, "logprobs": True},
-                                                      request_id=f"r{i}") for i, p in enumerate(prompts)])  # fmt: skip
+        outs = await asyncio.gather(
+            *[
+                server.generate(
+                    prompt_ids=p, sampling_params={"temperature": 1.0, "logprobs": True}, request_id=f"r{i}"
+                )
+                for i, p in enumerate(prompts)
+            ]
+        )
         server._worker.cancel()
         server._worker = None
         return [(o.token_ids, o.log_probs) for o in outs]

@@ -223,7 +223,10 @@ def test_generate_returns_token_output_tagged_with_weight_version(loop, server, 
     """verl's TokenOutput: equal-length token ids and log-probs within response_length, tagged with
     the version set_global_steps set; no log-probs when not asked; max_tokens is honoured."""
     run(loop, server.set_global_steps(7))
-    out = run(loop, server.generate(prompt_ids=prompts[1], sampling_params={"temperature": 1.0, "logprobs": True}, request_id="r"))
+    out = run(
+        loop,
+        server.generate(prompt_ids=prompts[1], sampling_params={"temperature": 1.0, "logprobs": True}, request_id="r"),
+    )
     assert isinstance(out, TokenOutput)
     assert 1 <= len(out.token_ids) <= RESPONSE_LENGTH
     assert out.log_probs is not None and len(out.log_probs) == len(out.token_ids)
@@ -231,7 +234,10 @@ def test_generate_returns_token_output_tagged_with_weight_version(loop, server, 
 
     quiet = run(loop, server.generate(prompt_ids=prompts[1], sampling_params={"temperature": 1.0}, request_id="q"))
     assert quiet.log_probs is None and quiet.token_ids
-    short = run(loop, server.generate(prompt_ids=prompts[1], sampling_params={"temperature": 1.0, "max_tokens": 2}, request_id="s"))
+    short = run(
+        loop,
+        server.generate(prompt_ids=prompts[1], sampling_params={"temperature": 1.0, "max_tokens": 2}, request_id="s"),
+    )
     assert 1 <= len(short.token_ids) <= 2
 
 
@@ -243,7 +249,9 @@ def test_concurrent_generates_complete_with_correct_log_probs(loop, server, prom
     async def burst():
         return await asyncio.gather(
             *[
-                server.generate(prompt_ids=p, sampling_params={"temperature": 1.0, "logprobs": True}, request_id=f"c{i}")
+                server.generate(
+                    prompt_ids=p, sampling_params={"temperature": 1.0, "logprobs": True}, request_id=f"c{i}"
+                )
                 for i, p in enumerate(prompts)
             ]
         )
@@ -318,10 +326,14 @@ def test_malformed_sampling_params_do_not_stall_the_server(model_config, prompts
     try:
         with pytest.raises((TypeError, ValueError)):
             loop.run_until_complete(
-                asyncio.wait_for(fresh.generate(prompt_ids=prompts[0], sampling_params={"temperature": None}, request_id="x"), 5)
+                asyncio.wait_for(
+                    fresh.generate(prompt_ids=prompts[0], sampling_params={"temperature": None}, request_id="x"), 5
+                )
             )
         ok = loop.run_until_complete(
-            asyncio.wait_for(fresh.generate(prompt_ids=prompts[0], sampling_params={"temperature": 1.0}, request_id="y"), 30)
+            asyncio.wait_for(
+                fresh.generate(prompt_ids=prompts[0], sampling_params={"temperature": 1.0}, request_id="y"), 30
+            )
         )
         assert ok.token_ids
     finally:

@@ -48,13 +48,16 @@ def lab(tmp_path_factory):
 
     def sample(policy, index):
         items = task.train_items(GROUPS, 0, index)
-        return generate_groups(policy, tokenizer, items, task.score, settings, cfg.algorithm, 0, "s0", index, f"b{index}")
+        return generate_groups(
+            policy, tokenizer, items, task.score, settings, cfg.algorithm, 0, "s0", index, f"b{index}"
+        )
 
     on_policy = sample(model, 0)
     # a newer policy for the staleness case: the warm start after one embedded step on other data
     newer, _ = load_policy(cfg.actor_rollout_ref.model.path)
-    Learner(newer, omega_conf_to_dataclass(cfg.actor_rollout_ref.actor), settings.temperature,
-            tokenizer.pad_token_id).train_step(sample(model, 1))  # fmt: skip
+    Learner(
+        newer, omega_conf_to_dataclass(cfg.actor_rollout_ref.actor), settings.temperature, tokenizer.pad_token_id
+    ).train_step(sample(model, 1))
     newer_dir = tmp_path_factory.mktemp("newer")
     newer.save_pretrained(newer_dir)
     tokenizer.save_pretrained(newer_dir)
@@ -82,14 +85,22 @@ def _embedded_step(cfg, groups, tokenizer):
     from recipe.gepo.embedded.policy import load_policy, sequence_token_log_probs
 
     model, _ = load_policy(cfg.actor_rollout_ref.model.path)
-    metrics = Learner(model, omega_conf_to_dataclass(cfg.actor_rollout_ref.actor),
-                      float(cfg.actor_rollout_ref.rollout.temperature), tokenizer.pad_token_id).train_step(groups)  # fmt: skip
+    metrics = Learner(
+        model,
+        omega_conf_to_dataclass(cfg.actor_rollout_ref.actor),
+        float(cfg.actor_rollout_ref.rollout.temperature),
+        tokenizer.pad_token_id,
+    ).train_step(groups)
     b = collate_groups(groups, tokenizer.pad_token_id)
     with torch.no_grad():
         after = sequence_token_log_probs(
-            model, b["prompt_ids"], b["prompt_mask"], b["response_ids"], b["response_mask"],
+            model,
+            b["prompt_ids"],
+            b["prompt_mask"],
+            b["response_ids"],
+            b["response_mask"],
             float(cfg.actor_rollout_ref.rollout.temperature),
-        )  # fmt: skip
+        )
     return metrics, after * b["response_mask"]
 
 

@@ -38,14 +38,23 @@ def _stock_main_ppo(tmp_path, *overrides: str, preset: str = "cpu_toy") -> str:
     assets = prepare_toy_assets(tmp_path / "toy", n_train=64, n_val=8)
     proc = _run(
         [
-            sys.executable, "-m", "verl.trainer.main_ppo", "--config-dir", "configs", f"+verl_preset={preset}",
-            f"actor_rollout_ref.model.path={assets.model_path}", f"data.train_files={assets.train_file}",
-            f"data.val_files={assets.val_file}", "actor_rollout_ref.hybrid_engine=true",
-            "actor_rollout_ref.rollout.checkpoint_engine.backend=naive", "trainer.total_training_steps=2",
-            f"trainer.default_local_dir={tmp_path / 'run'}", *overrides,
+            sys.executable,
+            "-m",
+            "verl.trainer.main_ppo",
+            "--config-dir",
+            "configs",
+            f"+verl_preset={preset}",
+            f"actor_rollout_ref.model.path={assets.model_path}",
+            f"data.train_files={assets.train_file}",
+            f"data.val_files={assets.val_file}",
+            "actor_rollout_ref.hybrid_engine=true",
+            "actor_rollout_ref.rollout.checkpoint_engine.backend=naive",
+            "trainer.total_training_steps=2",
+            f"trainer.default_local_dir={tmp_path / 'run'}",
+            *overrides,
         ],
         timeout=900,
-    )  # fmt: skip
+    )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     return out
@@ -75,13 +84,22 @@ def test_hetero_engine_verl_does_not_stall_and_keeps_the_bound(tmp_path):
     run_dir = tmp_path / "run"
     proc = _run(
         [
-            sys.executable, "-m", "recipe.gepo.main_gepo", "--config-dir", "configs", "+verl_preset=cpu_toy",
-            "hetero.engine=verl", "trainer.total_training_steps=10", "hetero.delay.dist=constant",
-            "hetero.delay.value=2.5", "hetero.max_delay=3", f"trainer.default_local_dir={run_dir}",
+            sys.executable,
+            "-m",
+            "recipe.gepo.main_gepo",
+            "--config-dir",
+            "configs",
+            "+verl_preset=cpu_toy",
+            "hetero.engine=verl",
+            "trainer.total_training_steps=10",
+            "hetero.delay.dist=constant",
+            "hetero.delay.value=2.5",
+            "hetero.max_delay=3",
+            f"trainer.default_local_dir={run_dir}",
             f"task.cache_dir={ROOT / '.cache' / 'heterorl'}",
         ],
         timeout=900,
-    )  # fmt: skip
+    )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     rows = read_metric_rows(run_dir)
@@ -102,12 +120,20 @@ def test_hetero_engine_verl_does_not_stall_and_keeps_the_bound(tmp_path):
 def _main_gepo(run_dir: Path, steps: int, *overrides: str) -> list[dict]:
     proc = _run(
         [
-            sys.executable, "-m", "recipe.gepo.main_gepo", "--config-dir", "configs", "+verl_preset=cpu_toy",
-            "hetero.engine=verl", f"trainer.total_training_steps={steps}", f"trainer.default_local_dir={run_dir}",
-            f"task.cache_dir={ROOT / '.cache' / 'heterorl'}", *overrides,
+            sys.executable,
+            "-m",
+            "recipe.gepo.main_gepo",
+            "--config-dir",
+            "configs",
+            "+verl_preset=cpu_toy",
+            "hetero.engine=verl",
+            f"trainer.total_training_steps={steps}",
+            f"trainer.default_local_dir={run_dir}",
+            f"task.cache_dir={ROOT / '.cache' / 'heterorl'}",
+            *overrides,
         ],
         timeout=900,
-    )  # fmt: skip
+    )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     return read_metric_rows(run_dir)
@@ -122,8 +148,21 @@ def _export_keeps_float32_and_agrees_with_verls_merger(actor_dir: Path, tmp_path
     from recipe.gepo.verl_engine.export import export
 
     ours = load_file(export(actor_dir, tmp_path / "export") / "model.safetensors")
-    proc = _run([sys.executable, "-m", "verl.model_merger", "merge", "--backend", "fsdp", "--local_dir", str(actor_dir),
-                 "--target_dir", str(tmp_path / "verl_merged")], timeout=300)  # fmt: skip
+    proc = _run(
+        [
+            sys.executable,
+            "-m",
+            "verl.model_merger",
+            "merge",
+            "--backend",
+            "fsdp",
+            "--local_dir",
+            str(actor_dir),
+            "--target_dir",
+            str(tmp_path / "verl_merged"),
+        ],
+        timeout=300,
+    )
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     theirs = load_file(tmp_path / "verl_merged" / "model.safetensors")
     assert set(theirs) <= set(ours) and theirs
@@ -180,9 +219,14 @@ def test_hetero_engine_verl_trains_with_entropy_and_kl_to_reference_and_evaluate
     (``eval/acc_mean``, ``eval/<data_source>/acc``) and so in report.md."""
     run_dir = tmp_path / "run"
     rows = _main_gepo(
-        run_dir, 2, "actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.actor.entropy_coeff=0.01",
-        "trainer.val_before_train=true", "trainer.test_freq=2", "task.eval_size=8",
-    )  # fmt: skip
+        run_dir,
+        2,
+        "actor_rollout_ref.actor.use_kl_loss=true",
+        "actor_rollout_ref.actor.entropy_coeff=0.01",
+        "trainer.val_before_train=true",
+        "trainer.test_freq=2",
+        "task.eval_size=8",
+    )
     train = [r for r in rows if "actor/pg_loss" in r]
     assert [r["actor/kl_loss"] for r in train][0] == pytest.approx(0.0, abs=1e-6)
     assert train[1]["actor/kl_loss"] > 1e-4

@@ -154,8 +154,9 @@ def sync_run(cfg: DictConfig, data, replicas, schedule, name: str, steps: int, n
     with actor_group(cfg, n_ranks, name) as group:
         inner = CheckpointEngineManager(
             config=omega_conf_to_dataclass(cfg.actor_rollout_ref.rollout.checkpoint_engine),
-            actor_wg=group, replicas=replicas,
-        )  # fmt: skip
+            actor_wg=group,
+            replicas=replicas,
+        )
         manager = DelayedCheckpointManager(inner, group, schedule)
         for step in range(steps):
             if step:

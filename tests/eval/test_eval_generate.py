@@ -1,4 +1,5 @@
 """HFGenerator on the toy model (real model, real tokenizer) and model-path resolution."""
+
 from __future__ import annotations
 
 import pytest
@@ -56,7 +57,10 @@ def test_model_path_errors_name_the_path(tmp_path):
         resolve_model_path(tmp_path)
     with pytest.raises(ValueError, match="sglang"):
         make_generator("sglang", tmp_path, SamplingParams())
-    for bad, msg in (({"temperature": 0}, "temperature=0"), ({"top_p": 1.5}, "top_p=1.5"),
-                     ({"max_new_tokens": 0}, "max_new_tokens=0")):
+    for bad, msg in (
+        ({"temperature": 0}, "temperature=0"),
+        ({"top_p": 1.5}, "top_p=1.5"),
+        ({"max_new_tokens": 0}, "max_new_tokens=0"),
+    ):
         with pytest.raises(ValueError, match=msg):
             SamplingParams(**bad)

@@ -1,4 +1,5 @@
 """mean@k and unbiased pass@k against brute force: enumerate all k-subsets of the n samples."""
+
 from __future__ import annotations
 
 import itertools
@@ -41,8 +42,10 @@ def test_pass_at_k_monotone_in_k_and_large_n_exact():
     assert vals[-1] == 1.0
 
 
-@pytest.mark.parametrize("n,c,k,msg", [(0, 0, 1, "n=0"), (4, 5, 1, "c=5"), (4, -1, 1, "c=-1"),
-                                         (4, 1, 0, "k=0"), (4, 1, 5, "k=5"), (4, 1.5, 1, "c=1.5")])
+@pytest.mark.parametrize(
+    "n,c,k,msg",
+    [(0, 0, 1, "n=0"), (4, 5, 1, "c=5"), (4, -1, 1, "c=-1"), (4, 1, 0, "k=0"), (4, 1, 5, "k=5"), (4, 1.5, 1, "c=1.5")],
+)
 def test_pass_at_k_rejects_bad_values_by_name(n, c, k, msg):
     with pytest.raises(ValueError, match=msg.replace(".", r"\.")):
         pass_at_k(n, c, k)
@@ -51,15 +54,19 @@ def test_pass_at_k_rejects_bad_values_by_name(n, c, k, msg):
 def _records(table: dict[str, dict[str, list[int]]]):
     return [
         {"benchmark": b, "problem_id": pid, "sample_idx": j, "acc": float(a)}
-        for b, probs in table.items() for pid, accs in probs.items() for j, a in enumerate(accs)
+        for b, probs in table.items()
+        for pid, accs in probs.items()
+        for j, a in enumerate(accs)
     ]
 
 
 def test_summarize_against_brute_force_macro_averages():
     rng = random.Random(7)
     n = 6
-    table = {b: {f"p{i}": [rng.randint(0, 1) for _ in range(n)] for i in range(rng.randint(2, 7))}
-             for b in ("amc23", "aime24", "math500")}
+    table = {
+        b: {f"p{i}": [rng.randint(0, 1) for _ in range(n)] for i in range(rng.randint(2, 7))}
+        for b in ("amc23", "aime24", "math500")
+    }
     recs = _records(table)
     rng.shuffle(recs)  # order of records must not matter
     summ = summarize(recs, pass_ks=[1, 2, 4, 6])

@@ -1,4 +1,5 @@
 """Best/Last on synthetic histories, history formats, and the paper-style table."""
+
 from __future__ import annotations
 
 import json
@@ -61,8 +62,20 @@ def test_table_layout_and_values(tmp_path):
     md = best_last_table(runs)
     lines = md.strip().splitlines()
     header = [c.strip() for c in lines[0].strip("|").split("|")]
-    assert header == ["Method", "AMC23 Best", "AMC23 Last", "AIME24 Best", "AIME24 Last", "AIME25 Best",
-                      "AIME25 Last", "MATH500 Best", "MATH500 Last", "Avg Best", "Avg Last", "Δ"]
+    assert header == [
+        "Method",
+        "AMC23 Best",
+        "AMC23 Last",
+        "AIME24 Best",
+        "AIME24 Last",
+        "AIME25 Best",
+        "AIME25 Last",
+        "MATH500 Best",
+        "MATH500 Last",
+        "Avg Best",
+        "Avg Last",
+        "Δ",
+    ]
     assert len(lines) == 2 + len(runs)
     for line, (label, hist) in zip(lines[2:], runs.items()):
         cells = [c.strip() for c in line.strip("|").split("|")]
@@ -76,16 +89,33 @@ def test_table_layout_and_values(tmp_path):
 def test_history_formats_and_cli(tmp_path, capsys):
     # 1. our own history jsonl
     own = tmp_path / "history.jsonl"
-    own.write_text("\n".join(json.dumps({"step": s, "scores": {"math500": v, "aime24": w}})
-                             for s, v, w in [(1, 0.5, 0.1), (2, 0.7, 0.0), (3, 0.6, 0.2)]) + "\n")
+    own.write_text(
+        "\n".join(
+            json.dumps({"step": s, "scores": {"math500": v, "aime24": w}})
+            for s, v, w in [(1, 0.5, 0.1), (2, 0.7, 0.0), (3, 0.6, 0.2)]
+        )
+        + "\n"
+    )
     # 2. verl's file logger: training lines without validation are skipped; acc preferred over reward
     verl = tmp_path / "verl.jsonl"
-    verl.write_text("\n".join(json.dumps(x) for x in [
-        {"step": 1, "data": {"actor/loss": 0.1}},
-        {"step": 128, "data": {"val-core/math500/acc/mean@8": 0.4, "val-core/math500/reward/mean@8": 0.9,
-                               "val-aux/math500/acc/std@8": 0.1}},
-        {"step": 256, "data": {"val-core/math500/acc/mean@8": 0.45, "actor/loss": 0.2}},
-    ]) + "\n")
+    verl.write_text(
+        "\n".join(
+            json.dumps(x)
+            for x in [
+                {"step": 1, "data": {"actor/loss": 0.1}},
+                {
+                    "step": 128,
+                    "data": {
+                        "val-core/math500/acc/mean@8": 0.4,
+                        "val-core/math500/reward/mean@8": 0.9,
+                        "val-aux/math500/acc/std@8": 0.1,
+                    },
+                },
+                {"step": 256, "data": {"val-core/math500/acc/mean@8": 0.45, "actor/loss": 0.2}},
+            ]
+        )
+        + "\n"
+    )
     pts = load_history(verl)
     assert [(p.step, dict(p.scores)) for p in pts] == [(128, {"math500": 0.4}), (256, {"math500": 0.45})]
     # 3. summary.json files
@@ -128,8 +158,11 @@ def test_history_from_a_training_run_directory(tmp_path, capsys):
     (run / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines) + '{"step": 5, "eval/toy/a')
     with pytest.warns(UserWarning, match="truncated last line"):
         hist = load_history(run)
-    assert hist == [EvalPoint(0, {"toy": 0.25}), EvalPoint(2, {"toy": 0.75}),
-                    EvalPoint(4, {"toy": 0.5, "gsm8k": 0.125})]  # fmt: skip
+    assert hist == [
+        EvalPoint(0, {"toy": 0.25}),
+        EvalPoint(2, {"toy": 0.75}),
+        EvalPoint(4, {"toy": 0.5, "gsm8k": 0.125}),
+    ]
     with pytest.warns(UserWarning):
         assert load_history(run / "metrics.jsonl") == hist
     res = best_last(hist, ["toy"])["benchmarks"]["toy"]

@@ -3,6 +3,7 @@ problems x 2 samples x 64 new tokens. Checks the report's arithmetic against the
 records and the records' scores against a fresh math_verify scoring; not accuracy (the model is
 weak at mathematics). Run: .venv/bin/python -m pytest tests/eval -m slow -q
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -30,9 +31,19 @@ def test_smollm2_math500_report_matches_records(tmp_path):
 
     n, limit, max_new = 2, 3, 64
     cfg = EvalConfig(
-        model_path=str(_smollm2_dir()), benchmarks=["math500"], limit=limit, samples_per_problem=n,
-        pass_ks=[1, 2], max_new_tokens=max_new, batch_size=limit * n, template="qwen3_think",
-        device="cpu", dtype="float32", engine="hf", output_dir=str(tmp_path / "eval"), seed=3,
+        model_path=str(_smollm2_dir()),
+        benchmarks=["math500"],
+        limit=limit,
+        samples_per_problem=n,
+        pass_ks=[1, 2],
+        max_new_tokens=max_new,
+        batch_size=limit * n,
+        template="qwen3_think",
+        device="cpu",
+        dtype="float32",
+        engine="hf",
+        output_dir=str(tmp_path / "eval"),
+        seed=3,
     )
     t0 = time.time()
     summary = run_evaluation(cfg)

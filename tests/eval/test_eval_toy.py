@@ -1,5 +1,6 @@
 """Evaluation end to end on the toy model: report arithmetic from records, resume after a kill,
 the Hydra CLI with a history file feeding the Best/Last report."""
+
 from __future__ import annotations
 
 import json
@@ -18,9 +19,23 @@ N_PROBLEMS, SAMPLES, BATCH = 20, 4, 12  # chunks of BATCH // SAMPLES = 3 problem
 
 
 def _cfg(model_path, out, **kw) -> EvalConfig:
-    base = dict(model_path=str(model_path), benchmarks=["toy"], toy_n=N_PROBLEMS, toy_digits=1, toy_seed=99,
-                samples_per_problem=SAMPLES, pass_ks=[1, 2, 4], max_new_tokens=6, batch_size=BATCH,
-                device="cpu", dtype="float32", engine="hf", output_dir=str(out), progress=False, seed=5)
+    base = dict(
+        model_path=str(model_path),
+        benchmarks=["toy"],
+        toy_n=N_PROBLEMS,
+        toy_digits=1,
+        toy_seed=99,
+        samples_per_problem=SAMPLES,
+        pass_ks=[1, 2, 4],
+        max_new_tokens=6,
+        batch_size=BATCH,
+        device="cpu",
+        dtype="float32",
+        engine="hf",
+        output_dir=str(out),
+        progress=False,
+        seed=5,
+    )
     base.update(kw)
     return EvalConfig(**base)
 
@@ -132,19 +147,43 @@ def test_resume_refuses_changed_settings(toy_model_path, full_run):
 
 def test_cli_end_to_end_with_history_and_best_last(toy_model_path, hf_gen, tmp_path):
     hist = tmp_path / "history.jsonl"
-    common = dict(toy_n=6, samples_per_problem=2, pass_ks=None, output_dir=str(tmp_path / "step64"), step=64,
-                  history_file=str(hist))
+    common = dict(
+        toy_n=6,
+        samples_per_problem=2,
+        pass_ks=None,
+        output_dir=str(tmp_path / "step64"),
+        step=64,
+        history_file=str(hist),
+    )
     # step 64 through the Hydra command line (a fresh process), step 128 in-process
-    args = [sys.executable, "-m", "recipe.gepo.evaluate", f"model_path={toy_model_path}", "benchmarks=[toy]",
-            "toy_n=6", "toy_digits=1", "toy_seed=99", "samples_per_problem=2", "max_new_tokens=6", "batch_size=12",
-            "device=cpu", "seed=5", f"output_dir={tmp_path / 'step64'}", "step=64", f"history_file={hist}",
-            "progress=false"]
+    args = [
+        sys.executable,
+        "-m",
+        "recipe.gepo.evaluate",
+        f"model_path={toy_model_path}",
+        "benchmarks=[toy]",
+        "toy_n=6",
+        "toy_digits=1",
+        "toy_seed=99",
+        "samples_per_problem=2",
+        "max_new_tokens=6",
+        "batch_size=12",
+        "device=cpu",
+        "seed=5",
+        f"output_dir={tmp_path / 'step64'}",
+        "step=64",
+        f"history_file={hist}",
+        "progress=false",
+    ]
     r = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "| Toy | 6 |" in r.stdout
     assert (tmp_path / "step64" / "evaluate.log").exists()
     # the CLI wrote what the Python API computes from the same settings
-    assert json.loads((tmp_path / "step64" / "run_config.json").read_text()) == _cfg(toy_model_path, "x", **common).fingerprint()
+    assert (
+        json.loads((tmp_path / "step64" / "run_config.json").read_text())
+        == _cfg(toy_model_path, "x", **common).fingerprint()
+    )
     common.update(output_dir=str(tmp_path / "step128"), step=128, seed=6)
     run_evaluation(_cfg(toy_model_path, "x", **common), generator=hf_gen)
 
@@ -154,8 +193,13 @@ def test_cli_end_to_end_with_history_and_best_last(toy_model_path, hf_gen, tmp_p
         s = json.loads((tmp_path / f"step{x['step']}" / "summary.json").read_text())
         assert x["scores"]["toy"] == s["benchmarks"]["toy"]["mean@2"]
         assert s["step"] == x["step"]
-    r = subprocess.run([sys.executable, "-m", "verl_ext.eval.report", f"toy={hist}", "--json", str(tmp_path / "bl.json")],
-                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-m", "verl_ext.eval.report", f"toy={hist}", "--json", str(tmp_path / "bl.json")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
     bl = json.loads((tmp_path / "bl.json").read_text())["toy"]["benchmarks"]["toy"]
     assert bl["best"] == max(x["scores"]["toy"] for x in lines)

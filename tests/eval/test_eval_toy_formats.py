@@ -23,8 +23,20 @@ SAMPLES = 4
 
 
 def _cfg(**kw) -> EvalConfig:
-    base = dict(benchmarks=["toy"], toy_n=8, toy_digits=3, toy_seed=99, samples_per_problem=SAMPLES, max_new_tokens=12,
-                batch_size=16, device="cpu", dtype="float32", engine="hf", progress=False, seed=5)  # fmt: skip
+    base = dict(
+        benchmarks=["toy"],
+        toy_n=8,
+        toy_digits=3,
+        toy_seed=99,
+        samples_per_problem=SAMPLES,
+        max_new_tokens=12,
+        batch_size=16,
+        device="cpu",
+        dtype="float32",
+        engine="hf",
+        progress=False,
+        seed=5,
+    )
     base.update(kw)
     return EvalConfig(**base)
 
@@ -58,8 +70,12 @@ def test_toy_answer_format_is_checked_and_part_of_the_fingerprint(tmp_path):
 def test_a_scratchpad_checkpoint_is_scored_with_the_scratchpad_reward(toy_scratchpad_model_path, tmp_path):
     """End to end on a real scratchpad warm start: every record's score is the scratchpad reward
     of its response, and the correct ones are scratchpads the short-answer reward scores 0."""
-    cfg = _cfg(model_path=str(toy_scratchpad_model_path), toy_digits=1, toy_answer_format="scratchpad",
-               output_dir=str(tmp_path))  # fmt: skip
+    cfg = _cfg(
+        model_path=str(toy_scratchpad_model_path),
+        toy_digits=1,
+        toy_answer_format="scratchpad",
+        output_dir=str(tmp_path),
+    )
     summary = run_evaluation(cfg)
     records = read_records(tmp_path / "records.jsonl")
     assert len(records) == 8 * SAMPLES and {r["data_source"] for r in records} == {"toy_add1_scratch"}

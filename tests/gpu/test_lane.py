@@ -21,8 +21,14 @@ def run_lane(tmp_path: Path, *args: str, timeout: float = 600) -> dict:
     out = tmp_path / "out"
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env.pop("OUT", None)
-    proc = subprocess.run([sys.executable, str(LANE), "--out", str(out), *args], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=timeout)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, str(LANE), "--out", str(out), *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads((out / "lane.json").read_text())
     table = (out / "lane.md").read_text()
@@ -53,8 +59,11 @@ def test_lane_on_cpu_losses_cost_and_spread(tmp_path):
     assert [r["name"].split(" B=")[0] for r in timed] == ["vanilla (GRPO)", "gepo", "m2po"]
     assert timed[0]["values"]["x_vanilla"] == 1.0 and all(r["values"]["x_floor"] > 0 for r in timed)
     spread = {r["name"]: r["values"] for r in by_part["e"]}
-    assert set(spread) == {"toy: sampler cpu fp32 / learner cpu fp32", "toy: sampler cpu bf16 / learner cpu fp32",
-                           "toy: sampler cpu bf16 / learner cpu bf16"}  # fmt: skip
+    assert set(spread) == {
+        "toy: sampler cpu fp32 / learner cpu fp32",
+        "toy: sampler cpu bf16 / learner cpu fp32",
+        "toy: sampler cpu bf16 / learner cpu bf16",
+    }
     fp32 = spread["toy: sampler cpu fp32 / learner cpu fp32"]
     assert fp32["max"] < 1e-4 and fp32["frac_over_tol"] == 0.0
     assert spread["toy: sampler cpu bf16 / learner cpu fp32"]["max"] > 100 * fp32["max"]

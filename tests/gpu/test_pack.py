@@ -150,7 +150,10 @@ def _tiny_wheel(dest: Path) -> Path:
     with zipfile.ZipFile(wheel, "w") as zf:
         zf.writestr("lanetoy/__init__.py", "VALUE = 42\n")
         zf.writestr("lanetoy-1.0.dist-info/METADATA", "Metadata-Version: 2.1\nName: lanetoy\nVersion: 1.0\n")
-        zf.writestr("lanetoy-1.0.dist-info/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        zf.writestr(
+            "lanetoy-1.0.dist-info/WHEEL",
+            "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+        )
         zf.writestr("lanetoy-1.0.dist-info/RECORD", "")
     return wheel
 

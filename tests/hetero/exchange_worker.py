@@ -30,8 +30,8 @@ from verl_ext.hetero.records import RolloutGroup
 from verl_ext.hetero.transport import FsspecTransport
 from verl_ext.hetero.weights import WeightStore
 
-WEIGHT_NUMEL = 1_000_000   # 4 MB of float32 per version
-RESPONSE_LEN = 50_000      # ~2.6 MB per rollout group (G=4)
+WEIGHT_NUMEL = 1_000_000  # 4 MB of float32 per version
+RESPONSE_LEN = 50_000  # ~2.6 MB per rollout group (G=4)
 CORRUPT_LOAD_EXIT = 3
 
 
@@ -45,7 +45,7 @@ class SlowLinkFileSystem(LocalFileSystem):
     def pipe_file(self, path, value, mode="overwrite", **kwargs):
         with self.open(path, "wb", **kwargs) as handle:
             for start in range(0, len(value), self.chunk_bytes):
-                handle.write(value[start:start + self.chunk_bytes])
+                handle.write(value[start : start + self.chunk_bytes])
                 handle.flush()
                 time.sleep(self.pause_s)
 
@@ -87,10 +87,16 @@ def learner(url: str, workdir: Path, expected: int) -> None:
         state = buffer.state_dict()
         atomic_save({"buffer": state, "version": version}, checkpoint)
         inbox.acknowledge(state)
-    (workdir / "learner.json").write_text(json.dumps({
-        "version": version, "counts": buffer.ledger.counts(), "corrupt": inbox.stats["corrupt"],
-        "consumed": sorted(buffer.ledger.uids("consumed")),
-    }))
+    (workdir / "learner.json").write_text(
+        json.dumps(
+            {
+                "version": version,
+                "counts": buffer.ledger.counts(),
+                "corrupt": inbox.stats["corrupt"],
+                "consumed": sorted(buffer.ledger.uids("consumed")),
+            }
+        )
+    )
 
 
 def sampler(url: str, workdir: Path, sampler_id: str, n_groups: int) -> None:
@@ -111,10 +117,16 @@ def sampler(url: str, workdir: Path, sampler_id: str, n_groups: int) -> None:
         uid = f"{sampler_id}-g{index:03d}"
         mask = np.ones((4, RESPONSE_LEN), dtype=np.int8)
         group = RolloutGroup(
-            group_uid=uid, prompt_ids=np.arange(8, dtype=np.int64),
-            response_ids=rng.integers(0, 50_000, size=(4, RESPONSE_LEN)).astype(np.int64), response_mask=mask,
-            sampler_logprobs=-rng.random((4, RESPONSE_LEN), dtype=np.float32), rewards=np.ones(4, np.float32),
-            advantages=np.zeros(4, np.float32), policy_version=version, sampler_id=sampler_id)
+            group_uid=uid,
+            prompt_ids=np.arange(8, dtype=np.int64),
+            response_ids=rng.integers(0, 50_000, size=(4, RESPONSE_LEN)).astype(np.int64),
+            response_mask=mask,
+            sampler_logprobs=-rng.random((4, RESPONSE_LEN), dtype=np.float32),
+            rewards=np.ones(4, np.float32),
+            advantages=np.zeros(4, np.float32),
+            policy_version=version,
+            sampler_id=sampler_id,
+        )
         send_group(transport, group)
         with progress.open("a") as handle:
             handle.write(uid + "\n")

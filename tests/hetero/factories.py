@@ -5,8 +5,15 @@ import numpy as np
 from verl_ext.hetero.records import RolloutGroup
 
 
-def build_group(uid: str, version: int, group_size: int = 4, response_len: int = 6, prompt_len: int = 5,
-                sampler: str = "s0", seed: int = 0) -> RolloutGroup:
+def build_group(
+    uid: str,
+    version: int,
+    group_size: int = 4,
+    response_len: int = 6,
+    prompt_len: int = 5,
+    sampler: str = "s0",
+    seed: int = 0,
+) -> RolloutGroup:
     """A valid group: random ids, right-padded responses of length 1..response_len, log-probs < 0."""
     rng = np.random.default_rng(seed)
     lengths = rng.integers(1, response_len + 1, size=group_size)

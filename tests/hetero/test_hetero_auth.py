@@ -57,8 +57,9 @@ def test_seal_and_open_and_every_refusal(keys, enrolment):
     assert _reason(enrolment, keys["stranger"].seal(record)) == "unenrolled"
     # s1 signs the message of s0's record with its own key and claims to be s0: checked against s0's key
     signature = keys["s1"].private_key.sign(auth._message("s0", record)).hex()
-    header = json.dumps({"sampler_id": "s0", "key_id": auth.key_id(keys["s0"].public_hex()),
-                         "signature": signature}).encode()
+    header = json.dumps(
+        {"sampler_id": "s0", "key_id": auth.key_id(keys["s0"].public_hex()), "signature": signature}
+    ).encode()
     forged = MAGIC + len(header).to_bytes(4, "big") + header + record
     assert _reason(enrolment, forged) == "bad_signature"
     assert _reason(enrolment, MAGIC + (10**6).to_bytes(4, "big") + b"{}") == "bad_signature"
@@ -135,7 +136,10 @@ def _check_inbox(transport, keys, enrolment):
     assert inbox.poll() == 4
     rejected = buffer.metrics()
     assert {k: v for k, v in rejected.items() if k.startswith("hetero/rejected/")} == {
-        "hetero/rejected/unsigned": 1.0, "hetero/rejected/unenrolled": 1.0, "hetero/rejected/sampler_mismatch": 1.0}
+        "hetero/rejected/unsigned": 1.0,
+        "hetero/rejected/unenrolled": 1.0,
+        "hetero/rejected/sampler_mismatch": 1.0,
+    }
     assert inbox.stats["unauthenticated"] == 3
     consumed = {g.group_uid for g in buffer.take(4, 0)}
     assert consumed == {"s0-g0", "s0-g1", "s0-g2", "s1-g0"}

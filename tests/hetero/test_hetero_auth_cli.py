@@ -16,8 +16,13 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def auth(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "verl_ext.hetero.auth", *map(str, args)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "verl_ext.hetero.auth", *map(str, args)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_keygen_pubkey_enrol_and_enrolling_again_changes_nothing(tmp_path):

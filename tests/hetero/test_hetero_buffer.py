@@ -41,11 +41,11 @@ def test_bound_is_exact_never_two_n(make_group):
     # the reference code let staleness reach 2N; here a group at exactly N+1 is never served
     buffer = RolloutBuffer(max_delay=4)
     buffer.set_learner_version(4)
-    buffer.add(make_group("edge", 0))      # staleness 4 == N: usable
-    buffer.set_learner_version(5)          # now 5 > N
+    buffer.add(make_group("edge", 0))  # staleness 4 == N: usable
+    buffer.set_learner_version(5)  # now 5 > N
     assert len(buffer) == 0
     assert buffer.ledger.status["edge"] == "dropped:stale"
-    buffer.add(make_group("late", 0))      # arrives already stale
+    buffer.add(make_group("late", 0))  # arrives already stale
     assert buffer.ledger.status["late"] == "dropped:stale"
     with pytest.raises(BufferTimeout):
         buffer.take(1, learner_version=5, timeout_s=0.01)
@@ -57,11 +57,11 @@ def test_rejections_are_counted_never_raised(make_group):
     bad.sampler_logprobs = np.where(bad.response_mask, np.nan, 0).astype(np.float32)
     assert buffer.add(bad) is False
     assert "s2" in str(buffer.last_rejection) and "sampler_logprobs" in str(buffer.last_rejection)
-    assert buffer.add(make_group("future", 2)) is False          # learner is at 0
+    assert buffer.add(make_group("future", 2)) is False  # learner is at 0
     assert buffer.add(make_group("small", 0, group_size=3)) is False
     assert buffer.add("not a group") is False
     assert buffer.add(make_group("ok", 0)) is True
-    assert buffer.add(make_group("ok", 0)) is False               # duplicate
+    assert buffer.add(make_group("ok", 0)) is False  # duplicate
     assert buffer.add(make_group("s2-bad", 0, sampler="s2")) is True  # fixed re-send is accepted
     metrics = buffer.metrics()
     assert metrics["hetero/rejected"] == 5
@@ -82,7 +82,9 @@ def test_a_sampler_over_its_quota_is_dropped_on_arrival_and_the_others_are_not(m
     status = buffer.ledger.status
     assert [status[u] for u in ("a0", "a1", "a2", "b0")] == ["buffered", "buffered", "dropped:over_quota", "buffered"]
     assert buffer.held_by("a") == 2
-    assert not buffer.would_keep(make_group("a9", 0, sampler="a")) and buffer.would_keep(make_group("b9", 0, sampler="b"))
+    assert not buffer.would_keep(make_group("a9", 0, sampler="a")) and buffer.would_keep(
+        make_group("b9", 0, sampler="b")
+    )
     assert [g.group_uid for g in buffer.take(1, learner_version=0)] == ["a0"]
     assert buffer.would_keep(make_group("a3", 0, sampler="a")) and buffer.add(make_group("a3", 0, sampler="a"))
     assert status["a3"] == "buffered"
@@ -134,13 +136,16 @@ def test_capacity_drops_oldest_as_overflow(make_group):
         buffer.take(3, 0)
 
 
-@pytest.mark.parametrize("kwargs,message", [
-    (dict(max_delay=-1), "max_delay=-1 must be an int >= 0"),
-    (dict(max_delay=2.5), "max_delay=2.5"),
-    (dict(max_delay=1, stale_policy="skip"), "stale_policy='skip'"),
-    (dict(max_delay=1, order="random"), "order='random'"),
-    (dict(max_delay=1, capacity=0), "capacity=0"),
-])
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        (dict(max_delay=-1), "max_delay=-1 must be an int >= 0"),
+        (dict(max_delay=2.5), "max_delay=2.5"),
+        (dict(max_delay=1, stale_policy="skip"), "stale_policy='skip'"),
+        (dict(max_delay=1, order="random"), "order='random'"),
+        (dict(max_delay=1, capacity=0), "capacity=0"),
+    ],
+)
 def test_bad_config_raises(kwargs, message):
     with pytest.raises(ValueError, match=message):
         RolloutBuffer(**kwargs)
@@ -206,7 +211,7 @@ def test_state_dict_survives_a_checkpoint(make_group):
     resumed = RolloutBuffer(max_delay=3)
     resumed.load_state_dict(torch.load(io.BytesIO(blob.getvalue()), weights_only=False))
     assert resumed.learner_version == 2 and len(resumed) == 2
-    for uid in consumed:   # consumed before the checkpoint: never again
+    for uid in consumed:  # consumed before the checkpoint: never again
         assert resumed.add(make_group(uid, 2)) is False
     left = resumed.take(2, 3)
     assert sorted(g.group_uid for g in left + []) == sorted(set(f"g{i}" for i in range(4)) - set(consumed))
@@ -216,18 +221,24 @@ def test_state_dict_survives_a_checkpoint(make_group):
     # a smaller bound after resume applies at once
     tighter = RolloutBuffer(max_delay=0)
     state = pickle.loads(pickle.dumps(buffer.state_dict()))
-    tighter.load_state_dict({**state, "groups": [make_group("h", 1).to_bytes()],
-                             "ledger": {"status": {**state["ledger"]["status"], "h": "buffered"}, "duplicates": {}}})
+    tighter.load_state_dict(
+        {
+            **state,
+            "groups": [make_group("h", 1).to_bytes()],
+            "ledger": {"status": {**state["ledger"]["status"], "h": "buffered"}, "duplicates": {}},
+        }
+    )
     assert tighter.ledger.status["h"] == "dropped:stale"
 
 
 ops = st.lists(
     st.one_of(
-        st.tuples(st.just("add"), st.integers(0, 3), st.integers(0, 6)),   # sampler, lag behind learner
+        st.tuples(st.just("add"), st.integers(0, 3), st.integers(0, 6)),  # sampler, lag behind learner
         st.tuples(st.just("take"), st.integers(1, 4), st.integers(0, 2)),  # n, learner steps to advance first
         st.tuples(st.just("resume"), st.just(0), st.just(0)),
     ),
-    min_size=1, max_size=60,
+    min_size=1,
+    max_size=60,
 )
 
 
@@ -246,8 +257,9 @@ def test_bound_and_exactly_once_under_random_arrivals(ops, max_delay, order):
             buffer.add(build_group(uid, group_version, group_size=2, response_len=3, sampler=f"s{a}"))
         elif kind == "take":
             version += b
-            fresh_before = {uid: g.policy_version for uid, g in buffer._groups.items()
-                            if version - g.policy_version <= max_delay}
+            fresh_before = {
+                uid: g.policy_version for uid, g in buffer._groups.items() if version - g.policy_version <= max_delay
+            }
             try:
                 taken = buffer.take(a, version, timeout_s=0)
             except BufferTimeout:

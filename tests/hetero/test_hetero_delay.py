@@ -183,16 +183,19 @@ def test_uniform_continuous_bounds_and_mean():
     assert not np.all(draws == np.round(draws))
 
 
-@pytest.mark.parametrize("dist,params,message", [
-    ("uniform", dict(low=5, high=3), "uniform: low=5, high=3 must be finite with 0 <= low <= high"),
-    ("uniform", dict(low=0, high=2.5, integer=True), "uniform: integer=True needs whole bounds"),
-    ("lognormal", dict(low=5, high=3), "lognormal: low=5 must be < high=3"),
-    ("weibull", dict(low=0, high=3), "weibull: low=0 must be finite and > 0"),
-    ("lognormal", dict(low=1, high=3, confidence=1.0), "confidence=1.0 must be in"),
-    ("constant", dict(value=-1), "constant: value=-1 must be finite and >= 0"),
-    ("gamma", dict(), "unknown delay dist='gamma'"),
-    ("lognormal", dict(low=1, high=3, scale=2), "lognormal: bad parameters"),
-])
+@pytest.mark.parametrize(
+    "dist,params,message",
+    [
+        ("uniform", dict(low=5, high=3), "uniform: low=5, high=3 must be finite with 0 <= low <= high"),
+        ("uniform", dict(low=0, high=2.5, integer=True), "uniform: integer=True needs whole bounds"),
+        ("lognormal", dict(low=5, high=3), "lognormal: low=5 must be < high=3"),
+        ("weibull", dict(low=0, high=3), "weibull: low=0 must be finite and > 0"),
+        ("lognormal", dict(low=1, high=3, confidence=1.0), "confidence=1.0 must be in"),
+        ("constant", dict(value=-1), "constant: value=-1 must be finite and >= 0"),
+        ("gamma", dict(), "unknown delay dist='gamma'"),
+        ("lognormal", dict(low=1, high=3, scale=2), "lognormal: bad parameters"),
+    ],
+)
 def test_bad_parameters_raise_naming_the_value(dist, params, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(".", r"\.")):
         make_delay_model(dist, **params)
@@ -200,8 +203,26 @@ def test_bad_parameters_raise_naming_the_value(dist, params, message):
 
 def test_cli_json_and_plot(tmp_path, capsys):
     plot = tmp_path / "hist.png"
-    assert main(["--dist", "lognormal", "--low", "60", "--high", "1920", "--offset", "400",
-                 "--n", "20000", "--json", "--plot", str(plot)]) == 0
+    assert (
+        main(
+            [
+                "--dist",
+                "lognormal",
+                "--low",
+                "60",
+                "--high",
+                "1920",
+                "--offset",
+                "400",
+                "--n",
+                "20000",
+                "--json",
+                "--plot",
+                str(plot),
+            ]
+        )
+        == 0
+    )
     report = json.loads(capsys.readouterr().out)
     model = make_delay_model("lognormal", low=60, high=1920, offset=400)
     assert report["summary"] == pytest.approx(model.summary(20000, 0).__dict__)
@@ -219,8 +240,26 @@ def test_cli_bad_arguments_exit_with_the_message(capsys):
 
 
 def test_cli_module_entry_point():
-    ok = subprocess.run([sys.executable, "-m", "verl_ext.hetero.delay", "--dist", "weibull", "--low", "400",
-                         "--high", "3600", "--offset", "400", "--n", "1000"],
-                        cwd=REPO, capture_output=True, text=True, timeout=60)
+    ok = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "verl_ext.hetero.delay",
+            "--dist",
+            "weibull",
+            "--low",
+            "400",
+            "--high",
+            "3600",
+            "--offset",
+            "400",
+            "--n",
+            "1000",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert ok.returncode == 0, ok.stderr
     assert "dist: weibull" in ok.stdout and "median" in ok.stdout and "p95" in ok.stdout

@@ -23,8 +23,13 @@ N_GROUPS = 6
 
 def _start(*args):
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    return subprocess.Popen([sys.executable, str(WORKER), *map(str, args)], cwd=REPO, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    return subprocess.Popen(
+        [sys.executable, str(WORKER), *map(str, args)],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
 
 
 def _kill_when_writing(process, folder: Path, min_committed: int, deadline: float) -> bool:
@@ -68,8 +73,9 @@ def test_kill_mid_write_loses_nothing_and_loads_nothing_corrupt(tmp_path, victim
     processes = {"learner": _start(*learner_args), "sampler": _start(*sampler_args)}
     try:
         topic = "rollouts" if victim == "sampler" else "weights"
-        killed = _kill_when_writing(processes[victim], tmp_path / "shared" / topic, min_committed=2,
-                                    deadline=time.monotonic() + 60)
+        killed = _kill_when_writing(
+            processes[victim], tmp_path / "shared" / topic, min_committed=2, deadline=time.monotonic() + 60
+        )
         assert killed, f"{victim} was not caught mid-write (exit code {processes[victim].poll()})"
         assert processes[victim].returncode == -signal.SIGKILL
 
@@ -92,7 +98,7 @@ def test_kill_mid_write_loses_nothing_and_loads_nothing_corrupt(tmp_path, victim
     learner = json.loads((workdir / "learner.json").read_text())
     sampler = json.loads((workdir / "s0.json").read_text())
     expected = [f"s0-g{i:03d}" for i in range(N_GROUPS)]
-    assert learner["consumed"] == expected                 # every group consumed, once (ledger is a map)
+    assert learner["consumed"] == expected  # every group consumed, once (ledger is a map)
     assert learner["counts"]["consumed"] == learner["counts"]["generated"] == N_GROUPS
     assert learner["counts"]["dropped"] == 0 and learner["counts"]["rejected"] == 0
     assert learner["corrupt"] == 0 and sampler["corrupt"] == 0

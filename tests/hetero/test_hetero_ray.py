@@ -21,11 +21,17 @@ from .factories import build_group
 
 TESTS_DIR = Path(__file__).resolve().parents[1]
 
+
 @pytest.fixture(scope="module")
 def ray_cluster():
     # workers import this module (actor classes, factories) as package "hetero" under tests/
-    ray.init(num_cpus=2, include_dashboard=False, namespace="hetero-tests", log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": f"{TESTS_DIR}:{TESTS_DIR.parent}"}})
+    ray.init(
+        num_cpus=2,
+        include_dashboard=False,
+        namespace="hetero-tests",
+        log_to_driver=False,
+        runtime_env={"env_vars": {"PYTHONPATH": f"{TESTS_DIR}:{TESTS_DIR.parent}"}},
+    )
     yield
     ray.shutdown()
 

@@ -15,8 +15,15 @@ def test_valid_group_passes_and_round_trips(make_group):
     for restored in (RolloutGroup.from_bytes(group.to_bytes()), pickle.loads(pickle.dumps(group))):
         assert restored.group_uid == "s1-g0" and restored.policy_version == 3 and restored.sampler_id == "s1"
         assert restored.created_at == group.created_at
-        for name in ("prompt_ids", "prompt_mask", "response_ids", "response_mask", "sampler_logprobs",
-                     "rewards", "advantages"):
+        for name in (
+            "prompt_ids",
+            "prompt_mask",
+            "response_ids",
+            "response_mask",
+            "sampler_logprobs",
+            "rewards",
+            "advantages",
+        ):
             np.testing.assert_array_equal(getattr(restored, name), getattr(group, name))
             assert getattr(restored, name).dtype == getattr(group, name).dtype
 
@@ -24,10 +31,17 @@ def test_valid_group_passes_and_round_trips(make_group):
 def test_torch_inputs_are_accepted_and_as_torch_gives_tensors(make_group):
     base = make_group("g", version=0)
     group = RolloutGroup(
-        group_uid="t", prompt_ids=torch.from_numpy(base.prompt_ids), response_ids=torch.from_numpy(base.response_ids),
-        response_mask=torch.from_numpy(base.response_mask), sampler_logprobs=torch.from_numpy(base.sampler_logprobs),
-        rewards=torch.from_numpy(base.rewards), advantages=torch.from_numpy(base.advantages),
-        policy_version=0, sampler_id=2, extra={"source": "toy"})
+        group_uid="t",
+        prompt_ids=torch.from_numpy(base.prompt_ids),
+        response_ids=torch.from_numpy(base.response_ids),
+        response_mask=torch.from_numpy(base.response_mask),
+        sampler_logprobs=torch.from_numpy(base.sampler_logprobs),
+        rewards=torch.from_numpy(base.rewards),
+        advantages=torch.from_numpy(base.advantages),
+        policy_version=0,
+        sampler_id=2,
+        extra={"source": "toy"},
+    )
     validate_group(group, RecordSpec(group_size=4))
     tensors = RolloutGroup.from_bytes(group.to_bytes()).as_torch()
     assert tensors["response_mask"].dtype == torch.bool and tensors["response_ids"].dtype == torch.int64
@@ -36,22 +50,25 @@ def test_torch_inputs_are_accepted_and_as_torch_gives_tensors(make_group):
     assert group.sampler_id == "2" and tensors["sampler_id"] == "2"  # integer sampler ids become strings
 
 
-@pytest.mark.parametrize("field,make_value,reason", [
-    ("sampler_logprobs", lambda g: np.where(g.response_mask, np.nan, 0).astype(np.float32), "nonfinite_logprob"),
-    ("sampler_logprobs", lambda g: np.abs(g.sampler_logprobs) + g.response_mask * 0.5, "positive_logprob"),
-    ("rewards", lambda g: np.array([1, np.inf, 0, 0], dtype=np.float32), "nonfinite_reward"),
-    ("rewards", lambda g: np.zeros(3, dtype=np.float32), "shape"),
-    ("advantages", lambda g: np.full(4, np.nan, dtype=np.float32), "nonfinite_advantage"),
-    ("advantages", lambda g: np.zeros((4, 2), dtype=np.float32), "shape"),
-    ("response_mask", lambda g: np.zeros((4, 5), dtype=np.int8), "shape"),
-    ("response_mask", lambda g: g.response_mask * 2, "mask"),
-    ("response_mask", lambda g: np.concatenate([np.zeros((1, 6), np.int8), g.response_mask[1:]]), "empty_response"),
-    ("response_ids", lambda g: g.response_ids.astype(np.float32), "dtype"),
-    ("prompt_ids", lambda g: np.zeros((0,), dtype=np.int64), "shape"),
-    ("policy_version", lambda g: 9, "future_version"),
-    ("policy_version", lambda g: -1, "version"),
-    ("group_uid", lambda g: "", "uid"),
-])
+@pytest.mark.parametrize(
+    "field,make_value,reason",
+    [
+        ("sampler_logprobs", lambda g: np.where(g.response_mask, np.nan, 0).astype(np.float32), "nonfinite_logprob"),
+        ("sampler_logprobs", lambda g: np.abs(g.sampler_logprobs) + g.response_mask * 0.5, "positive_logprob"),
+        ("rewards", lambda g: np.array([1, np.inf, 0, 0], dtype=np.float32), "nonfinite_reward"),
+        ("rewards", lambda g: np.zeros(3, dtype=np.float32), "shape"),
+        ("advantages", lambda g: np.full(4, np.nan, dtype=np.float32), "nonfinite_advantage"),
+        ("advantages", lambda g: np.zeros((4, 2), dtype=np.float32), "shape"),
+        ("response_mask", lambda g: np.zeros((4, 5), dtype=np.int8), "shape"),
+        ("response_mask", lambda g: g.response_mask * 2, "mask"),
+        ("response_mask", lambda g: np.concatenate([np.zeros((1, 6), np.int8), g.response_mask[1:]]), "empty_response"),
+        ("response_ids", lambda g: g.response_ids.astype(np.float32), "dtype"),
+        ("prompt_ids", lambda g: np.zeros((0,), dtype=np.int64), "shape"),
+        ("policy_version", lambda g: 9, "future_version"),
+        ("policy_version", lambda g: -1, "version"),
+        ("group_uid", lambda g: "", "uid"),
+    ],
+)
 def test_bad_field_is_rejected_naming_field_and_sampler(make_group, field, make_value, reason):
     group = make_group("bad-1", version=2, sampler="sampler-7")
     setattr(group, field, make_value(group))

@@ -73,7 +73,7 @@ def test_bad_names_are_refused(bad):
 def test_corrupted_payload_is_counted_never_returned(transport):
     transport.put("weights", "v1", b"A" * 100)
     transport.put("weights", "v2", b"B" * 100)
-    transport.fs.pipe_file(_data_path(transport, "weights", "v1"), b"A" * 40)        # truncated
+    transport.fs.pipe_file(_data_path(transport, "weights", "v1"), b"A" * 40)  # truncated
     transport.fs.pipe_file(_data_path(transport, "weights", "v2"), b"B" * 99 + b"C")  # bit flip
     for key in ("v1", "v2"):
         with pytest.raises(CorruptMessage, match=f"message weights/{key}"):
@@ -174,8 +174,10 @@ def test_delay_channel_hides_messages_until_their_delay(transport):
     for channel, delay in zip(channels, delays):
         assert channel.keys("weights") == []
         assert channel.pending("weights") == {"v1": pytest.approx(delay)}
-        assert channel.metrics(["weights"]) == {"hetero/pending/weights": 1.0,
-                                                "hetero/pending_s/weights": pytest.approx(delay)}
+        assert channel.metrics(["weights"]) == {
+            "hetero/pending/weights": 1.0,
+            "hetero/pending_s/weights": pytest.approx(delay),
+        }
         with pytest.raises(KeyError, match="not visible yet"):
             channel.get("weights", "v1")
     clock.now += min(delays)
@@ -193,8 +195,8 @@ def test_delay_channel_receiver_timebase_topics_and_speed(transport):
     channel = DelayChannel(transport, model, timebase="receiver", speed_factor=2.0, topics=["weights"], clock=clock)
     transport.put("weights", "v1", b"w")
     transport.put("rollouts", "g1", b"r")
-    assert channel.keys("rollouts") == ["g1"]      # not a delayed topic
-    assert channel.keys("weights") == []            # first seen now, visible 20 s later
+    assert channel.keys("rollouts") == ["g1"]  # not a delayed topic
+    assert channel.keys("weights") == []  # first seen now, visible 20 s later
     clock.now += 19.9
     assert channel.keys("weights") == []
     clock.now += 0.2
@@ -207,12 +209,13 @@ def test_weight_store_through_delay_channel_sees_versions_late(transport):
     clock = FakeClock()
     transport.clock = clock
     learner = WeightStore(transport, keep_last=5)
-    sampler_view = WeightStore(DelayChannel(transport, make_delay_model("constant", value=30.0), clock=clock),
-                               keep_last=5)
+    sampler_view = WeightStore(
+        DelayChannel(transport, make_delay_model("constant", value=30.0), clock=clock), keep_last=5
+    )
     learner.publish(0, _model_state(0))
     clock.now += 10
     learner.publish(1, _model_state(1))
-    clock.now += 25                      # v0 is 35 s old, v1 only 25 s
+    clock.now += 25  # v0 is 35 s old, v1 only 25 s
     assert sampler_view.latest()[0] == 0
     clock.now += 5
     assert sampler_view.latest()[0] == 1
@@ -226,9 +229,9 @@ def test_rollout_inbox_exactly_once_across_a_learner_crash(transport):
     inbox = RolloutInbox(transport, buffer)
     assert inbox.poll(max_groups=4) == 4
     consumed = [g.group_uid for g in buffer.take(3, 0)]
-    checkpoint = buffer.state_dict()           # saved; 1 group still buffered
+    checkpoint = buffer.state_dict()  # saved; 1 group still buffered
     assert inbox.acknowledge(checkpoint) == 4  # those 4 are now safe in the checkpoint
-    assert inbox.poll() == 2                   # the rest arrive after the checkpoint...
+    assert inbox.poll() == 2  # the rest arrive after the checkpoint...
     consumed += [g.group_uid for g in buffer.take(2, 1)]
     assert inbox.stats["corrupt"] == 1
     # ...and the learner dies before the next checkpoint: resume from the saved one
@@ -236,10 +239,10 @@ def test_rollout_inbox_exactly_once_across_a_learner_crash(transport):
     resumed.load_state_dict(checkpoint)
     consumed_before_crash = consumed[:3]
     resumed_inbox = RolloutInbox(transport, resumed)
-    assert resumed_inbox.poll() == 2           # unacknowledged messages are read again
+    assert resumed_inbox.poll() == 2  # unacknowledged messages are read again
     after = [g.group_uid for g in resumed.take(3, 1)]
     assert sorted(consumed_before_crash + after) == [f"s0-g{i}" for i in range(6)]
-    assert resumed_inbox.poll() == 0           # nothing twice
+    assert resumed_inbox.poll() == 0  # nothing twice
     assert resumed_inbox.metrics()["hetero/inbox_corrupt"] == 1
     bad_uid = build_group("s0 g7", version=0)
     with pytest.raises(ValueError, match="group_uid='s0 g7' is not a valid name"):
@@ -256,9 +259,9 @@ def test_the_inbox_remembers_only_the_messages_it_refused(transport):
     buffer = RolloutBuffer(max_delay=2)
     inbox = RolloutInbox(transport, buffer)
     assert inbox.poll() == 5 and len(inbox._processed) == 6
-    assert inbox.poll() == 0                      # nothing read twice...
+    assert inbox.poll() == 0  # nothing read twice...
     assert {key for key, _ in inbox._processed} == {"s0-junk"}  # ...and only the junk remembered
-    assert inbox.stats["corrupt"] == 1            # not re-read, not re-counted
+    assert inbox.stats["corrupt"] == 1  # not re-read, not re-counted
     assert len(buffer.take(5, 0)) == 5 and inbox.poll() == 0
 
 

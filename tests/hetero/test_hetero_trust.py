@@ -20,10 +20,18 @@ def ledger(**kw):
 
 @pytest.mark.parametrize(
     "param,value",
-    [("verify_fraction", -0.1), ("verify_fraction", 1.1), ("probation_groups", -1), ("penalty", -0.5),
-     ("recovery", -0.1), ("quarantine_below", 1.5), ("quarantine_below", -0.1), ("max_divergence", -0.1),
-     ("divergence_window", 0)],
-)  # fmt: skip
+    [
+        ("verify_fraction", -0.1),
+        ("verify_fraction", 1.1),
+        ("probation_groups", -1),
+        ("penalty", -0.5),
+        ("recovery", -0.1),
+        ("quarantine_below", 1.5),
+        ("quarantine_below", -0.1),
+        ("max_divergence", -0.1),
+        ("divergence_window", 0),
+    ],
+)
 def test_constructor_rejects_bad_values(param, value):
     with pytest.raises(ValueError, match=param):
         TrustLedger(**{param: value})
@@ -45,8 +53,15 @@ def test_the_ranges_are_checked_once_under_the_callers_names():
 
 def test_edge_values_are_accepted():
     # the documented ranges are closed: [0, 1] and >= 0 / >= 1
-    TrustLedger(verify_fraction=0.0, probation_groups=0, penalty=0.0, recovery=0.0, quarantine_below=0.0,
-                max_divergence=0.0, divergence_window=1)  # fmt: skip
+    TrustLedger(
+        verify_fraction=0.0,
+        probation_groups=0,
+        penalty=0.0,
+        recovery=0.0,
+        quarantine_below=0.0,
+        max_divergence=0.0,
+        divergence_window=1,
+    )
     TrustLedger(verify_fraction=1.0, quarantine_below=1.0)
 
 

@@ -67,7 +67,9 @@ def _assert_bit_equal(got: dict, want: dict):
 def test_xor_encoding_round_trips_and_refuses_other_shapes():
     states = _versions(2)
     base, new = floating_bits(states[0], "bf16"), floating_bits(states[1], "bf16")
-    assert base.dtype == np.uint8 and base.size == 2 * sum(t.numel() for t in states[0].values() if t.is_floating_point())
+    assert base.dtype == np.uint8 and base.size == 2 * sum(
+        t.numel() for t in states[0].values() if t.is_floating_point()
+    )
     assert np.array_equal(decode_xor(encode_xor(new, base), base), new)
     with pytest.raises(ValueError, match="full version"):
         encode_xor(new[:10], base)
@@ -161,8 +163,10 @@ def test_protocol_owns_the_key_format_and_imports_no_weights():
     the reverse (a fresh interpreter: importing the protocol loads no weights module, no torch)."""
     assert (version_key(17), parse_version_key(version_key(17)), parse_version_key("v17")) == ("v0000000017", 17, None)
     assert delta_topic(WEIGHTS_TOPIC) == WEIGHTS_DELTA_TOPIC == "weights_delta"
-    code = ("import sys, verl_ext.hetero.protocol; "
-            "print(sorted(m for m in ('verl_ext.hetero.weights', 'torch') if m in sys.modules))")
+    code = (
+        "import sys, verl_ext.hetero.protocol; "
+        "print(sorted(m for m in ('verl_ext.hetero.weights', 'torch') if m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
 
@@ -175,14 +179,22 @@ def test_delay_channel_delays_delta_n_exactly_like_version_n(transport):
     channel = DelayChannel(transport, model, seed=5, stream=2, clock=clock, topics=[WEIGHTS_TOPIC, WEIGHTS_DELTA_TOPIC])
     for version in range(1, 6):
         assert channel.delay_for(WEIGHTS_DELTA_TOPIC, version_key(version)) == channel.delay_for(
-            WEIGHTS_TOPIC, version_key(version))  # fmt: skip
+            WEIGHTS_TOPIC, version_key(version)
+        )
 
     # end to end: a sampler behind a constant 30 s delay reaches each version through its delta
     # as soon as the version itself is visible, never earlier
     states = _versions(4)
     learner = WeightStore(transport, keep_last=4, wire_dtype="bf16", delta=True)
-    sampler = WeightStore(DelayChannel(transport, make_delay_model("constant", value=30.0), clock=clock,
-                                       topics=[WEIGHTS_TOPIC, WEIGHTS_DELTA_TOPIC]), delta=True)  # fmt: skip
+    sampler = WeightStore(
+        DelayChannel(
+            transport,
+            make_delay_model("constant", value=30.0),
+            clock=clock,
+            topics=[WEIGHTS_TOPIC, WEIGHTS_DELTA_TOPIC],
+        ),
+        delta=True,
+    )
     learner.publish(0, states[0])
     clock.now += 30
     assert sampler.latest()[0] == 0

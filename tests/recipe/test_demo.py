@@ -21,11 +21,24 @@ def _table(stdout: str) -> dict[str, str]:
 
 def _demo(run_dir: Path, cache: Path, *extra: str) -> dict[str, str]:
     """Run the demo shortened (4 steps, 32 evaluation problems); its table."""
-    overrides = ["trainer.total_training_steps=4", "trainer.test_freq=2", "trainer.save_freq=4", "task.eval_size=32",
-                 f"trainer.default_local_dir={run_dir}", f"task.cache_dir={cache}", *extra]  # fmt: skip
+    overrides = [
+        "trainer.total_training_steps=4",
+        "trainer.test_freq=2",
+        "trainer.save_freq=4",
+        "task.eval_size=32",
+        f"trainer.default_local_dir={run_dir}",
+        f"task.cache_dir={cache}",
+        *extra,
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    result = subprocess.run([sys.executable, "-m", "recipe.gepo.demo", *overrides], cwd=ROOT, env=env,
-                            capture_output=True, text=True, timeout=600)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-m", "recipe.gepo.demo", *overrides],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return _table(result.stdout)
 

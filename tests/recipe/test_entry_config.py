@@ -55,9 +55,10 @@ def test_every_dataclass_field_is_in_the_yaml_with_a_comment(section, cls):
     assert not unknown, f"{section}: keys in gepo_trainer.yaml that {cls.__name__} does not have: {unknown}"
     keys = yaml_keys()
     uncommented = [
-        f.name for f in fields(cls)
+        f.name
+        for f in fields(cls)
         if "#" not in keys[f"{section}.{f.name}"][0] and not keys[f"{section}.{f.name}"][1].lstrip().startswith("#")
-    ]  # fmt: skip
+    ]
     assert not uncommented, f"{section}: keys without a comment in gepo_trainer.yaml: {uncommented}"
 
 
@@ -95,8 +96,11 @@ def test_missing_values_are_found_generically_and_a_preset_passes(capsys):
 def test_cli_without_preset_prints_one_paragraph_not_a_traceback():
     proc = subprocess.run(
         [sys.executable, "-m", "recipe.gepo.main_gepo", "hetero.engine=verl", "hetero.dry_run=true"],
-        cwd=ROOT, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode != 0
     assert "actor_rollout_ref.rollout.name" in proc.stderr
     assert "Traceback" not in proc.stderr and "MissingMandatoryValue" not in proc.stderr
@@ -111,7 +115,10 @@ def test_cli_without_preset_prints_one_paragraph_not_a_traceback():
         ({"template": "chat"}, "task.template='chat' applies to task.name=math only"),
         ({"name": "math", "digits": 4}, r"task.digits=4 applies to task.name=toy_addition only \(task.name=math\)"),
         ({"name": "math", "warm_start_steps": 5}, "task.warm_start_steps=5 applies to task.name=toy_addition only"),
-        ({"name": "math", "answer_format": "scratchpad"}, "task.answer_format='scratchpad' applies to task.name=toy_addition"),
+        (
+            {"name": "math", "answer_format": "scratchpad"},
+            "task.answer_format='scratchpad' applies to task.name=toy_addition",
+        ),
         ({"name": "math", "dataset_options": ["split", "train"]}, "task.dataset_options=.* must be a mapping"),
         ({"name": "math", "eval_dataset_options": "test"}, "task.eval_dataset_options=.* must be a mapping"),
     ],
@@ -130,26 +137,63 @@ def test_dataset_options_reach_the_embedded_engines_task_and_chat_templates_rend
     from verl_ext.data.toy.model import build_tokenizer
 
     easy = {"split": "train", "max_steps": 2, "max_answer": 100, "max_question_chars": 200}
-    task = Task(TaskConfig(name="math", dataset="gsm8k", dataset_options=easy, eval_dataset="gsm8k",
-                           eval_dataset_options={**easy, "split": "test"}, eval_size=3), seed=0)  # fmt: skip
+    task = Task(
+        TaskConfig(
+            name="math",
+            dataset="gsm8k",
+            dataset_options=easy,
+            eval_dataset="gsm8k",
+            eval_dataset_options={**easy, "split": "test"},
+            eval_size=3,
+        ),
+        seed=0,
+    )
     assert len(task._train_pool) == 880 and len(task.eval_items) == 3
     assert TaskConfig.from_omegaconf({"name": "math", "dataset_options": None}).dataset_options == {}  # YAML null
-    with pytest.raises(ValueError, match="task.template='chat' renders with the model's own chat template: the task needs"):
+    with pytest.raises(
+        ValueError, match="task.template='chat' renders with the model's own chat template: the task needs"
+    ):
         Task(TaskConfig(name="math", dataset="gsm8k", template="chat", eval_dataset="gsm8k", eval_size=1), seed=0)
     chatml = build_tokenizer()  # character-level; SmolLM2's ChatML template (its default system prompt)
-    chatml.chat_template = ("{{ '<|im_start|>system\nYou are SmolLM<|im_end|>\n' }}{% for m in messages %}"
-                            "{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endfor %}"
-                            "{{ '<|im_start|>assistant\n' }}")  # fmt: skip
-    one_shot = Task(TaskConfig(name="math", dataset="gsm8k", dataset_options=easy, eval_dataset="gsm8k",
-                               eval_dataset_options={**easy, "split": "test"}, eval_size=3, template="chat_1shot"),
-                    seed=0, tokenizer=chatml)  # fmt: skip
+    chatml.chat_template = (
+        "{{ '<|im_start|>system\nYou are SmolLM<|im_end|>\n' }}{% for m in messages %}"
+        "{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endfor %}"
+        "{{ '<|im_start|>assistant\n' }}"
+    )
+    one_shot = Task(
+        TaskConfig(
+            name="math",
+            dataset="gsm8k",
+            dataset_options=easy,
+            eval_dataset="gsm8k",
+            eval_dataset_options={**easy, "split": "test"},
+            eval_size=3,
+            template="chat_1shot",
+        ),
+        seed=0,
+        tokenizer=chatml,
+    )
     problem = "Ann has 2 cats and 3 dogs. How many pets?"
-    assert one_shot.eval_items[0]["prompt"].startswith("<|im_start|>system\nYou are SmolLM<|im_end|>\n<|im_start|>user\n")
+    assert one_shot.eval_items[0]["prompt"].startswith(
+        "<|im_start|>system\nYou are SmolLM<|im_end|>\n<|im_start|>user\n"
+    )
     assert [p["prompt"] for p in one_shot._train_pool[:2]] != [p["prompt"] for p in task._train_pool[:2]]
     assert one_shot._train_pool[0]["prompt"].count("\\boxed{5}") == 1  # the worked example
-    assert render_prompt(problem, "chat_1shot", chatml).endswith("Problem: " + problem + "\nSolution:<|im_end|>\n<|im_start|>assistant\n")
-    ignored = Task(TaskConfig(name="math", dataset="gsm8k", dataset_options=easy, eval_dataset="gsm8k",
-                              eval_dataset_options={**easy, "split": "test"}, eval_size=3), seed=0, tokenizer=chatml)  # fmt: skip
+    assert render_prompt(problem, "chat_1shot", chatml).endswith(
+        "Problem: " + problem + "\nSolution:<|im_end|>\n<|im_start|>assistant\n"
+    )
+    ignored = Task(
+        TaskConfig(
+            name="math",
+            dataset="gsm8k",
+            dataset_options=easy,
+            eval_dataset="gsm8k",
+            eval_dataset_options={**easy, "split": "test"},
+            eval_size=3,
+        ),
+        seed=0,
+        tokenizer=chatml,
+    )
     assert ignored.eval_items == task.eval_items  # qwen3_nothink renders without the tokenizer, as before
 
 
@@ -158,13 +202,16 @@ def test_a_given_model_path_with_warm_start_steps_is_refused(tmp_path):
     from verl_ext.data.task_model import resolve_task_model
 
     (tmp_path / "model").mkdir()
-    with pytest.raises(ValueError, match=r"task.warm_start_steps=3 sets the toy warm start's steps, but actor_rollout_ref.model.path="):
+    with pytest.raises(
+        ValueError, match=r"task.warm_start_steps=3 sets the toy warm start's steps, but actor_rollout_ref.model.path="
+    ):
         resolve_task_model(str(tmp_path / "model"), TaskConfig(warm_start_steps=3), seed=0)
     assert resolve_task_model(str(tmp_path / "model"), TaskConfig(), seed=0) == str(tmp_path / "model")
 
 
-@pytest.mark.parametrize("estimator, needs", [("gae", "values"), ("remax", "reward_baselines"),
-                                              ("optimal_token_baseline", "old_log_probs")])
+@pytest.mark.parametrize(
+    "estimator, needs", [("gae", "values"), ("remax", "reward_baselines"), ("optimal_token_baseline", "old_log_probs")]
+)
 def test_an_estimator_the_embedded_engine_cannot_feed_fails_at_start(estimator, needs):
     """verl's registry has estimators that need a critic's values, reward baselines or recomputed
     log-probs; the embedded engine refuses them at start, naming the inputs (not a TypeError at step 1)."""

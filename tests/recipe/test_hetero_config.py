@@ -26,8 +26,7 @@ def test_defaults_compose_and_build_the_delay_model():
 
 
 def test_paper_setting_overrides():
-    hc = hetero_from("hetero.delay.low=60", "hetero.delay.high=1920", "hetero.delay.offset=400",
-                     "hetero.max_delay=64")
+    hc = hetero_from("hetero.delay.low=60", "hetero.delay.high=1920", "hetero.delay.offset=400", "hetero.max_delay=64")
     assert (hc.delay.low, hc.delay.high, hc.delay.offset, hc.max_delay) == (60, 1920, 400, 64)
 
 
@@ -61,7 +60,10 @@ def test_unknown_key_is_named():
     [
         (["hetero.delay.dist=lognormal", "hetero.delay.integer=true"], "hetero.delay.integer=True"),
         (["hetero.delay.dist=constant", "hetero.delay.value=4", "hetero.delay.offset=100"], "hetero.delay.offset=100"),
-        (["hetero.delay.dist=uniform", "hetero.delay.low=0", "hetero.delay.trace_path=x.csv"], "hetero.delay.trace_path='x.csv'"),
+        (
+            ["hetero.delay.dist=uniform", "hetero.delay.low=0", "hetero.delay.trace_path=x.csv"],
+            "hetero.delay.trace_path='x.csv'",
+        ),
         (["hetero.delay.dist=none", "hetero.delay.value=5"], "hetero.delay.value=5"),
         (["hetero.delay.dist=constant", "hetero.delay.value=4", "hetero.delay.low=60"], "hetero.delay.low=60"),
     ],
@@ -74,14 +76,19 @@ def test_a_delay_field_the_distribution_does_not_read_is_refused(overrides, key)
 
 def test_each_distribution_takes_its_own_fields():
     assert hetero_from("hetero.delay.dist=constant", "hetero.delay.value=4").delay.build().sample(
-        3, __import__("numpy").random.default_rng(0)).tolist() == [4.0, 4.0, 4.0]
-    uniform = hetero_from("hetero.delay.dist=uniform", "hetero.delay.low=0", "hetero.delay.high=3", "hetero.delay.integer=true")
+        3, __import__("numpy").random.default_rng(0)
+    ).tolist() == [4.0, 4.0, 4.0]
+    uniform = hetero_from(
+        "hetero.delay.dist=uniform", "hetero.delay.low=0", "hetero.delay.high=3", "hetero.delay.integer=true"
+    )
     draws = uniform.delay.build().sample(200, __import__("numpy").random.default_rng(0))
     assert set(draws.tolist()) == {0.0, 1.0, 2.0, 3.0}
     assert hetero_from("hetero.delay.dist=weibull", "hetero.delay.offset=1").delay.offset == 1
 
 
 def test_transport_url_needs_the_fs_transport():
-    with pytest.raises(ValueError, match=r"hetero.transport_url='/x' is read by hetero.transport=fs only \(hetero.transport=ray\)"):
+    with pytest.raises(
+        ValueError, match=r"hetero.transport_url='/x' is read by hetero.transport=fs only \(hetero.transport=ray\)"
+    ):
         hetero_from("hetero.transport=ray", "hetero.transport_url=/x")
     assert hetero_from("hetero.transport=fs", "hetero.transport_url=/x").transport_url == "/x"

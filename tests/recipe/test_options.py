@@ -41,9 +41,18 @@ ROOT = Path(__file__).resolve().parents[2]
 CONFIG_DIR = ROOT / "recipe" / "gepo" / "config"
 SECTIONS = [("hetero", HeteroConfig), ("task", TaskConfig), ("verl_engine", VerlEngineConfig)]
 # a value the field accepts that differs from its default, where the type alone cannot say
-CHOICES = {"engine": "verl", "mode": "replay", "stale_policy": "wait", "order": "newest", "transport": "fs",
-           "weight_sync": "delta", "dist": "weibull", "name": "math", "answer_format": "scratchpad",
-           "old_log_prob": "recompute"}  # fmt: skip
+CHOICES = {
+    "engine": "verl",
+    "mode": "replay",
+    "stale_policy": "wait",
+    "order": "newest",
+    "transport": "fs",
+    "weight_sync": "delta",
+    "dist": "weibull",
+    "name": "math",
+    "answer_format": "scratchpad",
+    "old_log_prob": "recompute",
+}
 
 
 def compose_cfg(*overrides: str):
@@ -115,13 +124,22 @@ def test_every_field_is_honoured_or_refused(prefix, cls, key, field, runner):
 def _yaml_verl_keys() -> list[str]:
     """Dotted leaf keys written in gepo_trainer.yaml outside HeteroRL's own sections."""
     raw = OmegaConf.to_container(OmegaConf.load(CONFIG_DIR / "gepo_trainer.yaml"), resolve=False)
-    return [k for k, _ in config_leaves(raw, skip=options.NOT_OPTIONS) if k.split(".")[0] not in options.PROJECT_SECTIONS]
+    return [
+        k for k, _ in config_leaves(raw, skip=options.NOT_OPTIONS) if k.split(".")[0] not in options.PROJECT_SECTIONS
+    ]
 
 
 VERL_KEYS = _yaml_verl_keys()
-ISSUE_KEYS = ["actor_rollout_ref.rollout.top_p", "actor_rollout_ref.rollout.top_k", "actor_rollout_ref.actor.ppo_epochs",
-              "actor_rollout_ref.actor.ppo_mini_batch_size", "data.max_prompt_length", "data.train_files",
-              "data.val_files", "actor_rollout_ref.actor.optim.lr_scheduler_type"]  # fmt: skip
+ISSUE_KEYS = [
+    "actor_rollout_ref.rollout.top_p",
+    "actor_rollout_ref.rollout.top_k",
+    "actor_rollout_ref.actor.ppo_epochs",
+    "actor_rollout_ref.actor.ppo_mini_batch_size",
+    "data.max_prompt_length",
+    "data.train_files",
+    "data.val_files",
+    "actor_rollout_ref.actor.optim.lr_scheduler_type",
+]
 
 
 def _changed(defaults, key: str):
@@ -170,14 +188,17 @@ def test_every_algorithm_preset_runs_on_the_embedded_engine(defaults, preset):
     options.check_verl_keys(compose_cfg(f"algorithm_preset={preset}"), defaults, options.ASYNC)
 
 
-@pytest.mark.parametrize("overrides, key", [
-    (["hetero.mode=replay", "hetero.num_samplers=3"], "hetero.num_samplers"),
-    (["hetero.mode=replay", "hetero.keep_weight_versions=9"], "hetero.keep_weight_versions"),
-    (["hetero.mode=replay", "hetero.transport=fs"], "hetero.transport"),
-    (["hetero.mode=async", "actor_rollout_ref.rollout.top_p=0.9"], "actor_rollout_ref.rollout.top_p"),
-    (["hetero.mode=replay", "actor_rollout_ref.actor.ppo_epochs=2"], "actor_rollout_ref.actor.ppo_epochs"),
-    (["hetero.mode=replay", "+verl_engine.old_log_prob=recompute"], "verl_engine.old_log_prob"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "overrides, key",
+    [
+        (["hetero.mode=replay", "hetero.num_samplers=3"], "hetero.num_samplers"),
+        (["hetero.mode=replay", "hetero.keep_weight_versions=9"], "hetero.keep_weight_versions"),
+        (["hetero.mode=replay", "hetero.transport=fs"], "hetero.transport"),
+        (["hetero.mode=async", "actor_rollout_ref.rollout.top_p=0.9"], "actor_rollout_ref.rollout.top_p"),
+        (["hetero.mode=replay", "actor_rollout_ref.actor.ppo_epochs=2"], "actor_rollout_ref.actor.ppo_epochs"),
+        (["hetero.mode=replay", "+verl_engine.old_log_prob=recompute"], "verl_engine.old_log_prob"),
+    ],
+)
 def test_the_entry_refuses_before_any_work(tmp_path, overrides, key):
     run_dir = tmp_path / "run"
     cfg = compose_cfg(*overrides, f"trainer.default_local_dir={run_dir}")
@@ -188,8 +209,12 @@ def test_the_entry_refuses_before_any_work(tmp_path, overrides, key):
 
 def test_a_missing_math_dataset_file_fails_naming_the_key_and_path(tmp_path):
     missing = tmp_path / "nope.jsonl"
-    cfg = compose_cfg("task.name=math", "task.dataset=aime24", f"task.dataset_path={missing}",
-                      f"trainer.default_local_dir={tmp_path / 'run'}")  # fmt: skip
+    cfg = compose_cfg(
+        "task.name=math",
+        "task.dataset=aime24",
+        f"task.dataset_path={missing}",
+        f"trainer.default_local_dir={tmp_path / 'run'}",
+    )
     with pytest.raises(ValueError, match=rf"task.dataset_path=.*{re.escape(str(missing))}"):
         run_local(cfg)
     assert not (tmp_path / "run").exists()
@@ -198,38 +223,59 @@ def test_a_missing_math_dataset_file_fails_naming_the_key_and_path(tmp_path):
 # ------------------------------------------------------------------------ options another key leaves inert
 
 
-@pytest.mark.parametrize("overrides, key, on", [
-    (["actor_rollout_ref.actor.clip_ratio_c=2.0"], "actor_rollout_ref.actor.clip_ratio_c", "policy_loss.loss_mode='gepo'"),
-    (["actor_rollout_ref.actor.policy_loss.kl_cov_ratio=0.1"], "policy_loss.kl_cov_ratio", "policy_loss.loss_mode"),
-    (["actor_rollout_ref.actor.policy_loss.dro_beta=0.5"], "policy_loss.dro_beta", "policy_loss.loss_mode"),
-    (["actor_rollout_ref.actor.loss_scale_factor=8"], "loss_scale_factor", "loss_agg_mode"),
-    (["actor_rollout_ref.actor.kl_loss_coef=0.1"], "kl_loss_coef", "use_kl_loss=False"),
-    (["actor_rollout_ref.actor.kl_loss_type=kl"], "kl_loss_type", "use_kl_loss=False"),
-    (["algorithm.rollout_correction.rollout_is_threshold=3.0"], "rollout_is_threshold", "rollout_is=None"),
-    (["algorithm.rollout_correction.rollout_is_batch_normalize=true"], "rollout_is_batch_normalize", "rollout_is=None"),
-    (["algorithm.rollout_correction.rollout_rs_threshold=0.5_2.0"], "rollout_rs_threshold", "rollout_rs=None"),
-    (["trainer.project_name=other"], "trainer.project_name", "trainer.logger=[]"),
-    (["trainer.project_name=other", "trainer.logger=[tensorboard]"], "trainer.project_name", "trainer.logger=['tensorboard']"),
-    (["hetero.max_delta_chain=3"], "hetero.max_delta_chain", "hetero.weight_sync='full'"),
-    (["hetero.trust.divergence_window=3"], "hetero.trust.divergence_window", "hetero.trust.max_divergence=0.0"),
-    (["hetero.trust.checkable_sampling=true", "hetero.trust.verify_fraction=0"], "hetero.trust.checkable_sampling",
-     "hetero.trust.verify_fraction=0"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "overrides, key, on",
+    [
+        (
+            ["actor_rollout_ref.actor.clip_ratio_c=2.0"],
+            "actor_rollout_ref.actor.clip_ratio_c",
+            "policy_loss.loss_mode='gepo'",
+        ),
+        (["actor_rollout_ref.actor.policy_loss.kl_cov_ratio=0.1"], "policy_loss.kl_cov_ratio", "policy_loss.loss_mode"),
+        (["actor_rollout_ref.actor.policy_loss.dro_beta=0.5"], "policy_loss.dro_beta", "policy_loss.loss_mode"),
+        (["actor_rollout_ref.actor.loss_scale_factor=8"], "loss_scale_factor", "loss_agg_mode"),
+        (["actor_rollout_ref.actor.kl_loss_coef=0.1"], "kl_loss_coef", "use_kl_loss=False"),
+        (["actor_rollout_ref.actor.kl_loss_type=kl"], "kl_loss_type", "use_kl_loss=False"),
+        (["algorithm.rollout_correction.rollout_is_threshold=3.0"], "rollout_is_threshold", "rollout_is=None"),
+        (
+            ["algorithm.rollout_correction.rollout_is_batch_normalize=true"],
+            "rollout_is_batch_normalize",
+            "rollout_is=None",
+        ),
+        (["algorithm.rollout_correction.rollout_rs_threshold=0.5_2.0"], "rollout_rs_threshold", "rollout_rs=None"),
+        (["trainer.project_name=other"], "trainer.project_name", "trainer.logger=[]"),
+        (
+            ["trainer.project_name=other", "trainer.logger=[tensorboard]"],
+            "trainer.project_name",
+            "trainer.logger=['tensorboard']",
+        ),
+        (["hetero.max_delta_chain=3"], "hetero.max_delta_chain", "hetero.weight_sync='full'"),
+        (["hetero.trust.divergence_window=3"], "hetero.trust.divergence_window", "hetero.trust.max_divergence=0.0"),
+        (
+            ["hetero.trust.checkable_sampling=true", "hetero.trust.verify_fraction=0"],
+            "hetero.trust.checkable_sampling",
+            "hetero.trust.verify_fraction=0",
+        ),
+    ],
+)
 def test_an_option_another_key_leaves_inert_is_refused_naming_both(defaults, overrides, key, on):
     cfg = compose_cfg(*overrides)
     with pytest.raises(options.ConfigError, match=re.escape(key) + r"=.* has no effect with .*" + re.escape(on)):
         options.check_dependencies(cfg, defaults, options.ASYNC)
 
 
-@pytest.mark.parametrize("overrides", [
-    ["actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.actor.kl_loss_coef=0.1"],
-    ["algorithm.rollout_correction.rollout_is=token", "algorithm.rollout_correction.rollout_is_threshold=3.0"],
-    ["actor_rollout_ref.actor.policy_loss.loss_mode=vanilla", "actor_rollout_ref.actor.clip_ratio_c=2.0"],
-    ["hetero.weight_sync=delta", "hetero.max_delta_chain=3"],
-    ["hetero.trust.checkable_sampling=true"],
-    ["trainer.logger=[file]", "trainer.project_name=other"],
-    ["trainer.default_local_dir=runs/${trainer.project_name}", "trainer.project_name=other"],
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.actor.kl_loss_coef=0.1"],
+        ["algorithm.rollout_correction.rollout_is=token", "algorithm.rollout_correction.rollout_is_threshold=3.0"],
+        ["actor_rollout_ref.actor.policy_loss.loss_mode=vanilla", "actor_rollout_ref.actor.clip_ratio_c=2.0"],
+        ["hetero.weight_sync=delta", "hetero.max_delta_chain=3"],
+        ["hetero.trust.checkable_sampling=true"],
+        ["trainer.logger=[file]", "trainer.project_name=other"],
+        ["trainer.default_local_dir=runs/${trainer.project_name}", "trainer.project_name=other"],
+    ],
+)
 def test_the_same_option_with_its_switch_on_is_accepted(defaults, overrides):
     assert options.check_dependencies(compose_cfg(*overrides), defaults, options.ASYNC) == []
 
@@ -244,8 +290,15 @@ def test_every_preset_starts_and_what_it_keeps_inert_is_reported(defaults, prese
 
 def test_a_reported_option_is_in_the_run_report(tmp_path, tiny_model):
     run_dir = tmp_path / "run"
-    run_local(compose_cfg(*BASE, f"actor_rollout_ref.model.path={tiny_model}", f"trainer.default_local_dir={run_dir}",
-                          "actor_rollout_ref.actor.clip_ratio=0.3", "trainer.total_training_steps=1"))  # fmt: skip
+    run_local(
+        compose_cfg(
+            *BASE,
+            f"actor_rollout_ref.model.path={tiny_model}",
+            f"trainer.default_local_dir={run_dir}",
+            "actor_rollout_ref.actor.clip_ratio=0.3",
+            "trainer.total_training_steps=1",
+        )
+    )
     report = (run_dir / "report.md").read_text()
     assert "No effect: `actor_rollout_ref.actor.clip_ratio=0.3 has no effect with" in report
 
@@ -257,23 +310,27 @@ TYPOS = [
     ("+algorithm.rollout_correction.rollout_is_treshold=3", "algorithm.rollout_correction.rollout_is_threshold"),
     ("+trainer.total_training_step=3", "trainer.total_training_steps"),
     ("+actor_rollout_ref.actor.clip_ratio_hgih=1", "actor_rollout_ref.actor.clip_ratio_high"),
-]  # fmt: skip
+]
 TYPOS_ONE_RUNNER = [
     ("+actor_rollout_ref.actor.policy_loss.sampler_kl_cof=1", "actor_rollout_ref.actor.policy_loss.sampler_kl_coef"),
     ("+task.digit=2", "task.digits"),
     ("+hetero.max_dealy=2", "hetero.max_delay"),
     ("+hetero.delay.lo=2", "hetero.delay.low"),
     ("+hetero.trust.verify_fracton=0.5", "hetero.trust.verify_fraction"),
-]  # fmt: skip
+]
 
 
-@pytest.mark.parametrize("override, suggestion, runner", [(*t, r) for t in TYPOS for r in options.RUNNERS]
-                         + [(*t, options.REPLAY) for t in TYPOS_ONE_RUNNER])  # fmt: skip
+@pytest.mark.parametrize(
+    "override, suggestion, runner",
+    [(*t, r) for t in TYPOS for r in options.RUNNERS] + [(*t, options.REPLAY) for t in TYPOS_ONE_RUNNER],
+)
 def test_an_unknown_key_is_refused_in_every_section_naming_the_closest(override, suggestion, runner):
     engine = ["hetero.engine=verl"] if runner == options.VERL else [f"hetero.mode={runner}"]
     cfg = compose_cfg(override, *engine)
     typo = override[1:].split("=")[0]
-    with pytest.raises(options.ConfigError, match=rf"unknown key\(s\) {re.escape(typo)} \(did you mean {re.escape(suggestion)}\?\)"):
+    with pytest.raises(
+        options.ConfigError, match=rf"unknown key\(s\) {re.escape(typo)} \(did you mean {re.escape(suggestion)}\?\)"
+    ):
         if runner == options.VERL:
             from recipe.gepo.verl_engine.plan import validate
 
@@ -284,11 +341,14 @@ def test_an_unknown_key_is_refused_in_every_section_naming_the_closest(override,
             EngineConfig.from_omegaconf(cfg)
 
 
-@pytest.mark.parametrize("override", [
-    "+actor_rollout_ref.actor.policy_loss.m2po_threshold=0.04",  # a field of the loss config's dataclass
-    "+actor_rollout_ref.model.override_config.attention_dropout=0.0",  # free-form: empty in the defaults
-    "+ray_kwargs.ray_init.num_gpus=0",  # free-form: ray.init's keyword arguments
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "override",
+    [
+        "+actor_rollout_ref.actor.policy_loss.m2po_threshold=0.04",  # a field of the loss config's dataclass
+        "+actor_rollout_ref.model.override_config.attention_dropout=0.0",  # free-form: empty in the defaults
+        "+ray_kwargs.ray_init.num_gpus=0",  # free-form: ray.init's keyword arguments
+    ],
+)
 def test_keys_verl_knows_are_not_unknown(defaults, override):
     assert options.unknown_verl_keys(compose_cfg(override), defaults) == []
 
@@ -299,14 +359,20 @@ def test_keys_verl_knows_are_not_unknown(defaults, override):
 @pytest.mark.slow
 def test_a_refusal_is_one_line_without_traceback(tmp_path):
     """The real command line (a subprocess: half a minute of imports): one line on stderr."""
-    plain = subprocess.run([sys.executable, "-m", "recipe.gepo.main_gepo", "+trainer.total_training_step=3",
-                            f"hydra.run.dir={tmp_path}"], cwd=ROOT,
-                           env={k: v for k, v in os.environ.items() if k != DEBUG_ENV}, capture_output=True, text=True,
-                           timeout=300)  # fmt: skip
+    plain = subprocess.run(
+        [sys.executable, "-m", "recipe.gepo.main_gepo", "+trainer.total_training_step=3", f"hydra.run.dir={tmp_path}"],
+        cwd=ROOT,
+        env={k: v for k, v in os.environ.items() if k != DEBUG_ENV},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert plain.returncode == 1
     lines = [line for line in plain.stderr.splitlines() if line.strip()]
-    assert lines == ["error: unknown key(s) trainer.total_training_step (did you mean trainer.total_training_steps?): "
-                     + lines[0].split("?): ", 1)[1]]  # fmt: skip
+    assert lines == [
+        "error: unknown key(s) trainer.total_training_step (did you mean trainer.total_training_steps?): "
+        + lines[0].split("?): ", 1)[1]
+    ]
 
 
 def test_the_debug_switch_lets_the_refusal_through_with_its_traceback(monkeypatch):
@@ -322,10 +388,20 @@ def test_the_debug_switch_lets_the_refusal_through_with_its_traceback(monkeypatc
 # ------------------------------------------------------------------------ behaviour: each honoured option changes a run
 
 TIMING = ("perf/", "hetero/wait_s")  # wall-clock metrics: the only ones two runs of one config may differ in
-BASE = ("task.name=toy_addition", "task.digits=1", "task.eval_size=16", "data.train_batch_size=2",
-        "actor_rollout_ref.rollout.n=4", "data.max_response_length=4", "trainer.logger=[]",
-        "trainer.resume_mode=disable", "hetero.mode=replay", "trainer.total_training_steps=2",
-        "trainer.test_freq=0", "trainer.save_freq=0")  # fmt: skip
+BASE = (
+    "task.name=toy_addition",
+    "task.digits=1",
+    "task.eval_size=16",
+    "data.train_batch_size=2",
+    "actor_rollout_ref.rollout.n=4",
+    "data.max_response_length=4",
+    "trainer.logger=[]",
+    "trainer.resume_mode=disable",
+    "hetero.mode=replay",
+    "trainer.total_training_steps=2",
+    "trainer.test_freq=0",
+    "trainer.save_freq=0",
+)
 """The tiny replay run every behaviour case starts from (with the tiny model's path and a run dir)."""
 
 
@@ -351,15 +427,20 @@ CASES_REPLAY: dict[str, Case] = {
     "hetero.delay.dist": _c("hetero.delay.dist=none"),
     "hetero.delay.low": _c("hetero.delay.low=0.01"),
     "hetero.delay.high": _c("hetero.delay.high=30.0", setup=DELAYS),
-    "hetero.delay.integer": _c("hetero.delay.integer=true", setup=("hetero.delay.dist=uniform", "hetero.delay.low=0",
-                                                                   "hetero.delay.high=1.9")),
+    "hetero.delay.integer": _c(
+        "hetero.delay.integer=true", setup=("hetero.delay.dist=uniform", "hetero.delay.low=0", "hetero.delay.high=1.9")
+    ),
     "hetero.delay.confidence": _c("hetero.delay.confidence=0.2", setup=DELAYS),
     "hetero.delay.offset": _c("hetero.delay.offset=5.0", setup=DELAYS),
     "hetero.delay.value": _c("hetero.delay.value=1", setup=("hetero.delay.dist=constant",)),
-    "hetero.delay.trace_path": _c("hetero.delay.trace_path={data}/ones.txt",
-                                  setup=("hetero.delay.dist=trace", "hetero.delay.trace_path={data}/zeros.txt")),
-    "hetero.delay.trace_column": _c("hetero.delay.trace_column=b", setup=(
-        "hetero.delay.dist=trace", "hetero.delay.trace_path={data}/delays.csv", "hetero.delay.trace_column=a")),
+    "hetero.delay.trace_path": _c(
+        "hetero.delay.trace_path={data}/ones.txt",
+        setup=("hetero.delay.dist=trace", "hetero.delay.trace_path={data}/zeros.txt"),
+    ),
+    "hetero.delay.trace_column": _c(
+        "hetero.delay.trace_column=b",
+        setup=("hetero.delay.dist=trace", "hetero.delay.trace_path={data}/delays.csv", "hetero.delay.trace_column=a"),
+    ),
     "hetero.max_delay": _c("hetero.max_delay=0"),
     "hetero.max_nonfinite_steps": _c("hetero.max_nonfinite_steps=1", setup=(f"{A}.optim.lr=1e30",)),
     "hetero.learner_precision": _c("hetero.learner_precision=bf16"),
@@ -370,13 +451,19 @@ CASES_REPLAY: dict[str, Case] = {
     "task.digits": _c("task.digits=2"),
     "task.answer_format": _c("task.answer_format=scratchpad"),
     "task.diagnostics_every": _c("task.diagnostics_every=1", setup=("task.diagnostics_samples=2",)),
-    "task.diagnostics_samples": _c("task.diagnostics_samples=3", setup=("task.diagnostics_every=1", "task.diagnostics_samples=2")),
+    "task.diagnostics_samples": _c(
+        "task.diagnostics_samples=3", setup=("task.diagnostics_every=1", "task.diagnostics_samples=2")
+    ),
     "task.eval_size": _c("task.eval_size=5"),
     "task.eval_temperature": _c("task.eval_temperature=0.3"),
-    "task.warm_start_steps": _c("task.warm_start_steps=4", setup=(
-        "actor_rollout_ref.model.path=", "task.cache_dir={data}/cache", "task.warm_start_steps=3")),
-    "task.cache_dir": _c("task.cache_dir={sandbox}/cache_b", setup=(
-        "actor_rollout_ref.model.path=", "task.cache_dir={sandbox}/cache_a", "task.warm_start_steps=3")),
+    "task.warm_start_steps": _c(
+        "task.warm_start_steps=4",
+        setup=("actor_rollout_ref.model.path=", "task.cache_dir={data}/cache", "task.warm_start_steps=3"),
+    ),
+    "task.cache_dir": _c(
+        "task.cache_dir={sandbox}/cache_b",
+        setup=("actor_rollout_ref.model.path=", "task.cache_dir={sandbox}/cache_a", "task.warm_start_steps=3"),
+    ),
     # verl's keys the embedded engine acts on
     "actor_rollout_ref.model.path": _c("actor_rollout_ref.model.path={other_model}"),
     "data.train_batch_size": _c("data.train_batch_size=3"),
@@ -429,9 +516,11 @@ CASES_REPLAY: dict[str, Case] = {
     f"{RC}.rollout_is_threshold": _c(f"{RC}.rollout_is_threshold=1.001", setup=(f"{RC}.rollout_is=token",)),
     f"{RC}.rollout_is_batch_normalize": _c(f"{RC}.rollout_is_batch_normalize=true", setup=(f"{RC}.rollout_is=token",)),
     f"{RC}.rollout_rs": _c(f"{RC}.rollout_rs=token_k1", f"{RC}.rollout_rs_threshold=0.999_1.001"),
-    f"{RC}.rollout_rs_threshold": _c(f"{RC}.rollout_rs_threshold=0.999_1.001",
-                                     setup=(f"{RC}.rollout_rs=token_k1", f"{RC}.rollout_rs_threshold=0.01_100.0")),
-}  # fmt: skip
+    f"{RC}.rollout_rs_threshold": _c(
+        f"{RC}.rollout_rs_threshold=0.999_1.001",
+        setup=(f"{RC}.rollout_rs=token_k1", f"{RC}.rollout_rs_threshold=0.01_100.0"),
+    ),
+}
 """Every (option, replay) pair declared honoured, but the ones in OBSERVED_ELSEWHERE and the runner
 selectors: how to see it change a tiny replay run."""
 
@@ -448,7 +537,7 @@ OBSERVED_ELSEWHERE = {
     "task.eval_dataset_options": "tests/recipe/test_options.py::test_a_math_task_option_changes_the_prompts",
     "task.template": "tests/recipe/test_options.py::test_a_math_task_option_changes_the_prompts",
     f"{PL}.compile": "tests/algos/test_compiled_losses.py",
-}  # fmt: skip
+}
 """Honoured (option, replay) pairs a tiny toy replay run cannot show (a GPU, the process's cores, the
 math task, a compiled graph with the same numbers): the test that shows each."""
 SELECTORS = ("hetero.engine", "hetero.mode")
@@ -469,12 +558,20 @@ def _defaults():
 def honoured_replay_keys() -> set[str]:
     """Every option the contract declares honoured in replay mode: the fields of the project's
     sections and the verl keys (gepo_trainer.yaml's and the loss config's fields) it acts on."""
-    keys = {key for prefix, cls in SECTIONS for key, field, _ in options.option_fields(cls, prefix)
-            if options.REPLAY in options.honoured_by(field)}  # fmt: skip
+    keys = {
+        key
+        for prefix, cls in SECTIONS
+        for key, field, _ in options.option_fields(cls, prefix)
+        if options.REPLAY in options.honoured_by(field)
+    }
     from verl_ext.loss_config import HeteroPolicyLossConfig
 
     composed = OmegaConf.to_container(_defaults(), resolve=False)
-    verl = {k for k, _ in config_leaves(composed, skip=options.NOT_OPTIONS) if k.split(".")[0] not in options.PROJECT_SECTIONS}
+    verl = {
+        k
+        for k, _ in config_leaves(composed, skip=options.NOT_OPTIONS)
+        if k.split(".")[0] not in options.PROJECT_SECTIONS
+    }
     verl |= {f"{PL}.{f.name}" for f in dataclasses.fields(HeteroPolicyLossConfig)}
     verl = {k for k in verl if not k.split(".")[-1].startswith("_")}  # _target_: which dataclass, not an option
     return keys | {k for k in verl if options.embedded_honours(k)}
@@ -520,8 +617,15 @@ class Harness:
         sandbox = self.root / f"run{self._n}"
         sandbox.mkdir()
         fill = {"data": self.data, "sandbox": sandbox, "other_model": self.other_model}
-        items = [o.format(**fill) for o in (*BASE, f"actor_rollout_ref.model.path={self.model}",
-                                            f"trainer.default_local_dir={sandbox / 'run'}", *overrides)]  # fmt: skip
+        items = [
+            o.format(**fill)
+            for o in (
+                *BASE,
+                f"actor_rollout_ref.model.path={self.model}",
+                f"trainer.default_local_dir={sandbox / 'run'}",
+                *overrides,
+            )
+        ]
         if any("trainer.default_local_dir={data}/resumable" in o for o in overrides):
             self._resumable(items, sandbox)
         error = None
@@ -535,10 +639,16 @@ class Harness:
             os.chdir(cwd)
         metrics = []
         for path in sorted(sandbox.rglob("metrics.jsonl")):
-            metrics += [{k: v for k, v in json.loads(line).items() if not k.startswith(TIMING)}
-                        for line in path.read_text().splitlines() if line.strip()]  # fmt: skip
-        files = sorted(re.sub(r"\.\d{9,}", ".<time>", re.sub(r"tfevents\..*", "tfevents", str(p.relative_to(sandbox))))
-                       for p in sandbox.rglob("*") if p.is_file())  # fmt: skip
+            metrics += [
+                {k: v for k, v in json.loads(line).items() if not k.startswith(TIMING)}
+                for line in path.read_text().splitlines()
+                if line.strip()
+            ]
+        files = sorted(
+            re.sub(r"\.\d{9,}", ".<time>", re.sub(r"tfevents\..*", "tfevents", str(p.relative_to(sandbox))))
+            for p in sandbox.rglob("*")
+            if p.is_file()
+        )
         return {"metrics": metrics, "files": files, "error": error}
 
     def _resumable(self, items: list[str], sandbox: Path) -> None:
@@ -546,7 +656,9 @@ class Harness:
         the sandbox of each run that starts in it."""
         folder = self.data / "resumable"
         if not folder.exists():
-            first = [o for o in items if not o.startswith(("trainer.default_local_dir=", "trainer.total_training_steps="))]
+            first = [
+                o for o in items if not o.startswith(("trainer.default_local_dir=", "trainer.total_training_steps="))
+            ]
             run_local(compose_cfg(*first, f"trainer.default_local_dir={folder}", "trainer.total_training_steps=1"))
         index = items.index(f"trainer.default_local_dir={folder}")
         copy_to = sandbox / "resumable"
@@ -604,15 +716,25 @@ def test_the_harness_catches_an_option_declared_honoured_that_is_not_read(harnes
         harness.check(planted, _c(f"{planted}=0.5"))
 
 
-@pytest.mark.parametrize("key, base, change", [
-    ("task.name", dict(name="toy_addition"), dict(name="math", template="plain")),
-    ("task.dataset", dict(), dict(dataset="gsm8k")),
-    ("task.dataset_options", dict(dataset="math_train"), dict(dataset="math_train", dataset_options={"levels": [1]})),
-    ("task.eval_dataset", dict(), dict(eval_dataset="gsm8k")),
-    ("task.eval_dataset_options", dict(eval_dataset="math_train"),
-     dict(eval_dataset="math_train", eval_dataset_options={"levels": [1]})),
-    ("task.template", dict(), dict(template="qwen3_think")),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "key, base, change",
+    [
+        ("task.name", dict(name="toy_addition"), dict(name="math", template="plain")),
+        ("task.dataset", dict(), dict(dataset="gsm8k")),
+        (
+            "task.dataset_options",
+            dict(dataset="math_train"),
+            dict(dataset="math_train", dataset_options={"levels": [1]}),
+        ),
+        ("task.eval_dataset", dict(), dict(eval_dataset="gsm8k")),
+        (
+            "task.eval_dataset_options",
+            dict(eval_dataset="math_train"),
+            dict(eval_dataset="math_train", eval_dataset_options={"levels": [1]}),
+        ),
+        ("task.template", dict(), dict(template="qwen3_think")),
+    ],
+)
 def test_a_math_task_option_changes_the_prompts(key, base, change):
     """The math task's options, at the task (a math run needs a math model): the prompts change."""
     from recipe.gepo.embedded.tasks import Task
@@ -622,6 +744,8 @@ def test_a_math_task_option_changes_the_prompts(key, base, change):
         if fields.get("name", "math") == "math":
             fields = {"name": "math", "template": "plain", **fields}
         task = Task(TaskConfig(**fields), seed=0)
-        return [it["prompt"] for it in task.train_items(4, stream=1, index=0)] + [it["prompt"] for it in task.eval_items]
+        return [it["prompt"] for it in task.train_items(4, stream=1, index=0)] + [
+            it["prompt"] for it in task.eval_items
+        ]
 
     assert prompts(**base) != prompts(**change), f"{key}: {change} changed no prompt"

@@ -21,8 +21,16 @@ REPO = Path(__file__).resolve().parents[2]
 CONFIG = "actor_rollout_ref:\n  actor:\n    policy_loss:\n      loss_mode: {loss}\nhetero:\n  max_delay: {delay}\n"
 
 
-def write_run(run_dir: Path, rng: np.random.Generator, loss: str | None, delay: int | None, n_steps: int = 30,
-              eval_every: int = 10, with_is: bool = True, torn: bool = True) -> dict:
+def write_run(
+    run_dir: Path,
+    rng: np.random.Generator,
+    loss: str | None,
+    delay: int | None,
+    n_steps: int = 30,
+    eval_every: int = 10,
+    with_is: bool = True,
+    torn: bool = True,
+) -> dict:
     """A run directory with per-step reward, IS metrics (KL, weight variance growing with
     staleness plus noise; step 3's variance is non-numeric) and evaluation lines; a torn
     last line. Returns the arrays written."""
@@ -52,10 +60,14 @@ def runs(tmp_path):
     """Two seeds of (gepo, 4), one (gepo, 8), one (vanilla, 4) without IS metrics, one run
     without a config."""
     rng = np.random.default_rng(11)
-    spec = [("gepo_d4_s0", "gepo", 4, True), ("gepo_d4_s1", "gepo", 4, True), ("gepo_d8", "gepo", 8, True),
-            ("vanilla_d4", "vanilla", 4, False), ("noconfig", None, None, True)]
-    return {name: write_run(tmp_path / name, rng, loss, delay, with_is=with_is)
-            for name, loss, delay, with_is in spec}
+    spec = [
+        ("gepo_d4_s0", "gepo", 4, True),
+        ("gepo_d4_s1", "gepo", 4, True),
+        ("gepo_d8", "gepo", 8, True),
+        ("vanilla_d4", "vanilla", 4, False),
+        ("noconfig", None, None, True),
+    ]
+    return {name: write_run(tmp_path / name, rng, loss, delay, with_is=with_is) for name, loss, delay, with_is in spec}
 
 
 def finite_pairs(x, y):
@@ -114,8 +126,11 @@ def test_accuracy_vs_delay_best_last_over_seeds(runs):
     with pytest.warns(UserWarning):
         loaded, _ = plot.load_runs([str(r["dir"]) for r in runs.values()])
     table = plot.accuracy_vs_delay(loaded)
-    assert list(zip(table["algorithm"], table["max_delay"], table["n"])) == [("gepo", 4, 2), ("gepo", 8, 1),
-                                                                               ("vanilla", 4, 1)]
+    assert list(zip(table["algorithm"], table["max_delay"], table["n"])) == [
+        ("gepo", 4, 2),
+        ("gepo", 8, 1),
+        ("vanilla", 4, 1),
+    ]
     seeds = [runs["gepo_d4_s0"]["acc"], runs["gepo_d4_s1"]["acc"]]
     best = np.array([a.max() for a in seeds])
     last = np.array([a[-1] for a in seeds])
@@ -159,8 +174,7 @@ def test_cli_subprocess_writes_figures_and_prints_corrcoef(runs, tmp_path):
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     wrote = dict(re.findall(r"^wrote (\S+): (.+)$", proc.stdout, flags=re.M))
-    expected = {"curves", "acc_vs_delay", "scatter_var_kl", "scatter_var_staleness", "scatter_kl_staleness",
-                "summary"}
+    expected = {"curves", "acc_vs_delay", "scatter_var_kl", "scatter_var_staleness", "scatter_kl_staleness", "summary"}
     assert set(wrote) == expected
     for name, path in wrote.items():
         assert Path(path).parent == out
@@ -188,8 +202,15 @@ def test_cli_subprocess_writes_figures_and_prints_corrcoef(runs, tmp_path):
 
 def test_cli_subprocess_bad_run_dir_names_it(runs, tmp_path):
     bad = tmp_path / "typo_run_dir"
-    cmd = [sys.executable, "-m", "recipe.gepo.plot", str(runs["gepo_d8"]["dir"]), str(bad), "--out",
-           str(tmp_path / "figs")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "recipe.gepo.plot",
+        str(runs["gepo_d8"]["dir"]),
+        str(bad),
+        "--out",
+        str(tmp_path / "figs"),
+    ]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
     assert str(bad) in proc.stderr and "does not exist" in proc.stderr

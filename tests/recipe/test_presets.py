@@ -96,7 +96,9 @@ def test_preset_composes_validates_and_runs(preset):
     for key in ("actor/pg_loss", "actor/loss", "actor/sampler_kl_penalty", "is/weight_var", "is/kl_sampler_learner"):
         assert key in metrics, key
     # the penalty term is what separates actor/loss from the policy-gradient loss
-    assert metrics["actor/loss"] == pytest.approx(metrics["actor/pg_loss"] + 0.005 * metrics["actor/sampler_kl_penalty"])
+    assert metrics["actor/loss"] == pytest.approx(
+        metrics["actor/pg_loss"] + 0.005 * metrics["actor/sampler_kl_penalty"]
+    )
 
 
 def test_one_override_switches_algorithm_and_user_overrides_win():
@@ -122,11 +124,15 @@ def test_paper_baselines_differ_from_their_presets_only_in_the_clip():
     from omegaconf import OmegaConf
 
     def actor(preset):
-        return OmegaConf.to_container(compose_trainer(f"algorithm_preset={preset}").actor_rollout_ref.actor, resolve=True)
+        return OmegaConf.to_container(
+            compose_trainer(f"algorithm_preset={preset}").actor_rollout_ref.actor, resolve=True
+        )
 
     grpo, paper = actor("grpo"), actor("grpo_paper")
     assert grpo["clip_ratio_c"] == 3.0 and paper["clip_ratio_c"] == 1e9
-    assert {k: v for k, v in paper.items() if k != "clip_ratio_c"} == {k: v for k, v in grpo.items() if k != "clip_ratio_c"}
+    assert {k: v for k, v in paper.items() if k != "clip_ratio_c"} == {
+        k: v for k, v in grpo.items() if k != "clip_ratio_c"
+    }
     gspo, wide = actor("gspo"), actor("gspo_wide")
     assert (wide["clip_ratio_low"], wide["clip_ratio_high"]) == (0.2, 0.2)
     drop = ("clip_ratio", "clip_ratio_low", "clip_ratio_high")
@@ -197,7 +203,14 @@ def test_decoupled_ppo_preset_is_an_areal_style_filtered_behaviour_weight():
     cfg = compose_trainer("algorithm_preset=decoupled_ppo")
     built = RolloutCorrectionConfig(**_resolved(cfg.algorithm.rollout_correction))
     want = RolloutCorrectionConfig.decoupled_token_icepop(5.0, 1e-12)
-    for f in ("rollout_is", "rollout_is_threshold", "rollout_rs", "rollout_rs_threshold", "bypass_mode", "rollout_is_batch_normalize"):
+    for f in (
+        "rollout_is",
+        "rollout_is_threshold",
+        "rollout_rs",
+        "rollout_rs_threshold",
+        "bypass_mode",
+        "rollout_is_batch_normalize",
+    ):
         assert getattr(built, f) == getattr(want, f), f
     actor = cfg.actor_rollout_ref.actor
     assert (actor.clip_ratio_low, actor.clip_ratio_high) == (0.2, 0.2) and actor.clip_ratio_c >= 1e9
@@ -206,8 +219,11 @@ def test_decoupled_ppo_preset_is_an_areal_style_filtered_behaviour_weight():
 def test_new_loss_presets_carry_the_methods_parameters():
     """m2po: threshold 0.04; vespo: (k, lam) = (2, 3) for A >= 0, (3, 2) for A < 0; gepo_tc_ess is
     gepo_tc with the ESS band on (and gepo_tc has it off), token clip 0.2."""
+
     def policy_loss(preset):
-        return omega_conf_to_dataclass(compose_trainer(f"algorithm_preset={preset}").actor_rollout_ref.actor).policy_loss
+        return omega_conf_to_dataclass(
+            compose_trainer(f"algorithm_preset={preset}").actor_rollout_ref.actor
+        ).policy_loss
 
     assert policy_loss("m2po").m2po_threshold == pytest.approx(0.04)
     v = policy_loss("vespo")

@@ -38,10 +38,22 @@ def edit(path: Path, old: str, new: str) -> None:
 def run_copy(copy: Path, script: str, *overrides: str, env: dict[str, str], timeout: float):
     """The copy's run script with the temporary tree first on the path and Python's import log on
     (``-X importtime`` for this process and every one it starts)."""
-    full_env = dict(os.environ, PYTHON=sys.executable, OMP_NUM_THREADS="1", PYTHONPROFILEIMPORTTIME="1",
-                    PYTHONPATH=str(copy.parents[1]), **env)  # fmt: skip
-    return subprocess.run(["bash", str(copy / script), *overrides], capture_output=True, text=True,
-                          env=full_env, timeout=timeout, cwd=copy.parents[1])  # fmt: skip
+    full_env = dict(
+        os.environ,
+        PYTHON=sys.executable,
+        OMP_NUM_THREADS="1",
+        PYTHONPROFILEIMPORTTIME="1",
+        PYTHONPATH=str(copy.parents[1]),
+        **env,
+    )
+    return subprocess.run(
+        ["bash", str(copy / script), *overrides],
+        capture_output=True,
+        text=True,
+        env=full_env,
+        timeout=timeout,
+        cwd=copy.parents[1],
+    )
 
 
 def imported_recipe_modules(stderr: str) -> set[str]:
@@ -61,14 +73,21 @@ def test_a_copied_recipe_runs_its_own_modules_and_configs(tmp_path):
     edit(copy / "report.py", 'f"# Run report: {name}"', 'f"# MyGEPO run report: {name}"')
     edit(copy / "config" / "algorithm_preset" / "gepo.yaml", "sampler_kl_coef: 0.005", "sampler_kl_coef: 0.0075")
     run_dir = tmp_path / "run"
-    out = run_copy(copy, "run_embedded_toy.sh", env={"MODE": "replay", "TOTAL_STEPS": "2", "TEST_FREQ": "2",
-                                                     "EVAL_SIZE": "16", "RUN_DIR": str(run_dir)},
-                   timeout=600)  # fmt: skip
+    out = run_copy(
+        copy,
+        "run_embedded_toy.sh",
+        env={"MODE": "replay", "TOTAL_STEPS": "2", "TEST_FREQ": "2", "EVAL_SIZE": "16", "RUN_DIR": str(run_dir)},
+        timeout=600,
+    )
     assert out.returncode == 0, log(out)
     assert (run_dir / "report.md").read_text().startswith("# MyGEPO run report: run")
     assert "sampler_kl_coef: 0.0075" in (run_dir / "config.yaml").read_text()
     modules = imported_recipe_modules(out.stderr)
-    assert {"recipe.mygepo", "recipe.mygepo.embedded.replay", "recipe.mygepo.report"} <= modules  # main_gepo runs as __main__
+    assert {
+        "recipe.mygepo",
+        "recipe.mygepo.embedded.replay",
+        "recipe.mygepo.report",
+    } <= modules  # main_gepo runs as __main__
     assert not {m for m in modules if m == "recipe.gepo" or m.startswith("recipe.gepo.")}, modules
     # the original's report writer was not edited: the copy did not change it
     assert 'f"# Run report: {name}"' in (ORIGINAL / "report.py").read_text()
@@ -107,7 +126,12 @@ def test_two_recipes_register_two_trainers_in_one_process(tmp_path):
         "assert original.HeteroSeparateAsyncTrainer is not mine.HeteroSeparateAsyncTrainer\n"
         "print('ok')\n"
     )
-    out = subprocess.run([sys.executable, "-c", code, str(tmp_path), str(ORIGINAL)], capture_output=True, text=True,
-                         env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(tmp_path)), timeout=300,
-                         cwd=tmp_path)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path), str(ORIGINAL)],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(tmp_path)),
+        timeout=300,
+        cwd=tmp_path,
+    )
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stdout[-2000:] + out.stderr[-4000:]

@@ -24,8 +24,14 @@ hetero:
 """
 
 
-def write_run(run_dir: Path, lines: list, tail: str = "", loss: str | None = "gepo", delay: int | None = 4,
-              preset: str | None = None) -> Path:
+def write_run(
+    run_dir: Path,
+    lines: list,
+    tail: str = "",
+    loss: str | None = "gepo",
+    delay: int | None = 4,
+    preset: str | None = None,
+) -> Path:
     """A run directory: ``lines`` (dicts, or raw strings written as they are) one per line in
     metrics.jsonl, then ``tail`` without a newline (a torn write); a config.yaml unless ``loss``
     is None (the config holds an unresolvable interpolation, as composed configs may)."""
@@ -55,11 +61,16 @@ def synthetic(rng: np.random.Generator, n_steps: int = 40, eval_every: int = 10,
     for t in range(n_steps):
         h = data["hist"][t]
         consumed = h.sum()
-        line = {"step": t + 1, "reward/mean": data["reward"][t], "reward/std": 0.1,
-                "is/kl_sampler_learner": data["kl"][t], "is/weight_var": data["var"][t],
-                "hetero/dropped": int(data["dropped"][t]),
-                "hetero/staleness_mean": float((np.arange(max_k + 1) * h).sum() / consumed) if consumed else 0.0,
-                "hetero/staleness_max": float(np.nonzero(h)[0].max()) if consumed else 0.0}
+        line = {
+            "step": t + 1,
+            "reward/mean": data["reward"][t],
+            "reward/std": 0.1,
+            "is/kl_sampler_learner": data["kl"][t],
+            "is/weight_var": data["var"][t],
+            "hetero/dropped": int(data["dropped"][t]),
+            "hetero/staleness_mean": float((np.arange(max_k + 1) * h).sum() / consumed) if consumed else 0.0,
+            "hetero/staleness_max": float(np.nonzero(h)[0].max()) if consumed else 0.0,
+        }
         line.update({f"hetero/staleness_hist/{k}": int(c) for k, c in enumerate(h)})
         lines.append(line)
     eval_steps = list(range(eval_every, n_steps + 1, eval_every))
@@ -96,10 +107,16 @@ def test_load_metrics_tolerates_torn_last_line_and_non_numeric_values(tmp_path):
 
 
 def test_load_metrics_resumed_run_last_value_wins_and_bad_lines_are_named(tmp_path):
-    lines = [{"step": 1, "reward/mean": 0.1}, {"step": 2, "reward/mean": 0.2, "actor/loss": 5.0},
-             '{"step": 3, "rew{"step": 2, "reward/mean": 0.9}',  # torn write, then the resumed run
-             {"step": 2, "reward/mean": 0.8},  # re-logged by the resumed run: wins
-             {"step": 3, "reward/mean": 0.3}, [1, 2], {"reward/mean": 1.0}, {"step": 2.5, "reward/mean": 1.0}]
+    lines = [
+        {"step": 1, "reward/mean": 0.1},
+        {"step": 2, "reward/mean": 0.2, "actor/loss": 5.0},
+        '{"step": 3, "rew{"step": 2, "reward/mean": 0.9}',  # torn write, then the resumed run
+        {"step": 2, "reward/mean": 0.8},  # re-logged by the resumed run: wins
+        {"step": 3, "reward/mean": 0.3},
+        [1, 2],
+        {"reward/mean": 1.0},
+        {"step": 2.5, "reward/mean": 1.0},
+    ]
     run = write_run(tmp_path / "run", lines)
     with pytest.warns(UserWarning) as rec:
         df = report.load_metrics(run)
@@ -167,8 +184,10 @@ def test_summarize_staleness_without_histogram_and_idle_fraction(tmp_path):
     st = rng.uniform(0, 5, 12)
     smax = st + rng.uniform(0, 2, 12)
     idle = rng.uniform(0, 1, 12)
-    lines = [{"step": t, "hetero/staleness_mean": st[t], "hetero/staleness_max": smax[t],
-              "perf/learner_idle_frac": idle[t]} for t in range(12)]
+    lines = [
+        {"step": t, "hetero/staleness_mean": st[t], "hetero/staleness_max": smax[t], "perf/learner_idle_frac": idle[t]}
+        for t in range(12)
+    ]
     s = report.summarize(write_run(tmp_path / "plain", lines, loss=None))
     assert s["staleness_mean"] == pytest.approx(st.mean())
     assert s["staleness_max"] == pytest.approx(smax.max())
@@ -185,9 +204,11 @@ def test_summarize_staleness_without_histogram_and_idle_fraction(tmp_path):
 
 
 def test_eval_accuracy_falls_back_to_benchmark_mean(tmp_path):
-    lines = [{"step": 10, "eval/aime/acc": 0.2, "eval/math/acc": 0.6},
-             {"step": 20, "eval/aime/acc": 0.4},  # math not evaluated at 20: no mean there
-             {"step": 30, "eval/aime/acc": 0.1, "eval/math/acc": 0.5}]
+    lines = [
+        {"step": 10, "eval/aime/acc": 0.2, "eval/math/acc": 0.6},
+        {"step": 20, "eval/aime/acc": 0.4},  # math not evaluated at 20: no mean there
+        {"step": 30, "eval/aime/acc": 0.1, "eval/math/acc": 0.5},
+    ]
     s = report.summarize(write_run(tmp_path / "run", lines))
     assert s["eval_count"] == 2
     assert s["eval_first"] == pytest.approx(0.4) and s["eval_last"] == pytest.approx(0.3)
@@ -241,8 +262,13 @@ def test_write_report_files_and_content(tmp_path):
 
 
 def test_write_report_with_absent_metrics_does_not_crash(tmp_path):
-    sparse = write_run(tmp_path / "sparse", ['{"step": 0, "reward/mean": 0.1, "actor/grad_norm": Infinity}',
-                                             {"step": 1, "actor/loss": 2.0, "is/kl_sampler_learner": "-inf"}])
+    sparse = write_run(
+        tmp_path / "sparse",
+        [
+            '{"step": 0, "reward/mean": 0.1, "actor/grad_norm": Infinity}',
+            {"step": 1, "actor/loss": 2.0, "is/kl_sampler_learner": "-inf"},
+        ],
+    )
     out = tmp_path / "elsewhere"
     md, png = report.write_report(sparse, out_dir=out)
     assert md.parent == out and png.parent == out

@@ -35,7 +35,10 @@ def run_must_fail_early(tmp_path, overrides, match):
     [
         # negative delays, in each delay model that takes one
         (["hetero.delay.low=-1"], r"hetero\.delay: lognormal: low=-1"),
-        (["hetero.delay.dist=weibull", "hetero.delay.low=-3", "hetero.delay.high=4"], r"hetero\.delay: weibull: low=-3"),
+        (
+            ["hetero.delay.dist=weibull", "hetero.delay.low=-3", "hetero.delay.high=4"],
+            r"hetero\.delay: weibull: low=-3",
+        ),
         (["hetero.delay.dist=constant", "hetero.delay.value=-0.5"], r"hetero\.delay: constant: value=-0.5"),
         # low > high
         (["hetero.delay.low=5", "hetero.delay.high=2"], r"low=5.*high=2"),
@@ -61,17 +64,26 @@ def test_bad_value_fails_before_any_work_naming_it(tmp_path, overrides, match):
 
 def test_unknown_loss_mode_fails_before_any_work(tmp_path):
     # replay mode: if it is not caught early, the accidental run stays in-process and short
-    run_must_fail_early(tmp_path, ["actor_rollout_ref.actor.policy_loss.loss_mode=not_a_loss", "hetero.mode=replay"],
-                        r"not_a_loss")
+    run_must_fail_early(
+        tmp_path, ["actor_rollout_ref.actor.policy_loss.loss_mode=not_a_loss", "hetero.mode=replay"], r"not_a_loss"
+    )
 
 
 def test_unknown_preset_on_the_command_line_names_it_and_creates_nothing(tmp_path):
     run_dir = tmp_path / "run"
     proc = subprocess.run(
-        [sys.executable, "-m", "recipe.gepo.main_gepo", "algorithm_preset=not_an_algorithm",
-         f"trainer.default_local_dir={run_dir}"],
-        cwd=REPO, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "recipe.gepo.main_gepo",
+            "algorithm_preset=not_an_algorithm",
+            f"trainer.default_local_dir={run_dir}",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode != 0
     output = proc.stdout + proc.stderr
     assert "algorithm_preset/not_an_algorithm" in output, output[-2000:]

@@ -29,12 +29,16 @@ def group(uid, version=0, **changes):
     mask = (np.arange(R)[None, :] < rng.integers(1, R + 1, size=G)[:, None]).astype(np.int8)
     rewards = rng.integers(0, 2, size=G).astype(np.float32)
     fields = dict(
-        group_uid=uid, prompt_ids=rng.integers(3, 15, size=7).astype(np.int64),
-        response_ids=(rng.integers(3, 15, size=(G, R)) * mask).astype(np.int64), response_mask=mask,
+        group_uid=uid,
+        prompt_ids=rng.integers(3, 15, size=7).astype(np.int64),
+        response_ids=(rng.integers(3, 15, size=(G, R)) * mask).astype(np.int64),
+        response_mask=mask,
         sampler_logprobs=(-rng.uniform(0.1, 2.0, size=(G, R)) * mask).astype(np.float32),
-        rewards=rewards, advantages=(rewards - rewards.mean()).astype(np.float32),
-        policy_version=version, sampler_id="sampler-test",
-    )  # fmt: skip
+        rewards=rewards,
+        advantages=(rewards - rewards.mean()).astype(np.float32),
+        policy_version=version,
+        sampler_id="sampler-test",
+    )
     fields.update(changes)
     return RolloutGroup(**fields)
 
@@ -46,8 +50,14 @@ def bad(kind):
     elif kind == "positive_logprob":
         g.sampler_logprobs[1, 0] = 0.5
     elif kind == "group_size":
-        g = group(f"bad-{kind}", response_ids=g.response_ids[:5], response_mask=g.response_mask[:5],
-                  sampler_logprobs=g.sampler_logprobs[:5], rewards=g.rewards[:5], advantages=g.advantages[:5])
+        g = group(
+            f"bad-{kind}",
+            response_ids=g.response_ids[:5],
+            response_mask=g.response_mask[:5],
+            sampler_logprobs=g.sampler_logprobs[:5],
+            rewards=g.rewards[:5],
+            advantages=g.advantages[:5],
+        )
     elif kind == "empty_response":
         g.response_mask[2, :] = 0
     elif kind == "nonfinite_reward":
@@ -62,14 +72,23 @@ def bad(kind):
 @pytest.fixture(scope="module")
 def worker(tmp_path_factory, toy_model_path):
     root = tmp_path_factory.mktemp("exchange")
-    cfg = compose_trainer("hetero.transport=fs", f"trainer.default_local_dir={root / 'run'}", "task.eval_size=4", *TRUSTING)
+    cfg = compose_trainer(
+        "hetero.transport=fs", f"trainer.default_local_dir={root / 'run'}", "task.eval_size=4", *TRUSTING
+    )
     spec = TransportSpec("fsspec", url=str(root / "exchange"))
     learner = LearnerWorker(EngineConfig.from_omegaconf(cfg), toy_model_path, spec)
     return learner, FsspecTransport(spec.url)
 
 
-KINDS = ["nonfinite_logprob", "positive_logprob", "group_size", "empty_response", "nonfinite_reward",
-         "nonfinite_advantage", "future_version"]
+KINDS = [
+    "nonfinite_logprob",
+    "positive_logprob",
+    "group_size",
+    "empty_response",
+    "nonfinite_reward",
+    "nonfinite_advantage",
+    "future_version",
+]
 
 
 def test_bad_groups_are_rejected_by_reason_counted_and_never_trained_on(worker):
@@ -86,8 +105,10 @@ def test_bad_groups_are_rejected_by_reason_counted_and_never_trained_on(worker):
         with open(f"{folder}/{key}.msg", "wb") as f:
             f.write(data)
         with open(f"{folder}/{key}.ok", "w") as f:
-            json.dump({"topic": ROLLOUT_TOPIC, "key": key, "size": len(payload), "sha256": checksum(payload),
-                       "sent_at": 0.0}, f)
+            json.dump(
+                {"topic": ROLLOUT_TOPIC, "key": key, "size": len(payload), "sha256": checksum(payload), "sent_at": 0.0},
+                f,
+            )
 
     learner.source.inbox.poll()
     status = learner.buffer.ledger.status

@@ -15,8 +15,13 @@ from .test_bad_data import group
 
 
 def new_worker(root, model_path, batch):
-    cfg = compose_trainer("hetero.transport=fs", f"data.train_batch_size={batch}", "task.eval_size=4",
-                          f"trainer.default_local_dir={root / 'run'}", *TRUSTING)
+    cfg = compose_trainer(
+        "hetero.transport=fs",
+        f"data.train_batch_size={batch}",
+        "task.eval_size=4",
+        f"trainer.default_local_dir={root / 'run'}",
+        *TRUSTING,
+    )
     spec = TransportSpec("fsspec", url=str(root / "exchange"))
     worker = LearnerWorker(EngineConfig.from_omegaconf(cfg), model_path, spec)
     worker.source._stop.set()  # no background poller: the test polls by hand, deterministically

@@ -38,12 +38,16 @@ def make_group(tokenizer, uid, seed, rewards=None):
     mask = (np.arange(R)[None, :] < lengths[:, None]).astype(np.int8)
     rewards = rng.integers(0, 2, size=G).astype(np.float32) if rewards is None else np.asarray(rewards, np.float32)
     return RolloutGroup(
-        group_uid=uid, prompt_ids=prompt,
-        response_ids=(rng.choice(vocab, size=(G, R)) * mask).astype(np.int64), response_mask=mask,
+        group_uid=uid,
+        prompt_ids=prompt,
+        response_ids=(rng.choice(vocab, size=(G, R)) * mask).astype(np.int64),
+        response_mask=mask,
         sampler_logprobs=(-rng.uniform(0.5, 3.0, size=(G, R)) * mask).astype(np.float32),
-        rewards=rewards, advantages=(rewards - rewards.mean()).astype(np.float32),
-        policy_version=0, sampler_id="test",
-    )  # fmt: skip
+        rewards=rewards,
+        advantages=(rewards - rewards.mean()).astype(np.float32),
+        policy_version=0,
+        sampler_id="test",
+    )
 
 
 def poison(group, how):
@@ -121,8 +125,13 @@ def test_the_run_of_nonfinite_steps_goes_on_across_a_resume(setup):
     """A learner restored from a checkpoint taken mid-streak keeps counting the streak: a crash
     between non-finite steps does not reset max_nonfinite_steps."""
     model, tokenizer, actor_config, _ = setup
-    make = lambda: Learner(model, actor_config, temperature=1.0, pad_token_id=tokenizer.pad_token_id, max_nonfinite_steps=2)  # noqa: E731
-    bad = lambda i: [make_group(tokenizer, f"r{i}-0", 400 + i), poison(make_group(tokenizer, f"r{i}-1", 500 + i), "nan_advantage")]  # noqa: E731
+    make = lambda: Learner(
+        model, actor_config, temperature=1.0, pad_token_id=tokenizer.pad_token_id, max_nonfinite_steps=2
+    )  # noqa: E731
+    bad = lambda i: [
+        make_group(tokenizer, f"r{i}-0", 400 + i),
+        poison(make_group(tokenizer, f"r{i}-1", 500 + i), "nan_advantage"),
+    ]  # noqa: E731
     first = make()
     first.train_step(bad(0))
     resumed = make()

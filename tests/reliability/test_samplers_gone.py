@@ -21,13 +21,23 @@ WAIT_TIMEOUT_S = 6
 def stalled_run(tmp_path_factory, toy_model_path):
     run_dir = tmp_path_factory.mktemp("stalled") / "run"
     cmd = [
-        sys.executable, "-m", "recipe.gepo.main_gepo", "hetero.mode=async", "hetero.num_samplers=1",
-        "hetero.transport=fs", "hetero.delay.dist=constant", "hetero.delay.value=1000000",
-        f"hetero.wait_timeout_s={WAIT_TIMEOUT_S}", "trainer.total_training_steps=3", "trainer.resume_mode=disable",
-        f"trainer.default_local_dir={run_dir}", "task.eval_size=8", f"task.cache_dir={CACHE_DIR}",
+        sys.executable,
+        "-m",
+        "recipe.gepo.main_gepo",
+        "hetero.mode=async",
+        "hetero.num_samplers=1",
+        "hetero.transport=fs",
+        "hetero.delay.dist=constant",
+        "hetero.delay.value=1000000",
+        f"hetero.wait_timeout_s={WAIT_TIMEOUT_S}",
+        "trainer.total_training_steps=3",
+        "trainer.resume_mode=disable",
+        f"trainer.default_local_dir={run_dir}",
+        "task.eval_size=8",
+        f"task.cache_dir={CACHE_DIR}",
         f"actor_rollout_ref.model.path={toy_model_path}",
         f"hydra.run.dir={run_dir.parent / 'hydra'}",  # not outputs/<date> in the repository
-    ]  # fmt: skip
+    ]
     t0 = time.monotonic()
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=240)
     return proc, time.monotonic() - t0, run_dir

@@ -12,7 +12,6 @@ import pytest
 from verl_ext.hetero.transport import CorruptMessage, FsspecTransport
 
 
-
 from scripts.soak_harness.checks import (  # noqa: E402
     FinalState,
     RunEnd,
@@ -50,12 +49,24 @@ def test_fault_kinds_across_the_link_leave_out_the_file_faults():
 
 def test_accounting_by_uid_counts_lost_reused_and_unknown_keys():
     seen = {"s0-b1-0": {"a"}, "s1-b1-1": {"b", "c"}, "s2-b1-2": {"d"}, "s0-b2-0": {"e"}, "fault-x-1": {"f"}}
-    ledger = {"s0-b1-0": "consumed", "s1-b1-1": "dropped:stale", "s2-r1-b3-0": "rejected:future_version",
-              "weird": "consumed"}  # fmt: skip
+    ledger = {
+        "s0-b1-0": "consumed",
+        "s1-b1-1": "dropped:stale",
+        "s2-r1-b3-0": "rejected:future_version",
+        "weird": "consumed",
+    }
     account = account_uids(seen, ledger, in_transport={"s2-b1-2"})
     assert account.generated == {"s0-b1-0", "s1-b1-1", "s2-b1-2", "s0-b2-0", "s2-r1-b3-0"}
-    assert account.outcome == Counter({"consumed": 1, "dropped": 1, "dropped:stale": 1, "rejected": 1,
-                                       "rejected:future_version": 1, "in_transport": 1})  # fmt: skip
+    assert account.outcome == Counter(
+        {
+            "consumed": 1,
+            "dropped": 1,
+            "dropped:stale": 1,
+            "rejected": 1,
+            "rejected:future_version": 1,
+            "in_transport": 1,
+        }
+    )
     assert account.lost_uids == ["s0-b2-0"] and account.reused == {"s1-b1-1": 2} and account.lost == 2
     assert len(account.errors) == 1 and "weird" in account.errors[0]
 
@@ -79,16 +90,31 @@ def test_fault_judges():
         Fault("duplicate_message", 5.0, "s0-b1-0"),
         Fault("clock_skew_rollout", 5.0, "fault-clockskewrollout-3"),
     ]
-    end = RunEnd(ledger={"fault-badgroupsize-1": "rejected:group_size", "fault-rolloutcorrupt-2": "consumed",
-                         "s0-b1-0": "consumed"},
-                 in_transport={"fault-clockskewrollout-3"}, final_version=6, max_delay=4,
-                 seen_names={"0:sampler-0-1"}, segment_end={0: 60.0}, segments=1, end_s=70.0)  # fmt: skip
+    end = RunEnd(
+        ledger={
+            "fault-badgroupsize-1": "rejected:group_size",
+            "fault-rolloutcorrupt-2": "consumed",
+            "s0-b1-0": "consumed",
+        },
+        in_transport={"fault-clockskewrollout-3"},
+        final_version=6,
+        max_delay=4,
+        seen_names={"0:sampler-0-1"},
+        segment_end={0: 60.0},
+        segments=1,
+        end_s=70.0,
+    )
     judge_faults(faults, end)
     assert [f.outcome for f in faults] == [
-        "survived", "not judged: run ended before the restart", "not judged: no segment after it", "survived",
-        "NOT SURVIVED: accepted as 'consumed'", "NOT SURVIVED: learner stuck below version 7", "survived",
+        "survived",
+        "not judged: run ended before the restart",
+        "not judged: no segment after it",
+        "survived",
+        "NOT SURVIVED: accepted as 'consumed'",
+        "NOT SURVIVED: learner stuck below version 7",
+        "survived",
         "survived (still in transport)",
-    ]  # fmt: skip
+    ]
 
 
 def test_liar_accounting_counts_poisoned_groups_false_alarms_and_time_to_quarantine(tmp_path):
@@ -97,16 +123,28 @@ def test_liar_accounting_counts_poisoned_groups_false_alarms_and_time_to_quarant
     from scripts.soak_harness.liars import liar_id
     from verl_ext.rundir import append_event
 
-    ledger = {"s0-ab12-b1-0": "consumed", "s1-ab12-b1-1": "rejected:bad_logprobs", "s2-ab12-b1-2": "dropped:quarantined",
-              "s0-ab12-b2-0": "rejected:future_version", "s0-ab12-b3-0": "dropped:stale",
-              "sampler-60-qscaled-liars-b0-0": "rejected:bad_logprobs", "sampler-60-qscaled-liars-b1-0": "rejected:quarantined",
-              "sampler-64-rewardflip-liars-b2-0": "consumed", "sampler-67-forgedsignature-liars-b3-0": "rejected:unenrolled"}  # fmt: skip
+    ledger = {
+        "s0-ab12-b1-0": "consumed",
+        "s1-ab12-b1-1": "rejected:bad_logprobs",
+        "s2-ab12-b1-2": "dropped:quarantined",
+        "s0-ab12-b2-0": "rejected:future_version",
+        "s0-ab12-b3-0": "dropped:stale",
+        "sampler-60-qscaled-liars-b0-0": "rejected:bad_logprobs",
+        "sampler-60-qscaled-liars-b1-0": "rejected:quarantined",
+        "sampler-64-rewardflip-liars-b2-0": "consumed",
+        "sampler-67-forgedsignature-liars-b3-0": "rejected:unenrolled",
+    }
     assert honest_rejected(ledger) == ["s1-ab12-b1-1", "s2-ab12-b1-2"]
-    lied = {uid: kind for uid, kind in [("sampler-60-qscaled-liars-b0-0", "q_scaled"),
-                                        ("sampler-60-qscaled-liars-b1-0", "q_scaled"),
-                                        ("sampler-64-rewardflip-liars-b2-0", "reward_flip"),
-                                        ("sampler-67-forgedsignature-liars-b3-0", "forged_signature"),
-                                        ("sampler-60-qscaled-liars-b9-0", "q_scaled")]}  # the last one never read
+    lied = {
+        uid: kind
+        for uid, kind in [
+            ("sampler-60-qscaled-liars-b0-0", "q_scaled"),
+            ("sampler-60-qscaled-liars-b1-0", "q_scaled"),
+            ("sampler-64-rewardflip-liars-b2-0", "reward_flip"),
+            ("sampler-67-forgedsignature-liars-b3-0", "forged_signature"),
+            ("sampler-60-qscaled-liars-b9-0", "q_scaled"),
+        ]
+    }  # the last one never read
     append_event(tmp_path, {"step": 3, "event": "quarantined", "sampler_id": liar_id("q_scaled"), "time": 110.5})
     figures = liar_figures(ledger, {"lied": lied, "first_sent": {"q_scaled": 100.0, "reward_flip": 105.0}}, tmp_path)
     assert figures["poisoned_trained"] == 1 and figures["poisoned_by_lie"] == {"reward_flip": 1}

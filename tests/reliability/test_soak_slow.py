@@ -19,10 +19,28 @@ KNOWN_GAPS: set[str] = set()
 @pytest.mark.timeout(600)
 def test_one_minute_soak_loses_nothing(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "scripts.soak", "--minutes", "1", "--seed", "5", "--fault-every", "2",
-         "--learner-crashes", "1", "--save-freq", "5", "--run-dir", str(tmp_path / "soak")],
-        cwd=REPO, capture_output=True, text=True, timeout=560,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "scripts.soak",
+            "--minutes",
+            "1",
+            "--seed",
+            "5",
+            "--fault-every",
+            "2",
+            "--learner-crashes",
+            "1",
+            "--save-freq",
+            "5",
+            "--run-dir",
+            str(tmp_path / "soak"),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=560,
+    )
     out = proc.stdout
     assert proc.returncode == 0, out[-4000:] + proc.stderr[-3000:]
     assert "groups lost: 0" in out and "consumed twice: 0" in out
@@ -45,10 +63,29 @@ def test_one_minute_soak_loses_nothing(tmp_path):
 def test_soak_with_liars_trains_on_no_poisoned_group_and_rejects_no_honest_one(tmp_path):
     """``--liars``: every insider lie quarantined, nothing poisoned reaches a step, no honest group refused."""
     proc = subprocess.run(
-        [sys.executable, "-m", "scripts.soak", "--minutes", "2", "--seed", "2", "--fault-every", "4", "--liars",
-         "--learner-crashes", "1", "--save-freq", "5", "--run-dir", str(tmp_path / "soak")],
-        cwd=REPO, capture_output=True, text=True, timeout=560,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "scripts.soak",
+            "--minutes",
+            "2",
+            "--seed",
+            "2",
+            "--fault-every",
+            "4",
+            "--liars",
+            "--learner-crashes",
+            "1",
+            "--save-freq",
+            "5",
+            "--run-dir",
+            str(tmp_path / "soak"),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=560,
+    )
     out = proc.stdout
     assert proc.returncode == 0, out[-4000:] + proc.stderr[-3000:]
     assert "poisoned groups trained on: 0 " in out and "honest groups rejected: 0" in out, out[-3000:]

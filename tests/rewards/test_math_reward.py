@@ -314,9 +314,7 @@ def test_every_config_field_is_documented():
 # verl loads it unchanged
 
 
-@pytest.mark.parametrize(
-    "path", ["pkg://verl_ext.rewards.math_reward", os.path.abspath(math_reward.__file__)]
-)
+@pytest.mark.parametrize("path", ["pkg://verl_ext.rewards.math_reward", os.path.abspath(math_reward.__file__)])
 def test_loads_through_verl_custom_reward_function(path):
     from omegaconf import OmegaConf
     from verl.trainer.ppo.reward import get_custom_reward_fn

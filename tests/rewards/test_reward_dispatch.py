@@ -23,9 +23,16 @@ TARGET = scratchpad_response(47, 385, 3)  # "750124811303104=0432"
 
 @pytest.mark.parametrize(
     "data_source, name",
-    [("toy_add3", "toy"), ("toy", "toy"), ("toy_add3_scratch", "toy_scratch"), ("toy_scratch", "toy_scratch"),
-     ("math500", "math"), ("gsm8k", "math"), ("scratch", "math")],
-)  # fmt: skip
+    [
+        ("toy_add3", "toy"),
+        ("toy", "toy"),
+        ("toy_add3_scratch", "toy_scratch"),
+        ("toy_scratch", "toy_scratch"),
+        ("math500", "math"),
+        ("gsm8k", "math"),
+        ("scratch", "math"),
+    ],
+)
 def test_registry_routes_by_data_source(data_source, name):
     assert dispatch.reward_name(data_source) == name
     assert set(dispatch.REWARDS) == {"toy", "toy_scratch", "math"}
@@ -33,8 +40,13 @@ def test_registry_routes_by_data_source(data_source, name):
 
 def test_scratchpad_reward_scores_only_the_sum_after_equals():
     wrong_pad = "000000000000000=0432"
-    for text, acc, why in ((TARGET, 1.0, ""), (wrong_pad, 1.0, ""), (TARGET[:-1] + "3", 0.0, ""),
-                           ("0432", 0.0, "no_equals"), ("1=", 0.0, "no_answer")):  # fmt: skip
+    for text, acc, why in (
+        (TARGET, 1.0, ""),
+        (wrong_pad, 1.0, ""),
+        (TARGET[:-1] + "3", 0.0, ""),
+        ("0432", 0.0, "no_equals"),
+        ("1=", 0.0, "no_answer"),
+    ):
         out = dispatch.compute_score("toy_add3_scratch", text, "0432")
         assert (out["score"], out["acc"], out["error"]) == (acc, acc, why), text
         assert set(out) == set(math_reward.RESULT_KEYS)
@@ -98,9 +110,11 @@ def _row(tokenizer, prompt: str, response: str, data_source: str, answer: str):
     attention[0, len(p) : len(p) + len(r)] = 1
     return DataProto.from_dict(
         tensors={"prompts": torch.tensor([p]), "responses": responses, "attention_mask": attention},
-        non_tensors={"data_source": np.array([data_source], dtype=object),
-                     "reward_model": np.array([{"ground_truth": answer}], dtype=object)},
-    )  # fmt: skip
+        non_tensors={
+            "data_source": np.array([data_source], dtype=object),
+            "reward_model": np.array([{"ground_truth": answer}], dtype=object),
+        },
+    )
 
 
 def test_verl_reward_loop_reaches_the_scratchpad_reward():
@@ -133,14 +147,14 @@ def smollm2_reward():
     "response, with_format, accuracy_only",
     [
         ("3 + 2 = 5. The answer is \\boxed{5}.", 1.1, 1.0),
-        ("The answer is \\boxed{6}.", 0.1, 0.0),      # a boxed final answer, wrong: the format term only
-        ("The answer is 5.", 0.0, 0.0),               # right number, not boxed: nothing
-        ("The answer is \\boxed{}.", 0.0, 0.0),       # empty box
-        ("The answer is \\boxed{5", 0.0, 0.0),        # unclosed (truncated) box
-        ("\\boxed{5} no, \\boxed{6}", 0.1, 0.0),      # the last box is the answer
+        ("The answer is \\boxed{6}.", 0.1, 0.0),  # a boxed final answer, wrong: the format term only
+        ("The answer is 5.", 0.0, 0.0),  # right number, not boxed: nothing
+        ("The answer is \\boxed{}.", 0.0, 0.0),  # empty box
+        ("The answer is \\boxed{5", 0.0, 0.0),  # unclosed (truncated) box
+        ("\\boxed{5} no, \\boxed{6}", 0.1, 0.0),  # the last box is the answer
         ("", 0.0, 0.0),
     ],
-)  # fmt: skip
+)
 def test_the_smollm2_preset_adds_a_boxed_format_term_through_verls_reward_loader(
     smollm2_reward, response, with_format, accuracy_only
 ):

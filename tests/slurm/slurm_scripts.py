@@ -30,7 +30,9 @@ def load_local_cluster():
 def cli(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
     """``python scripts/slurm/local_cluster.py <args>``."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=timeout, env=env)
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=timeout, env=env
+    )
 
 
 def skip_reason() -> str | None:

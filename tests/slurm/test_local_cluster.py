@@ -57,10 +57,15 @@ def test_slurm_conf_has_every_node_the_partition_and_no_gres():
     text = "\n".join(lines)
     assert "gres" not in text.lower() and "gpu" not in text.lower()
     for setting in (
-        "SlurmctldHost=box(10.214.0.1)", "ProctrackType=proctrack/linuxproc", "TaskPlugin=task/none",
-        "SelectType=select/cons_tres", "SelectTypeParameters=CR_CPU", "ReturnToService=2",
-        "SlurmdParameters=config_overrides", "AuthInfo=socket=/tmp/x-slurm/munge/munge.socket",
-    ):  # fmt: skip
+        "SlurmctldHost=box(10.214.0.1)",
+        "ProctrackType=proctrack/linuxproc",
+        "TaskPlugin=task/none",
+        "SelectType=select/cons_tres",
+        "SelectTypeParameters=CR_CPU",
+        "ReturnToService=2",
+        "SlurmdParameters=config_overrides",
+        "AuthInfo=socket=/tmp/x-slurm/munge/munge.socket",
+    ):
         assert setting in lines, setting
     assert "cgroup" not in text
     # every path Slurm writes is under the state dir (never /etc/slurm, /var/spool, /var/log)
@@ -273,8 +278,12 @@ def test_three_namespace_nodes_run_a_two_node_job(cluster, tmp_path):
     out = tmp_path / "result"  # /tmp is shared by every node: the job writes here
     job = subprocess.run(
         ["sbatch", "--nodes=2", "--wait", "--time=5", f"--output={tmp_path}/job.log", str(script), str(out)],
-        capture_output=True, text=True, env=env, timeout=180, cwd=tmp_path,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=180,
+        cwd=tmp_path,
+    )
     log = (tmp_path / "job.log").read_text() if (tmp_path / "job.log").exists() else ""
     assert job.returncode == 0, job.stdout + job.stderr + log
     hosts = dict(line.split() for line in Path(f"{out}.hosts").read_text().splitlines())

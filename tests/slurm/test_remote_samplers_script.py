@@ -20,8 +20,20 @@ from verl_ext.hetero.auth import Enrolment, SamplerKey
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "slurm" / "remote_samplers.sbatch"
 VENV = Path(sys.executable).parent.parent  # the script runs $VENV/bin/python
-SETTINGS = ("EXCHANGE_URL", "RECIPE", "KEY_DIR", "ENROLMENT_FILE", "NO_SIGN", "SAMPLER_CMD", "INDEX_BASE", "PRESET_ARGS",
-            "SLURM_ARRAY_TASK_ID", "SLURM_SUBMIT_DIR", "REPO", "VENV")  # fmt: skip
+SETTINGS = (
+    "EXCHANGE_URL",
+    "RECIPE",
+    "KEY_DIR",
+    "ENROLMENT_FILE",
+    "NO_SIGN",
+    "SAMPLER_CMD",
+    "INDEX_BASE",
+    "PRESET_ARGS",
+    "SLURM_ARRAY_TASK_ID",
+    "SLURM_SUBMIT_DIR",
+    "REPO",
+    "VENV",
+)
 
 
 def run_script(tmp_path: Path, *args: str, **settings: str) -> subprocess.CompletedProcess:
@@ -80,17 +92,29 @@ def test_without_enrolment_file_the_enrol_line_is_printed_for_an_existing_key_to
         result = run_script(tmp_path, SAMPLER_CMD="echo sampler")
         assert result.returncode == 0, result.stderr
         key_file = tmp_path / "home" / ".heterorl" / "keys" / "sampler-100.key"  # the default KEY_DIR
-        assert f"enrol it: python -m verl_ext.hetero.auth enrol <the learner's hetero.trust.enrolment_file> " \
-               f"sampler-100 {public_of(key_file)}" in result.stdout
+        assert (
+            f"enrol it: python -m verl_ext.hetero.auth enrol <the learner's hetero.trust.enrolment_file> "
+            f"sampler-100 {public_of(key_file)}" in result.stdout
+        )
 
 
 def test_sampler_cmd_replaces_only_the_program(tmp_path):
     keys = tmp_path / "keys"
-    result = run_script(tmp_path, "a=1", "b.c=x y", SAMPLER_CMD="echo my-sampler --flag", KEY_DIR=str(keys),
-                        INDEX_BASE="7", SLURM_ARRAY_TASK_ID="3", PRESET_ARGS="algorithm_preset=gepo hetero.seed=3")  # fmt: skip
+    result = run_script(
+        tmp_path,
+        "a=1",
+        "b.c=x y",
+        SAMPLER_CMD="echo my-sampler --flag",
+        KEY_DIR=str(keys),
+        INDEX_BASE="7",
+        SLURM_ARRAY_TASK_ID="3",
+        PRESET_ARGS="algorithm_preset=gepo hetero.seed=3",
+    )
     assert result.returncode == 0, result.stderr
-    args = (f"my-sampler --flag --index 10 --key {keys / 'sampler-10.key'} hetero.transport_url={tmp_path / 'exchange'} "
-            "algorithm_preset=gepo hetero.seed=3 a=1 b.c=x y")  # fmt: skip
+    args = (
+        f"my-sampler --flag --index 10 --key {keys / 'sampler-10.key'} hetero.transport_url={tmp_path / 'exchange'} "
+        "algorithm_preset=gepo hetero.seed=3 a=1 b.c=x y"
+    )
     lines = result.stdout.splitlines()
     assert f"{args} hetero.dry_run=true" in lines  # the validation run
     assert lines[-1] == args  # the run itself (exec)
@@ -161,8 +185,15 @@ def test_recipe_names_a_copied_recipe_whose_sampler_runs(tmp_path):
     message = "[heterorl] remote sampler-{index}: config ok"
     assert text.count(message) == 1
     sampler.write_text(text.replace(message, "[mygepo] remote sampler-{index}: config ok"))
-    result = run_script(tmp_path, "hetero.dry_run=true", "hetero.trust.sign_records=false", REPO=str(tree),
-                        RECIPE="recipe.mygepo", NO_SIGN="1", PYTHONPATH="")  # fmt: skip
+    result = run_script(
+        tmp_path,
+        "hetero.dry_run=true",
+        "hetero.trust.sign_records=false",
+        REPO=str(tree),
+        RECIPE="recipe.mygepo",
+        NO_SIGN="1",
+        PYTHONPATH="",
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.count("[mygepo] remote sampler-100: config ok (dry run)") == 2
     assert "[heterorl] remote sampler-100: config ok" not in result.stdout

@@ -57,8 +57,9 @@ def test_the_recipe_package_is_a_setting_defaulting_to_recipe_gepo(script):
 
 def test_remote_samplers_refuse_to_start_without_an_exchange_url():
     env = {k: v for k, v in os.environ.items() if k != "EXCHANGE_URL"}
-    result = subprocess.run(["bash", str(ROOT / "scripts/slurm/remote_samplers.sbatch")], env=env,
-                            capture_output=True, text=True)
+    result = subprocess.run(
+        ["bash", str(ROOT / "scripts/slurm/remote_samplers.sbatch")], env=env, capture_output=True, text=True
+    )
     assert result.returncode == 2 and "set EXCHANGE_URL" in result.stderr
 
 
@@ -69,13 +70,22 @@ def test_star_script_reads_node_counts_from_the_plan():
     from recipe.gepo.verl_engine.plan import build_plan
 
     with initialize_config_dir(config_dir=str(ROOT / "recipe/gepo/config"), version_base=None):
-        cfg = compose(config_name="gepo_trainer", overrides=[
-            f"hydra.searchpath=[pkg://verl.trainer.config,file://{ROOT / 'configs'}]", "+verl_preset=qwen3_8b_fsdp"])
+        cfg = compose(
+            config_name="gepo_trainer",
+            overrides=[
+                f"hydra.searchpath=[pkg://verl.trainer.config,file://{ROOT / 'configs'}]",
+                "+verl_preset=qwen3_8b_fsdp",
+            ],
+        )
     plan = build_plan(cfg)
     text = (ROOT / "scripts/slurm/verl_star.sbatch").read_text()
-    func = text[text.index("plan_nodes() {"): text.index("}\n", text.index("plan_nodes() {")) + 2]
-    out = subprocess.run(["bash", "-c", func + 'echo "$(plan_nodes learner "$1") $(plan_nodes samplers "$1")"', "_", plan],
-                         capture_output=True, text=True, check=True)
+    func = text[text.index("plan_nodes() {") : text.index("}\n", text.index("plan_nodes() {")) + 2]
+    out = subprocess.run(
+        ["bash", "-c", func + 'echo "$(plan_nodes learner "$1") $(plan_nodes samplers "$1")"', "_", plan],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     assert out.stdout.split() == [str(cfg.trainer.nnodes), str(cfg.actor_rollout_ref.rollout.nnodes)] == ["2", "2"]
 
 
@@ -87,14 +97,29 @@ def test_star_script_reads_gpus_per_node_of_each_role_from_the_plan(preset, expe
     from recipe.gepo.verl_engine.plan import build_plan
 
     with initialize_config_dir(config_dir=str(ROOT / "recipe/gepo/config"), version_base=None):
-        cfg = compose(config_name="gepo_trainer", overrides=[
-            f"hydra.searchpath=[pkg://verl.trainer.config,file://{ROOT / 'configs'}]", f"+verl_preset={preset}",
-            "hetero.engine=verl"])  # fmt: skip
+        cfg = compose(
+            config_name="gepo_trainer",
+            overrides=[
+                f"hydra.searchpath=[pkg://verl.trainer.config,file://{ROOT / 'configs'}]",
+                f"+verl_preset={preset}",
+                "hetero.engine=verl",
+            ],
+        )
     plan = build_plan(cfg)
     text = (ROOT / "scripts/slurm/verl_star.sbatch").read_text()
     start = text.index("plan_gpus_per_node() {")
     func = text[start : text.index("}\n", start) + 2]
-    out = subprocess.run(["bash", "-c", func + 'echo "$(plan_gpus_per_node learner "$1") $(plan_gpus_per_node samplers "$1")"',
-                          "_", plan], capture_output=True, text=True, check=True)  # fmt: skip
+    out = subprocess.run(
+        [
+            "bash",
+            "-c",
+            func + 'echo "$(plan_gpus_per_node learner "$1") $(plan_gpus_per_node samplers "$1")"',
+            "_",
+            plan,
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     assert out.stdout.split() == expected
     assert expected == [str(cfg.trainer.n_gpus_per_node), str(cfg.actor_rollout_ref.rollout.n_gpus_per_node)]

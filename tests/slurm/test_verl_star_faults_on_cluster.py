@@ -40,12 +40,26 @@ def three_nodes():
 
 
 def _submit(env: dict, tmp_path: Path, run_dir: Path) -> str:
-    cmd = ["sbatch", "--parsable", "--nodes=2", "--gpus-per-node=0", "--cpus-per-task=2", "--open-mode=append",
-           f"--output={tmp_path}/job-%j.out", str(ROOT / "scripts" / "slurm" / "verl_star.sbatch"),
-           f"trainer.default_local_dir={run_dir}", f"trainer.total_training_steps={STEPS}",
-           f"trainer.save_freq={SAVE_FREQ}", "trainer.resume_mode=auto", f"task.cache_dir={ROOT / '.cache' / 'heterorl'}",
-           "hetero.delay.dist=constant", "hetero.delay.value=1.0"]  # fmt: skip
-    job_env = dict(env, PRESET="cpu_toy", GPUS_PER_NODE="0", REPO=str(ROOT), OMP_NUM_THREADS="1", REQUEUE_ON_FAILURE="2")
+    cmd = [
+        "sbatch",
+        "--parsable",
+        "--nodes=2",
+        "--gpus-per-node=0",
+        "--cpus-per-task=2",
+        "--open-mode=append",
+        f"--output={tmp_path}/job-%j.out",
+        str(ROOT / "scripts" / "slurm" / "verl_star.sbatch"),
+        f"trainer.default_local_dir={run_dir}",
+        f"trainer.total_training_steps={STEPS}",
+        f"trainer.save_freq={SAVE_FREQ}",
+        "trainer.resume_mode=auto",
+        f"task.cache_dir={ROOT / '.cache' / 'heterorl'}",
+        "hetero.delay.dist=constant",
+        "hetero.delay.value=1.0",
+    ]
+    job_env = dict(
+        env, PRESET="cpu_toy", GPUS_PER_NODE="0", REPO=str(ROOT), OMP_NUM_THREADS="1", REQUEUE_ON_FAILURE="2"
+    )
     proc = subprocess.run(cmd, env=job_env, cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     return proc.stdout.strip().split(";")[0]
@@ -80,7 +94,11 @@ def _checkpointed(run_dir: Path) -> int:
 
 
 def _wait_done(env: dict, job_id: str) -> str:
-    _wait(lambda: _job_state(env, job_id)[0] in ("COMPLETED", "FAILED", "CANCELLED", "GONE"), f"job {job_id}", JOB_TIMEOUT_S)
+    _wait(
+        lambda: _job_state(env, job_id)[0] in ("COMPLETED", "FAILED", "CANCELLED", "GONE"),
+        f"job {job_id}",
+        JOB_TIMEOUT_S,
+    )
     return _job_state(env, job_id)[0]
 
 

@@ -51,19 +51,36 @@ def _ray_processes_of(job_id: str) -> list[str]:
 @pytest.mark.parametrize(
     "nodes, learner_nodes",
     [(2, 1), (3, 2)],  # (3, 2): 2 FSDP learner ranks on 2 nodes, gloo across the links
-    indirect=["nodes"], ids=["learner_1_node", "learner_2_nodes"],
+    indirect=["nodes"],
+    ids=["learner_1_node", "learner_2_nodes"],
 )
 def test_verl_star_runs_learner_and_sampler_on_their_nodes(nodes, learner_nodes, tmp_path):
     run_dir = tmp_path / "run"
     env = dict(nodes, PRESET="cpu_toy", GPUS_PER_NODE="0", REPO=str(ROOT), OMP_NUM_THREADS="1")
     t0 = time.monotonic()
     proc = subprocess.run(
-        ["sbatch", "--wait", "--parsable", f"--nodes={learner_nodes + 1}", "--gpus-per-node=0", "--cpus-per-task=2",
-         f"--output={tmp_path}/job-%j.out", str(ROOT / "scripts" / "slurm" / "verl_star.sbatch"),
-         f"trainer.default_local_dir={run_dir}", f"trainer.total_training_steps={STEPS}", f"trainer.nnodes={learner_nodes}",
-         f"task.cache_dir={ROOT / '.cache' / 'heterorl'}", "hetero.delay.dist=constant", "hetero.delay.value=1.0"],
-        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=900,
-    )  # fmt: skip
+        [
+            "sbatch",
+            "--wait",
+            "--parsable",
+            f"--nodes={learner_nodes + 1}",
+            "--gpus-per-node=0",
+            "--cpus-per-task=2",
+            f"--output={tmp_path}/job-%j.out",
+            str(ROOT / "scripts" / "slurm" / "verl_star.sbatch"),
+            f"trainer.default_local_dir={run_dir}",
+            f"trainer.total_training_steps={STEPS}",
+            f"trainer.nnodes={learner_nodes}",
+            f"task.cache_dir={ROOT / '.cache' / 'heterorl'}",
+            "hetero.delay.dist=constant",
+            "hetero.delay.value=1.0",
+        ],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     job_id = proc.stdout.strip().split(";")[0]
     log = "".join(p.read_text() for p in tmp_path.glob("job-*.out"))
     print(f"job {job_id}: {time.monotonic() - t0:.0f} s")

@@ -43,7 +43,9 @@ def test_estimates_and_errors_by_hand():
     fresh = torch.tensor([[1.0, 1.0, 0.0, 1.0], [1.0, 0.0, 1.0, 1.0]])  # fresh A: +0.25, -0.25
     m = estimation_errors(est, fresh, main_kind="group_expectation")
     assert m[f"{ERROR}/ratio"] == pytest.approx((0.125 + 0.25) / 2)
-    assert m[f"{ERROR}/group_expectation"] == pytest.approx((abs(0.6 / den * 0.25 - 0.2 / den * 0.25 - 0.25) + 0.25) / 2)
+    assert m[f"{ERROR}/group_expectation"] == pytest.approx(
+        (abs(0.6 / den * 0.25 - 0.2 / den * 0.25 - 0.25) + 0.25) / 2
+    )
     assert m[f"{ERROR}/ratio_full"] == pytest.approx((0.6875 + 0.25) / 2)
     assert m[f"{ERROR}/none"] == pytest.approx(0.25)
     assert m[ERROR] == m[f"{ERROR}/group_expectation"]
@@ -62,18 +64,33 @@ def _lines(path):
     return read_metric_rows(path)
 
 
-BASE = ["task.name=toy_addition", "task.digits=1", "task.eval_size=16", "data.train_batch_size=2",
-        "actor_rollout_ref.rollout.n=4", "data.max_response_length=4", "trainer.logger=[]",
-        "trainer.resume_mode=disable", "hetero.mode=replay", "trainer.total_training_steps=6",
-        "trainer.test_freq=3", "hetero.delay.low=1", "hetero.delay.high=8"]  # fmt: skip
+BASE = [
+    "task.name=toy_addition",
+    "task.digits=1",
+    "task.eval_size=16",
+    "data.train_batch_size=2",
+    "actor_rollout_ref.rollout.n=4",
+    "data.max_response_length=4",
+    "trainer.logger=[]",
+    "trainer.resume_mode=disable",
+    "hetero.mode=replay",
+    "trainer.total_training_steps=6",
+    "trainer.test_freq=3",
+    "hetero.delay.low=1",
+    "hetero.delay.high=8",
+]
 
 
 def test_replay_diagnostics_observe_without_changing_training(tiny_model_path, tmp_path):
     model = f"actor_rollout_ref.model.path={tiny_model_path}"
     common = BASE + [model, "hetero.max_delay=3", "algorithm_preset=gepo"]
     _run(compose_cfg(common + [f"trainer.default_local_dir={tmp_path / 'off'}"]))
-    _run(compose_cfg(common + [f"trainer.default_local_dir={tmp_path / 'on'}", "task.diagnostics_every=2",
-                               "task.diagnostics_samples=6"]))  # fmt: skip
+    _run(
+        compose_cfg(
+            common
+            + [f"trainer.default_local_dir={tmp_path / 'on'}", "task.diagnostics_every=2", "task.diagnostics_samples=6"]
+        )
+    )
     off, on = _lines(tmp_path / "off"), _lines(tmp_path / "on")
     for a, b in zip(off, on):  # the fresh samples use their own RNG: the training is identical
         for key in ("reward/mean", "actor/loss", "eval/acc_mean"):
@@ -91,9 +108,17 @@ def test_replay_diagnostics_observe_without_changing_training(tiny_model_path, t
 def test_on_policy_ratio_estimate_is_zero(tiny_model_path, tmp_path):
     # max delay 0: p == q, so p/q = 1 and the ratio estimate is the centred mean, 0: its error
     # equals the unweighted one, and the full ratio agrees
-    cfg = compose_cfg(BASE + [f"actor_rollout_ref.model.path={tiny_model_path}", "hetero.max_delay=0",
-                              "algorithm_preset=grpo", f"trainer.default_local_dir={tmp_path}",
-                              "task.diagnostics_every=1", "task.diagnostics_samples=4"])  # fmt: skip
+    cfg = compose_cfg(
+        BASE
+        + [
+            f"actor_rollout_ref.model.path={tiny_model_path}",
+            "hetero.max_delay=0",
+            "algorithm_preset=grpo",
+            f"trainer.default_local_dir={tmp_path}",
+            "task.diagnostics_every=1",
+            "task.diagnostics_samples=4",
+        ]
+    )
     _run(cfg)
     rows = [x for x in _lines(tmp_path) if ERROR in x]
     assert len(rows) == 6

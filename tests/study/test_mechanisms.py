@@ -59,7 +59,9 @@ def test_clip_fractions_split_by_advantage_sign():
     shift[0, 0], shift[1, 0] = 1.0, -1.0  # row 0: A > 0, ratio e; row 1: A < 0, ratio 1/e
     m, _ = _metrics("grpo_paper", shift)
     n_side = (B // 2) * T
-    assert m["is/clipfrac_pos_adv"] == pytest.approx(1 / n_side) and m["is/clipfrac_neg_adv"] == pytest.approx(1 / n_side)
+    assert m["is/clipfrac_pos_adv"] == pytest.approx(1 / n_side) and m["is/clipfrac_neg_adv"] == pytest.approx(
+        1 / n_side
+    )
     assert m["is/zero_grad_seq_frac"] == 0.0
 
 

@@ -23,8 +23,9 @@ def _runs(drops: dict[str, float], seeds=(0, 1), delay="fix256", start=0.7) -> l
     for algo, drop in drops.items():
         for seed in seeds:
             runs.append({"task": "long", "algo": algo, "delay": 0, "seed": seed, "lq_mean": start + 0.01 * seed})
-            runs.append({"task": "long", "algo": algo, "delay": delay, "seed": seed,
-                         "lq_mean": start + 0.01 * seed - drop})  # fmt: skip
+            runs.append(
+                {"task": "long", "algo": algo, "delay": delay, "seed": seed, "lq_mean": start + 0.01 * seed - drop}
+            )
     return runs
 
 
@@ -48,19 +49,40 @@ def test_a_reversed_ranking_reads_minus_one_and_too_few_methods_no_rho():
 
 
 def _sweep(tmp_path, *extra: str) -> subprocess.CompletedProcess:
-    cli = [sys.executable, "-m", "scripts.bench.delay_sweep", "--design", "powered_long",
-           "--algos", "gepo", "vespo", "grpo_paper", "--lrs", "gepo=5e-5", "vespo=5e-5", "grpo_paper=5e-5",
-           "--rows", str(tmp_path / "rows.csv"), "--out", str(tmp_path / "o"), "--no-figures"]  # fmt: skip
+    cli = [
+        sys.executable,
+        "-m",
+        "scripts.bench.delay_sweep",
+        "--design",
+        "powered_long",
+        "--algos",
+        "gepo",
+        "vespo",
+        "grpo_paper",
+        "--lrs",
+        "gepo=5e-5",
+        "vespo=5e-5",
+        "grpo_paper=5e-5",
+        "--rows",
+        str(tmp_path / "rows.csv"),
+        "--out",
+        str(tmp_path / "o"),
+        "--no-figures",
+    ]
     return subprocess.run([*cli, *extra], capture_output=True, text=True, timeout=300)
 
 
 def test_the_command_line_tabulates_both_starts_and_fills_the_page_block(tmp_path):
     did = design_id(Plan(**DESIGNS["powered_long"]))
-    for sha, drops in ((POWERED_LONG_WARM_START, {"gepo": 0.03, "vespo": 0.08, "grpo_paper": 0.19}),
-                       (OTHER, {"gepo": 0.02, "vespo": 0.05, "grpo_paper": 0.18})):  # fmt: skip
+    for sha, drops in (
+        (POWERED_LONG_WARM_START, {"gepo": 0.03, "vespo": 0.08, "grpo_paper": 0.19}),
+        (OTHER, {"gepo": 0.02, "vespo": 0.05, "grpo_paper": 0.18}),
+    ):
         for r in _runs(drops):
-            append_row(tmp_path / "rows.csv", {**r, "lr": 5e-5, "design_id": did, "ws_sha256": sha, "steps": 600,
-                                                "seconds": 1.0})  # fmt: skip
+            append_row(
+                tmp_path / "rows.csv",
+                {**r, "lr": 5e-5, "design_id": did, "ws_sha256": sha, "steps": 600, "seconds": 1.0},
+            )
     page = tmp_path / "page.md"
     page.write_text("before\n<!-- study:long_powered_long:replicate -->\nold\n<!-- /study -->\nafter\n")
     proc = _sweep(tmp_path, "--table-only", "--replicate", f"powered_long={OTHER}", "--update-doc", str(page))
@@ -75,11 +97,14 @@ def test_the_command_line_tabulates_both_starts_and_fills_the_page_block(tmp_pat
     assert new_page.startswith("before\n") and new_page.endswith("after\n")
 
 
-@pytest.mark.parametrize("extra, message", [
-    (["--table-only", "--replicate", f"powered={OTHER}"], "--replicate 'powered=bbbb"),  # not this command's design
-    (["--table-only", "--replicate", "powered_long=abc"], "HEX a sha256"),
-    (["--replicate", f"powered_long={OTHER}"], "--replicate: only with --table-only"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--table-only", "--replicate", f"powered={OTHER}"], "--replicate 'powered=bbbb"),  # not this command's design
+        (["--table-only", "--replicate", "powered_long=abc"], "HEX a sha256"),
+        (["--replicate", f"powered_long={OTHER}"], "--replicate: only with --table-only"),
+    ],
+)
 def test_the_command_line_refuses_a_replicate_it_cannot_make(tmp_path, extra, message):
     proc = _sweep(tmp_path, *extra)
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr[-1000:]

@@ -35,7 +35,7 @@ def test_collect_refuses_rows_that_do_not_extend_the_committed_ones(tmp_path):
     before = DOC_ROWS.read_bytes()
     header = before.splitlines(keepends=True)[0]
     other = tmp_path / "rows.csv"  # another start's file: the header, then a row the docs do not have first
-    other.write_bytes(header + b"long,gepo,5e-05,fix256,9,other,other\n" + before[len(header):])
+    other.write_bytes(header + b"long,gepo,5e-05,fix256,9,other,other\n" + before[len(header) :])
     result = _run("--collect", rows=other)
     assert result.returncode == 1
     assert "does not extend" in result.stderr and str(other) in result.stderr

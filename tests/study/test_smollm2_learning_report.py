@@ -32,8 +32,10 @@ def _fake_run(out: Path, rewards: list[float], boxed_from: int) -> None:
     (out / "metrics.jsonl").write_text("\n".join(lines) + "\n")
     for step in range(1, len(rewards) + 1):
         good = step >= boxed_from
-        samples = [{"output": "so \\boxed{5}" if good else "so 5", "gts": "5", "step": step},
-                   {"output": "so \\boxed{7}" if good else "so 7", "gts": "5", "step": step}]  # fmt: skip
+        samples = [
+            {"output": "so \\boxed{5}" if good else "so 5", "gts": "5", "step": step},
+            {"output": "so \\boxed{7}" if good else "so 7", "gts": "5", "step": step},
+        ]
         (out / "rollouts" / f"{step}.jsonl").write_text("\n".join(json.dumps(s) for s in samples) + "\n")
 
 

@@ -12,30 +12,42 @@ SCRIPT = ["-m", "scripts.bench.delay_sweep"]  # from the repository root
 
 
 def _sweep(tmp_path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, *SCRIPT, "--out", str(tmp_path / "o"), *args], capture_output=True,
-                          text=True, timeout=120)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, *SCRIPT, "--out", str(tmp_path / "o"), *args], capture_output=True, text=True, timeout=120
+    )
 
 
 @pytest.mark.parametrize(
     "args, message",
     [
         # powered and dry choose each rate from their grid: --lr would be dropped
-        (["--design", "powered", "--lr", "3e-4"], "--lr 0.0003: --design powered chooses each method's rate from its "
-                                                  "learning-rate grid [5e-05, 0.0001, 0.0002]"),
+        (
+            ["--design", "powered", "--lr", "3e-4"],
+            "--lr 0.0003: --design powered chooses each method's rate from its "
+            "learning-rate grid [5e-05, 0.0001, 0.0002]",
+        ),
         (["--design", "dry", "--lr", "3e-4"], "--lr 0.0003: --design dry chooses each method's rate"),
-        (["--design", "powered", "--lr-grid", "1e-4", "--lr", "3e-4"], "--lr 0.0003: --design powered chooses each "
-                                                                       "method's rate from its learning-rate grid [0.0001]"),
+        (
+            ["--design", "powered", "--lr-grid", "1e-4", "--lr", "3e-4"],
+            "--lr 0.0003: --design powered chooses each method's rate from its learning-rate grid [0.0001]",
+        ),
         # powered_long takes every rate from powered's stage 1: neither flag is read
-        (["--design", "powered_long", "--lr", "3e-4"], "--lr: --design powered_long takes every method's rate from "
-                                                       "--design powered's stage 1"),
-        (["--design", "powered_long", "--lr-grid", "1e-4", "2e-4"], "--lr-grid: --design powered_long takes every "
-                                                                    "method's rate from --design powered's stage 1"),
+        (
+            ["--design", "powered_long", "--lr", "3e-4"],
+            "--lr: --design powered_long takes every method's rate from --design powered's stage 1",
+        ),
+        (
+            ["--design", "powered_long", "--lr-grid", "1e-4", "2e-4"],
+            "--lr-grid: --design powered_long takes every method's rate from --design powered's stage 1",
+        ),
         # no stage-1 seeds: a grid would choose no rate and nothing would run
         (["--design", "quick", "--lr-grid", "1e-4"], "--lr-grid: --design quick has no stage 1"),
         (["--lr-grid", "1e-4", "--table-only"], "--lr-grid: --design legacy has no stage 1"),
         # every method pinned: --lr reaches no run
-        (["--design", "quick", "--algos", "gepo", "--lrs", "gepo=5e-5", "--lr", "3e-4"],
-         "--lr 0.0003: every method's rate is pinned with --lrs"),
+        (
+            ["--design", "quick", "--algos", "gepo", "--lrs", "gepo=5e-5", "--lr", "3e-4"],
+            "--lr 0.0003: every method's rate is pinned with --lrs",
+        ),
         (["--quick", "--design", "powered"], "--quick is --design quick: not with --design powered"),
         (["--quick", "--design", "legacy", "--table-only"], "--quick is --design quick: not with --design legacy"),
     ],
@@ -62,10 +74,16 @@ def test_update_doc_is_refused_with_plan_only(tmp_path):
         (["--quick"], "quick", {}),
         (["--design", "powered", "--lr-grid", "1e-4", "3e-4"], "powered", {"lr_grid": [1e-4, 3e-4]}),
         # --lrs is honoured on every design, powered_long's too
-        (["--design", "powered_long", "--algos", "gepo", "--lrs", "gepo=5e-5"], "powered_long",
-         {"lrs": {"gepo": 5e-5}}),
-        (["--design", "quick", "--algos", "gepo", "grpo", "--lrs", "gepo=5e-5", "--lr", "3e-4"], "quick",
-         {"lr": 3e-4, "lrs": {"gepo": 5e-5}}),
+        (
+            ["--design", "powered_long", "--algos", "gepo", "--lrs", "gepo=5e-5"],
+            "powered_long",
+            {"lrs": {"gepo": 5e-5}},
+        ),
+        (
+            ["--design", "quick", "--algos", "gepo", "grpo", "--lrs", "gepo=5e-5", "--lr", "3e-4"],
+            "quick",
+            {"lr": 3e-4, "lrs": {"gepo": 5e-5}},
+        ),
     ],
 )
 def test_the_flags_a_design_reads_reach_its_plan(tmp_path, args, design, fields):

@@ -85,7 +85,9 @@ def test_conditions_sort_and_normalise():
 def test_run_numbers_last_k_evaluations_and_realised_staleness():
     metrics = [{"step": 0, "eval/acc_mean": 0.1}]
     for s in range(1, 11):
-        metrics.append({"step": s, "hetero/staleness_mean": float(min(s - 1, 4)), "hetero/staleness_max": float(min(s - 1, 4))})
+        metrics.append(
+            {"step": s, "hetero/staleness_mean": float(min(s - 1, 4)), "hetero/staleness_max": float(min(s - 1, 4))}
+        )
         if s % 2 == 0:
             metrics.append({"step": s, "eval/acc_mean": s / 10})
     n = run_numbers(metrics, total_steps=10, last_evals=3)
@@ -95,16 +97,30 @@ def test_run_numbers_last_k_evaluations_and_realised_staleness():
 
 
 def _plan(**kw):
-    base = dict(tasks=["long"], algos=["gepo", "grpo_paper"], delays=[0, "fix4"], seeds=[0, 1, 2], steps=8,
-                lr=1e-4, test_freq=2, eval_size=8, prompts=2, diagnostics_every=0, diagnostics_samples=1,
-                last_evals=2, design="dry")  # fmt: skip
+    base = dict(
+        tasks=["long"],
+        algos=["gepo", "grpo_paper"],
+        delays=[0, "fix4"],
+        seeds=[0, 1, 2],
+        steps=8,
+        lr=1e-4,
+        test_freq=2,
+        eval_size=8,
+        prompts=2,
+        diagnostics_every=0,
+        diagnostics_samples=1,
+        last_evals=2,
+        design="dry",
+    )
     return Plan(**{**base, **kw})
 
 
 def test_rows_resume_and_filter_by_design_and_warm_start(tmp_path):
     plan = _plan()
     d = run_dir(tmp_path, plan, "long", "gepo", 1e-4, "fix4", 1)
-    _write_run(d, {0: 0.3, 2: 0.4, 4: 0.5, 6: 0.6, 8: 0.7}, {s: 0.01 for s in range(1, 9)}, {s: 0.1 for s in range(1, 9)})
+    _write_run(
+        d, {0: 0.3, 2: 0.4, 4: 0.5, 6: 0.6, 8: 0.7}, {s: 0.01 for s in range(1, 9)}, {s: 0.1 for s in range(1, 9)}
+    )
     rows = tmp_path / "rows.csv"
     append_row(rows, make_row(plan, "long", "gepo", 1e-4, "fix4", 1, d, "abc", 12.5))
     (r,) = load_rows(rows)
@@ -121,10 +137,19 @@ def test_rows_resume_and_filter_by_design_and_warm_start(tmp_path):
 
 def test_lr_rule_prefers_the_smaller_rate_within_tolerance():
     plan = _plan(lr_grid=[5e-5, 1e-4, 2e-4], lr_seeds=[0, 1])
-    scores = {("gepo", 5e-5): [0.40, 0.42], ("gepo", 1e-4): [0.50, 0.52], ("gepo", 2e-4): [0.51, 0.52],
-              ("grpo_paper", 5e-5): [0.40, 0.40], ("grpo_paper", 1e-4): [0.45, 0.47], ("grpo_paper", 2e-4): [0.60, 0.62]}
-    per_run = [{"task": "long", "algo": a, "lr": lr, "delay": 0, "seed": s, "lq_mean": v}
-               for (a, lr), vals in scores.items() for s, v in enumerate(vals)]  # fmt: skip
+    scores = {
+        ("gepo", 5e-5): [0.40, 0.42],
+        ("gepo", 1e-4): [0.50, 0.52],
+        ("gepo", 2e-4): [0.51, 0.52],
+        ("grpo_paper", 5e-5): [0.40, 0.40],
+        ("grpo_paper", 1e-4): [0.45, 0.47],
+        ("grpo_paper", 2e-4): [0.60, 0.62],
+    }
+    per_run = [
+        {"task": "long", "algo": a, "lr": lr, "delay": 0, "seed": s, "lq_mean": v}
+        for (a, lr), vals in scores.items()
+        for s, v in enumerate(vals)
+    ]
     table, chosen = choose_lrs(per_run, plan)
     assert chosen == {"gepo": 1e-4, "grpo_paper": 2e-4}  # gepo: 1e-4 is within 0.01 of 2e-4's 0.515
     assert sum(r["chosen"] for r in table) == 2
@@ -144,12 +169,25 @@ def test_comparison_rows_match_hand_computation():
             base = 0.5 + rng.gauss(0, 0.02)
             lq[(algo, 0, s)] = base
             lq[(algo, "fix4", s)] = base - drop + rng.gauss(0, 0.02)
-    per_run = [{"task": "long", "algo": a, "lr": 1e-4, "delay": c, "seed": s, "lq_mean": v, "staleness": 3.0 if c else 0.0,
-                "staleness_max": 4.0 if c else 0.0} for (a, c, s), v in lq.items()]  # fmt: skip
+    per_run = [
+        {
+            "task": "long",
+            "algo": a,
+            "lr": 1e-4,
+            "delay": c,
+            "seed": s,
+            "lq_mean": v,
+            "staleness": 3.0 if c else 0.0,
+            "staleness_max": 4.0 if c else 0.0,
+        }
+        for (a, c, s), v in lq.items()
+    ]
     rows = comparison_rows(per_run, "gepo")
     stale = next(r for r in rows if r["condition"] == "fix4")
-    diffs = [(lq[("gepo", 0, s)] - lq[("gepo", "fix4", s)]) - (lq[("grpo_paper", 0, s)] - lq[("grpo_paper", "fix4", s)])
-             for s in range(5)]  # fmt: skip
+    diffs = [
+        (lq[("gepo", 0, s)] - lq[("gepo", "fix4", s)]) - (lq[("grpo_paper", 0, s)] - lq[("grpo_paper", "fix4", s)])
+        for s in range(5)
+    ]
     ref = stats.ttest_1samp(diffs, 0.0)
     assert stale["n_drop"] == 5 and stale["drop_diff"] == pytest.approx(sum(diffs) / 5)
     assert stale["drop_p"] == pytest.approx(ref.pvalue)
@@ -171,8 +209,18 @@ def _drops_runs(drops: dict, seeds: int = 5, noise: float = 0.005, seed: int = 1
             for c, value in ((0, 0.5), (cond, 0.5 - drop)):
                 if c == 0 and any(r["algo"] == algo and r["delay"] == 0 and r["seed"] == s for r in runs):
                     continue
-                runs.append({"task": "long", "algo": algo, "lr": 1e-4, "delay": c, "seed": s,
-                             "lq_mean": value + rng.gauss(0, noise), "staleness": 1.0, "staleness_max": 1.0})  # fmt: skip
+                runs.append(
+                    {
+                        "task": "long",
+                        "algo": algo,
+                        "lr": 1e-4,
+                        "delay": c,
+                        "seed": s,
+                        "lq_mean": value + rng.gauss(0, noise),
+                        "staleness": 1.0,
+                        "staleness_max": 1.0,
+                    }
+                )
     return runs
 
 
@@ -180,8 +228,14 @@ def test_dominance_names_the_method_never_worse_and_better_than_grpo_somewhere()
     from scripts.sweep.analyse import dominance_rows
     from scripts.sweep.render import dominance_markdown
 
-    drops = {("grpo_paper", "fix4"): 0.00, ("grpo_paper", "fix64"): 0.10, ("gepo", "fix4"): 0.15, ("gepo", "fix64"): 0.07,
-             ("gepo_tc", "fix4"): 0.00, ("gepo_tc", "fix64"): 0.05}  # fmt: skip
+    drops = {
+        ("grpo_paper", "fix4"): 0.00,
+        ("grpo_paper", "fix64"): 0.10,
+        ("gepo", "fix4"): 0.15,
+        ("gepo", "fix64"): 0.07,
+        ("gepo_tc", "fix4"): 0.00,
+        ("gepo_tc", "fix64"): 0.05,
+    }
     rows = {r["algo"]: r for r in dominance_rows(_drops_runs(drops))}
     assert rows["gepo_tc"]["wins"] and rows["gepo_tc"]["complete"] and rows["gepo_tc"]["beats_grpo_at"] == ["fix64"]
     assert rows["gepo_tc"]["significant_losses"] == []
@@ -198,7 +252,9 @@ def test_dominance_names_the_method_never_worse_and_better_than_grpo_somewhere()
     # without a method that meets both conditions on what is compared, the answer is no
     rows = {r["algo"]: r for r in dominance_rows(_drops_runs({**partial, ("gepo_tc", "fix64"): 0.10}))}
     assert not any(r["wins_so_far"] for r in rows.values())
-    assert "**Answer: no** (no method meets both conditions on the rows so far)." in dominance_markdown(list(rows.values()))
+    assert "**Answer: no** (no method meets both conditions on the rows so far)." in dominance_markdown(
+        list(rows.values())
+    )
     # every method compared with every other everywhere: the no is not provisional
     rows = dominance_rows(_drops_runs({**drops, ("gepo_tc", "fix64"): 0.10}))
     assert all(r["complete"] for r in rows) and not any(r["wins"] for r in rows)
@@ -219,12 +275,32 @@ def test_dominance_says_whether_the_win_over_grpo_survives_holm():
         out = []
         for s, e in enumerate(spread):
             for algo in ("grpo_paper", "m"):
-                out.append({"task": "long", "algo": algo, "lr": 1e-4, "delay": 0, "seed": s, "lq_mean": 0.5,
-                            "staleness": 0.0, "staleness_max": 0.0})  # fmt: skip
+                out.append(
+                    {
+                        "task": "long",
+                        "algo": algo,
+                        "lr": 1e-4,
+                        "delay": 0,
+                        "seed": s,
+                        "lq_mean": 0.5,
+                        "staleness": 0.0,
+                        "staleness_max": 0.0,
+                    }
+                )
                 for cond in ("fix4", "fix16", "fix64"):
                     lq = 0.4 if algo == "grpo_paper" else 0.4 + e + (advantage_at_fix64 if cond == "fix64" else 0.0)
-                    out.append({"task": "long", "algo": algo, "lr": 1e-4, "delay": cond, "seed": s, "lq_mean": lq,
-                                "staleness": 1.0, "staleness_max": 1.0})  # fmt: skip
+                    out.append(
+                        {
+                            "task": "long",
+                            "algo": algo,
+                            "lr": 1e-4,
+                            "delay": cond,
+                            "seed": s,
+                            "lq_mean": lq,
+                            "staleness": 1.0,
+                            "staleness_max": 1.0,
+                        }
+                    )
         return out
 
     weak = {r["algo"]: r for r in dominance_rows(runs(0.02))}["m"]
@@ -264,8 +340,14 @@ def test_choice_rows_name_the_best_and_the_methods_not_significantly_worse():
     from scripts.sweep.analyse import choice_rows, recommended
     from scripts.sweep.render import choice_markdown
 
-    drops = {("gepo", "fix4"): 0.15, ("grpo_paper", "fix4"): 0.0, ("gspo", "fix4"): 0.003,
-             ("gepo", "fix64"): 0.07, ("grpo_paper", "fix64"): 0.072, ("gspo", "fix64"): 0.20}  # fmt: skip
+    drops = {
+        ("gepo", "fix4"): 0.15,
+        ("grpo_paper", "fix4"): 0.0,
+        ("gspo", "fix4"): 0.003,
+        ("gepo", "fix64"): 0.07,
+        ("grpo_paper", "fix64"): 0.072,
+        ("gspo", "fix64"): 0.20,
+    }
     runs = _drops_runs(drops, noise=0.005)
     for r in runs:  # gspo starts higher on-policy: best score at fix4 but not the smallest drop
         if r["algo"] == "gspo":
@@ -288,8 +370,9 @@ def test_choice_rows_name_the_best_and_the_methods_not_significantly_worse():
     leaders = [a for a, n in counts.items() if n == max(counts.values())]
     assert f"**{', '.join(leaders)}**" in md and f"in {max(counts.values())} of the 2 stale conditions:" in md
     # a condition with one seed so far: nothing tested there, said so, and it counts for no method
-    one_seed = runs + [r | {"delay": "fix256", "lq_mean": r["lq_mean"] - 0.1} for r in runs
-                       if r["delay"] == "fix64" and r["seed"] == 0]  # fmt: skip
+    one_seed = runs + [
+        r | {"delay": "fix256", "lq_mean": r["lq_mean"] - 0.1} for r in runs if r["delay"] == "fix64" and r["seed"] == 0
+    ]
     rows = {r["condition"]: r for r in choice_rows(one_seed)}
     assert rows["fix256"]["seeds"] == 1 and rows["fix256"]["tied_score"] is None and rows["fix256"]["tied_drop"] is None
     assert dict(recommended(list(rows.values()))) == counts
@@ -298,8 +381,11 @@ def test_choice_rows_name_the_best_and_the_methods_not_significantly_worse():
     assert line.count("untested (1 seed)") == 2
     assert "of the 2 stale conditions with two seeds or more:" in md
     # a second seed for two of the three methods: the third is named as untested, not left out silently
-    two_seeds = one_seed + [r | {"delay": "fix256", "lq_mean": r["lq_mean"] - 0.1} for r in runs
-                            if r["delay"] == "fix64" and r["seed"] == 1 and r["algo"] != "gspo"]  # fmt: skip
+    two_seeds = one_seed + [
+        r | {"delay": "fix256", "lq_mean": r["lq_mean"] - 0.1}
+        for r in runs
+        if r["delay"] == "fix64" and r["seed"] == 1 and r["algo"] != "gspo"
+    ]
     rows = {r["condition"]: r for r in choice_rows(two_seeds)}
     assert rows["fix256"]["seeds"] == 2 and rows["fix256"]["untested"] == ["gspo"]
     assert "gspo" not in rows["fix256"]["tied_score"] + rows["fix256"]["tied_drop"]
@@ -316,8 +402,14 @@ def test_verdicts_give_each_method_minus_the_reference_with_its_sign():
     from scripts.sweep.analyse import verdict_rows
     from scripts.sweep.render import verdict_markdown
 
-    drops = {("gepo", "fix4"): 0.15, ("grpo_paper", "fix4"): 0.0, ("m2po", "fix4"): 0.05,
-             ("gepo", "fix64"): 0.07, ("grpo_paper", "fix64"): 0.071, ("m2po", "fix64"): 0.075}  # fmt: skip
+    drops = {
+        ("gepo", "fix4"): 0.15,
+        ("grpo_paper", "fix4"): 0.0,
+        ("m2po", "fix4"): 0.05,
+        ("gepo", "fix64"): 0.07,
+        ("grpo_paper", "fix64"): 0.071,
+        ("m2po", "fix64"): 0.075,
+    }
     rows = {(r["algo"], r["against"], r["condition"]): r for r in verdict_rows(_drops_runs(drops))}
     assert rows[("m2po", "gepo", "fix4")]["verdict"] == "smaller"
     assert rows[("m2po", "gepo", "fix4")]["diff"] == pytest.approx(-0.10, abs=0.01)
@@ -358,7 +450,7 @@ def test_joined_answer_is_marked_provisional_until_every_planned_run_is_in():
 
     def winner_block(long_runs):
         md = joined_markdown("long", [(short, runs_short, {}), (long, long_runs, {})])
-        return md[md.index("<!-- study:long:joined_winner -->"):]
+        return md[md.index("<!-- study:long:joined_winner -->") :]
 
     assert "Provisional" not in winner_block(runs_long)  # 20 of 20 planned cells of each design
     partial = winner_block([r for r in runs_long if r["seed"] < 3])
@@ -374,16 +466,24 @@ def test_joined_answer_is_not_yes_while_a_planned_condition_has_no_run():
 
     short = _plan(steps=200, design="powered", seeds=[0, 1, 2, 3, 4])
     long = _plan(steps=600, delays=[0, "fix256"], design="powered_long", seeds=[0, 1, 2, 3, 4])
-    runs_short = _drops_runs({("grpo_paper", "fix4"): 0.00, ("grpo_paper", "fix64"): 0.10, ("gepo_tc", "fix4"): 0.00,
-                              ("gepo_tc", "fix64"): 0.05})  # fmt: skip
+    runs_short = _drops_runs(
+        {
+            ("grpo_paper", "fix4"): 0.00,
+            ("grpo_paper", "fix64"): 0.10,
+            ("gepo_tc", "fix4"): 0.00,
+            ("gepo_tc", "fix64"): 0.05,
+        }
+    )
     runs_long = _drops_runs({("gepo_tc", "fix256"): 0.1, ("grpo_paper", "fix256"): 0.1})
     done = joined_markdown("long", [(short, runs_short, {}), (long, runs_long, {})])
     assert "**Answer: yes -- gepo_tc.**" in done
     waiting = joined_markdown("long", [(short, runs_short, {}), (long, [], {})])
     assert "**Answer: yes" not in waiting and "Holm" not in waiting.split("**Answer:")[1]
     assert "| **yes** |" not in waiting and "| not yet (a condition not run) |" in waiting
-    assert "**Answer: not decided yet.** On the conditions run so far gepo_tc meets both conditions, but `fix256` " \
-           "(planned) has no runs yet." in waiting
+    assert (
+        "**Answer: not decided yet.** On the conditions run so far gepo_tc meets both conditions, but `fix256` "
+        "(planned) has no runs yet." in waiting
+    )
 
 
 def test_an_unbeaten_method_is_not_a_no_while_a_planned_condition_has_no_run():
@@ -396,15 +496,26 @@ def test_an_unbeaten_method_is_not_a_no_while_a_planned_condition_has_no_run():
     rows = dominance_rows(_drops_runs(drops))
     assert "**Answer: no**" in dominance_markdown(rows)
     md = dominance_markdown(rows, ["fix256"])
-    assert "**Answer: not decided yet.** No method meets both conditions on the conditions run so far; " \
-           "gepo_tc, grpo_paper are beaten by no other method so far, and `fix256` (planned) has no runs yet." in md
+    assert (
+        "**Answer: not decided yet.** No method meets both conditions on the conditions run so far; "
+        "gepo_tc, grpo_paper are beaten by no other method so far, and `fix256` (planned) has no runs yet." in md
+    )
     assert "| gepo | " in md and md.split("| gepo | ")[1].split("\n")[0].endswith("| no |")  # beaten: no, whatever runs
     assert md.split("| gepo_tc | ")[1].split("\n")[0].endswith("| not yet (a condition not run) |")
 
 
 def test_join_is_refused_outside_table_only(tmp_path):
-    cli = [sys.executable, "-m", "scripts.bench.delay_sweep", "--design", "powered", "--join",
-           "powered_long", "--out", str(tmp_path / "o")]  # fmt: skip
+    cli = [
+        sys.executable,
+        "-m",
+        "scripts.bench.delay_sweep",
+        "--design",
+        "powered",
+        "--join",
+        "powered_long",
+        "--out",
+        str(tmp_path / "o"),
+    ]
     proc = subprocess.run(cli, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "--join powered_long: only with --table-only" in proc.stderr
     assert not (tmp_path / "o").exists()
@@ -412,14 +523,32 @@ def test_join_is_refused_outside_table_only(tmp_path):
 
 def test_study_markdown_has_every_section(tmp_path):
     plan = _plan(lr_grid=[1e-4], lr_seeds=[0])
-    per_run = [{"task": "long", "algo": a, "lr": 1e-4, "delay": c, "seed": s, "lq_mean": 0.4 + 0.01 * s - (0.05 if c else 0),
-                **{k: math.nan for k in RUN_KEYS if k != "lq_mean"}}
-               for a in ("gepo", "grpo_paper") for c in (0, "fix4") for s in range(3)]  # fmt: skip
+    per_run = [
+        {
+            "task": "long",
+            "algo": a,
+            "lr": 1e-4,
+            "delay": c,
+            "seed": s,
+            "lq_mean": 0.4 + 0.01 * s - (0.05 if c else 0),
+            **{k: math.nan for k in RUN_KEYS if k != "lq_mean"},
+        }
+        for a in ("gepo", "grpo_paper")
+        for c in (0, "fix4")
+        for s in range(3)
+    ]
     table, chosen = choose_lrs(per_run, plan)
     md = study_markdown("long", plan, per_run, table, chosen, {"long": "f" * 64})
-    for needle in ("weights sha256 `" + "f" * 64, "**Learning rates**", "**Drops from on-policy**",
-                   "**Paired differences, gepo minus each baseline**", "| fix4 |", "**Power of the design.**",
-                   "**Importance-weight variance against KL**", "**At a glance**"):
+    for needle in (
+        "weights sha256 `" + "f" * 64,
+        "**Learning rates**",
+        "**Drops from on-policy**",
+        "**Paired differences, gepo minus each baseline**",
+        "| fix4 |",
+        "**Power of the design.**",
+        "**Importance-weight variance against KL**",
+        "**At a glance**",
+    ):
         assert needle in md, needle
     assert Path(staleness_figure(tmp_path / "fig", per_run)).is_file()
     assert Path(kl_variance_figure(tmp_path / "fig", per_run)).is_file()  # NaN KL everywhere: an empty plot
@@ -444,9 +573,19 @@ def test_glance_matrices_hold_each_methods_score_drop_and_paired_difference():
             base = 0.5 + rng.gauss(0, 0.02)
             for c, v in ((0, base), ("fix16", base - drop + rng.gauss(0, 0.01))):
                 lq[(a, c, s)] = v
-                per_run.append({"task": "long", "algo": a, "delay": c, "seed": s, "lq_mean": v, "kl": drop if c else 0.0,
-                                "weight_wrong": 1 - 3 * drop if c else 1.0, "staleness": 15.3 if c else 0.0,
-                                "staleness_max": 16.0 if c else 0.0})  # fmt: skip
+                per_run.append(
+                    {
+                        "task": "long",
+                        "algo": a,
+                        "delay": c,
+                        "seed": s,
+                        "lq_mean": v,
+                        "kl": drop if c else 0.0,
+                        "weight_wrong": 1 - 3 * drop if c else 1.0,
+                        "staleness": 15.3 if c else 0.0,
+                        "staleness_max": 16.0 if c else 0.0,
+                    }
+                )
     md = glance_markdown(per_run, drop_rows(per_run), {"gepo": comparison_rows(per_run, "gepo")})
     lines = md.splitlines()
     gepo_drop = sum(lq[("gepo", 0, s)] - lq[("gepo", "fix16", s)] for s in range(4)) / 4
@@ -471,7 +610,9 @@ def test_kl_variance_rows_correlate_each_methods_runs():
     for c, kl in ((0, 0.0), ("fix4", 0.01), ("fix16", 0.05), ("uni64", 0.03)):
         for s in range(4):
             k = kl * (1 + 0.1 * rng.random())
-            per_run.append({"algo": "grpo_paper", "delay": c, "seed": s, "kl": k, "var": 2.0 * k + 0.001 * rng.random()})
+            per_run.append(
+                {"algo": "grpo_paper", "delay": c, "seed": s, "kl": k, "var": 2.0 * k + 0.001 * rng.random()}
+            )
             per_run.append({"algo": "gepo", "delay": c, "seed": s, "kl": k, "var": 0.03})  # flat
     per_run.append({"algo": "gepo", "delay": "fix4", "seed": 9, "kl": math.nan, "var": 0.03})  # skipped
     rows = {r["algo"]: r for r in kl_variance_rows(per_run)}
@@ -514,8 +655,11 @@ def test_the_outline_counts_each_stage_2_run_left_once(tmp_path):
     subtracted twice: the count said 118 where 145 runs were left); rows of other methods count
     for nothing."""
     plan = _plan(lr_grid=[1e-4, 2e-4], lr_seeds=[0, 1])
-    rows = [{"task": "long", "algo": "gepo", "lr": lr, "delay": 0, "seed": seed, "lq_mean": score, "dir": None}
-            for lr, score in [(1e-4, 0.3), (2e-4, 0.5)] for seed in (0, 1)]  # fmt: skip
+    rows = [
+        {"task": "long", "algo": "gepo", "lr": lr, "delay": 0, "seed": seed, "lq_mean": score, "dir": None}
+        for lr, score in [(1e-4, 0.3), (2e-4, 0.5)]
+        for seed in (0, 1)
+    ]
     rows.append({"task": "long", "algo": "gepo", "lr": 2e-4, "delay": "fix4", "seed": 0, "lq_mean": 0.4, "dir": None})
     rows.append({"task": "long", "algo": "gspo", "lr": 1e-4, "delay": "fix4", "seed": 1, "lq_mean": 0.4, "dir": None})
     sweep = Sweep(plan, tmp_path, tmp_path / "rows.csv", {"long": "x"}, {"long": "h"}, workers=2)
@@ -529,8 +673,11 @@ def test_the_plan_says_how_far_each_seed_is(tmp_path):
     """Per seed, stage 2's finished runs of the methods with a rate; a row of another rate or
     method counts for nothing."""
     plan = _plan(lrs={"gepo": 1e-4, "grpo_paper": 1e-4})
-    rows = [{"task": "long", "algo": algo, "lr": 1e-4, "delay": delay, "seed": 0, "lq_mean": 0.5, "dir": None}
-            for algo in ("gepo", "grpo_paper") for delay in (0, "fix4")]  # fmt: skip
+    rows = [
+        {"task": "long", "algo": algo, "lr": 1e-4, "delay": delay, "seed": 0, "lq_mean": 0.5, "dir": None}
+        for algo in ("gepo", "grpo_paper")
+        for delay in (0, "fix4")
+    ]
     rows.append({"task": "long", "algo": "gepo", "lr": 1e-4, "delay": 0, "seed": 1, "lq_mean": 0.5, "dir": None})
     rows.append({"task": "long", "algo": "gepo", "lr": 2e-4, "delay": "fix4", "seed": 1, "lq_mean": 0.5, "dir": None})
     rows.append({"task": "long", "algo": "gspo", "lr": 1e-4, "delay": 0, "seed": 2, "lq_mean": 0.5, "dir": None})
@@ -559,7 +706,9 @@ def test_designs_that_run_start_from_the_pinned_warm_start_and_keep_their_ids():
     assert {name: design_id(Plan(**DESIGNS[name])) for name in ids} == ids
     rows = load_rows(REPO / "docs" / "study_data" / "rows_powered.csv")
     assert {r["design_id"] for r in rows} <= set(ids.values())
-    assert sum(r["design_id"] == ids["powered"] for r in rows) >= 180  # the first study's rows stay; the frontier's join them
+    assert (
+        sum(r["design_id"] == ids["powered"] for r in rows) >= 180
+    )  # the first study's rows stay; the frontier's join them
 
 
 @pytest.mark.parametrize("algo", list(ALGOS))
@@ -595,29 +744,57 @@ def test_the_legacy_design_is_tabulated_but_never_run(tmp_path):
     assert not (tmp_path / "ran").exists()
     rows = tmp_path / "rows.csv"
     for delay, score in ((0, 0.5), (64, 0.25)):
-        append_row(rows, {"task": "long", "algo": "gepo", "lr": 1e-4, "delay": delay, "seed": 0, "steps": 60,
-                          "design_id": design_id(Plan(**LEGACY)), "ws_sha256": "", "seconds": 1.0, "best": score,
-                          "last": score, "lq_mean": score})  # fmt: skip
+        append_row(
+            rows,
+            {
+                "task": "long",
+                "algo": "gepo",
+                "lr": 1e-4,
+                "delay": delay,
+                "seed": 0,
+                "steps": 60,
+                "design_id": design_id(Plan(**LEGACY)),
+                "ws_sha256": "",
+                "seconds": 1.0,
+                "best": score,
+                "last": score,
+                "lq_mean": score,
+            },
+        )
     out = tmp_path / "tables"
-    proc = subprocess.run(cli + ["--out", str(out), "--rows", str(rows), "--table-only", "--tasks", "long",
-                                 "--algos", "gepo"], capture_output=True, text=True, timeout=300)  # fmt: skip
+    proc = subprocess.run(
+        cli + ["--out", str(out), "--rows", str(rows), "--table-only", "--tasks", "long", "--algos", "gepo"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     table = (out / "table_long.md").read_text()
     assert "| gepo | 0 | 1 | 0.500 |" in table and "| gepo | 64 | 1 | 0.250 | 0.250 | 0.250 | - | 0.250 |" in table
 
 
 def test_update_doc_replaces_the_pages_study_blocks_and_refuses_unknown_ones(tmp_path):
-    generated = "\n".join(["# study", *doc_block("long", "glance", "| new | table |"), "text",
-                           *doc_block("long", "power", "**Power** 0.064")])  # fmt: skip
+    generated = "\n".join(
+        [
+            "# study",
+            *doc_block("long", "glance", "| new | table |"),
+            "text",
+            *doc_block("long", "power", "**Power** 0.064"),
+        ]
+    )
     page = tmp_path / "results.md"
     page.write_text("intro\n" + "\n".join(doc_block("long", "glance", "| old |\n| rows |")) + "\nprose 0.1\n")
     assert update_doc(page, generated) == ["long:glance"]
     assert page.read_text() == "intro\n<!-- study:long:glance -->\n| new | table |\n<!-- /study -->\nprose 0.1\n"
     # empty blocks, as a new page has: each is filled, none swallows the prose up to the next one
-    page.write_text("a\n<!-- study:long:glance -->\n<!-- /study -->\nprose\n<!-- study:long:power -->\n<!-- /study -->\n")
+    page.write_text(
+        "a\n<!-- study:long:glance -->\n<!-- /study -->\nprose\n<!-- study:long:power -->\n<!-- /study -->\n"
+    )
     assert update_doc(page, generated) == ["long:glance", "long:power"]
-    assert page.read_text() == ("a\n<!-- study:long:glance -->\n| new | table |\n<!-- /study -->\nprose\n"
-                                "<!-- study:long:power -->\n**Power** 0.064\n<!-- /study -->\n")  # fmt: skip
+    assert page.read_text() == (
+        "a\n<!-- study:long:glance -->\n| new | table |\n<!-- /study -->\nprose\n"
+        "<!-- study:long:power -->\n**Power** 0.064\n<!-- /study -->\n"
+    )
     before = page.read_text() + "\n".join(doc_block("short", "glance", "x")) + "\n"
     page.write_text(before)
     with pytest.raises(ValueError, match="short:glance"):

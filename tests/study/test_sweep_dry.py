@@ -14,9 +14,31 @@ REPO = Path(__file__).resolve().parents[2]
 
 @pytest.mark.slow
 def test_dry_design_runs_rows_tables_and_resumes(tmp_path):
-    cmd = [sys.executable, "-m", "scripts.bench.delay_sweep", "--design", "dry", "--out", str(tmp_path),
-           "--workers", "2", "--steps", "4", "--seeds", "0", "1", "--delays", "0", "fix2", "--algos", "gepo",
-           "grpo_paper", "--lr-grid", "1e-4", "--no-figures"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "scripts.bench.delay_sweep",
+        "--design",
+        "dry",
+        "--out",
+        str(tmp_path),
+        "--workers",
+        "2",
+        "--steps",
+        "4",
+        "--seeds",
+        "0",
+        "1",
+        "--delays",
+        "0",
+        "fix2",
+        "--algos",
+        "gepo",
+        "grpo_paper",
+        "--lr-grid",
+        "1e-4",
+        "--no-figures",
+    ]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     with open(tmp_path / "rows.csv", newline="") as fh:

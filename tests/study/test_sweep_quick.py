@@ -12,10 +12,26 @@ REPO = Path(__file__).resolve().parents[2]
 @pytest.mark.slow
 def test_quick_sweep_writes_tables_and_figures(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "scripts.bench.delay_sweep", "--quick", "--out", str(tmp_path),
-         "--workers", "2", "--steps", "8", "--algos", "gepo", "grpo_tis"],
-        cwd=REPO, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "scripts.bench.delay_sweep",
+            "--quick",
+            "--out",
+            str(tmp_path),
+            "--workers",
+            "2",
+            "--steps",
+            "8",
+            "--algos",
+            "gepo",
+            "grpo_tis",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     for task in ("short", "long"):
         table = (tmp_path / f"table_{task}.md").read_text()

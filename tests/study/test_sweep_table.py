@@ -39,8 +39,19 @@ def test_table_matches_hand_computation(tmp_path):
     _write_run(root / "d64" / "s0", {0: 0.3, 2: 0.2, 4: 0.1, 6: 0.1, 8: 0.0}, kl, var)
     _write_run(root / "d64" / "s1", {0: 0.3, 2: 0.3, 4: 0.2, 6: 0.2, 8: 0.1}, kl, var)
     _write_run(root / "d8" / "s1", {0: 0.3, 2: 0.4, 4: 0.5, 6: 0.5, 8: 0.5}, kl, var)
-    plan = Plan(tasks=["short"], algos=["gepo"], delays=[0, 8, 64], seeds=[0, 1], steps=8, lr=1e-4, test_freq=2,
-                   eval_size=8, prompts=2, diagnostics_every=0, diagnostics_samples=1)  # fmt: skip
+    plan = Plan(
+        tasks=["short"],
+        algos=["gepo"],
+        delays=[0, 8, 64],
+        seeds=[0, 1],
+        steps=8,
+        lr=1e-4,
+        test_freq=2,
+        eval_size=8,
+        prompts=2,
+        diagnostics_every=0,
+        diagnostics_samples=1,
+    )
     per_run = collect(tmp_path, plan)
     assert len(per_run) == 5
     rows = {r["delay"]: r for r in summarize(per_run)}
@@ -78,13 +89,17 @@ def test_table_matches_hand_computation(tmp_path):
     assert "| gepo | 0.500 | 0.500 | 0.050 | 0.333 ± 0.120 | 3/3 |" in stability_table([stable])
     write_outputs(tmp_path, plan, per_run, figures=False, log=lambda *a: None)
     seeds = (tmp_path / "runs_short.csv").read_text().splitlines()
-    assert seeds[0] == ("task,algo,delay,seed,start,best,last,lq_mean,gap,kl,var,weight_mean,clipfrac,staleness,"
-                        "staleness_max,err,clipfrac_pos,clipfrac_neg,zero_grad_stale,weight_right,weight_wrong")
+    assert seeds[0] == (
+        "task,algo,delay,seed,start,best,last,lq_mean,gap,kl,var,weight_mean,clipfrac,staleness,"
+        "staleness_max,err,clipfrac_pos,clipfrac_neg,zero_grad_stale,weight_right,weight_wrong"
+    )
     assert len(seeds) == 6
 
 
 def test_run_numbers_last_quarter_uses_steps_after_three_quarters():
-    metrics = [{"step": 0, "eval/acc_mean": 0.1}] + [{"step": s, "eval/acc_mean": s / 100} for s in (25, 50, 75, 76, 100)]
+    metrics = [{"step": 0, "eval/acc_mean": 0.1}] + [
+        {"step": s, "eval/acc_mean": s / 100} for s in (25, 50, 75, 76, 100)
+    ]
     n = run_numbers(metrics, total_steps=100)
     assert n["lq_mean"] == pytest.approx((0.76 + 1.0) / 2)  # 75 is not > 75
     assert n["best"] == 1.0 and n["last"] == 1.0 and n["start"] == 0.1 and n["gap"] == 0.0

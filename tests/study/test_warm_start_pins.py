@@ -18,9 +18,22 @@ SHIPPED_LONG = warm_start_folder(PINNED_WARM_STARTS, answer_format="scratchpad",
 
 
 def _plan(**kw) -> Plan:
-    base = dict(tasks=["long"], algos=["gepo"], delays=[0, "fix4"], seeds=[0], steps=8, lr=1e-4, test_freq=2,
-                eval_size=8, prompts=2, diagnostics_every=0, diagnostics_samples=1, last_evals=2,
-                warm_start_steps=2, design="dry")  # fmt: skip
+    base = dict(
+        tasks=["long"],
+        algos=["gepo"],
+        delays=[0, "fix4"],
+        seeds=[0],
+        steps=8,
+        lr=1e-4,
+        test_freq=2,
+        eval_size=8,
+        prompts=2,
+        diagnostics_every=0,
+        diagnostics_samples=1,
+        last_evals=2,
+        warm_start_steps=2,
+        design="dry",
+    )
     return Plan(**{**base, **kw})
 
 
@@ -69,8 +82,21 @@ def test_rows_are_taken_from_the_pinned_weights_whatever_this_machine_builds(tmp
     from scripts.sweep.plan import design_id
 
     for seed, sha in ((0, "pinned"), (1, "this machine")):
-        append_row(rows, {"task": "long", "algo": "gepo", "lr": 1e-4, "delay": 0, "seed": seed,
-                          "design_id": design_id(plan), "ws_sha256": sha, "steps": 8, "seconds": 1.0, "lq_mean": 0.5})
+        append_row(
+            rows,
+            {
+                "task": "long",
+                "algo": "gepo",
+                "lr": 1e-4,
+                "delay": 0,
+                "seed": seed,
+                "design_id": design_id(plan),
+                "ws_sha256": sha,
+                "steps": 8,
+                "seconds": 1.0,
+                "lq_mean": 0.5,
+            },
+        )
     assert len(load_rows(rows)) == 2
     plan.seeds = [0, 1]
     got = collect(tmp_path, plan, rows, {"long": "this machine"})
@@ -90,11 +116,37 @@ def test_own_warm_start_counts_a_pinned_designs_cells_from_this_machines_build(t
 
     cache = tmp_path / "cache"  # stays empty: this checkout's warm start is the package's copy
     rows = tmp_path / "rows.csv"
-    append_row(rows, {"task": "long", "algo": "gepo", "lr": 5e-5, "delay": 0, "seed": 0,
-                      "design_id": design_id(Plan(**DESIGNS["powered"])), "ws_sha256": POWERED_LONG_WARM_START,
-                      "steps": 200, "seconds": 1.0, "lq_mean": 0.5})  # fmt: skip
-    cli = [sys.executable, "-m", "scripts.bench.delay_sweep", "--design", "powered", "--algos", "gepo",
-           "--plan-only", "--cache-dir", str(cache), "--rows", str(rows), "--out", str(tmp_path / "o")]  # fmt: skip
+    append_row(
+        rows,
+        {
+            "task": "long",
+            "algo": "gepo",
+            "lr": 5e-5,
+            "delay": 0,
+            "seed": 0,
+            "design_id": design_id(Plan(**DESIGNS["powered"])),
+            "ws_sha256": POWERED_LONG_WARM_START,
+            "steps": 200,
+            "seconds": 1.0,
+            "lq_mean": 0.5,
+        },
+    )
+    cli = [
+        sys.executable,
+        "-m",
+        "scripts.bench.delay_sweep",
+        "--design",
+        "powered",
+        "--algos",
+        "gepo",
+        "--plan-only",
+        "--cache-dir",
+        str(cache),
+        "--rows",
+        str(rows),
+        "--out",
+        str(tmp_path / "o"),
+    ]
     own = subprocess.run([*cli, "--own-warm-start"], capture_output=True, text=True, timeout=300)
     assert own.returncode == 0, own.stderr[-2000:]
     assert f"weights sha256 {POWERED_LONG_WARM_START[:16]}" in own.stdout and "1 finished rows" in own.stdout
@@ -115,11 +167,36 @@ def test_tables_of_other_weights_are_asked_for_by_their_hash(tmp_path):
 
     other = "a" * 64
     rows = tmp_path / "rows.csv"
-    append_row(rows, {"task": "long", "algo": "gepo", "lr": 5e-5, "delay": 0, "seed": 0,
-                      "design_id": design_id(Plan(**DESIGNS["powered_long"])), "ws_sha256": other, "steps": 600,
-                      "seconds": 1.0, "lq_mean": 0.5})  # fmt: skip
-    cli = [sys.executable, "-m", "scripts.bench.delay_sweep", "--design", "powered_long", "--algos",
-           "gepo", "--lrs", "gepo=5e-5", "--rows", str(rows), "--out", str(tmp_path / "o")]  # fmt: skip
+    append_row(
+        rows,
+        {
+            "task": "long",
+            "algo": "gepo",
+            "lr": 5e-5,
+            "delay": 0,
+            "seed": 0,
+            "design_id": design_id(Plan(**DESIGNS["powered_long"])),
+            "ws_sha256": other,
+            "steps": 600,
+            "seconds": 1.0,
+            "lq_mean": 0.5,
+        },
+    )
+    cli = [
+        sys.executable,
+        "-m",
+        "scripts.bench.delay_sweep",
+        "--design",
+        "powered_long",
+        "--algos",
+        "gepo",
+        "--lrs",
+        "gepo=5e-5",
+        "--rows",
+        str(rows),
+        "--out",
+        str(tmp_path / "o"),
+    ]
 
     def sweep(*extra):
         return subprocess.run([*cli, *extra], capture_output=True, text=True, timeout=300)
@@ -142,7 +219,9 @@ def test_a_run_folder_of_other_weights_neither_counts_nor_is_overwritten(tmp_pat
 
     plan = _plan(warm_start_sha256={"long": "mine"})
     d = run_dir(tmp_path, plan, "long", "gepo", 1e-4, "fix4", 0)
-    _write_run(d, {0: 0.3, 2: 0.4, 4: 0.5, 6: 0.6, 8: 0.7}, {s: 0.01 for s in range(1, 9)}, {s: 0.1 for s in range(1, 9)})
+    _write_run(
+        d, {0: 0.3, 2: 0.4, 4: 0.5, 6: 0.6, 8: 0.7}, {s: 0.01 for s in range(1, 9)}, {s: 0.1 for s in range(1, 9)}
+    )
     (d / "DONE").write_text(json.dumps({"seconds": 1.0, "ws_sha256": "theirs"}))
     assert collect(tmp_path, plan, None, {}) == []
     sweep = Sweep(plan, tmp_path, tmp_path / "rows.csv", {"long": "model"}, {"long": "mine"}, workers=1)
@@ -165,27 +244,65 @@ def test_joined_tables_name_each_designs_own_weights(tmp_path):
     from scripts.sweep.plan import POWERED_WARM_START, design_id
     from scripts.sweep.rows import rows_warm_start
 
-    assert rows_warm_start(Plan(**DESIGNS["powered_long"]), {"long": "this machine"}) == {"long": POWERED_LONG_WARM_START}
+    assert rows_warm_start(Plan(**DESIGNS["powered_long"]), {"long": "this machine"}) == {
+        "long": POWERED_LONG_WARM_START
+    }
     rows = tmp_path / "rows.csv"
     for design, sha, steps in (("powered", POWERED_WARM_START, 200), ("powered_long", POWERED_LONG_WARM_START, 600)):
         for delay in (0, DESIGNS[design]["delays"][-1]):
-            append_row(rows, {"task": "long", "algo": "gepo", "lr": 5e-5, "delay": delay, "seed": 0,
-                              "design_id": design_id(Plan(**DESIGNS[design])), "ws_sha256": sha, "steps": steps,
-                              "seconds": 1.0, "lq_mean": 0.5})  # fmt: skip
+            append_row(
+                rows,
+                {
+                    "task": "long",
+                    "algo": "gepo",
+                    "lr": 5e-5,
+                    "delay": delay,
+                    "seed": 0,
+                    "design_id": design_id(Plan(**DESIGNS[design])),
+                    "ws_sha256": sha,
+                    "steps": steps,
+                    "seconds": 1.0,
+                    "lq_mean": 0.5,
+                },
+            )
     out = tmp_path / "o"
-    proc = subprocess.run([sys.executable, "-m", "scripts.bench.delay_sweep", "--design", "powered",
-                           "--join", "powered_long", "--algos", "gepo", "--lrs", "gepo=5e-5", "--table-only",
-                           "--no-figures", "--rows", str(rows), "--out", str(out)],
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "scripts.bench.delay_sweep",
+            "--design",
+            "powered",
+            "--join",
+            "powered_long",
+            "--algos",
+            "gepo",
+            "--lrs",
+            "gepo=5e-5",
+            "--table-only",
+            "--no-figures",
+            "--rows",
+            str(rows),
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert f"weights sha256 `{POWERED_WARM_START}`" in (out / "study_long.md").read_text()
     assert f"weights sha256 `{POWERED_LONG_WARM_START}`" in (out / "powered_long" / "study_long.md").read_text()
-    assert f"joined --design powered_long (id {design_id(Plan(**DESIGNS['powered_long']))}): 2 finished runs" in proc.stdout
+    assert (
+        f"joined --design powered_long (id {design_id(Plan(**DESIGNS['powered_long']))}): 2 finished runs"
+        in proc.stdout
+    )
 
 
 def test_tables_of_a_partly_pinned_plan_build_only_the_unpinned_task(tmp_path):
-    models, ws = warm_starts(_plan(tasks=["long", "short"], warm_start_sha256={"long": "0" * 64}), str(tmp_path),
-                             table_only=True)  # fmt: skip
+    models, ws = warm_starts(
+        _plan(tasks=["long", "short"], warm_start_sha256={"long": "0" * 64}), str(tmp_path), table_only=True
+    )
     assert set(models) == {"short"} and ws["long"] == "0" * 64 and ws["short"] == weights_sha256(models["short"])
 
 
@@ -199,12 +316,44 @@ def test_a_joined_design_keeps_its_pin_whatever_the_main_design_pins(tmp_path):
 
     rows = tmp_path / "rows.csv"
     for seed, sha in ((0, POWERED_WARM_START), (1, "another build")):
-        append_row(rows, {"task": "long", "algo": "gepo", "lr": 5e-5, "delay": 0, "seed": seed,
-                          "design_id": design_id(Plan(**DESIGNS["powered"])), "ws_sha256": sha, "steps": 200,
-                          "seconds": 1.0, "lq_mean": 0.5})  # fmt: skip
-    proc = subprocess.run([sys.executable, "-m", "scripts.bench.delay_sweep", "--design", "legacy",
-                           "--tasks", "long", "--algos", "gepo", "--table-only", "--join", "powered", "--no-figures",
-                           "--rows", str(rows), "--out", str(tmp_path / "o")],
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
+        append_row(
+            rows,
+            {
+                "task": "long",
+                "algo": "gepo",
+                "lr": 5e-5,
+                "delay": 0,
+                "seed": seed,
+                "design_id": design_id(Plan(**DESIGNS["powered"])),
+                "ws_sha256": sha,
+                "steps": 200,
+                "seconds": 1.0,
+                "lq_mean": 0.5,
+            },
+        )
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "scripts.bench.delay_sweep",
+            "--design",
+            "legacy",
+            "--tasks",
+            "long",
+            "--algos",
+            "gepo",
+            "--table-only",
+            "--join",
+            "powered",
+            "--no-figures",
+            "--rows",
+            str(rows),
+            "--out",
+            str(tmp_path / "o"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert f"joined --design powered (id {design_id(Plan(**DESIGNS['powered']))}): 1 finished runs" in proc.stdout

@@ -19,7 +19,8 @@ link = load("link")
 
 
 @pytest.mark.parametrize(
-    "text, mbit", [("100", 100.0), ("10mbit", 10.0), ("1gbit", 1000.0), ("500kbit", 0.5), (" 2.5 ", 2.5), (1000, 1000.0)]
+    "text, mbit",
+    [("100", 100.0), ("10mbit", 10.0), ("1gbit", 1000.0), ("500kbit", 0.5), (" 2.5 ", 2.5), (1000, 1000.0)],
 )
 def test_parse_rate_accepts_numbers_and_units(text, mbit):
     assert link.parse_rate_mbit(text) == pytest.approx(mbit)
@@ -183,9 +184,17 @@ def test_signal_until_gone_kills_what_ignores_sigterm_after_the_grace():
     import time
 
     polite = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    stubborn = subprocess.Popen([sys.executable, "-c", "import signal, sys, time; "
-                                 "signal.signal(signal.SIGTERM, signal.SIG_IGN); print('ready', flush=True); "
-                                 "time.sleep(60)"], stdout=subprocess.PIPE, text=True)  # fmt: skip
+    stubborn = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import signal, sys, time; "
+            "signal.signal(signal.SIGTERM, signal.SIG_IGN); print('ready', flush=True); "
+            "time.sleep(60)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert stubborn.stdout.readline().strip() == "ready"  # its handler is set before we signal it
 

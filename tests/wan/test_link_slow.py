@@ -95,15 +95,20 @@ def test_link_rate_and_ray_actor_in_the_sampler_namespace(wan):
     assert 0.6 * RATE_MBIT <= tcp["mbit_s"] <= 1.1 * RATE_MBIT, tcp
 
     # the namespace has no way out but the link: no default route
-    routes = subprocess.run(["ip", "netns", "exec", link_cfg.netns, "ip", "-j", "route"], capture_output=True, text=True)
+    routes = subprocess.run(
+        ["ip", "netns", "exec", link_cfg.netns, "ip", "-j", "route"], capture_output=True, text=True
+    )
     assert [r["dst"] for r in json.loads(routes.stdout)] == [str(link_cfg.subnet)]
 
     # Ray: the actor asking for sampler_node runs in the namespace; its pull is held to the rate
     nbytes = 2_500_000  # 1 s at 20 Mbit/s
     proc = subprocess.run(
         [sys.executable, "-c", DRIVER, address, link_cfg.host_ip, str(nbytes)],
-        capture_output=True, text=True, timeout=300, env=cluster.ray_env(),
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=cluster.ray_env(),
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     assert got["ip"] == link_cfg.ns_ip and got["bytes"] == nbytes
@@ -134,7 +139,10 @@ def test_link_rate_and_ray_actor_in_the_sampler_namespace(wan):
     assert back["up"] and back["host_tbf_bytes_s"] == RATE_MBIT * 1e6 / 8
     proc = subprocess.run(
         [sys.executable, "-c", DRIVER, address, link_cfg.host_ip, "250000"],
-        capture_output=True, text=True, timeout=300, env=cluster.ray_env(),
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=cluster.ray_env(),
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert json.loads(proc.stdout.strip().splitlines()[-1])["ip"] == link_cfg.ns_ip

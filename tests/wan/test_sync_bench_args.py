@@ -38,8 +38,12 @@ def test_behind_refuses_the_link_benchmarks_options(sync, extra, named, capsys):
 
 @pytest.mark.parametrize(
     "behind, message",
-    [("1,a", "--behind '1,a': expected comma-separated integers"), ("", "--behind '': expected"),
-     ("0,2", "--behind 0,2: each k must be in [1, 64]"), ("65", "--behind 65: each k must be in [1, 64]")],
+    [
+        ("1,a", "--behind '1,a': expected comma-separated integers"),
+        ("", "--behind '': expected"),
+        ("0,2", "--behind 0,2: each k must be in [1, 64]"),
+        ("65", "--behind 65: each k must be in [1, 64]"),
+    ],
 )
 def test_bad_behind_values_are_named(sync, behind, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
@@ -57,8 +61,9 @@ def test_behind_alone_and_the_benchmarks_defaults_parse(sync):
     assert (args.rates, args.trials, args.out) == ([10.0, 1000.0], 2, "o.json")
 
 
-@pytest.mark.parametrize("argv, message", [(["--trials", "11"], "--trials 11: must be in [1, 10]"),
-                                           (["--rates", "fast"], "rate 'fast'")])
+@pytest.mark.parametrize(
+    "argv, message", [(["--trials", "11"], "--trials 11: must be in [1, 10]"), (["--rates", "fast"], "rate 'fast'")]
+)
 def test_the_benchmarks_own_checks_still_apply(sync, argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
         sync.main(argv)

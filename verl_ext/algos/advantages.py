@@ -20,7 +20,9 @@ from verl_ext.algos.importance import dense_group_index
 
 def _group_means(scores: torch.Tensor, index: torch.Tensor, num_groups: int) -> torch.Tensor:
     """[num_groups] mean score of each group (``index``: dense labels [B])."""
-    count = torch.zeros(num_groups, dtype=scores.dtype, device=scores.device).index_add(0, index, torch.ones_like(scores))
+    count = torch.zeros(num_groups, dtype=scores.dtype, device=scores.device).index_add(
+        0, index, torch.ones_like(scores)
+    )
     return torch.zeros_like(count).index_add(0, index, scores) / count
 
 

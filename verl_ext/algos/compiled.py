@@ -70,8 +70,12 @@ def traceable_loss_terms(
     band_scale = None
     if options.get("ess_bound", False):
         band_scale = token_ratio_ess(log_p, log_q, response_mask)
-        options = dict(options, ess_bound=False,
-                       clip_low=options["clip_low"] * band_scale, clip_high=options["clip_high"] * band_scale)  # fmt: skip
+        options = dict(
+            options,
+            ess_bound=False,
+            clip_low=options["clip_low"] * band_scale,
+            clip_high=options["clip_high"] * band_scale,
+        )
     terms = terms_fn(log_p, log_q, advantages, response_mask, **options)
     return terms.loss_mat, terms.weight, terms.clipped, band_scale
 

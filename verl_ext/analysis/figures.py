@@ -151,10 +151,14 @@ def summarise(bern: dict, gauss: dict, pairs: dict, bias_stats: dict) -> str:
     c3 = theorem3_constants(q, adv3)
     b = gepo_bias(p, q, adv)
     particular = d1["kl"] > np.log(c1["paper"])
-    out.append(f"Random discrete pairs ({n_pairs} pairs, support {support}, KL in "
-               f"[{d1['kl'].min():.3g}, {d1['kl'].max():.3g}]):")
-    out.append(f"    group-expectation variance lower (A = 1): {(diff1 > 0).mean():.3f}; "
-               f"with advantages: {(diff3 > 0).mean():.3f}")
+    out.append(
+        f"Random discrete pairs ({n_pairs} pairs, support {support}, KL in "
+        f"[{d1['kl'].min():.3g}, {d1['kl'].max():.3g}]):"
+    )
+    out.append(
+        f"    group-expectation variance lower (A = 1): {(diff1 > 0).mean():.3f}; "
+        f"with advantages: {(diff3 > 0).mean():.3f}"
+    )
     out.append("  A = 1:")
     out.append(_format_table(kl_bucket_table(d1["kl"], diff1)))
     out.append(
@@ -189,8 +193,9 @@ def summarise(bern: dict, gauss: dict, pairs: dict, bias_stats: dict) -> str:
     over = fam["bias"] > fam["paper_bound"]
     out.append(
         f"    Theorem 2 counter-example family (p uniform on {support}, q = (1-d, d/{support - 1}, ...), A = 1): "
-        f"bias > ||p||/||q|| for KL >= {fam['kl'][over].min():.3g}" if over.any() else
-        "    Theorem 2 counter-example family: no violation"
+        f"bias > ||p||/||q|| for KL >= {fam['kl'][over].min():.3g}"
+        if over.any()
+        else "    Theorem 2 counter-example family: no violation"
     )
     out.append(
         f"Finite groups (G = {bias_stats['group_size']}, {bias_stats['n_groups']} groups per pair), "
@@ -236,8 +241,7 @@ def draw_figure2(d: dict, family: str, path: Path, x_label: str, y_label: str):
 
     ax = axes[0, 0]
     ax.scatter(kl.ravel(), d["ratio"].ravel(), s=4, alpha=0.5, label=r"Var$_q[p/q]$", color="tab:red")
-    ax.scatter(kl.ravel(), d["group_expectation"].ravel(), s=4, alpha=0.5,
-               label=r"Var$_q[p/E_q q]$", color="tab:blue")
+    ax.scatter(kl.ravel(), d["group_expectation"].ravel(), s=4, alpha=0.5, label=r"Var$_q[p/E_q q]$", color="tab:blue")
     ax.set_yscale("symlog", linthresh=1e-2)
     ax.set_xlabel("KL(p || q)")
     ax.set_ylabel("variance of the weight")
@@ -253,8 +257,14 @@ def draw_figure2(d: dict, family: str, path: Path, x_label: str, y_label: str):
 
     ax = axes[1, 0]
     lim = float(np.abs(diff).max())
-    im = ax.imshow(diff, origin="lower", extent=extent, cmap="RdBu_r",
-                   norm=SymLogNorm(linthresh=1e-2, vmin=-lim, vmax=lim), aspect="equal")
+    im = ax.imshow(
+        diff,
+        origin="lower",
+        extent=extent,
+        cmap="RdBu_r",
+        norm=SymLogNorm(linthresh=1e-2, vmin=-lim, vmax=lim),
+        aspect="equal",
+    )
     ax.contour(ax_vals, ax_vals, diff, levels=[0.0], colors="k", linewidths=1.0)
     fig.colorbar(im, ax=ax, label=r"Var$[p/q]$ - Var$[p/E_q q]$")
     ax.set_xlabel(x_label)
@@ -296,8 +306,9 @@ def draw_bias(pairs: dict, bias_stats: dict, path: Path):
     ax.scatter(kl[viol], b["bias"][viol], s=14, color="tab:red", marker="x", label="GEPO bias above the bound")
     ax.scatter(kl, b["gspo_bias"], s=6, color="tab:green", label="GSPO (p/q) bias = 0")
     fam = theorem2_counterexample_family(p.shape[1])
-    ax.plot(fam["kl"], fam["bias"], color="tab:red", lw=1.5,
-            label=f"p uniform, q=(1-d, d/{p.shape[1] - 1},..), A=1: bias")
+    ax.plot(
+        fam["kl"], fam["bias"], color="tab:red", lw=1.5, label=f"p uniform, q=(1-d, d/{p.shape[1] - 1},..), A=1: bias"
+    )
     ax.plot(fam["kl"], fam["paper_bound"], color="tab:red", lw=1.5, ls="--", label="... and its paper bound")
     ax.set_xlabel("KL(p || q)")
     ax.set_ylabel(r"$|E_p[A] - E_q[w A]|$")
@@ -367,13 +378,25 @@ def main(argv=None) -> int:
     pairs = random_pairs(args.pairs, args.support, rng)
     bias_stats = compute_bias_stats(pairs, args.group_size, args.groups, rng)
 
-    draw_figure2(bern, "Bernoulli p=Bern(a), q=Bern(b)", args.out / "figure2_bernoulli.png",
-                 "a  (p = Bern(a), learner)", "b  (q = Bern(b), sampler)")
-    draw_figure2(gauss, "Gaussian p=N(mu_p,1), q=N(mu_q,1)", args.out / "figure2_gaussian.png",
-                 "mu_q  (sampler)", "mu_p  (learner)")
+    draw_figure2(
+        bern,
+        "Bernoulli p=Bern(a), q=Bern(b)",
+        args.out / "figure2_bernoulli.png",
+        "a  (p = Bern(a), learner)",
+        "b  (q = Bern(b), sampler)",
+    )
+    draw_figure2(
+        gauss,
+        "Gaussian p=N(mu_p,1), q=N(mu_q,1)",
+        args.out / "figure2_gaussian.png",
+        "mu_q  (sampler)",
+        "mu_p  (learner)",
+    )
     draw_bias(pairs, bias_stats, args.out / "bias.png")
     print(summarise(bern, gauss, pairs, bias_stats))
-    print(f"wrote {', '.join(str(args.out / n) for n in ('figure2_bernoulli.png', 'figure2_gaussian.png', 'bias.png'))}")
+    print(
+        f"wrote {', '.join(str(args.out / n) for n in ('figure2_bernoulli.png', 'figure2_gaussian.png', 'bias.png'))}"
+    )
     return 0
 
 

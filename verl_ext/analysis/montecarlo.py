@@ -135,9 +135,7 @@ def _single_pair_draws(caller: str, p, q, advantage, n_samples: int, rng: np.ran
     return p, q, adv, float((q**2).sum()), y, x
 
 
-def mc_discrete_weight_variance(
-    p, q, n_samples: int, rng: np.random.Generator, advantage=None
-) -> dict:
+def mc_discrete_weight_variance(p, q, n_samples: int, rng: np.random.Generator, advantage=None) -> dict:
     """MC estimates of :func:`~verl_ext.analysis.variance.discrete_weight_variance` for one pair.
 
     Args: ``p, q`` shape ``(n,)``; ``advantage`` shape ``(n,)`` or ``None`` (``A = 1``).

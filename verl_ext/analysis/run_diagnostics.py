@@ -183,7 +183,9 @@ def error_summary(runs, labels) -> pd.DataFrame:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m verl_ext.analysis.run_diagnostics", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m verl_ext.analysis.run_diagnostics", description=__doc__.split("\n")[0]
+    )
     parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
     parser.add_argument("--out", required=True)
     parser.add_argument("--labels", nargs="+", default=None)

@@ -104,8 +104,10 @@ def correlation_table(corr: pd.DataFrame) -> str:
     names = list(dict.fromkeys(zip(corr["run"], corr["label"])))
     width = max([len(n) for _, n in names] + [8])
     col_w = [max(len(h), 16) for h in heads]
-    lines = ["Pearson correlation over steps, r [pairs]:",
-             "  " + " " * width + "  " + "  ".join(h.rjust(w) for h, w in zip(heads, col_w))]
+    lines = [
+        "Pearson correlation over steps, r [pairs]:",
+        "  " + " " * width + "  " + "  ".join(h.rjust(w) for h, w in zip(heads, col_w)),
+    ]
     for run, label in names:
         cells = []
         for (x, y), w in zip(pairs, col_w):
@@ -152,8 +154,9 @@ def _r_text(r: float) -> str:
     return "r=n/a" if math.isnan(r) else f"r={r:.3f}"
 
 
-def plot_scatter(runs: Sequence[Run], labels: Sequence[str], corr: pd.DataFrame, x: str, y: str,
-                 path: Path) -> Path | None:
+def plot_scatter(
+    runs: Sequence[Run], labels: Sequence[str], corr: pd.DataFrame, x: str, y: str, path: Path
+) -> Path | None:
     """Per-step points of ``y`` against ``x``, one colour per run, Pearson r per run and pooled
     (from ``corr``, see :func:`correlations`) in the legend. Returns None (nothing written)
     when no run logged both metrics."""
@@ -166,8 +169,15 @@ def plot_scatter(runs: Sequence[Run], labels: Sequence[str], corr: pd.DataFrame,
             xs, ys = paired(run.metrics, x, y)
             if xs.size == 0:
                 continue
-            ax.scatter(xs, ys, s=8, alpha=0.6, color=c, edgecolors="none",
-                       label=f"{label} ({_r_text(sub.loc[i, 'r'])}, n={xs.size})")
+            ax.scatter(
+                xs,
+                ys,
+                s=8,
+                alpha=0.6,
+                color=c,
+                edgecolors="none",
+                label=f"{label} ({_r_text(sub.loc[i, 'r'])}, n={xs.size})",
+            )
             drawn += 1
         if not drawn:
             return None

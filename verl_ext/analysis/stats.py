@@ -120,8 +120,7 @@ def mde(sd: float, n: int, alpha: float = 0.05, power: float = 0.8) -> float:
         raise ValueError(f"power={power} must exceed alpha={alpha}")
     t_test_power(0.0, sd, n, alpha)  # validates sd and n
     approx = (stats.t.ppf(1 - alpha / 2, n - 1) + stats.t.ppf(power, n - 1)) * sd / math.sqrt(n)
-    return float(optimize.brentq(lambda e: t_test_power(e, sd, n, alpha) - power, 0.0, 3 * approx,
-                                 xtol=1e-12 * sd))  # fmt: skip
+    return float(optimize.brentq(lambda e: t_test_power(e, sd, n, alpha) - power, 0.0, 3 * approx, xtol=1e-12 * sd))
 
 
 def binomial_eval_sd(accuracy: float, problems: int, samples: int = 1, evaluations: int = 1) -> float:

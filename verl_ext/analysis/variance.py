@@ -63,9 +63,7 @@ def _open_unit(name: str, x) -> np.ndarray:
     bad = ~((arr > 0.0) & (arr < 1.0))  # also catches NaN
     if bad.any():
         where = _first_bad(bad)
-        raise ValueError(
-            f"{name} must lie strictly inside (0, 1); got {name}{where} = {float(arr[bad].flat[0])!r}"
-        )
+        raise ValueError(f"{name} must lie strictly inside (0, 1); got {name}{where} = {float(arr[bad].flat[0])!r}")
     return arr
 
 

@@ -101,7 +101,9 @@ class RayMailboxCheckpointEngine(CheckpointEngine):
     def init_process_group(self, role: str, key: str) -> None:
         self.role, self.key = role, key
 
-    async def send_weights(self, weights: Generator[tuple[str, torch.Tensor], None, None], global_steps: int | None = None):
+    async def send_weights(
+        self, weights: Generator[tuple[str, torch.Tensor], None, None], global_steps: int | None = None
+    ):
         start = time.perf_counter()
         named: dict[str, torch.Tensor] = {}
         async for name, tensor in ensure_async_iterator(weights):  # every rank: FSDP gathers collectively

@@ -146,8 +146,22 @@ TORCH_ON_CPU = ModuleType("torch", torch.__doc__)
 changed): ``cuda`` is :class:`_CudaOnCPU`, and tensor factories map a CUDA ``device=`` to the CPU."""
 TORCH_ON_CPU.__dict__.update(torch.__dict__)
 TORCH_ON_CPU.cuda = _CudaOnCPU("torch.cuda")
-for _name in ("tensor", "as_tensor", "zeros", "ones", "empty", "full", "arange", "zeros_like", "ones_like",
-              "empty_like", "full_like", "rand", "randn", "randint"):  # fmt: skip
+for _name in (
+    "tensor",
+    "as_tensor",
+    "zeros",
+    "ones",
+    "empty",
+    "full",
+    "arange",
+    "zeros_like",
+    "ones_like",
+    "empty_like",
+    "full_like",
+    "rand",
+    "randn",
+    "randint",
+):
     setattr(TORCH_ON_CPU, _name, _factory_on_cpu(getattr(torch, _name)))
 
 
@@ -284,8 +298,10 @@ def _patch_local_layer_spec(module: Any) -> None:
     _wrap(module, "get_gpt_decoder_block_spec", lambda spec: partial(_local_spec, spec))
 
 
-LOCAL_SPEC_NORMS = {"input_layernorm.weight": "input_layernorm.weight",
-                    "pre_mlp_layernorm.weight": "post_attention_layernorm.weight"}  # fmt: skip
+LOCAL_SPEC_NORMS = {
+    "input_layernorm.weight": "input_layernorm.weight",
+    "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
+}
 
 
 def _patch_local_norm_names(module: Any) -> None:

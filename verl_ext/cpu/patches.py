@@ -102,9 +102,12 @@ def _patch_valuehead_attention(module: Any) -> None:
 
         try:
             return AutoModelForTokenClassification.from_pretrained(
-                pretrained_model_name_or_path=local_path, torch_dtype=torch_dtype, config=model_config,
-                attn_implementation="sdpa", trust_remote_code=trust_remote_code,
-            )  # fmt: skip
+                pretrained_model_name_or_path=local_path,
+                torch_dtype=torch_dtype,
+                config=model_config,
+                attn_implementation="sdpa",
+                trust_remote_code=trust_remote_code,
+            )
         except (ValueError, OSError, KeyError):
             return load(local_path, torch_dtype, model_config, trust_remote_code)
 

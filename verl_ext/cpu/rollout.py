@@ -63,17 +63,25 @@ def worker_placement() -> dict[str, Any]:
         return {"device": "cpu", "visible_key": None, "visible_devices": None, "ray_noset": []}
     platform = get_platform()
     key = platform.visible_devices_envvar()
-    return {"device": f"{name}:{int(get_device_id())}", "visible_key": key, "visible_devices": os.environ.get(key),
-            "ray_noset": list(platform.ray_noset_envvars())}  # fmt: skip
+    return {
+        "device": f"{name}:{int(get_device_id())}",
+        "visible_key": key,
+        "visible_devices": os.environ.get(key),
+        "ray_noset": list(platform.ray_noset_envvars()),
+    }
 
 
-def server_device(device: str, visible_key: Optional[str] = None, visible_devices: Optional[str] = None) -> torch.device:
+def server_device(
+    device: str, visible_key: Optional[str] = None, visible_devices: Optional[str] = None
+) -> torch.device:
     """The rollout server's device for ``device`` (:func:`worker_placement`'s): the CPU, or a CUDA
     device this process must see (``visible_devices``, the worker's, is made this process's
     ``visible_key`` first, before CUDA starts here). Anything else is refused, naming it."""
     kind = str(device).split(":", 1)[0]
     if kind not in ("cpu", "cuda"):
-        raise ValueError(f"rollout.name=hf_cpu: the replica's workers are on {device!r}; its server runs on cpu or cuda only")
+        raise ValueError(
+            f"rollout.name=hf_cpu: the replica's workers are on {device!r}; its server runs on cpu or cuda only"
+        )
     dev = torch.device(device)
     if dev.type == "cpu":
         return dev
@@ -110,8 +118,17 @@ class HFCPUServer:
             replica passes its workers' :func:`worker_placement`); ``cpu`` by default.
     """
 
-    def __init__(self, config: Any, model_config: Any, replica_rank: int = 0, node_rank: int = 0, device: str = "cpu",
-                 visible_key: Optional[str] = None, visible_devices: Optional[str] = None, **_: Any):  # fmt: skip
+    def __init__(
+        self,
+        config: Any,
+        model_config: Any,
+        replica_rank: int = 0,
+        node_rank: int = 0,
+        device: str = "cpu",
+        visible_key: Optional[str] = None,
+        visible_devices: Optional[str] = None,
+        **_: Any,
+    ):
         from transformers import AutoModelForCausalLM
         from verl.utils.config import omega_conf_to_dataclass
         from verl.workers.config import HFModelConfig, RolloutConfig
@@ -241,7 +258,11 @@ class HFCPUServer:
         missing = sorted(set(own) - set(named_tensors) - tied)
         if missing:
             raise KeyError(f"weight update lacks parameters of the rollout model: {missing[:5]}")
-        misshapen = [f"{n}: {tuple(t.shape)} for {tuple(own[n].shape)}" for n, t in named_tensors.items() if t.shape != own[n].shape]
+        misshapen = [
+            f"{n}: {tuple(t.shape)} for {tuple(own[n].shape)}"
+            for n, t in named_tensors.items()
+            if t.shape != own[n].shape
+        ]
         if misshapen:  # checked before any copy: a broadcast or a half-applied update would be silent
             raise ValueError(f"weight update has tensors of the wrong shape: {misshapen[:5]}")
         lock = self._model_lock or asyncio.Lock()
@@ -301,25 +322,41 @@ class HFCPUReplica(RolloutReplica):
 
     async def launch_servers(self) -> None:
         if len(self.workers) != self.world_size:
-            raise RuntimeError(f"hf_cpu replica {self.replica_rank}: {len(self.workers)} workers, expected {self.world_size}")
+            raise RuntimeError(
+                f"hf_cpu replica {self.replica_rank}: {len(self.workers)} workers, expected {self.world_size}"
+            )
         infos = await asyncio.gather(
-            *[w.__ray_call__.remote(lambda self: (ray.get_runtime_context().get_node_id(), worker_placement()))
-              for w in self.workers]
-        )  # fmt: skip
+            *[
+                w.__ray_call__.remote(lambda self: (ray.get_runtime_context().get_node_id(), worker_placement()))
+                for w in self.workers
+            ]
+        )
         server_cls = ray.remote(HFCPUServer)
         for node_rank in range(self.nnodes):
             node_id, placement = infos[node_rank * self.gpus_per_replica_node]
             # on an accelerator: Ray must leave the worker's visible devices to the server (as for vLLM's)
-            env = {"runtime_env": {"env_vars": {v: "1" for v in placement["ray_noset"]}}} if placement["ray_noset"] else {}
+            env = (
+                {"runtime_env": {"env_vars": {v: "1" for v in placement["ray_noset"]}}}
+                if placement["ray_noset"]
+                else {}
+            )
             server = server_cls.options(
-                scheduling_strategy=ray.util.scheduling_strategies.NodeAffinitySchedulingStrategy(node_id=node_id, soft=False),
+                scheduling_strategy=ray.util.scheduling_strategies.NodeAffinitySchedulingStrategy(
+                    node_id=node_id, soft=False
+                ),
                 name=server_name(self.replica_rank, node_rank, self.name_suffix),
                 max_concurrency=self.max_concurrency,
                 num_cpus=0,
                 **env,
-            ).remote(config=self.config, model_config=self.model_config, replica_rank=self.replica_rank, node_rank=node_rank,
-                     device=placement["device"], visible_key=placement["visible_key"],
-                     visible_devices=placement["visible_devices"])  # fmt: skip
+            ).remote(
+                config=self.config,
+                model_config=self.model_config,
+                replica_rank=self.replica_rank,
+                node_rank=node_rank,
+                device=placement["device"],
+                visible_key=placement["visible_key"],
+                visible_devices=placement["visible_devices"],
+            )
             self.servers.append(server)
         await asyncio.gather(*[s.status.remote() for s in self.servers])  # loaded and answering
         self._server_handle = self.servers[0]
@@ -336,7 +373,11 @@ class HFCPUServerAdapter(BaseRollout):
     def __init__(self, config: Any, model_config: Any, device_mesh: Any = None, replica_rank: int = -1, **kwargs: Any):
         super().__init__(config, model_config, device_mesh)
         rank = int(os.environ.get("RANK", "0"))
-        world = self.config.tensor_model_parallel_size * self.config.data_parallel_size * self.config.pipeline_model_parallel_size
+        world = (
+            self.config.tensor_model_parallel_size
+            * self.config.data_parallel_size
+            * self.config.pipeline_model_parallel_size
+        )
         self.replica_rank = rank // world if replica_rank == -1 else replica_rank
         self.rollout_rank = rank % world
         self.is_leader_rank = self.rollout_rank == 0
@@ -361,7 +402,9 @@ class HFCPUServerAdapter(BaseRollout):
         **kwargs: Any,
     ) -> None:
         if wire_format != "named_tensors":
-            raise NotImplementedError(f"rollout.name=hf_cpu takes full weights (wire_format named_tensors), got {wire_format!r}")
+            raise NotImplementedError(
+                f"rollout.name=hf_cpu takes full weights (wire_format named_tensors), got {wire_format!r}"
+            )
         named: dict[str, torch.Tensor] = {}
         async for name, tensor in ensure_async_iterator(weights):
             if self.is_leader_rank:

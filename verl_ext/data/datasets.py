@@ -273,7 +273,15 @@ def _load_math500(path, limit):
     for i, row in enumerate(load_jsonl(file)):
         where = f"{file} row {i}"
         meta = {k: row[k] for k in ("subject", "level", "unique_id") if k in row}
-        out.append(_record("math500", i, _get_field(row, "problem", where), _answer_str(_get_field(row, "answer", where), where), meta))
+        out.append(
+            _record(
+                "math500",
+                i,
+                _get_field(row, "problem", where),
+                _answer_str(_get_field(row, "answer", where), where),
+                meta,
+            )
+        )
         if limit is not None and len(out) >= limit:
             break
     return out
@@ -306,7 +314,9 @@ def _load_math_train(path, limit, levels=(3, 4, 5), include_test_split=False):
     exclude: set[str] = set()
     if include_test_split:
         if path is not None:
-            raise ValueError("include_test_split=True uses the packaged MATH test file; it cannot be combined with path=")
+            raise ValueError(
+                "include_test_split=True uses the packaged MATH test file; it cannot be combined with path="
+            )
         files.append(("test", _packaged("math/test.jsonl", None)))
         exclude = {r["problem"] for r in load_jsonl(_packaged("math_oai/test.jsonl", None))}
     return _math_rows("math_train", files, levels, exclude, limit)

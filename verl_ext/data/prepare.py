@@ -128,10 +128,14 @@ def prepare_math_assets(
         if not records:
             raise ValueError(f"task.{name} with options {options} selects no problem: loosen the filters")
     settings = {
-        "dataset": dataset, "dataset_options": dataset_options, "dataset_path": str(dataset_path or ""),
-        "eval_dataset": eval_dataset, "eval_dataset_options": eval_dataset_options, "eval_size": eval_size,
+        "dataset": dataset,
+        "dataset_options": dataset_options,
+        "dataset_path": str(dataset_path or ""),
+        "eval_dataset": eval_dataset,
+        "eval_dataset_options": eval_dataset_options,
+        "eval_size": eval_size,
         "template": template,
-    }  # fmt: skip
+    }
     folder = Path(out_dir) / f"{dataset}-{template}-{settings_key(settings)}"
     train_file = write_verl_parquet(train, folder / "train.parquet", template=template, split="train")
     val_file = write_verl_parquet(val, folder / "val.parquet", template=template, split="test")
@@ -153,12 +157,20 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m verl_ext.data.prepare", description=__doc__.split("\n\n")[0])
     parser.add_argument("--dataset", required=True, choices=BENCHMARKS, help="benchmark name")
     parser.add_argument("--out", required=True, help="output .parquet path")
-    parser.add_argument("--template", default=None, choices=TEMPLATES, help="prompt template (default: qwen3_think; toy: toy)")
-    parser.add_argument("--path", default=None, help="data file or folder (aime24/aime25/amc23; overrides packaged files)")
+    parser.add_argument(
+        "--template", default=None, choices=TEMPLATES, help="prompt template (default: qwen3_think; toy: toy)"
+    )
+    parser.add_argument(
+        "--path", default=None, help="data file or folder (aime24/aime25/amc23; overrides packaged files)"
+    )
     parser.add_argument("--limit", type=int, default=None, help="keep the first N problems")
-    parser.add_argument("--split", default=None, help="split name stored in extra_info (default: train for math_train, else test)")
+    parser.add_argument(
+        "--split", default=None, help="split name stored in extra_info (default: train for math_train, else test)"
+    )
     parser.add_argument("--levels", type=_levels, default=None, help="math_train/math_test: MATH levels, e.g. 3,4,5")
-    parser.add_argument("--include-test-split", action="store_true", help="math_train: add MATH test problems not in MATH500")
+    parser.add_argument(
+        "--include-test-split", action="store_true", help="math_train: add MATH test problems not in MATH500"
+    )
     parser.add_argument("--gsm8k-split", default=None, choices=("train", "test"), help="gsm8k: which split to load")
     parser.add_argument("--digits", type=int, default=None, help="toy: operand digits")
     parser.add_argument("--n", type=int, default=None, help="toy: number of problems")

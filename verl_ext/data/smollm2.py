@@ -81,8 +81,11 @@ def _fix_special_tokens(tokenizer, config) -> None:
     while the GGUF's own metadata (``tokenizer.ggml.eos_token_id`` = ``padding_token_id`` = 2) and
     the model's config say ``<|im_end|>``, the token ChatML turns end with: generation would run past
     the end of the assistant's turn. Set bos/eos/pad from the config's ids."""
-    for attr, token_id in (("bos_token", config.bos_token_id), ("eos_token", config.eos_token_id),
-                           ("pad_token", config.pad_token_id)):  # fmt: skip
+    for attr, token_id in (
+        ("bos_token", config.bos_token_id),
+        ("eos_token", config.eos_token_id),
+        ("pad_token", config.pad_token_id),
+    ):
         if token_id is not None:
             setattr(tokenizer, attr, tokenizer.convert_ids_to_tokens(int(token_id)))
 

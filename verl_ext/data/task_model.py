@@ -32,10 +32,17 @@ def resolve_task_model(model_path: str, task: Any, seed: int) -> str:
         return str(prepare_smollm2(str(task.cache_dir)))
     steps = getattr(task, "warm_start_steps", None)
     if model_path and steps is not None:  # the given model is trained as is: no warm start is made
-        raise ValueError(f"task.warm_start_steps={steps!r} sets the toy warm start's steps, but "
-                         f"actor_rollout_ref.model.path={model_path!r} is given and trained as is: "
-                         "leave task.warm_start_steps null or the model path empty")  # fmt: skip
+        raise ValueError(
+            f"task.warm_start_steps={steps!r} sets the toy warm start's steps, but "
+            f"actor_rollout_ref.model.path={model_path!r} is given and trained as is: "
+            "leave task.warm_start_steps null or the model path empty"
+        )
     return resolve_toy_model(
-        str(model_path or ""), str(task.name), cache_dir=str(task.cache_dir), digits=int(task.digits), seed=int(seed),
-        answer_format=str(getattr(task, "answer_format", "short")), steps=steps,
-    )  # fmt: skip
+        str(model_path or ""),
+        str(task.name),
+        cache_dir=str(task.cache_dir),
+        digits=int(task.digits),
+        seed=int(seed),
+        answer_format=str(getattr(task, "answer_format", "short")),
+        steps=steps,
+    )

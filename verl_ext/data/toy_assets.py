@@ -99,8 +99,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--answer-format", default="short", choices=ANSWER_FORMATS, help="short sums or scratchpad")
     parser.add_argument("--print-overrides", action="store_true", help="print verl hydra overrides for the files")
     args = parser.parse_args(argv)
-    assets = prepare_toy_assets(args.out, args.digits, args.n_train, args.n_val, args.seed, args.warm_start,
-                                answer_format=args.answer_format)
+    assets = prepare_toy_assets(
+        args.out, args.digits, args.n_train, args.n_val, args.seed, args.warm_start, answer_format=args.answer_format
+    )
     if args.print_overrides:
         print(
             f"actor_rollout_ref.model.path={assets.model_path} data.train_files={assets.train_file} "

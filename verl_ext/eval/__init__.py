@@ -4,6 +4,7 @@ Entry points: ``python -m recipe.gepo.evaluate`` and ``python -m verl_ext.eval.r
 (see docs/evaluation.md). Names are imported lazily so ``python -m verl_ext.eval.report`` runs
 its module only once.
 """
+
 from __future__ import annotations
 
 import importlib

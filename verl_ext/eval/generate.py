@@ -17,6 +17,7 @@ an option vLLM would ignore is refused naming the key and value, before anything
 Models load from an HF folder or a GGUF file (``model_path=/dir/model.gguf``, or a folder
 holding exactly one ``.gguf`` and no ``config.json``); GGUF weights are dequantised.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -148,8 +149,15 @@ class HFGenerator:
 
     engine = "hf"
 
-    def __init__(self, model, tokenizer, params: SamplingParams, batch_size: int = 16,
-                 add_special_tokens: bool | None = None, show_progress: bool = True):
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        params: SamplingParams,
+        batch_size: int = 16,
+        add_special_tokens: bool | None = None,
+        show_progress: bool = True,
+    ):
         if batch_size < 1:
             raise ValueError(f"batch_size={batch_size} must be >= 1")
         self.model, self.tokenizer, self.params = model, tokenizer, params
@@ -162,8 +170,16 @@ class HFGenerator:
         self.pad_id = tokenizer.pad_token_id
 
     @classmethod
-    def from_path(cls, model_path, params: SamplingParams, batch_size: int = 16, dtype: str = "float32",
-                  device: str = "auto", tokenizer_path=None, **kw) -> HFGenerator:
+    def from_path(
+        cls,
+        model_path,
+        params: SamplingParams,
+        batch_size: int = 16,
+        dtype: str = "float32",
+        device: str = "auto",
+        tokenizer_path=None,
+        **kw,
+    ) -> HFGenerator:
         model, tok = load_model_and_tokenizer(model_path, dtype=dtype, device=device, tokenizer_path=tokenizer_path)
         return cls(model, tok, params, batch_size=batch_size, **kw)
 
@@ -196,13 +212,21 @@ class HFGenerator:
         device = next(self.model.parameters()).device
         with tqdm(total=len(rows), desc=desc, unit="seq", disable=not self.show_progress, leave=False) as bar:
             for b, start in enumerate(range(0, len(rows), self.batch_size)):
-                batch = rows[start:start + self.batch_size]
+                batch = rows[start : start + self.batch_size]
                 enc = self._encode([prompts[i] for i, _ in batch]).to(device)
                 gen = generate(
-                    self.model, enc["input_ids"], enc["attention_mask"], max_new_tokens=p.max_new_tokens,
-                    eos_token_ids=self.stop_ids, pad_token_id=self.pad_id, temperature=p.temperature,
-                    top_p=p.top_p, top_k=p.top_k, seed=int(seed) + b, with_log_q=False,
-                )  # fmt: skip
+                    self.model,
+                    enc["input_ids"],
+                    enc["attention_mask"],
+                    max_new_tokens=p.max_new_tokens,
+                    eos_token_ids=self.stop_ids,
+                    pad_token_id=self.pad_id,
+                    temperature=p.temperature,
+                    top_p=p.top_p,
+                    top_k=p.top_k,
+                    seed=int(seed) + b,
+                    with_log_q=False,
+                )
                 lengths = eos_mask(gen.tokens, self.stop_ids).sum(dim=-1).tolist()  # up to and including the stop
                 for r, (i, j) in enumerate(batch):
                     n_tok = lengths[r]
@@ -222,8 +246,15 @@ def vllm_available() -> bool:
 _VLLM_DEVICES = ("auto", "cuda", "cuda:0")
 
 
-def check_engine_options(engine: str, *, tokenizer_path=None, dtype: str = "float32", device: str = "auto",
-                         batch_size: int = 16, samples_per_problem: int | None = None) -> None:
+def check_engine_options(
+    engine: str,
+    *,
+    tokenizer_path=None,
+    dtype: str = "float32",
+    device: str = "auto",
+    batch_size: int = 16,
+    samples_per_problem: int | None = None,
+) -> None:
     """Refuse, naming the key and value, an option ``engine`` (``hf`` or ``vllm``) would not
     honour. Pure: imports neither vLLM nor a model, so it runs at start.
 
@@ -297,8 +328,16 @@ class VLLMGenerator:
 
     engine = "vllm"
 
-    def __init__(self, model_path, params: SamplingParams, dtype: str = "bfloat16", seed: int = 0,
-                 tokenizer_path=None, show_progress: bool = True, **llm_kw):
+    def __init__(
+        self,
+        model_path,
+        params: SamplingParams,
+        dtype: str = "bfloat16",
+        seed: int = 0,
+        tokenizer_path=None,
+        show_progress: bool = True,
+        **llm_kw,
+    ):
         kw = vllm_llm_kwargs(model_path, dtype=dtype, seed=seed, tokenizer_path=tokenizer_path)
         if not vllm_available():
             raise ImportError("engine=vllm but the 'vllm' package is not importable")
@@ -313,26 +352,58 @@ class VLLMGenerator:
         from vllm import SamplingParams as VSP
 
         p = self.params
-        sp = VSP(n=n, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k if p.top_k > 0 else -1,
-                 max_tokens=p.max_new_tokens, seed=int(seed))
+        sp = VSP(
+            n=n,
+            temperature=p.temperature,
+            top_p=p.top_p,
+            top_k=p.top_k if p.top_k > 0 else -1,
+            max_tokens=p.max_new_tokens,
+            seed=int(seed),
+        )
         results = self.llm.generate(list(prompts), sp, use_tqdm=self.show_progress)
         return [
-            [Completion(text=o.text, n_tokens=len(o.token_ids), truncated=o.finish_reason == "length") for o in r.outputs]
+            [
+                Completion(text=o.text, n_tokens=len(o.token_ids), truncated=o.finish_reason == "length")
+                for o in r.outputs
+            ]
             for r in results
         ]
 
 
-def make_generator(engine: str, model_path, params: SamplingParams, batch_size: int = 16, dtype: str = "float32",
-                   device: str = "auto", tokenizer_path=None, seed: int = 0, show_progress: bool = True,
-                   samples_per_problem: int | None = None):
+def make_generator(
+    engine: str,
+    model_path,
+    params: SamplingParams,
+    batch_size: int = 16,
+    dtype: str = "float32",
+    device: str = "auto",
+    tokenizer_path=None,
+    seed: int = 0,
+    show_progress: bool = True,
+    samples_per_problem: int | None = None,
+):
     """``engine``: ``hf``, ``vllm``, or ``auto`` (see :func:`resolve_engine`). Every option reaches
     the engine or is refused (:func:`check_engine_options`) before vLLM is imported."""
-    engine = resolve_engine(engine, tokenizer_path=tokenizer_path, dtype=dtype, device=device,
-                            batch_size=batch_size, samples_per_problem=samples_per_problem)  # fmt: skip
+    engine = resolve_engine(
+        engine,
+        tokenizer_path=tokenizer_path,
+        dtype=dtype,
+        device=device,
+        batch_size=batch_size,
+        samples_per_problem=samples_per_problem,
+    )
     if dtype == "auto":  # the documented rule for both engines (vLLM's own "auto" would be the checkpoint's)
         dtype = "bfloat16" if torch.cuda.is_available() and str(device) != "cpu" else "float32"
     if engine == "vllm":
-        return VLLMGenerator(model_path, params, dtype=dtype, seed=seed, tokenizer_path=tokenizer_path,
-                             show_progress=show_progress)  # fmt: skip
-    return HFGenerator.from_path(model_path, params, batch_size=batch_size, dtype=dtype, device=device,
-                                 tokenizer_path=tokenizer_path, show_progress=show_progress)
+        return VLLMGenerator(
+            model_path, params, dtype=dtype, seed=seed, tokenizer_path=tokenizer_path, show_progress=show_progress
+        )
+    return HFGenerator.from_path(
+        model_path,
+        params,
+        batch_size=batch_size,
+        dtype=dtype,
+        device=device,
+        tokenizer_path=tokenizer_path,
+        show_progress=show_progress,
+    )

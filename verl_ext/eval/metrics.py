@@ -11,6 +11,7 @@ Definitions (per problem with ``n`` samples of which ``c`` are correct):
 Benchmark scores are macro averages over problems; the cross-benchmark "Avg" is a macro
 average over benchmarks (each benchmark weighs the same, as in the paper's table).
 """
+
 from __future__ import annotations
 
 import math
@@ -141,9 +142,7 @@ def group_records(records: Iterable[Mapping]) -> dict[str, dict[str, ProblemResu
     return out
 
 
-def benchmark_metrics(
-    name: str, problems: Sequence[ProblemResult], pass_ks: Sequence[int] = ()
-) -> BenchmarkMetrics:
+def benchmark_metrics(name: str, problems: Sequence[ProblemResult], pass_ks: Sequence[int] = ()) -> BenchmarkMetrics:
     """mean@n and pass@k of one benchmark (macro average over problems).
 
     All problems must have the same number of samples ``n``; every ``k`` in ``pass_ks``
@@ -162,9 +161,7 @@ def benchmark_metrics(
         if not 1 <= int(k) <= n:
             raise ValueError(f"pass_ks: k={k} must be in [1, samples_per_problem={n}]")
     mean = sum(mean_at_k(p.accs) for p in problems) / len(problems)
-    pass_at = {
-        int(k): sum(pass_at_k(n, p.c, int(k)) for p in problems) / len(problems) for k in pass_ks
-    }
+    pass_at = {int(k): sum(pass_at_k(n, p.c, int(k)) for p in problems) / len(problems) for k in pass_ks}
     errors = Counter(str(e) for p in problems for e in p.errors if e)
     return BenchmarkMetrics(
         benchmark=name,
@@ -178,9 +175,7 @@ def benchmark_metrics(
     )
 
 
-def summarize(
-    records: Iterable[Mapping], pass_ks: Sequence[int] = (), benchmarks: Sequence[str] | None = None
-) -> dict:
+def summarize(records: Iterable[Mapping], pass_ks: Sequence[int] = (), benchmarks: Sequence[str] | None = None) -> dict:
     """Per-benchmark metrics and their macro average over benchmarks, from per-sample records.
 
     Returns ``{"benchmarks": {name: BenchmarkMetrics.to_dict()}, "average": {...}}``. The

@@ -26,6 +26,7 @@ CLI::
     python -m verl_ext.eval.report GEPO=runs/gepo/history.jsonl GRPO=runs/grpo/history.jsonl \\
         --benchmarks amc23,aime24,aime25,math500 --out best_last.md --json best_last.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -166,8 +167,7 @@ def _best_last_series(series: list[tuple[int, float]]) -> dict:
         if v > best:  # earliest step wins ties
             best_step, best = step, v
     last_step, last = series[-1]
-    return {"best": best, "best_step": best_step, "last": last, "last_step": last_step,
-            "n_evals": len(series)}
+    return {"best": best, "best_step": best_step, "last": last, "last_step": last_step, "n_evals": len(series)}
 
 
 def best_last(history: Sequence[EvalPoint], benchmarks: Sequence[str] | None = None) -> dict:
@@ -190,10 +190,7 @@ def best_last(history: Sequence[EvalPoint], benchmarks: Sequence[str] | None = N
         unknown = [b for b in benchmarks if b not in seen]
         if unknown:
             raise ValueError(f"benchmark(s) {unknown} never evaluated in this history; have {seen}")
-    per = {
-        b: _best_last_series([(p.step, float(p.scores[b])) for p in pts if b in p.scores])
-        for b in benchmarks
-    }
+    per = {b: _best_last_series([(p.step, float(p.scores[b])) for p in pts if b in p.scores]) for b in benchmarks}
     avg_series = [
         (p.step, sum(float(p.scores[b]) for b in benchmarks) / len(benchmarks))
         for p in pts
@@ -246,9 +243,13 @@ def best_last_table(
 
 def main(argv: Sequence[str] | None = None) -> str:
     ap = argparse.ArgumentParser(prog="python -m verl_ext.eval.report", description=__doc__.split("\n")[0])
-    ap.add_argument("runs", nargs="+", help="LABEL=PATH[,PATH...] (a history jsonl, a verl file-logger "
-                    "jsonl, summary.json files, or a training run directory); a bare PATH uses its "
-                    "folder's name as label")
+    ap.add_argument(
+        "runs",
+        nargs="+",
+        help="LABEL=PATH[,PATH...] (a history jsonl, a verl file-logger "
+        "jsonl, summary.json files, or a training run directory); a bare PATH uses its "
+        "folder's name as label",
+    )
     ap.add_argument("--benchmarks", default=None, help="comma-separated, e.g. amc23,aime24,aime25,math500")
     ap.add_argument("--scale", type=float, default=100.0, help="multiply accuracies (100 = percent)")
     ap.add_argument("--digits", type=int, default=1)

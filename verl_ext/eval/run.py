@@ -20,6 +20,7 @@ Writes to ``output_dir``:
 
 Every field is documented in :class:`EvalConfig` (mirrors the recipe's ``config/evaluate.yaml``).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -53,8 +54,19 @@ SUMMARY_MD = "summary.md"
 
 #: fields whose change makes existing records incompatible (checked on resume)
 _FINGERPRINT_FIELDS = (
-    "model_path", "tokenizer_path", "template", "samples_per_problem", "temperature", "top_p",
-    "top_k", "max_new_tokens", "seed", "toy_digits", "toy_seed", "toy_answer_format", "reward_kwargs",
+    "model_path",
+    "tokenizer_path",
+    "template",
+    "samples_per_problem",
+    "temperature",
+    "top_p",
+    "top_k",
+    "max_new_tokens",
+    "seed",
+    "toy_digits",
+    "toy_seed",
+    "toy_answer_format",
+    "reward_kwargs",
 )
 #: fingerprint fields added after run_config.json files were first written: their value when a file lacks them
 _FINGERPRINT_DEFAULTS = {"toy_answer_format": "short"}
@@ -137,7 +149,9 @@ class EvalConfig:
         from verl_ext.data.templates import check_template
 
         if self.template == "toy" and any(b != "toy" for b in self.benchmarks):
-            raise ValueError("template='toy' is only for the toy benchmark; math benchmarks need a chat or plain template")
+            raise ValueError(
+                "template='toy' is only for the toy benchmark; math benchmarks need a chat or plain template"
+            )
         check_template(self.template)
         if self.samples_per_problem < 1:
             raise ValueError(f"samples_per_problem={self.samples_per_problem} must be >= 1")
@@ -145,7 +159,9 @@ class EvalConfig:
             raise ValueError(f"limit={self.limit} must be >= 1 or null")
         for k in self.pass_ks or []:
             if not 1 <= int(k) <= self.samples_per_problem:
-                raise ValueError(f"pass_ks contains k={k}; need 1 <= k <= samples_per_problem={self.samples_per_problem}")
+                raise ValueError(
+                    f"pass_ks contains k={k}; need 1 <= k <= samples_per_problem={self.samples_per_problem}"
+                )
         if self.engine not in ("auto", "hf", "vllm"):
             raise ValueError(f"engine={self.engine!r} unknown; choose auto, hf or vllm")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
@@ -156,8 +172,14 @@ class EvalConfig:
             # at start, before any model or vLLM import: an option the engine would ignore is refused
             from verl_ext.eval.generate import check_engine_options
 
-            check_engine_options(self.engine, tokenizer_path=self.tokenizer_path, dtype=self.dtype, device=self.device,
-                                 batch_size=self.batch_size, samples_per_problem=self.samples_per_problem)
+            check_engine_options(
+                self.engine,
+                tokenizer_path=self.tokenizer_path,
+                dtype=self.dtype,
+                device=self.device,
+                batch_size=self.batch_size,
+                samples_per_problem=self.samples_per_problem,
+            )
         if self.history_file and self.step is None:
             raise ValueError("history_file is set but step is not: pass step=<training step>")
         from verl_ext.data.toy.problems import ANSWER_FORMATS
@@ -273,7 +295,9 @@ def _check_run_config(out: Path, cfg: EvalConfig) -> None:
 # scoring
 
 
-def score_samples(data_source: str, responses: Sequence[str], answers: Sequence[Any], reward_kwargs: Mapping) -> list[dict]:
+def score_samples(
+    data_source: str, responses: Sequence[str], answers: Sequence[Any], reward_kwargs: Mapping
+) -> list[dict]:
     """Score responses of one ``data_source`` with the reward the registry picks for it
     (:func:`verl_ext.rewards.dispatch.score_batch`: ``toy_add<d>`` the toy reward,
     ``toy_add<d>_scratch`` the scratchpad reward, anything else the math reward, verified in
@@ -326,13 +350,15 @@ def build_summary(records: Sequence[Mapping], cfg: EvalConfig) -> dict:
     summ = summarize(wanted, pass_ks=cfg.ks, benchmarks=names)
     for b, st in _response_stats(wanted, names).items():
         summ["benchmarks"][b].update(st)
-    summ.update({
-        "model_path": cfg.fingerprint()["model_path"],
-        "step": cfg.step,
-        "samples_per_problem": cfg.samples_per_problem,
-        "sampling": {k: getattr(cfg, k) for k in ("temperature", "top_p", "top_k", "max_new_tokens", "seed")},
-        "template": cfg.template,
-    })
+    summ.update(
+        {
+            "model_path": cfg.fingerprint()["model_path"],
+            "step": cfg.step,
+            "samples_per_problem": cfg.samples_per_problem,
+            "sampling": {k: getattr(cfg, k) for k in ("temperature", "top_p", "top_k", "max_new_tokens", "seed")},
+            "template": cfg.template,
+        }
+    )
     return summ
 
 
@@ -341,8 +367,11 @@ def summary_markdown(summary: Mapping, digits: int = 1) -> str:
     n = summary["samples_per_problem"]
     first = next(iter(summary["benchmarks"].values()))
     pks = sorted(int(k.split("@")[1]) for k in first if k.startswith("pass@"))
-    head = ["Benchmark", "Problems", f"mean@{n}"] + [f"pass@{k}" for k in pks] + [
-        "Correct", "No answer", "Scoring errors", "Mean tokens", "Truncated"]
+    head = (
+        ["Benchmark", "Problems", f"mean@{n}"]
+        + [f"pass@{k}" for k in pks]
+        + ["Correct", "No answer", "Scoring errors", "Mean tokens", "Truncated"]
+    )
     lines = ["| " + " | ".join(head) + " |", "|---|" + "|".join(["---:"] * (len(head) - 1)) + "|"]
     pct = lambda v: f"{100 * v:.{digits}f}"  # noqa: E731
     from verl_ext.eval.report import DISPLAY_NAMES
@@ -350,8 +379,13 @@ def summary_markdown(summary: Mapping, digits: int = 1) -> str:
     for b, m in summary["benchmarks"].items():
         row = [DISPLAY_NAMES.get(b, b), str(m["n_problems"]), pct(m[f"mean@{n}"])]
         row += [pct(m[f"pass@{k}"]) for k in pks]
-        row += [f"{m['n_correct']}/{m['n_samples']}", pct(m["no_answer_rate"]), str(m["scoring_errors"]),
-                f"{m['mean_response_tokens']:.1f}", pct(m["truncation_rate"])]
+        row += [
+            f"{m['n_correct']}/{m['n_samples']}",
+            pct(m["no_answer_rate"]),
+            str(m["scoring_errors"]),
+            f"{m['mean_response_tokens']:.1f}",
+            pct(m["truncation_rate"]),
+        ]
         lines.append("| " + " | ".join(row) + " |")
     if "average" in summary:
         a = summary["average"]
@@ -386,7 +420,9 @@ def run_evaluation(cfg: EvalConfig, generator=None) -> dict:
     records = read_records(rec_path, repair=True)
     done = completed_problems(records, cfg.samples_per_problem)
     problems = {b: load_problems(cfg, b) for b in cfg.benchmarks}
-    todo = {b: [(i, p) for i, p in enumerate(ps) if str(p["id"]) not in done.get(b, set())] for b, ps in problems.items()}
+    todo = {
+        b: [(i, p) for i, p in enumerate(ps) if str(p["id"]) not in done.get(b, set())] for b, ps in problems.items()
+    }
     n_todo = sum(len(v) for v in todo.values())
     n_all = sum(len(v) for v in problems.values())
     if n_todo < n_all:
@@ -395,18 +431,28 @@ def run_evaluation(cfg: EvalConfig, generator=None) -> dict:
     if n_todo:
         params = SamplingParams(cfg.temperature, cfg.top_p, cfg.top_k, cfg.max_new_tokens)
         if generator is None:
-            generator = make_generator(cfg.engine, cfg.model_path, params, batch_size=cfg.batch_size, dtype=cfg.dtype,
-                                       device=cfg.device, tokenizer_path=cfg.tokenizer_path, seed=cfg.seed,
-                                       show_progress=cfg.progress, samples_per_problem=cfg.samples_per_problem)
+            generator = make_generator(
+                cfg.engine,
+                cfg.model_path,
+                params,
+                batch_size=cfg.batch_size,
+                dtype=cfg.dtype,
+                device=cfg.device,
+                tokenizer_path=cfg.tokenizer_path,
+                seed=cfg.seed,
+                show_progress=cfg.progress,
+                samples_per_problem=cfg.samples_per_problem,
+            )
         elif getattr(generator, "params", params) != params:
             raise ValueError(f"the generator samples with {generator.params}, the config asks for {params}")
         from verl_ext.data.templates import render_prompt
 
         ppc = cfg.problems_per_chunk
         t0 = time.time()
-        with open(rec_path, "a", encoding="utf-8") as fh, tqdm(
-            total=n_todo, desc="problems", unit="prob", disable=not cfg.progress
-        ) as bar:
+        with (
+            open(rec_path, "a", encoding="utf-8") as fh,
+            tqdm(total=n_todo, desc="problems", unit="prob", disable=not cfg.progress) as bar,
+        ):
             for b in cfg.benchmarks:
                 chunks: dict[int, list[tuple[int, dict]]] = {}
                 for i, p in todo[b]:
@@ -415,8 +461,9 @@ def run_evaluation(cfg: EvalConfig, generator=None) -> dict:
                     bar.set_postfix_str(f"{b} chunk {c}")
                     tpl = template_for(cfg, b)
                     prompts = [render_prompt(p["problem"], tpl, tokenizer=generator.tokenizer) for _, p in items]
-                    comps = generator.generate(prompts, cfg.samples_per_problem, seed=_chunk_seed(cfg.seed, b, c),
-                                               desc=f"{b} sampling")
+                    comps = generator.generate(
+                        prompts, cfg.samples_per_problem, seed=_chunk_seed(cfg.seed, b, c), desc=f"{b} sampling"
+                    )
                     all_scores = _score_chunk(items, comps, cfg.reward_kwargs)
                     lines = []
                     for (i, p), prompt, samples, scores in zip(items, prompts, comps, all_scores):
@@ -456,8 +503,12 @@ def run_evaluation(cfg: EvalConfig, generator=None) -> dict:
         hp = Path(cfg.history_file)
         hp.parent.mkdir(parents=True, exist_ok=True)
         n = cfg.samples_per_problem
-        line = {"step": cfg.step, "scores": {b: m[f"mean@{n}"] for b, m in summary["benchmarks"].items()},
-                "model_path": summary["model_path"], "output_dir": str(out.resolve())}
+        line = {
+            "step": cfg.step,
+            "scores": {b: m[f"mean@{n}"] for b, m in summary["benchmarks"].items()},
+            "model_path": summary["model_path"],
+            "output_dir": str(out.resolve()),
+        }
         with open(hp, "a", encoding="utf-8") as f:
             f.write(json.dumps(line) + "\n")
     print(md, end="")

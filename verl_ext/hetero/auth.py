@@ -82,8 +82,9 @@ class SamplerKey:
     def save(self, path: str | os.PathLike) -> Path:
         """Write the private key (PKCS8 PEM, file mode 0600) with the sampler id beside it."""
         path = Path(path)
-        pem = self.private_key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                             serialization.NoEncryption())  # fmt: skip
+        pem = self.private_key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "wb") as f:
             f.write(json.dumps({"sampler_id": self.sampler_id}).encode() + b"\n" + pem)
@@ -98,15 +99,22 @@ class SamplerKey:
             sampler_id = json.loads(head)["sampler_id"]
             key = serialization.load_pem_private_key(pem, password=None)
         except (ValueError, KeyError, TypeError, UnsupportedAlgorithm) as err:
-            raise ValueError(f"{path}: not a sampler key file (keygen writes one): {type(err).__name__}: {err}") from None
+            raise ValueError(
+                f"{path}: not a sampler key file (keygen writes one): {type(err).__name__}: {err}"
+            ) from None
         if not isinstance(key, Ed25519PrivateKey):
             raise ValueError(f"{path}: not an Ed25519 private key")
         return cls(str(sampler_id), key)
 
     def seal(self, record: bytes) -> bytes:
         """The signed envelope of ``record`` (a serialised group)."""
-        header = json.dumps({"sampler_id": self.sampler_id, "key_id": key_id(self.public_hex()),
-                             "signature": self.private_key.sign(_message(self.sampler_id, record)).hex()}).encode()
+        header = json.dumps(
+            {
+                "sampler_id": self.sampler_id,
+                "key_id": key_id(self.public_hex()),
+                "signature": self.private_key.sign(_message(self.sampler_id, record)).hex(),
+            }
+        ).encode()
         return MAGIC + struct.pack(">I", len(header)) + header + record
 
 
@@ -206,23 +214,39 @@ class Enrolment:
             sampler_id, signature = str(header["sampler_id"]), bytes.fromhex(header["signature"])
             kid = str(header.get("key_id", ""))
         except (struct.error, ValueError, KeyError, TypeError, AttributeError) as err:
-            raise RecordRejected("record", "bad_signature", f"unreadable signature header: {err}", group_uid=key) from None
+            raise RecordRejected(
+                "record", "bad_signature", f"unreadable signature header: {err}", group_uid=key
+            ) from None
         if sampler_id in self.revoked:
             raise RecordRejected("sampler_id", "revoked", "sampler revoked", sampler_id=sampler_id, group_uid=key)
         public_hex = self.keys.get(sampler_id, {}).get(kid)
         if public_hex is None:
-            raise RecordRejected("sampler_id", "unenrolled", f"no enrolled key {kid!r} for this sampler",
-                                 sampler_id=sampler_id, group_uid=key)  # fmt: skip
+            raise RecordRejected(
+                "sampler_id",
+                "unenrolled",
+                f"no enrolled key {kid!r} for this sampler",
+                sampler_id=sampler_id,
+                group_uid=key,
+            )
         try:
-            Ed25519PublicKey.from_public_bytes(bytes.fromhex(public_hex)).verify(signature, _message(sampler_id, record))
+            Ed25519PublicKey.from_public_bytes(bytes.fromhex(public_hex)).verify(
+                signature, _message(sampler_id, record)
+            )
         except InvalidSignature:
-            raise RecordRejected("record", "bad_signature", "signature does not match the record and signer",
-                                 sampler_id=sampler_id, group_uid=key) from None  # fmt: skip
+            raise RecordRejected(
+                "record",
+                "bad_signature",
+                "signature does not match the record and signer",
+                sampler_id=sampler_id,
+                group_uid=key,
+            ) from None
         return sampler_id, record
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m verl_ext.hetero.auth", description="Sampler keys and the learner's enrolment file.")
+    parser = argparse.ArgumentParser(
+        prog="python -m verl_ext.hetero.auth", description="Sampler keys and the learner's enrolment file."
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     keygen = sub.add_parser("keygen", help="make a sampler's key (file mode 0600); prints its public key")
     keygen.add_argument("key_file")

@@ -173,8 +173,13 @@ class RolloutBuffer:
                 previous = self.ledger.status.get(group.group_uid, REJECTED)
                 if not previous.startswith(REJECTED):
                     self.ledger.duplicates[group.group_uid] += 1
-                    raise RecordRejected("group_uid", "duplicate", f"uid already {previous}",
-                                         sampler_id=str(group.sampler_id), group_uid=group.group_uid)
+                    raise RecordRejected(
+                        "group_uid",
+                        "duplicate",
+                        f"uid already {previous}",
+                        sampler_id=str(group.sampler_id),
+                        group_uid=group.group_uid,
+                    )
             except RecordRejected as err:
                 self._reject_locked(err)
                 return False
@@ -322,10 +327,12 @@ class RolloutBuffer:
     def _timeout_message(self, n: int, timeout_s: float, blocking: list) -> str:
         versions = [g.policy_version for g in self._groups.values()]
         newest = max(versions) if versions else None
-        msg = (f"RolloutBuffer.take: waited {timeout_s:.1f}s for {n} groups at learner_version="
-               f"{self._learner_version} (max_delay={self.max_delay}, stale_policy={self.stale_policy}); "
-               f"have {len(self._groups)} fresh groups, newest policy_version={newest}, "
-               f"dropped so far={self.ledger.counts()[DROPPED]}")
+        msg = (
+            f"RolloutBuffer.take: waited {timeout_s:.1f}s for {n} groups at learner_version="
+            f"{self._learner_version} (max_delay={self.max_delay}, stale_policy={self.stale_policy}); "
+            f"have {len(self._groups)} fresh groups, newest policy_version={newest}, "
+            f"dropped so far={self.ledger.counts()[DROPPED]}"
+        )
         if blocking:
             shown = ", ".join(f"{uid} (v{version}, {sampler})" for uid, version, sampler in blocking[:5])
             msg += f"; still waiting for {len(blocking)} expected groups: {shown}"
@@ -426,7 +433,9 @@ class RolloutBuffer:
             self._expected.clear()
             for uid in self._groups:
                 if self.ledger.status.get(uid) != BUFFERED:
-                    raise ValueError(f"load_state_dict: buffered group {uid!r} has ledger status "
-                                     f"{self.ledger.status.get(uid)!r}, state is inconsistent")
+                    raise ValueError(
+                        f"load_state_dict: buffered group {uid!r} has ledger status "
+                        f"{self.ledger.status.get(uid)!r}, state is inconsistent"
+                    )
             self._advance(self._learner_version)  # a smaller max_delay after resume drops at once
             self._cond.notify_all()

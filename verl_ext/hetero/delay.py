@@ -308,8 +308,13 @@ class TraceDelay(DelayModel):
         return self.values[(start + np.arange(n)) % len(self.values)]
 
     def params(self) -> dict:
-        return {"path": self.path, "column": self.column, "order": self.order, "scale": self.scale,
-                "n_values": int(len(self.values))}
+        return {
+            "path": self.path,
+            "column": self.column,
+            "order": self.order,
+            "scale": self.scale,
+            "n_values": int(len(self.values)),
+        }
 
 
 def _read_trace(path: Path, column: str | int | None) -> list[tuple[str, int, str]]:
@@ -332,8 +337,11 @@ def _read_trace(path: Path, column: str | int | None) -> list[tuple[str, int, st
             if not 0 <= col < len(header):
                 raise ValueError(f"trace: column={column} out of range for {path} ({len(header)} columns)")
         # line numbers are 1-based and count the header, so errors point at the file line
-        return [(str(path), line_no, row[col] if col < len(row) else "")
-                for line_no, row in enumerate(body, start=2) if any(cell.strip() for cell in row)]
+        return [
+            (str(path), line_no, row[col] if col < len(row) else "")
+            for line_no, row in enumerate(body, start=2)
+            if any(cell.strip() for cell in row)
+        ]
     entries = []
     for line_no, line in enumerate(path.read_text().splitlines(), start=1):
         text = line.split("#", 1)[0].strip()
@@ -388,9 +396,11 @@ class DelaySchedule:
         # one draw from a fresh rng per delay: a trace cannot be walked in file order here, and
         # "sequential" would silently give exactly the draws of "resample"
         if isinstance(model, TraceDelay) and model.order == "sequential":
-            raise ValueError("DelaySchedule: trace order='sequential' cannot replay the trace in file order: each "
-                             "delay is one draw from its own rng (seed, key, stream), which would give exactly the "
-                             "draws of order='resample'; use order='resample' (what hetero.delay.dist=trace runs)")  # fmt: skip
+            raise ValueError(
+                "DelaySchedule: trace order='sequential' cannot replay the trace in file order: each "
+                "delay is one draw from its own rng (seed, key, stream), which would give exactly the "
+                "draws of order='resample'; use order='resample' (what hetero.delay.dist=trace runs)"
+            )
         self.model, self.seed = model, int(seed)
 
     def delay(self, key: int, stream: int = 0, speed_factor: float = 1.0) -> float:
@@ -409,14 +419,23 @@ class DelaySchedule:
 
 
 def _build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m verl_ext.hetero.delay",
-                                     description="Summarise (and plot) a delay model.")
+    parser = argparse.ArgumentParser(
+        prog="python -m verl_ext.hetero.delay", description="Summarise (and plot) a delay model."
+    )
     parser.add_argument("--dist", choices=DISTRIBUTIONS, required=True)
-    parser.add_argument("--low", type=float, help="lognormal/weibull: lower quantile L (also the clip floor); uniform: lower bound")
-    parser.add_argument("--high", type=float, help="lognormal/weibull: upper quantile U (also the clip ceiling); uniform: upper bound")
+    parser.add_argument(
+        "--low", type=float, help="lognormal/weibull: lower quantile L (also the clip floor); uniform: lower bound"
+    )
+    parser.add_argument(
+        "--high", type=float, help="lognormal/weibull: upper quantile U (also the clip ceiling); uniform: upper bound"
+    )
     parser.add_argument("--integer", action="store_true", help="uniform: whole numbers low..high")
-    parser.add_argument("--confidence", type=float, default=DEFAULT_CONFIDENCE,
-                        help="lognormal/weibull: mass between L and U (default 0.995)")
+    parser.add_argument(
+        "--confidence",
+        type=float,
+        default=DEFAULT_CONFIDENCE,
+        help="lognormal/weibull: mass between L and U (default 0.995)",
+    )
     parser.add_argument("--offset", type=float, default=0.0, help="lognormal/weibull: subtracted before the clip")
     parser.add_argument("--value", type=float, help="constant: the delay")
     parser.add_argument("--path", help="trace: file with delays")
@@ -465,8 +484,14 @@ def plot_histogram(model: DelayModel, path: str, n_samples: int = 200_000, seed:
     ax.axvline(summary.p95, color="tab:red", linestyle=":", label=f"p95 {summary.p95:.1f} {unit}")
     ax.set_xlabel(f"delay ({unit})")
     ax.set_ylabel("count")
-    ax.set_title(f"{model.name} " + ", ".join(f"{k}={v:g}" for k, v in model.params().items()
-                                               if isinstance(v, (int, float)) and k in ("low", "high", "offset", "value")))
+    ax.set_title(
+        f"{model.name} "
+        + ", ".join(
+            f"{k}={v:g}"
+            for k, v in model.params().items()
+            if isinstance(v, (int, float)) and k in ("low", "high", "offset", "value")
+        )
+    )
     ax.legend()
     fig.tight_layout()
     fig.savefig(path)

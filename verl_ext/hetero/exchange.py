@@ -32,8 +32,9 @@ from verl_ext.hetero.transport import CorruptMessage, MessageInfo, Transport, ch
 __all__ = ["ROLLOUT_TOPIC", "RolloutInbox", "send_group"]
 
 
-def send_group(transport: Transport, group: RolloutGroup, topic: str = ROLLOUT_TOPIC,
-               key: SamplerKey | None = None) -> MessageInfo:
+def send_group(
+    transport: Transport, group: RolloutGroup, topic: str = ROLLOUT_TOPIC, key: SamplerKey | None = None
+) -> MessageInfo:
     """Write ``group`` under key = its uid (which must be a valid transport name: letters,
     digits, ``_ . = -``), signed with ``key`` when given (:mod:`verl_ext.hetero.auth`).
     Re-sending the same uid replaces the message; the learner's ledger ensures it is used at most
@@ -42,8 +43,9 @@ def send_group(transport: Transport, group: RolloutGroup, topic: str = ROLLOUT_T
     data = group.to_bytes()
     if key is not None:
         if str(group.sampler_id) != key.sampler_id:
-            raise ValueError(f"group {group.group_uid!r} names sampler {group.sampler_id!r} but the key is "
-                             f"{key.sampler_id!r}'s")  # fmt: skip
+            raise ValueError(
+                f"group {group.group_uid!r} names sampler {group.sampler_id!r} but the key is {key.sampler_id!r}'s"
+            )
         data = key.seal(data)
     return transport.put(topic, group.group_uid, data)
 
@@ -85,9 +87,15 @@ class RolloutInbox:
     also passes :meth:`GroupGate.admit` first (refusals counted by the buffer under their reason).
     """
 
-    def __init__(self, transport: Transport, buffer: RolloutBuffer, topic: str = ROLLOUT_TOPIC,
-                 announcements: Transport | None = None, enrolment: Enrolment | None = None,
-                 gate: GroupGate | None = None):  # fmt: skip
+    def __init__(
+        self,
+        transport: Transport,
+        buffer: RolloutBuffer,
+        topic: str = ROLLOUT_TOPIC,
+        announcements: Transport | None = None,
+        enrolment: Enrolment | None = None,
+        gate: GroupGate | None = None,
+    ):
         self.transport, self.buffer, self.topic = transport, buffer, check_name("topic", topic)
         self.announcements = announcements
         self.enrolment, self.gate = enrolment, gate
@@ -168,9 +176,15 @@ class RolloutInbox:
                 continue
             if signer is not None and str(group.sampler_id) != signer:
                 self.stats["unauthenticated"] += 1
-                self.buffer.reject(RecordRejected("sampler_id", "sampler_mismatch",
-                                                  f"record names sampler {group.sampler_id!r}, signed by {signer!r}",
-                                                  sampler_id=signer, group_uid=key))  # fmt: skip
+                self.buffer.reject(
+                    RecordRejected(
+                        "sampler_id",
+                        "sampler_mismatch",
+                        f"record names sampler {group.sampler_id!r}, signed by {signer!r}",
+                        sampler_id=signer,
+                        group_uid=key,
+                    )
+                )
                 continue
             self.stats["received"] += 1
             vouched = False

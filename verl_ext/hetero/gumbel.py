@@ -105,8 +105,16 @@ class Sample:
 
 
 @torch.no_grad()
-def sample(model, prompt_ids, group_size: int, max_new_tokens: int, temperature: float, seed: int,
-           eos_token_id: int, pad_token_id: int) -> Sample:  # fmt: skip
+def sample(
+    model,
+    prompt_ids,
+    group_size: int,
+    max_new_tokens: int,
+    temperature: float,
+    seed: int,
+    eos_token_id: int,
+    pad_token_id: int,
+) -> Sample:
     """G responses by Gumbel-max: at row r, position t, the token argmax(logits / T + g(seed, r, t))
     (one full forward pass a step: a reference, not a fast sampler)."""
     device = next(model.parameters()).device
@@ -141,8 +149,9 @@ class TokenCheck:
 
 
 @torch.no_grad()
-def check_tokens(model, prompt_ids, response_ids, response_mask, temperature: float, seed: int,
-                 tie_margin: float) -> TokenCheck:  # fmt: skip
+def check_tokens(
+    model, prompt_ids, response_ids, response_mask, temperature: float, seed: int, tie_margin: float
+) -> TokenCheck:
     """Re-derive with ``model`` (one forward pass) which token each position's noise selects, and
     compare with the response's tokens (the module docstring)."""
     device = next(model.parameters()).device
@@ -154,8 +163,9 @@ def check_tokens(model, prompt_ids, response_ids, response_mask, temperature: fl
     return check_scores(logits, response_ids, response_mask, temperature, seed, tie_margin)
 
 
-def check_scores(logits: torch.Tensor, response_ids, response_mask, temperature: float, seed: int,
-                 tie_margin: float) -> TokenCheck:  # fmt: skip
+def check_scores(
+    logits: torch.Tensor, response_ids, response_mask, temperature: float, seed: int, tie_margin: float
+) -> TokenCheck:
     """The token check on logits already computed: ``logits`` [G, R, V] predicting each response
     token (the learner's re-scoring forward gives them), the responses' tokens [G, R] and mask."""
     responses = torch.as_tensor(np.asarray(response_ids), dtype=torch.long, device="cpu")
@@ -163,11 +173,18 @@ def check_scores(logits: torch.Tensor, response_ids, response_mask, temperature:
     rows, positions = mask.nonzero(as_tuple=True)  # only the response's tokens: padding needs no noise
     logits = logits.detach()[rows.to(logits.device), positions.to(logits.device)].double().cpu()  # [N, V]
     vocab = logits.shape[-1]
-    noise = torch.from_numpy(np.stack([gumbel_noise(seed, r, t, vocab) for r, t in zip(rows.tolist(), positions.tolist())])
-                             if len(rows) else np.zeros((0, vocab)))  # fmt: skip
+    noise = torch.from_numpy(
+        np.stack([gumbel_noise(seed, r, t, vocab) for r, t in zip(rows.tolist(), positions.tolist())])
+        if len(rows)
+        else np.zeros((0, vocab))
+    )
     scores = logits / temperature + noise
     chosen = scores.gather(-1, responses[rows, positions][:, None]).squeeze(-1)
     margin = scores.max(-1).values - chosen
     off = margin > 0
-    return TokenCheck(int(mask.sum()), int((off & (margin <= tie_margin)).sum()), int((margin > tie_margin).sum()),
-                      float(margin.max()) if margin.numel() else 0.0)  # fmt: skip
+    return TokenCheck(
+        int(mask.sum()),
+        int((off & (margin <= tie_margin)).sum()),
+        int((margin > tie_margin).sum()),
+        float(margin.max()) if margin.numel() else 0.0,
+    )

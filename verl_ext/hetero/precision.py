@@ -64,8 +64,15 @@ TOLERANCES: dict[str, Tolerance] = {
     # honest token); reference 1e-4 is 10x the largest honest mean (SmolLM2's), bias_reference 3e-5 3x it
     # (|mean signed Δ| <= mean |Δ|): q off by 3e-4 a token, 3x under the per-token bound, fails at the 4th
     # checked group (the same test's measurement).
-    "fp32": Tolerance(token_max=1e-3, group_mean_abs=1e-3, group_kl=1e-5, reference=1e-4, cusum_limit=1e-3,
-                      bias_reference=3e-5, bias_limit=1e-3),
+    "fp32": Tolerance(
+        token_max=1e-3,
+        group_mean_abs=1e-3,
+        group_kl=1e-5,
+        reference=1e-4,
+        cusum_limit=1e-3,
+        bias_reference=3e-5,
+        bias_limit=1e-3,
+    ),
     # bf16 sampler, re-scored in fp32 (or bf16). Honest, max |Δ| a token: 0.18 (toy, CUDA), 0.60 (SmolLM2,
     # CUDA bf16 vs fp32), 0.43 (bf16 vs bf16); mean |Δ| a token 4.6e-3 (toy), 0.033 / 0.037 (SmolLM2,
     # median over groups) -- GPU_FIRST_RUN.md 3, 4. bench_precision.py on the CPU, toy (128 groups of G=8):
@@ -81,8 +88,15 @@ TOLERANCES: dict[str, Tolerance] = {
     # SmolLM2 samplers over a long run); bias_reference 0.02 is 2.2x the largest honest |mean
     # signed Δ| of both models. q lowered by 0.04 a token fails at the 5th checked group (the tiny toy model
     # of tests/recipe/embedded/test_trust_precision.py).
-    "bf16": Tolerance(token_max=2.0, group_mean_abs=0.15, group_kl=0.015, reference=0.08, cusum_limit=0.3,
-                      bias_reference=0.02, bias_limit=0.1),
+    "bf16": Tolerance(
+        token_max=2.0,
+        group_mean_abs=0.15,
+        group_kl=0.015,
+        reference=0.08,
+        cusum_limit=0.3,
+        bias_reference=0.02,
+        bias_limit=0.1,
+    ),
 }
 PRECISIONS = tuple(TOLERANCES)
 
@@ -135,9 +149,11 @@ def group_mismatch(reported: np.ndarray, rescored: np.ndarray, mask: np.ndarray)
 
 def single_group_failure(m: Mismatch, tol: Tolerance, precision: str) -> Optional[str]:
     """The detail of the first per-group bound ``m`` is over, or None (NaN is over every bound)."""
-    for name, value, bound in (("max |Δ log q| a token", m.token_max, tol.token_max),
-                               ("mean |Δ log q| a token", m.mean_abs, tol.group_mean_abs),
-                               ("mismatch KL a token", m.kl, tol.group_kl)):  # fmt: skip
+    for name, value, bound in (
+        ("max |Δ log q| a token", m.token_max, tol.token_max),
+        ("mean |Δ log q| a token", m.mean_abs, tol.group_mean_abs),
+        ("mismatch KL a token", m.kl, tol.group_kl),
+    ):
         if not value <= bound:
             return f"{name} = {value:.3g} > {bound:g} ({precision})"
     return None
@@ -168,13 +184,17 @@ class MismatchCusum:
         down = max(0.0, down - m.mean_signed - tol.bias_reference)
         detail = None
         if total > tol.cusum_limit:
-            detail = (f"the sum over this sampler's checked groups of (mean |Δ log q| a token - {tol.reference:g}) "
-                      f"= {total:.3g} > {tol.cusum_limit:g} ({precision}): a small lie, repeated")  # fmt: skip
+            detail = (
+                f"the sum over this sampler's checked groups of (mean |Δ log q| a token - {tol.reference:g}) "
+                f"= {total:.3g} > {tol.cusum_limit:g} ({precision}): a small lie, repeated"
+            )
         elif max(up, down) > tol.bias_limit:
             sign = "above" if up > down else "below"
-            detail = (f"q {sign} the re-scored log-probs: the sum over this sampler's checked groups of (|mean Δ log q| "
-                      f"a token - {tol.bias_reference:g}) = {max(up, down):.3g} > {tol.bias_limit:g} ({precision}): "
-                      f"a small lie, repeated")  # fmt: skip
+            detail = (
+                f"q {sign} the re-scored log-probs: the sum over this sampler's checked groups of (|mean Δ log q| "
+                f"a token - {tol.bias_reference:g}) = {max(up, down):.3g} > {tol.bias_limit:g} ({precision}): "
+                f"a small lie, repeated"
+            )
         if detail is not None:
             total, up, down = 0.0, 0.0, 0.0
         self.sums[sampler_id], self.bias[sampler_id] = total, (up, down)

@@ -26,10 +26,24 @@ from verl_ext.hetero.safetensors_meta import read_metadata
 
 RECORD_FORMAT = "heterorl.rollout_group/1"
 
-_ARRAY_FIELDS = ("prompt_ids", "prompt_mask", "response_ids", "response_mask", "sampler_logprobs",
-                 "rewards", "advantages")
-_SCALAR_FIELDS = ("group_uid", "policy_version", "sampler_id", "created_at", "extra", "sampler_precision",
-                  "sampling_seed")
+_ARRAY_FIELDS = (
+    "prompt_ids",
+    "prompt_mask",
+    "response_ids",
+    "response_mask",
+    "sampler_logprobs",
+    "rewards",
+    "advantages",
+)
+_SCALAR_FIELDS = (
+    "group_uid",
+    "policy_version",
+    "sampler_id",
+    "created_at",
+    "extra",
+    "sampler_precision",
+    "sampling_seed",
+)
 
 
 class RecordRejected(ValueError):
@@ -121,8 +135,13 @@ class RolloutGroup:
     def to_bytes(self) -> bytes:
         """Serialise to safetensors; scalar fields travel as JSON in the header metadata."""
         tensors = {name: np.ascontiguousarray(getattr(self, name)) for name in _ARRAY_FIELDS}
-        meta = {"group_uid": self.group_uid, "policy_version": int(self.policy_version),
-                "sampler_id": str(self.sampler_id), "created_at": float(self.created_at), "extra": self.extra}
+        meta = {
+            "group_uid": self.group_uid,
+            "policy_version": int(self.policy_version),
+            "sampler_id": str(self.sampler_id),
+            "created_at": float(self.created_at),
+            "extra": self.extra,
+        }
         if self.sampler_precision is not None:  # absent = undeclared (a record from before it existed)
             meta["sampler_precision"] = str(self.sampler_precision)
         if self.sampling_seed is not None:  # absent = not drawn by seeded Gumbel-max
@@ -146,8 +165,9 @@ class RolloutGroup:
         """Arrays as torch tensors (int64 ids, bool masks, float32 values) plus the scalar fields."""
         import torch
 
-        out: dict[str, Any] = {name: torch.from_numpy(np.ascontiguousarray(getattr(self, name)))
-                               for name in _ARRAY_FIELDS}
+        out: dict[str, Any] = {
+            name: torch.from_numpy(np.ascontiguousarray(getattr(self, name))) for name in _ARRAY_FIELDS
+        }
         out["prompt_mask"] = out["prompt_mask"].bool()
         out["response_mask"] = out["response_mask"].bool()
         out.update({name: getattr(self, name) for name in _SCALAR_FIELDS})
@@ -255,13 +275,19 @@ def validate_group(group: Any, spec: RecordSpec = RecordSpec(), learner_version:
     if spec.reward_range is not None:
         low, high = spec.reward_range
         if group.rewards.min() < low or group.rewards.max() > high:
-            reject("rewards", "reward_range",
-                   f"values in [{float(group.rewards.min()):.4g}, {float(group.rewards.max()):.4g}] "
-                   f"outside reward_range [{low}, {high}]")
+            reject(
+                "rewards",
+                "reward_range",
+                f"values in [{float(group.rewards.min()):.4g}, {float(group.rewards.max()):.4g}] "
+                f"outside reward_range [{low}, {high}]",
+            )
     advantages = group.advantages if group.advantages.ndim == 1 else group.advantages[generated]
     if not np.isfinite(advantages).all():
         reject("advantages", "nonfinite_advantage", "contains NaN or Inf")
     # last: what is wrong with the record itself is reported before what is wrong with its timing
     if learner_version is not None and group.policy_version > learner_version:
-        reject("policy_version", "future_version",
-               f"{group.policy_version} is newer than the learner's version {learner_version}")
+        reject(
+            "policy_version",
+            "future_version",
+            f"{group.policy_version} is newer than the learner's version {learner_version}",
+        )

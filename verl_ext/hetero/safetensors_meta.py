@@ -16,7 +16,9 @@ def read_metadata(data: bytes) -> dict[str, str]:
         raise ValueError(f"not safetensors bytes: {len(data)} bytes, shorter than the 8-byte header length")
     header_len = int.from_bytes(data[:8], "little")
     if header_len > len(data) - 8:
-        raise ValueError(f"not safetensors bytes: header length {header_len} exceeds the {len(data) - 8} bytes after it")
+        raise ValueError(
+            f"not safetensors bytes: header length {header_len} exceeds the {len(data) - 8} bytes after it"
+        )
     try:
         header = json.loads(data[8 : 8 + header_len])
     except (json.JSONDecodeError, UnicodeDecodeError) as err:

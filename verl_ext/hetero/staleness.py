@@ -52,7 +52,10 @@ def staleness_metrics(staleness: Sequence[int], max_delay: int) -> dict[str, flo
         "hetero/staleness_max": float(values.max()) if values.size else 0.0,
         "hetero/staleness_min": float(values.min()) if values.size else 0.0,
     }
-    hist = np.bincount(values.astype(np.int64), minlength=max_delay + 1) if values.size \
-        else np.zeros(max_delay + 1, dtype=np.int64)  # fmt: skip
+    hist = (
+        np.bincount(values.astype(np.int64), minlength=max_delay + 1)
+        if values.size
+        else np.zeros(max_delay + 1, dtype=np.int64)
+    )
     out.update({f"hetero/staleness_hist/{k}": float(c) for k, c in enumerate(hist)})
     return out

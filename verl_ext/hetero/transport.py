@@ -60,8 +60,10 @@ def check_name(kind: str, name: str) -> str:
     """Topics and keys become file names: letters, digits and ``_ . = -``, not starting with a
     dot or dash (dot-names are reserved for temporaries), at most 200 characters."""
     if not isinstance(name, str) or not _NAME_RE.match(name):
-        raise ValueError(f"{kind}={name!r} is not a valid name: use letters, digits, '_', '.', '=', '-' "
-                         f"(not first), at most 200 characters")
+        raise ValueError(
+            f"{kind}={name!r} is not a valid name: use letters, digits, '_', '.', '=', '-' "
+            f"(not first), at most 200 characters"
+        )
     return name
 
 
@@ -162,15 +164,18 @@ class Transport(ABC):
         self.stats["get"] += 1
         if len(data) != info.size or checksum(data) != info.sha256:
             self.stats["corrupt"] += 1
-            raise CorruptMessage(f"message {info.topic}/{info.key}: {len(data)} bytes with sha256 "
-                                 f"{checksum(data)[:12]}..., committed {info.size} bytes with sha256 {info.sha256[:12]}...")
+            raise CorruptMessage(
+                f"message {info.topic}/{info.key}: {len(data)} bytes with sha256 "
+                f"{checksum(data)[:12]}..., committed {info.size} bytes with sha256 {info.sha256[:12]}..."
+            )
         return data
 
     def _new_info(self, topic: str, key: str, data: bytes) -> MessageInfo:
         if not isinstance(data, (bytes, bytearray, memoryview)):
             raise TypeError(f"put {topic}/{key}: data must be bytes, got {type(data).__name__}")
-        return MessageInfo(topic=topic, key=key, size=len(data), sha256=checksum(bytes(data)),
-                           sent_at=float(self.clock()))
+        return MessageInfo(
+            topic=topic, key=key, size=len(data), sha256=checksum(bytes(data)), sent_at=float(self.clock())
+        )
 
 
 class FsspecTransport(Transport):
@@ -227,8 +232,9 @@ class FsspecTransport(Transport):
             names = [posixpath.basename(p.rstrip("/")) for p in self.fs.ls(directory, detail=False)]
         except FileNotFoundError:
             return []
-        return sorted(n[: -len(COMMIT_SUFFIX)] for n in names
-                      if n.endswith(COMMIT_SUFFIX) and not n.startswith(TEMP_PREFIX))
+        return sorted(
+            n[: -len(COMMIT_SUFFIX)] for n in names if n.endswith(COMMIT_SUFFIX) and not n.startswith(TEMP_PREFIX)
+        )
 
     def info(self, topic: str, key: str) -> MessageInfo:
         _, commit_path = self._paths(check_name("topic", topic), check_name("key", key))
@@ -261,13 +267,18 @@ class FsspecTransport(Transport):
         """Names of leftovers from interrupted writes: temporaries and payloads without a
         commit marker."""
         try:
-            names = [posixpath.basename(p.rstrip("/")) for p in self.fs.ls(self._dir(check_name("topic", topic)),
-                                                                           detail=False)]
+            names = [
+                posixpath.basename(p.rstrip("/"))
+                for p in self.fs.ls(self._dir(check_name("topic", topic)), detail=False)
+            ]
         except FileNotFoundError:
             return []
         committed = {n[: -len(COMMIT_SUFFIX)] for n in names if n.endswith(COMMIT_SUFFIX)}
-        return sorted(n for n in names if n.startswith(TEMP_PREFIX)
-                      or (n.endswith(DATA_SUFFIX) and n[: -len(DATA_SUFFIX)] not in committed))
+        return sorted(
+            n
+            for n in names
+            if n.startswith(TEMP_PREFIX) or (n.endswith(DATA_SUFFIX) and n[: -len(DATA_SUFFIX)] not in committed)
+        )
 
 
 def _rebuild_fsspec(url: str, storage_options: dict) -> FsspecTransport:
@@ -328,8 +339,13 @@ class RayTransport(Transport):
             node holds every message: the learner's, ``hetero.learner_ray_resources``); None = anywhere.
     """
 
-    def __init__(self, name: str = "heterorl-mailbox", namespace: str | None = None,
-                 clock: Callable[[], float] = time.time, resources: dict[str, float] | None = None):
+    def __init__(
+        self,
+        name: str = "heterorl-mailbox",
+        namespace: str | None = None,
+        clock: Callable[[], float] = time.time,
+        resources: dict[str, float] | None = None,
+    ):
         super().__init__(clock)
         import ray
 
@@ -369,7 +385,9 @@ class RayTransport(Transport):
 
     def delete_many_nowait(self, topic: str, keys: list[str]) -> None:
         if keys:
-            self._submit(self._mailbox.delete_many.remote(check_name("topic", topic), [check_name("key", k) for k in keys]))
+            self._submit(
+                self._mailbox.delete_many.remote(check_name("topic", topic), [check_name("key", k) for k in keys])
+            )
 
     def flush(self) -> None:
         import ray

@@ -67,7 +67,7 @@ class TrustLedger:
         "quarantine_below": ("in [0, 1]", lambda v: 0.0 <= v <= 1.0),
         "max_divergence": (">= 0 (0 = off)", lambda v: v >= 0),
         "divergence_window": (">= 1", lambda v: v >= 1),
-    }  # fmt: skip
+    }
 
     @classmethod
     def check_arguments(cls, arguments: dict[str, float], names: dict[str, str] | None = None) -> None:
@@ -79,12 +79,28 @@ class TrustLedger:
             if not ok(value):
                 raise ValueError(f"{(names or {}).get(argument, argument)}={value!r} must be {what}")
 
-    def __init__(self, verify_fraction: float = 0.1, probation_groups: int = 4, penalty: float = 1.0,
-                 recovery: float = 0.05, quarantine_below: float = 0.5, max_divergence: float = 0.0,
-                 divergence_window: int = 8, seed: int = 0):  # fmt: skip
-        self.check_arguments({"verify_fraction": verify_fraction, "probation_groups": probation_groups,
-                              "penalty": penalty, "recovery": recovery, "quarantine_below": quarantine_below,
-                              "max_divergence": max_divergence, "divergence_window": divergence_window})  # fmt: skip
+    def __init__(
+        self,
+        verify_fraction: float = 0.1,
+        probation_groups: int = 4,
+        penalty: float = 1.0,
+        recovery: float = 0.05,
+        quarantine_below: float = 0.5,
+        max_divergence: float = 0.0,
+        divergence_window: int = 8,
+        seed: int = 0,
+    ):
+        self.check_arguments(
+            {
+                "verify_fraction": verify_fraction,
+                "probation_groups": probation_groups,
+                "penalty": penalty,
+                "recovery": recovery,
+                "quarantine_below": quarantine_below,
+                "max_divergence": max_divergence,
+                "divergence_window": divergence_window,
+            }
+        )
         self.verify_fraction, self.probation_groups = float(verify_fraction), int(probation_groups)
         self.penalty, self.recovery, self.quarantine_below = float(penalty), float(recovery), float(quarantine_below)
         self.max_divergence, self.divergence_window = float(max_divergence), int(divergence_window)
@@ -122,8 +138,15 @@ class TrustLedger:
         quarantines the sampler before a check passes)."""
         self._of(sampler_id).since_good_check.append(uid)
 
-    def record(self, sampler_id: str, uid: str, passed: bool, reason: str = "", detail: str = "",
-               drop: Callable[[list[str]], int] | None = None) -> list[str]:  # fmt: skip
+    def record(
+        self,
+        sampler_id: str,
+        uid: str,
+        passed: bool,
+        reason: str = "",
+        detail: str = "",
+        drop: Callable[[list[str]], int] | None = None,
+    ) -> list[str]:
         """The outcome of one check. Returns the uids to purge from the buffer: the groups
         accepted from the sampler since its last passed check, when this check quarantines it
         (else []). ``drop`` (e.g. the buffer's ``purge``) is called with them and returns how
@@ -147,11 +170,22 @@ class TrustLedger:
         books.since_good_check = []
         dropped = int(drop(purge)) if drop is not None and purge else 0
         self.counts["purged"] += dropped
-        self._events.append({"event": "quarantined", "sampler_id": sampler_id, "group_uid": uid, "reason": reason,
-                             "detail": detail, "score": books.score, "checks": books.checks,
-                             "failures": books.failures, "purged": dropped, "unchecked_since_last_pass": len(purge),
-                             "seconds_since_first_group": books.quarantined_at - (books.first_seen or books.quarantined_at),
-                             "time": books.quarantined_at})  # fmt: skip
+        self._events.append(
+            {
+                "event": "quarantined",
+                "sampler_id": sampler_id,
+                "group_uid": uid,
+                "reason": reason,
+                "detail": detail,
+                "score": books.score,
+                "checks": books.checks,
+                "failures": books.failures,
+                "purged": dropped,
+                "unchecked_since_last_pass": len(purge),
+                "seconds_since_first_group": books.quarantined_at - (books.first_seen or books.quarantined_at),
+                "time": books.quarantined_at,
+            }
+        )
         return purge
 
     def withdraw_credit(self, sampler_id: str) -> None:
@@ -179,9 +213,15 @@ class TrustLedger:
         over = float(np.mean(books.divergence)) > self.max_divergence
         if over != books.over_divergence:
             books.over_divergence = over
-            self._events.append({"event": "divergence_over_bound" if over else "divergence_back_under_bound",
-                                 "sampler_id": sampler_id, "divergence": float(np.mean(books.divergence)),
-                                 "bound": self.max_divergence, "time": time.time()})  # fmt: skip
+            self._events.append(
+                {
+                    "event": "divergence_over_bound" if over else "divergence_back_under_bound",
+                    "sampler_id": sampler_id,
+                    "divergence": float(np.mean(books.divergence)),
+                    "bound": self.max_divergence,
+                    "time": time.time(),
+                }
+            )
 
     # ---------------------------------------------------------------- reporting
     def drain_events(self) -> list[dict]:
@@ -193,12 +233,17 @@ class TrustLedger:
         ``trust/purged``, ``trust/withdrawn`` (checks whose credit was taken back: copies),
         ``trust/quarantined`` (run totals); per sampler
         ``trust/<sampler id>/score`` and, with a divergence bound, ``trust/<sampler id>/divergence``."""
-        out = {"trust/checked": float(self.counts["checked"]), "trust/purged": float(self.counts["purged"]),
-               "trust/withdrawn": float(self.counts["withdrawn"]),
-               "trust/quarantined": float(sum(b.quarantined_at is not None for b in self.samplers.values()))}  # fmt: skip
+        out = {
+            "trust/checked": float(self.counts["checked"]),
+            "trust/purged": float(self.counts["purged"]),
+            "trust/withdrawn": float(self.counts["withdrawn"]),
+            "trust/quarantined": float(sum(b.quarantined_at is not None for b in self.samplers.values())),
+        }
         for kind in ("failed", "refused"):
             out[f"trust/{kind}"] = float(sum(v for k, v in self.counts.items() if k.startswith(f"{kind}:")))
-            out.update({f"trust/{k.replace(':', '/')}": float(v) for k, v in self.counts.items() if k.startswith(f"{kind}:")})
+            out.update(
+                {f"trust/{k.replace(':', '/')}": float(v) for k, v in self.counts.items() if k.startswith(f"{kind}:")}
+            )
         for sampler_id, books in self.samplers.items():
             out[f"trust/{sampler_id}/score"] = books.score
             if self.max_divergence > 0 and books.divergence:
@@ -206,11 +251,22 @@ class TrustLedger:
         return out
 
     def state_dict(self) -> dict:
-        return {"counts": dict(self.counts), "rng": self._rng.bit_generator.state,
-                "samplers": {s: {"score": b.score, "checks": b.checks, "failures": b.failures,
-                                 "quarantined_at": b.quarantined_at, "divergence": list(b.divergence),
-                                 "over_divergence": b.over_divergence, "since_good_check": list(b.since_good_check)}
-                             for s, b in self.samplers.items()}}  # fmt: skip
+        return {
+            "counts": dict(self.counts),
+            "rng": self._rng.bit_generator.state,
+            "samplers": {
+                s: {
+                    "score": b.score,
+                    "checks": b.checks,
+                    "failures": b.failures,
+                    "quarantined_at": b.quarantined_at,
+                    "divergence": list(b.divergence),
+                    "over_divergence": b.over_divergence,
+                    "since_good_check": list(b.since_good_check),
+                }
+                for s, b in self.samplers.items()
+            },
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.counts = Counter(state["counts"])
@@ -218,8 +274,12 @@ class TrustLedger:
         self.samplers = {}
         for sampler_id, books in state["samplers"].items():
             self.samplers[sampler_id] = SamplerTrust(
-                score=books["score"], checks=books["checks"], failures=books["failures"],
-                quarantined_at=books["quarantined_at"], divergence=deque(books["divergence"]),
-                over_divergence=books["over_divergence"], first_seen=time.time(),
+                score=books["score"],
+                checks=books["checks"],
+                failures=books["failures"],
+                quarantined_at=books["quarantined_at"],
+                divergence=deque(books["divergence"]),
+                over_divergence=books["over_divergence"],
+                first_seen=time.time(),
                 since_good_check=list(books["since_good_check"]),  # the buffer is restored with them
-            )  # fmt: skip
+            )

@@ -46,8 +46,9 @@ XOR_TENSOR = "__xor__"  # the delta message's compressed XOR of all floating ten
 WIRE_DTYPES = {None: None, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def wire_tensors(state_dict: Mapping[str, torch.Tensor], wire_dtype: str | None = None
-                 ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+def wire_tensors(
+    state_dict: Mapping[str, torch.Tensor], wire_dtype: str | None = None
+) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """The tensors as they travel (CPU, contiguous, floating ones cast to ``wire_dtype``, tied
     tensors given their own storage) and each one's original dtype name."""
     if wire_dtype not in WIRE_DTYPES:
@@ -91,7 +92,9 @@ def _deserialize_wire(data: bytes) -> tuple[int, dict[str, torch.Tensor], dict[s
     return int(metadata["version"]), st_load(data), json.loads(metadata["dtypes"])
 
 
-def _to_original(tensors: Mapping[str, torch.Tensor], dtypes: Mapping[str, str], copy: bool = False) -> dict[str, torch.Tensor]:
+def _to_original(
+    tensors: Mapping[str, torch.Tensor], dtypes: Mapping[str, str], copy: bool = False
+) -> dict[str, torch.Tensor]:
     out = {}
     for name, tensor in tensors.items():
         restored = tensor.to(getattr(torch, dtypes[name]))
@@ -120,8 +123,11 @@ def floating_bits(state: Mapping[str, torch.Tensor], wire_dtype: str | None = No
     if wire_dtype not in WIRE_DTYPES:
         raise ValueError(f"wire_dtype={wire_dtype!r} must be one of {list(WIRE_DTYPES)}")
     cast_to = WIRE_DTYPES[wire_dtype]
-    parts = [_tensor_bytes(state[name].to(cast_to) if cast_to is not None else state[name])
-             for name in sorted(state) if state[name].is_floating_point()]  # fmt: skip
+    parts = [
+        _tensor_bytes(state[name].to(cast_to) if cast_to is not None else state[name])
+        for name in sorted(state)
+        if state[name].is_floating_point()
+    ]
     return torch.cat(parts).numpy() if parts else np.zeros(0, dtype=np.uint8)
 
 
@@ -129,8 +135,10 @@ def encode_xor(new_bits: np.ndarray, base_bits: np.ndarray, level: int = 1) -> b
     """zlib(new XOR base): bits that did not change become zeros, which compress away. Any
     unsigned dtype (the bytes are the same). [P], [P] -> bytes"""
     if new_bits.shape != base_bits.shape or new_bits.dtype != base_bits.dtype:
-        raise ValueError(f"shapes differ: new {new_bits.shape} {new_bits.dtype}, base {base_bits.shape} "
-                         f"{base_bits.dtype} (a full version is needed)")  # fmt: skip
+        raise ValueError(
+            f"shapes differ: new {new_bits.shape} {new_bits.dtype}, base {base_bits.shape} "
+            f"{base_bits.dtype} (a full version is needed)"
+        )
     return zlib.compress(np.bitwise_xor(new_bits, base_bits).tobytes(), level)
 
 
@@ -152,15 +160,24 @@ def wire_sha256(tensors: Mapping[str, torch.Tensor]) -> str:
     return digest.hexdigest()
 
 
-def encode_delta(base: Mapping[str, torch.Tensor], target: Mapping[str, torch.Tensor], dtypes: Mapping[str, str],
-                 base_version: int, version: int, level: int = 1) -> bytes:
+def encode_delta(
+    base: Mapping[str, torch.Tensor],
+    target: Mapping[str, torch.Tensor],
+    dtypes: Mapping[str, str],
+    base_version: int,
+    version: int,
+    level: int = 1,
+) -> bytes:
     """The delta message base -> target (both wire tensors, :func:`wire_tensors`): safetensors
     with the compressed XOR of the floating tensors' bits and the non-floating tensors whole.
     ValueError if the two do not have the same floating tensors (names, dtypes, shapes)."""
     floating = sorted(name for name, t in target.items() if t.is_floating_point())
     layout = [[name, str(target[name].dtype).removeprefix("torch."), list(target[name].shape)] for name in floating]
-    base_layout = [[name, str(t.dtype).removeprefix("torch."), list(t.shape)]
-                   for name, t in sorted(base.items()) if t.is_floating_point()]  # fmt: skip
+    base_layout = [
+        [name, str(t.dtype).removeprefix("torch."), list(t.shape)]
+        for name, t in sorted(base.items())
+        if t.is_floating_point()
+    ]
     if layout != base_layout:
         raise ValueError("delta: base and target differ in their floating tensors (a full version is needed)")
     if XOR_TENSOR in target:
@@ -168,14 +185,21 @@ def encode_delta(base: Mapping[str, torch.Tensor], target: Mapping[str, torch.Te
     blob = encode_xor(floating_bits(target), floating_bits(base), level)
     tensors = {name: t for name, t in target.items() if not t.is_floating_point()}
     tensors[XOR_TENSOR] = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
-    metadata = {"format": DELTA_FORMAT, "version": str(int(version)), "base_version": str(int(base_version)),
-                "base_sha256": wire_sha256(base), "target_sha256": wire_sha256(target),
-                "dtypes": json.dumps(dict(dtypes)), "floating": json.dumps(layout)}  # fmt: skip
+    metadata = {
+        "format": DELTA_FORMAT,
+        "version": str(int(version)),
+        "base_version": str(int(base_version)),
+        "base_sha256": wire_sha256(base),
+        "target_sha256": wire_sha256(target),
+        "dtypes": json.dumps(dict(dtypes)),
+        "floating": json.dumps(layout),
+    }
     return st_save(tensors, metadata=metadata)
 
 
-def apply_delta(data: bytes, base: Mapping[str, torch.Tensor], base_sha256: str | None = None
-                ) -> tuple[int, dict[str, torch.Tensor], dict[str, str], str]:
+def apply_delta(
+    data: bytes, base: Mapping[str, torch.Tensor], base_sha256: str | None = None
+) -> tuple[int, dict[str, torch.Tensor], dict[str, str], str]:
     """Apply delta message ``data`` to the wire tensors ``base``: (version, target wire tensors,
     original dtype names, target SHA-256). ValueError if it is not a delta, was built on other
     bits than ``base`` (SHA-256 ``base_sha256``, computed if None), or the result does not
@@ -222,9 +246,16 @@ class WeightStore:
             later publish or at :meth:`flush`.
     """
 
-    def __init__(self, transport: Transport, keep_last: int = 2, wire_dtype: str | None = None,
-                 topic: str = WEIGHTS_TOPIC, delta: bool = False, max_delta_chain: int = 8,
-                 pipelined: bool = False):
+    def __init__(
+        self,
+        transport: Transport,
+        keep_last: int = 2,
+        wire_dtype: str | None = None,
+        topic: str = WEIGHTS_TOPIC,
+        delta: bool = False,
+        max_delta_chain: int = 8,
+        pipelined: bool = False,
+    ):
         if keep_last < 1:
             raise ValueError(f"WeightStore: keep_last={keep_last} must be >= 1")
         if wire_dtype not in WIRE_DTYPES:
@@ -281,10 +312,12 @@ class WeightStore:
         self.stats["bytes_published"] += len(data)
         if self._known is not None:
             versions = sorted(set(self._known[0]) | {version})
-            deltas = sorted((set(self._known[1]) - {version}) | ({version} if self.delta and delta is not None else set()))
+            deltas = sorted(
+                (set(self._known[1]) - {version}) | ({version} if self.delta and delta is not None else set())
+            )
         else:
             versions, deltas = self.versions(), self.delta_versions() if self.delta else []
-        kept = versions[-self.keep_last:]
+        kept = versions[-self.keep_last :]
         delete_many(self.topic, [version_key(v) for v in versions[: -self.keep_last]])
         if self.delta and kept:
             delete_many(self.delta_topic, [version_key(v) for v in deltas if v < kept[0]])

@@ -28,7 +28,9 @@ _HEADER = struct.Struct(">I")
 # "17\%", "17 %", "17\text{\%}", "17 percent": a percentage written after a number. Only used when
 # math_verify itself cannot parse the answer: latex2sympy2_extended's parser generated for
 # antlr4-python3-runtime 4.9.3 (the version hydra-core/omegaconf force) fails on "\%".
-_PERCENT_RE = re.compile(r"^\s*(?P<num>[-+]?[0-9][0-9.,\\!{} ]*?)\s*(?:\\%|%|\\text\{\s*\\?%\s*\}|(?:\\,)?\s*percent)\s*\.?\s*$")
+_PERCENT_RE = re.compile(
+    r"^\s*(?P<num>[-+]?[0-9][0-9.,\\!{} ]*?)\s*(?:\\%|%|\\text\{\s*\\?%\s*\}|(?:\\,)?\s*percent)\s*\.?\s*$"
+)
 
 
 def _clean(text: str) -> str:

@@ -64,8 +64,10 @@ def score_batch(
     the reward :func:`reward_name` picks (its batch form when :data:`BATCH_REWARDS` has one)."""
     solution_strs, ground_truths = list(solution_strs), list(ground_truths)
     if len(solution_strs) != len(ground_truths):
-        raise ValueError(f"score_batch needs one ground truth per solution, got {len(solution_strs)} solutions "
-                         f"and {len(ground_truths)} ground truths")
+        raise ValueError(
+            f"score_batch needs one ground truth per solution, got {len(solution_strs)} solutions "
+            f"and {len(ground_truths)} ground truths"
+        )
     name = reward_name(data_source)
     if name in BATCH_REWARDS:
         return BATCH_REWARDS[name](solution_strs, ground_truths, **kwargs)

@@ -116,9 +116,7 @@ _DEFAULT = RewardConfig()
 def _resolve_config(config: RewardConfig | dict | None, overrides: dict[str, Any]) -> RewardConfig:
     unknown = set(overrides) - _FIELDS - _VERL_PASSTHROUGH_KWARGS
     if unknown:
-        raise TypeError(
-            f"unknown reward option(s) {sorted(unknown)}; RewardConfig fields are {sorted(_FIELDS)}"
-        )
+        raise TypeError(f"unknown reward option(s) {sorted(unknown)}; RewardConfig fields are {sorted(_FIELDS)}")
     mine = {k: v for k, v in overrides.items() if k in _FIELDS}
     if config is None:
         return dataclasses.replace(_DEFAULT, **mine) if mine else _DEFAULT
@@ -304,9 +302,7 @@ def compute_score_batch(
 ) -> list[dict]:
     """verl ``batch`` reward-manager signature; same results as :func:`score_batch`."""
     if len(data_sources) != len(solution_strs):
-        raise ValueError(
-            f"compute_score_batch got {len(data_sources)} data_sources for {len(solution_strs)} solutions"
-        )
+        raise ValueError(f"compute_score_batch got {len(data_sources)} data_sources for {len(solution_strs)} solutions")
     return score_batch(solution_strs, ground_truths, **overrides)
 
 

@@ -18,18 +18,25 @@ def transport_spec(hetero: HeteroConfig, settings: RunSettings) -> TransportSpec
     if hetero.transport == "fs":
         return TransportSpec("fsspec", url=hetero.transport_url or str((settings.run_dir / "exchange").resolve()))
     # the mailbox holds every message: on the learner's node (custom resources), as the learner
-    return TransportSpec("ray", name=f"heterorl-mailbox-{settings.experiment_name}-{hetero.seed}",
-                         resources=tuple(sorted(hetero.learner_ray_resources.items())))  # fmt: skip
+    return TransportSpec(
+        "ray",
+        name=f"heterorl-mailbox-{settings.experiment_name}-{hetero.seed}",
+        resources=tuple(sorted(hetero.learner_ray_resources.items())),
+    )
 
 
 def weight_store(hetero: HeteroConfig, transport, pipelined: bool = False) -> WeightStore:
     """The weight store of the learner (publishes, ``pipelined``: without waiting for the mailbox
     to confirm each version) and of every sampler (fetches, through its delay channel):
     ``hetero.keep_weight_versions``, ``weights_bf16``, ``weight_sync``, ``max_delta_chain``."""
-    return WeightStore(transport, keep_last=hetero.keep_weight_versions,
-                       wire_dtype="bf16" if hetero.weights_bf16 else None,
-                       delta=hetero.weight_sync == "delta", max_delta_chain=hetero.max_delta_chain,
-                       pipelined=pipelined)  # fmt: skip
+    return WeightStore(
+        transport,
+        keep_last=hetero.keep_weight_versions,
+        wire_dtype="bf16" if hetero.weights_bf16 else None,
+        delta=hetero.weight_sync == "delta",
+        max_delta_chain=hetero.max_delta_chain,
+        pipelined=pipelined,
+    )
 
 
 def pin_worker(cpus: list[int], key: str) -> None:
@@ -40,4 +47,3 @@ def pin_worker(cpus: list[int], key: str) -> None:
         pin_process(cpus, key)
     else:
         set_torch_threads(1)
-

@@ -21,25 +21,39 @@ from verl_ext.hetero.seeding import diagnostics_seed
 from verl_ext.loss_config import loss_option
 
 
-def step_diagnostics(model, tokenizer, groups: list[RolloutGroup], task: Task, engine: EngineConfig, step: int,
-                     learner_version: int) -> dict[str, float]:
+def step_diagnostics(
+    model, tokenizer, groups: list[RolloutGroup], task: Task, engine: EngineConfig, step: int, learner_version: int
+) -> dict[str, float]:
     """The ``diag/*`` metrics of learner step ``step`` (0-based) when it is due
     (``step % task.diagnostics_every == 0``), else nothing."""
     every = int(engine.task.diagnostics_every or 0)
     if every <= 0 or step % every != 0 or not groups:
         return {}
     diag = advantage_diagnostics(
-        model, tokenizer, groups, task, engine.settings, engine.actor, engine.task.diagnostics_samples,
+        model,
+        tokenizer,
+        groups,
+        task,
+        engine.settings,
+        engine.actor,
+        engine.task.diagnostics_samples,
         seed=diagnostics_seed(engine.hetero.seed, step),
         compute_dtype=Placement.of(engine.hetero).learner_compute_dtype,
-    )  # fmt: skip
+    )
     staleness = [learner_version - g.policy_version for g in groups]
     diag["diag/staleness"] = float(sum(staleness) / len(staleness))
     return diag
 
 
 def advantage_diagnostics(
-    model, tokenizer, groups, task: Task, settings: RunSettings, actor_config: Any, samples: int, seed: int,
+    model,
+    tokenizer,
+    groups,
+    task: Task,
+    settings: RunSettings,
+    actor_config: Any,
+    samples: int,
+    seed: int,
     compute_dtype: Any = None,
 ) -> dict[str, float]:
     """The E[A] estimation error of the batch ``groups`` for the current ``model`` (the learner
@@ -55,22 +69,34 @@ def advantage_diagnostics(
     device = model_device(model)
     with torch.no_grad():
         log_p = sequence_token_log_probs(
-            model, *(batch[k].to(device) for k in ("prompt_ids", "prompt_mask", "response_ids", "response_mask")),
-            settings.temperature, compute_dtype,
-        ).to("cpu")  # fmt: skip
+            model,
+            *(batch[k].to(device) for k in ("prompt_ids", "prompt_mask", "response_ids", "response_mask")),
+            settings.temperature,
+            compute_dtype,
+        ).to("cpu")
     log_q = batch["sampler_logprobs"]
     estimates = weighted_advantage_estimates(
-        sequence_log_prob(log_p, mask, reduction), sequence_log_prob(log_q, mask, reduction),
-        sequence_log_prob(log_p, mask, "sum"), sequence_log_prob(log_q, mask, "sum"),
-        batch["rewards"], batch["group_index"],
-    )  # fmt: skip
+        sequence_log_prob(log_p, mask, reduction),
+        sequence_log_prob(log_q, mask, reduction),
+        sequence_log_prob(log_p, mask, "sum"),
+        sequence_log_prob(log_q, mask, "sum"),
+        batch["rewards"],
+        batch["group_index"],
+    )
     items = [
         {"prompt": tokenizer.decode(g.prompt_ids, skip_special_tokens=True), "answer": g.extra.get("answer", "")}
         for g in groups
     ]
     with torch.random.fork_rng(devices=[]):
-        fresh = sample_groups(model, tokenizer, [it["prompt"] for it in items], samples, settings.temperature,
-                              settings.max_new_tokens, seed)  # fmt: skip
+        fresh = sample_groups(
+            model,
+            tokenizer,
+            [it["prompt"] for it in items],
+            samples,
+            settings.temperature,
+            settings.max_new_tokens,
+            seed,
+        )
     rewards = torch.tensor([task.score(text, items[i // samples]) for i, text in enumerate(fresh.texts)])
     loss_mode = actor_config.policy_loss.get("loss_mode", "vanilla")
     return estimation_errors(estimates, rewards.view(len(items), samples), main_weight_kind(loss_mode))

@@ -54,20 +54,26 @@ def build_learner(model, pad_token_id: int, engine: EngineConfig) -> Learner:
     ``algorithm.rollout_correction.rollout_is`` is set. Built from the initial weights (a
     checkpoint is loaded afterwards), so a KL-to-reference term has the initial model as reference."""
     return Learner(
-        model, engine.actor, engine.settings.temperature, pad_token_id,
+        model,
+        engine.actor,
+        engine.settings.temperature,
+        pad_token_id,
         max_nonfinite_steps=engine.hetero.max_nonfinite_steps,
         rollout_correction=rollout_correction_settings(engine.algorithm),
         compute_dtype=Placement.of(engine.hetero).learner_compute_dtype,  # hetero.learner_precision
-    )  # fmt: skip
+    )
 
 
 def build_buffer(engine: EngineConfig, task: Task) -> RolloutBuffer:
     hetero = engine.hetero
     return RolloutBuffer(
-        max_delay=hetero.max_delay, stale_policy=hetero.stale_policy, order=hetero.order,
+        max_delay=hetero.max_delay,
+        stale_policy=hetero.stale_policy,
+        order=hetero.order,
         spec=RecordSpec(group_size=engine.settings.group_size, reward_range=task.reward_range),
-        wait_timeout_s=hetero.wait_timeout_s, sampler_capacity=sampler_quota(engine),
-    )  # fmt: skip
+        wait_timeout_s=hetero.wait_timeout_s,
+        sampler_capacity=sampler_quota(engine),
+    )
 
 
 def sampler_quota(engine: EngineConfig) -> int:
@@ -139,9 +145,15 @@ class LearnerRuntime:
         metrics.update(self.buffer.metrics())
         step_s = time.perf_counter() - t0
         # where the step went: waiting for groups, the update itself, publishing the weights
-        metrics.update({"perf/step_s": step_s, "perf/learner_idle_frac": batch.wait_s / max(step_s, 1e-9),
-                        "perf/train_s": t_publish - t_train, "perf/publish_s": step_s - (t_publish - t0),
-                        "perf/train_cpu_s": train_cpu_s})
+        metrics.update(
+            {
+                "perf/step_s": step_s,
+                "perf/learner_idle_frac": batch.wait_s / max(step_s, 1e-9),
+                "perf/train_s": t_publish - t_train,
+                "perf/publish_s": step_s - (t_publish - t0),
+                "perf/train_cpu_s": train_cpu_s,
+            }
+        )
         metrics.update(batch.metrics)
         return metrics
 
@@ -217,8 +229,10 @@ def run_loop(runtime: Runtime, engine: EngineConfig, logger: MetricLogger, desc:
         metrics = runtime.step(step)
         for event in runtime.drain_events():  # e.g. a sampler quarantined (hetero.trust)
             append_event(settings.run_dir, {"step": step + 1, **event})
-            bar.write(f"[heterorl] step {step + 1}: {event['event']}: " + ", ".join(
-                f"{k}={v}" for k, v in event.items() if k not in ("event", "time")))
+            bar.write(
+                f"[heterorl] step {step + 1}: {event['event']}: "
+                + ", ".join(f"{k}={v}" for k, v in event.items() if k not in ("event", "time"))
+            )
         # the loop's wall clock per step: the step plus the previous step's logging, evaluation
         # and checkpoint, and (async) the round trip to the learner actor
         now = time.perf_counter()

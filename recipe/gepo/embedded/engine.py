@@ -15,8 +15,15 @@ from omegaconf import DictConfig
 
 from .placement import check_device
 from .run_utils import RunSettings
-from ..options import (ConfigError, check_dependencies, check_known_keys, check_section, check_verl_keys,
-                       default_config, runner_of)
+from ..options import (
+    ConfigError,
+    check_dependencies,
+    check_known_keys,
+    check_section,
+    check_verl_keys,
+    default_config,
+    runner_of,
+)
 from ..sections import HeteroConfig, TaskConfig, VerlEngineConfig
 from verl_ext.hetero.records import RolloutGroup
 
@@ -105,15 +112,19 @@ def check_registered(loss_mode: str, adv_estimator: Any) -> None:
             f"known: {sorted(core_algos.POLICY_LOSS_REGISTRY)}"
         )
     if name not in core_algos.ADV_ESTIMATOR_REGISTRY:
-        raise ValueError(f"algorithm.adv_estimator={name!r} is not registered; known: {sorted(core_algos.ADV_ESTIMATOR_REGISTRY)}")
+        raise ValueError(
+            f"algorithm.adv_estimator={name!r} is not registered; known: {sorted(core_algos.ADV_ESTIMATOR_REGISTRY)}"
+        )
     from .rollout import unfed_advantage_inputs
 
     unfed = unfed_advantage_inputs(name)
     if unfed:
         usable = sorted(n for n in core_algos.ADV_ESTIMATOR_REGISTRY if not unfed_advantage_inputs(n))
-        raise ValueError(f"algorithm.adv_estimator={name!r} needs {unfed}, which the embedded engine does not "
-                         f"compute (no critic, reward baselines or recomputed log-probs); it runs {usable}, "
-                         "and the verl engine runs verl's own (hetero.engine=verl)")  # fmt: skip
+        raise ValueError(
+            f"algorithm.adv_estimator={name!r} needs {unfed}, which the embedded engine does not "
+            f"compute (no critic, reward baselines or recomputed log-probs); it runs {usable}, "
+            "and the verl engine runs verl's own (hetero.engine=verl)"
+        )
 
 
 @dataclass

@@ -70,14 +70,20 @@ def collate_groups(groups: list[RolloutGroup], pad_token_id: int) -> dict[str, t
         row += g
     advantages = advantages * response_mask
     return {
-        "prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "response_ids": response_ids,
-        "response_mask": response_mask, "sampler_logprobs": sampler_logprobs, "advantages": advantages,
-        "rewards": rewards, "group_index": group_index,
-    }  # fmt: skip
+        "prompt_ids": prompt_ids,
+        "prompt_mask": prompt_mask,
+        "response_ids": response_ids,
+        "response_mask": response_mask,
+        "sampler_logprobs": sampler_logprobs,
+        "advantages": advantages,
+        "rewards": rewards,
+        "group_index": group_index,
+    }
 
 
-def group_divergence(log_p: torch.Tensor, log_q: torch.Tensor, mask: torch.Tensor, num_groups: int,
-                     group_index: torch.Tensor) -> list[float]:
+def group_divergence(
+    log_p: torch.Tensor, log_q: torch.Tensor, mask: torch.Tensor, num_groups: int, group_index: torch.Tensor
+) -> list[float]:
     """Per group, KL(sampler || learner) estimated exactly as the ``is/kl_sampler_learner`` metric
     estimates it over a batch (:func:`verl_ext.algos.diagnostics.sampler_learner_kl`: k3 per token,
     token-mean per sequence, mean over the group's sequences that have tokens; 0 for a group
@@ -93,7 +99,10 @@ def group_divergence(log_p: torch.Tensor, log_q: torch.Tensor, mask: torch.Tenso
 
 
 def log_probs_and_entropy(
-    model, batch: dict[str, torch.Tensor], temperature: float, with_entropy: bool,
+    model,
+    batch: dict[str, torch.Tensor],
+    temperature: float,
+    with_entropy: bool,
     compute_dtype: Optional[torch.dtype] = None,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """The learner's token log-probs [B, R] (with gradient) of ``batch`` (from :func:`collate_groups`,
@@ -106,9 +115,14 @@ def log_probs_and_entropy(
         hook = model.register_forward_hook(lambda _m, _args, out: captured.__setitem__("logits", out.logits))
     try:
         log_prob = sequence_token_log_probs(
-            model, batch["prompt_ids"], batch["prompt_mask"], batch["response_ids"], batch["response_mask"],
-            temperature, compute_dtype,
-        )  # fmt: skip
+            model,
+            batch["prompt_ids"],
+            batch["prompt_mask"],
+            batch["response_ids"],
+            batch["response_mask"],
+            temperature,
+            compute_dtype,
+        )
     finally:
         if hook is not None:
             hook.remove()
@@ -199,19 +213,26 @@ class Learner:
         reduction = loss_option(self.actor_config, "seq_reduction")
         seq_log_q = sequence_log_prob(batch["sampler_logprobs"], mask, reduction)
         group_log_denominator = group_expectation_log_denominator(seq_log_q, batch["group_index"])
-        log_prob, entropy = log_probs_and_entropy(self.model, batch, self.temperature, self.with_entropy,
-                                                  self.compute_dtype)
+        log_prob, entropy = log_probs_and_entropy(
+            self.model, batch, self.temperature, self.with_entropy, self.compute_dtype
+        )
         if entropy is not None:
             batch["entropy"] = entropy
         if self.reference is not None:
             with torch.no_grad():
                 batch["ref_log_prob"] = sequence_token_log_probs(
-                    self.reference, batch["prompt_ids"], batch["prompt_mask"], batch["response_ids"],
-                    batch["response_mask"], self.temperature, self.compute_dtype,
-                )  # fmt: skip
+                    self.reference,
+                    batch["prompt_ids"],
+                    batch["prompt_mask"],
+                    batch["response_ids"],
+                    batch["response_mask"],
+                    self.temperature,
+                    self.compute_dtype,
+                )
         loss, metrics = self.policy_loss(log_prob, batch, group_log_denominator)
-        self.group_divergence = group_divergence(log_prob.detach(), batch["sampler_logprobs"], mask, len(groups),
-                                                 batch["group_index"])  # fmt: skip
+        self.group_divergence = group_divergence(
+            log_prob.detach(), batch["sampler_logprobs"], mask, len(groups), batch["group_index"]
+        )
         return loss, metrics, batch
 
     def train_step(self, groups: list[RolloutGroup]) -> dict[str, float]:
@@ -272,11 +293,17 @@ class Learner:
             # modes by the mini-batch's sequence count (its global_batch_size), so do the same
             info["global_batch_size"] = int(batch["response_mask"].shape[0])
         return compute_actor_loss(
-            self.actor_config, log_prob, batch["sampler_logprobs"], batch["advantages"],
-            batch["response_mask"].bool(), group_log_denominator=group_log_denominator,
-            group_index=batch["group_index"], entropy=batch.get("entropy"), ref_log_prob=batch.get("ref_log_prob"),
+            self.actor_config,
+            log_prob,
+            batch["sampler_logprobs"],
+            batch["advantages"],
+            batch["response_mask"].bool(),
+            group_log_denominator=group_log_denominator,
+            group_index=batch["group_index"],
+            entropy=batch.get("entropy"),
+            ref_log_prob=batch.get("ref_log_prob"),
             rollout_correction=self.rollout_correction,
-        )  # fmt: skip
+        )
 
     def state_dict(self) -> dict[str, Any]:
         return {

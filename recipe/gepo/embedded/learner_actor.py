@@ -47,7 +47,9 @@ def rollout_inbox_transport(hetero: HeteroConfig, transport):
     (the learner's own stream, seconds)."""
     if not hetero.delay_rollouts:
         return transport
-    return DelayChannel(transport, hetero.delay.build(), seed=hetero.seed, stream=LEARNER_STREAM, topics=[ROLLOUT_TOPIC])
+    return DelayChannel(
+        transport, hetero.delay.build(), seed=hetero.seed, stream=LEARNER_STREAM, topics=[ROLLOUT_TOPIC]
+    )
 
 
 class TransportSource:
@@ -64,8 +66,13 @@ class TransportSource:
         self.transport = spec.open()
         self.gate = TrustGate(runtime.engine, runtime.model_path, runtime.task, runtime.buffer)
         announcements = self.transport if hetero.stale_policy == "wait" else None
-        self.inbox = RolloutInbox(rollout_inbox_transport(hetero, self.transport), self.buffer, announcements=announcements,
-                                  enrolment=self.gate.enrolment, gate=self.gate)  # fmt: skip
+        self.inbox = RolloutInbox(
+            rollout_inbox_transport(hetero, self.transport),
+            self.buffer,
+            announcements=announcements,
+            enrolment=self.gate.enrolment,
+            gate=self.gate,
+        )
         self.weights = weight_store(hetero, self.transport, pipelined=True)
         self._stop = threading.Event()
         self._hungry = threading.Event()  # set while the learner is blocked in take()
@@ -126,7 +133,9 @@ class TransportSource:
     def publish(self, weights, version: int) -> None:
         self.gate.remember(version, self.weights.publish(version, weights))
         if self.hetero.max_queued_groups > 0:
-            publish_status(self.transport, LearnerStatus(version=int(version), queue_depth=len(self.buffer)), wait=False)
+            publish_status(
+                self.transport, LearnerStatus(version=int(version), queue_depth=len(self.buffer)), wait=False
+            )
 
     def state_dict(self) -> dict[str, Any]:
         return {"trust": self.gate.state_dict()}
@@ -173,4 +182,3 @@ class LearnerWorker(LearnerRuntime):
         """Enrol a launched sampler's key while a step runs (its own thread: the step may be
         waiting for that sampler's groups)."""
         self.source.enrol(sampler_id, public_hex)
-

@@ -30,12 +30,16 @@ def check_device(device: str, key: str = "hetero.device") -> None:
     if torch.device(device).type == "cpu":
         return
     if not torch.cuda.is_available():
-        raise ValueError(f"{key}={device!r}: CUDA is not available here (torch.cuda.is_available() is False; "
-                         f"torch {torch.__version__}, CUDA build {torch.version.cuda}); use {key}=cpu")  # fmt: skip
+        raise ValueError(
+            f"{key}={device!r}: CUDA is not available here (torch.cuda.is_available() is False; "
+            f"torch {torch.__version__}, CUDA build {torch.version.cuda}); use {key}=cpu"
+        )
     index = torch.device(device).index
     if index is not None and index >= torch.cuda.device_count():
-        raise ValueError(f"{key}={device!r}: this machine has {torch.cuda.device_count()} CUDA device(s) "
-                         f"(cuda:0 .. cuda:{torch.cuda.device_count() - 1})")  # fmt: skip
+        raise ValueError(
+            f"{key}={device!r}: this machine has {torch.cuda.device_count()} CUDA device(s) "
+            f"(cuda:0 .. cuda:{torch.cuda.device_count() - 1})"
+        )
 
 
 def model_device(model: torch.nn.Module) -> torch.device:

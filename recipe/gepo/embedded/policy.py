@@ -77,10 +77,16 @@ def sample_groups(
     enc = tokenizer(repeated, return_tensors="pt", padding=True)
     device = next(model.parameters()).device  # the prompts go where the model is; the results come back
     gen = generate(
-        model, enc["input_ids"].to(device), enc["attention_mask"].to(device), max_new_tokens=max_new_tokens,
-        eos_token_ids=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, temperature=temperature, seed=seed,
+        model,
+        enc["input_ids"].to(device),
+        enc["attention_mask"].to(device),
+        max_new_tokens=max_new_tokens,
+        eos_token_ids=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        temperature=temperature,
+        seed=seed,
         gumbel_seeds=gumbel_seeds,
-    )  # fmt: skip
+    )
     tokens, log_q = gen.tokens.to("cpu"), gen.log_q.to("cpu")
     response_mask = eos_mask(tokens, tokenizer.eos_token_id)
     logprobs = log_q * response_mask
@@ -115,8 +121,13 @@ def sequence_token_log_probs(
     return token_log_probs(response_logits, response_ids, temperature)
 
 
-def forward_logits(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                   position_ids: torch.Tensor, compute_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+def forward_logits(
+    model: PreTrainedModel,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    position_ids: torch.Tensor,
+    compute_dtype: Optional[torch.dtype] = None,
+) -> torch.Tensor:
     """The model's logits [B, L, V]; with ``compute_dtype`` under ``torch.autocast`` on the inputs'
     device type (mixed precision: the weights keep their dtype, matmuls run in ``compute_dtype``)."""
     if compute_dtype is None:

@@ -48,7 +48,9 @@ class ReplaySource:
         self.task, self.tokenizer, self.buffer = runtime.task, runtime.tokenizer, runtime.buffer
         # hetero.device / hetero.sampler_precision: the sampler's model (snapshots stay on the CPU)
         self.sampler_model, _ = Placement.of(self.hetero).load_sampler(runtime.model_path)
-        self.rollout = RolloutSettings(self.settings.group_size, self.settings.temperature, self.settings.max_new_tokens)
+        self.rollout = RolloutSettings(
+            self.settings.group_size, self.settings.temperature, self.settings.max_new_tokens
+        )
         self.schedule = DelaySchedule(self.hetero.delay.build(), self.hetero.seed)
         self.snapshots: dict[int, dict[str, torch.Tensor]] = {}
 
@@ -62,10 +64,17 @@ class ReplaySource:
         items = self.task.train_items(n, stream=0, index=step)
         t_gen = time.perf_counter()
         groups = generate_groups(
-            self.sampler_model, self.tokenizer, items, self.task.score, self.rollout, self.algorithm,
-            policy_version=version, sampler_id="replay", seed=replay_sampling_seed(self.hetero.seed, step),
+            self.sampler_model,
+            self.tokenizer,
+            items,
+            self.task.score,
+            self.rollout,
+            self.algorithm,
+            policy_version=version,
+            sampler_id="replay",
+            seed=replay_sampling_seed(self.hetero.seed, step),
             uid_prefix=f"r{step}",
-        )  # fmt: skip
+        )
         gen_s = time.perf_counter() - t_gen
         # the buffer rejects groups newer than the version it knows (future_version): with
         # staleness 0 the groups carry the current version

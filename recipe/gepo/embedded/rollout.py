@@ -53,8 +53,13 @@ def unfed_advantage_inputs(name: str) -> list[str]:
     """The required arguments of verl's estimator ``name`` that :func:`sequence_advantages` cannot
     give (``gae`` needs ``values``, ``remax`` ``reward_baselines``, ...): empty when it can run."""
     params = _parameters(get_adv_estimator_fn(name))
-    return [k for k, p in params.items() if p.default is inspect.Parameter.empty
-            and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) and k not in ADVANTAGE_INPUTS]  # fmt: skip
+    return [
+        k
+        for k, p in params.items()
+        if p.default is inspect.Parameter.empty
+        and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+        and k not in ADVANTAGE_INPUTS
+    ]
 
 
 def sequence_advantages(
@@ -108,11 +113,20 @@ def generate_groups(
     """
     g = settings.group_size
     group_seeds = [group_seed(seed, i) for i in range(len(items))] if checkable else None
-    batch = sample_groups(model, tokenizer, [it["prompt"] for it in items], g, settings.temperature,
-                          settings.max_new_tokens, seed, gumbel_seeds=group_seeds)  # fmt: skip
+    batch = sample_groups(
+        model,
+        tokenizer,
+        [it["prompt"] for it in items],
+        g,
+        settings.temperature,
+        settings.max_new_tokens,
+        seed,
+        gumbel_seeds=group_seeds,
+    )
     # host side: the sampled batch is on the CPU (sample_groups brings it back from the model's device)
-    rewards = torch.tensor([score(text, items[i // g]) for i, text in enumerate(batch.texts)], dtype=torch.float32,
-                           device="cpu")  # fmt: skip
+    rewards = torch.tensor(
+        [score(text, items[i // g]) for i, text in enumerate(batch.texts)], dtype=torch.float32, device="cpu"
+    )
     uids = [f"{uid_prefix}-{i // g}" for i in range(len(batch.texts))]
     advantages = sequence_advantages(rewards, batch.response_mask, uids, algorithm_config)
     now = time.time()

@@ -78,7 +78,9 @@ class RunSettings:
         if settings.max_new_tokens < 1:
             raise ValueError(f"data.max_response_length={settings.max_new_tokens} must be >= 1")
         if settings.resume_mode not in ("auto", "disable"):
-            raise ValueError(f"trainer.resume_mode={settings.resume_mode!r}: the embedded engine supports auto | disable")
+            raise ValueError(
+                f"trainer.resume_mode={settings.resume_mode!r}: the embedded engine supports auto | disable"
+            )
         return settings
 
 

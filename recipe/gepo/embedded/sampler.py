@@ -48,13 +48,25 @@ class SamplerWorker:
     WAIT_POLL_S = 0.1
     """Seconds between checks while waiting for newer weights or for room in the learner's queue."""
 
-    WEIGHT_STATS = {"full_loads": "weight_full_loads", "delta_loads": "weight_delta_loads",
-                    "bytes_fetched": "weight_bytes_fetched", "delta_fallbacks": "weight_delta_fallbacks",
-                    "delta_larger": "weight_delta_larger"}  # fmt: skip
+    WEIGHT_STATS = {
+        "full_loads": "weight_full_loads",
+        "delta_loads": "weight_delta_loads",
+        "bytes_fetched": "weight_bytes_fetched",
+        "delta_fallbacks": "weight_delta_fallbacks",
+        "delta_larger": "weight_delta_larger",
+    }
     """Weight store counter -> sampler stat: which path each load took (hetero.weight_sync)."""
 
-    def __init__(self, index: int, engine: EngineConfig, model_path: str, spec: TransportSpec,
-                 speed_factor: float, uid_namespace: str, key: Optional[SamplerKey] = None):
+    def __init__(
+        self,
+        index: int,
+        engine: EngineConfig,
+        model_path: str,
+        spec: TransportSpec,
+        speed_factor: float,
+        uid_namespace: str,
+        key: Optional[SamplerKey] = None,
+    ):
         pin_worker(engine.hetero.sampler_cpus, "hetero.sampler_cpus")
         self.index, self.sampler_id = index, f"sampler-{index}"
         # hetero.trust.sign_records: signed with a key made here (or the remote sampler's key
@@ -66,23 +78,37 @@ class SamplerWorker:
         self.key = key if engine.hetero.trust.sign_records else None
         self.uid_namespace = uid_namespace  # unique per launch: a restarted sampler never reuses a uid
         self.hetero, self.settings, self.algorithm_config = engine.hetero, engine.settings, engine.algorithm
-        self.rollout = RolloutSettings(self.settings.group_size, self.settings.temperature, self.settings.max_new_tokens)
+        self.rollout = RolloutSettings(
+            self.settings.group_size, self.settings.temperature, self.settings.max_new_tokens
+        )
         # hetero.device / hetero.sampler_precision (weights arrive as CPU tensors, copied there)
         self.model, self.tokenizer = Placement.of(engine.hetero).load_sampler(model_path)
         self.task = Task(engine.task, self.hetero.seed, self.tokenizer)
         self.model.eval()
         self.transport = spec.open()
         channel = DelayChannel(
-            self.transport, self.hetero.delay.build(), seed=self.hetero.seed, stream=sampler_stream(index),
-            speed_factor=speed_factor, topics=[WEIGHTS_TOPIC, WEIGHTS_DELTA_TOPIC],  # delta v: delayed as v
-        )  # fmt: skip
+            self.transport,
+            self.hetero.delay.build(),
+            seed=self.hetero.seed,
+            stream=sampler_stream(index),
+            speed_factor=speed_factor,
+            topics=[WEIGHTS_TOPIC, WEIGHTS_DELTA_TOPIC],  # delta v: delayed as v
+        )
         self.weights = weight_store(self.hetero, channel)
         # what exists, undelayed: only the version numbers are read from it, never the weights
         self.published = WeightStore(self.transport, keep_last=self.hetero.keep_weight_versions)
         self.speed_factor = speed_factor
         self.version = -1
-        self.stats = {"batches": 0, "groups": 0, "tokens": 0, "gen_s": 0.0, "weight_loads": 0,
-                      "stale_wait_s": 0.0, "queue_wait_s": 0.0, **{k: 0 for k in self.WEIGHT_STATS.values()}}
+        self.stats = {
+            "batches": 0,
+            "groups": 0,
+            "tokens": 0,
+            "gen_s": 0.0,
+            "weight_loads": 0,
+            "stale_wait_s": 0.0,
+            "queue_wait_s": 0.0,
+            **{k: 0 for k in self.WEIGHT_STATS.values()},
+        }
 
     def _refresh_weights(self) -> None:
         newest = self.weights.latest(newer_than=self.version if self.version >= 0 else None)
@@ -144,11 +170,18 @@ class SamplerWorker:
                     announce(self.transport, f"{uid_prefix}-{i}", self.version, self.sampler_id)
             t0 = time.perf_counter()
             groups = generate_groups(
-                self.model, self.tokenizer, items, self.task.score, self.rollout, self.algorithm_config,
-                policy_version=self.version, sampler_id=self.sampler_id,
-                seed=sampler_sampling_seed(self.hetero.seed, batch_index, self.index), uid_prefix=uid_prefix,
+                self.model,
+                self.tokenizer,
+                items,
+                self.task.score,
+                self.rollout,
+                self.algorithm_config,
+                policy_version=self.version,
+                sampler_id=self.sampler_id,
+                seed=sampler_sampling_seed(self.hetero.seed, batch_index, self.index),
+                uid_prefix=uid_prefix,
                 checkable=self.hetero.trust.checkable_sampling,
-            )  # fmt: skip
+            )
             gen_s = time.perf_counter() - t0
             if self.speed_factor > 1:
                 time.sleep(gen_s * (self.speed_factor - 1))  # slower hardware: same work takes longer
@@ -168,4 +201,3 @@ class SamplerWorker:
 
     def counters(self) -> dict[str, float]:
         return dict(self.stats)
-

@@ -107,8 +107,10 @@ def gpu_share(hetero: HeteroConfig) -> dict[str, Any]:
     CUDA_VISIBLE_DEVICES as the driver has it, so ``cuda:N`` names the same GPU in every actor."""
     if not hetero.device.startswith("cuda"):
         return {}
-    return {"num_gpus": 1.0 / (hetero.num_samplers + 1),
-            "runtime_env": {"env_vars": {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}}}  # fmt: skip
+    return {
+        "num_gpus": 1.0 / (hetero.num_samplers + 1),
+        "runtime_env": {"env_vars": {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}},
+    }
 
 
 class RemoteRuntime:
@@ -123,9 +125,11 @@ class RemoteRuntime:
         hetero = engine.hetero
         # actors hold no CPU reservation: on a 2-core laptop the learner and samplers share the
         # cores (hetero.*_cpus pins them); custom resources place them on a cluster's nodes
-        self.learner = ray.remote(num_cpus=0, concurrency_groups={"control": 1})(LearnerWorker).options(
-            name=LEARNER_ACTOR, **_placement(hetero.learner_ray_resources), **gpu_share(hetero)
-        ).remote(engine, model_path, spec)
+        self.learner = (
+            ray.remote(num_cpus=0, concurrency_groups={"control": 1})(LearnerWorker)
+            .options(name=LEARNER_ACTOR, **_placement(hetero.learner_ray_resources), **gpu_share(hetero))
+            .remote(engine, model_path, spec)
+        )
         # two threads: run() generates while counters() answers the driver
         self._sampler_cls = ray.remote(num_cpus=0, max_restarts=0, max_concurrency=2)(SamplerWorker)
         self.samplers: dict[int, Any] = {}
@@ -144,11 +148,10 @@ class RemoteRuntime:
         # named, so an operator (or a fault-injection test) can find and kill a sampler
         self.namespaces[i] = f"s{i}-{uuid.uuid4().hex[:8]}"
         self.samplers[i] = self._sampler_cls.options(
-            name=sampler_actor_name(i, self.restarts[i]), **_placement(self.engine.hetero.sampler_ray_resources),
+            name=sampler_actor_name(i, self.restarts[i]),
+            **_placement(self.engine.hetero.sampler_ray_resources),
             **gpu_share(self.engine.hetero),
-        ).remote(
-            i, self.engine, self.model_path, self.spec, self.engine.hetero.speed_factors()[i], self.namespaces[i]
-        )
+        ).remote(i, self.engine, self.model_path, self.spec, self.engine.hetero.speed_factors()[i], self.namespaces[i])
         self.restarts[i] += 1
         # its key is made where it runs; it generates once _start_ready has recorded the public half
         self.keys_pending[i] = self.samplers[i].public_key.remote()
@@ -327,8 +330,12 @@ def ray_session(hetero: HeteroConfig) -> Iterator[None]:
         yield
         return
     if hetero.ray_address:
-        ray.init(address=hetero.ray_address, log_to_driver=False, logging_level="ERROR",
-                 runtime_env={"env_vars": _worker_env()})  # fmt: skip
+        ray.init(
+            address=hetero.ray_address,
+            log_to_driver=False,
+            logging_level="ERROR",
+            runtime_env={"env_vars": _worker_env()},
+        )
     else:
         ray.init(num_cpus=max(2, hetero.num_samplers + 1), include_dashboard=False, log_to_driver=False)
     try:

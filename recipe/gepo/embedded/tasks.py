@@ -15,6 +15,7 @@ import numpy as np
 
 from ..sections import TaskConfig
 
+
 class Task:
     """Prompts, scoring and evaluation of one task. ``items`` are dicts with ``prompt`` (text fed
     to the model) and ``answer``."""
@@ -26,8 +27,9 @@ class Task:
         if config.name == "toy_addition":
             from verl_ext.data.toy.problems import make_problems
 
-            eval_problems = make_problems(config.eval_size, config.digits, seed=10**6 + seed,
-                                          answer_format=config.answer_format)  # fmt: skip
+            eval_problems = make_problems(
+                config.eval_size, config.digits, seed=10**6 + seed, answer_format=config.answer_format
+            )
             self.eval_items = [{"prompt": p["problem"], "answer": p["answer"]} for p in eval_problems]
             self._train_pool = None
         else:
@@ -35,13 +37,17 @@ class Task:
             from verl_ext.data.templates import needs_tokenizer, render_prompt
 
             if needs_tokenizer(config.template) and tokenizer is None:
-                raise ValueError(f"task.template={config.template!r} renders with the model's own chat template: "
-                                 "the task needs the model's tokenizer")  # fmt: skip
+                raise ValueError(
+                    f"task.template={config.template!r} renders with the model's own chat template: "
+                    "the task needs the model's tokenizer"
+                )
             own = tokenizer if needs_tokenizer(config.template) else None  # the others render without one
 
             def items(name, path, options, limit=None):
                 rows = load_benchmark(name, path=path or None, limit=limit, **options)
-                return [{"prompt": render_prompt(r["problem"], config.template, own), "answer": r["answer"]} for r in rows]
+                return [
+                    {"prompt": render_prompt(r["problem"], config.template, own), "answer": r["answer"]} for r in rows
+                ]
 
             self._train_pool = items(config.dataset, config.dataset_path, config.dataset_options)
             self.eval_items = items(config.eval_dataset, None, config.eval_dataset_options, config.eval_size)
@@ -125,9 +131,14 @@ class Task:
             for start in range(0, len(self.eval_items), batch):
                 chunk = self.eval_items[start : start + batch]
                 out = sample_groups(
-                    model, tokenizer, [it["prompt"] for it in chunk], 1, self.config.eval_temperature,
-                    max_new_tokens, seed=seed + start,
-                )  # fmt: skip
+                    model,
+                    tokenizer,
+                    [it["prompt"] for it in chunk],
+                    1,
+                    self.config.eval_temperature,
+                    max_new_tokens,
+                    seed=seed + start,
+                )
                 correct += sum(self.score(text, it) for text, it in zip(out.texts, chunk))
         finally:
             model.train(was_training)

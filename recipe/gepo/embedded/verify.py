@@ -76,8 +76,16 @@ from verl_ext.algos.advantages import bnpo_group_mismatch
 from verl_ext.hetero.auth import Enrolment
 from verl_ext.hetero.buffer import RolloutBuffer
 from verl_ext.hetero.gumbel import TIE_MARGINS, TokenCheck, check_scores
-from verl_ext.hetero.precision import (TOLERANCES, Mismatch, MismatchCusum, Tolerance, group_mismatch, precision_of,
-                                       precision_refusal, single_group_failure)  # fmt: skip
+from verl_ext.hetero.precision import (
+    TOLERANCES,
+    Mismatch,
+    MismatchCusum,
+    Tolerance,
+    group_mismatch,
+    precision_of,
+    precision_refusal,
+    single_group_failure,
+)
 from verl_ext.hetero.records import RecordRejected, RolloutGroup
 from verl_ext.hetero.staleness import is_stale
 from verl_ext.hetero.weights import deserialize_state_dict
@@ -101,8 +109,14 @@ def group_log_probs(model: torch.nn.Module, group: RolloutGroup, temperature: fl
     def ids(array: np.ndarray) -> torch.Tensor:
         return torch.as_tensor(array, device=device).long()
 
-    logprobs = sequence_token_log_probs(model, ids(group.prompt_ids).expand(g, -1), ids(prompt_mask).expand(g, -1),
-                                        ids(group.response_ids), ids(group.response_mask), temperature)  # fmt: skip
+    logprobs = sequence_token_log_probs(
+        model,
+        ids(group.prompt_ids).expand(g, -1),
+        ids(prompt_mask).expand(g, -1),
+        ids(group.response_ids),
+        ids(group.response_mask),
+        temperature,
+    )
     return logprobs.float().cpu().numpy()
 
 
@@ -144,9 +158,18 @@ class GroupVerifier:
             ``sampling_seed`` also has its tokens re-derived from the same forward's logits.
     """
 
-    def __init__(self, model_path: str, task: Task, temperature: float, algorithm_config: Any,
-                 keep_versions: int, logprob_tolerance: float, check_rewards: bool,
-                 placement: Optional[Placement] = None, checkable_sampling: bool = False):  # fmt: skip
+    def __init__(
+        self,
+        model_path: str,
+        task: Task,
+        temperature: float,
+        algorithm_config: Any,
+        keep_versions: int,
+        logprob_tolerance: float,
+        check_rewards: bool,
+        placement: Optional[Placement] = None,
+        checkable_sampling: bool = False,
+    ):
         if placement is not None:
             self.scorer, self.tokenizer = placement.load_sampler(model_path)
         else:
@@ -188,8 +211,9 @@ class GroupVerifier:
         newest held is not waited for (it will not come: pruned, or before a resume)."""
         version = int(version)
         with self._remembered:
-            self._remembered.wait_for(lambda: version in self._versions or (self._newest or -1) > version,
-                                      timeout=timeout_s)  # fmt: skip
+            self._remembered.wait_for(
+                lambda: version in self._versions or (self._newest or -1) > version, timeout=timeout_s
+            )
             return version in self._versions
 
     # ---------------------------------------------------------------- checks
@@ -212,7 +236,7 @@ class GroupVerifier:
         text = self.tokenizer.decode(ids, skip_special_tokens=False)
         bos = self.tokenizer.bos_token
         if bos and text.startswith(bos) and ids and ids[0] == self.tokenizer.bos_token_id:
-            text = text[len(bos):]
+            text = text[len(bos) :]
         return text if self.tokenizer(text)["input_ids"] == ids else None
 
     def check_group_rewards(self, group: RolloutGroup) -> Optional[tuple[str, str]]:
@@ -222,10 +246,15 @@ class GroupVerifier:
             return "unknown_prompt", f"prompt {prompt!r} is not one of the task's training prompts"
         # host work (decoding, the group's advantages): on the CPU whatever torch's default device
         mask = torch.as_tensor(group.response_mask, device="cpu").long()
-        responses = torch.where(mask.bool(), torch.as_tensor(group.response_ids, device="cpu"),
-                                torch.full_like(mask, self.tokenizer.pad_token_id))  # fmt: skip
+        responses = torch.where(
+            mask.bool(),
+            torch.as_tensor(group.response_ids, device="cpu"),
+            torch.full_like(mask, self.tokenizer.pad_token_id),
+        )
         texts = self.tokenizer.batch_decode(responses, skip_special_tokens=True)
-        rewards = np.asarray([self.task.score(text, {"prompt": prompt, "answer": answer}) for text in texts], np.float32)
+        rewards = np.asarray(
+            [self.task.score(text, {"prompt": prompt, "answer": answer}) for text in texts], np.float32
+        )
         reported = np.asarray(group.rewards, np.float32)
         if reported.shape != rewards.shape or np.abs(reported - rewards).max() > REWARD_TOLERANCE:
             return "bad_rewards", f"reported {reported.tolist()}, recomputed {rewards.tolist()}"
@@ -312,16 +341,20 @@ class GroupVerifier:
         noise of the group's seed, up to the precision's near-tie margin; a token further below
         the noised best fails the group (``token_mismatch``)."""
         margin = self.tie_margin(precision)
-        found: TokenCheck = check_scores(logits, group.response_ids, group.response_mask, self.temperature,
-                                         int(group.sampling_seed), margin)  # fmt: skip
-        self.token_counts.update(tokens_checked=found.tokens, token_near_ties=found.near_ties,
-                                 token_mismatches=found.mismatches)
+        found: TokenCheck = check_scores(
+            logits, group.response_ids, group.response_mask, self.temperature, int(group.sampling_seed), margin
+        )
+        self.token_counts.update(
+            tokens_checked=found.tokens, token_near_ties=found.near_ties, token_mismatches=found.mismatches
+        )
         if found.mismatches == 0:
             return None
-        return "token_mismatch", (f"{found.mismatches} of {found.tokens} tokens are not what seed "
-                                  f"{group.sampling_seed}'s noise selects under v{group.policy_version} (worst "
-                                  f"noised margin {found.worst_margin:.3g} > {margin:g}, {precision}'s near-tie "
-                                  f"allowance)")  # fmt: skip
+        return "token_mismatch", (
+            f"{found.mismatches} of {found.tokens} tokens are not what seed "
+            f"{group.sampling_seed}'s noise selects under v{group.policy_version} (worst "
+            f"noised margin {found.worst_margin:.3g} > {margin:g}, {precision}'s near-tie "
+            f"allowance)"
+        )
 
     def check_logprobs(self, group: RolloutGroup) -> Optional[tuple[str, str]]:
         return self.measure_logprobs(group)[0]
@@ -340,8 +373,9 @@ def content_digest(group: RolloutGroup) -> str:
         prompt = prompt[np.asarray(group.prompt_mask).astype(bool)]
     h.update(len(prompt).to_bytes(4, "little") + np.ascontiguousarray(prompt).tobytes())
     mask = np.asarray(group.response_mask).astype(bool)
-    rows = sorted(np.ascontiguousarray(np.asarray(ids, np.int64)[keep]).tobytes()
-                  for ids, keep in zip(group.response_ids, mask))  # fmt: skip
+    rows = sorted(
+        np.ascontiguousarray(np.asarray(ids, np.int64)[keep]).tobytes() for ids, keep in zip(group.response_ids, mask)
+    )
     for row in rows:
         h.update(len(row).to_bytes(4, "little") + row)
     return h.hexdigest()
@@ -379,10 +413,16 @@ class TrustGate:
         self.verifier: Optional[GroupVerifier] = None
         if trust.verify_fraction > 0 or trust.check_rewards:
             self.verifier = GroupVerifier(
-                model_path, task, engine.settings.temperature, engine.algorithm, keep_versions=hetero.max_delay + 1,
-                logprob_tolerance=trust.logprob_tolerance, check_rewards=trust.check_rewards,
-                placement=Placement.of(hetero), checkable_sampling=trust.checkable_sampling,
-            )  # fmt: skip
+                model_path,
+                task,
+                engine.settings.temperature,
+                engine.algorithm,
+                keep_versions=hetero.max_delay + 1,
+                logprob_tolerance=trust.logprob_tolerance,
+                check_rewards=trust.check_rewards,
+                placement=Placement.of(hetero),
+                checkable_sampling=trust.checkable_sampling,
+            )
 
     # ---------------------------------------------------------------- enrolment
     def enrol(self, sampler_id: str, public_hex: Optional[str]) -> None:
@@ -433,13 +473,21 @@ class TrustGate:
                     self.ledger.refused(unknown[0])
                     raise RecordRejected("sampler_precision", *unknown, sampler_id=sampler, group_uid=uid)
                 seed = group.sampling_seed
-                if self.config.checkable_sampling and (not isinstance(seed, (int, np.integer)) or isinstance(seed, bool)):
+                if self.config.checkable_sampling and (
+                    not isinstance(seed, (int, np.integer)) or isinstance(seed, bool)
+                ):
                     # the token check needs it: refused on every group, checked or not (no blame:
                     # a sampler not configured for it, not a lie shown)
                     self.ledger.refused("unseeded")
-                    raise RecordRejected("sampling_seed", "unseeded", f"sampling_seed={seed!r}: "
-                                         "hetero.trust.checkable_sampling needs each group's Gumbel-max seed "
-                                         "(an integer) in its signed record", sampler_id=sampler, group_uid=uid)  # fmt: skip
+                    raise RecordRejected(
+                        "sampling_seed",
+                        "unseeded",
+                        f"sampling_seed={seed!r}: "
+                        "hetero.trust.checkable_sampling needs each group's Gumbel-max seed "
+                        "(an integer) in its signed record",
+                        sampler_id=sampler,
+                        group_uid=uid,
+                    )
             rescore = self.ledger.should_check(sampler) and self.config.verify_fraction > 0
             digest = content_digest(group)
             replayed = digest in self._contents
@@ -457,29 +505,50 @@ class TrustGate:
         if version in self.lost_versions and self.verifier is not None:
             # made with the crashed learner's weights of that number, or with ours? Only a re-score
             # tells; a version we do not hold yet (or any more) cannot be told, so it is refused too
-            lost = (self.verifier.check_logprobs(group) if self.verifier.holds(group.policy_version)
-                    else ("lost_version", "the learner does not hold its own weights of that number to tell"))  # fmt: skip
+            lost = (
+                self.verifier.check_logprobs(group)
+                if self.verifier.holds(group.policy_version)
+                else ("lost_version", "the learner does not hold its own weights of that number to tell")
+            )
             if lost is not None:  # not a lie either way: refused without blame
-                raise RecordRejected("policy_version", "lost_version", f"version {group.policy_version} was republished "
-                                     f"after a learner resume; {lost[1]}", sampler_id=sampler, group_uid=uid)  # fmt: skip
+                raise RecordRejected(
+                    "policy_version",
+                    "lost_version",
+                    f"version {group.policy_version} was republished after a learner resume; {lost[1]}",
+                    sampler_id=sampler,
+                    group_uid=uid,
+                )
         if replayed:
             # Old content under a new uid: refused, but without blame. Two honest samplers (or one,
             # twice) can draw the very same responses at the same version -- a confident model on
             # a short answer does -- and their log-probs are then identical too, so a coincidence
             # looks exactly like a replay; the refusal alone takes away all a replay could gain.
-            raise RecordRejected("record", "replayed", "this group's content (its prompt and its responses' tokens, "
-                                 "in any order) was received before", sampler_id=sampler, group_uid=uid)  # fmt: skip
+            raise RecordRejected(
+                "record",
+                "replayed",
+                "this group's content (its prompt and its responses' tokens, in any order) was received before",
+                sampler_id=sampler,
+                group_uid=uid,
+            )
         if self.verifier is not None:
-            if rescore and not self.verifier.holds(version) and is_stale(self.buffer.learner_version, version,
-                                                                          self.buffer.max_delay):  # fmt: skip
+            if (
+                rescore
+                and not self.verifier.holds(version)
+                and is_stale(self.buffer.learner_version, version, self.buffer.max_delay)
+            ):
                 rescore = False  # past the bound: the buffer drops it on arrival, no one trains on it
             if rescore and not self.verifier.holds(version):
                 # a check is due and cannot be made (the weights did not come in time, or are gone:
                 # a version from before a resume): never admitted unchecked in its place; refused
                 # without blame, since an honest sampler's group can be in that place too
-                raise RecordRejected("policy_version", "unverifiable_version", f"a check is due and the learner does "
-                                     f"not hold version {version}'s weights (waited {self.version_wait_s:g} s)",
-                                     sampler_id=sampler, group_uid=uid)  # fmt: skip
+                raise RecordRejected(
+                    "policy_version",
+                    "unverifiable_version",
+                    f"a check is due and the learner does "
+                    f"not hold version {version}'s weights (waited {self.version_wait_s:g} s)",
+                    sampler_id=sampler,
+                    group_uid=uid,
+                )
             t0 = time.thread_time()  # CPU time: what the learner pays, whatever else shares its cores
             # outside the lock: the slow part
             failure = self.verifier.check_group_rewards(group) if self.verifier.check_rewards else None
@@ -492,8 +561,9 @@ class TrustGate:
         with self._lock:
             if failure is None and mismatch is not None:
                 precision = str(group.sampler_precision)
-                repeated = self.cusum.add(sampler, mismatch, self.verifier.tolerance(precision),
-                                          self.verifier.bounds_precision(precision))  # fmt: skip
+                repeated = self.cusum.add(
+                    sampler, mismatch, self.verifier.tolerance(precision), self.verifier.bounds_precision(precision)
+                )
                 if repeated is not None:
                     failure = ("bad_logprobs", repeated)
             if failure is None:
@@ -503,8 +573,14 @@ class TrustGate:
             reason, detail = failure
             # a quarantine drops the sampler's unchecked groups still buffered (the buffer's lock
             # inside the gate's: the buffer never calls the gate); only those count as purged
-            self.ledger.record(sampler, uid, passed=False, reason=reason, detail=detail,
-                               drop=lambda uids: self.buffer.purge(uids, "quarantined"))  # fmt: skip
+            self.ledger.record(
+                sampler,
+                uid,
+                passed=False,
+                reason=reason,
+                detail=detail,
+                drop=lambda uids: self.buffer.purge(uids, "quarantined"),
+            )
         raise RecordRejected("record", reason, detail, sampler_id=sampler, group_uid=uid)
 
     def accepted(self, group: RolloutGroup, vouched: bool = False) -> None:
@@ -540,16 +616,28 @@ class TrustGate:
         with self._lock:
             passed = {f"trust/{sampler}/passed_over": float(n) for sampler, n in self.passed_over_counts.items()}
             cusum = {f"trust/{sampler}/mismatch_cusum": value for sampler, value in self.cusum.sums.items()}
-            tokens = ({f"trust/{k}": float(v) for k, v in self.verifier.token_counts.items()}
-                      if self.verifier is not None and self.verifier.checkable_sampling else {})  # fmt: skip
-            return {**self.ledger.metrics(), **passed, **cusum, **tokens,
-                    "perf/trust_check_cpu_s_total": self.check_cpu_s}
+            tokens = (
+                {f"trust/{k}": float(v) for k, v in self.verifier.token_counts.items()}
+                if self.verifier is not None and self.verifier.checkable_sampling
+                else {}
+            )
+            return {
+                **self.ledger.metrics(),
+                **passed,
+                **cusum,
+                **tokens,
+                "perf/trust_check_cpu_s_total": self.check_cpu_s,
+            }
 
     def state_dict(self) -> dict:
         with self._lock:
-            return {"ledger": self.ledger.state_dict(), "contents": dict(sorted(self._contents.items())),
-                    "lost_versions": sorted(self.lost_versions), "passed_over": dict(self.passed_over_counts),
-                    "cusum": self.cusum.state_dict()}
+            return {
+                "ledger": self.ledger.state_dict(),
+                "contents": dict(sorted(self._contents.items())),
+                "lost_versions": sorted(self.lost_versions),
+                "passed_over": dict(self.passed_over_counts),
+                "cusum": self.cusum.state_dict(),
+            }
 
     def load_state_dict(self, state: dict) -> None:
         with self._lock:

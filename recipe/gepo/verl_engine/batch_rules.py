@@ -94,9 +94,7 @@ def hetero_step_metrics(
     """
     if len(keys) != len(tags):
         raise ValueError(f"{len(keys)} keys but {len(tags)} tags")
-    oldest = group_weight_versions(
-        {str(key): tag for key, tag in zip(keys, tags) if not tag.get("is_padding", False)}
-    )
+    oldest = group_weight_versions({str(key): tag for key, tag in zip(keys, tags) if not tag.get("is_padding", False)})
     out = staleness_metrics([global_steps - 1 - v for v in oldest.values()], max_delay)
     out.update({"hetero/dropped": float(evicted_stale), "hetero/dropped/stale": float(evicted_stale)})
     return out
@@ -137,7 +135,6 @@ def group_log_denominator(
     with torch.no_grad():
         seq_log_q = iw.sequence_log_prob(old_log_probs.detach(), response_mask, reduction)
         return iw.group_expectation_log_denominator(seq_log_q, index.to(seq_log_q.device))
-
 
 
 def from_tensordict(td: Any, reduction: str = "mean", padding: Sequence[bool] | None = None) -> torch.Tensor:

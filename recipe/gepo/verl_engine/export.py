@@ -29,10 +29,14 @@ def load_fsdp_state_dict(actor_dir: Path) -> dict[str, torch.Tensor]:
 
     meta = json.loads((actor_dir / "fsdp_config.json").read_text())
     if int(meta.get("FSDP_version", 0)) != 2:
-        raise ValueError(f"{actor_dir}/fsdp_config.json: FSDP_version={meta.get('FSDP_version')!r}; only FSDP2 is supported")
+        raise ValueError(
+            f"{actor_dir}/fsdp_config.json: FSDP_version={meta.get('FSDP_version')!r}; only FSDP2 is supported"
+        )
     world = int(meta["world_size"])
-    shards = [torch.load(actor_dir / f"model_world_size_{world}_rank_{rank}.pt", map_location="cpu", weights_only=False)
-              for rank in range(world)]  # fmt: skip
+    shards = [
+        torch.load(actor_dir / f"model_world_size_{world}_rank_{rank}.pt", map_location="cpu", weights_only=False)
+        for rank in range(world)
+    ]
     merged: dict[str, torch.Tensor] = {}
     for key in shards[0]:
         parts = [shard[key] for shard in shards]

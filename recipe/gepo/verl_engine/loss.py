@@ -123,9 +123,12 @@ def hetero_ppo_loss(config: Any, model_output: dict, data: TensorDict, dp_group:
 
 
 _OPTIONAL_METRICS = (
-    "is/clipfrac_pos_adv", "is/clipfrac_neg_adv", "is/grad_weight_pos_adv", "is/grad_weight_neg_adv",
+    "is/clipfrac_pos_adv",
+    "is/clipfrac_neg_adv",
+    "is/grad_weight_pos_adv",
+    "is/grad_weight_neg_adv",
     "is/zero_grad_seq_frac",
-)  # fmt: skip
+)
 
 
 def _aggregation(name: str) -> AggregationType:

@@ -40,8 +40,11 @@ from .batch_rules import verl_threshold
 RECIPE_PACKAGE = __package__.rpartition(".")[0]
 """This recipe's package: ``recipe.gepo``, or a copy's own name (``recipe.mygepo``)."""
 
-TRAINER_NAME = ("hetero_separate_async" if RECIPE_PACKAGE == "recipe.gepo"
-                else f"hetero_separate_async_{RECIPE_PACKAGE.replace('.', '_')}")  # fmt: skip
+TRAINER_NAME = (
+    "hetero_separate_async"
+    if RECIPE_PACKAGE == "recipe.gepo"
+    else f"hetero_separate_async_{RECIPE_PACKAGE.replace('.', '_')}"
+)
 """Name under which this recipe's ``verl_engine/trainer.py`` registers its trainer with verl's v1
 trainer registry; ``run`` sets ``trainer.v1.trainer_mode`` to it. verl's registry is one per
 process and refuses a second class under a taken name, so a copied recipe registers under a name
@@ -132,7 +135,11 @@ def _learner_parallelism(cfg: DictConfig) -> dict[str, int | str]:
     n_gpus = int(cfg.trainer.nnodes) * int(cfg.trainer.n_gpus_per_node)
     if actor.strategy == "megatron":
         mc = actor.megatron
-        tp, pp, cp = int(mc.tensor_model_parallel_size), int(mc.pipeline_model_parallel_size), int(mc.context_parallel_size)
+        tp, pp, cp = (
+            int(mc.tensor_model_parallel_size),
+            int(mc.pipeline_model_parallel_size),
+            int(mc.context_parallel_size),
+        )
         if n_gpus % (tp * pp * cp):
             _fail(
                 f"learner GPUs trainer.nnodes x trainer.n_gpus_per_node = {n_gpus} not divisible by "
@@ -140,7 +147,15 @@ def _learner_parallelism(cfg: DictConfig) -> dict[str, int | str]:
             )
         return {"backend": "megatron", "gpus": n_gpus, "tp": tp, "pp": pp, "cp": cp, "dp": n_gpus // (tp * pp * cp)}
     fsdp_size = int(actor.get("fsdp_config", {}).get("fsdp_size", -1) or -1)
-    return {"backend": str(actor.strategy), "gpus": n_gpus, "tp": 1, "pp": 1, "cp": 1, "dp": n_gpus, "fsdp_size": fsdp_size}
+    return {
+        "backend": str(actor.strategy),
+        "gpus": n_gpus,
+        "tp": 1,
+        "pp": 1,
+        "cp": 1,
+        "dp": n_gpus,
+        "fsdp_size": fsdp_size,
+    }
 
 
 def _sampler_parallelism(cfg: DictConfig) -> dict[str, int]:
@@ -162,13 +177,17 @@ def check_task_data(cfg: DictConfig, task) -> None:
     train, val = cfg.data.get("train_files", None), cfg.data.get("val_files", None)
     if bool(train) != bool(val):
         given, missing = ("data.train_files", "data.val_files") if train else ("data.val_files", "data.train_files")
-        _fail(f"{given} is given but {missing} is empty: give both, or neither (then both are written "
-              f"from the task: section and a given one would be overwritten)")  # fmt: skip
+        _fail(
+            f"{given} is given but {missing} is empty: give both, or neither (then both are written "
+            f"from the task: section and a given one would be overwritten)"
+        )
     if train:
         for key, value, default in changed_fields(task, task.DATA_FIELDS):
-            _fail(f"task.{key}={value!r} shapes the data written from the task: section, but data.train_files "
-                  f"and data.val_files are given and used as they are: leave task.{key} at its default "
-                  f"{default!r} (a verl_preset may have set it) or the data files empty")  # fmt: skip
+            _fail(
+                f"task.{key}={value!r} shapes the data written from the task: section, but data.train_files "
+                f"and data.val_files are given and used as they are: leave task.{key} at its default "
+                f"{default!r} (a verl_preset may have set it) or the data files empty"
+            )
 
 
 def check_data_files(cfg: DictConfig) -> None:
@@ -333,9 +352,7 @@ def delay_unit(hetero: HeteroConfig) -> str:
 def _delay_line(hetero: HeteroConfig) -> str:
     d = hetero.delay
     model = d.build()
-    params = ", ".join(
-        f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in model.params().items()
-    ) or "-"
+    params = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in model.params().items()) or "-"
     if d.dist == "none":
         return "none (samplers get every version at the next step end)"
     s = model.summary(n_samples=20_000, seed=hetero.seed)
@@ -371,9 +388,12 @@ def render(v: Validated) -> str:
         f"    topology:      star: learners <-> {sampler['replicas']} sampler replicas "
         f"(weights: checkpoint engine {rollout_cfg.checkpoint_engine.backend})",
         "    placement:     "
-        + ("learner ranks only on Ray nodes offering heterorl_learner_node, samplers only on nodes offering "
-           "heterorl_sampler_node (verl_engine.node_resources)" if v.engine.node_resources
-           else "wherever each pool's GPUs fit (verl_engine.node_resources=false)"),
+        + (
+            "learner ranks only on Ray nodes offering heterorl_learner_node, samplers only on nodes offering "
+            "heterorl_sampler_node (verl_engine.node_resources)"
+            if v.engine.node_resources
+            else "wherever each pool's GPUs fit (verl_engine.node_resources=false)"
+        ),
         f"  batch:           {cfg.data.train_batch_size} prompts x G={n} = {int(cfg.data.train_batch_size) * n} "
         f"responses/step, mini-batch {actor_cfg.ppo_mini_batch_size} prompts, lr {actor_cfg.optim.lr}, "
         f"T={rollout_cfg.temperature}, prompt <= {cfg.data.max_prompt_length}, "
@@ -416,14 +436,18 @@ def check_derived_keys(cfg: DictConfig, hetero: HeteroConfig) -> None:
     from ..options import default_config
 
     defaults = default_config()
-    source = {"trainer.v1.trainer_mode": "the verl engine's own trainer",
-              "trainer.v1.sampler.max_off_policy_threshold": f"hetero.max_delay={hetero.max_delay}",
-              "trainer.v1.sampler.max_off_policy_strategy": f"hetero.stale_policy={hetero.stale_policy}"}  # fmt: skip
+    source = {
+        "trainer.v1.trainer_mode": "the verl engine's own trainer",
+        "trainer.v1.sampler.max_off_policy_threshold": f"hetero.max_delay={hetero.max_delay}",
+        "trainer.v1.sampler.max_off_policy_strategy": f"hetero.stale_policy={hetero.stale_policy}",
+    }
     for key, derived in derived_keys(hetero).items():
         value = OmegaConf.select(cfg, key)
         if value not in (derived, OmegaConf.select(defaults, key)):
-            _fail(f"{key}={value!r}: the verl engine sets it to {derived!r} from {source[key]}; "
-                  f"leave it unset and set the hetero key instead")  # fmt: skip
+            _fail(
+                f"{key}={value!r}: the verl engine sets it to {derived!r} from {source[key]}; "
+                f"leave it unset and set the hetero key instead"
+            )
 
 
 def dry_run(cfg: DictConfig) -> None:

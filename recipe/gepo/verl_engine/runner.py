@@ -69,9 +69,11 @@ def resolve_task_files(cfg: DictConfig) -> DictConfig:
     given = str(cfg.actor_rollout_ref.model.path or "")
     if is_hub_id(given):
         if task.name == "toy_addition" and not cfg.data.get("train_files", None):
-            raise ValueError(f"actor_rollout_ref.model.path={given!r} is a hub id, not a local folder: the toy "
-                             "task's data files are written with the model's tokenizer here, so give a local "
-                             "copy, or data.train_files / data.val_files")  # fmt: skip
+            raise ValueError(
+                f"actor_rollout_ref.model.path={given!r} is a hub id, not a local folder: the toy "
+                "task's data files are written with the model's tokenizer here, so give a local "
+                "copy, or data.train_files / data.val_files"
+            )
         model_path = given  # as verl's workers load it
     else:
         model_path = str(Path(resolve_task_model(given, task, int(cfg.hetero.seed))).resolve())
@@ -144,7 +146,9 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     auto_set_device(settings)
     run_dir = Path(str(settings.trainer.default_local_dir))
     # verl resumes the directory's checkpoint by itself: the same run only
-    resuming = str(settings.trainer.resume_mode) == "auto" and Path(get_checkpoint_tracker_filename(str(run_dir))).is_file()
+    resuming = (
+        str(settings.trainer.resume_mode) == "auto" and Path(get_checkpoint_tracker_filename(str(run_dir))).is_file()
+    )
     with run_directory(run_dir, settings, validated.notes, resuming):
         run_ppo(settings, task_runner_class=task_runner_class())
     return {"run_dir": str(run_dir)}

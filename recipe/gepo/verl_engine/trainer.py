@@ -51,11 +51,20 @@ from .delayed_sync import DelayedCheckpointManager, DelayedSyncSchedule
 from .loss import bridge_loss_fn
 from .placement import pin_pools_to_node_roles
 from .plan import (
-    TRAINER_NAME, check_loss_mode_unchanged, check_no_forced_bypass, delay_unit, requested_loss_mode,
+    TRAINER_NAME,
+    check_loss_mode_unchanged,
+    check_no_forced_bypass,
+    delay_unit,
+    requested_loss_mode,
 )
 from verl_ext.verl_fixes import fix_separate_async_logger
 from verl_ext.rundir import (
-    METRICS_FILE, MetricsWriter, node_identity, set_aside_metrics, truncate_metrics, write_placement,
+    METRICS_FILE,
+    MetricsWriter,
+    node_identity,
+    set_aside_metrics,
+    truncate_metrics,
+    write_placement,
     write_text_atomically,
 )
 from verl_ext.loss_config import loss_option

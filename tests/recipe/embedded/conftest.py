@@ -36,9 +36,8 @@ def tiny_cfg(tiny_model_path):
 
     def make(run_dir: Path, *overrides: str) -> DictConfig:
         return compose_cfg(
-            TINY + [f"actor_rollout_ref.model.path={tiny_model_path}", f"trainer.default_local_dir={run_dir}", *overrides]
+            TINY
+            + [f"actor_rollout_ref.model.path={tiny_model_path}", f"trainer.default_local_dir={run_dir}", *overrides]
         )
 
     return make
-
-

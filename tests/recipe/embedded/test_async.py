@@ -26,15 +26,26 @@ PROMPTS = 2
 @pytest.fixture(scope="module")
 def async_run(tiny_model_path, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("async")
-    cfg = compose_cfg(TINY + [
-        f"actor_rollout_ref.model.path={tiny_model_path}", f"trainer.default_local_dir={run_dir}",
-        "hetero.mode=async", "hetero.num_samplers=2", f"hetero.max_delay={MAX_DELAY}",
-        # seconds: weights reach samplers late, so groups arrive stale and some past the bound
-        "hetero.delay.low=0.2", "hetero.delay.high=2", "hetero.wait_timeout_s=120",
-        "hetero.weight_sync=delta", "hetero.weights_bf16=true",
-        f"trainer.total_training_steps={STEPS}", "trainer.test_freq=0", "trainer.save_freq=0",
-        "trainer.experiment_name=test-async",
-    ])  # fmt: skip
+    cfg = compose_cfg(
+        TINY
+        + [
+            f"actor_rollout_ref.model.path={tiny_model_path}",
+            f"trainer.default_local_dir={run_dir}",
+            "hetero.mode=async",
+            "hetero.num_samplers=2",
+            f"hetero.max_delay={MAX_DELAY}",
+            # seconds: weights reach samplers late, so groups arrive stale and some past the bound
+            "hetero.delay.low=0.2",
+            "hetero.delay.high=2",
+            "hetero.wait_timeout_s=120",
+            "hetero.weight_sync=delta",
+            "hetero.weights_bf16=true",
+            f"trainer.total_training_steps={STEPS}",
+            "trainer.test_freq=0",
+            "trainer.save_freq=0",
+            "trainer.experiment_name=test-async",
+        ]
+    )
     final = run(cfg)
     return run_dir, final, read_metrics(run_dir)
 
@@ -97,8 +108,12 @@ def test_async_logs_the_fixed_metric_names(async_run):
 
 def test_async_metrics_say_which_path_weight_loads_took(async_run):
     lines = train_lines(async_run[2])
-    paths = ("perf/sampler_weight_full_loads_total", "perf/sampler_weight_delta_loads_total",
-             "perf/sampler_weight_bytes_fetched_total", "perf/sampler_weight_delta_fallbacks_total")  # fmt: skip
+    paths = (
+        "perf/sampler_weight_full_loads_total",
+        "perf/sampler_weight_delta_loads_total",
+        "perf/sampler_weight_bytes_fetched_total",
+        "perf/sampler_weight_delta_fallbacks_total",
+    )
     assert all(name in line for line in lines for name in paths)
     last = lines[-1]  # the samplers' counters lag a step; by the last one each has loaded a first, full version
     assert last["perf/sampler_weight_full_loads_total"] >= 1

@@ -33,14 +33,21 @@ def _trained_steps(run_dir: Path) -> int:
 @pytest.mark.slow
 def test_killed_sampler_does_not_stop_training(tiny_cfg, tmp_path):
     cfg = tiny_cfg(
-        tmp_path, "hetero.mode=async", "hetero.num_samplers=2", "hetero.max_delay=2",
-        "hetero.delay.dist=constant", "hetero.delay.value=0.0", "hetero.wait_timeout_s=120",
+        tmp_path,
+        "hetero.mode=async",
+        "hetero.num_samplers=2",
+        "hetero.max_delay=2",
+        "hetero.delay.dist=constant",
+        "hetero.delay.value=0.0",
+        "hetero.wait_timeout_s=120",
         # sampler-1 is so slow it never delivers: once sampler-0 is killed, every further step
         # needs the restarted sampler-0 to rejoin (deterministic, unlike a race with sampler-1)
         "hetero.sampler_speed_factors=[1.0,1000.0]",
-        f"trainer.total_training_steps={STEPS}", "trainer.test_freq=0", "trainer.save_freq=0",
+        f"trainer.total_training_steps={STEPS}",
+        "trainer.test_freq=0",
+        "trainer.save_freq=0",
         "trainer.experiment_name=test-kill",
-    )  # fmt: skip
+    )
     # our own Ray session, so the driver thread's engine leaves it up and we can reach its actors
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     outcome: dict = {}
@@ -62,8 +69,10 @@ def test_killed_sampler_does_not_stop_training(tiny_cfg, tmp_path):
         assert killed_at < STEPS, "the run ended before the kill: the test would prove nothing"
         wait_until(
             lambda: sampler_actor_name(0, 1) in ray.util.list_named_actors() or not thread.is_alive(),
-            "the replacement of sampler-0", 120, 0.2,
-        )  # fmt: skip
+            "the replacement of sampler-0",
+            120,
+            0.2,
+        )
         thread.join(timeout=300)
         assert not thread.is_alive(), "the run did not finish"
     finally:
@@ -105,10 +114,16 @@ def test_killed_sampler_does_not_stop_training(tiny_cfg, tmp_path):
 @pytest.mark.slow
 def test_second_fresh_async_run_on_a_used_exchange_completes(tiny_cfg, tmp_path):
     overrides = (
-        "hetero.mode=async", "hetero.transport=fs", "hetero.num_samplers=1", "hetero.max_delay=2",
-        "hetero.delay.dist=constant", "hetero.delay.value=0.0", "hetero.wait_timeout_s=60",  # a loaded 2-core box starts a sampler in 20-40 s
-        "trainer.total_training_steps=6", "trainer.test_freq=0",
-    )  # fmt: skip
+        "hetero.mode=async",
+        "hetero.transport=fs",
+        "hetero.num_samplers=1",
+        "hetero.max_delay=2",
+        "hetero.delay.dist=constant",
+        "hetero.delay.value=0.0",
+        "hetero.wait_timeout_s=60",  # a loaded 2-core box starts a sampler in 20-40 s
+        "trainer.total_training_steps=6",
+        "trainer.test_freq=0",
+    )
     for _ in range(2):
         run(tiny_cfg(tmp_path, *overrides))
     assert [line["step"] for line in read_metrics(tmp_path)] == list(range(7))

@@ -25,8 +25,16 @@ def _prompts(lab, n=6):
 
 
 def _draw(lab, model, prompt, seed, temperature=1.0):
-    return sample(model, prompt, 8, lab.engine.settings.max_new_tokens, temperature, seed,
-                  lab.tokenizer.eos_token_id, lab.tokenizer.pad_token_id)  # fmt: skip
+    return sample(
+        model,
+        prompt,
+        8,
+        lab.engine.settings.max_new_tokens,
+        temperature,
+        seed,
+        lab.tokenizer.eos_token_id,
+        lab.tokenizer.pad_token_id,
+    )
 
 
 def _check(lab, prompt, drawn, seed, model=None):
@@ -53,8 +61,15 @@ def test_honest_tokens_are_re_derived_and_dishonest_ones_are_not(tiny_model_path
         found["other weights"].append(_check(lab, prompt, _draw(lab, other, prompt, seed), seed))
         greedy = _draw(lab, lab.model, prompt, seed, temperature=1e-4)  # top-1: the noise no longer matters
         found["top-1"].append(_check(lab, prompt, greedy, seed))
-    totals = {k: (sum(c.tokens for c in v), sum(c.near_ties for c in v), sum(c.mismatches for c in v),
-                  max(c.worst_margin for c in v)) for k, v in found.items()}  # fmt: skip
+    totals = {
+        k: (
+            sum(c.tokens for c in v),
+            sum(c.near_ties for c in v),
+            sum(c.mismatches for c in v),
+            max(c.worst_margin for c in v),
+        )
+        for k, v in found.items()
+    }
     print({k: f"{n} tokens, {t} near ties, {m} mismatches, worst margin {w:.3g}" for k, (n, t, m, w) in totals.items()})
     assert totals["fp32"][2] == 0 and totals["fp32"][3] < 1e-4  # the same choice everywhere
     assert totals["bf16"][2] == 0  # flips only within the near-tie margin

@@ -30,9 +30,19 @@ def _groups(lab, sampler, model=None, temperature=None, n=2, checkable=True):
     items = lab.task.train_items(n, stream=7, index=lab.batches)
     lab.batches += 1
     settings = RolloutSettings(s.group_size, s.temperature if temperature is None else temperature, s.max_new_tokens)
-    return generate_groups(model or lab.model, lab.tokenizer, items, lab.task.score, settings, lab.engine.algorithm,
-                           policy_version=0, sampler_id=sampler, seed=100 + lab.batches,
-                           uid_prefix=f"{sampler}-b{lab.batches}", checkable=checkable)  # fmt: skip
+    return generate_groups(
+        model or lab.model,
+        lab.tokenizer,
+        items,
+        lab.task.score,
+        settings,
+        lab.engine.algorithm,
+        policy_version=0,
+        sampler_id=sampler,
+        seed=100 + lab.batches,
+        uid_prefix=f"{sampler}-b{lab.batches}",
+        checkable=checkable,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -142,12 +152,22 @@ def test_an_async_run_with_checkable_sampling_refuses_no_honest_group(tiny_model
 
     from .helpers import TINY, compose_cfg, read_metrics, train_lines
 
-    cfg = compose_cfg(TINY + [
-        f"actor_rollout_ref.model.path={tiny_model_path}", f"trainer.default_local_dir={tmp_path}",
-        "hetero.mode=async", "hetero.num_samplers=2", "hetero.max_delay=2", "hetero.wait_timeout_s=120", ON,
-        "trainer.total_training_steps=3", "trainer.test_freq=0", "trainer.save_freq=0",
-        "trainer.experiment_name=test-checkable",
-    ])  # fmt: skip
+    cfg = compose_cfg(
+        TINY
+        + [
+            f"actor_rollout_ref.model.path={tiny_model_path}",
+            f"trainer.default_local_dir={tmp_path}",
+            "hetero.mode=async",
+            "hetero.num_samplers=2",
+            "hetero.max_delay=2",
+            "hetero.wait_timeout_s=120",
+            ON,
+            "trainer.total_training_steps=3",
+            "trainer.test_freq=0",
+            "trainer.save_freq=0",
+            "trainer.experiment_name=test-checkable",
+        ]
+    )
     run(cfg)
     last = train_lines(read_metrics(tmp_path))[-1]
     print({k: v for k, v in last.items() if k.startswith("trust/")})

@@ -102,8 +102,10 @@ def test_learner_denominators_equal_verl_ext_algos_per_group(tiny_model_path, mo
         return real(*args, **kwargs)
 
     monkeypatch.setattr(learner_module, "compute_actor_loss", spy)
-    groups = [make_group(g.group_uid, len(g.prompt_ids), g.response_mask.sum(1).tolist(), seed=i)
-              for i, g in enumerate(GROUPS)]  # fmt: skip
+    groups = [
+        make_group(g.group_uid, len(g.prompt_ids), g.response_mask.sum(1).tolist(), seed=i)
+        for i, g in enumerate(GROUPS)
+    ]
     metrics = learner.train_step(groups)
     assert np.isfinite(metrics["actor/loss"]) and learner.version == 1
 

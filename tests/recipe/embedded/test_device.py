@@ -33,9 +33,18 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 # ------------------------------------------------------------------------------ values at start
 
 
-@pytest.mark.parametrize("key, value", [("device", "gpu"), ("device", "cuda:"), ("device", "cuda:x"),
-                                        ("device", "CPU"), ("device", "meta"), ("learner_precision", "fp16"),
-                                        ("sampler_precision", "bfloat16")])  # fmt: skip
+@pytest.mark.parametrize(
+    "key, value",
+    [
+        ("device", "gpu"),
+        ("device", "cuda:"),
+        ("device", "cuda:x"),
+        ("device", "CPU"),
+        ("device", "meta"),
+        ("learner_precision", "fp16"),
+        ("sampler_precision", "bfloat16"),
+    ],
+)
 def test_bad_values_fail_naming_the_key(key, value):
     with pytest.raises(ValueError, match=re.escape(f"hetero.{key}={value!r}")):
         HeteroConfig(**{key: value})
@@ -57,8 +66,9 @@ def test_cuda_is_refused_where_there_is_none(tiny_cfg, tmp_path, device):
     assert not run_dir.exists()  # before any work
 
 
-@pytest.mark.parametrize("override", ["hetero.device=cuda", "hetero.learner_precision=bf16",
-                                      "hetero.sampler_precision=bf16"])  # fmt: skip
+@pytest.mark.parametrize(
+    "override", ["hetero.device=cuda", "hetero.learner_precision=bf16", "hetero.sampler_precision=bf16"]
+)
 def test_the_verl_engine_refuses_them_naming_its_own_keys(override):
     from hydra import compose, initialize_config_dir
 
@@ -70,8 +80,12 @@ def test_the_verl_engine_refuses_them_naming_its_own_keys(override):
     key = override.split("=")[0]
     with pytest.raises(OptionNotHonoured, match=f"{re.escape(key)}=.* is not honoured by hetero.engine=verl") as err:
         build_plan(cfg)
-    for verl_key in ("trainer.device", "actor_rollout_ref.actor.fsdp_config.model_dtype",
-                     "actor_rollout_ref.actor.fsdp_config.dtype", "actor_rollout_ref.rollout.dtype"):  # fmt: skip
+    for verl_key in (
+        "trainer.device",
+        "actor_rollout_ref.actor.fsdp_config.model_dtype",
+        "actor_rollout_ref.actor.fsdp_config.dtype",
+        "actor_rollout_ref.rollout.dtype",
+    ):
         assert verl_key in str(err.value)
 
 
@@ -80,8 +94,14 @@ def test_the_verl_engine_refuses_them_naming_its_own_keys(override):
 
 def _replay(tiny_cfg, run_dir, *overrides):
     # max_delay=0: every batch on-policy, so the sampler/learner mismatch is precision alone
-    cfg = tiny_cfg(run_dir, "hetero.mode=replay", "hetero.max_delay=0", "trainer.total_training_steps=3",
-                   "trainer.test_freq=0", *overrides)  # fmt: skip
+    cfg = tiny_cfg(
+        run_dir,
+        "hetero.mode=replay",
+        "hetero.max_delay=0",
+        "trainer.total_training_steps=3",
+        "trainer.test_freq=0",
+        *overrides,
+    )
     run(cfg)
     return train_lines(read_metrics(run_dir))
 
@@ -112,10 +132,19 @@ def test_bf16_learner_and_sampler_train_and_mismatch_more_than_fp32(tiny_cfg, tm
 def test_async_mode_runs_bf16_learner_and_samplers_and_checks_their_q(tiny_cfg, tmp_path):
     """Async mode honours both precisions; the trust gate re-scores every group's q with a model in
     the sampler's precision, so honest bf16 samplers pass every check (no quarantine)."""
-    cfg = tiny_cfg(tmp_path, "hetero.mode=async", "hetero.num_samplers=1", "hetero.learner_precision=bf16",
-                   "hetero.sampler_precision=bf16", "hetero.trust.verify_fraction=1.0", "hetero.delay.dist=none",
-                   "hetero.wait_timeout_s=120", "trainer.total_training_steps=3", "trainer.test_freq=0",
-                   "trainer.save_freq=0")  # fmt: skip
+    cfg = tiny_cfg(
+        tmp_path,
+        "hetero.mode=async",
+        "hetero.num_samplers=1",
+        "hetero.learner_precision=bf16",
+        "hetero.sampler_precision=bf16",
+        "hetero.trust.verify_fraction=1.0",
+        "hetero.delay.dist=none",
+        "hetero.wait_timeout_s=120",
+        "trainer.total_training_steps=3",
+        "trainer.test_freq=0",
+        "trainer.save_freq=0",
+    )
     final = run(cfg)
     lines = train_lines(read_metrics(tmp_path))
     assert len(lines) == 3 and final["training/policy_version"] == 3
@@ -141,8 +170,20 @@ def test_precision_only_where_asked(tiny_model_path):
 
 # ------------------------------------------------------------------------------ every tensor on the device
 
-FACTORIES = {torch.zeros, torch.ones, torch.full, torch.empty, torch.arange, torch.tensor, torch.as_tensor,
-             torch.linspace, torch.eye, torch.rand, torch.randn, torch.randint}  # fmt: skip
+FACTORIES = {
+    torch.zeros,
+    torch.ones,
+    torch.full,
+    torch.empty,
+    torch.arange,
+    torch.tensor,
+    torch.as_tensor,
+    torch.linspace,
+    torch.eye,
+    torch.rand,
+    torch.randn,
+    torch.randint,
+}
 TORCH_DIR = str(Path(torch.__file__).parent)
 # the code this test holds to the rule: the embedded engine and the sampling module
 AUDITED = (str(ROOT / "recipe" / "gepo" / "embedded"), str(ROOT / "verl_ext" / "sampling.py"))
@@ -174,16 +215,32 @@ class DeviceAudit(TorchFunctionMode):
 
 def _groups(model, tokenizer, task, engine, n=2):
     settings = RolloutSettings(engine.settings.group_size, engine.settings.temperature, engine.settings.max_new_tokens)
-    return generate_groups(model, tokenizer, task.train_items(n, stream=1, index=0), task.score, settings,
-                           engine.algorithm, policy_version=0, sampler_id="s", seed=3, uid_prefix="u")  # fmt: skip
+    return generate_groups(
+        model,
+        tokenizer,
+        task.train_items(n, stream=1, index=0),
+        task.score,
+        settings,
+        engine.algorithm,
+        policy_version=0,
+        sampler_id="s",
+        seed=3,
+        uid_prefix="u",
+    )
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_every_tensor_of_a_step_is_on_the_configured_device(tiny_cfg, tmp_path, device, precision):
-    cfg = tiny_cfg(tmp_path, "hetero.mode=replay", f"hetero.device={device}", f"hetero.learner_precision={precision}",
-                   f"hetero.sampler_precision={precision}", "actor_rollout_ref.actor.entropy_coeff=0.01",
-                   "actor_rollout_ref.actor.use_kl_loss=true")  # fmt: skip
+    cfg = tiny_cfg(
+        tmp_path,
+        "hetero.mode=replay",
+        f"hetero.device={device}",
+        f"hetero.learner_precision={precision}",
+        f"hetero.sampler_precision={precision}",
+        "actor_rollout_ref.actor.entropy_coeff=0.01",
+        "actor_rollout_ref.actor.use_kl_loss=true",
+    )
     engine = EngineConfig.from_omegaconf(cfg)
     placement = Placement.of(engine.hetero)
     expected = placement.torch_device
@@ -191,8 +248,13 @@ def test_every_tensor_of_a_step_is_on_the_configured_device(tiny_cfg, tmp_path, 
     task = Task(engine.task, 0)
     sampler, tokenizer = placement.load_sampler(model_path)
     learner_model, _ = placement.load_learner(model_path)
-    learner = Learner(learner_model, engine.actor, engine.settings.temperature, tokenizer.pad_token_id,
-                      compute_dtype=placement.learner_compute_dtype)  # fmt: skip
+    learner = Learner(
+        learner_model,
+        engine.actor,
+        engine.settings.temperature,
+        tokenizer.pad_token_id,
+        compute_dtype=placement.learner_compute_dtype,
+    )
 
     seen: list[torch.Tensor] = []
     hook = lambda _m, _a, out: seen.append(out.logits)  # noqa: E731
@@ -220,4 +282,3 @@ def test_every_tensor_of_a_step_is_on_the_configured_device(tiny_cfg, tmp_path, 
     # what leaves the device: groups (numpy), the learner's state (CPU)
     state = learner.state_dict()
     assert all(t.device.type == "cpu" for t in state["model"].values())
-

@@ -16,9 +16,14 @@ from .test_wait_policy import KEY, _groups, _learner, _until
 
 def test_async_learner_applies_rollout_correction_and_diagnostics(tiny_cfg, tmp_path):
     worker = _learner(
-        tiny_cfg, tmp_path, "drop", "algorithm.rollout_correction.rollout_is=token",
-        "algorithm.rollout_correction.rollout_is_threshold=1.5", "task.diagnostics_every=1", "task.diagnostics_samples=2",
-    )  # fmt: skip
+        tiny_cfg,
+        tmp_path,
+        "drop",
+        "algorithm.rollout_correction.rollout_is=token",
+        "algorithm.rollout_correction.rollout_is_threshold=1.5",
+        "task.diagnostics_every=1",
+        "task.diagnostics_samples=2",
+    )
     try:
         assert worker.learner.rollout_correction.rollout_is_threshold == 1.5
         for g in _groups(worker, "g", 0, 2):

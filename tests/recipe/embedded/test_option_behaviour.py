@@ -38,9 +38,21 @@ def test_delay_rollouts_hides_a_group_until_its_delay_has_passed(tmp_path):
 
 
 def _settings(run_dir: Path) -> RunSettings:
-    return RunSettings(model_path="", prompts_per_step=2, total_steps=1, group_size=2, temperature=1.0,
-                       max_new_tokens=4, run_dir=run_dir, save_freq=0, test_freq=0, resume_mode="disable",
-                       loggers=[], project_name="p", experiment_name="e")  # fmt: skip
+    return RunSettings(
+        model_path="",
+        prompts_per_step=2,
+        total_steps=1,
+        group_size=2,
+        temperature=1.0,
+        max_new_tokens=4,
+        run_dir=run_dir,
+        save_freq=0,
+        test_freq=0,
+        resume_mode="disable",
+        loggers=[],
+        project_name="p",
+        experiment_name="e",
+    )
 
 
 def test_transport_url_is_where_the_fs_transport_exchanges(tmp_path):
@@ -63,9 +75,12 @@ def test_trace_path_and_column_replay_the_measured_delays(tmp_path):
 
 def test_math_task_reads_its_dataset_path_and_eval_dataset(tmp_path):
     train = tmp_path / "aime.jsonl"
-    train.write_text("".join(json.dumps({"problem": f"What is {i}+{i}?", "answer": str(2 * i)}) + "\n" for i in range(5)))
-    config = TaskConfig(name="math", dataset="aime24", dataset_path=str(train), eval_dataset="math500", eval_size=3,
-                        template="plain")  # fmt: skip
+    train.write_text(
+        "".join(json.dumps({"problem": f"What is {i}+{i}?", "answer": str(2 * i)}) + "\n" for i in range(5))
+    )
+    config = TaskConfig(
+        name="math", dataset="aime24", dataset_path=str(train), eval_dataset="math500", eval_size=3, template="plain"
+    )
     task = Task(config, seed=0)
     prompts = {item["prompt"] for item in task.train_items(8, stream=1, index=0)}
     assert prompts and all("What is" in p for p in prompts)  # drawn from the file

@@ -36,18 +36,25 @@ TWO_CORES = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="pinning
         ({"sampler_cpus": [0, 0]}, r"hetero.sampler_cpus=\[0, 0\]: core ids repeat"),
         ({"sampler_ray_resources": {"sampler_node": 0.01}}, "set hetero.ray_address"),
         ({"ray_address": "10.0.0.1:6379", "learner_ray_resources": {"CPU": 1}}, "hetero.learner_ray_resources: 'CPU'"),
-        ({"ray_address": "10.0.0.1:6379", "sampler_ray_resources": {"sampler_node": 0}},
-         r"hetero.sampler_ray_resources.sampler_node=0 must be a number > 0"),
+        (
+            {"ray_address": "10.0.0.1:6379", "sampler_ray_resources": {"sampler_node": 0}},
+            r"hetero.sampler_ray_resources.sampler_node=0 must be a number > 0",
+        ),
     ],
-)  # fmt: skip
+)
 def test_bad_pinning_and_placement_name_the_key(kwargs, match):
     with pytest.raises(ValueError, match=match):
         HeteroConfig(**kwargs)
 
 
 def test_placement_keys_parse_from_the_yaml(tiny_cfg, tmp_path):
-    cfg = tiny_cfg(tmp_path, "hetero.ray_address=10.0.0.1:6379", "hetero.learner_ray_resources={learner_node: 0.01}",
-                   "hetero.sampler_ray_resources={sampler_node: 0.5}", "hetero.learner_cpus=[0]")  # fmt: skip
+    cfg = tiny_cfg(
+        tmp_path,
+        "hetero.ray_address=10.0.0.1:6379",
+        "hetero.learner_ray_resources={learner_node: 0.01}",
+        "hetero.sampler_ray_resources={sampler_node: 0.5}",
+        "hetero.learner_cpus=[0]",
+    )
     hetero = HeteroConfig.from_omegaconf(cfg.hetero)
     assert hetero.learner_ray_resources == {"learner_node": 0.01}
     assert hetero.sampler_ray_resources == {"sampler_node": 0.5}
@@ -72,10 +79,15 @@ def test_sampler_actor_runs_on_its_cores(tiny_cfg, tmp_path):
         actor = ray.remote(num_cpus=0)(SamplerWorker).remote(
             0, EngineConfig.from_omegaconf(cfg), cfg.actor_rollout_ref.model.path, spec, 1.0, "s0-pin"
         )
-        cores, threads, every_thread = ray.get(actor.__ray_call__.remote(
-            lambda self: (os.sched_getaffinity(0), torch.get_num_threads(),
-                          {t: os.sched_getaffinity(int(t)) == {1} for t in os.listdir("/proc/self/task")})
-        ))  # fmt: skip
+        cores, threads, every_thread = ray.get(
+            actor.__ray_call__.remote(
+                lambda self: (
+                    os.sched_getaffinity(0),
+                    torch.get_num_threads(),
+                    {t: os.sched_getaffinity(int(t)) == {1} for t in os.listdir("/proc/self/task")},
+                )
+            )
+        )
     finally:
         ray.shutdown()
     assert cores == {1} and threads == 1
@@ -96,21 +108,33 @@ class _RecordingReplay(ReplaySource):
 def test_replay_generates_on_the_sampler_cores_and_gives_the_same_run(tiny_cfg, tmp_path):
     runs = {}
     for name, pins in (("free", []), ("pinned", ["hetero.learner_cpus=[0]", "hetero.sampler_cpus=[1]"])):
-        cfg = tiny_cfg(tmp_path / name, "hetero.mode=replay", "trainer.total_training_steps=3", "trainer.test_freq=0",
-                       *pins)  # fmt: skip
+        cfg = tiny_cfg(
+            tmp_path / name, "hetero.mode=replay", "trainer.total_training_steps=3", "trainer.test_freq=0", *pins
+        )
         run(cfg)
-        runs[name] = [{k: v for k, v in line.items() if not k.startswith(("perf/", "hetero/wait_s"))}
-                      for line in read_metrics(tmp_path / name)]  # fmt: skip
+        runs[name] = [
+            {k: v for k, v in line.items() if not k.startswith(("perf/", "hetero/wait_s"))}
+            for line in read_metrics(tmp_path / name)
+        ]
     assert runs["pinned"] == runs["free"]  # pinning moves work between cores, never changes it
 
     # in-process: batches come from core 1, the learner trains on core 0, the caller's cores return
-    cfg = tiny_cfg(tmp_path / "probe", "hetero.mode=replay", "trainer.total_training_steps=2", "trainer.test_freq=0",
-                   "hetero.learner_cpus=[0]", "hetero.sampler_cpus=[1]")  # fmt: skip
+    cfg = tiny_cfg(
+        tmp_path / "probe",
+        "hetero.mode=replay",
+        "trainer.total_training_steps=2",
+        "trainer.test_freq=0",
+        "hetero.learner_cpus=[0]",
+        "hetero.sampler_cpus=[1]",
+    )
     engine, before = EngineConfig.from_omegaconf(cfg), os.sched_getaffinity(0)
     _RecordingReplay.seen = []
     with Pinned(engine.hetero.learner_cpus, "hetero.learner_cpus", threads=True):
-        runtime = LearnerRuntime(engine, cfg.actor_rollout_ref.model.path,
-                                 lambda rt: GenerateOn(_RecordingReplay(rt), engine.hetero.sampler_cpus))  # fmt: skip
+        runtime = LearnerRuntime(
+            engine,
+            cfg.actor_rollout_ref.model.path,
+            lambda rt: GenerateOn(_RecordingReplay(rt), engine.hetero.sampler_cpus),
+        )
         logger = MetricLogger(engine.settings.run_dir, engine.settings)
         assert os.sched_getaffinity(0) == {0}
         run_loop(runtime, engine, logger, desc="probe")

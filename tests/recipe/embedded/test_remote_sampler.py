@@ -66,21 +66,52 @@ def test_a_remote_sampler_process_feeds_the_learner_through_the_exchange(tiny_mo
     exchange = tmp_path / "exchange"
     # the operator's steps: a key made for the sampler, its public half enrolled where the learner reads
     key_file, enrolment = tmp_path / "sampler-7.key", tmp_path / "enrolment.json"
-    public = subprocess.run([sys.executable, "-m", "verl_ext.hetero.auth", "keygen", str(key_file), "sampler-7"],
-                            cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
-    subprocess.run([sys.executable, "-m", "verl_ext.hetero.auth", "enrol", str(enrolment), "sampler-7", public],
-                   cwd=ROOT, check=True)  # fmt: skip
-    shared = [*TINY, f"actor_rollout_ref.model.path={tiny_model_path}", "hetero.mode=async", "hetero.transport=fs",
-              f"hetero.transport_url={exchange}", "hetero.num_samplers=1", "hetero.max_delay=4",
-              "hetero.delay.dist=constant", "hetero.delay.value=0.0", "hetero.wait_timeout_s=120"]  # fmt: skip
+    public = subprocess.run(
+        [sys.executable, "-m", "verl_ext.hetero.auth", "keygen", str(key_file), "sampler-7"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    subprocess.run(
+        [sys.executable, "-m", "verl_ext.hetero.auth", "enrol", str(enrolment), "sampler-7", public],
+        cwd=ROOT,
+        check=True,
+    )
+    shared = [
+        *TINY,
+        f"actor_rollout_ref.model.path={tiny_model_path}",
+        "hetero.mode=async",
+        "hetero.transport=fs",
+        f"hetero.transport_url={exchange}",
+        "hetero.num_samplers=1",
+        "hetero.max_delay=4",
+        "hetero.delay.dist=constant",
+        "hetero.delay.value=0.0",
+        "hetero.wait_timeout_s=120",
+    ]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    remote = subprocess.Popen([sys.executable, "-m", "recipe.gepo.remote_sampler", "--index", "7", "--key", str(key_file), *shared],
-                              cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    remote = subprocess.Popen(
+        [sys.executable, "-m", "recipe.gepo.remote_sampler", "--index", "7", "--key", str(key_file), *shared],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         # the local sampler is 30x slower than it is: most groups must come from the remote one
-        cfg = compose_config([*shared, "hetero.sampler_speed_factors=[30.0]", "trainer.total_training_steps=8",
-                              f"hetero.trust.enrolment_file={enrolment}",
-                              "trainer.test_freq=0", "trainer.save_freq=8", f"trainer.default_local_dir={tmp_path / 'run'}"])  # fmt: skip
+        cfg = compose_config(
+            [
+                *shared,
+                "hetero.sampler_speed_factors=[30.0]",
+                "trainer.total_training_steps=8",
+                f"hetero.trust.enrolment_file={enrolment}",
+                "trainer.test_freq=0",
+                "trainer.save_freq=8",
+                f"trainer.default_local_dir={tmp_path / 'run'}",
+            ]
+        )
         run(cfg)
         out, err = remote.communicate(timeout=120)  # it stops at the learner's stop marker
     finally:

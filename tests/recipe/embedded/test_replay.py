@@ -23,9 +23,14 @@ TIMING = ("perf/", "hetero/wait_s")
 def test_replay_staleness_is_positive_and_bounded(tiny_cfg, tmp_path):
     # delay low=3 high=12 (steps, median 6): most draws exceed max_delay=4 and must be capped
     cfg = tiny_cfg(
-        tmp_path, "hetero.mode=replay", f"hetero.max_delay={MAX_DELAY}", "hetero.delay.low=3",
-        "hetero.delay.high=12", f"trainer.total_training_steps={STEPS}", "trainer.test_freq=4",
-    )  # fmt: skip
+        tmp_path,
+        "hetero.mode=replay",
+        f"hetero.max_delay={MAX_DELAY}",
+        "hetero.delay.low=3",
+        "hetero.delay.high=12",
+        f"trainer.total_training_steps={STEPS}",
+        "trainer.test_freq=4",
+    )
     final = run(cfg)
 
     lines = read_metrics(tmp_path)
@@ -69,8 +74,14 @@ def _comparable(line: dict) -> dict:
 
 def test_resume_equals_uninterrupted_run(tiny_cfg, tmp_path):
     k = 3
-    common = ("hetero.mode=replay", f"hetero.max_delay={MAX_DELAY}", "hetero.delay.low=1", "hetero.delay.high=6",
-              f"trainer.save_freq={k}", f"trainer.test_freq={k}")  # fmt: skip
+    common = (
+        "hetero.mode=replay",
+        f"hetero.max_delay={MAX_DELAY}",
+        "hetero.delay.low=1",
+        "hetero.delay.high=6",
+        f"trainer.save_freq={k}",
+        f"trainer.test_freq={k}",
+    )
     run(tiny_cfg(tmp_path / "a", *common, f"trainer.total_training_steps={2 * k}"))
     run(tiny_cfg(tmp_path / "b", *common, f"trainer.total_training_steps={k}"))
     assert (tmp_path / "b" / "checkpoints" / "latest").read_text().strip() == f"step_{k:06d}.pt"
@@ -101,8 +112,16 @@ def test_a_fresh_auto_run_without_a_checkpoint_does_not_append_to_old_metrics(ti
     """resume_mode=auto and no checkpoint (a run killed before its first save, save_freq 0): the
     run starts at step 0, so the directory's metrics.jsonl is set aside, not appended to."""
     (tmp_path / "metrics.jsonl").write_text('{"step": 0, "eval/acc_mean": 0.9}\n{"step": 7, "reward/mean": 0.9}\n')
-    run(tiny_cfg(tmp_path, "hetero.mode=replay", "trainer.total_training_steps=2", "trainer.test_freq=0",
-                 "trainer.save_freq=0", "trainer.resume_mode=auto"))  # fmt: skip
+    run(
+        tiny_cfg(
+            tmp_path,
+            "hetero.mode=replay",
+            "trainer.total_training_steps=2",
+            "trainer.test_freq=0",
+            "trainer.save_freq=0",
+            "trainer.resume_mode=auto",
+        )
+    )
     assert [line["step"] for line in read_metrics(tmp_path)] == [0, 1, 2]
     (old,) = tmp_path.glob("metrics.*.jsonl")
     assert [json.loads(x)["step"] for x in old.read_text().splitlines()] == [0, 7]
@@ -114,8 +133,11 @@ def test_resuming_with_another_config_is_refused_naming_the_keys(tiny_cfg, tmp_p
     common = ("hetero.mode=replay", "trainer.save_freq=2", "trainer.test_freq=0")
     run(tiny_cfg(tmp_path, *common, "trainer.total_training_steps=2"))
     with pytest.raises(ValueError, match=r"another config \(hetero.max_delay: 8 -> 3\).*trainer.resume_mode=disable"):
-        run(tiny_cfg(tmp_path, *common, "hetero.max_delay=3", "trainer.total_training_steps=4",
-                     "trainer.resume_mode=auto"))  # fmt: skip
+        run(
+            tiny_cfg(
+                tmp_path, *common, "hetero.max_delay=3", "trainer.total_training_steps=4", "trainer.resume_mode=auto"
+            )
+        )
     assert "max_delay: 8" in (tmp_path / "config.yaml").read_text()  # the run's own config was kept
     run(tiny_cfg(tmp_path, *common, "trainer.total_training_steps=4", "trainer.resume_mode=auto"))
     assert [line["step"] for line in read_metrics(tmp_path)] == [0, 1, 2, 3, 4]

@@ -11,7 +11,9 @@ from recipe.gepo.embedded.driver import LearnerRuntime, Runtime
 from recipe.gepo.embedded.learner_actor import LearnerWorker
 from recipe.gepo.embedded.supervisor import RemoteRuntime
 
-PROTOCOL_METHODS = [name for name, value in vars(Runtime).items() if inspect.isfunction(value) and not name.startswith("_")]
+PROTOCOL_METHODS = [
+    name for name, value in vars(Runtime).items() if inspect.isfunction(value) and not name.startswith("_")
+]
 
 
 def test_the_protocol_names_what_run_loop_calls():

@@ -35,8 +35,14 @@ DELAY_S = 2.0
 
 
 def _sampler(tiny_cfg, tmp_path, *overrides):
-    cfg = tiny_cfg(tmp_path / "run", "hetero.mode=async", "hetero.max_delay=1", "hetero.delay.dist=constant",
-                   f"hetero.delay.value={DELAY_S}", *overrides)  # fmt: skip
+    cfg = tiny_cfg(
+        tmp_path / "run",
+        "hetero.mode=async",
+        "hetero.max_delay=1",
+        "hetero.delay.dist=constant",
+        f"hetero.delay.value={DELAY_S}",
+        *overrides,
+    )
     spec = TransportSpec("fsspec", url=str(tmp_path / "exchange"))
     transport = spec.open()
     published = WeightStore(transport, keep_last=8)
@@ -108,16 +114,21 @@ def test_learner_publishes_its_queue_depth_for_back_pressure(tiny_cfg, tmp_path)
     transport = spec.open()
     try:
         assert learner.start() == 0
-        assert read_record(transport, LearnerStatus, CONTROL_TOPIC, STATUS_KEY) == LearnerStatus(version=0, queue_depth=0)
-        sampler = SamplerWorker(0, EngineConfig.from_omegaconf(cfg), cfg.actor_rollout_ref.model.path,
-                                spec, 1.0, "s0-test")  # fmt: skip
+        assert read_record(transport, LearnerStatus, CONTROL_TOPIC, STATUS_KEY) == LearnerStatus(
+            version=0, queue_depth=0
+        )
+        sampler = SamplerWorker(
+            0, EngineConfig.from_omegaconf(cfg), cfg.actor_rollout_ref.model.path, spec, 1.0, "s0-test"
+        )
         learner.enrol(sampler.sampler_id, sampler.public_key())  # as RemoteRuntime does before run()
         sampler.run(max_batches=2)  # 2 prompts a batch: 4 groups reach the learner's buffer
         deadline = time.monotonic() + 30
         while len(learner.buffer) < 4 and time.monotonic() < deadline:
             time.sleep(0.05)
         learner.step()  # consumes 2, publishes the depth left
-        assert read_record(transport, LearnerStatus, CONTROL_TOPIC, STATUS_KEY) == LearnerStatus(version=1, queue_depth=2)
+        assert read_record(transport, LearnerStatus, CONTROL_TOPIC, STATUS_KEY) == LearnerStatus(
+            version=1, queue_depth=2
+        )
     finally:
         learner.shutdown()
 

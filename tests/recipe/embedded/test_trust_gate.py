@@ -26,8 +26,15 @@ from .helpers import compose_cfg, TINY
 
 
 def _engine(model_path, tmp_path, *overrides):
-    cfg = compose_cfg(TINY + [f"actor_rollout_ref.model.path={model_path}", f"trainer.default_local_dir={tmp_path}",
-                              "hetero.mode=async", *overrides])  # fmt: skip
+    cfg = compose_cfg(
+        TINY
+        + [
+            f"actor_rollout_ref.model.path={model_path}",
+            f"trainer.default_local_dir={tmp_path}",
+            "hetero.mode=async",
+            *overrides,
+        ]
+    )
     return EngineConfig.from_omegaconf(cfg)
 
 
@@ -55,9 +62,18 @@ class Lab:
         s = self.engine.settings
         items = self.task.train_items(n, stream=7, index=self.batches)
         self.batches += 1
-        return generate_groups(model or self.model, self.tokenizer, items, self.task.score,
-                               RolloutSettings(s.group_size, s.temperature, s.max_new_tokens), self.engine.algorithm,
-                               policy_version=0, sampler_id=sampler, seed=self.batches, uid_prefix=f"{sampler}-b{self.batches}")  # fmt: skip
+        return generate_groups(
+            model or self.model,
+            self.tokenizer,
+            items,
+            self.task.score,
+            RolloutSettings(s.group_size, s.temperature, s.max_new_tokens),
+            self.engine.algorithm,
+            policy_version=0,
+            sampler_id=sampler,
+            seed=self.batches,
+            uid_prefix=f"{sampler}-b{self.batches}",
+        )
 
     def offer(self, group) -> str | None:
         """What the inbox does with a decoded group: the gate, then the buffer. The refusal's reason, or None."""
@@ -75,8 +91,9 @@ def _with_rewards(lab, group, rewards):
     """A consistent lie: new rewards and the advantages the estimator gives for them."""
     group.rewards = np.asarray(rewards, np.float32)
     mask = torch.as_tensor(group.response_mask).long()
-    group.advantages = sequence_advantages(torch.from_numpy(group.rewards), mask, [group.group_uid] * len(rewards),
-                                           lab.engine.algorithm).numpy()  # fmt: skip
+    group.advantages = sequence_advantages(
+        torch.from_numpy(group.rewards), mask, [group.group_uid] * len(rewards), lab.engine.algorithm
+    ).numpy()
 
 
 def _lies(lab):
@@ -109,10 +126,16 @@ def _lies(lab):
         g.prompt_ids = g.prompt_ids.copy()
         g.prompt_ids[-1] = g.prompt_ids[-2]  # "3+4=" -> "3+44": not a prompt of the task
 
-    return [("q scaled", "bad_logprobs", scaled), ("q shuffled", "bad_logprobs", shuffled),
-            ("q of another version", "bad_logprobs", other_version), ("claims a newer version", "bad_logprobs", claims_newer),
-            ("rewards flipped", "bad_rewards", flipped), ("rewards inflated", "bad_rewards", inflated),
-            ("advantages", "bad_advantages", advantages), ("unknown prompt", "unknown_prompt", unknown_prompt)]  # fmt: skip
+    return [
+        ("q scaled", "bad_logprobs", scaled),
+        ("q shuffled", "bad_logprobs", shuffled),
+        ("q of another version", "bad_logprobs", other_version),
+        ("claims a newer version", "bad_logprobs", claims_newer),
+        ("rewards flipped", "bad_rewards", flipped),
+        ("rewards inflated", "bad_rewards", inflated),
+        ("advantages", "bad_advantages", advantages),
+        ("unknown prompt", "unknown_prompt", unknown_prompt),
+    ]
 
 
 def test_every_lie_is_refused_and_quarantines_its_sampler(tiny_model_path, tmp_path):
@@ -195,12 +218,15 @@ def test_checks_off_admit_what_signatures_and_validation_let_through(tiny_model_
     assert lab.gate.metrics()["trust/checked"] == 0
 
 
-@pytest.mark.parametrize("key, value, match", [
-    ("verify_fraction", 1.5, "hetero.trust.verify_fraction=1.5"),
-    ("logprob_tolerance", 0, "hetero.trust.logprob_tolerance=0"),
-    ("divergence_window", 0, "hetero.trust.divergence_window=0"),
-    ("enrolment_file", "x.json", "sign_records=false"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "key, value, match",
+    [
+        ("verify_fraction", 1.5, "hetero.trust.verify_fraction=1.5"),
+        ("logprob_tolerance", 0, "hetero.trust.logprob_tolerance=0"),
+        ("divergence_window", 0, "hetero.trust.divergence_window=0"),
+        ("enrolment_file", "x.json", "sign_records=false"),
+    ],
+)
 def test_bad_trust_options_fail_at_start_naming_the_key(tiny_model_path, tmp_path, key, value, match):
     extra = ["hetero.trust.sign_records=false"] if key == "enrolment_file" else []
     with pytest.raises(ValueError, match=match):
@@ -301,8 +327,14 @@ def _divergence_lab(model_path, tmp_path, *overrides):
     """A lab whose learner took three real steps on honest groups (version 3); the buffer is there too."""
     from recipe.gepo.embedded.driver import build_learner
 
-    lab = Lab(model_path, tmp_path, "hetero.trust.divergence_window=2", "hetero.trust.verify_fraction=0",
-              "hetero.max_delay=4", *overrides)  # fmt: skip
+    lab = Lab(
+        model_path,
+        tmp_path,
+        "hetero.trust.divergence_window=2",
+        "hetero.trust.verify_fraction=0",
+        "hetero.max_delay=4",
+        *overrides,
+    )
     learner_model, _ = load_policy(model_path)
     learner = build_learner(learner_model, lab.tokenizer.pad_token_id, lab.engine)
     for _ in range(3):
@@ -335,8 +367,10 @@ def test_divergence_bound_keeps_a_slow_close_sampler_and_refuses_a_fast_divergen
         assert lab.offer(group) is None
     _, metrics, _ = learner.loss(slow + fast)
     divergence = learner.group_divergence
-    print(f"measured divergence: slow {divergence[:2]}, fast {divergence[2:]}, "
-          f"is/kl_sampler_learner {metrics['is/kl_sampler_learner']}")
+    print(
+        f"measured divergence: slow {divergence[:2]}, fast {divergence[2:]}, "
+        f"is/kl_sampler_learner {metrics['is/kl_sampler_learner']}"
+    )
     # the bound is read off the metric: the step's is/kl_sampler_learner is the mean over its
     # groups (equal sizes, every response has tokens)
     assert np.mean(divergence) == pytest.approx(metrics["is/kl_sampler_learner"], rel=1e-5)

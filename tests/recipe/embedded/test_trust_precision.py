@@ -37,8 +37,10 @@ def test_honest_bf16_groups_pass_and_a_temperature_liar_is_caught_at_once(tiny_m
     assert {g.sampler_precision for g in honest} == {"bf16"}
     # the old bound (1e-3 on any token) would have refused them
     spreads = [group_mismatch(g.sampler_logprobs, group_log_probs(lab.model, g, 1.0), g.response_mask) for g in honest]
-    print(f"honest bf16: max a token {max(m.token_max for m in spreads):.3g}, "
-          f"group means {min(m.mean_abs for m in spreads):.3g}..{max(m.mean_abs for m in spreads):.3g}")
+    print(
+        f"honest bf16: max a token {max(m.token_max for m in spreads):.3g}, "
+        f"group means {min(m.mean_abs for m in spreads):.3g}..{max(m.mean_abs for m in spreads):.3g}"
+    )
     assert np.mean([m.token_max > 1e-3 for m in spreads]) > 0.5
     assert _first_failure(lab, honest) is None  # 48 checked groups, none refused, the CUSUM at rest
     assert lab.gate.metrics()["trust/checked"] == 48 and lab.gate.cusum.sums["sampler-0"] < 0.05
@@ -49,7 +51,7 @@ def test_honest_bf16_groups_pass_and_a_temperature_liar_is_caught_at_once(tiny_m
     reasons = [lab.offer(g) for g in liar]
     caught = next(i for i, r in enumerate(reasons) if r is not None)
     print(f"T=0.7 liar: {reasons}")
-    assert caught <= 2 and reasons[caught] == "bad_logprobs" and set(reasons[caught + 1:]) <= {"quarantined"}
+    assert caught <= 2 and reasons[caught] == "bad_logprobs" and set(reasons[caught + 1 :]) <= {"quarantined"}
     assert lab.gate.ledger.refusal("sampler-1") == "quarantined"
     assert lab.gate.drain_events()[-1]["reason"] == "bad_logprobs"
 
@@ -78,7 +80,12 @@ def test_cusum_keeps_honest_noise_at_rest_and_restarts_after_an_alarm():
     tol, cusum = TOLERANCES["bf16"], MismatchCusum()
     rng = np.random.default_rng(0)
     for _ in range(2000):  # honest: means around SmolLM2's measured 0.033 a token, tails to 0.06
-        assert cusum.add("honest", Mismatch(0.3, float(np.clip(rng.normal(0.033, 0.008), 0, None)), 1e-3, 100), tol, "bf16") is None
+        assert (
+            cusum.add(
+                "honest", Mismatch(0.3, float(np.clip(rng.normal(0.033, 0.008), 0, None)), 1e-3, 100), tol, "bf16"
+            )
+            is None
+        )
     lie = Mismatch(0.3, tol.reference + 0.04, 1e-3, 100)  # noisier than honest, zero-mean
     alarms = [i for i in range(1, 40) if cusum.add("liar", lie, tol, "bf16") is not None]
     assert alarms[:2] == [8, 16]  # 0.04 a group over the reference: 0.32 > 0.3 at the 8th; then from 0 again
@@ -105,9 +112,18 @@ def test_the_precision_travels_in_the_record():
     model = torch.nn.Linear(2, 2)
     assert precision_of(model) == "fp32" and precision_of(model.to(torch.bfloat16)) == "bf16"
     assert precision_of(model.to(torch.float16)) == "float16"  # named as torch names it: refused as unknown
-    group = RolloutGroup("u", np.array([1, 2]), np.array([[3, 4]]), np.ones((1, 2), np.int8),
-                         np.full((1, 2), -0.5, np.float32), np.zeros(1, np.float32), np.zeros(1, np.float32), 0, "s",
-                         sampler_precision="bf16")  # fmt: skip
+    group = RolloutGroup(
+        "u",
+        np.array([1, 2]),
+        np.array([[3, 4]]),
+        np.ones((1, 2), np.int8),
+        np.full((1, 2), -0.5, np.float32),
+        np.zeros(1, np.float32),
+        np.zeros(1, np.float32),
+        0,
+        "s",
+        sampler_precision="bf16",
+    )
     assert RolloutGroup.from_bytes(group.to_bytes()).sampler_precision == "bf16"
     group.sampler_precision = None
     assert RolloutGroup.from_bytes(group.to_bytes()).sampler_precision is None

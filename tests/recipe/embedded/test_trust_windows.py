@@ -142,7 +142,10 @@ def test_a_copy_that_arrives_first_is_kept_and_earns_its_copier_nothing(tiny_mod
     lab = Lab(tiny_model_path, tmp_path, "hetero.trust.verify_fraction=1")
     original = lab.groups("sampler-0", n=1)[0]
     front_run = _copy(original, "sampler-9", "sampler-9-first")
-    front_run.response_ids, front_run.response_mask = front_run.response_ids[::-1].copy(), front_run.response_mask[::-1].copy()
+    front_run.response_ids, front_run.response_mask = (
+        front_run.response_ids[::-1].copy(),
+        front_run.response_mask[::-1].copy(),
+    )
     front_run.sampler_logprobs = front_run.sampler_logprobs[::-1].copy()
     front_run.rewards, front_run.advantages = front_run.rewards[::-1].copy(), front_run.advantages[::-1].copy()
     assert lab.offer(front_run) is None  # checked: its q is right, it is someone's honest group

@@ -40,10 +40,19 @@ enrols the samplers it launches."""
 
 
 def _learner(tiny_cfg, tmp_path, policy: str, *overrides: str) -> LearnerWorker:
-    cfg = tiny_cfg(tmp_path / "run", "hetero.mode=async", "hetero.max_delay=1", f"hetero.stale_policy={policy}",
-                   "hetero.transport=fs", *overrides)  # fmt: skip
-    worker = LearnerWorker(EngineConfig.from_omegaconf(cfg), cfg.actor_rollout_ref.model.path,
-                           TransportSpec("fsspec", url=str(tmp_path / "exchange")))  # fmt: skip
+    cfg = tiny_cfg(
+        tmp_path / "run",
+        "hetero.mode=async",
+        "hetero.max_delay=1",
+        f"hetero.stale_policy={policy}",
+        "hetero.transport=fs",
+        *overrides,
+    )
+    worker = LearnerWorker(
+        EngineConfig.from_omegaconf(cfg),
+        cfg.actor_rollout_ref.model.path,
+        TransportSpec("fsspec", url=str(tmp_path / "exchange")),
+    )
     worker.start()  # publishes version 0, starts polling rollouts (and announcements under wait)
     worker.enrol(KEY.sampler_id, KEY.public_hex())
     return worker
@@ -55,9 +64,18 @@ def _groups(worker: LearnerWorker, prefix: str, version: int, n: int) -> list[Ro
 
     s = worker.engine.settings
     items = worker.task.train_items(n, stream=9, index=version)
-    return generate_groups(worker.model, worker.tokenizer, items, worker.task.score,
-                           RolloutSettings(s.group_size, s.temperature, s.max_new_tokens), worker.engine.algorithm,
-                           policy_version=version, sampler_id="sampler-7", seed=version, uid_prefix=prefix)  # fmt: skip
+    return generate_groups(
+        worker.model,
+        worker.tokenizer,
+        items,
+        worker.task.score,
+        RolloutSettings(s.group_size, s.temperature, s.max_new_tokens),
+        worker.engine.algorithm,
+        policy_version=version,
+        sampler_id="sampler-7",
+        seed=version,
+        uid_prefix=prefix,
+    )
 
 
 def _to_version_1(worker: LearnerWorker) -> None:
@@ -126,13 +144,16 @@ def test_async_wait_fails_after_the_timeout_naming_the_group_and_a_dead_samplers
 
 def test_async_sampler_announces_its_groups_only_under_wait(tiny_cfg, tmp_path):
     for policy in ("wait", "drop"):
-        cfg = tiny_cfg(tmp_path / policy / "run", "hetero.mode=async", f"hetero.stale_policy={policy}",
-                       "hetero.delay.dist=none")  # fmt: skip
+        cfg = tiny_cfg(
+            tmp_path / policy / "run", "hetero.mode=async", f"hetero.stale_policy={policy}", "hetero.delay.dist=none"
+        )
         spec = TransportSpec("fsspec", url=str(tmp_path / policy / "exchange"))
         learner = LearnerWorker(EngineConfig.from_omegaconf(cfg), cfg.actor_rollout_ref.model.path, spec)
         learner.source._stop.set()  # no poller: the announcements stay for the test to read
         learner.start()
-        sampler = SamplerWorker(0, EngineConfig.from_omegaconf(cfg), cfg.actor_rollout_ref.model.path, spec, 1.0, "s0-t")
+        sampler = SamplerWorker(
+            0, EngineConfig.from_omegaconf(cfg), cfg.actor_rollout_ref.model.path, spec, 1.0, "s0-t"
+        )
         learner.enrol(sampler.sampler_id, sampler.public_key())  # as RemoteRuntime does before run()
         sampler.run(max_batches=1)
         transport = spec.open()
@@ -152,8 +173,14 @@ def test_async_sampler_announces_its_groups_only_under_wait(tiny_cfg, tmp_path):
 
 def test_replay_caps_the_draw_and_refuses_wait(tiny_cfg, tmp_path):
     """Replay's capped draw is what waiting means there, so wait would give drop's run: refused."""
-    overrides = ("hetero.mode=replay", "hetero.max_delay=2", "hetero.delay.low=2", "hetero.delay.high=9",
-                 "trainer.total_training_steps=4", "trainer.test_freq=0")  # fmt: skip
+    overrides = (
+        "hetero.mode=replay",
+        "hetero.max_delay=2",
+        "hetero.delay.low=2",
+        "hetero.delay.high=9",
+        "trainer.total_training_steps=4",
+        "trainer.test_freq=0",
+    )
     with pytest.raises(OptionNotHonoured, match=r"hetero.stale_policy='wait' is not honoured by .*mode=replay"):
         run(tiny_cfg(tmp_path / "wait", *overrides, "hetero.stale_policy=wait"))
     assert not (tmp_path / "wait").exists()

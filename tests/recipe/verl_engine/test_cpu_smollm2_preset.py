@@ -35,13 +35,25 @@ def test_the_preset_is_cpu_toy_with_a_real_model_and_math_data(preset):
     v = validate(preset)
     assert v.rollout.name == "hf_cpu" and v.actor.strategy == "fsdp2" and v.rollout.n == 4
     # every CPU setting comes from cpu_toy (its defaults list), unchanged
-    for key in ("ray_kwargs", "transfer_queue", "trainer.device", "actor_rollout_ref.hybrid_engine",
-                "actor_rollout_ref.actor.fsdp_config", "actor_rollout_ref.rollout.checkpoint_engine",
-                "actor_rollout_ref.model.override_config", "reward.custom_reward_function.path"):  # fmt: skip
+    for key in (
+        "ray_kwargs",
+        "transfer_queue",
+        "trainer.device",
+        "actor_rollout_ref.hybrid_engine",
+        "actor_rollout_ref.actor.fsdp_config",
+        "actor_rollout_ref.rollout.checkpoint_engine",
+        "actor_rollout_ref.model.override_config",
+        "reward.custom_reward_function.path",
+    ):
         assert OmegaConf.select(preset, key) == OmegaConf.select(toy, key), key
     task = preset.task
     assert (task.name, task.model, task.dataset, task.template) == ("math", smollm2.MODEL_NAME, "gsm8k", "chat_1shot")
-    assert dict(task.dataset_options) == {"split": "train", "max_steps": 2, "max_answer": 100, "max_question_chars": 200}
+    assert dict(task.dataset_options) == {
+        "split": "train",
+        "max_steps": 2,
+        "max_answer": 100,
+        "max_question_chars": 200,
+    }
     assert dict(task.eval_dataset_options) == {**task.dataset_options, "split": "test"}
     assert preset.data.train_batch_size == 4 and preset.data.max_response_length == 160
     assert preset.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu == 4  # one whole group of G=4
@@ -85,7 +97,8 @@ def test_both_engines_resolve_task_model_to_the_converted_smollm2(preset, tmp_pa
 
 def test_a_missing_dataset_path_fails_validation_naming_the_key(tmp_path):
     missing = tmp_path / "nope.jsonl"
-    cfg = compose_config("+verl_preset=cpu_smollm2_math", "hetero.engine=verl", "task.dataset=aime24",
-                         f"task.dataset_path={missing}")  # fmt: skip
+    cfg = compose_config(
+        "+verl_preset=cpu_smollm2_math", "hetero.engine=verl", "task.dataset=aime24", f"task.dataset_path={missing}"
+    )
     with pytest.raises(ValueError, match=f"task.dataset_path=.*{missing}"):
         validate(cfg)

@@ -45,7 +45,9 @@ def test_dataproto_layout():
         tensors={"old_log_probs": old[perm], "response_mask": mask[perm]},
         non_tensors={"uid": np.array([str(int(k)) for k in labels[perm]], dtype=object)},
     )
-    den = dn.group_log_denominator(data.batch["old_log_probs"], data.batch["response_mask"], data.non_tensor_batch["uid"])
+    den = dn.group_log_denominator(
+        data.batch["old_log_probs"], data.batch["response_mask"], data.non_tensor_batch["uid"]
+    )
     ref = iw.group_expectation_log_denominator(iw.sequence_log_prob(old, mask, "mean"), labels)[perm]
     torch.testing.assert_close(den, ref)
 

@@ -6,7 +6,9 @@ Needs verl's v1 trainer, which imports TransferQueue (``pip install "verl[verl-c
 
 import pytest
 
-pytest.importorskip("transfer_queue", reason="verl's v1 trainer needs TransferQueue: pip install 'verl[verl-core]==0.9.1'")
+pytest.importorskip(
+    "transfer_queue", reason="verl's v1 trainer needs TransferQueue: pip install 'verl[verl-core]==0.9.1'"
+)
 
 from verl.utils.tracking import Tracking
 

@@ -46,8 +46,17 @@ def make_batch(seed=0):
     adv = torch.randn(b, 1, generator=gen, dtype=torch.float64).expand(-1, T) * response_mask
     ref = old + 0.1 * torch.randn(b, T, generator=gen, dtype=torch.float64) * response_mask
     entropy = torch.rand(b, T, generator=gen, dtype=torch.float64) * response_mask
-    return dict(uids=uids, resp_len=resp_len, prompt_len=prompt_len, response_mask=response_mask, old=old,
-                new=new, adv=adv, ref=ref, entropy=entropy)
+    return dict(
+        uids=uids,
+        resp_len=resp_len,
+        prompt_len=prompt_len,
+        response_mask=response_mask,
+        old=old,
+        new=new,
+        adv=adv,
+        ref=ref,
+        entropy=entropy,
+    )
 
 
 def micro_batch(batch, rows, with_denominator, den=None):
@@ -101,9 +110,13 @@ def test_bridge_carries_the_denominator_and_matches_compute_actor_loss():
 
     new = batch["new"][rows].clone().requires_grad_(True)
     ref_loss, ref_metrics = compute_actor_loss(
-        config, new, batch["old"][rows], batch["adv"][rows], batch["response_mask"][rows].bool(),
+        config,
+        new,
+        batch["old"][rows],
+        batch["adv"][rows],
+        batch["response_mask"][rows].bool(),
         group_log_denominator=den[rows],
-    )  # fmt: skip
+    )
     ref_loss.backward()
     torch.testing.assert_close(loss, ref_loss, rtol=1e-12, atol=1e-12)
     assert metrics["actor/has_group_denominator"].aggregate() == 1.0
@@ -176,14 +189,20 @@ def test_bridge_applies_the_drivers_rollout_is_weights():
     td, out = micro_batch(batch, rows, with_denominator=False)
     td["rollout_is_weights"] = weights[rows]
     loss, metrics = hetero_ppo_loss(config, out, td)
-    plain, _ = hetero_ppo_loss(actor_config("actor_rollout_ref.actor.policy_loss.loss_mode=vanilla"),
-                               *reversed(micro_batch(batch, rows, with_denominator=False)))  # fmt: skip
+    plain, _ = hetero_ppo_loss(
+        actor_config("actor_rollout_ref.actor.policy_loss.loss_mode=vanilla"),
+        *reversed(micro_batch(batch, rows, with_denominator=False)),
+    )
     new = batch["new"][rows].clone().requires_grad_(True)
     want, _ = compute_actor_loss(
-        actor_config("actor_rollout_ref.actor.policy_loss.loss_mode=vanilla"), new, batch["old"][rows],
-        batch["adv"][rows], batch["response_mask"][rows].bool(), rollout_is_weights=weights[rows],
+        actor_config("actor_rollout_ref.actor.policy_loss.loss_mode=vanilla"),
+        new,
+        batch["old"][rows],
+        batch["adv"][rows],
+        batch["response_mask"][rows].bool(),
+        rollout_is_weights=weights[rows],
         entropy=batch["entropy"][rows],
-    )  # fmt: skip
+    )
     # compute_actor_loss without verl's global-batch info normalises locally: the same here (one micro-batch)
     torch.testing.assert_close(loss, want, rtol=1e-12, atol=1e-12)
     assert not torch.allclose(loss, plain)

@@ -6,8 +6,11 @@ from __future__ import annotations
 import pytest
 
 from recipe.gepo.verl_engine.placement import (
-    LEARNER_NODE_RESOURCE, SAMPLER_NODE_RESOURCE, node_resource_of, pin_pools_to_node_roles,
-)  # fmt: skip
+    LEARNER_NODE_RESOURCE,
+    SAMPLER_NODE_RESOURCE,
+    node_resource_of,
+    pin_pools_to_node_roles,
+)
 
 
 @pytest.mark.parametrize(
@@ -37,10 +40,18 @@ def test_pinned_pools_ask_ray_for_their_roles_node_resource():
 
     pin_pools_to_node_roles()
     pin_pools_to_node_roles()  # idempotent
-    ray.init(num_cpus=4, num_gpus=3, resources={LEARNER_NODE_RESOURCE: 10, SAMPLER_NODE_RESOURCE: 10},
-             include_dashboard=False, log_to_driver=False)  # fmt: skip
+    ray.init(
+        num_cpus=4,
+        num_gpus=3,
+        resources={LEARNER_NODE_RESOURCE: 10, SAMPLER_NODE_RESOURCE: 10},
+        include_dashboard=False,
+        log_to_driver=False,
+    )
     try:
-        for name, ranks, resource in (("global_pool", 2, LEARNER_NODE_RESOURCE), ("rollout_pool_0", 1, SAMPLER_NODE_RESOURCE)):
+        for name, ranks, resource in (
+            ("global_pool", 2, LEARNER_NODE_RESOURCE),
+            ("rollout_pool_0", 1, SAMPLER_NODE_RESOURCE),
+        ):
             pool = RayResourcePool(process_on_nodes=[ranks], use_gpu=True, name_prefix=name, max_colocate_count=1)
             pgs = pool.get_placement_groups(device_name="cpu")
             bundles = placement_group_table(pgs[0])["bundles"]

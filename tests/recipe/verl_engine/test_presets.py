@@ -152,8 +152,14 @@ def test_joining_a_running_ray_cluster_drops_the_local_start_sizes():
         (["actor_rollout_ref.rollout.name=hf"], VerlEngineConfigError, "rollout.name='hf'"),
         (["actor_rollout_ref.rollout.calculate_log_probs=false"], VerlEngineConfigError, "calculate_log_probs"),
         (["algorithm.rollout_correction.rollout_is=token"], VerlEngineConfigError, "old_log_prob=recompute"),
-        (["algorithm.rollout_correction.rollout_rs=seq_mean_k1", "algorithm.rollout_correction.rollout_rs_threshold=0.9_1.1"],
-         VerlEngineConfigError, "rollout_rs='seq_mean_k1'"),
+        (
+            [
+                "algorithm.rollout_correction.rollout_rs=seq_mean_k1",
+                "algorithm.rollout_correction.rollout_rs_threshold=0.9_1.1",
+            ],
+            VerlEngineConfigError,
+            "rollout_rs='seq_mean_k1'",
+        ),
         (["actor_rollout_ref.rollout.tensor_model_parallel_size=3"], VerlEngineConfigError, "TP x DP x PP = 3"),
         (["actor_rollout_ref.rollout.checkpoint_engine.backend=naive"], VerlEngineConfigError, "backend=naive"),
         (["actor_rollout_ref.rollout.nnodes=0"], VerlEngineConfigError, "rollout.nnodes=0"),
@@ -177,19 +183,33 @@ def test_rollout_correction_presets_need_the_recomputed_old_policy_on_the_verl_e
     cfg = compose_config("+verl_preset=qwen3_1p7b_fsdp", f"algorithm_preset={preset}")
     with pytest.raises(VerlEngineConfigError, match="verl_engine.old_log_prob=recompute"):
         build_plan(cfg)
-    build_plan(compose_config("+verl_preset=qwen3_1p7b_fsdp", f"algorithm_preset={preset}",
-                              "verl_engine.old_log_prob=recompute"))  # fmt: skip
+    build_plan(
+        compose_config(
+            "+verl_preset=qwen3_1p7b_fsdp", f"algorithm_preset={preset}", "verl_engine.old_log_prob=recompute"
+        )
+    )
 
 
 @pytest.mark.parametrize(
-    "override", ["hetero.num_samplers=4", "hetero.learner_cpus=[0]", "hetero.max_queued_groups=8",
-                 "hetero.sampler_speed_factors=[2.0,3.0]", "hetero.wait_timeout_s=5", "hetero.weight_sync=delta",
-                 "hetero.max_delta_chain=2", "hetero.system_cpus=[0]", "hetero.weights_bf16=true"],
-)  # fmt: skip
+    "override",
+    [
+        "hetero.num_samplers=4",
+        "hetero.learner_cpus=[0]",
+        "hetero.max_queued_groups=8",
+        "hetero.sampler_speed_factors=[2.0,3.0]",
+        "hetero.wait_timeout_s=5",
+        "hetero.weight_sync=delta",
+        "hetero.max_delta_chain=2",
+        "hetero.system_cpus=[0]",
+        "hetero.weights_bf16=true",
+    ],
+)
 def test_embedded_engine_options_are_refused_not_ignored(override):
     cfg = preset_cfg("qwen3_1p7b_fsdp", override)
     key = override.split("=")[0]
-    with pytest.raises(OptionNotHonoured, match=f"{key}=.* is not honoured by hetero.engine=verl .*honoured by hetero.engine=local"):
+    with pytest.raises(
+        OptionNotHonoured, match=f"{key}=.* is not honoured by hetero.engine=verl .*honoured by hetero.engine=local"
+    ):
         build_plan(cfg)
 
 
@@ -256,10 +276,15 @@ def test_cpu_toy_preset_validates_for_the_verl_engine(capsys):
     "overrides, parallel",
     [
         ([], "Megatron TP=2 PP=1 CP=1 DP=1"),
-        (["actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2",
-          "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=1"], "Megatron TP=1 PP=2 CP=1 DP=1"),
+        (
+            [
+                "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2",
+                "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=1",
+            ],
+            "Megatron TP=1 PP=2 CP=1 DP=1",
+        ),
     ],
-)  # fmt: skip
+)
 def test_cpu_toy_megatron_preset_validates_and_dry_runs(overrides, parallel, capsys):
     """The Megatron CPU preset (TP=2; PP=2 by the documented override) passes the verl engine's
     validation and its plan names the learners' parallelism."""
@@ -285,9 +310,12 @@ def test_both_engines_train_the_same_pinned_warm_start(tmp_path):
     from recipe.gepo.verl_engine.runner import resolve_task_files
 
     cfg = compose_config(
-        "+verl_preset=cpu_toy", "hetero.engine=verl", "task.warm_start_steps=3", f"task.cache_dir={tmp_path}",
+        "+verl_preset=cpu_toy",
+        "hetero.engine=verl",
+        "task.warm_start_steps=3",
+        f"task.cache_dir={tmp_path}",
         f"trainer.default_local_dir={tmp_path / 'run'}",
-    )  # fmt: skip
+    )
     verl_model = Path(resolve_task_files(cfg).actor_rollout_ref.model.path)
     local_model = Path(resolve_model_path("", TaskConfig.from_omegaconf(cfg.task), seed=int(cfg.hetero.seed)))
     assert verl_model == local_model.resolve() and verl_model.is_relative_to(tmp_path)
@@ -303,10 +331,13 @@ def test_a_missing_data_file_fails_at_start_naming_the_key_and_the_path(tmp_path
     missing = tmp_path / "typo.parquet"
     files = {"train_files": str(good), "val_files": str(good), key: str(missing)}
     cfg = compose_config(
-        "+verl_preset=cpu_toy", "hetero.engine=verl", f"actor_rollout_ref.model.path={tmp_path}",
-        f"data.train_files={files['train_files']}", f"data.val_files={files['val_files']}",
+        "+verl_preset=cpu_toy",
+        "hetero.engine=verl",
+        f"actor_rollout_ref.model.path={tmp_path}",
+        f"data.train_files={files['train_files']}",
+        f"data.val_files={files['val_files']}",
         f"trainer.default_local_dir={tmp_path / 'run'}",
-    )  # fmt: skip
+    )
     with pytest.raises(VerlEngineConfigError, match=rf"data.{key}=.*{re.escape(str(missing))}"):
         run(cfg)
     assert not (tmp_path / "run").exists()
@@ -317,9 +348,14 @@ def test_a_missing_data_file_fails_at_start_naming_the_key_and_the_path(tmp_path
     [
         (["data.train_files=/d/train.parquet"], "data.train_files is given but data.val_files is empty"),
         (["data.val_files=/d/val.parquet"], "data.val_files is given but data.train_files is empty"),
-        (["data.train_files=/d/train.parquet", "data.val_files=/d/val.parquet", "task.eval_size=64"],
-         "task.eval_size=64 shapes the data written from the task: section, but data.train_files"),
-        (["data.train_files=/d/train.parquet", "data.val_files=/d/val.parquet", "task.digits=4"], "task.digits=4 shapes"),
+        (
+            ["data.train_files=/d/train.parquet", "data.val_files=/d/val.parquet", "task.eval_size=64"],
+            "task.eval_size=64 shapes the data written from the task: section, but data.train_files",
+        ),
+        (
+            ["data.train_files=/d/train.parquet", "data.val_files=/d/val.parquet", "task.digits=4"],
+            "task.digits=4 shapes",
+        ),
     ],
 )
 def test_data_files_come_as_a_pair_and_make_the_task_data_fields_unused(overrides, match):
@@ -327,7 +363,9 @@ def test_data_files_come_as_a_pair_and_make_the_task_data_fields_unused(override
     file would be overwritten, and given files leave the section's data fields unread."""
     with pytest.raises(VerlEngineConfigError, match=match):
         validate(preset_cfg("cpu_toy", "hetero.engine=verl", *overrides))  # cpu_toy: both files "" (from task:)
-    validate(preset_cfg("cpu_toy", "hetero.engine=verl", "data.train_files=/d/t.parquet", "data.val_files=/d/v.parquet"))
+    validate(
+        preset_cfg("cpu_toy", "hetero.engine=verl", "data.train_files=/d/t.parquet", "data.val_files=/d/v.parquet")
+    )
 
 
 @pytest.mark.parametrize(
@@ -340,7 +378,10 @@ def test_data_files_come_as_a_pair_and_make_the_task_data_fields_unused(override
 )
 def test_a_verl_key_the_engine_derives_is_refused_unless_it_agrees(key, value, source):
     """engine_settings sets these three from hetero:; another value would be overwritten silently."""
-    with pytest.raises(VerlEngineConfigError, match=rf"{re.escape(key)}={value!r}: the verl engine sets it to .* from {re.escape(source)}"):
+    with pytest.raises(
+        VerlEngineConfigError,
+        match=rf"{re.escape(key)}={value!r}: the verl engine sets it to .* from {re.escape(source)}",
+    ):
         validate(preset_cfg("qwen3_1p7b_fsdp", f"{key}={value}"))
     # the value the engine derives passes, and so does the untouched default
     validate(preset_cfg("qwen3_1p7b_fsdp", "hetero.max_delay=11", "trainer.v1.sampler.max_off_policy_threshold=12"))

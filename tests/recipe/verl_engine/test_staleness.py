@@ -2,7 +2,12 @@
 
 import pytest
 
-from recipe.gepo.verl_engine.batch_rules import group_weight_versions, hetero_step_metrics, stale_group_uids, verl_threshold
+from recipe.gepo.verl_engine.batch_rules import (
+    group_weight_versions,
+    hetero_step_metrics,
+    stale_group_uids,
+    verl_threshold,
+)
 
 
 def tags_for(groups):
@@ -33,8 +38,13 @@ def test_verl_threshold_covers_every_admissible_group():
 
 def test_step_metrics_use_the_embedded_engine_names():
     keys = ["a_0_0", "a_0_1", "b_0_0", "b_0_1", "c_0_0"]
-    tags = [{"min_global_steps": 9}, {"min_global_steps": 8}, {"min_global_steps": 5}, {"min_global_steps": 6},
-            {"min_global_steps": 9, "is_padding": True}]
+    tags = [
+        {"min_global_steps": 9},
+        {"min_global_steps": 8},
+        {"min_global_steps": 5},
+        {"min_global_steps": 6},
+        {"min_global_steps": 9, "is_padding": True},
+    ]
     m = hetero_step_metrics(keys, tags, global_steps=10, max_delay=8, evicted_stale=3)
     assert m["hetero/consumed"] == 2  # groups a and b (c is padding)
     assert (m["hetero/staleness_min"], m["hetero/staleness_max"]) == (1.0, 4.0)

@@ -5,7 +5,9 @@ Needs verl's v1 trainer, which imports TransferQueue (``pip install "verl[verl-c
 
 import pytest
 
-pytest.importorskip("transfer_queue", reason="verl's v1 trainer needs TransferQueue: pip install 'verl[verl-core]==0.9.1'")
+pytest.importorskip(
+    "transfer_queue", reason="verl's v1 trainer needs TransferQueue: pip install 'verl[verl-core]==0.9.1'"
+)
 
 from pathlib import Path  # noqa: E402
 
@@ -38,9 +40,12 @@ def test_trainer_refuses_a_bypass_config_before_touching_anything():
 @pytest.mark.parametrize("strategy", ["drop", "wait"])
 def test_replay_buffer_bound_is_exact_over_weight_versions(strategy):
     buf = ReplayBufferAsync(
-        trainer_mode="separate_async", trainer_config={}, max_off_policy_threshold=9,
-        max_off_policy_strategy=strategy, sampler_kwargs={},
-    )  # fmt: skip
+        trainer_mode="separate_async",
+        trainer_config={},
+        max_off_policy_threshold=9,
+        max_off_policy_strategy=strategy,
+        sampler_kwargs={},
+    )
     buf.__class__ = hetero_trainer.HeteroReplayBuffer
     buf.hetero_max_delay = 8
     # the state verl's _sync_metadata_from_transfer_queue would fill: three finished groups, all

@@ -22,13 +22,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=None, help=f"optimizer steps (default per format: {defaults})")
     parser.add_argument("--seed", type=int, default=0, help="seed of init, data and evaluation")
     parser.add_argument("--answer-format", default="short", choices=ANSWER_FORMATS, help="short sums or scratchpad")
-    parser.add_argument("--train", action="store_true",
-                        help="train (or take from the cache) this machine's build even where the package ships one")
+    parser.add_argument(
+        "--train",
+        action="store_true",
+        help="train (or take from the cache) this machine's build even where the package ships one",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     t0 = time.monotonic()
-    path = warm_start(args.cache_dir, args.digits, steps=args.steps, seed=args.seed, answer_format=args.answer_format,
-                      use_shipped=not args.train)  # fmt: skip
+    path = warm_start(
+        args.cache_dir,
+        args.digits,
+        steps=args.steps,
+        seed=args.seed,
+        answer_format=args.answer_format,
+        use_shipped=not args.train,
+    )
     info = json.loads((path / WARM_START_INFO).read_text())
     print(
         f"{path}\naccuracy {info['accuracy']:.3f}, {info['steps']} steps, training {info['seconds']:.1f} s wall / "

@@ -154,17 +154,27 @@ def warm_start_folder(cache_dir: str | os.PathLike, digits: int = 3, **kwargs: A
     return Path(cache_dir) / f"{name}-{settings_key(settings)}"
 
 
-def _pinned_settings(digits: int = 3, steps: int | None = None, seed: int = 0, answer_format: str = "short",
-                     batch_size: int = 64, lr: float = 1e-3, warmup_steps: int = 50,
-                     n_eval: int = 256) -> tuple[str, dict]:  # fmt: skip
+def _pinned_settings(
+    digits: int = 3,
+    steps: int | None = None,
+    seed: int = 0,
+    answer_format: str = "short",
+    batch_size: int = 64,
+    lr: float = 1e-3,
+    warmup_steps: int = 50,
+    n_eval: int = 256,
+) -> tuple[str, dict]:
     """(folder name stem, settings) of a warm start, every argument checked (:func:`warm_start`)."""
     digits = check_digits(digits)
     answer_format = check_answer_format(answer_format)
     steps = default_warm_start_steps(answer_format) if steps is None else steps
     _check_int("steps", steps, 1)
     _check_int("seed", seed, 0)
-    for name, value, minimum in (("batch_size", batch_size, 1), ("warmup_steps", warmup_steps, 0),
-                                 ("n_eval", n_eval, 1)):  # fmt: skip
+    for name, value, minimum in (
+        ("batch_size", batch_size, 1),
+        ("warmup_steps", warmup_steps, 0),
+        ("n_eval", n_eval, 1),
+    ):
         _check_int(name, value, minimum)
     if not (isinstance(lr, (int, float)) and lr > 0 and math.isfinite(lr)):
         raise ValueError(f"lr must be a finite number > 0, got {lr!r}")
@@ -246,8 +256,13 @@ def _train(settings: dict):
     model.eval()
     held_out = make_problems(settings["n_eval"], digits=digits, seed=seed + 10**6, answer_format=answer_format)
     acc = toy_accuracy(model, tok, held_out, temperature=1.0, seed=seed + settings["steps"])
-    logger.info("toy warm start: %d steps, %.1f s, last loss %.3f, accuracy %.3f",
-                settings["steps"], train_seconds, final_loss, acc)  # fmt: skip
+    logger.info(
+        "toy warm start: %d steps, %.1f s, last loss %.3f, accuracy %.3f",
+        settings["steps"],
+        train_seconds,
+        final_loss,
+        acc,
+    )
     info = {
         "accuracy": acc,
         "stop_reason": "steps",
@@ -293,6 +308,8 @@ def resolve_toy_model(model_path: str, task_name: str, **warm_start_kwargs: Any)
             raise FileNotFoundError(f"actor_rollout_ref.model.path={model_path!r} is not a local model folder")
         return str(model_path)
     if task_name != "toy_addition":
-        raise ValueError(f"actor_rollout_ref.model.path is required for task.name={task_name} (no model hub here), "
-                         f"or a built-in model: task.model=smollm2-135m-instruct")
+        raise ValueError(
+            f"actor_rollout_ref.model.path is required for task.name={task_name} (no model hub here), "
+            f"or a built-in model: task.model=smollm2-135m-instruct"
+        )
     return str(warm_start(**warm_start_kwargs))

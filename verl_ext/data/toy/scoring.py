@@ -73,10 +73,15 @@ def toy_accuracy(
                 chunk = problems[start : start + batch_size]
                 enc = tokenizer([p["problem"] for p in chunk], return_tensors="pt", padding=True)
                 gen = generate(
-                    model, enc["input_ids"], enc["attention_mask"], max_new_tokens=max_new_tokens,
-                    eos_token_ids=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-                    temperature=float(temperature), with_log_q=False,
-                )  # fmt: skip
+                    model,
+                    enc["input_ids"],
+                    enc["attention_mask"],
+                    max_new_tokens=max_new_tokens,
+                    eos_token_ids=tokenizer.eos_token_id,
+                    pad_token_id=tokenizer.pad_token_id,
+                    temperature=float(temperature),
+                    with_log_q=False,
+                )
                 completions.extend(tokenizer.batch_decode(gen.tokens, skip_special_tokens=True))
     finally:
         model.train(was_training)
