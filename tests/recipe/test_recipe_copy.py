@@ -93,6 +93,7 @@ def test_a_copied_recipe_runs_its_own_modules_and_configs(tmp_path):
     assert 'f"# Run report: {name}"' in (ORIGINAL / "report.py").read_text()
 
 
+@pytest.mark.slow  # ~10 s: the copy's own-code run stays in the default suite
 def test_a_copied_recipe_plans_with_its_own_trainer_name(tmp_path):
     """The verl engine registers the copy's trainer under a name of its own (verl's registry is one
     per process), and the copy's config defaults reach the plan."""
@@ -107,6 +108,7 @@ def test_a_copied_recipe_plans_with_its_own_trainer_name(tmp_path):
     assert not {m for m in modules if m.startswith("recipe.gepo.")}, modules
 
 
+@pytest.mark.slow  # ~10 s: the copy's own-code run stays in the default suite
 def test_two_recipes_register_two_trainers_in_one_process(tmp_path):
     """The original and a copy imported side by side: each trainer under its own name in verl's
     registry, no clash."""
