@@ -170,6 +170,7 @@ def test_a_key_of_another_sampler_is_refused_before_enrolling_it(tmp_path):
     assert not enrol_file.exists() and "--index" not in result.stdout
 
 
+@pytest.mark.slow  # ~14 s; the default run checks a copied recipe's own code in tests/recipe/test_recipe_copy.py
 def test_recipe_names_a_copied_recipe_whose_sampler_runs(tmp_path):
     """RECIPE=recipe.mygepo runs the copy's remote sampler from REPO: the copy's edited message is
     printed by both dry runs (validation and the final exec), the original's is not."""

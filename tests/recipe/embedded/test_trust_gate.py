@@ -46,6 +46,9 @@ class Lab:
         self.task = Task(self.engine.task, self.engine.hetero.seed)
         self.buffer = build_buffer(self.engine, self.task)
         self.gate = TrustGate(self.engine, model_path, self.task, self.buffer)
+        # a group whose version's weights never come waits this long (30 s in a run); the tests that
+        # need the wait itself set their own (test_trust_windows.py)
+        self.gate.version_wait_s = 1.0
         self.model, self.tokenizer = load_policy(model_path)
         self.model.eval()
         self.v1, _ = load_policy(model_path)  # another version: every weight moved by one Adam-sized step
