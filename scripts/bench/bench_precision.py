@@ -23,22 +23,14 @@ from pathlib import Path
 
 import numpy as np
 
+from .bench_trust import SMOLLM2_TASK
+
 REPO = Path(__file__).resolve().parents[2]
 
 MODELS = {
     "toy": [],
     "smollm2": [
-        "task.name=math",
-        "task.model=smollm2-135m-instruct",
-        "task.dataset=gsm8k",
-        "task.template=plain",
-        "+task.dataset_options.split=train",
-        "+task.dataset_options.max_steps=2",
-        "+task.dataset_options.max_answer=100",
-        "+task.dataset_options.max_question_chars=200",
-        "task.eval_dataset=gsm8k",
-        "task.eval_size=4",
-        "actor_rollout_ref.rollout.n=4",
+        *SMOLLM2_TASK,
         "data.max_response_length=32",
     ],
 }

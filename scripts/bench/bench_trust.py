@@ -265,20 +265,25 @@ def spread(args) -> list[str]:
     return lines
 
 
+# SmolLM2-135M-Instruct on a few short GSM8K problems, G=4 (bench_precision.py measures on the same task)
+SMOLLM2_TASK = [
+    "task.name=math",
+    "task.model=smollm2-135m-instruct",
+    "task.dataset=gsm8k",
+    "task.template=plain",
+    "+task.dataset_options.split=train",
+    "+task.dataset_options.max_steps=2",
+    "+task.dataset_options.max_answer=100",
+    "+task.dataset_options.max_question_chars=200",
+    "task.eval_dataset=gsm8k",
+    "task.eval_size=4",
+    "actor_rollout_ref.rollout.n=4",
+]
+
 RATIO_MODELS = {
     "toy": [],
     "smollm2": [
-        "task.name=math",
-        "task.model=smollm2-135m-instruct",
-        "task.dataset=gsm8k",
-        "task.template=plain",
-        "+task.dataset_options.split=train",
-        "+task.dataset_options.max_steps=2",
-        "+task.dataset_options.max_answer=100",
-        "+task.dataset_options.max_question_chars=200",
-        "task.eval_dataset=gsm8k",
-        "task.eval_size=4",
-        "actor_rollout_ref.rollout.n=4",
+        *SMOLLM2_TASK,
         "data.max_response_length=128",
         "actor_rollout_ref.rollout.temperature=0.7",
         "actor_rollout_ref.actor.optim.lr=1e-5",
