@@ -29,8 +29,8 @@ c. the embedded engine, GEPO on the toy, in replay and in async mode, learner an
    device (``hetero.device``): held-out accuracy before and after, the reward curve, the step time;
 d. SmolLM2-135M-Instruct trained with GEPO on easy GSM8K problems by the embedded engine on the
    device: held-out accuracy (math_verify) before and after, and the step time;
-e. the honest log-prob spread between a sampler (``verl_ext.sampling.generate``, KV cache) and a
-   learner re-scoring the same tokens with one full forward pass
+e. the honest log-prob spread between a sampler (the embedded engine's ``sample_groups``:
+   ``verl_ext.sampling.generate``, KV cache) and a learner re-scoring the same tokens with one full forward pass
    (``recipe.gepo.embedded.policy.sequence_token_log_probs``), fp32 and bf16, on the CPU and the device;
 f. the verl engine (verl's FSDP learner, the project's HF rollout server, delayed weight sync) for
    3 steps with GEPO on the toy, on the device.
@@ -421,10 +421,9 @@ def part_e(device: str, quick: bool, emit: Callable[[Row], None], workdir: Path)
 
     dev = _device(device)
 
-    from recipe.gepo.embedded.policy import load_policy, sequence_token_log_probs
+    from recipe.gepo.embedded.policy import load_policy, sample_groups, sequence_token_log_probs
     from verl_ext.data.task_model import resolve_task_model
     from verl_ext.data.toy.problems import make_problems
-    from verl_ext.sampling import eos_mask, generate
 
     try:
         from recipe.gepo.sections import TrustConfig
@@ -466,31 +465,28 @@ def part_e(device: str, quick: bool, emit: Callable[[Row], None], workdir: Path)
         learner, _ = model_on(l_dev, "fp32")
         worst, mean_abs = [], []
         for b in range(batches):
-            prompts = [p["problem"] for p in problems[b * groups : (b + 1) * groups] for _ in range(group)]
-            enc = tok(prompts, return_tensors="pt", padding=True)
-            gen = generate(
+            # the embedded engine's own sampling (tokens and masked log q back on the CPU)
+            batch = sample_groups(
                 sampler,
-                enc["input_ids"].to(s_dev),
-                enc["attention_mask"].to(s_dev),
-                max_new_tokens=new_tokens,
-                eos_token_ids=tok.eos_token_id,
-                pad_token_id=tok.pad_token_id,
-                temperature=temperature,
+                tok,
+                [p["problem"] for p in problems[b * groups : (b + 1) * groups]],
+                group,
+                temperature,
+                new_tokens,
                 seed=b,
             )
-            rmask = eos_mask(gen.tokens, tok.eos_token_id)
-            resp = torch.where(rmask.bool(), gen.tokens, torch.full_like(gen.tokens, tok.pad_token_id))
+            rmask = batch.response_mask
             autocast = torch.autocast(l_dev.type, dtype=torch.bfloat16, enabled=l_prec == "bf16")
             with torch.no_grad(), autocast:
                 log_p = sequence_token_log_probs(
                     learner,
-                    enc["input_ids"].to(l_dev),
-                    enc["attention_mask"].to(l_dev),
-                    resp.to(l_dev),
+                    batch.prompt_ids.to(l_dev),
+                    batch.prompt_mask.to(l_dev),
+                    batch.response_ids.to(l_dev),
                     rmask.to(l_dev),
                     temperature,
                 )
-            diff = (log_p.float().cpu() - gen.log_q.float().cpu()).abs() * rmask.cpu()
+            diff = (log_p.float().cpu() - batch.sampler_logprobs.float()).abs() * rmask
             for g in range(0, diff.shape[0], group):
                 worst.append(float(diff[g : g + group].max()))
                 mean_abs.append(float(diff[g : g + group].sum() / rmask[g : g + group].sum().clamp(min=1)))
