@@ -597,20 +597,63 @@ def tiny_model() -> str:
     return str(warm_start(cache, digits=1, steps=50, n_eval=32, batch_size=32, warmup_steps=5))
 
 
-class Harness:
+def write_case_data(folder: Path) -> Path:
+    """The small files behaviour cases point options at: two toy datasets and a delay trace."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "zeros.txt").write_text("0\n" * 8)
+    (folder / "ones.txt").write_text("1\n" * 8)
+    (folder / "delays.csv").write_text("a,b\n" + "0,1\n" * 8)
+    return folder
+
+
+class BehaviourHarness:
+    """One runner's behaviour check: a run under each setup (its control, observed once) against
+    the run with one option changed. A runner's subclass defines ``observe`` (overrides ->
+    ``{"error": ..., ...}``), how messages name it (``runner``) and which errors a changed run may
+    end in (``check_error``)."""
+
+    runner = ""
+
+    def __init__(self, root: Path, model: str):
+        self.root, self.model = root, model
+        self.controls: dict[tuple[str, ...], dict] = {}
+        self._n = 0
+
+    def observe(self, overrides: tuple[str, ...]) -> dict:
+        raise NotImplementedError
+
+    def check_error(self, key: str, case: Case, changed: dict) -> None:
+        """A changed run's error is an observation like any other (the replay runner's rule)."""
+
+    def control(self, setup: tuple[str, ...]) -> dict:
+        if setup not in self.controls:
+            self.controls[setup] = self.observe(setup)
+        return self.controls[setup]
+
+    def check(self, key: str, case: Case) -> None:
+        """AssertionError when changing ``key`` (``case``) leaves the run's observation unchanged,
+        when the runner refuses it, or when it fails other than ``check_error`` allows."""
+        control = self.control(case.setup)
+        assert control["error"] is None, f"{key}: the control run failed: {control['error']}"
+        try:
+            changed = self.observe(case.setup + case.change)
+        except options.OptionNotHonoured as err:
+            raise AssertionError(f"{key}: declared honoured {self.runner}, but refused: {err}") from None
+        self.check_error(key, case, changed)
+        assert changed != control, f"{key}: declared honoured {self.runner}, but {case.change} changed nothing"
+
+
+class Harness(BehaviourHarness):
     """Tiny replay runs through the entry's ``run_local``, each in its own sandbox folder (the
     working directory: tracking backends write there), observed as (metrics without wall-clock
     ones, the sandbox's files, the error)."""
 
+    runner = "in replay mode"
+
     def __init__(self, root: Path, model: str, other_model: str):
-        self.root, self.model, self.other_model = root, model, other_model
-        self.data = root / "data"
-        self.data.mkdir(parents=True, exist_ok=True)
-        (self.data / "zeros.txt").write_text("0\n" * 8)
-        (self.data / "ones.txt").write_text("1\n" * 8)
-        (self.data / "delays.csv").write_text("a,b\n" + "0,1\n" * 8)
-        self.controls: dict[tuple[str, ...], dict] = {}
-        self._n = 0
+        super().__init__(root, model)
+        self.other_model = other_model
+        self.data = write_case_data(root / "data")
 
     def observe(self, overrides: tuple[str, ...]) -> dict:
         self._n += 1
@@ -664,18 +707,6 @@ class Harness:
         copy_to = sandbox / "resumable"
         shutil.copytree(folder, copy_to)
         items[index] = f"trainer.default_local_dir={copy_to}"
-
-    def control(self, setup: tuple[str, ...]) -> dict:
-        if setup not in self.controls:
-            self.controls[setup] = self.observe(setup)
-        return self.controls[setup]
-
-    def check(self, key: str, case: Case) -> None:
-        """AssertionError when changing ``key`` (``case``) leaves the run's observation unchanged."""
-        control = self.control(case.setup)
-        assert control["error"] is None, f"{key}: the control run failed: {control['error']}"
-        changed = self.observe(case.setup + case.change)
-        assert changed != control, f"{key}: declared honoured in replay mode, but {case.change} changed nothing"
 
 
 @pytest.fixture(scope="module")
