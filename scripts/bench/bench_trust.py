@@ -3,7 +3,8 @@
     python -m scripts.bench.bench_trust overhead [--steps 60] [--repeats 2] [--fractions 0 0.25 1] [--out FILE]
     python -m scripts.bench.bench_trust detection [--trials 200] [--fractions 0.05 0.1 0.25 0.5 1] [--out FILE]
     python -m scripts.bench.bench_trust spread [--batches 20] [--out FILE]
-    python -m scripts.bench.bench_trust ratio [--model toy|smollm2] [--prompts 8] [--out FILE]
+    python -m scripts.bench.bench_trust ratio [--model toy|smollm2] [--prompts 8] [--checkable] [--out FILE]
+    python -m scripts.bench.bench_trust detection-table [--model toy|smollm2] [--setups fp32 bf16-on-fp32 bf16] [--trials 20]
 
 ``ratio``: in one process, one torch thread, the CPU time of each check per group against the CPU
 time of the learner's ``train_step`` per group, on the same freshly generated groups: the cost of
@@ -34,6 +35,17 @@ times 1.5, which every check catches), offered to the real :class:`TrustGate` wi
 quarantined it (each would be trained on if a step took it first; the quarantine purges those
 still buffered), against the rule's expectation (1 - f) / f. Groups become seconds through the
 sampler's rate of groups.
+
+``detection-table``: detection against false alarms, per set-up of sampler and scorer precision
+(:data:`DETECTION_SETUPS`: fp32; a bf16 sampler with the default fp32 learner; both in bf16,
+``hetero.sampler_precision=bf16``), with checkable sampling on.
+Honest groups from several samplers, every one re-scored (``verify_fraction`` 1): the honest groups
+rejected. Then, for each lie of :data:`TABLE_LIES` (q scaled by 1 + eps, q at another temperature,
+tokens from other weights or a truncated distribution with q true to them, a lie claiming a version
+at its bump, a near copy of an accepted group: ``scripts/soak_harness/lies.py``, the soak's liars),
+``--trials`` liars, each honest through its probation and then lying on every group: the lying
+groups the real :class:`TrustGate` admitted before the one it refused (the quarantine), at the
+run's ``verify_fraction``; a trial ends uncaught after ``--cap`` admitted.
 """
 
 from __future__ import annotations
@@ -315,6 +327,7 @@ def ratio(args) -> list[str]:
                 "trainer.logger=[]",
                 f"data.train_batch_size={args.prompts}",
                 *RATIO_MODELS[args.model],
+                *(["hetero.trust.checkable_sampling=true"] if args.checkable else []),
             ],
         )
     engine = EngineConfig.from_omegaconf(cfg)
@@ -337,6 +350,7 @@ def ratio(args) -> list[str]:
         sampler_id="x",
         seed=0,
         uid_prefix="r",
+        checkable=args.checkable,
     )
     gen_s = time.perf_counter() - t0
     tokens = sum(int(g.response_mask.sum()) for g in groups)
@@ -359,7 +373,8 @@ def ratio(args) -> list[str]:
     share = lambda f: 100 * (rewards + f * rescore) / train  # noqa: E731
     lines = [
         f"{args.model}: {args.prompts} groups of G={s.group_size}, {tokens} response tokens "
-        f"({tokens / len(groups) / s.group_size:.0f} per response; generated in {gen_s:.0f} s), one torch thread",
+        f"({tokens / len(groups) / s.group_size:.0f} per response; generated in {gen_s:.0f} s), one torch thread; "
+        f"checkable sampling {'on (the re-scoring includes the token check)' if args.checkable else 'off'}",
         "",
         "| CPU ms per group | train_step | rewards check | re-scoring | loading a version's weights (once per version) |",
         "|---|---:|---:|---:|---:|",
@@ -371,6 +386,335 @@ def ratio(args) -> list[str]:
         f"| {share(1):.1f} |",
     ]
     return lines
+
+
+DETECTION_MODELS = {
+    "toy": [],
+    "smollm2": [*SMOLLM2_TASK, "data.max_response_length=32"],
+}
+"""``detection-table --model``: the task overrides (smollm2: bench_precision's task and lengths)."""
+
+TABLE_LIES = (
+    ("q x 1.5", "scaled", 1.5),
+    ("q x 1.05", "scaled", 1.05),
+    ("q x 1.02", "scaled", 1.02),
+    ("q x 1.01", "scaled", 1.01),
+    ("q at T=0.9, drawn at 1.0", "temperature", 0.9),
+    ("q at T=0.95, drawn at 1.0", "temperature", 0.95),
+    ("drawn from other weights (each weight +-1e-3), q true to its tokens", "other_weights", 1e-3),
+    ("drawn from other weights (each weight +-1e-4), q true to its tokens", "other_weights", 1e-4),
+    ("drawn from top-k 2, q true to its tokens", "top_k", 2),
+    ("drawn from top-p 0.9, q true to its tokens", "top_p", 0.9),
+    ("q x 1.5 claiming the version being published (its weights reach the gate 20 ms after the group)", "bump", 1.5),
+    ("near copy of an accepted group (rows rotated, one log q + 1e-5)", "near_copy", None),
+)
+"""``detection-table``'s lies: (row label, kind, size); every kind but ``bump`` and ``near_copy``
+is a function of ``scripts/soak_harness/lies.py`` applied to an honest group."""
+
+
+DETECTION_SETUPS = {
+    "fp32": ("fp32", "fp32"),
+    "bf16-on-fp32": ("bf16", "fp32"),
+    "bf16": ("bf16", "bf16"),
+}
+"""``detection-table --setups``: name -> (the sampler's precision, ``hetero.sampler_precision`` of the
+learner, whose gate re-scores in it). ``bf16-on-fp32``: a bf16 sampler (vLLM's default) declaring
+bf16 to a learner of the default fp32 config (the soak's honest bf16 sampler); ``bf16``: samplers and
+scorer in bf16, the same CPU arithmetic on both sides."""
+
+
+class _Lab:
+    """One learner's trust gate (checkable sampling on, the run's other trust defaults, its scorer in
+    the set-up's ``hetero.sampler_precision``) and one honest sampler in the set-up's precision, of the
+    engine's own loading, with the weights of version 0 as the learner publishes them."""
+
+    def __init__(self, model_name: str, setup: str, fraction, seed: int):
+        import dataclasses
+
+        from hydra import compose, initialize_config_dir
+
+        from recipe.gepo.embedded.driver import build_buffer
+        from recipe.gepo.embedded.engine import EngineConfig
+        from recipe.gepo.embedded.placement import Placement
+        from recipe.gepo.embedded.policy import load_policy
+        from recipe.gepo.embedded.tasks import Task, resolve_model_path
+        from recipe.gepo.embedded.verify import TrustGate
+        from verl_ext.hetero.weights import deserialize_state_dict, serialize_state_dict
+
+        overrides = [
+            "hetero.mode=async",
+            "trainer.logger=[]",
+            "hetero.trust.checkable_sampling=true",
+            f"hetero.sampler_precision={DETECTION_SETUPS[setup][1]}",
+            f"hetero.seed={seed}",
+            *DETECTION_MODELS[model_name],
+        ]
+        if fraction is not None:
+            overrides.append(f"hetero.trust.verify_fraction={fraction}")
+        with initialize_config_dir(config_dir=str(REPO / "recipe/gepo/config"), version_base=None):
+            cfg = compose(config_name="gepo_trainer", overrides=overrides)
+        self.engine = engine = EngineConfig.from_omegaconf(cfg)
+        self.task = Task(engine.task, 0)
+        self.path = resolve_model_path(engine.settings.model_path, engine.task, 0)
+        self.learner, self.tokenizer = load_policy(self.path)
+        self.learner.eval()
+        self.gate = TrustGate(engine, self.path, self.task, build_buffer(engine, self.task))
+        self.gate.version_wait_s = 5.0
+        self.wire = "bf16" if engine.hetero.weights_bf16 else None
+        self.serialize = serialize_state_dict
+        message = serialize_state_dict(self.learner.state_dict(), 0, self.wire)
+        self.gate.remember(0, message)
+        self.newest = 0
+        self.placement = dataclasses.replace(Placement.of(engine.hetero), sampler_precision=DETECTION_SETUPS[setup][0])
+        self.sampler, _ = self.placement.load_sampler(self.path)
+        self.sampler.load_state_dict(deserialize_state_dict(message)[1])
+        self.sampler.eval()
+
+    def groups(self, n: int, stream: int, index: int, sampler_id: str = "x", model=None) -> list:
+        from recipe.gepo.embedded.rollout import RolloutSettings, generate_groups
+
+        s = self.engine.settings
+        return generate_groups(
+            model or self.sampler,
+            self.tokenizer,
+            self.task.train_items(n, stream=stream, index=index),
+            self.task.score,
+            RolloutSettings(s.group_size, s.temperature, s.max_new_tokens),
+            self.engine.algorithm,
+            policy_version=0,
+            sampler_id=sampler_id,
+            seed=1000 * stream + index,
+            uid_prefix=f"{sampler_id}-{stream}-{index}",
+            checkable=True,
+        )
+
+    def drawer(self, weight_step: float = 0.0):
+        """A second sampler model of the same loading (its own object: a truncation hook on it
+        leaves the honest one alone), every weight moved by +-``weight_step`` (in fp32, then
+        rounded to the sampler's precision as its loading does)."""
+        import torch
+
+        state = {k: v.float().clone() for k, v in self.learner.state_dict().items()}
+        if weight_step:
+            generator = torch.Generator().manual_seed(7)
+            for v in state.values():
+                if v.is_floating_point():
+                    v.add_(weight_step * torch.sign(torch.randn(v.shape, generator=generator)))
+        model, _ = self.placement.load_sampler(self.path)
+        model.load_state_dict(state)
+        return model.eval()
+
+    def publish(self, version: int) -> bytes:
+        """Version ``version``: the same weights under a new number (the weight store's message)."""
+        return self.serialize(self.learner.state_dict(), version, self.wire)
+
+
+def _lie_maker(lab: "_Lab", kind: str, size):
+    """A function honest group -> lying group for ``kind`` (see :data:`TABLE_LIES`)."""
+    import contextlib
+
+    from ..soak_harness import lies
+
+    s = lab.engine.settings
+    if kind in ("scaled", "bump"):
+        return lambda g: lies.scaled_q(g, size)
+    if kind == "temperature":
+        return lambda g: lies.q_at_temperature(g, lab.sampler, size)
+    drawer = lab.drawer(size if kind == "other_weights" else 0.0)
+    truncation = {"top_k": dict(top_k=int(size)), "top_p": dict(top_p=float(size))}.get(kind)
+
+    def redraw(g):
+        with lies.truncated(drawer, **truncation) if truncation else contextlib.nullcontext():
+            return lies.redrawn(
+                g,
+                drawer,
+                lab.sampler,
+                lab.tokenizer,
+                lab.task.score,
+                s.temperature,
+                s.max_new_tokens,
+                lab.engine.algorithm,
+            )
+
+    return redraw
+
+
+def _lying_trial(lab: "_Lab", sampler: str, pool: list, start: int, lie, bump: bool, cap: int):
+    """A sampler that passes its probation honestly, then lies on every group (``lie`` of the
+    pool's next group) until the gate refuses one: (lying groups admitted before that, the reason
+    it gave or None when ``cap`` were admitted, a probation group's refusal reason or None, groups
+    used, lying groups a check passed)."""
+    import dataclasses
+    import threading
+
+    from verl_ext.hetero.records import RecordRejected
+
+    gate, probation = lab.gate, lab.engine.hetero.trust.probation_groups
+    admitted, used, timer, vouched_lies = 0, 0, None, 0
+    while admitted < cap:
+        group = pool[(start + used) % len(pool)]
+        used += 1
+        books = gate.ledger.samplers.get(sampler)
+        honest = books is None or books.checks < probation
+        if timer is not None:
+            timer.join()  # the last bump's weights are in: honest groups claim the newest version
+        if honest:
+            offered = dataclasses.replace(group, policy_version=lab.newest)
+        else:
+            offered = dataclasses.replace(lie(group), policy_version=lab.newest + 1 if bump else lab.newest)
+            if bump:  # the learner publishes the version the group claims, and hands it to the gate just after
+                lab.newest += 1
+                timer = threading.Timer(0.02, gate.remember, (lab.newest, lab.publish(lab.newest)))
+                timer.start()
+        offered = dataclasses.replace(offered, group_uid=f"{sampler}-g{used}", sampler_id=sampler)
+        gate._contents.clear()  # the pool is reused: replays are not what this measures
+        try:
+            vouched = gate.admit(offered)
+        except RecordRejected as refusal:
+            if timer is not None:
+                timer.join()
+            if honest:
+                return admitted, None, refusal.reason, used, vouched_lies
+            return admitted, refusal.reason, None, used, vouched_lies
+        gate.accepted(offered, vouched)  # (not added to the buffer: only the gate's verdicts count)
+        admitted += not honest
+        vouched_lies += bool(vouched) and not honest
+    if timer is not None:
+        timer.join()
+    return admitted, None, None, used, vouched_lies
+
+
+def detection_table(args) -> list[str]:
+    import collections
+    import dataclasses
+
+    import torch
+
+    from ..soak_harness.lies import near_copy
+    from verl_ext.hetero.records import RecordRejected
+
+    torch.set_num_threads(1)
+    honest_lines = [
+        "| sampler / scorer | honest groups (checked: all) | rejected (false alarms) | refused as replayed "
+        "(no blame) | tokens checked | near ties | largest CUSUM, % of its limit (mean \\|Δ\\|; bias) |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    lie_lines = [
+        "| sampler / scorer | lie, on every group after an honest probation | pool groups it changes "
+        "| lying groups admitted before quarantine: mean | median | max | trials not caught within the cap "
+        "| checked lying groups refused | refused by |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for setup in args.setups:
+        precision, scorer = DETECTION_SETUPS[setup]
+        name = f"{precision} / {scorer}"
+        # false alarms: honest groups from several samplers, every one checked (verify_fraction 1)
+        lab = _Lab(args.model, setup, 1.0, args.seed)
+        tol = lab.gate.verifier.tolerance(precision)
+        reasons: collections.Counter = collections.Counter()
+        peak, peak_bias, offered = 0.0, 0.0, 0
+        for b in range(-(-args.honest // args.prompts)):
+            for i, group in enumerate(lab.groups(args.prompts, stream=11, index=b)):
+                sampler = f"honest-{(b * args.prompts + i) % args.honest_samplers}"
+                group = dataclasses.replace(group, sampler_id=sampler, group_uid=f"{sampler}-{b}-{i}")
+                offered += 1
+                try:
+                    lab.gate.accepted(group, lab.gate.admit(group))
+                except RecordRejected as refusal:
+                    reasons[refusal.reason] += 1
+                peak = max(peak, lab.gate.cusum.sums.get(sampler, 0.0) / tol.cusum_limit)
+                peak_bias = max(peak_bias, max(lab.gate.cusum.bias.get(sampler, (0.0, 0.0))) / tol.bias_limit)
+        counts = lab.gate.verifier.token_counts
+        false_alarms = sum(n for r, n in reasons.items() if r != "replayed")
+        honest_lines.append(
+            f"| {name} | {offered} | {false_alarms}"
+            + (f" ({dict(reasons)})" if false_alarms else "")
+            + f" | {reasons['replayed']} | {counts['tokens_checked']} | {counts['token_near_ties']} "
+            f"| {100 * peak:.0f}%; {100 * peak_bias:.0f}% |"
+        )
+        print(honest_lines[-1], flush=True)
+        # lies: a fresh liar each trial, at the run's verify_fraction (or --fraction)
+        lab = _Lab(args.model, setup, args.fraction, args.seed)
+        pool = lab.groups(args.pool, stream=3, index=0)
+        start = 0
+        for label, kind, size in TABLE_LIES:
+            if kind == "near_copy":
+                admitted, refused_by = [], collections.Counter()
+                for t in range(args.trials):
+                    source = dataclasses.replace(
+                        pool[t % len(pool)], group_uid=f"orig-{t}", sampler_id="honest", policy_version=lab.newest
+                    )
+                    lab.gate._contents.clear()
+                    lab.gate.accepted(source, lab.gate.admit(source))
+                    try:
+                        copy = near_copy(source, f"copier-{t}", "copier")
+                        lab.gate.accepted(copy, lab.gate.admit(copy))
+                        admitted.append(1)
+                    except RecordRejected as refusal:
+                        admitted.append(0)
+                        refused_by[refusal.reason] += 1
+                a = np.asarray(admitted)
+                lie_lines.append(
+                    f"| {name} | {label} | all (rows, one q) | {a.mean():.2f} (a copy) | {np.median(a):.0f} "
+                    f"| {a.max()} | - | {len(a) - a.sum()} of {len(a)} | {dict(refused_by)} |"
+                )
+                print(lie_lines[-1], flush=True)
+                continue
+            lie = _lie_maker(lab, kind, size)
+            cache: dict[int, object] = {}
+
+            def lying(group, lie=lie, cache=cache):
+                key = id(group)
+                if key not in cache:
+                    cache[key] = lie(group)
+                return cache[key]
+
+            admitted, refused_by, not_caught, honest_refused = [], collections.Counter(), 0, collections.Counter()
+            passed = 0
+            for t in range(args.trials):
+                n, reason, honest_reason, used, vouched = _lying_trial(
+                    lab, f"{kind}-{size}-{t}", pool, start, lying, kind == "bump", args.cap
+                )
+                start += used
+                passed += vouched
+                if honest_reason is not None:
+                    honest_refused[honest_reason] += 1
+                    continue
+                admitted.append(n)
+                if reason is None:
+                    not_caught += 1
+                else:
+                    refused_by[reason] += 1
+            a = np.asarray(admitted or [0])
+            caught = sum(refused_by.values())
+            changed = (
+                f"{100 * np.mean([not np.array_equal(g.response_ids, cache[id(g)].response_ids) for g in pool if id(g) in cache]):.0f}%"
+                if kind in ("other_weights", "top_k", "top_p")
+                else "all (q)"
+            )
+            lie_lines.append(
+                f"| {name} | {label} | {changed} | {a.mean():.1f} | {np.median(a):.0f} | {a.max()} "
+                f"| {not_caught} of {len(admitted)} | {caught} of {caught + passed} | {dict(refused_by) or '-'}"
+                + (f"; honest probation groups refused: {dict(honest_refused)}" if honest_refused else "")
+                + " |"
+            )
+            print(lie_lines[-1], flush=True)
+    fraction = lab.engine.hetero.trust.verify_fraction
+    return [
+        f"{args.model}: the real TrustGate, checkable sampling on, the sampler (its precision declared) and the "
+        "gate's scorer (hetero.sampler_precision) in the precisions named; one torch thread",
+        "",
+        f"Honest samplers: {args.honest} groups from {args.honest_samplers} samplers, every group re-scored "
+        "(verify_fraction 1: the most a false alarm can get)",
+        "",
+        *honest_lines,
+        "",
+        f"Lies: {args.trials} trials a lie, a fresh liar each (probation {lab.engine.hetero.trust.probation_groups} "
+        f"honest groups, then the lie on every group), verify_fraction {fraction:g}, at most {args.cap} lying "
+        f"groups a trial; a pool of {args.pool} honest groups lied about",
+        "",
+        *lie_lines,
+    ]
 
 
 def main() -> None:
@@ -386,17 +730,37 @@ def main() -> None:
     d = sub.add_parser("detection")
     d.add_argument("--trials", type=int, default=200)
     d.add_argument("--fractions", type=float, nargs="+", default=[0.05, 0.1, 0.25, 0.5, 1.0])
+    dt = sub.add_parser("detection-table")
+    dt.add_argument("--model", choices=sorted(DETECTION_MODELS), default="toy")
+    dt.add_argument("--setups", nargs="+", choices=list(DETECTION_SETUPS), default=list(DETECTION_SETUPS))
+    dt.add_argument("--honest", type=int, default=256, help="honest groups offered, every one checked")
+    dt.add_argument("--honest-samplers", type=int, default=4)
+    dt.add_argument("--prompts", type=int, default=16, help="groups generated at a time")
+    dt.add_argument("--pool", type=int, default=32, help="honest groups the lies are told about (reused)")
+    dt.add_argument("--trials", type=int, default=20, help="liars per lie")
+    dt.add_argument("--cap", type=int, default=100, help="lying groups admitted that end a trial uncaught")
+    dt.add_argument("--fraction", type=float, default=None, help="verify_fraction (default: the config's)")
+    dt.add_argument("--seed", type=int, default=0)
     sp = sub.add_parser("spread")
     sp.add_argument("--batches", type=int, default=20)
     ra = sub.add_parser("ratio")
     ra.add_argument("--model", choices=sorted(RATIO_MODELS), default="toy")
     ra.add_argument("--prompts", type=int, default=8)
-    for p in (o, d, sp, ra):
+    ra.add_argument(
+        "--checkable", action="store_true", help="hetero.trust.checkable_sampling on (seeded groups, the token check)"
+    )
+    for p in (o, d, dt, sp, ra):
         p.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     from .bench_async import emit, loadavg
 
-    part = {"overhead": overhead, "detection": detection, "spread": spread, "ratio": ratio}[args.part]
+    part = {
+        "overhead": overhead,
+        "detection": detection,
+        "detection-table": detection_table,
+        "spread": spread,
+        "ratio": ratio,
+    }[args.part]
     emit([f"(load at the start: {loadavg()})", *part(args)], args.out)
 
 
