@@ -173,6 +173,14 @@ class TrustConfig:
     distribution is caught even when its q matches its tokens. A group without a seed is refused
     (unseeded, without blame). Cost: the noise, V Philox draws a token (SmolLM2-135M on the CPU:
     +9% on each re-score; the sampler's draw about as fast as ordinary sampling; docs/reliability.md)."""
+    check_process: bool = option(True, honoured_by=(ASYNC,), instead=_NO_PUBLISHING_SAMPLERS)
+    """Where the checks (re-scoring, token check, rewards) run. true: in a checker process of their
+    own on the learner's node (``recipe.gepo.embedded.checker``), at Linux's SCHED_IDLE priority on
+    all of the node's cores, with its own copy of the policy: it takes only cycles nothing else
+    wants, and a group awaits its verdict out of the buffer (counted against its sampler's quota).
+    false: in the learner process's poll thread, as before, where they slow training (toy model:
+    +19% wall time a step at verify_fraction 0.1); the learner then holds the model copy. Either
+    way no group is admitted before its checks ran (docs/reliability.md, "Cost")."""
 
     # TrustLedger's constructor argument -> the field (hetero.trust.<field>) that sets it
     _LEDGER_FIELDS = {

@@ -59,6 +59,7 @@ NOT_YET_COVERED = (
     "hetero.sampler_speed_factors",
     "hetero.stale_policy",
     "hetero.system_cpus",
+    "hetero.trust.check_process",
     "hetero.trust.check_rewards",
     "hetero.trust.checkable_sampling",
     "hetero.trust.divergence_window",

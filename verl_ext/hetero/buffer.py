@@ -351,21 +351,28 @@ class RolloutBuffer:
         with self._cond:
             return len(self._held_locked(sampler_id))
 
-    def would_keep(self, group: RolloutGroup) -> bool:
+    def would_keep(self, group: RolloutGroup, also_held: int = 0) -> bool:
         """Whether ``group`` arriving now would be kept by its sampler's quota
-        (``sampler_capacity``). Only :meth:`take` and drops remove groups, and a removal leaves
-        room, so a True stays True for the one thread that adds groups."""
+        (``sampler_capacity``), counting ``also_held`` more of its sampler's groups as held (the
+        inbox's: those awaiting a trust verdict, not buffered yet). Only :meth:`take` and drops
+        remove groups, and a removal leaves room, so a True stays True for the one thread that adds
+        groups (:meth:`add` applies the quota itself in any case)."""
         with self._cond:
-            return self._displaced_locked(group) != group.group_uid
+            return self._displaced_locked(group, also_held) != group.group_uid
 
-    def _displaced_locked(self, group: RolloutGroup) -> str | None:
-        """The uid the sampler's quota drops if ``group`` is added now: None (room), the group's own
-        uid, or (``order="newest"``) the sampler's oldest buffered group when ``group`` is newer."""
+    def _displaced_locked(self, group: RolloutGroup, also_held: int = 0) -> str | None:
+        """The uid the sampler's quota drops if ``group`` is added now (with ``also_held`` more of
+        its sampler's groups counted as held): None (room), the group's own uid, or
+        (``order="newest"``) the sampler's oldest buffered group when ``group`` is newer."""
         if self.sampler_capacity is None:
             return None
         held = self._held_locked(str(group.sampler_id))
-        if len(held) < self.sampler_capacity:
+        if len(held) + also_held < self.sampler_capacity:
             return None
+        if not held or also_held >= self.sampler_capacity:
+            # all its room awaits verdicts: nothing buffered to displace, or as many awaiting as
+            # it may hold (so what awaits a verdict stays bounded under order=newest too)
+            return group.group_uid
         oldest = min(held, key=lambda g: g.policy_version)  # the first arrival among equals
         if self.order == "newest" and group.policy_version > oldest.policy_version:
             return oldest.group_uid

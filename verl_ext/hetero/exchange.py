@@ -29,7 +29,11 @@ from verl_ext.hetero.protocol import EXPECTED_TOPIC, ROLLOUT_TOPIC, Announcement
 from verl_ext.hetero.records import RecordRejected, RolloutGroup, validate_group
 from verl_ext.hetero.transport import CorruptMessage, MessageInfo, Transport, check_name
 
-__all__ = ["ROLLOUT_TOPIC", "RolloutInbox", "send_group"]
+__all__ = ["DEFERRED", "ROLLOUT_TOPIC", "RolloutInbox", "send_group"]
+
+DEFERRED = "deferred"
+"""What a deferring gate's :meth:`GroupGate.admit` returns for a group whose checks run elsewhere:
+the verdict comes later, through :meth:`DeferringGate.settled`."""
 
 
 def send_group(
@@ -67,6 +71,25 @@ class GroupGate(Protocol):
         but a copy of it under another uid is still a replay."""
 
 
+class DeferringGate(GroupGate, Protocol):
+    """A gate whose checks run elsewhere (:class:`~recipe.gepo.embedded.checker.OffloadedChecks`):
+    :meth:`admit` may return :data:`DEFERRED`; the group then awaits its verdict out of the buffer,
+    counted against its sampler's quota, and the inbox adds or refuses it when :meth:`settled`
+    hands the verdict over."""
+
+    def settled(self) -> list[tuple[RolloutGroup, bool | RecordRejected]]:
+        """Verdicts that came back: ``(group, vouched)`` or ``(group, the refusal)``."""
+
+    def awaiting(self, sampler_id: str) -> int:
+        """Groups of ``sampler_id`` awaiting their verdict."""
+
+    def awaits(self, uid: str) -> bool:
+        """Whether the group ``uid`` awaits its verdict (the inbox does not read it again meanwhile)."""
+
+    def flush(self) -> None:
+        """Send the checks admitted since the last call (the inbox calls it after each read)."""
+
+
 class RolloutInbox:
     """Reads rollout messages into a buffer (see module docstring).
 
@@ -84,7 +107,9 @@ class RolloutInbox:
     With ``enrolment`` (:class:`~verl_ext.hetero.auth.Enrolment`) only records signed by an
     enrolled, unrevoked sampler, and naming that sampler, are decoded and handed over; without
     it a signed record is read without checking its signature. With ``gate``, a decoded group
-    also passes :meth:`GroupGate.admit` first (refusals counted by the buffer under their reason).
+    also passes :meth:`GroupGate.admit` first (refusals counted by the buffer under their reason);
+    a :class:`DeferringGate`'s verdicts are taken at the start of each :meth:`poll` (or by
+    :meth:`settle`), and its groups awaiting one count against their sampler's quota.
     """
 
     def __init__(
@@ -99,6 +124,7 @@ class RolloutInbox:
         self.transport, self.buffer, self.topic = transport, buffer, check_name("topic", topic)
         self.announcements = announcements
         self.enrolment, self.gate = enrolment, gate
+        self.deferring = callable(getattr(gate, "settled", None))  # a DeferringGate
         self.stats: Counter[str] = Counter()
         # (key, sha256) handled this session whose uid the ledger has not settled (refused or
         # unreadable): a settled uid is skipped by its status, so its entry is dropped and the set
@@ -132,16 +158,35 @@ class RolloutInbox:
         self.buffer.sync_expected(current)
         return len(current)
 
+    def settle(self) -> int:
+        """A deferring gate's verdicts that came back: each group added to the buffer or refused
+        there (as :meth:`poll` does with an immediate verdict); returns how many were accepted."""
+        accepted = 0
+        for group, verdict in self.gate.settled() if self.deferring else ():
+            if isinstance(verdict, RecordRejected):
+                self.stats["refused"] += 1
+                self.buffer.reject(verdict)
+                continue
+            # validated on arrival (versions only grow since: still not from the future)
+            if self.buffer.add(group, validated=True):
+                accepted += 1
+                self.gate.accepted(group, verdict)
+        return accepted
+
     def poll(self, max_groups: int | None = None) -> int:
         """Hand new messages to the buffer (at most ``max_groups`` new messages read); returns how
-        many the buffer accepted. Bad messages are counted and skipped, never raised. One listing
-        and one read per call, however many groups arrived."""
+        many the buffer accepted (a deferring gate's verdicts that came back included). Bad
+        messages are counted and skipped, never raised. One listing and one read per call,
+        however many groups arrived."""
+        accepted = self.settle()
         fresh = []
         # one listing with checksums: messages already handled cost no further round trip
         for info in self.transport.infos(self.topic):
             key = info.key
             if max_groups is not None and len(fresh) >= max_groups:
                 break
+            if self.deferring and self.gate.awaits(key):
+                continue  # read again (if re-sent) once its verdict is in
             status = self.buffer.ledger.status.get(key)
             if status is not None and not status.startswith(REJECTED):
                 self._processed.discard((key, info.sha256))
@@ -150,7 +195,6 @@ class RolloutInbox:
                 continue
             self._processed.add((key, info.sha256))
             fresh.append(key)
-        accepted = 0
         # and one read for all new messages
         for key, data in self.transport.get_many(self.topic, fresh).items():
             if isinstance(data, KeyError):
@@ -192,23 +236,29 @@ class RolloutInbox:
                 try:
                     # malformed first, with its named reason; only a well-formed group meets the gate
                     validate_group(group, self.buffer.spec, learner_version=self.buffer.learner_version)
-                    if not self.buffer.would_keep(group):
+                    awaiting = self.gate.awaiting(str(group.sampler_id)) if self.deferring else 0
+                    if not self.buffer.would_keep(group, also_held=awaiting):
                         # its sampler's quota is full: dropped on arrival, no check paid for it (a
                         # flooding sampler costs a count); a kept group stays kept until the
                         # buffer.add below, so every group that enters was checked
                         self.buffer.add(group, validated=True, drop="over_quota")
                         self.gate.passed_over(group)
                         continue
-                    vouched = bool(self.gate.admit(group))
+                    verdict = self.gate.admit(group)
                 except RecordRejected as err:
                     self.stats["refused"] += 1
                     self.buffer.reject(err)
                     continue
+                if verdict is DEFERRED:
+                    continue  # out of the buffer until settle() has its verdict
+                vouched = bool(verdict)
             # validated just above when there is a gate: the buffer does not validate it again
             if self.buffer.add(group, validated=self.gate is not None):
                 accepted += 1
                 if self.gate is not None:
                     self.gate.accepted(group, vouched)
+        if self.deferring:
+            self.gate.flush()
         return accepted
 
     def acknowledge(self, buffer_state: dict) -> int:

@@ -5,7 +5,8 @@
 One step (``LearnerWorker.step`` = :meth:`~.driver.LearnerRuntime.step`):
 :meth:`TransportSource.next_batch` takes whole groups within the staleness bound from the
 ``RolloutBuffer`` (a poller thread moves arriving groups into it from the transport, through
-the :class:`~.verify.TrustGate`), :meth:`~.learner.Learner.train_step` updates the model
+the :class:`~.verify.TrustGate`, whose checks run in a checker process at idle priority:
+:mod:`.checker`), :meth:`~.learner.Learner.train_step` updates the model
 (``verl_ext.loss_bridge.compute_actor_loss``, then AdamW), and :meth:`TransportSource.publish`
 writes the new version to the ``WeightStore`` the samplers (:mod:`.sampler`) read. Under
 ``hetero.stale_policy=wait`` the buffer does not step past the version that would make an
@@ -22,6 +23,7 @@ import ray
 
 from ..sections import HeteroConfig
 from .async_shared import pin_worker, weight_store
+from .checker import OffloadedChecks, launch_checker
 from .driver import LearnerRuntime
 from .engine import Batch, EngineConfig
 from .verify import TrustGate
@@ -58,20 +60,31 @@ class TransportSource:
     through a ``WeightStore``; the learner's status is published after every step.
 
     Groups pass the :class:`~recipe.gepo.embedded.verify.TrustGate` on their way into the buffer
-    (``hetero.trust``: signatures, checks, trust, quarantine, the divergence bound)."""
+    (``hetero.trust``: signatures, checks, trust, quarantine, the divergence bound); with
+    ``hetero.trust.check_process`` its checks run in a :class:`~.checker.TrustChecker` process
+    (:class:`~.checker.OffloadedChecks`), else in the poll thread."""
 
     def __init__(self, runtime: LearnerRuntime, spec: TransportSpec):
         hetero = runtime.engine.hetero
         self.hetero, self.buffer = hetero, runtime.buffer
         self.transport = spec.open()
-        self.gate = TrustGate(runtime.engine, runtime.model_path, runtime.task, runtime.buffer)
+        offload = hetero.trust.check_process
+        self.gate = TrustGate(
+            runtime.engine, runtime.model_path, runtime.task, runtime.buffer, local_checks=not offload
+        )
+        self.checks: Optional[OffloadedChecks] = None
+        if offload and self.gate.checking:
+            engine, model_path = runtime.engine, runtime.model_path
+            self.checks = OffloadedChecks(
+                self.gate, lambda: launch_checker(engine, model_path), keep_versions=hetero.max_delay + 1
+            )
         announcements = self.transport if hetero.stale_policy == "wait" else None
         self.inbox = RolloutInbox(
             rollout_inbox_transport(hetero, self.transport),
             self.buffer,
             announcements=announcements,
             enrolment=self.gate.enrolment,
-            gate=self.gate,
+            gate=self.checks or self.gate,
         )
         self.weights = weight_store(hetero, self.transport, pipelined=True)
         self._stop = threading.Event()
@@ -114,6 +127,11 @@ class TransportSource:
                 interval = self.POLL_HUNGRY_S
             else:
                 interval = min(2 * interval, self.POLL_IDLE_MAX_S)
+            if self.checks is not None and self.checks.outstanding():
+                # checks are out: a verdict wakes the poller (the next poll settles it); a hungry
+                # learner's poller lists every POLL_HUNGRY_S as below
+                self.checks.wait(self.POLL_HUNGRY_S if self._hungry.is_set() else interval)
+                continue
             # next_batch sets _hungry: a learner starting to wait wakes the poller at once
             if not self._hungry.wait(timeout=interval):
                 continue
@@ -128,10 +146,12 @@ class TransportSource:
             self._hungry.clear()
         metrics = self.inbox.metrics()
         metrics.update(self.gate.metrics())
+        if self.checks is not None:
+            metrics.update(self.checks.metrics())
         return Batch(groups, wait_s=time.perf_counter() - t0, metrics=metrics)
 
     def publish(self, weights, version: int) -> None:
-        self.gate.remember(version, self.weights.publish(version, weights))
+        (self.checks or self.gate).remember(version, self.weights.publish(version, weights))
         if self.hetero.max_queued_groups > 0:
             publish_status(
                 self.transport, LearnerStatus(version=int(version), queue_depth=len(self.buffer)), wait=False
@@ -158,6 +178,8 @@ class TransportSource:
         request_stop(self.transport)
         if self._poller.is_alive():
             self._poller.join(timeout=5)
+        if self.checks is not None:
+            self.checks.close()
 
 
 class LearnerWorker(LearnerRuntime):

@@ -53,6 +53,16 @@ most) and checks the group against them. A group whose check is due and whose ve
 the learner does not hold (they did not come in time, or are from before a resume) is refused as
 ``unverifiable_version``, without blame: an honest sampler's group can be in that place too (one
 already past the staleness bound is left to the buffer, which drops it unused).
+
+Where the checks run: :meth:`TrustGate.admit` is the gate in one call (the books, then the
+verifier's checks in the calling thread, then the verdict); tests and ``bench_trust detection``
+use it so. An async run's learner splits it (``hetero.trust.check_process``, the default):
+:meth:`TrustGate.begin` (refusals, the draw, replays: cheap, in the learner's poll thread), the
+checks in a checker process at idle priority (:mod:`.checker`: a :class:`GroupVerifier` of its
+own), and :meth:`TrustGate.finish` (the ledger, the CUSUM, quarantine) when the verdict is back.
+A group awaiting its verdict is out of the buffer and counts against its sampler's quota, so the
+rules above hold unchanged; one difference in timing: a copy of a group still awaiting its verdict
+is refused as ``replayed`` at once (in the one-call gate the first copy has its verdict by then).
 """
 
 from __future__ import annotations
@@ -62,7 +72,7 @@ import os
 import threading
 import time
 from collections import Counter, OrderedDict
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
 import numpy as np
@@ -96,6 +106,88 @@ GROUP_LOCAL_ESTIMATORS = ("grpo",)
 
 REWARD_TOLERANCE = 1e-6
 ADVANTAGE_TOLERANCE = 1e-4  # float32 arithmetic of the same estimator in another process
+
+
+def bounds_precision_of(scorer_precision: str, precision: str) -> str:
+    """Whose bounds a sampler declaring ``precision`` gets: its own, or bf16's when the scorer
+    runs in bf16 (``hetero.sampler_precision=bf16``: the re-score has bf16's spread itself)."""
+    return "bf16" if scorer_precision == "bf16" else precision
+
+
+def tolerance_of(scorer_precision: str, precision: str, logprob_tolerance: float) -> Tolerance:
+    """The bounds for a sampler declaring ``precision`` (a known one): the table's for
+    :func:`bounds_precision_of`, with ``logprob_tolerance`` as fp32's bound on one token."""
+    precision = bounds_precision_of(scorer_precision, precision)
+    tolerance = TOLERANCES[precision]
+    return replace(tolerance, token_max=float(logprob_tolerance)) if precision == "fp32" else tolerance
+
+
+@dataclass
+class CheckResult:
+    """What :meth:`GroupVerifier.run` found for one group, wherever it ran (the learner's thread,
+    or a checker process: :mod:`.checker`); :meth:`TrustGate.finish` turns it into a verdict.
+
+    ``rewards_failure`` / ``logprobs_failure``: ``(reason, detail)`` or None (passed, or not
+    asked); ``mismatch``: the re-scored group's :class:`Mismatch` (None when not re-scored);
+    ``held``: the claimed version's weights were at hand (False: not re-scored, and the gate
+    decides: left to the buffer when stale, else refused); ``cpu_s``: the checks' CPU seconds
+    (thread time, in ``pid``); ``tokens``: the token check's counts for this group;
+    ``scorer_precision``: the re-scoring model's precision (whose bounds apply)."""
+
+    rewards_failure: Optional[tuple[str, str]] = None
+    logprobs_failure: Optional[tuple[str, str]] = None
+    mismatch: Optional[Mismatch] = None
+    held: bool = True
+    cpu_s: float = 0.0
+    tokens: dict[str, int] = field(default_factory=dict)
+    pid: int = 0
+    scorer_precision: str = "fp32"
+
+
+class KeptVersions:
+    """The weights of the newest ``keep`` published versions, by version: the weight store's
+    message (:meth:`WeightStore.publish` returns it; no copy), or whatever stands for it (the
+    learner's handle to it in Ray's object store, :mod:`.checker`). Thread-safe: the learner's
+    thread remembers, the gate's thread asks."""
+
+    def __init__(self, keep: int):
+        self.keep = int(keep)
+        self.versions: OrderedDict[int, Any] = OrderedDict()
+        self.newest: Optional[int] = None  # the newest version remembered
+        self._remembered = threading.Condition(threading.Lock())
+
+    def remember(self, version: int, weights: Any) -> None:
+        with self._remembered:
+            self.versions[int(version)] = weights
+            self.newest = int(version) if self.newest is None else max(self.newest, int(version))
+            while len(self.versions) > self.keep:
+                self.versions.popitem(last=False)
+            self._remembered.notify_all()
+
+    def get(self, version: int) -> Any:
+        """The version's weights, or None when not held."""
+        with self._remembered:
+            return self.versions.get(int(version))
+
+    def holds(self, version: int) -> bool:
+        with self._remembered:
+            return int(version) in self.versions
+
+    def may_come(self, version: int) -> bool:
+        """Not held, and not older than the newest held: the learner may still publish it (a
+        version older than the newest will not come: pruned, or from before a resume)."""
+        version = int(version)
+        with self._remembered:
+            return version not in self.versions and (self.newest is None or self.newest < version)
+
+    def wait_for(self, version: int, timeout_s: float) -> bool:
+        """Whether ``version`` is held, waiting up to ``timeout_s`` for it while it may still come."""
+        version = int(version)
+        with self._remembered:
+            self._remembered.wait_for(
+                lambda: version in self.versions or (self.newest or -1) > version, timeout=timeout_s
+            )
+            return version in self.versions
 
 
 @torch.no_grad()
@@ -185,36 +277,42 @@ class GroupVerifier:
         estimator = getattr(estimator, "value", estimator)
         self.check_advantages = estimator in GROUP_LOCAL_ESTIMATORS
         self.check_advantage_shape = estimator == "bnpo"  # batch-dependent: up to its scale
-        self._versions: OrderedDict[int, bytes] = OrderedDict()  # version -> the weight store's message
-        self._newest: Optional[int] = None  # the newest version remembered
+        self.kept = KeptVersions(self.keep_versions)  # version -> the weight store's message
         self._loaded: Optional[int] = None
-        self._lock = threading.Lock()
-        self._remembered = threading.Condition(self._lock)
+        self._lock = threading.Lock()  # the scorer: one re-score at a time
 
     def remember(self, version: int, message: bytes) -> None:
         """Keep a published version's message (:meth:`WeightStore.publish` returns it; no copy)."""
-        with self._lock:
-            self._versions[int(version)] = message
-            self._newest = int(version) if self._newest is None else max(self._newest, int(version))
-            while len(self._versions) > self.keep_versions:
-                self._versions.popitem(last=False)
-            self._remembered.notify_all()
+        self.kept.remember(version, message)
 
     def holds(self, version: int) -> bool:
-        with self._lock:
-            return int(version) in self._versions
+        return self.kept.holds(version)
 
     def wait_for(self, version: int, timeout_s: float) -> bool:
         """Whether ``version`` is held, waiting up to ``timeout_s`` for it while it may still come:
         the learner lets the buffer accept version v before :meth:`remember` has v (it publishes
         v's weights in between), so a group claiming v can arrive first. A version older than the
         newest held is not waited for (it will not come: pruned, or before a resume)."""
-        version = int(version)
-        with self._remembered:
-            self._remembered.wait_for(
-                lambda: version in self._versions or (self._newest or -1) > version, timeout=timeout_s
-            )
-            return version in self._versions
+        return self.kept.wait_for(version, timeout_s)
+
+    def run(self, group: RolloutGroup, rewards: bool, logprobs: bool, lost: bool = False) -> CheckResult:
+        """The checks due for one group, timed in CPU seconds of the calling thread: its rewards
+        (``rewards`` and ``check_rewards``), and, when ``logprobs``, its q under the claimed
+        version (skipped after a failed rewards check unless ``lost``: a lost version's group is
+        judged by its re-score). ``held`` is False when the version is not held here."""
+        t0 = time.thread_time()
+        tokens_before = Counter(self.token_counts)
+        result = CheckResult(pid=os.getpid(), scorer_precision=self.scorer_precision)
+        if rewards and self.check_rewards:
+            result.rewards_failure = self.check_group_rewards(group)
+        if logprobs and (lost or result.rewards_failure is None):
+            result.logprobs_failure, result.mismatch = self.measure_logprobs(group)
+            # (None, None) only when the version is not held: every re-score yields its mismatch
+            # or a failure
+            result.held = result.logprobs_failure is not None or result.mismatch is not None
+        result.tokens = dict(self.token_counts - tokens_before)
+        result.cpu_s = time.thread_time() - t0
+        return result
 
     # ---------------------------------------------------------------- checks
     def check(self, group: RolloutGroup, logprobs: bool) -> Optional[tuple[str, str]]:
@@ -287,7 +385,7 @@ class GroupVerifier:
     def _load(self, version: int) -> bool:
         """The scorer holds ``version``'s weights (decoded from its message when it did not); False
         when the version is not held. Call with the lock held."""
-        message = self._versions.get(version)
+        message = self.kept.get(version)
         if message is None:
             return False
         if self._loaded != version:
@@ -297,16 +395,12 @@ class GroupVerifier:
         return True
 
     def bounds_precision(self, precision: str) -> str:
-        """Whose bounds a sampler declaring ``precision`` gets: its own, or bf16's when the scorer
-        runs in bf16 (``hetero.sampler_precision=bf16``: the re-score has bf16's spread itself)."""
-        return "bf16" if self.scorer_precision == "bf16" else precision
+        """:func:`bounds_precision_of` this verifier's scorer."""
+        return bounds_precision_of(self.scorer_precision, precision)
 
     def tolerance(self, precision: str) -> Tolerance:
-        """The bounds for a sampler declaring ``precision`` (a known one): the table's for
-        :meth:`bounds_precision`, with ``logprob_tolerance`` as fp32's bound on one token."""
-        precision = self.bounds_precision(precision)
-        tolerance = TOLERANCES[precision]
-        return replace(tolerance, token_max=self.logprob_tolerance) if precision == "fp32" else tolerance
+        """:func:`tolerance_of` this verifier's scorer and ``logprob_tolerance``."""
+        return tolerance_of(self.scorer_precision, precision, self.logprob_tolerance)
 
     def measure_logprobs(self, group: RolloutGroup) -> tuple[Optional[tuple[str, str]], Optional[Mismatch]]:
         """(failure or None, the group's :class:`Mismatch`): q re-scored under the claimed version
@@ -381,13 +475,42 @@ def content_digest(group: RolloutGroup) -> str:
     return h.hexdigest()
 
 
+@dataclass
+class Admission:
+    """A group between :meth:`TrustGate.begin` and :meth:`TrustGate.finish`: what the gate decided
+    before any check. ``rescore``: its q is re-scored (probation or the fraction's draw); ``lost``:
+    it claims a version lost in a learner crash (re-scored whatever ``rescore`` says); ``replayed``:
+    its content was seen before (only a lost version's group gets this far so: the re-score
+    decides which refusal it gets); ``checks``: any check is configured (the rewards' included)."""
+
+    group: RolloutGroup
+    digest: str
+    rescore: bool
+    lost: bool
+    replayed: bool
+    checks: bool
+
+    @property
+    def version(self) -> int:
+        return int(self.group.policy_version)
+
+    @property
+    def wants_weights(self) -> bool:
+        """Its claimed version's weights are needed (a re-score is due)."""
+        return self.rescore or self.lost
+
+
 class TrustGate:
     """``hetero.trust`` on the learner: every decoded, well-formed group passes :meth:`admit`
     before it may enter the buffer (see the module docstring).
 
-    Threads: the inbox's poller calls :meth:`admit` / :meth:`accepted`, the learner's thread
-    :meth:`trained` / :meth:`remember` / :meth:`metrics`, Ray's control thread :meth:`enrol`;
-    the books are behind one lock, the re-scoring runs outside it.
+    Threads: the inbox's poller calls :meth:`admit` (or :meth:`begin` and :meth:`finish`) /
+    :meth:`accepted`, the learner's thread :meth:`trained` / :meth:`remember` / :meth:`metrics`,
+    Ray's control thread :meth:`enrol`; the books are behind one lock, the re-scoring runs outside it.
+
+    ``local_checks``: build the :class:`GroupVerifier` here (a second model copy) for
+    :meth:`admit`; False when the checks run elsewhere (:mod:`.checker`) and only
+    :meth:`begin` / :meth:`finish` are used.
     """
 
     VERSION_WAIT_S = 30.0
@@ -395,7 +518,7 @@ class TrustGate:
     learner publishes them between the two): the time one weight publication takes, with room.
     Only a group claiming the newest version waits, and only in that gap."""
 
-    def __init__(self, engine: Any, model_path: str, task: Task, buffer: RolloutBuffer):
+    def __init__(self, engine: Any, model_path: str, task: Task, buffer: RolloutBuffer, local_checks: bool = True):
         hetero, trust = engine.hetero, engine.hetero.trust
         self.config, self.buffer = trust, buffer
         self.enrolment = Enrolment() if trust.sign_records else None
@@ -407,11 +530,17 @@ class TrustGate:
         self._contents: dict[str, str] = {}
         self.passed_over_counts: Counter[str] = Counter()  # sampler -> groups dropped unchecked over its quota
         self.lost_versions: set[int] = set()  # version numbers a crashed learner published past its checkpoint
-        self.check_cpu_s = 0.0  # CPU seconds of the verifier's checks: the cost of hetero.trust in the learner
+        self.check_cpu_s = 0.0  # CPU seconds of the verifier's checks, wherever they ran
+        self.learner_check_cpu_s = 0.0  # ... of those, in this process (the learner's, in a run)
+        self.token_counts: Counter[str] = Counter()  # the token check's counts, all checked groups
         self.version_wait_s = self.VERSION_WAIT_S
         self.cusum = MismatchCusum()  # per sampler: small lies in q, summed over its checked groups
+        self.checking = trust.verify_fraction > 0 or trust.check_rewards  # any check at all
+        self.rescoring = trust.verify_fraction > 0
+        # digest -> whether a copy arrived: groups between begin and finish (awaiting their verdict)
+        self._awaiting: dict[str, bool] = {}
         self.verifier: Optional[GroupVerifier] = None
-        if trust.verify_fraction > 0 or trust.check_rewards:
+        if self.checking and local_checks:
             self.verifier = GroupVerifier(
                 model_path,
                 task,
@@ -452,21 +581,42 @@ class TrustGate:
 
     def remember(self, version: int, message: bytes) -> None:
         """A published version's message (the weight store's), for re-scoring groups that claim it."""
-        if self.verifier is not None and self.config.verify_fraction > 0:
+        if self.verifier is not None and self.rescoring:
             self.verifier.remember(version, message)
 
     def admit(self, group: RolloutGroup) -> bool:
         """Refuse (:class:`RecordRejected`, reason named) or let ``group`` through: True when a
         passed re-score vouched for it. Nothing of the group is remembered here: the caller hands
         the verdict to :meth:`accepted` once the buffer has taken the group (a group the buffer
-        refuses leaves no trace, and its uid may be re-sent and judged afresh)."""
+        refuses leaves no trace, and its uid may be re-sent and judged afresh).
+
+        The gate in one call: :meth:`begin`, the checks in this thread (waiting for a version the
+        buffer already accepts, :attr:`version_wait_s` at most), :meth:`finish`."""
+        if self.checking and self.verifier is None:
+            raise RuntimeError("this gate's checks run elsewhere (local_checks=False): use begin() and finish()")
+        admission = self.begin(group)
+        result = CheckResult(held=False)
+        if self.verifier is not None:
+            if admission.wants_weights:
+                # the buffer takes version v before the learner hands v's weights here: wait for them
+                self.verifier.wait_for(admission.version, self.version_wait_s)
+            result = self.verifier.run(
+                group, rewards=admission.checks, logprobs=admission.wants_weights, lost=admission.lost
+            )
+        return self.finish(admission, result)
+
+    def begin(self, group: RolloutGroup) -> Admission:
+        """The gate's part before any check (cheap: the books only): refuse a quarantined or
+        divergent sampler, an unknown precision, a missing seed, or a replay (without blame);
+        draw whether q is re-scored. Returns what the checks must do for :meth:`finish`."""
         sampler, uid = str(group.sampler_id), group.group_uid
+        version = int(group.policy_version)
         with self._lock:
             refusal = self.ledger.refusal(sampler)
             if refusal is not None:
                 self.ledger.refused(refusal)
                 raise RecordRejected("sampler_id", refusal, f"sampler is {refusal}", sampler_id=sampler, group_uid=uid)
-            if self.verifier is not None and self.config.verify_fraction > 0:
+            if self.checking and self.rescoring:
                 # the tolerance of a re-score depends on it: refused on every group, checked or not
                 unknown = precision_refusal(group.sampler_precision)
                 if unknown is not None:
@@ -488,106 +638,150 @@ class TrustGate:
                         sampler_id=sampler,
                         group_uid=uid,
                     )
-            rescore = self.ledger.should_check(sampler) and self.config.verify_fraction > 0
+            rescore = self.ledger.should_check(sampler) and self.rescoring
             digest = content_digest(group)
-            replayed = digest in self._contents
-            if replayed and self._contents[digest]:
-                # the same tokens twice: one of the two copied, and which cannot be told (the first
-                # to arrive may be the copy). The credit the first earned by its check is withdrawn,
-                # so a copier that front-runs an honest sampler gains no trust by it; no blame
-                self.ledger.withdraw_credit(self._contents[digest])
-                self._contents[digest] = ""
-        failure = None
-        version = int(group.policy_version)
-        if self.verifier is not None and (rescore or version in self.lost_versions):
-            # the buffer takes version v before the learner hands v's weights here: wait for them
-            self.verifier.wait_for(version, self.version_wait_s)
-        if version in self.lost_versions and self.verifier is not None:
-            # made with the crashed learner's weights of that number, or with ours? Only a re-score
-            # tells; a version we do not hold yet (or any more) cannot be told, so it is refused too
-            lost = (
-                self.verifier.check_logprobs(group)
-                if self.verifier.holds(group.policy_version)
-                else ("lost_version", "the learner does not hold its own weights of that number to tell")
-            )
-            if lost is not None:  # not a lie either way: refused without blame
-                raise RecordRejected(
-                    "policy_version",
-                    "lost_version",
-                    f"version {group.policy_version} was republished after a learner resume; {lost[1]}",
-                    sampler_id=sampler,
-                    group_uid=uid,
+            if digest in self._awaiting:
+                # a copy of a group still awaiting its verdict: the same tokens twice, as below;
+                # the first earns no credit by its check
+                self._awaiting[digest] = True
+                replayed = True
+            else:
+                replayed = digest in self._contents
+                if replayed and self._contents[digest]:
+                    # the same tokens twice: one of the two copied, and which cannot be told (the
+                    # first to arrive may be the copy). The credit the first earned by its check is
+                    # withdrawn, so a copier that front-runs an honest sampler gains no trust by it;
+                    # no blame
+                    self.ledger.withdraw_credit(self._contents[digest])
+                    self._contents[digest] = ""
+            lost = self.checking and version in self.lost_versions
+            if replayed and not lost:
+                raise self._replayed(group)
+            if not replayed:
+                self._awaiting[digest] = False
+        return Admission(group, digest, rescore=rescore, lost=lost, replayed=replayed, checks=self.checking)
+
+    @staticmethod
+    def _replayed(group: RolloutGroup) -> RecordRejected:
+        # Old content under a new uid: refused, but without blame. Two honest samplers (or one,
+        # twice) can draw the very same responses at the same version -- a confident model on
+        # a short answer does -- and their log-probs are then identical too, so a coincidence
+        # looks exactly like a replay; the refusal alone takes away all a replay could gain.
+        return RecordRejected(
+            "record",
+            "replayed",
+            "this group's content (its prompt and its responses' tokens, in any order) was received before",
+            sampler_id=str(group.sampler_id),
+            group_uid=group.group_uid,
+        )
+
+    def finish(self, admission: Admission, result: CheckResult) -> bool:
+        """The verdict on a begun group from its checks' ``result`` (:meth:`GroupVerifier.run`,
+        here or in a checker process): refuse it (:class:`RecordRejected`) or return whether a
+        passed re-score vouched for it, as :meth:`admit` does. A sampler quarantined while the
+        group awaited its verdict has it refused too."""
+        group = admission.group
+        sampler, uid, version = str(group.sampler_id), group.group_uid, admission.version
+        credited = False
+        try:
+            with self._lock:
+                self.check_cpu_s += result.cpu_s
+                if result.pid == os.getpid():
+                    self.learner_check_cpu_s += result.cpu_s
+                self.token_counts.update(result.tokens)
+                refusal = self.ledger.refusal(sampler)
+                if refusal is not None:  # quarantined (or divergent) while this group was checked
+                    self.ledger.refused(refusal)
+                    raise RecordRejected(
+                        "sampler_id", refusal, f"sampler is {refusal}", sampler_id=sampler, group_uid=uid
+                    )
+            if admission.lost:
+                # made with the crashed learner's weights of that number, or with ours? Only a
+                # re-score tells; a version we do not hold yet (or any more) cannot be told, so it
+                # is refused too
+                lost = (
+                    result.logprobs_failure
+                    if result.held
+                    else ("lost_version", "the learner does not hold its own weights of that number to tell")
                 )
-        if replayed:
-            # Old content under a new uid: refused, but without blame. Two honest samplers (or one,
-            # twice) can draw the very same responses at the same version -- a confident model on
-            # a short answer does -- and their log-probs are then identical too, so a coincidence
-            # looks exactly like a replay; the refusal alone takes away all a replay could gain.
-            raise RecordRejected(
-                "record",
-                "replayed",
-                "this group's content (its prompt and its responses' tokens, in any order) was received before",
-                sampler_id=sampler,
-                group_uid=uid,
-            )
-        if self.verifier is not None:
-            if (
-                rescore
-                and not self.verifier.holds(version)
-                and is_stale(self.buffer.learner_version, version, self.buffer.max_delay)
-            ):
-                rescore = False  # past the bound: the buffer drops it on arrival, no one trains on it
-            if rescore and not self.verifier.holds(version):
-                # a check is due and cannot be made (the weights did not come in time, or are gone:
-                # a version from before a resume): never admitted unchecked in its place; refused
-                # without blame, since an honest sampler's group can be in that place too
-                raise RecordRejected(
-                    "policy_version",
-                    "unverifiable_version",
-                    f"a check is due and the learner does "
-                    f"not hold version {version}'s weights (waited {self.version_wait_s:g} s)",
-                    sampler_id=sampler,
-                    group_uid=uid,
+                if lost is not None:  # not a lie either way: refused without blame
+                    raise RecordRejected(
+                        "policy_version",
+                        "lost_version",
+                        f"version {group.policy_version} was republished after a learner resume; {lost[1]}",
+                        sampler_id=sampler,
+                        group_uid=uid,
+                    )
+            if admission.replayed:
+                raise self._replayed(group)
+            rescore, failure, mismatch = admission.rescore, None, None
+            if self.checking:
+                if (
+                    rescore
+                    and not result.held
+                    and is_stale(self.buffer.learner_version, version, self.buffer.max_delay)
+                ):
+                    rescore = False  # past the bound: the buffer drops it on arrival, no one trains on it
+                if rescore and not result.held:
+                    # a check is due and cannot be made (the weights did not come in time, or are
+                    # gone: a version from before a resume): never admitted unchecked in its place;
+                    # refused without blame, since an honest sampler's group can be in that place too
+                    raise RecordRejected(
+                        "policy_version",
+                        "unverifiable_version",
+                        f"a check is due and the learner does "
+                        f"not hold version {version}'s weights (waited {self.version_wait_s:g} s)",
+                        sampler_id=sampler,
+                        group_uid=uid,
+                    )
+                failure = result.rewards_failure
+                if failure is None and rescore:
+                    failure, mismatch = result.logprobs_failure, result.mismatch
+            with self._lock:
+                if failure is None and mismatch is not None:
+                    precision = str(group.sampler_precision)
+                    repeated = self.cusum.add(
+                        sampler,
+                        mismatch,
+                        tolerance_of(result.scorer_precision, precision, self.config.logprob_tolerance),
+                        bounds_precision_of(result.scorer_precision, precision),
+                    )
+                    if repeated is not None:
+                        failure = ("bad_logprobs", repeated)
+                if failure is None:
+                    if rescore:
+                        self.ledger.record(sampler, uid, passed=True)
+                        credited = True
+                    return rescore
+                reason, detail = failure
+                # a quarantine drops the sampler's unchecked groups still buffered (the buffer's lock
+                # inside the gate's: the buffer never calls the gate); only those count as purged
+                self.ledger.record(
+                    sampler,
+                    uid,
+                    passed=False,
+                    reason=reason,
+                    detail=detail,
+                    drop=lambda uids: self.buffer.purge(uids, "quarantined"),
                 )
-            t0 = time.thread_time()  # CPU time: what the learner pays, whatever else shares its cores
-            # outside the lock: the slow part
-            failure = self.verifier.check_group_rewards(group) if self.verifier.check_rewards else None
-            mismatch = None
-            if failure is None and rescore:
-                failure, mismatch = self.verifier.measure_logprobs(group)
-            self.check_cpu_s += time.thread_time() - t0
-        else:
-            rescore, mismatch = False, None
-        with self._lock:
-            if failure is None and mismatch is not None:
-                precision = str(group.sampler_precision)
-                repeated = self.cusum.add(
-                    sampler, mismatch, self.verifier.tolerance(precision), self.verifier.bounds_precision(precision)
-                )
-                if repeated is not None:
-                    failure = ("bad_logprobs", repeated)
-            if failure is None:
-                if rescore:
-                    self.ledger.record(sampler, uid, passed=True)
-                return rescore
-            reason, detail = failure
-            # a quarantine drops the sampler's unchecked groups still buffered (the buffer's lock
-            # inside the gate's: the buffer never calls the gate); only those count as purged
-            self.ledger.record(
-                sampler,
-                uid,
-                passed=False,
-                reason=reason,
-                detail=detail,
-                drop=lambda uids: self.buffer.purge(uids, "quarantined"),
-            )
-        raise RecordRejected("record", reason, detail, sampler_id=sampler, group_uid=uid)
+            raise RecordRejected("record", reason, detail, sampler_id=sampler, group_uid=uid)
+        finally:
+            if not admission.replayed:
+                with self._lock:
+                    if self._awaiting.pop(admission.digest, False):
+                        # a copy arrived while this group awaited its verdict (and was refused as
+                        # replayed): what its check earned is withdrawn, its content is known
+                        if credited:
+                            self.ledger.withdraw_credit(sampler)
+                        self._contents[admission.digest] = ""
 
     def accepted(self, group: RolloutGroup, vouched: bool = False) -> None:
         """``group`` entered the buffer; ``vouched``: :meth:`admit`'s verdict on it (a group no
         check vouched for is purged if its sampler is quarantined before a check passes)."""
         with self._lock:
-            self._contents[content_digest(group)] = str(group.sampler_id) if vouched else ""
+            digest = content_digest(group)
+            # already known: a copy came while it awaited its verdict, and its credit was withdrawn
+            self._contents[digest] = "" if digest in self._contents else (str(group.sampler_id) if vouched else "")
             if not vouched:
                 self.ledger.accepted(str(group.sampler_id), group.group_uid)
 
@@ -612,13 +806,14 @@ class TrustGate:
 
     def metrics(self) -> dict[str, float]:
         """The ledger's ``trust/*``, ``trust/<sampler id>/passed_over`` (its groups dropped unchecked
-        over its quota: who floods) and ``perf/trust_check_cpu_s_total`` (CPU seconds spent checking)."""
+        over its quota: who floods), ``perf/trust_check_cpu_s_total`` (CPU seconds spent checking,
+        wherever) and ``perf/trust_check_learner_cpu_s_total`` (the part in this process)."""
         with self._lock:
             passed = {f"trust/{sampler}/passed_over": float(n) for sampler, n in self.passed_over_counts.items()}
             cusum = {f"trust/{sampler}/mismatch_cusum": value for sampler, value in self.cusum.sums.items()}
             tokens = (
-                {f"trust/{k}": float(v) for k, v in self.verifier.token_counts.items()}
-                if self.verifier is not None and self.verifier.checkable_sampling
+                {f"trust/{k}": float(v) for k, v in self.token_counts.items()}
+                if self.rescoring and self.config.checkable_sampling
                 else {}
             )
             return {
@@ -627,6 +822,7 @@ class TrustGate:
                 **cusum,
                 **tokens,
                 "perf/trust_check_cpu_s_total": self.check_cpu_s,
+                "perf/trust_check_learner_cpu_s_total": self.learner_check_cpu_s,
             }
 
     def state_dict(self) -> dict:

@@ -131,6 +131,8 @@ def test_async_signs_checks_and_rejects_no_honest_group(async_run):
     last = train_lines(lines)[-1]
     assert last["trust/checked"] >= 4 and last["trust/failed"] == 0 and last["trust/quarantined"] == 0
     assert last["perf/trust_check_cpu_s_total"] > 0
+    # hetero.trust.check_process: every check ran in the checker process, none on the learner's cores
+    assert last["perf/trust_check_learner_cpu_s_total"] == 0
     # no group refused, but for the one refusal an honest run can meet: two samplers drawing the
     # very same group at one version (1-digit sums, G=4), refused as a replay without blame
     ckpt_dir = Path(run_dir) / "checkpoints"

@@ -92,7 +92,7 @@ def test_honest_groups_in_that_gap_wait_and_pass_and_a_check_that_cannot_be_made
     # a version older than the newest held, not held (as after a resume): not waited for, refused
     lab.gate.version_wait_s = 30.0
     fresh = Lab(tiny_model_path, tmp_path)
-    fresh.gate.verifier._versions.pop(0)  # the resumed learner holds only the version it resumed at
+    fresh.gate.verifier.kept.versions.pop(0)  # the resumed learner holds only the version it resumed at
     old = fresh.groups("sampler-8", n=1)[0]  # version 0, within the bound
     t0 = time.perf_counter()
     assert fresh.offer(old) == "unverifiable_version"

@@ -1,0 +1,120 @@
+"""The trust checks in their own process (``hetero.trust.check_process``, :mod:`recipe.gepo.embedded.checker`):
+a real :class:`TrustChecker` actor on a local Ray, the learner's gate and buffer behind a real
+:class:`RolloutInbox` on a filesystem transport, groups of the tiny toy model. A lying group is
+still refused and quarantines its sampler, honest groups get in, no group enters the buffer
+before its verdict, groups awaiting one count against their sampler's quota, and the checks ran in
+the checker's process at idle priority, none in the caller's."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import ray
+
+from recipe.gepo.embedded.checker import OffloadedChecks, launch_checker
+from recipe.gepo.embedded.driver import build_buffer
+from recipe.gepo.embedded.verify import TrustGate
+from verl_ext.hetero.exchange import RolloutInbox, send_group
+from verl_ext.hetero.transport import FsspecTransport
+from verl_ext.hetero.weights import serialize_state_dict
+
+from .test_trust_gate import Lab
+
+pytestmark = pytest.mark.slow  # a Ray instance and a checker process with its model: ~15 s on 2 cores
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def _offloaded(lab: Lab, model_path: str, buffer) -> OffloadedChecks:
+    """The learner's side as TransportSource builds it: a gate without a verifier of its own, the
+    checks in a checker actor, versions 0 and 1 published."""
+    gate = TrustGate(lab.engine, model_path, lab.task, buffer, local_checks=False)
+    assert gate.verifier is None  # no model copy here: the checker holds it
+    checks = OffloadedChecks(
+        gate, lambda: launch_checker(lab.engine, model_path), keep_versions=lab.engine.hetero.max_delay + 1
+    )
+    checks.remember(0, serialize_state_dict(lab.model.state_dict(), 0))
+    checks.remember(1, serialize_state_dict(lab.v1.state_dict(), 1))
+    return checks
+
+
+def _drain(inbox: RolloutInbox, checks: OffloadedChecks, timeout_s: float = 120.0) -> None:
+    """Poll as the learner's poll thread does until no verdict is outstanding."""
+    inbox.poll()
+    deadline = time.monotonic() + timeout_s
+    while checks.outstanding():
+        assert time.monotonic() < deadline, "verdicts did not come back"
+        checks.wait(0.5)
+        inbox.poll()
+
+
+def test_lies_are_refused_and_honest_groups_admitted_by_a_checker_process_at_idle_priority(
+    local_ray, tiny_model_path, tmp_path
+):
+    lab = Lab(tiny_model_path, tmp_path / "run")
+    buffer = build_buffer(lab.engine, lab.task)
+    buffer.set_learner_version(1)
+    checks = _offloaded(lab, tiny_model_path, buffer)
+    transport = FsspecTransport(str(tmp_path / "exchange"))
+    inbox = RolloutInbox(transport, buffer, gate=checks)
+
+    honest = lab.groups("sampler-0", n=3)
+    lies = lab.groups("sampler-1", n=3)
+    for group in lies:  # on probation: every group re-scored
+        group.sampler_logprobs = group.sampler_logprobs * 1.5
+    for group in honest + lies:
+        send_group(transport, group)
+    inbox.poll()
+    # read and begun, none in the buffer before its verdict
+    assert checks.outstanding() == 6 and len(buffer) == 0
+    assert checks.awaiting("sampler-0") == 3 and checks.awaiting("sampler-1") == 3
+    _drain(inbox, checks)
+
+    status = buffer.ledger.status
+    assert all(status[g.group_uid] == "buffered" for g in honest)
+    refused = [status[g.group_uid] for g in lies]
+    assert refused[0] == "rejected:bad_logprobs" and set(refused) <= {"rejected:bad_logprobs", "rejected:quarantined"}
+    assert checks.gate.ledger.refusal("sampler-1") == "quarantined"
+    assert checks.gate.ledger.refusal("sampler-0") is None
+    metrics = checks.gate.metrics()
+    assert metrics["trust/checked"] >= 4 and metrics["trust/failed"] >= 1
+
+    # the verdicts came from another process, at idle priority on every core, and no check ran here
+    where = ray.get(checks.checker.describe.remote())
+    assert where["pid"] != os.getpid()
+    assert where["policy"] == os.SCHED_IDLE
+    assert where["cpus"] == sorted(range(os.cpu_count()))
+    assert metrics["perf/trust_check_cpu_s_total"] > 0
+    assert metrics["perf/trust_check_learner_cpu_s_total"] == 0
+    checks.close()
+
+
+def test_groups_awaiting_a_verdict_count_against_their_samplers_quota(local_ray, tiny_model_path, tmp_path):
+    lab = Lab(tiny_model_path, tmp_path / "run", "hetero.max_buffered_per_sampler=2")
+    buffer = build_buffer(lab.engine, lab.task)
+    buffer.set_learner_version(1)
+    checks = _offloaded(lab, tiny_model_path, buffer)
+    transport = FsspecTransport(str(tmp_path / "exchange"))
+    inbox = RolloutInbox(transport, buffer, gate=checks)
+    flood = lab.groups("sampler-2", n=4)
+    for group in flood:
+        send_group(transport, group)
+    inbox.poll()
+    # two await their verdict (the quota), the other two were dropped on arrival, unchecked
+    assert checks.awaiting("sampler-2") == 2 and len(buffer) == 0
+    assert sorted(buffer.ledger.status.get(g.group_uid, "awaiting") for g in flood) == [
+        "awaiting",
+        "awaiting",
+        "dropped:over_quota",
+        "dropped:over_quota",
+    ]
+    _drain(inbox, checks)
+    assert len(buffer) == 2 and checks.gate.metrics()["trust/sampler-2/passed_over"] == 2
+    checks.close()
