@@ -344,9 +344,28 @@ def ray_session(hetero: HeteroConfig) -> Iterator[None]:
         ray.shutdown()
 
 
+def check_placement(hetero: HeteroConfig) -> None:
+    """Refuse (ValueError naming the key) ``hetero.learner_ray_resources`` /
+    ``sampler_ray_resources`` that no live node of the Ray cluster offers in the amounts asked
+    for: Ray would keep such an actor (and, for the learner's, the Ray transport's mailbox) pending
+    forever, waiting for a node that may never join, and the run would hang without a word."""
+    nodes = [node.get("Resources", {}) for node in ray.nodes() if node.get("Alive")]
+    for key in ("learner_ray_resources", "sampler_ray_resources"):
+        wanted = getattr(hetero, key)
+        if not wanted or any(all(offer.get(name, 0) >= amount for name, amount in wanted.items()) for offer in nodes):
+            continue
+        builtin = ("CPU", "GPU", "memory", "object_store_memory")
+        offered = sorted({n for offer in nodes for n in offer if n not in builtin and not n.startswith("node:")})
+        raise ValueError(
+            f"hetero.{key}={wanted}: no node of the Ray cluster offers these resources (custom resources "
+            f"offered: {', '.join(offered) or 'none'}); the actor would wait for such a node forever"
+        )
+
+
 def _run_async(engine: EngineConfig, model_path: str, logger: MetricLogger) -> dict[str, float]:
     runtime = None
     with ray_session(engine.hetero):
+        check_placement(engine.hetero)
         try:
             runtime = RemoteRuntime(engine, model_path, transport_spec(engine.hetero, engine.settings))
             return run_loop(runtime, engine, logger, desc="async")
