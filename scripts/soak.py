@@ -33,8 +33,11 @@ injector is an enrolled sampler (``<run dir>/enrolment.json``), so its bad group
 
 ``--liars``: samplers that lie join the run (``scripts/soak_harness/liars.py``: q scaled, shuffled
 or of another version, a newer version claimed, rewards flipped or inflated, an honest group
-replayed under a new uid -- each from an enrolled identity of its own -- and a forged signature
-and unsigned records from outsiders). The summary adds ``poisoned groups trained on: N`` (lying
+replayed under a new uid, q slightly scaled or at another temperature, tokens drawn from other
+weights or from a truncated distribution with q true to them, a near copy of an honest group, a
+version claimed the moment it is published -- each from an enrolled identity of its own -- and a
+forged signature and unsigned records from outsiders), with an honest bf16 sampler among the fp32
+ones, and ``hetero.trust.checkable_sampling`` on (the token lies need it). The summary adds ``poisoned groups trained on: N`` (lying
 groups that reached an optimizer step; goal 0) and the seconds from each liar's first group to its
 quarantine. ``honest groups rejected: N`` (honest samplers' groups refused by the signature check
 or the trust gate, or purged by a quarantine; goal 0) is printed by every soak.
@@ -94,7 +97,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             return 2
         wan.up()
     try:
-        from soak_harness.run import soak  # imports Ray: after wan.up() set the cluster's auth environment
+        from .soak_harness.run import soak  # imports Ray: after wan.up() set the cluster's auth environment
 
         result = soak(
             args.minutes,

@@ -110,9 +110,11 @@ TRUST_REASONS = (
     "divergent",
     "undeclared_precision",
     "unknown_precision",
+    "token_mismatch",
+    "unseeded",
 )
 """Refusals of the signature check and the trust gate: an honest group refused for one is a false
-alarm. Not ``replayed``: content identical to an accepted group is refused by design and without
+alarm (``unseeded`` too: the soak's honest samplers draw with checkable sampling when it is on). Not ``replayed``: content identical to an accepted group is refused by design and without
 blame, an honest coincidence included (it shows under the run's reasons); nor ``lost_version`` and
 ``unverifiable_version``: groups whose version's weights the learner does not hold (a crashed
 learner's, or from before a resume) cannot be checked, and are refused without blame."""
@@ -126,7 +128,8 @@ def honest_rejected(ledger: dict[str, str]) -> list[str]:
 
 def liar_figures(ledger: dict[str, str], crew: dict[str, Any], run_dir: Path) -> dict[str, Any]:
     """``--liars``: the lying groups that reached an optimizer step (by lie), how each lie's groups
-    ended, and the seconds from each liar's first group to its quarantine (events.jsonl)."""
+    ended, the seconds from each liar's first group to its quarantine (events.jsonl), and how the
+    honest bf16 sampler's groups ended (by status; its refusals count in :func:`honest_rejected`)."""
     lied: dict[str, str] = crew.get("lied", {})
     poisoned = Counter(kind for uid, kind in lied.items() if ledger.get(uid) == "consumed")
     outcomes: dict[str, Counter] = {}
@@ -134,7 +137,10 @@ def liar_figures(ledger: dict[str, str], crew: dict[str, Any], run_dir: Path) ->
         outcomes.setdefault(kind, Counter())[ledger.get(uid, "not read")] += 1
     first = crew.get("first_sent", {})
     quarantined_at = {e["sampler_id"]: e["time"] for e in read_events(run_dir) if e.get("event") == "quarantined"}
-    from .liars import LIES, liar_id
+    from .liars import LIES, HonestBf16Sampler, liar_id
+
+    bf16_prefix = f"s{HonestBf16Sampler.INDEX}-bf16-"
+    honest_bf16 = Counter(status.split(":", 1)[0] for uid, status in ledger.items() if uid.startswith(bf16_prefix))
 
     to_quarantine = {
         kind: (
@@ -150,6 +156,7 @@ def liar_figures(ledger: dict[str, str], crew: dict[str, Any], run_dir: Path) ->
         "sent": len(lied),
         "outcomes": {k: dict(v) for k, v in sorted(outcomes.items())},
         "seconds_to_quarantine": to_quarantine,
+        "honest_bf16": dict(sorted(honest_bf16.items())),
     }
 
 

@@ -15,15 +15,35 @@ Lies (identity ``sampler-<60 + i>`` for the i-th kind):
 - ``reward_flip``: rewards 1 - r; ``reward_inflate``: every reward 1; both with the advantages the
   estimator gives for the lie, so the group is self-consistent;
 - ``replay``: an honest sampler's group, read from the transport, sent again under a new uid;
+- ``q_scaled_slightly``: q times 1.05 (a small systematic lie, left to the per-sampler CUSUM
+  where one group is within the bounds); ``q_temperature``: the group's tokens, drawn at the run's
+  temperature, with q reported at 0.95 of it;
+- ``other_weights``: the tokens drawn again (the group's own Gumbel-max seed) by the crew's
+  weights with every weight moved by +-1e-3, q reported true to them under the claimed version;
+  ``truncated``: drawn again from the top-2 tokens of each step, q true to them. Both pass the
+  log-q and reward checks: they join only under ``hetero.trust.checkable_sampling`` (the token
+  check is what catches them; ``scripts/soak.py --liars`` turns it on). A redraw that gives the
+  honest tokens back is no lie and is not sent;
+- ``near_copy``: an honest group at least :data:`NEAR_COPY_AGE_S` old (so the learner has judged
+  it), its rows rotated and one log q moved by 1e-5, sent under a new uid;
+- ``version_bump``: q times 1.5, claiming a version the moment the learner publishes it (the
+  group may reach the gate before that version's weights do);
 - ``forged_signature`` (outsider): a key nobody enrolled, claiming to be ``sampler-0``;
 - ``unsigned`` (outsider): no signature at all.
 
 Every group an identity sends is a lie; the soak counts those that reached an optimizer step
 (``poisoned groups trained on``, goal 0) from the uids the crew reports (:meth:`LiarCrew.report`).
+The lies themselves are :mod:`.lies`'s (the detection table of ``scripts/bench/bench_trust.py``
+tells the same ones).
+
+Beside the crew, an honest sampler in bf16 (:class:`HonestBf16Sampler`, ``sampler-50``, uids
+``s50-bf16-b<batch>-<i>``: the soak counts its groups as honest) among the run's fp32 samplers:
+the engine's own sampler loaded with ``hetero.sampler_precision=bf16``, enrolled like the crew.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import threading
 import time
@@ -37,12 +57,35 @@ from recipe.gepo.embedded.sampler import SamplerWorker
 from recipe.gepo.embedded.policy import load_policy
 from recipe.gepo.embedded.rollout import sequence_advantages
 from recipe.gepo.embedded.verify import group_log_probs
+from . import lies
 from verl_ext.hetero.auth import Enrolment, SamplerKey, unverified_record
 from verl_ext.hetero.exchange import send_group
 from verl_ext.hetero.protocol import ROLLOUT_TOPIC
 from verl_ext.hetero.records import RolloutGroup
 
-INSIDER_LIES = ("q_scaled", "q_shuffled", "q_other_version", "claims_newer", "reward_flip", "reward_inflate", "replay")
+INSIDER_LIES = (
+    "q_scaled",
+    "q_shuffled",
+    "q_other_version",
+    "claims_newer",
+    "reward_flip",
+    "reward_inflate",
+    "replay",
+    "q_scaled_slightly",
+    "q_temperature",
+    "other_weights",
+    "truncated",
+    "near_copy",
+    "version_bump",
+)
+TOKEN_LIES = ("other_weights", "truncated")
+"""Lies only checkable sampling's token check can catch: the crew tells them only when it is on."""
+SLIGHT_SCALE, LIE_TEMPERATURE_FACTOR, OTHER_WEIGHTS_STEP, TRUNCATED_TOP_K = 1.05, 0.95, 1e-3, 2
+"""The sizes of ``q_scaled_slightly``, ``q_temperature``, ``other_weights`` and ``truncated``."""
+NEAR_COPY_AGE_S = 5.0
+"""``near_copy`` copies only an honest group the crew saw in the transport this long ago."""
+VERSION_BUMP_WAIT_S = 3.0
+"""``version_bump`` waits at most this long for the learner to publish a version (else sends nothing)."""
 OUTSIDER_LIES = ("forged_signature", "unsigned")
 LIES = INSIDER_LIES + OUTSIDER_LIES
 FIRST_INDEX = 60
@@ -70,11 +113,16 @@ class LiarCrew(SamplerWorker):
         self.keys = {
             kind: SamplerKey.generate("sampler-0" if kind == "forged_signature" else liar_id(kind)) for kind in LIES
         }
-        self.turn = itertools.cycle(LIES)
+        checkable = engine.hetero.trust.checkable_sampling
+        self.turn = itertools.cycle([kind for kind in LIES if checkable or kind not in TOKEN_LIES])
         self.lied: dict[str, str] = {}  # uid -> kind, every group sent
         self.first_sent: dict[str, float] = {}  # kind -> wall time of its first group
         self.other, _ = load_policy(model_path)  # q_other_version's scorer
         self.other.eval()
+        self.drawer, _ = load_policy(model_path)  # other_weights' and truncated's draws (hooks stay off self.model)
+        self.drawer.eval()
+        self.first_seen: dict[str, float] = {}  # near_copy: honest key -> when the crew first saw it
+        self.bump_seen: Optional[int] = None  # version_bump: the newest version seen at its last turn
         self._halt = threading.Event()
 
     # the crew keeps lying across the learner's restarts until the soak halts it
@@ -120,6 +168,17 @@ class LiarCrew(SamplerWorker):
             self._set_rewards(group, rewards)
         elif kind == "replay":
             return self._replay(group)
+        elif kind == "q_scaled_slightly":
+            group.sampler_logprobs = lies.scaled_q(group, SLIGHT_SCALE).sampler_logprobs
+        elif kind == "q_temperature":
+            told = lies.q_at_temperature(group, self.model, self.settings.temperature * LIE_TEMPERATURE_FACTOR)
+            group.sampler_logprobs = told.sampler_logprobs
+        elif kind in TOKEN_LIES:
+            return self._redraw(group, kind)
+        elif kind == "near_copy":
+            return self._near_copy(group)
+        elif kind == "version_bump":
+            return self._at_version_bump(group)
         elif kind in OUTSIDER_LIES:
             group.rewards = np.ones_like(group.rewards)  # what they send does not matter: it must not get in
         return True
@@ -143,6 +202,74 @@ class LiarCrew(SamplerWorker):
         group.sampler_logprobs = (q * group.response_mask).astype(np.float32)
         return True
 
+    def _redraw(self, group: RolloutGroup, kind: str) -> bool:
+        """``other_weights`` / ``truncated``: the group's tokens drawn again (its own seed), q true to
+        them. False (nothing sent) when the redraw gives the honest tokens back: that group is no lie
+        (on the toy model, +-1e-3 on every weight changes ~40% of groups, top-2 ~25%)."""
+        state = {k: v.clone() for k, v in self.model.state_dict().items()}
+        if kind == "other_weights":
+            generator = torch.Generator().manual_seed(len(self.lied))
+            for v in state.values():
+                if v.is_floating_point():
+                    v.add_(OTHER_WEIGHTS_STEP * torch.sign(torch.randn(v.shape, generator=generator)))
+        self.drawer.load_state_dict(state)
+        truncation = {"top_k": TRUNCATED_TOP_K} if kind == "truncated" else {"top_k": 0}
+        with lies.truncated(self.drawer, **truncation):
+            told = lies.redrawn(
+                group,
+                self.drawer,
+                self.model,
+                self.tokenizer,
+                self.task.score,
+                self.settings.temperature,
+                self.settings.max_new_tokens,
+                self.algorithm_config,
+            )
+        if np.array_equal(told.response_ids, group.response_ids) and np.array_equal(
+            told.response_mask, group.response_mask
+        ):
+            return False
+        for name in ("response_ids", "response_mask", "sampler_logprobs", "rewards", "advantages", "extra"):
+            setattr(group, name, getattr(told, name))
+        return True
+
+    def _honest_keys(self) -> list[str]:
+        return [k for k in self.transport.keys(ROLLOUT_TOPIC) if k.startswith("s") and k[1:2].isdigit()]
+
+    def _near_copy(self, group: RolloutGroup) -> bool:
+        now = time.time()
+        keys = self._honest_keys()
+        self.first_seen = {key: self.first_seen.get(key, now) for key in keys}  # (gone keys forgotten)
+        for key in reversed(keys):
+            if now - self.first_seen[key] < NEAR_COPY_AGE_S:
+                continue
+            try:
+                original = RolloutGroup.from_bytes(unverified_record(self.transport.get(ROLLOUT_TOPIC, key)))
+            except (KeyError, ValueError):
+                continue
+            copy = lies.near_copy(original, group.group_uid, group.sampler_id)
+            for field in dataclasses.fields(RolloutGroup):
+                if field.name not in ("group_uid", "sampler_id", "created_at"):
+                    setattr(group, field.name, getattr(copy, field.name))
+            return True
+        return False
+
+    def _at_version_bump(self, group: RolloutGroup) -> bool:
+        """Wait for the learner to publish a version newer than the last one seen, claim it at once
+        (before the learner's gate may hold its weights), with q x 1.5."""
+        deadline = time.time() + VERSION_BUMP_WAIT_S
+        seen = self.bump_seen if self.bump_seen is not None else self.published.latest_version()
+        while time.time() < deadline and not self.stopped():
+            newest = self.published.latest_version()
+            if newest is not None and (seen is None or newest > seen):
+                self.bump_seen = newest
+                group.policy_version = newest
+                group.sampler_logprobs = lies.scaled_q(group, 1.5).sampler_logprobs
+                return True
+            time.sleep(0.005)
+        self.bump_seen = self.published.latest_version()
+        return False
+
     def _replay(self, group: RolloutGroup) -> bool:
         honest = [k for k in self.transport.keys(ROLLOUT_TOPIC) if k.startswith("s") and k[1:2].isdigit()]
         for key in honest[-5:]:
@@ -163,6 +290,52 @@ class LiarCrew(SamplerWorker):
                 setattr(group, name, getattr(original, name))
             return True
         return False
+
+
+class HonestBf16Sampler(SamplerWorker):
+    """An honest sampler in bf16 among the run's samplers (module docstring): the engine's sampler
+    with ``hetero.sampler_precision=bf16``; it keeps sampling across the learner's restarts until
+    the soak halts it."""
+
+    INDEX = 50
+
+    def __init__(self, engine: Any, model_path: str, spec: Any):
+        bf16 = dataclasses.replace(engine, hetero=dataclasses.replace(engine.hetero, sampler_precision="bf16"))
+        # 2x slower than the reference: it runs the whole soak, never killed, and would outpace the others
+        super().__init__(self.INDEX, bf16, model_path, spec, speed_factor=2.0, uid_namespace=f"s{self.INDEX}-bf16")
+        self._halt = threading.Event()
+
+    def stopped(self) -> bool:
+        return self._halt.is_set()
+
+    def halt(self) -> None:
+        self._halt.set()
+
+    def precision(self) -> str:
+        return str(next(self.model.parameters()).dtype)
+
+
+def start_honest_bf16(cfg, enrolment_file: Path) -> Any:
+    """:class:`HonestBf16Sampler` as a Ray actor sampling for the run of ``cfg`` (Ray must be up),
+    its key enrolled in ``enrolment_file``."""
+    import ray
+
+    from recipe.gepo.embedded.async_shared import transport_spec
+    from recipe.gepo.embedded.engine import EngineConfig
+
+    engine = EngineConfig.from_omegaconf(cfg)
+    sampler = (
+        ray.remote(num_cpus=0, max_restarts=0, max_concurrency=3)(HonestBf16Sampler)
+        .options(name="soak-honest-bf16")
+        .remote(engine, str(cfg.actor_rollout_ref.model.path), transport_spec(engine.hetero, engine.settings))
+    )
+    public = ray.get(sampler.public_key.remote(), timeout=300)
+    if public is not None:
+        enrolment = Enrolment.load(enrolment_file)
+        enrolment.enrol(f"sampler-{HonestBf16Sampler.INDEX}", public)
+        enrolment.save(enrolment_file)
+    sampler.run.remote()
+    return sampler
 
 
 def start_crew(cfg, enrolment_file: Path) -> Optional[Any]:

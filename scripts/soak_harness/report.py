@@ -100,6 +100,8 @@ def _report_liars(result: SoakResult, log) -> None:
         f"poisoned groups trained on: {liars['poisoned_trained']} (of {liars['sent']} lying groups sent)"
         + (f" by lie: {liars['poisoned_by_lie']}" if liars["poisoned_trained"] else "")
     )
+    bf16 = liars.get("honest_bf16", {})
+    log(f"honest bf16 sampler's groups: {sum(bf16.values())} {bf16}")
     log(f"  {'lie':<18}{'seconds to quarantine':>22}  what became of its groups")
     for kind, outcomes in liars["outcomes"].items():
         seconds = liars["seconds_to_quarantine"].get(kind)

@@ -25,7 +25,7 @@ from .checks import RunEnd, accounting, account_uids, check_steps, final_state, 
 from .config import soak_config
 from .faults import SAMPLER_ACTOR
 from .injector import Injector
-from .liars import start_crew
+from .liars import start_crew, start_honest_bf16
 from .report import SoakResult
 from .wan_link import WanLink
 from .watchers import TransportWatcher, Watcher
@@ -70,11 +70,20 @@ def soak(
     liars: bool = False,
 ) -> SoakResult:
     """Run the soak; with ``wan`` (a :class:`WanLink` already ``up``) across the real link; with
-    ``liars`` beside the lying samplers of :mod:`soak_harness.liars`."""
+    ``liars`` beside the lying samplers of :mod:`soak_harness.liars` and its honest bf16 sampler,
+    with ``hetero.trust.checkable_sampling`` on (unless ``overrides`` turn it off)."""
     folder = Path(run_dir or f"/tmp/heterorl-soak-{seed}-{int(time.time())}").resolve()
     (folder / "exchange").mkdir(parents=True, exist_ok=True)
+    # the liars that only the token check catches need checkable sampling (an override may turn it off:
+    # they are then left out)
+    extra = ["hetero.trust.checkable_sampling=true"] if liars else []
     cfg = soak_config(
-        folder, seed, save_freq, wait_timeout_s, overrides or [], wan_address=wan.address if wan is not None else ""
+        folder,
+        seed,
+        save_freq,
+        wait_timeout_s,
+        extra + list(overrides or []),
+        wan_address=wan.address if wan is not None else "",
     )
     hetero = HeteroConfig.from_omegaconf(cfg.hetero)
     if liars and not hetero.trust.sign_records:
@@ -82,13 +91,17 @@ def soak(
     with ray_session(hetero):
         h = _set_up(cfg, hetero, folder, seed, minutes * 60.0, fault_every, learner_crashes, save_freq, wan)
         crew = start_crew(cfg, Path(cfg.hetero.trust.enrolment_file)) if liars else None
+        bf16 = start_honest_bf16(cfg, Path(cfg.hetero.trust.enrolment_file)) if liars else None
         try:
             _run_until_time_limit(h, log)
             crew_report = _stop_crew(crew)
+            if bf16 is not None:
+                ray.get(bf16.halt.remote(), timeout=60)
             return _check(h, crew_report)
         finally:
-            if crew is not None:
-                ray.kill(crew)
+            for actor in (crew, bf16):
+                if actor is not None:
+                    ray.kill(actor)
             if h.wan:
                 h.transport.shutdown()  # the detached mailbox (the cluster goes down next anyway)
 

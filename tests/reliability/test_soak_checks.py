@@ -133,8 +133,11 @@ def test_liar_accounting_counts_poisoned_groups_false_alarms_and_time_to_quarant
         "sampler-60-qscaled-liars-b1-0": "rejected:quarantined",
         "sampler-64-rewardflip-liars-b2-0": "consumed",
         "sampler-67-forgedsignature-liars-b3-0": "rejected:unenrolled",
+        "s50-bf16-b1-0": "consumed",
+        "s50-bf16-b1-1": "rejected:token_mismatch",
+        "s50-bf16-b2-0": "dropped:stale",
     }
-    assert honest_rejected(ledger) == ["s1-ab12-b1-1", "s2-ab12-b1-2"]
+    assert honest_rejected(ledger) == ["s1-ab12-b1-1", "s2-ab12-b1-2", "s50-bf16-b1-1"]
     lied = {
         uid: kind
         for uid, kind in [
@@ -151,5 +154,6 @@ def test_liar_accounting_counts_poisoned_groups_false_alarms_and_time_to_quarant
     assert figures["outcomes"]["q_scaled"] == {"rejected:bad_logprobs": 1, "rejected:quarantined": 1, "not read": 1}
     assert figures["seconds_to_quarantine"]["q_scaled"] == 10.5
     assert figures["seconds_to_quarantine"]["reward_flip"] is None  # never quarantined
+    assert figures["honest_bf16"] == {"consumed": 1, "dropped": 1, "rejected": 1}  # the honest bf16 sampler's
     account = account_uids({}, ledger, in_transport=set())
     assert account.errors == []  # liar uids are known keys, not unaccounted ones

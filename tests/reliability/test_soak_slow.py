@@ -61,7 +61,8 @@ def test_one_minute_soak_loses_nothing(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_soak_with_liars_trains_on_no_poisoned_group_and_rejects_no_honest_one(tmp_path):
-    """``--liars``: every insider lie quarantined, nothing poisoned reaches a step, no honest group refused."""
+    """``--liars``: every insider lie quarantined (copies refused one by one), nothing poisoned reaches a
+    step, no honest group refused -- the honest bf16 sampler's included, whose groups are trained on."""
     proc = subprocess.run(
         [
             sys.executable,
@@ -96,11 +97,13 @@ def test_soak_with_liars_trains_on_no_poisoned_group_and_rejects_no_honest_one(t
     for kind in INSIDER_LIES:
         row = re.search(rf"^  {kind}\s+([0-9.]+|-)\s+(\{{.*\}})$", out, re.M)
         assert row is not None, f"no row for {kind}:\n{out[-3000:]}"
-        if kind == "replay":  # refused group by group, without blame (an honest coincidence looks the same)
+        if kind in ("replay", "near_copy"):  # refused group by group, without blame (a coincidence looks the same)
             fates = ast.literal_eval(row.group(2))
             assert row.group(1) == "-" and fates.get("rejected:replayed", 0) > 0, out[-3000:]
             assert not any(f in fates for f in ("consumed", "buffered")), fates
         else:
             assert row.group(1) != "-", f"{kind} was not quarantined:\n{out[-3000:]}"
+    bf16 = re.search(r"^honest bf16 sampler's groups: (\d+) (\{.*\})$", out, re.M)
+    assert bf16 is not None and int(bf16.group(1)) > 0 and "consumed" in bf16.group(2), out[-3000:]
     for kind in OUTSIDER_LIES:  # never admitted, so never quarantined: refused by the signature check
         assert re.search(rf"^  {kind}\s+-\s+\{{'rejected:(unsigned|unenrolled)'", out, re.M), out[-3000:]
