@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import os
 import re
 import subprocess
@@ -31,6 +32,7 @@ import numpy as np
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
+from omegaconf import DictConfig
 from verl import DataProto
 from verl.trainer.config import RolloutCorrectionConfig
 from verl.trainer.ppo.rollout_corr_helper import (
@@ -89,13 +91,21 @@ CORRECTED = {
 }
 
 
+@functools.cache
+def composed(preset: str, *overrides: str) -> DictConfig:
+    """``gepo_trainer`` with an algorithm preset and overrides, composed once per distinct set:
+    a hydra compose costs ~0.4 s of CPU and this module asks for the same ~30 sets ~100 times.
+    Callers only read it (``omega_conf_to_dataclass`` builds a fresh dataclass each call)."""
+    with initialize_config_dir(config_dir=str(ROOT / "recipe" / "gepo" / "config"), version_base=None):
+        return compose(config_name="gepo_trainer", overrides=[f"algorithm_preset={preset}", *overrides])
+
+
 def _preset_corrections() -> dict:
-    """The presets that switch rollout correction on, with their own settings."""
+    """The presets that switch rollout correction on, with their own settings (the OBJECTIVE
+    overrides leave ``algorithm`` alone; composed with them, the cache serves actor_config too)."""
     out = {}
     for preset in PRESETS:
-        with initialize_config_dir(config_dir=str(ROOT / "recipe" / "gepo" / "config"), version_base=None):
-            algorithm = compose(config_name="gepo_trainer", overrides=[f"algorithm_preset={preset}"]).algorithm
-        settings = rollout_correction_settings(algorithm)
+        settings = rollout_correction_settings(composed(preset, *OBJECTIVE).algorithm)
         if settings is not None:
             out[f"{preset}-preset"] = (preset, settings)
     return out
@@ -116,9 +126,7 @@ def tiny_model_path() -> str:
 
 
 def actor_config(preset: str, *overrides: str):
-    with initialize_config_dir(config_dir=str(ROOT / "recipe" / "gepo" / "config"), version_base=None):
-        cfg = compose(config_name="gepo_trainer", overrides=[f"algorithm_preset={preset}", *OBJECTIVE, *overrides])
-    return omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
+    return omega_conf_to_dataclass(composed(preset, *OBJECTIVE, *overrides).actor_rollout_ref.actor)
 
 
 def perturb_(model, scale: float = 0.02, seed: int = 7) -> None:
