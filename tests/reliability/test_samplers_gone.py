@@ -14,7 +14,7 @@ import pytest
 
 from .conftest import CACHE_DIR, REPO
 
-WAIT_TIMEOUT_S = 6
+WAIT_TIMEOUT_S = 4  # the learner reports its wait every WAIT_TIMEOUT_S / 3 s, so the status shows before the error
 
 
 @pytest.fixture(scope="module")
