@@ -24,7 +24,9 @@ Reported per delay: async wall, synchronous wall, async / max(pure sampling, pur
 (both from the synchronous run: generation time on the sampler core and ``learner.train_step``
 time on the learner core, for the same steps), the speed-up over synchronous, the async wall over
 the async run's own ``learner.train_step`` time (the overhead of async mode, measured within one
-run, so a load that changes between runs does not enter it), and the learner's idle fraction.
+run, so a load that changes between runs does not enter it), and the learner's idle fraction; and
+the CPU seconds of the learner's whole process (every thread: training, the inbox's poll thread,
+Ray's) over the timed steps, which another process's load does not enter either.
 The load average is recorded before and after every run; on a shared machine compare numbers
 within a row, not across rows.
 """
@@ -115,6 +117,9 @@ def run(overrides: list[str], run_dir: Path, warmup: int) -> dict:
         "wait_s": float(sum(r["perf/step_s"] * r["perf/learner_idle_frac"] for r in timed)),
         "consumed": total_of("hetero/consumed", steps),
         "staleness": float(np.mean([r["hetero/staleness_mean"] for r in timed])),
+        # async runs: CPU seconds of the learner's whole process over the timed steps (all threads)
+        "learner_cpu_s": float(timed[-1].get("perf/learner_process_cpu_s_total", np.nan))
+        - float(steps[warmup - 1].get("perf/learner_process_cpu_s_total", np.nan) if warmup else 0.0),
         "load": f"{load_before} -> {loadavg()}",
     }
 
@@ -203,13 +208,14 @@ def main() -> None:
         "",
         "Where the async learner's wall time went (s, steps after the warm-up):",
         "",
-        "| weight delay s/version | wall | train_step | publish | idle (waiting for groups) | between steps (driver) |",
-        "|---:|---:|---:|---:|---:|---:|",
+        "| weight delay s/version | wall | train_step | publish | idle (waiting for groups) | between steps (driver) "
+        "| learner process CPU s (all threads) |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for d, r in runs.items():
         lines.append(
             f"| {d:g} | {r['wall_s']:.2f} | {r['train_s']:.2f} | {r['publish_s']:.2f} | {r['wait_s']:.2f} "
-            f"| {r['wall_s'] - r['step_s']:.2f} |"
+            f"| {r['wall_s'] - r['step_s']:.2f} | {r['learner_cpu_s']:.2f} |"
         )
     emit(lines, args.out)
 

@@ -173,12 +173,12 @@ class RolloutInbox:
                 self.gate.accepted(group, verdict)
         return accepted
 
-    def poll(self, max_groups: int | None = None) -> int:
+    def poll(self, max_groups: int | None = None, settle: bool = True) -> int:
         """Hand new messages to the buffer (at most ``max_groups`` new messages read); returns how
-        many the buffer accepted (a deferring gate's verdicts that came back included). Bad
-        messages are counted and skipped, never raised. One listing and one read per call,
-        however many groups arrived."""
-        accepted = self.settle()
+        many the buffer accepted (with ``settle``, a deferring gate's verdicts that came back
+        included: :meth:`settle` first). Bad messages are counted and skipped, never raised. One
+        listing and one read per call, however many groups arrived."""
+        accepted = self.settle() if settle else 0
         fresh = []
         # one listing with checksums: messages already handled cost no further round trip
         for info in self.transport.infos(self.topic):

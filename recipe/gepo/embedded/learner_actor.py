@@ -118,22 +118,29 @@ class TransportSource:
     POLL_IDLE_MAX_S = 0.2
 
     def _poll_loop(self) -> None:
-        interval = self.POLL_HUNGRY_S
+        interval, next_listing = self.POLL_HUNGRY_S, 0.0
         while not self._stop.is_set():
-            self.gate.reload_enrolment()
-            accepted = self.inbox.poll()
-            self.inbox.poll_announcements()
-            if accepted or self._hungry.is_set():
-                interval = self.POLL_HUNGRY_S
-            else:
-                interval = min(2 * interval, self.POLL_IDLE_MAX_S)
+            if self.checks is not None:
+                self.inbox.settle()  # verdicts that came back: they need no listing
+            if self._hungry.is_set() or time.monotonic() >= next_listing:
+                self.gate.reload_enrolment()
+                received = self.inbox.stats["received"]
+                self.inbox.poll(settle=False)
+                self.inbox.poll_announcements()
+                # groups read (admitted, refused or awaiting a verdict): more may follow soon
+                if self.inbox.stats["received"] > received or self._hungry.is_set():
+                    interval = self.POLL_HUNGRY_S
+                else:
+                    interval = min(2 * interval, self.POLL_IDLE_MAX_S)
+                next_listing = time.monotonic() + interval
+            timeout = max(0.0, next_listing - time.monotonic())
             if self.checks is not None and self.checks.outstanding():
-                # checks are out: a verdict wakes the poller (the next poll settles it); a hungry
-                # learner's poller lists every POLL_HUNGRY_S as below
-                self.checks.wait(self.POLL_HUNGRY_S if self._hungry.is_set() else interval)
+                # checks are out: a verdict wakes the poller, settled above without a listing
+                # (listing at each verdict kept the mailbox busy at 50 listings a second)
+                self.checks.wait(min(timeout, self.POLL_HUNGRY_S) if self._hungry.is_set() else timeout)
                 continue
             # next_batch sets _hungry: a learner starting to wait wakes the poller at once
-            if not self._hungry.wait(timeout=interval):
+            if not self._hungry.wait(timeout=timeout):
                 continue
             self._stop.wait(self.POLL_HUNGRY_S)
 
@@ -145,6 +152,9 @@ class TransportSource:
         finally:
             self._hungry.clear()
         metrics = self.inbox.metrics()
+        # CPU seconds of the learner's process so far, every thread (training, the poll thread,
+        # Ray's): what the trust checks, wherever they run, add to it shows here
+        metrics["perf/learner_process_cpu_s_total"] = time.process_time()
         metrics.update(self.gate.metrics())
         if self.checks is not None:
             metrics.update(self.checks.metrics())
@@ -154,8 +164,13 @@ class TransportSource:
         (self.checks or self.gate).remember(version, self.weights.publish(version, weights))
         if self.hetero.max_queued_groups > 0:
             publish_status(
-                self.transport, LearnerStatus(version=int(version), queue_depth=len(self.buffer)), wait=False
+                self.transport, LearnerStatus(version=int(version), queue_depth=self._queue_depth()), wait=False
             )
+
+    def _queue_depth(self) -> int:
+        """Groups the learner holds for training: buffered, and awaiting a trust verdict (samplers
+        pause on it, ``hetero.max_queued_groups``)."""
+        return len(self.buffer) + (self.checks.outstanding() if self.checks is not None else 0)
 
     def state_dict(self) -> dict[str, Any]:
         return {"trust": self.gate.state_dict()}
