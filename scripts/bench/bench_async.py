@@ -1,6 +1,7 @@
 """Async against synchronous generate-then-train on "separated hardware": same work, same model.
 
     python -m scripts.bench.bench_async [--steps 60] [--delays 0 1 5] [--learner-cpus 0] [--sampler-cpus 1]
+                                        [--trust-off | --trust-in-learner]
                                         [--warmup 5] [--out FILE] [extra hydra overrides ...]
 
 The learner process is pinned to ``--learner-cpus`` and the samplers to ``--sampler-cpus``
@@ -150,6 +151,11 @@ def main() -> None:
         action="store_true",
         help="async runs: hetero.trust off (no signatures, no checks), as measured before signed records and checks",
     )
+    parser.add_argument(
+        "--trust-in-learner",
+        action="store_true",
+        help="async runs: hetero.trust.check_process=false (the checks in the learner's poll thread, as first shipped)",
+    )
     parser.add_argument("--out", type=Path, default=None)
     args, extra = parser.parse_known_args()
     pin = (
@@ -163,6 +169,7 @@ def main() -> None:
         system = [] if args.system_cpus is None else [f"hetero.system_cpus=[{args.system_cpus}]"]
         system += ["hetero.weights_bf16=true"] if args.weights_bf16 else []
         system += TRUST_OFF if args.trust_off else []
+        system += ["hetero.trust.check_process=false"] if args.trust_in_learner else []
         runs = {
             d: run(base + async_overrides(d, args.samplers) + system + extra, Path(tmp) / f"async{d:g}", args.warmup)
             for d in args.delays
@@ -181,7 +188,13 @@ def main() -> None:
         + ("" if args.no_pin else f", driver and Ray's processes on [{args.system_cpus or 'the rest'}]")
         + f"; async: {args.samplers} sampler(s)"
         + (", bf16 weights" if args.weights_bf16 else "")
-        + (", hetero.trust off" if args.trust_off else ", hetero.trust at its defaults"),
+        + (
+            ", hetero.trust off"
+            if args.trust_off
+            else ", hetero.trust on, checks in the learner"
+            if args.trust_in_learner
+            else ", hetero.trust at its defaults"
+        ),
         "",
         f"synchronous run: generation (pure sampling) {pure_sampling:.2f} s, learner.train_step (pure training) "
         f"{pure_training:.2f} s, loop wall {sync['wall_s']:.2f} s for {n} steps, {sync['consumed']:.0f} groups consumed; "

@@ -16,11 +16,11 @@ awaits its verdict out of the buffer, counted against its sampler's quota, and
 :meth:`TrustGate.finish` (ledger, CUSUM, quarantine) runs when the verdict is back. A group is
 never admitted before its checks ran; every rule of :mod:`.verify` holds as in the one-call gate.
 
-Weights: each published version's message goes once into Ray's object store
-(:meth:`OffloadedChecks.remember`, the learner's ``max_delay + 1`` newest, as the gate kept
-them in its own memory before); a batch of checks carries handles to the versions it needs, and the
-checker fetches a version (zero-copy on the node) only to load it into its scorer, holding one at
-a time. A group claiming a version not published yet waits for it in the learner
+Weights: the learner keeps the ``max_delay + 1`` newest versions' messages, as the gate did
+(:meth:`OffloadedChecks.remember`: no copy); a version goes into Ray's object store once, when a
+check first needs it (by the poll thread, not the learner's training thread at every publish); a
+batch of checks carries handles to the versions it needs, and the checker fetches a version only
+to load it into its scorer, holding one at a time. A group claiming a version not published yet waits for it in the learner
 (:attr:`~.verify.TrustGate.VERSION_WAIT_S` at most, without blocking the poll thread).
 """
 
@@ -144,7 +144,8 @@ class OffloadedChecks:
     def __init__(self, gate: TrustGate, launch: Callable[[], Any], keep_versions: int):
         self.gate, self._launch = gate, launch
         self.checker = launch()
-        self.weights = KeptVersions(keep_versions)  # version -> [ObjectRef of its message]
+        self.weights = KeptVersions(keep_versions)  # version -> its message (no copy)
+        self._handles: dict[int, list] = {}  # version -> [ObjectRef of its message], once a check needed it
         self._queued: list[Admission] = []  # begun, weights at hand (or not needed): to send
         self._waiting: list[tuple[Admission, float]] = []  # (begun, deadline): its version's weights may still come
         self._in_flight: dict[Any, tuple[list[Admission], dict[int, Any]]] = {}  # ObjectRef -> its batch
@@ -156,13 +157,24 @@ class OffloadedChecks:
 
     # ---------------------------------------------------------------- weights (learner's thread)
     def remember(self, version: int, message: bytes) -> None:
-        """A published version's message: put once into the object store for the checker (only
-        when q is re-scored at all)."""
+        """A published version's message, kept (no copy; only when q is re-scored at all): it goes
+        into the object store only when a check needs it (:meth:`_handle`, the poll thread), not
+        on the learner's thread at every publish."""
         if self.gate.rescoring:
-            # as a uint8 array: one copy into the object store, and the checker reads it in place;
-            # in a one-element list: a nested handle reaches the checker as a handle, fetched only
-            # when a batch needs that version
-            self.weights.remember(version, [ray.put(np.frombuffer(message, dtype=np.uint8))])
+            self.weights.remember(version, message)
+
+    def _handle(self, version: int) -> list | None:
+        """[ObjectRef] of a kept version's message, put once (as a uint8 array: one copy, read in
+        place by the checker; in a list, so it reaches the checker as a handle, fetched only when
+        it loads that version); None when the version is not kept."""
+        message = self.weights.get(version)
+        if message is None:
+            return None
+        if version not in self._handles:
+            self._handles[version] = [ray.put(np.frombuffer(message, dtype=np.uint8))]
+            for old in [v for v in self._handles if not self.weights.holds(v)]:
+                del self._handles[old]  # pruned from the kept versions: its object may go
+        return self._handles[version]
 
     # ---------------------------------------------------------------- the deferring gate
     def admit(self, group: RolloutGroup):
@@ -208,7 +220,7 @@ class OffloadedChecks:
         batch, self._queued = self._queued, []
         weights = {}
         for admission in batch:
-            handle = self.weights.get(admission.version) if admission.wants_weights else None
+            handle = self._handle(admission.version) if admission.wants_weights else None
             if handle is not None:
                 weights[admission.version] = handle
         self._send(batch, weights)
