@@ -180,7 +180,10 @@ class TrustConfig:
     wants, and a group awaits its verdict out of the buffer (counted against its sampler's quota).
     false: in the learner process's poll thread, as before, where they slow training (toy model:
     +19% wall time a step at verify_fraction 0.1); the learner then holds the model copy. Either
-    way no group is admitted before its checks ran (docs/reliability.md, "Cost")."""
+    way no group is admitted before its checks ran. Measured on the toy (docs/reliability.md,
+    "Cost"): with true the learner's process CPU is as with trust off, but groups wait for their
+    verdicts, so its async wall time is not yet below false's; on a node with no idle cycles the
+    verdicts wait for some."""
 
     # TrustLedger's constructor argument -> the field (hetero.trust.<field>) that sets it
     _LEDGER_FIELDS = {
