@@ -173,7 +173,7 @@ class TrustConfig:
     distribution is caught even when its q matches its tokens. A group without a seed is refused
     (unseeded, without blame). Cost: the noise, V Philox draws a token (SmolLM2-135M on the CPU:
     +9% on each re-score; the sampler's draw about as fast as ordinary sampling; docs/reliability.md)."""
-    check_process: bool = option(True, honoured_by=(ASYNC,), instead=_NO_PUBLISHING_SAMPLERS)
+    check_process: bool = option(False, honoured_by=(ASYNC,), instead=_NO_PUBLISHING_SAMPLERS)
     """Where the checks (re-scoring, token check, rewards) run. true: in a checker process of their
     own on the learner's node (``recipe.gepo.embedded.checker``), at Linux's SCHED_IDLE priority on
     all of the node's cores, with its own copy of the policy: it takes only cycles nothing else
@@ -183,7 +183,8 @@ class TrustConfig:
     way no group is admitted before its checks ran. Measured on the toy (docs/reliability.md,
     "Cost"): with true the learner's process CPU is as with trust off, but groups wait for their
     verdicts, so its async wall time is not yet below false's; on a node with no idle cycles the
-    verdicts wait for some."""
+    verdicts wait for some (the liar soak on two busy cores: 10 learner steps in 3 minutes against
+    92 with false). Hence false by default; true is for a learner node with cores to spare."""
 
     # TrustLedger's constructor argument -> the field (hetero.trust.<field>) that sets it
     _LEDGER_FIELDS = {

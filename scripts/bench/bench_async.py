@@ -1,7 +1,7 @@
 """Async against synchronous generate-then-train on "separated hardware": same work, same model.
 
     python -m scripts.bench.bench_async [--steps 60] [--delays 0 1 5] [--learner-cpus 0] [--sampler-cpus 1]
-                                        [--trust-off | --trust-in-learner]
+                                        [--trust-off | --trust-checker]
                                         [--warmup 5] [--out FILE] [extra hydra overrides ...]
 
 The learner process is pinned to ``--learner-cpus`` and the samplers to ``--sampler-cpus``
@@ -152,9 +152,10 @@ def main() -> None:
         help="async runs: hetero.trust off (no signatures, no checks), as measured before signed records and checks",
     )
     parser.add_argument(
-        "--trust-in-learner",
+        "--trust-checker",
         action="store_true",
-        help="async runs: hetero.trust.check_process=false (the checks in the learner's poll thread, as first shipped)",
+        help="async runs: hetero.trust.check_process=true (the checks in a checker process at idle priority; "
+        "by default they run in the learner's poll thread)",
     )
     parser.add_argument("--out", type=Path, default=None)
     args, extra = parser.parse_known_args()
@@ -169,7 +170,7 @@ def main() -> None:
         system = [] if args.system_cpus is None else [f"hetero.system_cpus=[{args.system_cpus}]"]
         system += ["hetero.weights_bf16=true"] if args.weights_bf16 else []
         system += TRUST_OFF if args.trust_off else []
-        system += ["hetero.trust.check_process=false"] if args.trust_in_learner else []
+        system += ["hetero.trust.check_process=true"] if args.trust_checker else []
         runs = {
             d: run(base + async_overrides(d, args.samplers) + system + extra, Path(tmp) / f"async{d:g}", args.warmup)
             for d in args.delays
@@ -191,9 +192,9 @@ def main() -> None:
         + (
             ", hetero.trust off"
             if args.trust_off
-            else ", hetero.trust on, checks in the learner"
-            if args.trust_in_learner
-            else ", hetero.trust at its defaults"
+            else ", hetero.trust on, checks in a checker process"
+            if args.trust_checker
+            else ", hetero.trust at its defaults (checks in the learner)"
         ),
         "",
         f"synchronous run: generation (pure sampling) {pure_sampling:.2f} s, learner.train_step (pure training) "

@@ -1,4 +1,4 @@
-"""The trust checks off the learner's critical path (``hetero.trust.check_process``, the default).
+"""The trust checks off the learner's process (``hetero.trust.check_process=true``; off by default).
 
 The gate's checks (:class:`~.verify.GroupVerifier`: re-scoring a group under its claimed version,
 the token check, the rewards' recomputation) cost the learner CPU on its own cores, measured at

@@ -40,6 +40,8 @@ def async_run(tiny_model_path, tmp_path_factory):
             "hetero.wait_timeout_s=120",
             "hetero.weight_sync=delta",
             "hetero.weights_bf16=true",
+            # the checks in their own process (the default runs them in the learner: the demo's runs)
+            "hetero.trust.check_process=true",
             f"trainer.total_training_steps={STEPS}",
             "trainer.test_freq=0",
             "trainer.save_freq=0",
