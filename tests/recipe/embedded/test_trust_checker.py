@@ -32,9 +32,19 @@ def local_ray():
     ray.shutdown()
 
 
+def _learner(model_path: str, run_dir, exchange, *overrides: str):
+    """The learner's side as TransportSource builds it, at version 1: its buffer, a gate without a
+    verifier of its own with the checks in a checker actor (versions 0 and 1 published), and an
+    inbox on a filesystem exchange. Returns (lab, buffer, checks, transport, inbox)."""
+    lab = Lab(model_path, run_dir, *overrides)
+    buffer = build_buffer(lab.engine, lab.task)
+    buffer.set_learner_version(1)
+    checks = _offloaded(lab, model_path, buffer)
+    transport = FsspecTransport(str(exchange))
+    return lab, buffer, checks, transport, RolloutInbox(transport, buffer, gate=checks)
+
+
 def _offloaded(lab: Lab, model_path: str, buffer) -> OffloadedChecks:
-    """The learner's side as TransportSource builds it: a gate without a verifier of its own, the
-    checks in a checker actor, versions 0 and 1 published."""
     gate = TrustGate(lab.engine, model_path, lab.task, buffer, local_checks=False)
     assert gate.verifier is None  # no model copy here: the checker holds it
     checks = OffloadedChecks(
@@ -58,12 +68,7 @@ def _drain(inbox: RolloutInbox, checks: OffloadedChecks, timeout_s: float = 120.
 def test_lies_are_refused_and_honest_groups_admitted_by_a_checker_process_at_idle_priority(
     local_ray, tiny_model_path, tmp_path
 ):
-    lab = Lab(tiny_model_path, tmp_path / "run")
-    buffer = build_buffer(lab.engine, lab.task)
-    buffer.set_learner_version(1)
-    checks = _offloaded(lab, tiny_model_path, buffer)
-    transport = FsspecTransport(str(tmp_path / "exchange"))
-    inbox = RolloutInbox(transport, buffer, gate=checks)
+    lab, buffer, checks, transport, inbox = _learner(tiny_model_path, tmp_path / "run", tmp_path / "exchange")
 
     honest = lab.groups("sampler-0", n=3)
     lies = lab.groups("sampler-1", n=3)
@@ -97,12 +102,9 @@ def test_lies_are_refused_and_honest_groups_admitted_by_a_checker_process_at_idl
 
 
 def test_groups_awaiting_a_verdict_count_against_their_samplers_quota(local_ray, tiny_model_path, tmp_path):
-    lab = Lab(tiny_model_path, tmp_path / "run", "hetero.max_buffered_per_sampler=2")
-    buffer = build_buffer(lab.engine, lab.task)
-    buffer.set_learner_version(1)
-    checks = _offloaded(lab, tiny_model_path, buffer)
-    transport = FsspecTransport(str(tmp_path / "exchange"))
-    inbox = RolloutInbox(transport, buffer, gate=checks)
+    lab, buffer, checks, transport, inbox = _learner(
+        tiny_model_path, tmp_path / "run", tmp_path / "exchange", "hetero.max_buffered_per_sampler=2"
+    )
     flood = lab.groups("sampler-2", n=4)
     for group in flood:
         send_group(transport, group)
