@@ -582,7 +582,13 @@ def test_every_honoured_replay_option_has_a_behaviour_case():
     honoured = honoured_replay_keys()
     assert honoured - covered == set(), "declared honoured in replay mode with no behaviour case"
     assert covered - honoured == set(), "a behaviour case for an option replay mode does not honour"
-    for key, where in OBSERVED_ELSEWHERE.items():
+    check_pointers(OBSERVED_ELSEWHERE)
+
+
+def check_pointers(pointers: dict[str, str]) -> None:
+    """Each option's pointer (``"tests/path.py"`` or ``"tests/path.py::test_name"``) names a test
+    file that exists, and a test function defined in it."""
+    for key, where in pointers.items():
         path, _, name = where.partition("::")
         assert (ROOT / path).is_file(), f"{key}: {path}"
         assert not name or re.search(rf"^def {name}\(", (ROOT / path).read_text(), re.M), f"{key}: {where}"
@@ -604,6 +610,16 @@ def write_case_data(folder: Path) -> Path:
     (folder / "ones.txt").write_text("1\n" * 8)
     (folder / "delays.csv").write_text("a,b\n" + "0,1\n" * 8)
     return folder
+
+
+def declare_honoured(monkeypatch, section: type, name: str, runner: str) -> None:
+    """Plant a false declaration the option checks must catch: ``options.honoured_by`` says the
+    field ``name`` of ``section`` is honoured by ``runner`` too (for this test only)."""
+    planted = next(f for f in dataclasses.fields(section) if f.name == name)
+    declared = options.honoured_by
+    monkeypatch.setattr(
+        options, "honoured_by", lambda field: (*declared(field), runner) if field is planted else declared(field)
+    )
 
 
 class BehaviourHarness:

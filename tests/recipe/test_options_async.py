@@ -42,7 +42,17 @@ from pathlib import Path
 import pytest
 
 from recipe.gepo import options
-from tests.recipe.test_options import BASE, SECTIONS, BehaviourHarness, Case, _c, compose_cfg, write_case_data
+from tests.recipe.test_options import (
+    BASE,
+    SECTIONS,
+    BehaviourHarness,
+    Case,
+    _c,
+    check_pointers,
+    compose_cfg,
+    declare_honoured,
+    write_case_data,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 EMB = "recipe.gepo.embedded"
@@ -375,9 +385,8 @@ def test_every_async_only_option_has_a_behaviour_case():
     assert not set(CASES_ASYNC) & set(OBSERVED_ELSEWHERE)
     from recipe.gepo.sections import TrustConfig
 
-    for key, (where, site, hands_on) in OBSERVED_ELSEWHERE.items():
-        path, _, name = where.partition("::")
-        assert re.search(rf"^def {name}\(", (ROOT / path).read_text(), re.M), f"{key}: {where}"
+    check_pointers({key: where for key, (where, _, _) in OBSERVED_ELSEWHERE.items()})
+    for key, (_, site, hands_on) in OBSERVED_ELSEWHERE.items():
         assert hands_on in _site_source(site), f"{key}: {site} does not hand it on ({hands_on})"
         if key.startswith("hetero.trust."):  # the ledger TrustGate builds takes it
             assert key.rpartition(".")[2] in TrustConfig._LEDGER_FIELDS.values(), key
@@ -527,15 +536,9 @@ def test_the_harness_catches_an_option_declared_honoured_that_is_not_read(harnes
     """Plant ``verl_engine.preset`` (the verl engine's plan prints it; the embedded engine never
     reads it) among the options async mode honours: the coverage check and the behaviour check
     both fail."""
-    import dataclasses
-
     from recipe.gepo.sections import VerlEngineConfig
 
-    planted = next(f for f in dataclasses.fields(VerlEngineConfig) if f.name == "preset")
-    declared = options.honoured_by
-    monkeypatch.setattr(
-        options, "honoured_by", lambda field: (*declared(field), options.ASYNC) if field is planted else declared(field)
-    )
+    declare_honoured(monkeypatch, VerlEngineConfig, "preset", options.ASYNC)
     with pytest.raises(AssertionError, match="declared honoured by async with no case"):
         test_every_async_only_option_has_a_behaviour_case()
     with pytest.raises(

@@ -15,7 +15,6 @@ but not read is caught (the harness can fail)."""
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import os
@@ -29,7 +28,15 @@ from omegaconf import OmegaConf
 
 from recipe.gepo import options
 from recipe.gepo.sections import HeteroConfig
-from tests.recipe.test_options import SECTIONS, BehaviourHarness, Case, _c, write_case_data
+from tests.recipe.test_options import (
+    SECTIONS,
+    BehaviourHarness,
+    Case,
+    _c,
+    check_pointers,
+    declare_honoured,
+    write_case_data,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG_DIR = ROOT / "recipe" / "gepo" / "config"
@@ -129,21 +136,14 @@ def honoured_verl_keys() -> set[str]:
     }
 
 
-def _check_pointers(pointers: dict[str, str]) -> None:
-    for key, where in pointers.items():
-        path, _, name = where.partition("::")
-        assert (ROOT / path).is_file(), f"{key}: {path}"
-        assert not name or re.search(rf"^def {name}\(", (ROOT / path).read_text(), re.M), f"{key}: {where}"
-
-
 def test_every_honoured_verl_option_has_a_behaviour_case():
     covered = set(CASES_VERL) | set(OBSERVED_ELSEWHERE) | set(SELECTORS)
     honoured = honoured_verl_keys()
     assert honoured - covered == set(), "declared honoured by the verl engine with no behaviour case"
     assert covered - honoured == set(), "a behaviour case for an option the verl engine does not honour"
     assert set(ALSO_IN_VERLS_LOOP) <= honoured
-    _check_pointers(OBSERVED_ELSEWHERE)
-    _check_pointers(ALSO_IN_VERLS_LOOP)
+    check_pointers(OBSERVED_ELSEWHERE)
+    check_pointers(ALSO_IN_VERLS_LOOP)
 
 
 def _table_digest(path: Path) -> str:
@@ -262,11 +262,7 @@ def test_the_harness_catches_an_option_declared_honoured_that_is_not_read(harnes
     """Plant ``hetero.order`` (the embedded engine's buffer order; verl's replay buffer decides its
     own) among the options the verl engine honours: the coverage check and the behaviour check
     both fail."""
-    planted = next(f for f in dataclasses.fields(HeteroConfig) if f.name == "order")
-    declared = options.honoured_by
-    monkeypatch.setattr(
-        options, "honoured_by", lambda field: (*declared(field), options.VERL) if field is planted else declared(field)
-    )
+    declare_honoured(monkeypatch, HeteroConfig, "order", options.VERL)
     with pytest.raises(AssertionError, match="no behaviour case"):
         test_every_honoured_verl_option_has_a_behaviour_case()
     with pytest.raises(
