@@ -4,6 +4,7 @@
     python -m scripts.bench.bench_trust detection [--trials 200] [--fractions 0.05 0.1 0.25 0.5 1] [--out FILE]
     python -m scripts.bench.bench_trust spread [--batches 20] [--out FILE]
     python -m scripts.bench.bench_trust ratio [--model toy|smollm2] [--prompts 8] [--checkable] [--out FILE]
+    python -m scripts.bench.bench_trust components [--steps 40] [--lag 2] [--fraction 0.1] [--checkable] [--out FILE]
     python -m scripts.bench.bench_trust detection-table [--model toy|smollm2] [--setups fp32 bf16-on-fp32 bf16] [--trials 20]
 
 ``ratio``: in one process, one torch thread, the CPU time of each check per group against the CPU
@@ -12,6 +13,12 @@ time of the learner's ``train_step`` per group, on the same freshly generated gr
 without the run-to-run noise of ``overhead``; for the toy model and for a real pretrained LM
 (SmolLM2-135M-Instruct on cpu_smollm2_math's easy GSM8K problems, plain template), where a group's training is
 much more than one call's overhead.
+
+``components``: where the gate's CPU goes, per group and per part (signature, content digest,
+books, the rewards check's parts, loading a version, the re-score's forward, token check, CUSUM):
+honest groups of one sampler, signed, through the inbox's path and the real :class:`TrustGate` at
+the run's trust defaults, while a real learner trains on them and publishes a version every step
+(thread CPU time; see :func:`components`).
 
 ``spread``: the honest difference between a sampler's log-probs (the KV-cache sampler,
 ``verl_ext.sampling.generate``) and the learner's re-scoring of the same tokens (one full forward
@@ -388,6 +395,184 @@ def ratio(args) -> list[str]:
     return lines
 
 
+COMPONENTS = (
+    ("signature (Ed25519, the inbox against the enrolment)", "signature"),
+    ("content digest (replay books; begin and accepted)", "digest"),
+    ("books (ledger, quarantine, draw, awaiting; admit's glue)", "books"),
+    ("rewards: prompt decode + re-encode", "prompt_text"),
+    ("rewards: responses decoded", "batch_decode"),
+    ("rewards: task scoring + comparison", "scoring"),
+    ("advantages recomputed", "advantages"),
+    ("re-score: a version's weights decoded + loaded", "load"),
+    ("re-score: forward + comparison", "forward"),
+    ("token check", "token_check"),
+    ("CUSUM", "cusum"),
+)
+"""``components``' rows: (label, counter); every row is thread CPU time inside the gate's code path
+of a run with trust on (the record's decoding and validation happen with trust off too: apart)."""
+
+
+def components(args) -> list[str]:
+    """Where the gate's CPU goes per group: honest groups of one sampler, signed and sent as bytes,
+    pass the inbox's path (signature, decode, validation, :meth:`TrustGate.admit`,
+    :meth:`TrustGate.accepted`) under ``bench_async``'s async settings and trust defaults, while a
+    real learner trains on them and publishes a new version every step (the sampler ``--lag``
+    versions behind, as a run's staleness of ~2): each re-score then usually needs a version the
+    scorer does not hold yet, as in a run. The gate's own functions are wrapped with thread-CPU
+    timers (instance attributes and ``verify``'s module names: the code path is the gate's)."""
+    import collections
+    import time
+
+    import torch
+    from hydra import compose, initialize_config_dir
+
+    from .bench_async import COMMON, async_overrides
+    from recipe.gepo.embedded import verify
+    from recipe.gepo.embedded.driver import build_buffer, build_learner
+    from recipe.gepo.embedded.engine import EngineConfig
+    from recipe.gepo.embedded.policy import load_policy
+    from recipe.gepo.embedded.rollout import RolloutSettings, generate_groups
+    from recipe.gepo.embedded.tasks import Task, resolve_model_path
+    from verl_ext.hetero.auth import SamplerKey
+    from verl_ext.hetero.records import RecordRejected, RolloutGroup, validate_group
+    from verl_ext.hetero.weights import deserialize_state_dict, serialize_state_dict
+
+    torch.set_num_threads(1)
+    overrides = [
+        *COMMON,
+        *async_overrides(0.0, 1),
+        "trainer.logger=[]",
+        f"hetero.trust.verify_fraction={args.fraction}",
+        *(["hetero.trust.checkable_sampling=true"] if args.checkable else []),
+    ]
+    with initialize_config_dir(config_dir=str(REPO / "recipe/gepo/config"), version_base=None):
+        cfg = compose(config_name="gepo_trainer", overrides=overrides)
+    engine = EngineConfig.from_omegaconf(cfg)
+    task = Task(engine.task, 0)
+    path = resolve_model_path(engine.settings.model_path, engine.task, 0)
+    model, tokenizer = load_policy(path)
+    sampler, _ = load_policy(path)
+    sampler.eval()
+    buffer = build_buffer(engine, task)
+    gate = verify.TrustGate(engine, path, task, buffer)
+    learner = build_learner(model, tokenizer.pad_token_id, engine)
+    key = SamplerKey.generate("s0")
+    gate.enrol("s0", key.public_hex())
+    wire = "bf16" if engine.hetero.weights_bf16 else None
+    messages = {0: serialize_state_dict(model.state_dict(), 0, wire)}
+    gate.remember(0, messages[0])
+
+    spent: collections.Counter = collections.Counter()
+
+    def timed(name, fn):
+        def wrapper(*a, **k):
+            start = time.thread_time()
+            try:
+                return fn(*a, **k)
+            finally:
+                spent[name] += time.thread_time() - start
+
+        return wrapper
+
+    verifier = gate.verifier
+    for name in ("check_group_rewards", "_prompt_text", "measure_logprobs", "_load", "token_failure"):
+        setattr(verifier, name, timed(name, getattr(verifier, name)))
+    verifier.tokenizer.batch_decode = timed("batch_decode", verifier.tokenizer.batch_decode)
+    gate.cusum.add = timed("cusum", gate.cusum.add)
+    module_names = {"content_digest": verify.content_digest, "sequence_advantages": verify.sequence_advantages}
+    for name, fn in module_names.items():
+        setattr(verify, name, timed(name, fn))
+    s = engine.settings
+    settings = RolloutSettings(s.group_size, s.temperature, s.max_new_tokens)
+    groups_n, rescored, train_cpu, refused = 0, 0, 0.0, collections.Counter()
+    try:
+        for step in range(args.steps):
+            claimed = max(0, step - args.lag)
+            sampler.load_state_dict(deserialize_state_dict(messages[claimed])[1])
+            groups = generate_groups(
+                sampler,
+                tokenizer,
+                task.train_items(engine.settings.prompts_per_step, stream=1, index=step),
+                task.score,
+                settings,
+                engine.algorithm,
+                policy_version=claimed,
+                sampler_id="s0",
+                seed=step,
+                uid_prefix=f"s0-{step}",
+                checkable=args.checkable,
+            )
+            admitted = []
+            for sent in groups:
+                data = key.seal(sent.to_bytes())
+                t0 = time.thread_time()
+                _, record = gate.enrolment.open(data, sent.group_uid)
+                t1 = time.thread_time()
+                group = RolloutGroup.from_bytes(record)
+                validate_group(group, buffer.spec, learner_version=buffer.learner_version)
+                t2 = time.thread_time()
+                try:
+                    vouched = gate.admit(group)
+                    gate.accepted(group, vouched)
+                    admitted.append(group)
+                    rescored += bool(vouched)
+                except RecordRejected as refusal:
+                    refused[refusal.reason] += 1
+                t3 = time.thread_time()
+                spent["signature"] += t1 - t0
+                spent["record"] += t2 - t1
+                spent["gate"] += t3 - t2
+                groups_n += 1
+            start = time.thread_time()
+            learner.train_step(admitted or groups)
+            train_cpu += time.thread_time() - start if step else 0.0  # the first allocates the optimizer state
+            buffer.set_learner_version(step + 1)
+            messages[step + 1] = serialize_state_dict(model.state_dict(), step + 1, wire)
+            gate.remember(step + 1, messages[step + 1])
+    finally:
+        for name, fn in module_names.items():
+            setattr(verify, name, fn)
+    rewards = spent["check_group_rewards"]
+    part = {
+        "signature": spent["signature"],
+        "digest": spent["content_digest"],
+        "prompt_text": spent["_prompt_text"],
+        "batch_decode": spent["batch_decode"],
+        "advantages": spent["sequence_advantages"],
+        "scoring": rewards - spent["_prompt_text"] - spent["batch_decode"] - spent["sequence_advantages"],
+        "load": spent["_load"],
+        "forward": spent["measure_logprobs"] - spent["_load"] - spent["token_failure"],
+        "token_check": spent["token_failure"],
+        "cusum": spent["cusum"],
+    }
+    part["books"] = spent["gate"] - rewards - spent["measure_logprobs"] - spent["content_digest"] - spent["cusum"]
+    total = sum(part.values())
+    per_step_groups = groups_n / max(args.steps, 1)
+    train_per_group = train_cpu / max((args.steps - 1) * per_step_groups, 1)
+    lines = [
+        f"toy model, bench_async's async settings, {args.steps} learner steps x {per_step_groups:.0f} groups of "
+        f"G={s.group_size} from one sampler {args.lag} versions behind (a new version every step), verify_fraction "
+        f"{args.fraction:g}, checkable sampling {'on' if args.checkable else 'off'}, one torch thread; "
+        f"{groups_n} groups through the gate, {rescored} re-scored and vouched for (probation included), "
+        f"refused: {dict(refused) or 'none'}",
+        "",
+        "| component | CPU ms / group | share of the gate |",
+        "|---|---:|---:|",
+    ]
+    for label, name in COMPONENTS:
+        lines.append(f"| {label} | {1000 * part[name] / groups_n:.3f} | {100 * part[name] / total:.1f}% |")
+    lines += [
+        f"| **the gate, all** | **{1000 * total / groups_n:.3f}** | 100% |",
+        f"| (record decoded + validated: also with trust off) | {1000 * spent['record'] / groups_n:.3f} | - |",
+        f"| (learner train_step, for scale) | {1000 * train_per_group:.2f} | "
+        f"gate = {100 * total / groups_n / train_per_group:.1f}% of it |",
+    ]
+    kept = getattr(verifier, "_advantages", None)
+    if kept is not None:
+        lines.append(f"(advantages: {len(kept)} distinct (rewards, mask) inputs among {groups_n} groups)")
+    return lines
+
+
 DETECTION_MODELS = {
     "toy": [],
     "smollm2": [*SMOLLM2_TASK, "data.max_response_length=32"],
@@ -749,7 +934,12 @@ def main() -> None:
     ra.add_argument(
         "--checkable", action="store_true", help="hetero.trust.checkable_sampling on (seeded groups, the token check)"
     )
-    for p in (o, d, dt, sp, ra):
+    co = sub.add_parser("components")
+    co.add_argument("--steps", type=int, default=40)
+    co.add_argument("--lag", type=int, default=2, help="versions the sampler is behind the learner")
+    co.add_argument("--fraction", type=float, default=0.1, help="hetero.trust.verify_fraction")
+    co.add_argument("--checkable", action="store_true", help="hetero.trust.checkable_sampling on")
+    for p in (o, d, dt, sp, ra, co):
         p.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     from .bench_async import emit, loadavg
@@ -760,6 +950,7 @@ def main() -> None:
         "detection-table": detection_table,
         "spread": spread,
         "ratio": ratio,
+        "components": components,
     }[args.part]
     emit([f"(load at the start: {loadavg()})", *part(args)], args.out)
 

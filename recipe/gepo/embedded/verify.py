@@ -190,11 +190,30 @@ class KeptVersions:
             return version in self.versions
 
 
+def distinct_responses(group: RolloutGroup) -> tuple[np.ndarray, np.ndarray]:
+    """(the row of each distinct response, its tokens and mask, at its first appearance: int64 [D];
+    each of the group's rows' index among those: int64 [G]). A group's responses often coincide (a
+    confident model, a short answer: 3 distinct of 8 on the toy), and a row's log-probs depend on
+    its own tokens alone, so a re-score runs its forward on the D distinct rows and gives each row
+    its copy's (the forward's cost grows with the rows: 4.0 against 6.0 ms at 3 of 8 on the toy)."""
+    rows: dict[bytes, int] = {}
+    firsts: list[int] = []
+    row_of: list[int] = []
+    for i, (tokens, keep) in enumerate(zip(np.asarray(group.response_ids), np.asarray(group.response_mask))):
+        j = rows.setdefault(tokens.tobytes() + keep.tobytes(), len(rows))
+        if j == len(firsts):
+            firsts.append(i)
+        row_of.append(j)
+    return np.asarray(firsts, np.int64), np.asarray(row_of, np.int64)
+
+
 @torch.no_grad()
 def group_log_probs(model: torch.nn.Module, group: RolloutGroup, temperature: float) -> np.ndarray:
-    """float32 (G, R): log-probs of the group's response tokens under ``model`` (one forward pass,
-    padding positions as the model gives them; mask them with ``group.response_mask``)."""
-    g = group.response_ids.shape[0]
+    """float32 (G, R): log-probs of the group's response tokens under ``model`` (one forward pass
+    over its distinct responses, :func:`distinct_responses`; padding positions as the model gives
+    them: mask them with ``group.response_mask``)."""
+    firsts, row_of = distinct_responses(group)
+    d = len(firsts)
     prompt_mask = group.prompt_mask if group.prompt_mask is not None else np.ones_like(group.prompt_ids)
     device = next(model.parameters()).device  # the group's tokens go where the scorer is
 
@@ -203,32 +222,35 @@ def group_log_probs(model: torch.nn.Module, group: RolloutGroup, temperature: fl
 
     logprobs = sequence_token_log_probs(
         model,
-        ids(group.prompt_ids).expand(g, -1),
-        ids(prompt_mask).expand(g, -1),
-        ids(group.response_ids),
-        ids(group.response_mask),
+        ids(group.prompt_ids).expand(d, -1),
+        ids(prompt_mask).expand(d, -1),
+        ids(np.asarray(group.response_ids)[firsts]),
+        ids(np.asarray(group.response_mask)[firsts]),
         temperature,
     )
-    return logprobs.float().cpu().numpy()
+    return logprobs.float().cpu().numpy()[row_of]
 
 
 @torch.no_grad()
 def group_scores(model: torch.nn.Module, group: RolloutGroup, temperature: float) -> tuple[np.ndarray, torch.Tensor]:
     """One forward pass: the log-probs :func:`group_log_probs` gives and the logits [G, R, V] they
-    come from (those predicting each response token: the token check re-derives the tokens from them)."""
-    g = group.response_ids.shape[0]
+    come from (those predicting each response token: the token check re-derives the tokens from them;
+    the forward over the distinct responses, as :func:`group_log_probs`)."""
+    firsts, row_of = distinct_responses(group)
+    d = len(firsts)
     prompt_mask = group.prompt_mask if group.prompt_mask is not None else np.ones_like(group.prompt_ids)
     device = next(model.parameters()).device
 
     def ids(array: np.ndarray) -> torch.Tensor:
         return torch.as_tensor(array, device=device).long()
 
-    responses = ids(group.response_ids)
-    input_ids = torch.cat([ids(group.prompt_ids).expand(g, -1), responses], dim=1)
-    attention_mask = torch.cat([ids(prompt_mask).expand(g, -1), ids(group.response_mask)], dim=1)
+    responses = ids(np.asarray(group.response_ids)[firsts])
+    input_ids = torch.cat([ids(group.prompt_ids).expand(d, -1), responses], dim=1)
+    attention_mask = torch.cat([ids(prompt_mask).expand(d, -1), ids(np.asarray(group.response_mask)[firsts])], dim=1)
     position_ids = (attention_mask.cumsum(dim=-1) - 1).clamp(min=0)  # as sequence_token_log_probs
     logits = forward_logits(model, input_ids, attention_mask, position_ids)[:, len(group.prompt_ids) - 1 : -1]
-    return token_log_probs(logits, responses, temperature).float().cpu().numpy(), logits
+    logprobs = token_log_probs(logits, responses, temperature).float().cpu().numpy()
+    return logprobs[row_of], logits.index_select(0, torch.as_tensor(row_of, device=logits.device))
 
 
 class GroupVerifier:
@@ -267,6 +289,7 @@ class GroupVerifier:
         else:
             self.scorer, self.tokenizer = load_policy(model_path)
         self.scorer.eval()
+        self.scorer.config.use_cache = False  # one full forward per re-score: no KV cache to build
         self.scorer_precision = precision_of(self.scorer)
         self.task, self.temperature, self.algorithm_config = task, float(temperature), algorithm_config
         self.keep_versions = int(keep_versions)
@@ -280,6 +303,9 @@ class GroupVerifier:
         self.kept = KeptVersions(self.keep_versions)  # version -> the weight store's message
         self._loaded: Optional[int] = None
         self._lock = threading.Lock()  # the scorer: one re-score at a time
+        # (rewards, response mask) bytes -> the group-local estimator's advantages [G]: see _group_advantages
+        self._advantages: dict[tuple[bytes, tuple[int, ...], bytes], np.ndarray] = {}
+        self._scorer_tensors = self.scorer.state_dict(keep_vars=True)  # name -> the scorer's own tensor
 
     def remember(self, version: int, message: bytes) -> None:
         """Keep a published version's message (:meth:`WeightStore.publish` returns it; no copy)."""
@@ -349,10 +375,13 @@ class GroupVerifier:
             torch.as_tensor(group.response_ids, device="cpu"),
             torch.full_like(mask, self.tokenizer.pad_token_id),
         )
-        texts = self.tokenizer.batch_decode(responses, skip_special_tokens=True)
-        rewards = np.asarray(
-            [self.task.score(text, {"prompt": prompt, "answer": answer}) for text in texts], np.float32
-        )
+        # a group's responses often coincide (a confident model, a short answer): each distinct row of
+        # tokens is decoded and scored once, and its reward given to every row that has it
+        distinct: dict[tuple[int, ...], int] = {}  # a row's tokens -> its index among the distinct rows
+        row_of = [distinct.setdefault(tuple(row), len(distinct)) for row in responses.tolist()]
+        texts = self.tokenizer.batch_decode([list(row) for row in distinct], skip_special_tokens=True)
+        scores = np.asarray([self.task.score(text, {"prompt": prompt, "answer": answer}) for text in texts], np.float32)
+        rewards = scores[row_of]
         reported = np.asarray(group.rewards, np.float32)
         if reported.shape != rewards.shape or np.abs(reported - rewards).max() > REWARD_TOLERANCE:
             return "bad_rewards", f"reported {reported.tolist()}, recomputed {rewards.tolist()}"
@@ -366,11 +395,30 @@ class GroupVerifier:
             if wrong is not None:
                 return "bad_advantages", f"{wrong}: rewards {rewards.tolist()}, advantages {reported_adv.tolist()}"
             return None
-        uids = [group.group_uid] * len(rewards)
-        advantages = sequence_advantages(torch.from_numpy(rewards), mask, uids, self.algorithm_config).numpy()
+        advantages = self._group_advantages(rewards, mask, group.group_uid)
         if reported_adv.shape != advantages.shape or np.abs(reported_adv - advantages).max() > ADVANTAGE_TOLERANCE:
             return "bad_advantages", f"reported {reported_adv.tolist()}, recomputed {advantages.tolist()}"
         return None
+
+    ADVANTAGE_CACHE_SIZE = 4096
+    """Most (rewards, mask) pairs whose recomputed advantages :meth:`_group_advantages` keeps."""
+
+    def _group_advantages(self, rewards: np.ndarray, mask: torch.Tensor, uid: str) -> np.ndarray:
+        """float32 [G]: verl's group-local estimator (:func:`sequence_advantages`) on one group's
+        ``rewards`` [G] and response ``mask`` [G, R], all rows under one uid. Its result depends on
+        those inputs alone, and a run sees the same few again and again (the toy's 0/1 rewards over
+        responses of one length), so it is kept by their exact bytes (the oldest of
+        :attr:`ADVANTAGE_CACHE_SIZE` dropped first): verl's estimator costs more than the rest of
+        the rewards check on the toy (0.44 ms a group, ``bench_trust components``)."""
+        key = (rewards.tobytes(), tuple(mask.shape), mask.numpy().tobytes())
+        advantages = self._advantages.get(key)
+        if advantages is None:
+            uids = [uid] * len(rewards)
+            advantages = sequence_advantages(torch.from_numpy(rewards), mask, uids, self.algorithm_config).numpy()
+            self._advantages[key] = advantages
+            while len(self._advantages) > self.ADVANTAGE_CACHE_SIZE:
+                self._advantages.pop(next(iter(self._advantages)), None)
+        return advantages
 
     def rescore(self, group: RolloutGroup, with_logits: bool = False):
         """float32 (G, R): the group's token log-probs under the claimed version's weights, or None
@@ -378,9 +426,10 @@ class GroupVerifier:
         with self._lock:
             if not self._load(int(group.policy_version)):
                 return None
-            if with_logits:
-                return group_scores(self.scorer, group, self.temperature)
-            return group_log_probs(self.scorer, group, self.temperature)
+            with torch.inference_mode():  # the scorer is never trained: no autograd bookkeeping at all
+                if with_logits:
+                    return group_scores(self.scorer, group, self.temperature)
+                return group_log_probs(self.scorer, group, self.temperature)
 
     def _load(self, version: int) -> bool:
         """The scorer holds ``version``'s weights (decoded from its message when it did not); False
@@ -390,9 +439,23 @@ class GroupVerifier:
             return False
         if self._loaded != version:
             _, weights = deserialize_state_dict(message)
-            self.scorer.load_state_dict(weights, strict=True)
+            self._copy_weights(weights)
             self._loaded = version
         return True
+
+    def _copy_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        """The scorer's tensors overwritten in place with ``weights``: what ``load_state_dict``
+        (strict) does when every name and shape matches, as a published version's do, without its
+        walk over every module (half of loading a version on the toy, whose checks mostly need a
+        version the scorer does not hold yet); anything else goes through ``load_state_dict``,
+        which says what does not match."""
+        tensors = self._scorer_tensors
+        if weights.keys() != tensors.keys() or any(weights[k].shape != tensors[k].shape for k in tensors):
+            self.scorer.load_state_dict(weights, strict=True)
+            return
+        with torch.no_grad():
+            for name, tensor in weights.items():
+                tensors[name].copy_(tensor)
 
     def bounds_precision(self, precision: str) -> str:
         """:func:`bounds_precision_of` this verifier's scorer."""
