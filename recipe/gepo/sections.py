@@ -186,6 +186,16 @@ class TrustConfig:
     verdicts wait for some (the liar soak on two busy cores: 10 learner steps in 3 minutes against
     92 with false). Hence false by default; true is for a learner node with cores to spare."""
 
+    bounds_file: str = option("", honoured_by=(ASYNC,), instead=_NO_PUBLISHING_SAMPLERS)
+    """A calibration of bf16's bounds on the run's own model (``python -m recipe.gepo.calibrate``
+    writes it: honest bf16 groups re-scored as the gate re-scores them, bounds from their spread:
+    ``verl_ext.hetero.precision.calibrate``) in place of the table's, which come from
+    SmolLM2-135M's spread and are too wide to catch small lies on a model whose bf16 arithmetic
+    moves log q less, and may be too narrow for one that moves it more. Used for every group held
+    to bf16's bounds (a sampler declaring bf16, or any sampler when ``hetero.sampler_precision=bf16``),
+    near-tie margin of the token check included. Read at start; refused at start when unreadable or
+    when it was measured for another model, scorer precision or temperature. "" = the table's."""
+
     # TrustLedger's constructor argument -> the field (hetero.trust.<field>) that sets it
     _LEDGER_FIELDS = {
         "verify_fraction": "verify_fraction",
@@ -215,6 +225,33 @@ class TrustConfig:
                 "hetero.trust.enrolment_file is set but hetero.trust.sign_records=false: "
                 "the learner would not check signatures"
             )
+        self._calibration = None  # (precision -> Tolerance, measured facts), read once here: actors get it pickled
+        if self.bounds_file:
+            from verl_ext.hetero.precision import read_bounds_file
+
+            self._calibration = read_bounds_file(self.bounds_file)
+
+    def bounds(self):
+        """The run's :class:`~verl_ext.hetero.precision.TrustBounds`: the table, ``logprob_tolerance``
+        as fp32's bound on one token, ``bounds_file``'s calibration in place of the table's bf16."""
+        from verl_ext.hetero.precision import TrustBounds
+
+        calibration = getattr(self, "_calibration", None)
+        return TrustBounds(self.logprob_tolerance, dict(calibration[0]) if calibration else {})
+
+    def check_calibration(self, model: str, scorer_precision: str, temperature: float) -> None:
+        """Refuse a ``bounds_file`` measured for another model, scorer precision or temperature
+        than the run's (ValueError naming the key, the fact and both values)."""
+        calibration = getattr(self, "_calibration", None)
+        if not calibration:
+            return
+        measured = calibration[1]
+        for fact, run in (("model", model), ("scorer_precision", scorer_precision), ("temperature", temperature)):
+            if measured[fact] != run:
+                raise ValueError(
+                    f"hetero.trust.bounds_file={self.bounds_file!r} was measured with {fact}={measured[fact]!r}; "
+                    f"this run has {run!r} (python -m recipe.gepo.calibrate with the run's overrides measures it)"
+                )
 
     def ledger(self, seed: int):
         """The run's :class:`~verl_ext.hetero.trust.TrustLedger`."""

@@ -6,6 +6,7 @@
     python -m scripts.bench.bench_trust ratio [--model toy|smollm2] [--prompts 8] [--checkable] [--out FILE]
     python -m scripts.bench.bench_trust components [--steps 40] [--lag 2] [--fraction 0.1] [--checkable] [--out FILE]
     python -m scripts.bench.bench_trust detection-table [--model toy|smollm2] [--setups fp32 bf16-on-fp32 bf16] [--trials 20]
+        [--bounds SETUP=FILE ...]
 
 ``ratio``: in one process, one torch thread, the CPU time of each check per group against the CPU
 time of the learner's ``train_step`` per group, on the same freshly generated groups: the cost of
@@ -52,7 +53,9 @@ tokens from other weights or a truncated distribution with q true to them, a lie
 at its bump, a near copy of an accepted group: ``scripts/soak_harness/lies.py``, the soak's liars),
 ``--trials`` liars, each honest through its probation and then lying on every group: the lying
 groups the real :class:`TrustGate` admitted before the one it refused (the quarantine), at the
-run's ``verify_fraction``; a trial ends uncaught after ``--cap`` admitted.
+run's ``verify_fraction``; a trial ends uncaught after ``--cap`` admitted. ``--bounds SETUP=FILE``:
+that set-up's gate uses a calibration (``hetero.trust.bounds_file``, ``python -m recipe.gepo.calibrate``
+with the set-up's overrides) in place of the table's bf16 bounds.
 """
 
 from __future__ import annotations
@@ -613,7 +616,7 @@ class _Lab:
     the set-up's ``hetero.sampler_precision``) and one honest sampler in the set-up's precision, of the
     engine's own loading, with the weights of version 0 as the learner publishes them."""
 
-    def __init__(self, model_name: str, setup: str, fraction, seed: int):
+    def __init__(self, model_name: str, setup: str, fraction, seed: int, bounds_file: str = ""):
         import dataclasses
 
         from hydra import compose, initialize_config_dir
@@ -632,6 +635,7 @@ class _Lab:
             "hetero.trust.checkable_sampling=true",
             f"hetero.sampler_precision={DETECTION_SETUPS[setup][1]}",
             f"hetero.seed={seed}",
+            f"hetero.trust.bounds_file={bounds_file}",
             *DETECTION_MODELS[model_name],
         ]
         if fraction is not None:
@@ -790,11 +794,17 @@ def detection_table(args) -> list[str]:
         "| checked lying groups refused | refused by |",
         "|---|---|---:|---:|---:|---:|---:|---:|---|",
     ]
+    bounds = dict(item.split("=", 1) for item in args.bounds)
+    unknown = sorted(set(bounds) - set(DETECTION_SETUPS))
+    if unknown:
+        raise SystemExit(
+            f"--bounds: unknown set-up(s) {unknown}; expected SETUP=FILE with SETUP one of {list(DETECTION_SETUPS)}"
+        )
     for setup in args.setups:
         precision, scorer = DETECTION_SETUPS[setup]
-        name = f"{precision} / {scorer}"
+        name = f"{precision} / {scorer}" + (" (calibrated)" if setup in bounds else "")
         # false alarms: honest groups from several samplers, every one checked (verify_fraction 1)
-        lab = _Lab(args.model, setup, 1.0, args.seed)
+        lab = _Lab(args.model, setup, 1.0, args.seed, bounds.get(setup, ""))
         tol = lab.gate.verifier.tolerance(precision)
         reasons: collections.Counter = collections.Counter()
         peak, peak_bias, offered = 0.0, 0.0, 0
@@ -819,7 +829,7 @@ def detection_table(args) -> list[str]:
         )
         print(honest_lines[-1], flush=True)
         # lies: a fresh liar each trial, at the run's verify_fraction (or --fraction)
-        lab = _Lab(args.model, setup, args.fraction, args.seed)
+        lab = _Lab(args.model, setup, args.fraction, args.seed, bounds.get(setup, ""))
         pool = lab.groups(args.pool, stream=3, index=0)
         start = 0
         for label, kind, size in TABLE_LIES:
@@ -926,6 +936,9 @@ def main() -> None:
     dt.add_argument("--cap", type=int, default=100, help="lying groups admitted that end a trial uncaught")
     dt.add_argument("--fraction", type=float, default=None, help="verify_fraction (default: the config's)")
     dt.add_argument("--seed", type=int, default=0)
+    dt.add_argument(
+        "--bounds", nargs="*", default=[], metavar="SETUP=FILE", help="a set-up's bf16 bounds from a calibration file"
+    )
     sp = sub.add_parser("spread")
     sp.add_argument("--batches", type=int, default=20)
     ra = sub.add_parser("ratio")

@@ -172,11 +172,18 @@ OBSERVED_ELSEWHERE = {
         f"{EMB}.verify:TrustGate.__init__",
         "trust.ledger(",
     ),
+    "hetero.trust.bounds_file": (
+        "tests/recipe/embedded/test_trust_calibration.py::test_a_calibration_catches_a_lie_the_table_lets_through",
+        f"{EMB}.verify:TrustGate.__init__",
+        "trust.bounds()",
+    ),
 }
 """Honoured (option, async) pairs whose effect needs a moment no 2-step run of an honest toy
 decides: a take that finds groups of two versions (``order``), a sampler two versions behind
 when it next looks (``max_delta_chain``), a failed check then a passed one (``trust_recovery``),
-a sampler's window of consumed groups straddling the bound (``divergence_window``). Each names
+a sampler's window of consumed groups straddling the bound (``divergence_window``), a bf16
+sampler re-scored by an fp32 learner (``bounds_file``: a run's samplers and scorer share
+``hetero.sampler_precision``, and bf16 against bf16 on the tiny model is exact). Each names
 the test that shows the effect, and the async-mode code that hands the key to it (the buffer,
 the weight store, the trust ledger that ``TrustGate`` builds from ``hetero.trust``)."""
 
@@ -388,8 +395,10 @@ def test_every_async_only_option_has_a_behaviour_case():
     check_pointers({key: where for key, (where, _, _) in OBSERVED_ELSEWHERE.items()})
     for key, (_, site, hands_on) in OBSERVED_ELSEWHERE.items():
         assert hands_on in _site_source(site), f"{key}: {site} does not hand it on ({hands_on})"
-        if key.startswith("hetero.trust."):  # the ledger TrustGate builds takes it
+        if hands_on == "trust.ledger(":  # the ledger TrustGate builds takes it
             assert key.rpartition(".")[2] in TrustConfig._LEDGER_FIELDS.values(), key
+        if hands_on == "trust.bounds()":  # the bounds TrustGate builds read it
+            assert f"self.{key.rpartition('.')[2]}" in inspect.getsource(TrustConfig.validate), key
 
 
 def _shape(path: str) -> str:

@@ -23,7 +23,7 @@ seed per group from :func:`group_seed`), the seed travels in the group's signed 
 logits of the forward it already runs to re-score q. :func:`sample` and :func:`check_tokens` are
 the two halves on their own (one full forward a step: a reference).
 
-The tie margin a precision allows (:data:`TIE_MARGINS`): the noised scores of two tokens are
+The tie margin a precision allows (:data:`~verl_ext.hetero.precision.TIE_MARGINS`, or a calibration's): the noised scores of two tokens are
 log q + g (up to one shared constant), so their difference moves between two computations by at
 most the sum of the two tokens' |Δ log q|: twice the largest honest |Δ log q| a token measured
 for that precision.
@@ -41,17 +41,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-
-TIE_MARGINS: dict[str, float] = {
-    # fp32: the largest honest |Δ log q| a token is 6.7e-5 (SmolLM2, CUDA vs CUDA; GPU_FIRST_RUN.md 3,
-    # 4): a margin 2e-3 is 15x twice that, and 1e-3 above the hetero.trust tolerance on one token.
-    "fp32": 2e-3,
-    # bf16: 0.60 is the largest honest |Δ log q| a token (SmolLM2, CUDA bf16 vs fp32; GPU_FIRST_RUN.md 4),
-    # so two tokens' noised scores move apart by 1.2 at most; bf16's argmax differs from fp32's at
-    # 1.95% of SmolLM2's tokens, with the best two within 0.1 at 1.6% (GPU_FIRST_RUN.md 5).
-    "bf16": 1.2,
-}
-"""The largest (best - chosen) noised score a checked token may have, per declared precision."""
+from .precision import TIE_MARGINS  # noqa: F401 - the margins live beside the other bounds
 
 
 def group_seed(base_seed: int, index: int) -> int:

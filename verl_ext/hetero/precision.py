@@ -26,7 +26,7 @@ bf16, re-scored in fp32; its table is in docs/reliability.md).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields, replace
 from typing import Optional
 
 import numpy as np
@@ -45,6 +45,8 @@ class Tolerance:
     cusum_limit: the sum of (mean |Δ| - reference) over a sampler's checked groups that fails it.
     bias_reference: the |mean signed Δ| per token the bias CUSUMs subtract.
     bias_limit: the sum of (±mean signed Δ - bias_reference) that fails a sampler.
+    tie_margin: the token check's near-tie allowance (``verl_ext.hetero.gumbel``); None: the
+        precision's :data:`TIE_MARGINS` (a calibration sets its own).
     """
 
     token_max: float
@@ -54,6 +56,7 @@ class Tolerance:
     cusum_limit: float
     bias_reference: float
     bias_limit: float
+    tie_margin: Optional[float] = None
 
 
 TOLERANCES: dict[str, Tolerance] = {
@@ -99,6 +102,19 @@ TOLERANCES: dict[str, Tolerance] = {
     ),
 }
 PRECISIONS = tuple(TOLERANCES)
+
+TIE_MARGINS: dict[str, float] = {
+    # fp32: the largest honest |Δ log q| a token is 6.7e-5 (SmolLM2, CUDA vs CUDA; GPU_FIRST_RUN.md 3,
+    # 4): a margin 2e-3 is 15x twice that, and 1e-3 above the hetero.trust tolerance on one token.
+    "fp32": 2e-3,
+    # bf16: 0.60 is the largest honest |Δ log q| a token (SmolLM2, CUDA bf16 vs fp32; GPU_FIRST_RUN.md 4),
+    # so two tokens' noised scores move apart by 1.2 at most; bf16's argmax differs from fp32's at
+    # 1.95% of SmolLM2's tokens, with the best two within 0.1 at 1.6% (GPU_FIRST_RUN.md 5).
+    "bf16": 1.2,
+}
+"""The token check's near-tie allowance (``verl_ext.hetero.gumbel``): the largest (best - chosen) noised
+score a checked token may have, per declared precision. The noised scores of two tokens move apart
+between two computations by at most the sum of their |Δ log q|: twice the largest honest one."""
 
 
 def precision_of(model) -> str:
@@ -206,3 +222,223 @@ class MismatchCusum:
     def load_state_dict(self, state: dict) -> None:
         self.sums = {str(k): float(v) for k, v in state.get("sums", {}).items()}
         self.bias = {str(k): (float(v[0]), float(v[1])) for k, v in state.get("bias", {}).items()}
+
+
+# ---------------------------------------------------------------------------------------------------
+# Per-model calibration of bf16's bounds
+#
+# The table's bf16 bounds come from SmolLM2-135M's honest spread. A model whose honest bf16 arithmetic
+# moves log q less (the toy: its largest group mean |Δ| 0.022 against SmolLM2's 0.058) lets lies
+# under them through (q x 1.05 on the toy is never refused); a larger model, longer responses or
+# other kernels may move it more and have honest samplers quarantined. A calibration measures the
+# run's own model, at its own lengths, temperature and device (``python -m recipe.gepo.calibrate``),
+# and ``hetero.trust.bounds_file`` puts its bounds in place of the table's.
+
+CALIBRATION_RULE = {
+    "token_max": "3 x the largest honest |Δ log q| a token, or 1.5 x the largest of `horizon` groups under a "
+    "fit of the honest sample's upper tail (exponential past its 75th percentile), whichever is larger",
+    "group_mean_abs": "2 x the largest honest group mean |Δ|, or 1.5 x the fit's largest of `horizon` groups",
+    "group_kl": "4 x the largest honest group mismatch KL, or the square of 1.5 x the fit's largest sqrt(KL) of "
+    "`horizon` groups",
+    "tie_margin": "token_max's bound (two tokens' noised scores move apart by the sum of their |Δ|)",
+    "reference": "the 90th percentile of honest group mean |Δ|, and at least 1.5 x their mean (so that an honest "
+    "sampler's sum drifts down)",
+    "bias_reference": "the 90th percentile of honest group |mean signed Δ|, and at least 1.5 x |their mean|",
+    "cusum_limit": "1.5 x the largest sum any of `trials` simulated honest samplers reached in `horizon` "
+    "checked groups (groups resampled from the sample, and drawn with the fitted tail)",
+    "bias_limit": "the same rule for the signed sums, each way (drawn from a normal fit of the signed means)",
+}
+"""How :func:`calibrate` turns a sample of honest groups into bounds (written into every bounds file)."""
+
+
+class _HonestTail:
+    """The upper tail of one honest statistic x >= 0, past the sample's 75th percentile u, modelled
+    as exponential (peaks over a threshold): P(x > u + y) = share x exp(-y / scale), ``share`` the
+    sample's fraction above u, ``scale`` their mean excess. A sample of a hundred groups says
+    little about the tail a run of ten thousand checked groups reaches; this extrapolates it from
+    the sample's own largest values (and from no assumption about the bulk: bf16 against bf16 on
+    one machine is exactly 0 in most groups)."""
+
+    def __init__(self, values: np.ndarray):
+        self.values = values
+        self.threshold = float(np.percentile(values, 75))
+        above = values[values > self.threshold]
+        self.share = len(above) / max(len(values), 1)
+        self.scale = float((above - self.threshold).mean()) if len(above) else 0.0
+
+    def largest_of(self, n: int, false_alarm: float) -> float:
+        """The value the largest of ``n`` draws exceeds with probability ``false_alarm``."""
+        if self.share == 0:
+            return self.threshold
+        return self.threshold + self.scale * max(0.0, float(np.log(self.share * n / false_alarm)))
+
+    def draw(self, rng: np.random.Generator, size: int) -> np.ndarray:
+        """Groups resampled from the sample, those past the threshold redrawn from the tail."""
+        x = rng.choice(self.values, size=size)
+        tail = x > self.threshold
+        x[tail] = self.threshold + rng.exponential(self.scale, int(tail.sum()))
+        return x
+
+
+def _largest_cusum_sum(draw, reference: float, horizon: int, trials: int) -> float:
+    """The largest one-sided CUSUM max(0, S + x - reference) any of ``trials`` simulated honest
+    samplers reaches over ``horizon`` checked groups, ``draw(size)`` giving each step's x."""
+    sums = np.zeros(trials)
+    peak = 0.0
+    for _ in range(horizon):
+        sums = np.maximum(0.0, sums + draw(trials) - reference)
+        peak = max(peak, float(sums.max()))
+    return peak
+
+
+def calibrate(
+    honest: list[Mismatch], horizon: int = 10_000, trials: int = 200, seed: int = 0, false_alarm: float = 0.01
+) -> Tolerance:
+    """Bounds for one precision from a sample of honest groups (:data:`CALIBRATION_RULE`), set so
+    that an honest sampler sending ``horizon`` checked groups is failed with probability about
+    ``false_alarm`` at most: each per-group bound the larger of a multiple of the sample's largest
+    value and 1.5x the largest of ``horizon`` groups under the sample's fitted tail
+    (:class:`_HonestTail`); the CUSUMs' references a high percentile (above the honest mean), their
+    limits 1.5x the largest sum any of ``trials`` simulated honest samplers reached, groups drawn
+    from the sample and from the fitted tail."""
+    if len(honest) < 16:
+        raise ValueError(f"calibrate: {len(honest)} honest groups; at least 16 are needed for a percentile")
+    token = np.asarray([m.token_max for m in honest], np.float64)
+    mean_abs = np.asarray([m.mean_abs for m in honest], np.float64)
+    kl = np.asarray([m.kl for m in honest], np.float64)
+    signed = np.asarray([m.mean_signed for m in honest], np.float64)
+    if not all(np.isfinite(v).all() for v in (token, mean_abs, kl, signed)):
+        raise ValueError("calibrate: an honest group's mismatch is NaN or infinite")
+    rng = np.random.default_rng(seed)
+
+    def bound(values: np.ndarray, multiple: float, power: int = 1) -> float:
+        """The per-group bound; ``power`` 2 for the KL, a square of |Δ| (its tail fitted on sqrt(KL),
+        which is on |Δ|'s scale: an exponential tail of the KL itself is too light)."""
+        tail = _HonestTail(values ** (1.0 / power)).largest_of(horizon, false_alarm)
+        return max(multiple * float(values.max()), (1.5 * tail) ** power)
+
+    def limit(values: np.ndarray, reference: float, fitted) -> float:
+        resampled = _largest_cusum_sum(lambda size: rng.choice(values, size=size), reference, horizon, trials)
+        return 1.5 * max(resampled, _largest_cusum_sum(fitted, reference, horizon, trials))
+
+    tail = _HonestTail(mean_abs)
+    # the signed mean is close to zero-mean noise: a normal fit
+    mu, sigma = float(signed.mean()), float(signed.std(ddof=1))
+
+    # above the honest mean, or an honest sampler's sum grows without end (a sample whose groups
+    # are mostly exact, bf16 against bf16 on one machine, has a 90th percentile of 0)
+    reference = max(float(np.percentile(mean_abs, 90)), 1.5 * float(mean_abs.mean()))
+    bias_reference = max(float(np.percentile(np.abs(signed), 90)), 1.5 * abs(float(signed.mean())))
+    token_bound = bound(token, 3.0)
+    tiny = 1e-9  # a sample of identical arithmetic gives zeros: keep bounds > 0
+    return Tolerance(
+        token_max=max(token_bound, tiny),
+        group_mean_abs=max(bound(mean_abs, 2.0), tiny),
+        group_kl=max(bound(np.maximum(kl, 0.0), 4.0, power=2), tiny),
+        reference=max(reference, tiny),
+        cusum_limit=max(limit(mean_abs, reference, lambda size: tail.draw(rng, size)), tiny),
+        bias_reference=max(bias_reference, tiny),
+        bias_limit=max(
+            limit(signed, bias_reference, lambda size: rng.normal(mu, sigma, size)),
+            limit(-signed, bias_reference, lambda size: rng.normal(-mu, sigma, size)),
+            tiny,
+        ),
+        tie_margin=max(token_bound, tiny),
+    )
+
+
+@dataclass(frozen=True)
+class TrustBounds:
+    """The bounds a run's checks apply: :data:`TOLERANCES` and :data:`TIE_MARGINS`, with
+    ``logprob_tolerance`` as fp32's bound on one token and a calibration's bounds in place of the
+    table's for the precisions it names (``hetero.trust.bounds_file``: bf16).
+
+    Whose bounds a group gets: the precision it declares, or bf16's when the learner re-scores in
+    bf16 (``hetero.sampler_precision=bf16``: the re-score has bf16's spread itself)."""
+
+    logprob_tolerance: float = 1e-3
+    calibrated: dict = field(default_factory=dict)  # precision -> Tolerance
+
+    def bounds_precision(self, scorer_precision: str, precision: str) -> str:
+        return "bf16" if scorer_precision == "bf16" else precision
+
+    def tolerance(self, scorer_precision: str, precision: str) -> Tolerance:
+        """The bounds for a sampler declaring ``precision`` (a known one) to a scorer in ``scorer_precision``."""
+        precision = self.bounds_precision(scorer_precision, precision)
+        if precision in self.calibrated:
+            return self.calibrated[precision]
+        tolerance = TOLERANCES[precision]
+        return replace(tolerance, token_max=float(self.logprob_tolerance)) if precision == "fp32" else tolerance
+
+    def tie_margin(self, scorer_precision: str, precision: str) -> float:
+        """The token check's near-tie margin for that sampler."""
+        tolerance = self.tolerance(scorer_precision, precision)
+        if tolerance.tie_margin is not None:
+            return float(tolerance.tie_margin)
+        return TIE_MARGINS[self.bounds_precision(scorer_precision, precision)]
+
+
+CALIBRATED_PRECISIONS = ("bf16",)
+"""What a bounds file may name: fp32's honest spread is arithmetic noise at 1e-5 a token, bounded by
+``hetero.trust.logprob_tolerance`` and the table; bf16's depends on the model."""
+BOUND_FIELDS = tuple(f.name for f in fields(Tolerance))
+MATCHED_FACTS = ("model", "scorer_precision", "temperature")
+"""What a bounds file records about its measurement and a run using it must share (the honest spread
+depends on each); the rest (device, lengths, groups) is recorded for the reader."""
+
+
+def bounds_file_payload(precision: str, tolerance: Tolerance, measured: dict) -> dict:
+    """The JSON a calibration writes: ``bounds`` (precision -> fields), ``measured`` (what, where,
+    the honest sample's statistics; :data:`MATCHED_FACTS` among them) and ``rule`` (a tolerance
+    without its own tie margin gets the precision's :data:`TIE_MARGINS`)."""
+    if tolerance.tie_margin is None:
+        tolerance = replace(tolerance, tie_margin=TIE_MARGINS[precision])
+    return {
+        "bounds": {precision: {name: getattr(tolerance, name) for name in BOUND_FIELDS}},
+        "measured": measured,
+        "rule": CALIBRATION_RULE,
+    }
+
+
+def read_bounds_file(path: str, key: str = "hetero.trust.bounds_file") -> tuple[dict, dict]:
+    """(precision -> :class:`Tolerance`, the ``measured`` facts) of a bounds file; ValueError naming
+    ``key`` and the bad part (unreadable, not JSON, a precision it may not name, a missing,
+    unknown or non-positive field, a missing fact of :data:`MATCHED_FACTS`)."""
+    import json
+    import math
+
+    where = f"{key}={path!r}"
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except OSError as err:
+        raise ValueError(f"{where}: cannot be read ({err.strerror or err})") from None
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{where}: not JSON ({err})") from None
+    if not isinstance(data, dict) or not isinstance(data.get("bounds"), dict) or not data["bounds"]:
+        raise ValueError(f"{where}: expected an object with 'bounds' (python -m recipe.gepo.calibrate writes one)")
+    measured = data.get("measured")
+    if not isinstance(measured, dict) or any(fact not in measured for fact in MATCHED_FACTS):
+        raise ValueError(f"{where}: 'measured' must record {', '.join(MATCHED_FACTS)}")
+    bounds = {}
+    for precision, values in data["bounds"].items():
+        if precision not in CALIBRATED_PRECISIONS:
+            raise ValueError(
+                f"{where}: bounds for {precision!r}; a bounds file calibrates {', '.join(CALIBRATED_PRECISIONS)} "
+                "(fp32's bound on one token is hetero.trust.logprob_tolerance)"
+            )
+        if not isinstance(values, dict):
+            raise ValueError(f"{where}: bounds.{precision} must be an object of {', '.join(BOUND_FIELDS)}")
+        unknown = sorted(set(values) - set(BOUND_FIELDS))
+        missing = [name for name in BOUND_FIELDS if name not in values]
+        if unknown or missing:
+            raise ValueError(f"{where}: bounds.{precision}: unknown {unknown}, missing {missing}")
+        for name, value in values.items():
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, (int, float))
+                or not (math.isfinite(value) and value > 0)
+            ):
+                raise ValueError(f"{where}: bounds.{precision}.{name}={value!r} must be a finite number > 0")
+        bounds[precision] = Tolerance(**{name: float(v) for name, v in values.items()})
+    return bounds, measured

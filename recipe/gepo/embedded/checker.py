@@ -81,7 +81,7 @@ class TrustChecker:
             engine.settings.temperature,
             engine.algorithm,
             keep_versions=1,  # the version being checked; the learner holds the others
-            logprob_tolerance=trust.logprob_tolerance,
+            bounds=trust.bounds(),
             check_rewards=trust.check_rewards,
             placement=Placement.of(hetero),
             checkable_sampling=trust.checkable_sampling,

@@ -98,7 +98,16 @@ class EngineConfig:
         engine.notes = check_dependencies(cfg, defaults, engine.runner)
         rollout_correction_settings(engine.algorithm)  # names a value the learner cannot do
         engine.task.check_files()
+        engine.hetero.trust.check_calibration(
+            model_identity(engine), engine.hetero.sampler_precision, engine.settings.temperature
+        )
         return engine
+
+
+def model_identity(engine: EngineConfig) -> str:
+    """The model a calibration is measured on, as the config names it: the model folder, the
+    task's built-in model, or the toy task's warm start (``hetero.trust.bounds_file``)."""
+    return engine.settings.model_path or engine.task.model or f"warm start of task.name={engine.task.name}"
 
 
 def check_registered(loss_mode: str, adv_estimator: Any) -> None:

@@ -11,7 +11,8 @@ advantages. :class:`GroupVerifier` re-derives them on the learner:
   group within the bound can claim, and decodes one only when a check needs it), compared with the reported
   q within the bounds of the precision the group declares (``sampler_precision``: the largest
   |Δ| a token, fp32's being ``hetero.trust.logprob_tolerance``, the mean |Δ| and the mismatch KL a
-  token), and summed per sampler over its checked groups (:class:`~verl_ext.hetero.precision.MismatchCusum`,
+  token; bf16's measured on the run's own model when ``hetero.trust.bounds_file`` names a
+  calibration, :mod:`recipe.gepo.calibrate`), and summed per sampler over its checked groups (:class:`~verl_ext.hetero.precision.MismatchCusum`,
   so a small lie repeated adds up; :mod:`verl_ext.hetero.precision`). This catches q that is scaled,
   shuffled, copied from another version or reported at another temperature, and a claimed version
   other than the one used. Cost: one forward pass of the group
@@ -72,7 +73,7 @@ import os
 import threading
 import time
 from collections import Counter, OrderedDict
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import numpy as np
@@ -85,12 +86,12 @@ from .tasks import Task
 from verl_ext.algos.advantages import bnpo_group_mismatch
 from verl_ext.hetero.auth import Enrolment
 from verl_ext.hetero.buffer import RolloutBuffer
-from verl_ext.hetero.gumbel import TIE_MARGINS, TokenCheck, check_scores
+from verl_ext.hetero.gumbel import TokenCheck, check_scores
 from verl_ext.hetero.precision import (
-    TOLERANCES,
     Mismatch,
     MismatchCusum,
     Tolerance,
+    TrustBounds,
     group_mismatch,
     precision_of,
     precision_refusal,
@@ -106,20 +107,6 @@ GROUP_LOCAL_ESTIMATORS = ("grpo",)
 
 REWARD_TOLERANCE = 1e-6
 ADVANTAGE_TOLERANCE = 1e-4  # float32 arithmetic of the same estimator in another process
-
-
-def bounds_precision_of(scorer_precision: str, precision: str) -> str:
-    """Whose bounds a sampler declaring ``precision`` gets: its own, or bf16's when the scorer
-    runs in bf16 (``hetero.sampler_precision=bf16``: the re-score has bf16's spread itself)."""
-    return "bf16" if scorer_precision == "bf16" else precision
-
-
-def tolerance_of(scorer_precision: str, precision: str, logprob_tolerance: float) -> Tolerance:
-    """The bounds for a sampler declaring ``precision`` (a known one): the table's for
-    :func:`bounds_precision_of`, with ``logprob_tolerance`` as fp32's bound on one token."""
-    precision = bounds_precision_of(scorer_precision, precision)
-    tolerance = TOLERANCES[precision]
-    return replace(tolerance, token_max=float(logprob_tolerance)) if precision == "fp32" else tolerance
 
 
 @dataclass
@@ -263,7 +250,8 @@ class GroupVerifier:
         algorithm_config: verl's ``algorithm`` config (the advantage estimator).
         keep_versions: versions held for re-scoring (``max_delay + 1``: every version a group
             inside the bound can claim).
-        logprob_tolerance: ``hetero.trust.logprob_tolerance``.
+        bounds: the bounds of the checks (``hetero.trust.logprob_tolerance``, ``bounds_file``:
+            :meth:`TrustConfig.bounds <recipe.gepo.sections.TrustConfig.bounds>`).
         check_rewards: ``hetero.trust.check_rewards``.
         placement: the run's device and precisions: the re-scoring model is a sampler's (on
             ``hetero.device``, in ``hetero.sampler_precision``), since it recomputes a sampler's
@@ -279,7 +267,7 @@ class GroupVerifier:
         temperature: float,
         algorithm_config: Any,
         keep_versions: int,
-        logprob_tolerance: float,
+        bounds: TrustBounds,
         check_rewards: bool,
         placement: Optional[Placement] = None,
         checkable_sampling: bool = False,
@@ -293,7 +281,7 @@ class GroupVerifier:
         self.scorer_precision = precision_of(self.scorer)
         self.task, self.temperature, self.algorithm_config = task, float(temperature), algorithm_config
         self.keep_versions = int(keep_versions)
-        self.logprob_tolerance, self.check_rewards = float(logprob_tolerance), bool(check_rewards)
+        self.bounds, self.check_rewards = bounds, bool(check_rewards)
         self.checkable_sampling = bool(checkable_sampling)
         self.token_counts: Counter[str] = Counter()  # tokens checked / near ties / mismatches, all groups
         estimator = algorithm_config.get("adv_estimator", "grpo")
@@ -458,12 +446,12 @@ class GroupVerifier:
                 tensors[name].copy_(tensor)
 
     def bounds_precision(self, precision: str) -> str:
-        """:func:`bounds_precision_of` this verifier's scorer."""
-        return bounds_precision_of(self.scorer_precision, precision)
+        """Whose bounds a sampler declaring ``precision`` gets from this verifier's scorer."""
+        return self.bounds.bounds_precision(self.scorer_precision, precision)
 
     def tolerance(self, precision: str) -> Tolerance:
-        """:func:`tolerance_of` this verifier's scorer and ``logprob_tolerance``."""
-        return tolerance_of(self.scorer_precision, precision, self.logprob_tolerance)
+        """The bounds for a sampler declaring ``precision`` (:class:`TrustBounds`)."""
+        return self.bounds.tolerance(self.scorer_precision, precision)
 
     def measure_logprobs(self, group: RolloutGroup) -> tuple[Optional[tuple[str, str]], Optional[Mismatch]]:
         """(failure or None, the group's :class:`Mismatch`): q re-scored under the claimed version
@@ -491,7 +479,7 @@ class GroupVerifier:
 
     def tie_margin(self, precision: str) -> float:
         """The near-tie margin of the token check for a sampler declaring ``precision``."""
-        return TIE_MARGINS[self.bounds_precision(precision)]
+        return self.bounds.tie_margin(self.scorer_precision, precision)
 
     def token_failure(self, group: RolloutGroup, logits: torch.Tensor, precision: str) -> Optional[tuple[str, str]]:
         """The token check (``checkable_sampling``): each token re-derived from ``logits`` and the
@@ -598,6 +586,7 @@ class TrustGate:
         self.token_counts: Counter[str] = Counter()  # the token check's counts, all checked groups
         self.version_wait_s = self.VERSION_WAIT_S
         self.cusum = MismatchCusum()  # per sampler: small lies in q, summed over its checked groups
+        self.bounds = trust.bounds()  # the per-group bounds and the CUSUMs' (a calibration's, if given)
         self.checking = trust.verify_fraction > 0 or trust.check_rewards  # any check at all
         self.rescoring = trust.verify_fraction > 0
         # digest -> whether a copy arrived: groups between begin and finish (awaiting their verdict)
@@ -610,7 +599,7 @@ class TrustGate:
                 engine.settings.temperature,
                 engine.algorithm,
                 keep_versions=hetero.max_delay + 1,
-                logprob_tolerance=trust.logprob_tolerance,
+                bounds=trust.bounds(),
                 check_rewards=trust.check_rewards,
                 placement=Placement.of(hetero),
                 checkable_sampling=trust.checkable_sampling,
@@ -806,8 +795,8 @@ class TrustGate:
                     repeated = self.cusum.add(
                         sampler,
                         mismatch,
-                        tolerance_of(result.scorer_precision, precision, self.config.logprob_tolerance),
-                        bounds_precision_of(result.scorer_precision, precision),
+                        self.bounds.tolerance(result.scorer_precision, precision),
+                        self.bounds.bounds_precision(result.scorer_precision, precision),
                     )
                     if repeated is not None:
                         failure = ("bad_logprobs", repeated)

@@ -1,0 +1,176 @@
+"""Measure how far honest bf16 samplers of *this* run's model are from the learner's re-score, and
+write the bounds that follow (``hetero.trust.bounds_file``).
+
+    python -m recipe.gepo.calibrate --out bounds.json [--groups 128] [--prompts 16] [hydra overrides of the run...]
+
+The trust gate holds every group a sampler declares bf16 to bf16's bounds. The table's
+(``verl_ext.hetero.precision.TOLERANCES``) come from SmolLM2-135M's honest spread: too wide to catch
+small lies on a model whose bf16 arithmetic moves log q less, possibly too narrow for one that
+moves it more. This command measures the run's own model the way the gate will see it:
+
+1. the config is the run's (the same overrides: model, task, temperature, response length, group
+   size, ``hetero.device``, ``hetero.sampler_precision``, ``hetero.weights_bf16``);
+2. the weights of version 0 go through the weight store's message, as samplers and the gate get them;
+3. an honest sampler in bf16 on ``hetero.device`` draws ``--groups`` groups of the task's training
+   prompts with the engine's own rollout code (Gumbel-max when ``checkable_sampling`` is on);
+4. the gate's scorer (``hetero.sampler_precision`` on ``hetero.device``) re-scores each group with
+   one full forward, as :class:`~recipe.gepo.embedded.verify.GroupVerifier` does;
+5. per group the mismatch statistics of :func:`~verl_ext.hetero.precision.group_mismatch`, then
+   :func:`~verl_ext.hetero.precision.calibrate` (its rule is written into the file).
+
+The file records the model, the scorer's precision and the temperature (a run with others refuses
+it at start), and the device, lengths and honest sample's statistics for the reader. Samplers
+on other kernels (vLLM's) are not measured by this: run it on the samplers' kind of device, and
+re-calibrate when the model changes much (the spread is measured at the run's initial weights).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import shlex
+import sys
+from pathlib import Path
+
+import numpy as np
+
+CONFIG_DIR = Path(__file__).resolve().parent / "config"
+
+
+def compose_engine(overrides: list[str]):
+    """The run's validated :class:`~recipe.gepo.embedded.engine.EngineConfig` for ``overrides``."""
+    from hydra import compose, initialize_config_dir
+
+    from .embedded.engine import EngineConfig
+
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
+        cfg = compose(config_name="gepo_trainer", overrides=["trainer.logger=[]", *overrides])
+    return EngineConfig.from_omegaconf(cfg)
+
+
+def honest_mismatches(engine, groups: int, prompts: int, precision: str = "bf16", progress: bool = True) -> list:
+    """:class:`~verl_ext.hetero.precision.Mismatch` of ``groups`` honest groups drawn by a sampler in
+    ``precision`` and re-scored by the run's gate scorer (steps 2-4 of the module docstring)."""
+    import torch
+    from tqdm import tqdm
+
+    from .embedded.placement import Placement
+    from .embedded.policy import load_policy
+    from .embedded.rollout import RolloutSettings, generate_groups
+    from .embedded.tasks import Task, resolve_model_path
+    from .embedded.verify import group_log_probs
+    from verl_ext.hetero.precision import group_mismatch
+    from verl_ext.hetero.weights import deserialize_state_dict, serialize_state_dict
+
+    hetero, s = engine.hetero, engine.settings
+    task = Task(engine.task, hetero.seed)
+    path = resolve_model_path(s.model_path, engine.task, hetero.seed)
+    learner, _ = load_policy(path)
+    message = serialize_state_dict(learner.state_dict(), 0, "bf16" if hetero.weights_bf16 else None)
+    weights = deserialize_state_dict(message)[1]
+    placement = Placement.of(hetero)
+    scorer, tokenizer = placement.load_sampler(path)  # as GroupVerifier loads it
+    sampler, _ = dataclasses.replace(placement, sampler_precision=precision).load_sampler(path)
+    for model in (scorer, sampler):
+        model.load_state_dict(weights, strict=True)
+        model.eval()
+    settings = RolloutSettings(s.group_size, s.temperature, s.max_new_tokens)
+    stats = []
+    batches = -(-groups // prompts)
+    for index in tqdm(range(batches), desc="calibrate", unit="batch", disable=not progress):
+        n = min(prompts, groups - index * prompts)
+        drawn = generate_groups(
+            sampler,
+            tokenizer,
+            task.train_items(n, stream=97, index=index),  # a stream no sampler of a run uses
+            task.score,
+            settings,
+            engine.algorithm,
+            policy_version=0,
+            sampler_id="calibration",
+            seed=index,
+            uid_prefix=f"calibration-{index}",
+            checkable=hetero.trust.checkable_sampling,
+        )
+        with torch.no_grad():
+            for group in drawn:
+                rescored = group_log_probs(scorer, group, s.temperature)
+                stats.append(group_mismatch(group.sampler_logprobs, rescored, group.response_mask))
+    return stats
+
+
+def honest_summary(stats: list) -> dict:
+    """The honest sample's statistics a bounds file records (largest and median of each)."""
+    columns = {
+        "token_max": [m.token_max for m in stats],
+        "group_mean_abs": [m.mean_abs for m in stats],
+        "group_kl": [m.kl for m in stats],
+        "group_abs_mean_signed": [abs(m.mean_signed) for m in stats],
+    }
+    out = {f"{name}_largest": float(np.max(v)) for name, v in columns.items()}
+    out.update({f"{name}_median": float(np.median(v)) for name, v in columns.items()})
+    out["tokens"] = int(sum(m.tokens for m in stats))
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--out", required=True, help="the bounds file to write (hetero.trust.bounds_file)")
+    parser.add_argument("--groups", type=int, default=128, help="honest groups to measure (at least 16)")
+    parser.add_argument("--prompts", type=int, default=16, help="groups drawn per batch")
+    parser.add_argument(
+        "--horizon", type=int, default=10_000, help="checked groups per honest sampler the CUSUM limits are set for"
+    )
+    parser.add_argument("overrides", nargs="*", help="the run's hydra overrides (key=value)")
+    args = parser.parse_args(argv)
+    if args.groups < 16 or args.prompts < 1 or args.horizon < 1:
+        parser.error(
+            f"--groups {args.groups} (>= 16), --prompts {args.prompts} (>= 1), --horizon {args.horizon} (>= 1)"
+        )
+    out = Path(args.out)
+    if not out.parent.is_dir():
+        parser.error(f"--out {args.out}: no folder {out.parent}")
+
+    from verl_ext.hetero.precision import TOLERANCES, bounds_file_payload, calibrate
+    from verl_ext.torch_threads import set_torch_threads
+
+    from .embedded.engine import model_identity
+
+    set_torch_threads(1)
+    # the run's config, without a bounds file of its own (this measures one)
+    engine = compose_engine([*args.overrides, "hetero.trust.bounds_file="])
+    stats = honest_mismatches(engine, args.groups, args.prompts)
+    tolerance = calibrate(stats, horizon=args.horizon)
+    hetero, s = engine.hetero, engine.settings
+    measured = {
+        "model": model_identity(engine),
+        "scorer_precision": hetero.sampler_precision,
+        "temperature": s.temperature,
+        "sampler_precision": "bf16",
+        "device": hetero.device,
+        "weights_bf16": hetero.weights_bf16,
+        "groups": len(stats),
+        "group_size": s.group_size,
+        "max_new_tokens": s.max_new_tokens,
+        "horizon": args.horizon,
+        "honest": honest_summary(stats),
+        "command": "python -m recipe.gepo.calibrate " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:])),
+    }
+    out.write_text(json.dumps(bounds_file_payload("bf16", tolerance, measured), indent=2) + "\n")
+    table = TOLERANCES["bf16"]
+    print(
+        f"{len(stats)} honest bf16 groups ({measured['honest']['tokens']} tokens) of {measured['model']}, "
+        f"re-scored in {hetero.sampler_precision} on {hetero.device}"
+    )
+    print(f"{'bound':<16}{'table (SmolLM2)':>18}{'calibrated':>14}")
+    for field in dataclasses.fields(tolerance):
+        mine, theirs = getattr(tolerance, field.name), getattr(table, field.name)
+        print(f"{field.name:<16}{'-' if theirs is None else f'{theirs:.3g}':>18}{mine:>14.3g}")
+    print(f"wrote {out}: pass hetero.trust.bounds_file={out}")
+
+
+if __name__ == "__main__":
+    main()

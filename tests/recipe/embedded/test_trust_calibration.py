@@ -1,0 +1,129 @@
+"""bf16 bounds calibrated on the run's own model (``python -m recipe.gepo.calibrate``,
+``hetero.trust.bounds_file``): the command measures honest bf16 groups of the tiny toy model as the
+gate re-scores them, the real TrustGate then holds bf16 samplers to those bounds, and a config whose
+calibration was measured for another model or temperature is refused at start."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from recipe.gepo.calibrate import main as calibrate_main
+from recipe.gepo.embedded.engine import EngineConfig
+from recipe.gepo.embedded.policy import load_policy
+from recipe.gepo.options import ConfigError
+from verl_ext.hetero.precision import BOUND_FIELDS, TOLERANCES, Tolerance, bounds_file_payload, read_bounds_file
+
+from .helpers import TINY, compose_cfg
+from .test_trust_gate import Lab
+
+
+@pytest.fixture(scope="module")
+def calibration(tiny_model_path, tmp_path_factory):
+    """The command run on the tiny model (a bf16 sampler against the default fp32 scorer)."""
+    out = tmp_path_factory.mktemp("calibration") / "bounds.json"
+    calibrate_main(
+        [
+            "--out",
+            str(out),
+            "--groups",
+            "64",
+            *TINY,
+            f"actor_rollout_ref.model.path={tiny_model_path}",
+            "hetero.mode=async",
+        ]
+    )
+    return out
+
+
+def _bf16(model_path):
+    model, _ = load_policy(model_path)
+    return model.to(torch.bfloat16).eval()
+
+
+def _scaled(groups, factor):
+    """q reported as factor x log q: a small lie on every token (log q stays <= 0)."""
+    for g in groups:
+        g.sampler_logprobs = (g.sampler_logprobs * factor).astype(np.float32)
+    return groups
+
+
+def test_the_command_writes_bounds_from_the_models_own_spread(calibration, tiny_model_path):
+    bounds, measured = read_bounds_file(str(calibration))
+    data = json.loads(calibration.read_text())
+    assert measured["model"] == tiny_model_path and measured["scorer_precision"] == "fp32"
+    assert measured["groups"] == 64 and measured["temperature"] == 1.0 and "rule" in data
+    honest, mine, table = measured["honest"], bounds["bf16"], TOLERANCES["bf16"]
+    print({name: (getattr(mine, name), getattr(table, name)) for name in BOUND_FIELDS})
+    # every per-group bound above the largest honest value it was measured from
+    assert mine.token_max > honest["token_max_largest"] > 0
+    assert mine.group_mean_abs > honest["group_mean_abs_largest"]
+    assert mine.group_kl > honest["group_kl_largest"]
+    # the CUSUMs' references above the honest mean: honest sums drift down
+    assert mine.reference > honest["group_mean_abs_median"]
+    # this model's bf16 arithmetic moves log q far less than SmolLM2's: tighter than the table
+    assert mine.token_max < table.token_max and mine.group_mean_abs < table.group_mean_abs
+
+
+def test_a_calibration_catches_a_lie_the_table_lets_through(calibration, tiny_model_path, tmp_path):
+    bf16 = _bf16(tiny_model_path)
+    table = Lab(tiny_model_path, tmp_path / "table", "hetero.trust.verify_fraction=1")
+    mine = Lab(
+        tiny_model_path, tmp_path / "mine", "hetero.trust.verify_fraction=1", f"hetero.trust.bounds_file={calibration}"
+    )
+    assert mine.gate.verifier.tolerance("bf16") == read_bounds_file(str(calibration))[0]["bf16"]
+    assert mine.gate.verifier.tolerance("fp32") == table.gate.verifier.tolerance("fp32")  # fp32 untouched
+    # honest bf16 groups (prompts of another stream than the calibration's) pass both
+    for lab in (table, mine):
+        honest = [g for _ in range(4) for g in lab.groups("honest", n=8, model=bf16)]
+        assert [lab.offer(g) for g in honest] == [None] * len(honest)
+    # a sampler reporting q x 1.02 on every group: the table admits all of it (this model's log q are
+    # small: 1.02 x moves them under SmolLM2's honest spread), the calibration refuses it
+    verdicts = {}
+    for name, lab in (("table", table), ("calibrated", mine)):
+        liar = _scaled([g for _ in range(3) for g in lab.groups("liar", n=8, model=bf16)], 1.02)
+        verdicts[name] = [lab.offer(g) for g in liar]
+    print(verdicts)
+    assert verdicts["table"] == [None] * 24
+    assert "bad_logprobs" in verdicts["calibrated"]
+    assert verdicts["calibrated"].index("bad_logprobs") < 12  # within a dozen checked groups
+    assert mine.gate.ledger.refusal("liar") == "quarantined"
+
+
+def _engine(tmp_path, model_path, *overrides):
+    cfg = compose_cfg(
+        TINY + [f"actor_rollout_ref.model.path={model_path}", f"trainer.default_local_dir={tmp_path}", *overrides]
+    )
+    return EngineConfig.from_omegaconf(cfg)
+
+
+@pytest.mark.parametrize(
+    "fact, value, overrides",
+    [
+        ("model", "another/model", ()),
+        ("temperature", 0.7, ()),
+        ("scorer_precision", "fp32", ("hetero.sampler_precision=bf16",)),
+    ],
+)
+def test_a_calibration_of_another_model_temperature_or_scorer_is_refused_at_start(
+    tmp_path, tiny_model_path, fact, value, overrides
+):
+    measured = {"model": tiny_model_path, "scorer_precision": "fp32", "temperature": 1.0, fact: value}
+    path = tmp_path / "bounds.json"
+    path.write_text(json.dumps(bounds_file_payload("bf16", TOLERANCES["bf16"], measured)))
+    with pytest.raises(ConfigError, match=rf"hetero.trust.bounds_file=.*measured with {fact}="):
+        _engine(tmp_path, tiny_model_path, "hetero.mode=async", f"hetero.trust.bounds_file={path}", *overrides)
+    ok = {"model": tiny_model_path, "scorer_precision": "bf16" if overrides else "fp32", "temperature": 1.0}
+    path.write_text(json.dumps(bounds_file_payload("bf16", TOLERANCES["bf16"], ok)))
+    _engine(tmp_path, tiny_model_path, "hetero.mode=async", f"hetero.trust.bounds_file={path}", *overrides)
+
+
+def test_replay_mode_refuses_a_bounds_file(tmp_path, tiny_model_path):
+    path = tmp_path / "bounds.json"
+    measured = {"model": tiny_model_path, "scorer_precision": "fp32", "temperature": 1.0}
+    path.write_text(json.dumps(bounds_file_payload("bf16", Tolerance(**{n: 1.0 for n in BOUND_FIELDS}), measured)))
+    with pytest.raises(ConfigError, match="hetero.trust.bounds_file"):
+        _engine(tmp_path, tiny_model_path, "hetero.mode=replay", f"hetero.trust.bounds_file={path}")
