@@ -240,13 +240,6 @@ def group_scores(model: torch.nn.Module, group: RolloutGroup, temperature: float
     return logprobs[row_of], logits.index_select(0, torch.as_tensor(row_of, device=logits.device))
 
 
-def _keep(cache: dict, key: Any, value: Any, size: int) -> None:
-    """``cache[key] = value``, the oldest entries dropped past ``size`` (dicts keep insertion order)."""
-    cache[key] = value
-    while len(cache) > size:
-        cache.pop(next(iter(cache)))
-
-
 class GroupVerifier:
     """Re-derives a group's claims on the learner (see module docstring).
 
@@ -300,8 +293,6 @@ class GroupVerifier:
         self._lock = threading.Lock()  # the scorer: one re-score at a time
         # (rewards, response mask) bytes -> the group-local estimator's advantages [G]: see _group_advantages
         self._advantages: dict[tuple[bytes, tuple[int, ...], bytes], np.ndarray] = {}
-        self._prompts: dict[tuple[int, ...], Optional[str]] = {}  # prompt tokens -> its text (None: not a text)
-        self._scores: dict[tuple[str, tuple[int, ...]], float] = {}  # (prompt, response tokens) -> reward
         self._scorer_tensors = self.scorer.state_dict(keep_vars=True)  # name -> the scorer's own tensor
 
     def remember(self, version: int, message: bytes) -> None:
@@ -351,19 +342,14 @@ class GroupVerifier:
         return None
 
     def _prompt_text(self, group: RolloutGroup) -> Optional[str]:
-        """The prompt as the task wrote it, or None when its tokens are not the encoding of a text
-        (kept by the tokens: a run's groups come from a few prompts over and over)."""
+        """The prompt as the task wrote it, or None when its tokens are not the encoding of a text."""
         mask = group.prompt_mask if group.prompt_mask is not None else np.ones_like(group.prompt_ids)
-        ids = tuple(int(t) for t, keep in zip(group.prompt_ids, mask) if keep)
-        if ids in self._prompts:
-            return self._prompts[ids]
-        text = self.tokenizer.decode(list(ids), skip_special_tokens=False)
+        ids = [int(t) for t, keep in zip(group.prompt_ids, mask) if keep]
+        text = self.tokenizer.decode(ids, skip_special_tokens=False)
         bos = self.tokenizer.bos_token
         if bos and text.startswith(bos) and ids and ids[0] == self.tokenizer.bos_token_id:
             text = text[len(bos) :]
-        prompt = text if tuple(self.tokenizer(text)["input_ids"]) == ids else None
-        _keep(self._prompts, ids, prompt, self.CACHE_SIZE)
-        return prompt
+        return text if self.tokenizer(text)["input_ids"] == ids else None
 
     def check_group_rewards(self, group: RolloutGroup) -> Optional[tuple[str, str]]:
         prompt = self._prompt_text(group)
@@ -377,20 +363,13 @@ class GroupVerifier:
             torch.as_tensor(group.response_ids, device="cpu"),
             torch.full_like(mask, self.tokenizer.pad_token_id),
         )
-        # a group's responses often coincide (a confident model, a short answer), and so do responses
-        # to one prompt across groups: each distinct (prompt, row of tokens) is decoded and scored
-        # once, its reward kept (the task's reward is a function of the text, prompt and answer)
-        rows = [tuple(row) for row in responses.tolist()]
-        new = list(dict.fromkeys(row for row in rows if (prompt, row) not in self._scores))
-        texts = self.tokenizer.batch_decode([list(row) for row in new], skip_special_tokens=True) if new else []
-        for row, text in zip(new, texts):
-            _keep(
-                self._scores,
-                (prompt, row),
-                self.task.score(text, {"prompt": prompt, "answer": answer}),
-                self.CACHE_SIZE,
-            )
-        rewards = np.asarray([self._scores[(prompt, row)] for row in rows], np.float32)
+        # a group's responses often coincide (a confident model, a short answer): each distinct row of
+        # tokens is decoded and scored once, and its reward given to every row that has it
+        distinct: dict[tuple[int, ...], int] = {}  # a row's tokens -> its index among the distinct rows
+        row_of = [distinct.setdefault(tuple(row), len(distinct)) for row in responses.tolist()]
+        texts = self.tokenizer.batch_decode([list(row) for row in distinct], skip_special_tokens=True)
+        scores = np.asarray([self.task.score(text, {"prompt": prompt, "answer": answer}) for text in texts], np.float32)
+        rewards = scores[row_of]
         reported = np.asarray(group.rewards, np.float32)
         if reported.shape != rewards.shape or np.abs(reported - rewards).max() > REWARD_TOLERANCE:
             return "bad_rewards", f"reported {reported.tolist()}, recomputed {rewards.tolist()}"
@@ -409,23 +388,24 @@ class GroupVerifier:
             return "bad_advantages", f"reported {reported_adv.tolist()}, recomputed {advantages.tolist()}"
         return None
 
-    CACHE_SIZE = 4096
-    """Most entries each of the rewards check's caches keeps (prompts' texts, responses' rewards,
-    advantages), the oldest dropped first."""
+    ADVANTAGE_CACHE_SIZE = 4096
+    """Most (rewards, mask) pairs whose recomputed advantages :meth:`_group_advantages` keeps."""
 
     def _group_advantages(self, rewards: np.ndarray, mask: torch.Tensor, uid: str) -> np.ndarray:
         """float32 [G]: verl's group-local estimator (:func:`sequence_advantages`) on one group's
         ``rewards`` [G] and response ``mask`` [G, R], all rows under one uid. Its result depends on
         those inputs alone, and a run sees the same few again and again (the toy's 0/1 rewards over
         responses of one length), so it is kept by their exact bytes (the oldest of
-        :attr:`CACHE_SIZE` dropped first): verl's estimator costs more than the rest of
+        :attr:`ADVANTAGE_CACHE_SIZE` dropped first): verl's estimator costs more than the rest of
         the rewards check on the toy (0.44 ms a group, ``bench_trust components``)."""
         key = (rewards.tobytes(), tuple(mask.shape), mask.numpy().tobytes())
         advantages = self._advantages.get(key)
         if advantages is None:
             uids = [uid] * len(rewards)
             advantages = sequence_advantages(torch.from_numpy(rewards), mask, uids, self.algorithm_config).numpy()
-            _keep(self._advantages, key, advantages, self.CACHE_SIZE)
+            self._advantages[key] = advantages
+            while len(self._advantages) > self.ADVANTAGE_CACHE_SIZE:
+                self._advantages.pop(next(iter(self._advantages)), None)
         return advantages
 
     def rescore(self, group: RolloutGroup, with_logits: bool = False):

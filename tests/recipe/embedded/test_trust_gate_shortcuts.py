@@ -117,30 +117,3 @@ def test_rewards_of_repeated_responses_and_reused_advantages_still_catch_lies(ti
     # the same rewards and mask as an accepted group, other advantages: the reused ones still differ
     wrong = dataclasses.replace(repeated, advantages=-repeated.advantages + 0.5)
     assert verifier.check_group_rewards(wrong)[0] == "bad_advantages"
-
-
-def test_kept_prompts_and_rewards_still_catch_lies_across_groups(tiny_model_path, tmp_path):
-    """The rewards check keeps each prompt's text and each (prompt, response)'s reward: a later group
-    reusing them is judged by the same recomputation, and a response moved to another prompt is
-    scored against that prompt's answer, not the reward kept for the first."""
-    lab = Lab(tiny_model_path, tmp_path)
-    verifier = lab.gate.verifier
-    groups = [g for _ in range(4) for g in lab.groups("sampler-0", n=8)]
-    answers = {id(g): verifier.task.answer_for(verifier._prompt_text(g)) for g in groups}
-    source = next(g for g in groups if g.rewards.max() == 1.0)  # a correct response to its prompt
-    target = next(g for g in groups if answers[id(g)] != answers[id(source)])
-    assert verifier.check_group_rewards(source) is None and verifier._scores  # kept
-    assert verifier.check_group_rewards(source) is None  # again, from what was kept
-    # the same group with a correct row reported wrong: refused, kept rewards or not
-    lied = dataclasses.replace(source, rewards=source.rewards.copy())
-    lied.rewards[int(np.argmax(source.rewards))] = 0.0
-    _with_rewards(lab, lied, lied.rewards)
-    assert verifier.check_group_rewards(lied)[0] == "bad_rewards"
-    # source's responses under target's prompt, reported with source's rewards: scored against
-    # target's answer, so the correct row's reward 1 is refused
-    moved = dataclasses.replace(source, prompt_ids=target.prompt_ids, prompt_mask=target.prompt_mask, group_uid="moved")
-    assert verifier.check_group_rewards(moved)[0] == "bad_rewards"
-    # a prompt that is no text of the task stays unknown the second time too
-    unknown = dataclasses.replace(source, prompt_ids=np.full_like(source.prompt_ids, 3), prompt_mask=None)
-    assert verifier.check_group_rewards(unknown)[0] == "unknown_prompt"
-    assert verifier.check_group_rewards(unknown)[0] == "unknown_prompt"
