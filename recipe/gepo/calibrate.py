@@ -32,6 +32,7 @@ import json
 import shlex
 import sys
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 
@@ -49,9 +50,13 @@ def compose_engine(overrides: list[str]):
     return EngineConfig.from_omegaconf(cfg)
 
 
-def honest_mismatches(engine, groups: int, prompts: int, precision: str = "bf16", progress: bool = True) -> list:
-    """:class:`~verl_ext.hetero.precision.Mismatch` of ``groups`` honest groups drawn by a sampler in
-    ``precision`` and re-scored by the run's gate scorer (steps 2-4 of the module docstring)."""
+def honest_mismatches(
+    engine, groups: int, prompts: int, precision: str = "bf16", progress: bool = True
+) -> tuple[list, Optional[list]]:
+    """(:class:`~verl_ext.hetero.precision.Mismatch` of ``groups`` honest groups drawn by a sampler
+    in ``precision`` and re-scored by the run's gate scorer, steps 2-4 of the module docstring;
+    with ``checkable_sampling``, each group's checked tokens' noised margins
+    (:func:`~verl_ext.hetero.gumbel.noised_margins`, float64 [tokens]), else None)."""
     import torch
     from tqdm import tqdm
 
@@ -59,7 +64,8 @@ def honest_mismatches(engine, groups: int, prompts: int, precision: str = "bf16"
     from .embedded.policy import load_policy
     from .embedded.rollout import RolloutSettings, generate_groups
     from .embedded.tasks import Task, resolve_model_path
-    from .embedded.verify import group_log_probs
+    from .embedded.verify import group_log_probs, group_scores
+    from verl_ext.hetero.gumbel import noised_margins
     from verl_ext.hetero.precision import group_mismatch
     from verl_ext.hetero.weights import deserialize_state_dict, serialize_state_dict
 
@@ -76,7 +82,8 @@ def honest_mismatches(engine, groups: int, prompts: int, precision: str = "bf16"
         model.load_state_dict(weights, strict=True)
         model.eval()
     settings = RolloutSettings(s.group_size, s.temperature, s.max_new_tokens)
-    stats = []
+    checkable = hetero.trust.checkable_sampling
+    stats, margins = [], []
     batches = -(-groups // prompts)
     for index in tqdm(range(batches), desc="calibrate", unit="batch", disable=not progress):
         n = min(prompts, groups - index * prompts)
@@ -91,13 +98,21 @@ def honest_mismatches(engine, groups: int, prompts: int, precision: str = "bf16"
             sampler_id="calibration",
             seed=index,
             uid_prefix=f"calibration-{index}",
-            checkable=hetero.trust.checkable_sampling,
+            checkable=checkable,
         )
         with torch.no_grad():
             for group in drawn:
-                rescored = group_log_probs(scorer, group, s.temperature)
+                if checkable:  # the token check's forward: log-probs and the logits it re-derives tokens from
+                    rescored, logits = group_scores(scorer, group, s.temperature)
+                    margins.append(
+                        noised_margins(
+                            logits, group.response_ids, group.response_mask, s.temperature, group.sampling_seed
+                        ).numpy()
+                    )
+                else:
+                    rescored = group_log_probs(scorer, group, s.temperature)
                 stats.append(group_mismatch(group.sampler_logprobs, rescored, group.response_mask))
-    return stats
+    return stats, (margins if checkable else None)
 
 
 def honest_summary(stats: list) -> dict:
@@ -142,8 +157,8 @@ def main(argv: list[str] | None = None) -> None:
     set_torch_threads(1)
     # the run's config, without a bounds file of its own (this measures one)
     engine = compose_engine([*args.overrides, "hetero.trust.bounds_file="])
-    stats = honest_mismatches(engine, args.groups, args.prompts)
-    tolerance = calibrate(stats, horizon=args.horizon)
+    stats, margins = honest_mismatches(engine, args.groups, args.prompts)
+    tolerance = calibrate(stats, horizon=args.horizon, token_margins=margins)
     hetero, s = engine.hetero, engine.settings
     measured = {
         "model": model_identity(engine),
@@ -156,6 +171,7 @@ def main(argv: list[str] | None = None) -> None:
         "group_size": s.group_size,
         "max_new_tokens": s.max_new_tokens,
         "horizon": args.horizon,
+        "checkable_sampling": engine.hetero.trust.checkable_sampling,
         "honest": honest_summary(stats),
         "command": "python -m recipe.gepo.calibrate " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:])),
     }
@@ -168,7 +184,9 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{'bound':<16}{'table (SmolLM2)':>18}{'calibrated':>14}")
     for field in dataclasses.fields(tolerance):
         mine, theirs = getattr(tolerance, field.name), getattr(table, field.name)
-        print(f"{field.name:<16}{'-' if theirs is None else f'{theirs:.3g}':>18}{mine:>14.3g}")
+        print(
+            f"{field.name:<16}{'-' if theirs is None else f'{theirs:.3g}':>18}{'-' if mine is None else f'{mine:.3g}':>14}"
+        )
     print(f"wrote {out}: pass hetero.trust.bounds_file={out}")
 
 

@@ -6,7 +6,7 @@
     python -m scripts.bench.bench_trust ratio [--model toy|smollm2] [--prompts 8] [--checkable] [--out FILE]
     python -m scripts.bench.bench_trust components [--steps 40] [--lag 2] [--fraction 0.1] [--checkable] [--out FILE]
     python -m scripts.bench.bench_trust detection-table [--model toy|smollm2] [--setups fp32 bf16-on-fp32 bf16] [--trials 20]
-        [--bounds SETUP=FILE ...]
+        [--bounds SETUP=FILE ...] [--lies KIND ...]
 
 ``ratio``: in one process, one torch thread, the CPU time of each check per group against the CPU
 time of the learner's ``train_step`` per group, on the same freshly generated groups: the cost of
@@ -785,7 +785,7 @@ def detection_table(args) -> list[str]:
     torch.set_num_threads(1)
     honest_lines = [
         "| sampler / scorer | honest groups (checked: all) | rejected (false alarms) | refused as replayed "
-        "(no blame) | tokens checked | near ties | largest CUSUM, % of its limit (mean \\|Δ\\|; bias) |",
+        "(no blame) | tokens checked | near ties | largest CUSUM, % of its limit (mean \\|Δ\\|; bias; near ties) |",
         "|---|---:|---:|---:|---:|---:|---:|",
     ]
     lie_lines = [
@@ -807,7 +807,7 @@ def detection_table(args) -> list[str]:
         lab = _Lab(args.model, setup, 1.0, args.seed, bounds.get(setup, ""))
         tol = lab.gate.verifier.tolerance(precision)
         reasons: collections.Counter = collections.Counter()
-        peak, peak_bias, offered = 0.0, 0.0, 0
+        peak, peak_bias, peak_ties, offered = 0.0, 0.0, 0.0, 0
         for b in range(-(-args.honest // args.prompts)):
             for i, group in enumerate(lab.groups(args.prompts, stream=11, index=b)):
                 sampler = f"honest-{(b * args.prompts + i) % args.honest_samplers}"
@@ -819,20 +819,23 @@ def detection_table(args) -> list[str]:
                     reasons[refusal.reason] += 1
                 peak = max(peak, lab.gate.cusum.sums.get(sampler, 0.0) / tol.cusum_limit)
                 peak_bias = max(peak_bias, max(lab.gate.cusum.bias.get(sampler, (0.0, 0.0))) / tol.bias_limit)
+                if tol.near_tie_limit:  # a calibration's near-tie test
+                    peak_ties = max(peak_ties, lab.gate.cusum.ties.get(sampler, 0.0) / tol.near_tie_limit)
         counts = lab.gate.verifier.token_counts
         false_alarms = sum(n for r, n in reasons.items() if r != "replayed")
         honest_lines.append(
             f"| {name} | {offered} | {false_alarms}"
             + (f" ({dict(reasons)})" if false_alarms else "")
             + f" | {reasons['replayed']} | {counts['tokens_checked']} | {counts['token_near_ties']} "
-            f"| {100 * peak:.0f}%; {100 * peak_bias:.0f}% |"
+            f"| {100 * peak:.0f}%; {100 * peak_bias:.0f}%; "
+            + (f"{100 * peak_ties:.0f}% |" if tol.near_tie_limit else "- |")
         )
         print(honest_lines[-1], flush=True)
         # lies: a fresh liar each trial, at the run's verify_fraction (or --fraction)
         lab = _Lab(args.model, setup, args.fraction, args.seed, bounds.get(setup, ""))
         pool = lab.groups(args.pool, stream=3, index=0)
         start = 0
-        for label, kind, size in TABLE_LIES:
+        for label, kind, size in [lie for lie in TABLE_LIES if not args.lies or lie[1] in args.lies]:
             if kind == "near_copy":
                 admitted, refused_by = [], collections.Counter()
                 for t in range(args.trials):
@@ -936,6 +939,9 @@ def main() -> None:
     dt.add_argument("--cap", type=int, default=100, help="lying groups admitted that end a trial uncaught")
     dt.add_argument("--fraction", type=float, default=None, help="verify_fraction (default: the config's)")
     dt.add_argument("--seed", type=int, default=0)
+    dt.add_argument(
+        "--lies", nargs="*", default=[], choices=sorted({kind for _, kind, _ in TABLE_LIES}), help="only these kinds"
+    )
     dt.add_argument(
         "--bounds", nargs="*", default=[], metavar="SETUP=FILE", help="a set-up's bf16 bounds from a calibration file"
     )

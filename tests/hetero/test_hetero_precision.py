@@ -100,6 +100,7 @@ def _fields(**changed):
         (json.dumps({"bounds": {"bf16": {"token_max": 1.0}}, "measured": MEASURED}), "missing .'group_mean_abs'"),
         (json.dumps({"bounds": {"bf16": _fields(extra=1.0)}, "measured": MEASURED}), r"unknown \['extra'\]"),
         (json.dumps({"bounds": {"bf16": _fields()}, "measured": {"model": "m"}}), "must record model"),
+        (json.dumps({"bounds": {"bf16": _fields(near_tie_rate=None)}, "measured": MEASURED}), "both null or both set"),
     ],
 )
 def test_a_bad_bounds_file_is_refused_naming_the_key_and_the_bad_part(tmp_path, content, match):
@@ -131,3 +132,51 @@ def test_whose_bounds_a_group_gets():
     assert bounds.tie_margin("fp32", "fp32") == TIE_MARGINS["fp32"]
     table = TrustBounds()
     assert table.tolerance("fp32", "bf16") == TOLERANCES["bf16"] and table.tie_margin("fp32", "bf16") == 1.2
+
+
+def _margins(n_groups: int, rate: float, seed: int, tokens: int = 40) -> list[np.ndarray]:
+    """Per group, its checked tokens' noised margins: 0 (the noised best) but for near ties drawn at ``rate``."""
+    rng = np.random.default_rng(seed)
+    return [np.where(rng.random(tokens) < rate, rng.uniform(0.01, 0.2, tokens), 0.0) for _ in range(n_groups)]
+
+
+def _first_near_tie_alarm(tol: Tolerance, margins: list[np.ndarray], sample: list[Mismatch]) -> int | None:
+    cusum = MismatchCusum()
+    for i, (m, mis) in enumerate(zip(margins, sample), start=1):
+        ties = int(((m > 0) & (m <= tol.tie_margin)).sum())
+        detail = cusum.add("s", mis, tol, "bf16", near_ties=(len(m), ties))
+        if detail is not None:
+            assert "near ties" in detail, detail
+            return i
+    return None
+
+
+def test_the_near_tie_test_keeps_the_honest_rate_at_rest_and_catches_a_higher_one():
+    """A sampler drawing from slightly other weights picks, where the best two tokens are close,
+    another token than its seed's noise selects under the declared weights: near ties at a higher rate."""
+    sample = _honest(128, seed=0)
+    tol = calibrate(sample, horizon=2000, trials=100, token_margins=_margins(128, 0.005, seed=1))
+    assert 0.002 < tol.near_tie_rate < 0.01 and tol.near_tie_limit >= np.log(2000 / 0.01)
+    quiet = _honest(2000, seed=2)
+    assert _first_near_tie_alarm(tol, _margins(2000, 0.005, seed=3), quiet) is None
+    caught = _first_near_tie_alarm(tol, _margins(2000, 0.03, seed=4), quiet)
+    assert caught is not None and caught <= 60, caught
+    # without a token check in the calibration there is no near-tie test
+    assert calibrate(sample, horizon=200, trials=20).near_tie_rate is None
+
+
+def test_a_sample_without_a_near_tie_still_has_a_rate_above_zero():
+    tol = calibrate(_honest(64, seed=0), horizon=500, trials=20, token_margins=_margins(64, 0.0, seed=1))
+    assert 0 < tol.near_tie_rate <= 1 / (64 * 40)
+    cusum = MismatchCusum()
+    assert cusum.add("s", _honest(1, seed=5)[0], tol, "bf16", near_ties=(40, 0)) is None  # honest: nothing adds up
+
+
+def test_the_near_tie_sums_survive_a_checkpoint():
+    tol = calibrate(_honest(64, seed=0), horizon=500, trials=20, token_margins=_margins(64, 0.005, seed=1))
+    cusum = MismatchCusum()
+    cusum.add("s", _honest(1, seed=5)[0], tol, "bf16", near_ties=(40, 3))
+    assert cusum.ties["s"] > 0
+    restored = MismatchCusum()
+    restored.load_state_dict(json.loads(json.dumps(cusum.state_dict())))
+    assert restored.ties == cusum.ties

@@ -153,11 +153,10 @@ def check_tokens(
     return check_scores(logits, response_ids, response_mask, temperature, seed, tie_margin)
 
 
-def check_scores(
-    logits: torch.Tensor, response_ids, response_mask, temperature: float, seed: int, tie_margin: float
-) -> TokenCheck:
-    """The token check on logits already computed: ``logits`` [G, R, V] predicting each response
-    token (the learner's re-scoring forward gives them), the responses' tokens [G, R] and mask."""
+def noised_margins(logits: torch.Tensor, response_ids, response_mask, temperature: float, seed: int) -> torch.Tensor:
+    """float64 [N]: for each of the N response tokens (the mask's, row by row), the noised best score
+    minus the chosen token's (0 where the chosen token is the best), from ``logits`` [G, R, V]
+    predicting each response token and the noise of ``seed``."""
     responses = torch.as_tensor(np.asarray(response_ids), dtype=torch.long, device="cpu")
     mask = torch.as_tensor(np.asarray(response_mask), device="cpu").bool()
     rows, positions = mask.nonzero(as_tuple=True)  # only the response's tokens: padding needs no noise
@@ -170,10 +169,18 @@ def check_scores(
     )
     scores = logits / temperature + noise
     chosen = scores.gather(-1, responses[rows, positions][:, None]).squeeze(-1)
-    margin = scores.max(-1).values - chosen
+    return scores.max(-1).values - chosen
+
+
+def check_scores(
+    logits: torch.Tensor, response_ids, response_mask, temperature: float, seed: int, tie_margin: float
+) -> TokenCheck:
+    """The token check on logits already computed: ``logits`` [G, R, V] predicting each response
+    token (the learner's re-scoring forward gives them), the responses' tokens [G, R] and mask."""
+    margin = noised_margins(logits, response_ids, response_mask, temperature, seed)
     off = margin > 0
     return TokenCheck(
-        int(mask.sum()),
+        int(margin.numel()),
         int((off & (margin <= tie_margin)).sum()),
         int((margin > tie_margin).sum()),
         float(margin.max()) if margin.numel() else 0.0,

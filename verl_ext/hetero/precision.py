@@ -50,6 +50,10 @@ class Tolerance:
     bias_limit: the sum of (±mean signed Δ - bias_reference) that fails a sampler.
     tie_margin: the token check's near-tie allowance (``verl_ext.hetero.gumbel``); None: the
         precision's :data:`TIE_MARGINS` (a calibration sets its own).
+    near_tie_rate: the share of checked tokens an honest sampler draws as near ties (a token not
+        the noised best, within ``tie_margin`` of it); None: no near-tie test (the table's).
+    near_tie_limit: the sum of the near-tie test's evidence (:func:`near_tie_evidence`) over a
+        sampler's checked groups that fails it.
     """
 
     token_max: float
@@ -60,6 +64,8 @@ class Tolerance:
     bias_reference: float
     bias_limit: float
     tie_margin: Optional[float] = None
+    near_tie_rate: Optional[float] = None
+    near_tie_limit: Optional[float] = None
 
 
 TOLERANCES: dict[str, Tolerance] = {
@@ -178,6 +184,20 @@ def single_group_failure(m: Mismatch, tol: Tolerance, precision: str) -> Optiona
     return None
 
 
+NEAR_TIE_FACTOR = 4.0
+"""The near-tie test weighs a rate this many times the honest one against the honest one."""
+
+
+def near_tie_evidence(tokens: int, near_ties: int, rate: float) -> float:
+    """log-likelihood ratio of ``near_ties`` among ``tokens`` checked tokens under a rate
+    :data:`NEAR_TIE_FACTOR` x the honest ``rate`` against the honest rate (binomial): positive when a
+    group has more near ties than honest arithmetic makes, negative (a little, per token) otherwise.
+    A sampler drawing from slightly other weights, or at a slightly other temperature, picks another
+    token than its seed's noise selects where the best two are close: near ties, at a higher rate."""
+    r1 = min(NEAR_TIE_FACTOR * rate, 0.5)
+    return near_ties * float(np.log(r1 / rate)) + (tokens - near_ties) * float(np.log((1 - r1) / (1 - rate)))
+
+
 class MismatchCusum:
     """Per sampler, one-sided CUSUMs over its checked groups (thread use: one caller at a time, the
     gate's lock):
@@ -186,23 +206,39 @@ class MismatchCusum:
       for lies that make q noisier than honest arithmetic does;
     - of the mean signed Δ a token beyond ``bias_reference``, one sum each way: U <- max(0, U +
       mean_signed - bias_reference), D <- max(0, D - mean_signed - bias_reference), for q shifted one
-      way on every token (honest noise is close to zero-mean, so a bias shows in full).
+      way on every token (honest noise is close to zero-mean, so a bias shows in full);
+    - with a calibration's near-tie test (``near_tie_rate``), of :func:`near_tie_evidence` of each
+      token-checked group: T <- max(0, T + evidence), for tokens drawn from slightly other weights
+      or another temperature, which the token check's margin alone lets through.
 
-    A group that takes a sum over its limit (``cusum_limit``, ``bias_limit``) fails, and that
-    sampler's sums start again from 0."""
+    A group that takes a sum over its limit (``cusum_limit``, ``bias_limit``, ``near_tie_limit``)
+    fails, and that sampler's sums start again from 0."""
 
     def __init__(self):
         self.sums: dict[str, float] = {}  # sampler -> S (reported as trust/<sampler>/mismatch_cusum)
         self.bias: dict[str, tuple[float, float]] = {}  # sampler -> (U, D)
+        self.ties: dict[str, float] = {}  # sampler -> the near-tie test's sum (a calibration's bounds)
 
-    def add(self, sampler_id: str, m: Mismatch, tol: Tolerance, precision: str) -> Optional[str]:
-        """Add one checked group; the failure's detail when a sum crosses its limit, else None."""
+    def add(
+        self, sampler_id: str, m: Mismatch, tol: Tolerance, precision: str, near_ties: Optional[tuple[int, int]] = None
+    ) -> Optional[str]:
+        """Add one checked group (``near_ties``: its token check's (tokens checked, near ties), when
+        it had one); the failure's detail when a sum crosses its limit, else None."""
         total = max(0.0, self.sums.get(sampler_id, 0.0) + m.mean_abs - tol.reference)
         up, down = self.bias.get(sampler_id, (0.0, 0.0))
         up = max(0.0, up + m.mean_signed - tol.bias_reference)
         down = max(0.0, down - m.mean_signed - tol.bias_reference)
+        ties = self.ties.get(sampler_id, 0.0)
+        if near_ties is not None and near_ties[0] > 0 and tol.near_tie_rate is not None:
+            ties = max(0.0, ties + near_tie_evidence(near_ties[0], near_ties[1], tol.near_tie_rate))
         detail = None
-        if total > tol.cusum_limit:
+        if tol.near_tie_limit is not None and ties > tol.near_tie_limit:
+            detail = (
+                f"near ties in this sampler's checked tokens: the sum of their evidence against the honest rate "
+                f"{tol.near_tie_rate:.3g} = {ties:.3g} > {tol.near_tie_limit:.3g} ({precision}): its tokens are "
+                "not what its declared weights, temperature and seeds select, by small margins, repeatedly"
+            )
+        elif total > tol.cusum_limit:
             detail = (
                 f"the sum over this sampler's checked groups of (mean |Δ log q| a token - {tol.reference:g}) "
                 f"= {total:.3g} > {tol.cusum_limit:g} ({precision}): a small lie, repeated"
@@ -215,16 +251,19 @@ class MismatchCusum:
                 f"a small lie, repeated"
             )
         if detail is not None:
-            total, up, down = 0.0, 0.0, 0.0
+            total, up, down, ties = 0.0, 0.0, 0.0, 0.0
         self.sums[sampler_id], self.bias[sampler_id] = total, (up, down)
+        if ties or sampler_id in self.ties:
+            self.ties[sampler_id] = ties
         return detail
 
     def state_dict(self) -> dict:
-        return {"sums": dict(self.sums), "bias": {k: list(v) for k, v in self.bias.items()}}
+        return {"sums": dict(self.sums), "bias": {k: list(v) for k, v in self.bias.items()}, "ties": dict(self.ties)}
 
     def load_state_dict(self, state: dict) -> None:
         self.sums = {str(k): float(v) for k, v in state.get("sums", {}).items()}
         self.bias = {str(k): (float(v[0]), float(v[1])) for k, v in state.get("bias", {}).items()}
+        self.ties = {str(k): float(v) for k, v in state.get("ties", {}).items()}
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -250,6 +289,10 @@ CALIBRATION_RULE = {
     "cusum_limit": "1.5 x the largest sum any of `trials` simulated honest samplers reached in `horizon` "
     "checked groups (groups resampled from the sample, and drawn with the fitted tail)",
     "bias_limit": "the same rule for the signed sums, each way (drawn from a normal fit of the signed means)",
+    "near_tie_rate": "the honest sample's near ties at tie_margin per checked token, counting one more than seen "
+    "(null: the sample had no token check, checkable sampling off)",
+    "near_tie_limit": "1.5 x the largest sum of near-tie evidence any simulated honest sampler reached in `horizon` "
+    "checked groups (resampled), and at least log(horizon / false_alarm)",
 }
 """How :func:`calibrate` turns a sample of honest groups into bounds (written into every bounds file)."""
 
@@ -295,7 +338,12 @@ def _largest_cusum_sum(draw, reference: float, horizon: int, trials: int) -> flo
 
 
 def calibrate(
-    honest: list[Mismatch], horizon: int = 10_000, trials: int = 200, seed: int = 0, false_alarm: float = 0.01
+    honest: list[Mismatch],
+    horizon: int = 10_000,
+    trials: int = 200,
+    seed: int = 0,
+    false_alarm: float = 0.01,
+    token_margins: Optional[list[np.ndarray]] = None,
 ) -> Tolerance:
     """Bounds for one precision from a sample of honest groups (:data:`CALIBRATION_RULE`), set so
     that an honest sampler sending ``horizon`` checked groups is failed with probability about
@@ -303,7 +351,9 @@ def calibrate(
     value and 1.5x the largest of ``horizon`` groups under the sample's fitted tail
     (:class:`_HonestTail`); the CUSUMs' references a high percentile (above the honest mean), their
     limits 1.5x the largest sum any of ``trials`` simulated honest samplers reached, groups drawn
-    from the sample and from the fitted tail."""
+    from the sample and from the fitted tail. ``token_margins``: per honest group, its checked
+    tokens' noised margins (:func:`verl_ext.hetero.gumbel.noised_margins`), which set the near-tie
+    test (:func:`near_tie_evidence`); None: no near-tie test."""
     if len(honest) < 16:
         raise ValueError(f"calibrate: {len(honest)} honest groups; at least 16 are needed for a percentile")
     token = np.asarray([m.token_max for m in honest], np.float64)
@@ -334,6 +384,14 @@ def calibrate(
     bias_reference = max(float(np.percentile(np.abs(signed), 90)), 1.5 * abs(float(signed.mean())))
     token_bound = bound(token, 3.0)
     tiny = 1e-9  # a sample of identical arithmetic gives zeros: keep bounds > 0
+    near_tie_rate = near_tie_limit = None
+    if token_margins is not None and sum(len(m) for m in token_margins) > 0:
+        checked = [len(m) for m in token_margins]
+        ties = [int(((np.asarray(m) > 0) & (np.asarray(m) <= max(token_bound, tiny))).sum()) for m in token_margins]
+        near_tie_rate = (sum(ties) + 1) / (sum(checked) + 1)  # a sample without a near tie is not a rate of 0
+        evidence = np.asarray([near_tie_evidence(n, k, near_tie_rate) for n, k in zip(checked, ties)])
+        resampled = _largest_cusum_sum(lambda size: rng.choice(evidence, size=size), 0.0, horizon, trials)
+        near_tie_limit = max(1.5 * resampled, float(np.log(horizon / false_alarm)))
     return Tolerance(
         token_max=max(token_bound, tiny),
         group_mean_abs=max(bound(mean_abs, 2.0), tiny),
@@ -347,6 +405,8 @@ def calibrate(
             tiny,
         ),
         tie_margin=max(token_bound, tiny),
+        near_tie_rate=near_tie_rate,
+        near_tie_limit=near_tie_limit,
     )
 
 
@@ -385,6 +445,8 @@ CALIBRATED_PRECISIONS = ("bf16",)
 """What a bounds file may name: fp32's honest spread is arithmetic noise at 1e-5 a token, bounded by
 ``hetero.trust.logprob_tolerance`` and the table; bf16's depends on the model."""
 BOUND_FIELDS = tuple(f.name for f in fields(Tolerance))
+OPTIONAL_BOUNDS = ("near_tie_rate", "near_tie_limit")
+"""Fields a bounds file may set to null (no near-tie test: the calibration had no token check)."""
 MATCHED_FACTS = ("model", "scorer_precision", "temperature")
 """What a bounds file records about its measurement and a run using it must share (the honest spread
 depends on each); the rest (device, lengths, groups) is recorded for the reader."""
@@ -437,11 +499,15 @@ def read_bounds_file(path: str, key: str = "hetero.trust.bounds_file") -> tuple[
         if unknown or missing:
             raise ValueError(f"{where}: bounds.{precision}: unknown {unknown}, missing {missing}")
         for name, value in values.items():
+            if value is None and name in OPTIONAL_BOUNDS:
+                continue
             if (
                 isinstance(value, bool)
                 or not isinstance(value, (int, float))
                 or not (math.isfinite(value) and value > 0)
             ):
                 raise ValueError(f"{where}: bounds.{precision}.{name}={value!r} must be a finite number > 0")
-        bounds[precision] = Tolerance(**{name: float(v) for name, v in values.items()})
+        if (values["near_tie_rate"] is None) != (values["near_tie_limit"] is None):
+            raise ValueError(f"{where}: bounds.{precision}: near_tie_rate and near_tie_limit are both null or both set")
+        bounds[precision] = Tolerance(**{name: None if v is None else float(v) for name, v in values.items()})
     return bounds, measured

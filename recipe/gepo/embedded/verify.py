@@ -792,11 +792,13 @@ class TrustGate:
             with self._lock:
                 if failure is None and mismatch is not None:
                     precision = str(group.sampler_precision)
+                    checked = result.tokens.get("tokens_checked", 0)  # the token check's counts, if it ran
                     repeated = self.cusum.add(
                         sampler,
                         mismatch,
                         self.bounds.tolerance(result.scorer_precision, precision),
                         self.bounds.bounds_precision(result.scorer_precision, precision),
+                        near_ties=(checked, result.tokens.get("token_near_ties", 0)) if checked else None,
                     )
                     if repeated is not None:
                         failure = ("bad_logprobs", repeated)

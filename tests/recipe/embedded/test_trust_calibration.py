@@ -14,6 +14,7 @@ import torch
 from recipe.gepo.calibrate import main as calibrate_main
 from recipe.gepo.embedded.engine import EngineConfig
 from recipe.gepo.embedded.policy import load_policy
+from recipe.gepo.embedded.verify import group_log_probs
 from recipe.gepo.options import ConfigError
 from verl_ext.hetero.precision import BOUND_FIELDS, TOLERANCES, Tolerance, bounds_file_payload, read_bounds_file
 
@@ -127,3 +128,58 @@ def test_replay_mode_refuses_a_bounds_file(tmp_path, tiny_model_path):
     path.write_text(json.dumps(bounds_file_payload("bf16", Tolerance(**{n: 1.0 for n in BOUND_FIELDS}), measured)))
     with pytest.raises(ConfigError, match="hetero.trust.bounds_file"):
         _engine(tmp_path, tiny_model_path, "hetero.mode=replay", f"hetero.trust.bounds_file={path}")
+
+
+@pytest.fixture(scope="module")
+def checkable_calibration(tiny_model_path, tmp_path_factory):
+    """The command with checkable sampling on: the bounds include the near-tie test."""
+    out = tmp_path_factory.mktemp("calibration") / "bounds.json"
+    overrides = [*TINY, f"actor_rollout_ref.model.path={tiny_model_path}", "hetero.mode=async", CHECKABLE]
+    calibrate_main(["--out", str(out), "--groups", "64", *overrides])
+    return out
+
+
+CHECKABLE = "hetero.trust.checkable_sampling=true"
+
+
+def test_a_sampler_drawing_from_other_weights_is_caught_by_its_near_ties(
+    checkable_calibration, tiny_model_path, tmp_path
+):
+    """Tokens drawn from weights a little off the declared version's, q what the declared weights
+    give those tokens (the log-q checks see an honest q): each token within the token check's margin
+    of its seed's choice (the calibration's margin widened here, so that no token is a mismatch on
+    this 4-token task), but such near ties come more often than honest bf16 arithmetic makes them,
+    and the calibration's near-tie test adds them up."""
+    from .test_checkable_sampling_gate import _groups
+
+    data = json.loads(checkable_calibration.read_text())
+    mine = data["bounds"]["bf16"]
+    assert mine["near_tie_rate"] and mine["near_tie_limit"]
+    mine["tie_margin"] = 2.0
+    widened = tmp_path / "widened.json"
+    widened.write_text(json.dumps(data))
+    lab = Lab(
+        tiny_model_path, tmp_path, "hetero.trust.verify_fraction=1", CHECKABLE, f"hetero.trust.bounds_file={widened}"
+    )
+    bf16 = _bf16(tiny_model_path)
+    honest = [g for _ in range(8) for g in _groups(lab, "honest", bf16, n=8)]
+    # (the tiny task repeats prompts: an identical group is a replay, refused without blame)
+    assert set(lab.offer(g) for g in honest) <= {None, "replayed"}
+    assert lab.gate.cusum.ties.get("honest", 0.0) < mine["near_tie_limit"]
+    other = _bf16(tiny_model_path)
+    with torch.no_grad():
+        generator = torch.Generator().manual_seed(0)
+        for p in other.parameters():
+            p.add_(3e-3 * torch.sign(torch.randn(p.shape, generator=generator)).to(p.dtype))
+    liar = [g for _ in range(16) for g in _groups(lab, "liar", other, n=8)]
+    for g in liar:  # q as the declared weights give it for these tokens: the log-q checks see an honest q
+        g.sampler_logprobs = (group_log_probs(bf16, g, 1.0) * g.response_mask).astype(np.float32)
+    reasons = [lab.offer(g) for g in liar]
+    details = [e["detail"] for e in lab.gate.drain_events() if e.get("sampler_id") == "liar" and "detail" in e]
+    print(
+        reasons.index("bad_logprobs") if "bad_logprobs" in reasons else None,
+        details[:1],
+        lab.gate.verifier.token_counts,
+    )
+    assert "token_mismatch" not in reasons and "bad_logprobs" in reasons
+    assert details and "near ties" in details[0], details
