@@ -16,7 +16,7 @@ from recipe.gepo.embedded.engine import EngineConfig
 from recipe.gepo.embedded.policy import load_policy
 from recipe.gepo.embedded.verify import group_log_probs
 from recipe.gepo.options import ConfigError
-from verl_ext.hetero.precision import BOUND_FIELDS, TOLERANCES, Tolerance, bounds_file_payload, read_bounds_file
+from verl_ext.hetero.precision import BOUND_FIELDS, TOLERANCES, bounds_file_payload, read_bounds_file
 
 from .helpers import TINY, compose_cfg
 from .test_trust_gate import Lab
@@ -101,33 +101,29 @@ def _engine(tmp_path, model_path, *overrides):
     return EngineConfig.from_omegaconf(cfg)
 
 
-@pytest.mark.parametrize(
-    "fact, value, overrides",
-    [
-        ("model", "another/model", ()),
-        ("temperature", 0.7, ()),
-        ("scorer_precision", "fp32", ("hetero.sampler_precision=bf16",)),
-    ],
-)
-def test_a_calibration_of_another_model_temperature_or_scorer_is_refused_at_start(
-    tmp_path, tiny_model_path, fact, value, overrides
-):
-    measured = {"model": tiny_model_path, "scorer_precision": "fp32", "temperature": 1.0, fact: value}
+def test_a_calibration_of_another_model_is_refused_at_start(tmp_path, tiny_model_path):
     path = tmp_path / "bounds.json"
+    measured = {"model": "another/model", "scorer_precision": "fp32", "temperature": 1.0}
     path.write_text(json.dumps(bounds_file_payload("bf16", TOLERANCES["bf16"], measured)))
-    with pytest.raises(ConfigError, match=rf"hetero.trust.bounds_file=.*measured with {fact}="):
-        _engine(tmp_path, tiny_model_path, "hetero.mode=async", f"hetero.trust.bounds_file={path}", *overrides)
-    ok = {"model": tiny_model_path, "scorer_precision": "bf16" if overrides else "fp32", "temperature": 1.0}
-    path.write_text(json.dumps(bounds_file_payload("bf16", TOLERANCES["bf16"], ok)))
-    _engine(tmp_path, tiny_model_path, "hetero.mode=async", f"hetero.trust.bounds_file={path}", *overrides)
+    with pytest.raises(ConfigError, match=r"hetero.trust.bounds_file=.*measured with model='another/model'"):
+        _engine(tmp_path, tiny_model_path, "hetero.mode=async", f"hetero.trust.bounds_file={path}")
+    path.write_text(json.dumps(bounds_file_payload("bf16", TOLERANCES["bf16"], {**measured, "model": tiny_model_path})))
+    engine = _engine(tmp_path, tiny_model_path, "hetero.mode=async", f"hetero.trust.bounds_file={path}")
+    assert engine.hetero.trust.bounds().calibrated["bf16"].tie_margin == 1.2
 
 
-def test_replay_mode_refuses_a_bounds_file(tmp_path, tiny_model_path):
+@pytest.mark.parametrize("fact, value", [("temperature", 0.7), ("scorer_precision", "bf16")])
+def test_a_calibration_of_another_temperature_or_scorer_is_refused(tmp_path, fact, value):
+    """(Replay and the verl engine refuse the option itself: tests/recipe/test_options.py.)"""
+    from recipe.gepo.sections import TrustConfig
+
     path = tmp_path / "bounds.json"
-    measured = {"model": tiny_model_path, "scorer_precision": "fp32", "temperature": 1.0}
-    path.write_text(json.dumps(bounds_file_payload("bf16", Tolerance(**{n: 1.0 for n in BOUND_FIELDS}), measured)))
-    with pytest.raises(ConfigError, match="hetero.trust.bounds_file"):
-        _engine(tmp_path, tiny_model_path, "hetero.mode=replay", f"hetero.trust.bounds_file={path}")
+    measured = {"model": "m", "scorer_precision": "fp32", "temperature": 1.0}
+    path.write_text(json.dumps(bounds_file_payload("bf16", TOLERANCES["bf16"], {**measured, fact: value})))
+    trust = TrustConfig(bounds_file=str(path))
+    trust.validate()
+    with pytest.raises(ValueError, match=rf"hetero.trust.bounds_file=.*measured with {fact}="):
+        trust.check_calibration(**measured)
 
 
 @pytest.fixture(scope="module")
