@@ -128,6 +128,7 @@ def test_no_sign_passes_no_key_and_makes_none(tmp_path):
     assert not (tmp_path / "home" / ".heterorl").exists()
 
 
+@pytest.mark.slow  # ~17 s: two dry runs of the real program; the default run checks the command line with SAMPLER_CMD
 def test_the_real_remote_sampler_accepts_the_command_and_the_enrolled_key(tmp_path):
     """The default program, ``recipe.gepo.remote_sampler``, checks its config and the key in dry
     runs (the extra ``hetero.dry_run=true`` makes the final exec a dry run as well)."""

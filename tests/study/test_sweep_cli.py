@@ -66,12 +66,18 @@ def test_update_doc_is_refused_with_plan_only(tmp_path):
     assert page.read_text() == "intro\n" and not (tmp_path / "o").exists()
 
 
+# the quick design's plan pins its warm start's weight hash, so its first plan builds that warm start
+# (about 30 s in a fresh clone; CI's every run): those cases are slow-marked, the other designs'
+# plans (nothing to build) stay in the default run
+QUICK_PLAN = pytest.mark.slow
+
+
 @pytest.mark.parametrize(
     "args, design, fields",
     [
-        (["--design", "quick", "--lr", "3e-4"], "quick", {"lr": 3e-4}),
-        (["--quick", "--design", "quick"], "quick", {"lr": 1e-4}),
-        (["--quick"], "quick", {}),
+        pytest.param(["--design", "quick", "--lr", "3e-4"], "quick", {"lr": 3e-4}, marks=QUICK_PLAN),
+        pytest.param(["--quick", "--design", "quick"], "quick", {"lr": 1e-4}, marks=QUICK_PLAN),
+        pytest.param(["--quick"], "quick", {}, marks=QUICK_PLAN),
         (["--design", "powered", "--lr-grid", "1e-4", "3e-4"], "powered", {"lr_grid": [1e-4, 3e-4]}),
         # --lrs is honoured on every design, powered_long's too
         (
@@ -79,10 +85,11 @@ def test_update_doc_is_refused_with_plan_only(tmp_path):
             "powered_long",
             {"lrs": {"gepo": 5e-5}},
         ),
-        (
+        pytest.param(
             ["--design", "quick", "--algos", "gepo", "grpo", "--lrs", "gepo=5e-5", "--lr", "3e-4"],
             "quick",
             {"lr": 3e-4, "lrs": {"gepo": 5e-5}},
+            marks=QUICK_PLAN,
         ),
     ],
 )
