@@ -193,8 +193,11 @@ class TrustConfig:
     SmolLM2-135M's spread and are too wide to catch small lies on a model whose bf16 arithmetic
     moves log q less, and may be too narrow for one that moves it more. Used for every group held
     to bf16's bounds (a sampler declaring bf16, or any sampler when ``hetero.sampler_precision=bf16``),
-    near-tie margin of the token check included. Read at start; refused at start when unreadable or
-    when it was measured for another model, scorer precision or temperature. "" = the table's."""
+    near-tie margin of the token check included; a calibration measured with checkable sampling on
+    also sets a near-tie test (a sampler whose tokens are near ties more often than honest bf16
+    arithmetic makes them fails: tokens from slightly other weights). Read at start; refused at start
+    when unreadable or when it was measured for another model, scorer precision or temperature.
+    "" = the table's."""
 
     # TrustLedger's constructor argument -> the field (hetero.trust.<field>) that sets it
     _LEDGER_FIELDS = {
