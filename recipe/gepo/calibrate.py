@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> None:
         "group_size": s.group_size,
         "max_new_tokens": s.max_new_tokens,
         "horizon": args.horizon,
-        "checkable_sampling": engine.hetero.trust.checkable_sampling,
+        "checkable_sampling": hetero.trust.checkable_sampling,
         "honest": honest_summary(stats),
         "command": "python -m recipe.gepo.calibrate " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:])),
     }

@@ -23,9 +23,9 @@ seed per group from :func:`group_seed`), the seed travels in the group's signed 
 logits of the forward it already runs to re-score q. :func:`sample` and :func:`check_tokens` are
 the two halves on their own (one full forward a step: a reference).
 
-The tie margin a precision allows (:data:`~verl_ext.hetero.precision.TIE_MARGINS`, or a calibration's): the noised scores of two tokens are
-log q + g (up to one shared constant), so their difference moves between two computations by at
-most the sum of the two tokens' |Δ log q|: twice the largest honest |Δ log q| a token measured
+The tie margin a precision allows (:data:`~verl_ext.hetero.precision.TIE_MARGINS`, or a
+calibration's): the noised scores of two tokens are log q + g (up to one shared constant), so their
+difference moves between two computations by at most the sum of the two tokens' |Δ log q|: twice the largest honest |Δ log q| a token measured
 for that precision.
 
 What it does not constrain: the choice of the seed. A sampler may draw with several seeds and

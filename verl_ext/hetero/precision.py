@@ -374,37 +374,37 @@ def calibrate(
         resampled = _largest_cusum_sum(lambda size: rng.choice(values, size=size), reference, horizon, trials)
         return 1.5 * max(resampled, _largest_cusum_sum(fitted, reference, horizon, trials))
 
-    tail = _HonestTail(mean_abs)
+    mean_abs_tail = _HonestTail(mean_abs)
     # the signed mean is close to zero-mean noise: a normal fit
     mu, sigma = float(signed.mean()), float(signed.std(ddof=1))
 
     # above the honest mean, or an honest sampler's sum grows without end (a sample whose groups
     # are mostly exact, bf16 against bf16 on one machine, has a 90th percentile of 0)
     reference = max(float(np.percentile(mean_abs, 90)), 1.5 * float(mean_abs.mean()))
-    bias_reference = max(float(np.percentile(np.abs(signed), 90)), 1.5 * abs(float(signed.mean())))
-    token_bound = bound(token, 3.0)
+    bias_reference = max(float(np.percentile(np.abs(signed), 90)), 1.5 * abs(mu))
     tiny = 1e-9  # a sample of identical arithmetic gives zeros: keep bounds > 0
+    token_bound = max(bound(token, 3.0), tiny)
     near_tie_rate = near_tie_limit = None
     if token_margins is not None and sum(len(m) for m in token_margins) > 0:
         checked = [len(m) for m in token_margins]
-        ties = [int(((np.asarray(m) > 0) & (np.asarray(m) <= max(token_bound, tiny))).sum()) for m in token_margins]
+        ties = [int(((np.asarray(m) > 0) & (np.asarray(m) <= token_bound)).sum()) for m in token_margins]
         near_tie_rate = (sum(ties) + 1) / (sum(checked) + 1)  # a sample without a near tie is not a rate of 0
         evidence = np.asarray([near_tie_evidence(n, k, near_tie_rate) for n, k in zip(checked, ties)])
         resampled = _largest_cusum_sum(lambda size: rng.choice(evidence, size=size), 0.0, horizon, trials)
         near_tie_limit = max(1.5 * resampled, float(np.log(horizon / false_alarm)))
     return Tolerance(
-        token_max=max(token_bound, tiny),
+        token_max=token_bound,
         group_mean_abs=max(bound(mean_abs, 2.0), tiny),
         group_kl=max(bound(np.maximum(kl, 0.0), 4.0, power=2), tiny),
         reference=max(reference, tiny),
-        cusum_limit=max(limit(mean_abs, reference, lambda size: tail.draw(rng, size)), tiny),
+        cusum_limit=max(limit(mean_abs, reference, lambda size: mean_abs_tail.draw(rng, size)), tiny),
         bias_reference=max(bias_reference, tiny),
         bias_limit=max(
             limit(signed, bias_reference, lambda size: rng.normal(mu, sigma, size)),
             limit(-signed, bias_reference, lambda size: rng.normal(-mu, sigma, size)),
             tiny,
         ),
-        tie_margin=max(token_bound, tiny),
+        tie_margin=token_bound,
         near_tie_rate=near_tie_rate,
         near_tie_limit=near_tie_limit,
     )

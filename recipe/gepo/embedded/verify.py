@@ -599,7 +599,7 @@ class TrustGate:
                 engine.settings.temperature,
                 engine.algorithm,
                 keep_versions=hetero.max_delay + 1,
-                bounds=trust.bounds(),
+                bounds=self.bounds,  # the same bounds the gate sums with
                 check_rewards=trust.check_rewards,
                 placement=Placement.of(hetero),
                 checkable_sampling=trust.checkable_sampling,
