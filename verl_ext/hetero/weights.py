@@ -272,6 +272,7 @@ class WeightStore:
         self._sent: tuple[int, dict[str, torch.Tensor]] | None = None  # publisher: last version's wire tensors
         # fetcher: (version, wire tensors, original dtypes, wire SHA-256) it last returned
         self._held: tuple[int, dict[str, torch.Tensor], dict[str, str], str] | None = None
+        self._published_sha256: dict[int, str] = {}  # publisher: kept version -> its message's SHA-256
 
     def publish(self, version: int, state_dict: Mapping[str, torch.Tensor]) -> bytes:
         """Store ``state_dict`` as ``version`` (int >= 0), then delete versions older than the
@@ -307,7 +308,7 @@ class WeightStore:
             # parameters, which the optimizer updates in place before the next publish
             self._sent = (version, {name: t.clone() for name, t in tensors.items()})
         data = _serialize_wire(tensors, dtypes, version)
-        put(self.topic, key, data)
+        self._published_sha256[version] = put(self.topic, key, data).sha256
         self.stats["published"] += 1
         self.stats["bytes_published"] += len(data)
         if self._known is not None:
@@ -319,12 +320,20 @@ class WeightStore:
             versions, deltas = self.versions(), self.delta_versions() if self.delta else []
         kept = versions[-self.keep_last :]
         delete_many(self.topic, [version_key(v) for v in versions[: -self.keep_last]])
+        self._published_sha256 = {v: h for v, h in self._published_sha256.items() if v in kept}
         if self.delta and kept:
             delete_many(self.delta_topic, [version_key(v) for v in deltas if v < kept[0]])
             deltas = [v for v in deltas if v >= kept[0]]
         if self._known is not None:
             self._known = (kept, deltas)
         return data
+
+    def published_sha256(self, version: int) -> str | None:
+        """Publisher: the SHA-256 of ``version``'s full message as this store published it (what
+        :meth:`publish` returned), while it keeps that version; else None. A reader holding a
+        message of that number to it knows it is the publisher's, whoever else can write to the
+        transport (the learner's trust checker reads versions so)."""
+        return self._published_sha256.get(int(version))
 
     def flush(self) -> None:
         """Wait until every write of this publisher is confirmed (pipelined); raise a failed one's error."""
@@ -338,6 +347,7 @@ class WeightStore:
             self.transport.delete_many(topic, [version_key(v) for v in versions if v > version])
         if self._sent is not None and self._sent[0] > version:
             self._sent = None
+        self._published_sha256 = {v: h for v, h in self._published_sha256.items() if v <= version}
 
     def versions(self) -> list[int]:
         """Committed (and, through a DelayChannel, visible) versions, ascending."""

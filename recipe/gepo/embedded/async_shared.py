@@ -1,13 +1,13 @@
 """What every process of async mode builds the same way: the transport spec, the weight store,
-and the thread rule of an actor. Used by :mod:`.sampler` (sampler process), :mod:`.learner_actor`
-(learner actor) and :mod:`.supervisor` (the driver); the messages themselves are defined in
+the thread rule of an actor and the system cores. Used by :mod:`.sampler` (sampler process),
+:mod:`.learner_actor` (learner actor), :mod:`.checker` and :mod:`.supervisor` (the driver); the messages themselves are defined in
 :mod:`verl_ext.hetero.protocol`."""
 
 from __future__ import annotations
 
 from ..sections import HeteroConfig
 from .run_utils import RunSettings
-from verl_ext.hetero.affinity import pin_process
+from verl_ext.hetero.affinity import machine_cpus, pin_process
 from verl_ext.hetero.protocol import TransportSpec
 from verl_ext.hetero.weights import WeightStore
 from verl_ext.torch_threads import set_torch_threads
@@ -47,3 +47,12 @@ def pin_worker(cpus: list[int], key: str) -> None:
         pin_process(cpus, key)
     else:
         set_torch_threads(1)
+
+
+def system_cores(hetero: HeteroConfig) -> list[int]:
+    """``hetero.system_cpus``, or by default the machine's cores not in ``learner_cpus`` (none of
+    them pinned when ``learner_cpus`` is empty)."""
+    if hetero.system_cpus or not hetero.learner_cpus:
+        return list(hetero.system_cpus)
+    rest = [c for c in machine_cpus() if c not in hetero.learner_cpus]
+    return rest or list(hetero.learner_cpus)  # a one-core machine: nowhere else to go

@@ -1,13 +1,13 @@
-"""The trust checks off the learner's process (``hetero.trust.check_process=true``; off by default).
+"""The trust checks off the learner's process (``hetero.trust.check_process``).
 
 The gate's checks (:class:`~.verify.GroupVerifier`: re-scoring a group under its claimed version,
 the token check, the rewards' recomputation) cost the learner CPU on its own cores, measured at
 +19% wall time per step on the toy model (docs/reliability.md, "Cost"). Here they run in a
-:class:`TrustChecker`, a Ray actor of their own that the learner starts on its node: one thread
-at ``SCHED_IDLE`` priority, allowed on every core of the node, so it takes only cycles no other
-process wants (the faster of learner and samplers idles: that is where the checks go). It holds
-its own copy of the policy (in the samplers' precision, as the learner's verifier did) and the
-task; the learner no longer holds one.
+:class:`TrustChecker`, a Ray actor of their own that the learner starts on its node, on the
+system cores (``hetero.system_cpus``: by default the cores not in ``hetero.learner_cpus``) at
+nice :data:`CHECKER_NICE`, so it gives way to training and sampling yet is never starved. It
+holds its own copy of the policy (in the samplers' precision, as the learner's verifier did) and
+the task; the learner no longer holds one.
 
 :class:`OffloadedChecks` is the learner's side, the gate the inbox asks
 (:class:`~verl_ext.hetero.exchange.RolloutInbox`, a deferring gate): :meth:`TrustGate.begin`
@@ -15,18 +15,23 @@ task; the learner no longer holds one.
 awaits its verdict out of the buffer, counted against its sampler's quota, and
 :meth:`TrustGate.finish` (ledger, CUSUM, quarantine) runs when the verdict is back. A group is
 never admitted before its checks ran; every rule of :mod:`.verify` holds as in the one-call gate.
+One batch of checks is at the checker at a time (groups begun meanwhile go as the next batch);
+its future's callback wakes the poll thread.
 
 Weights: the learner keeps the ``max_delay + 1`` newest versions' messages, as the gate did
-(:meth:`OffloadedChecks.remember`: no copy); a version goes into Ray's object store once, when a
-check first needs it (by the poll thread, not the learner's training thread at every publish); a
-batch of checks carries handles to the versions it needs, and the checker fetches a version only
-to load it into its scorer, holding one at a time. A group claiming a version not published yet waits for it in the learner
-(:attr:`~.verify.TrustGate.VERSION_WAIT_S` at most, without blocking the poll thread).
+(:meth:`OffloadedChecks.remember`: no copy). A version the weight store still keeps reaches the
+checker as the SHA-256 it was published with: the checker reads it from the transport and holds
+it to that digest, so the learner copies nothing. Otherwise (pruned from the store, not landed
+yet, or rewritten there by someone else) the learner's copy goes into Ray's object store once,
+from the poll thread. The checker holds one version at a time. A group claiming a version not
+published yet waits for it in the learner (:attr:`~.verify.TrustGate.VERSION_WAIT_S` at most,
+without blocking the poll thread).
 """
 
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections import Counter
 from typing import Any, Callable, Optional
@@ -34,43 +39,55 @@ from typing import Any, Callable, Optional
 import numpy as np
 import ray
 
+from .async_shared import system_cores
 from .verify import Admission, CheckResult, GroupVerifier, KeptVersions, TrustGate
-from verl_ext.hetero.affinity import machine_cpus
 from verl_ext.hetero.exchange import DEFERRED
+from verl_ext.hetero.protocol import WEIGHTS_TOPIC, TransportSpec, version_key
+from verl_ext.hetero.transport import CorruptMessage, checksum
 from verl_ext.hetero.records import RecordRejected, RolloutGroup
 from verl_ext.torch_threads import set_torch_threads
 
 
-def run_at_idle_priority(cpus: list[int]) -> None:
-    """Every thread of this process (and every thread it starts later: they inherit it) at Linux's
-    ``SCHED_IDLE`` policy, allowed on ``cpus``, with one torch thread: it runs only when a core has
-    nothing else to run (a process at any nice level preempts it)."""
+# The checker's nice level: a CPU-bound process at nice 0 gets about 9x its CPU when they share a
+# core (Linux's weights: 1024 against 110), so the checks give way to training and sampling, yet
+# always get a share. SCHED_IDLE (the first placement) got none while the samplers kept their core
+# busy: verdicts waited 60 ms a group on a quiet toy run and 30 s in the liar soak.
+CHECKER_NICE = 10
+
+
+def run_at_low_priority(cpus: list[int], nice: int = CHECKER_NICE) -> None:
+    """Every thread of this process (and every thread it starts later: they inherit it) at
+    ``nice``, allowed on ``cpus`` (every core when empty), with one torch thread."""
     try:
         tids = [int(t) for t in os.listdir("/proc/self/task")]
     except FileNotFoundError:  # no procfs: the calling thread only
-        tids = [0]
+        tids = [threading.get_native_id()]
     for tid in tids:
         try:
-            os.sched_setaffinity(tid, cpus)
-            os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+            if cpus:
+                os.sched_setaffinity(tid, cpus)
+            os.setpriority(os.PRIO_PROCESS, tid, nice)  # on Linux, a tid: that thread
         except (ProcessLookupError, PermissionError):
             pass  # the thread ended since listing
-    os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # the calling thread, whatever the listing
+    os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)  # the calling thread, whatever the listing
     set_torch_threads(1)
 
 
 class TrustChecker:
     """Ray actor: a :class:`~.verify.GroupVerifier` of its own (model copy, tokenizer, task) that
-    answers batches of checks for the learner's :class:`OffloadedChecks`, at idle priority on all
-    of the node's cores.
+    answers batches of checks for the learner's :class:`OffloadedChecks`, on the system cores at
+    nice :data:`CHECKER_NICE`.
 
     Args:
         engine: the run's validated configs (the trust options, the task, the sampler precision).
         model_path: the policy's HF folder (the scorer's architecture; its weights come per version).
+        spec: the run's transport, where the learner publishes its weights (None: every version
+            comes from the learner through the object store).
     """
 
-    def __init__(self, engine: Any, model_path: str):
-        run_at_idle_priority(machine_cpus())
+    def __init__(self, engine: Any, model_path: str, spec: Optional[TransportSpec] = None):
+        run_at_low_priority(system_cores(engine.hetero))
+        self.store = spec.open() if spec is not None else None
         from .placement import Placement
         from .tasks import Task
 
@@ -89,42 +106,67 @@ class TrustChecker:
         self.verifier.task = Task(engine.task, hetero.seed, self.verifier.tokenizer)
 
     def describe(self) -> dict[str, Any]:
-        """Where and how it runs: ``pid``, ``policy`` (``os.sched_getscheduler``), ``cpus``."""
+        """Where and how it runs: ``pid``, ``nice`` (the nice levels of its threads, this one's
+        included), ``cpus`` (this thread's affinity)."""
+        tids = {int(t) for t in os.listdir("/proc/self/task")} | {threading.get_native_id()}
         return {
             "pid": os.getpid(),
-            "policy": os.sched_getscheduler(0),
+            "nice": sorted({os.getpriority(os.PRIO_PROCESS, tid) for tid in tids}),
             "cpus": sorted(os.sched_getaffinity(0)),
         }
 
     def check(
         self, requests: list[tuple[RolloutGroup, bool, bool, bool]], weights: dict[int, Any]
-    ) -> list[CheckResult]:
-        """:meth:`GroupVerifier.run` for each ``(group, rewards, logprobs, lost)``, in order;
-        ``weights``: version -> a handle to its message in the object store, for the versions the
-        re-scored groups claim (a version absent there is not held: ``held=False``)."""
+    ) -> list[Optional[CheckResult]]:
+        """:meth:`GroupVerifier.run` for each ``(group, rewards, logprobs, lost)``, in order.
+        ``weights``: for each version the re-scored groups claim, where its message is: the
+        SHA-256 the learner published it with (read from the transport's weight store and held to
+        it), or ``[handle]`` of the learner's copy in the object store. A version absent there is
+        not held (``held=False``). None in place of a result: the store did not have that
+        version's message as published (pruned, not landed yet, or rewritten by someone else),
+        so the learner sends its own copy."""
         order = sorted(range(len(requests)), key=lambda i: int(requests[i][0].policy_version))  # one load a version
         results: list[Optional[CheckResult]] = [None] * len(requests)
         for i in order:
             group, rewards, logprobs, lost = requests[i]
             version = int(group.policy_version)
-            if logprobs and version in weights and not self.verifier.holds(version):
-                self.verifier.remember(version, ray.get(weights[version][0]).tobytes())
-            results[i] = self.verifier.run(group, rewards=rewards, logprobs=logprobs and version in weights, lost=lost)
+            rescore = logprobs and version in weights
+            if rescore and not self.verifier.holds(version):
+                message = self._message(version, weights[version])
+                if message is None:
+                    continue
+                self.verifier.remember(version, message)
+            results[i] = self.verifier.run(group, rewards=rewards, logprobs=rescore, lost=lost)
             if logprobs and version not in weights:
                 results[i].held = False
         return results
 
+    def _message(self, version: int, source: Any) -> Optional[bytes]:
+        """The message of ``version`` from ``source`` (:meth:`check`'s ``weights`` entry), or None
+        when the store does not hold it as the learner published it."""
+        if not isinstance(source, str):
+            return ray.get(source[0]).tobytes()
+        if self.store is None:
+            return None
+        try:
+            message = self.store.get(WEIGHTS_TOPIC, version_key(version))
+        except (KeyError, CorruptMessage):
+            return None
+        # the transport is writable by samplers too: only the learner's digest says whose it is
+        return message if checksum(message) == source else None
 
-def launch_checker(engine: Any, model_path: str) -> Any:
+
+def launch_checker(engine: Any, model_path: str, spec: Optional[TransportSpec] = None) -> Any:
     """A :class:`TrustChecker` actor on the learner's node (``hetero.learner_ray_resources``),
     fate-shared with the calling learner actor (its owner): a learner that dies takes its checker
-    with it, and its resumed successor starts a fresh one."""
+    with it, and its resumed successor starts a fresh one. ``spec``: the transport it reads
+    published weights from (:class:`TrustChecker`)."""
     hetero = engine.hetero
     options: dict[str, Any] = {"resources": dict(hetero.learner_ray_resources)} if hetero.learner_ray_resources else {}
     if hetero.device.startswith("cuda"):
         # no GPU reservation: it re-scores on the learner's GPU (cuda:N as the learner names it)
         options["runtime_env"] = {"env_vars": {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}}
-    return ray.remote(num_cpus=0, max_restarts=0)(TrustChecker).options(**options).remote(engine, model_path)
+    return ray.remote(num_cpus=0, max_restarts=0)(TrustChecker).options(**options).remote(engine, model_path, spec)
 
 
 class OffloadedChecks:
@@ -139,19 +181,33 @@ class OffloadedChecks:
         launch: starts a checker actor (:func:`launch_checker`); called again if one dies (its
             outstanding checks are sent to the new one).
         keep_versions: versions whose weights are kept for re-scoring (``max_delay + 1``).
+        published_sha256: version -> the SHA-256 its message was published with while the weight
+            store keeps it, else None (:meth:`WeightStore.published_sha256`): the checker reads
+            such a version from the store, and the learner's copy goes to it only when the store
+            no longer has it. Default: never (every version from the learner).
     """
 
-    def __init__(self, gate: TrustGate, launch: Callable[[], Any], keep_versions: int):
-        self.gate, self._launch = gate, launch
+    def __init__(
+        self,
+        gate: TrustGate,
+        launch: Callable[[], Any],
+        keep_versions: int,
+        published_sha256: Callable[[int], Optional[str]] = lambda version: None,
+    ):
+        self.gate, self._launch, self._published_sha256 = gate, launch, published_sha256
         self.checker = launch()
         self.weights = KeptVersions(keep_versions)  # version -> its message (no copy)
         self._handles: dict[int, list] = {}  # version -> [ObjectRef of its message], once a check needed it
+        self._not_in_store: set[int] = set()  # versions the checker could not read from the store as published
         self._queued: list[Admission] = []  # begun, weights at hand (or not needed): to send
         self._waiting: list[tuple[Admission, float]] = []  # (begun, deadline): its version's weights may still come
-        self._in_flight: dict[Any, tuple[list[Admission], dict[int, Any]]] = {}  # ObjectRef -> its batch
+        # the batch at the checker (one at a time: groups begun meanwhile queue and go as the next
+        # batch, so a busy checker gets fewer, larger calls): (its future, batch, weights)
+        self._in_flight: Optional[tuple[Any, list[Admission], dict[int, Any]]] = None
+        self._verdict = threading.Event()  # set by Ray's thread when the batch's verdicts are in
         self._sampler_awaiting: Counter[str] = Counter()
         self._uids_awaiting: set[str] = set()
-        self.stats: Counter[str] = Counter()  # batches sent, checker restarts
+        self.stats: Counter[str] = Counter()  # batches sent, versions put in the object store, checker restarts
         self.verdict_wait_s = 0.0  # summed over groups: from begin to verdict
         self._began: dict[str, float] = {}
 
@@ -163,17 +219,29 @@ class OffloadedChecks:
         if self.gate.rescoring:
             self.weights.remember(version, message)
 
+    def _source(self, version: int) -> Any:
+        """Where the checker gets a kept version's message (:meth:`TrustChecker.check`'s
+        ``weights``): its published SHA-256 while the store keeps it (nothing for the learner to
+        copy), else :meth:`_handle`; None when the version is not kept."""
+        if not self.weights.holds(version):
+            return None
+        digest = None if version in self._not_in_store else self._published_sha256(version)
+        return digest if digest is not None else self._handle(version)
+
     def _handle(self, version: int) -> list | None:
         """[ObjectRef] of a kept version's message, put once (as a uint8 array: one copy, read in
         place by the checker; in a list, so it reaches the checker as a handle, fetched only when
-        it loads that version); None when the version is not kept."""
+        it loads that version); None when the version is not kept. A put costs this thread about
+        4 ms for the toy's 4 MB."""
         message = self.weights.get(version)
         if message is None:
             return None
         if version not in self._handles:
             self._handles[version] = [ray.put(np.frombuffer(message, dtype=np.uint8))]
+            self.stats["versions_put"] += 1
             for old in [v for v in self._handles if not self.weights.holds(v)]:
                 del self._handles[old]  # pruned from the kept versions: its object may go
+            self._not_in_store = {v for v in self._not_in_store if self.weights.holds(v)}
         return self._handles[version]
 
     # ---------------------------------------------------------------- the deferring gate
@@ -215,51 +283,58 @@ class OffloadedChecks:
             else:
                 self._queued.append(admission)
         self._waiting = still
-        if not self._queued:
-            return
+        if not self._queued or self._in_flight is not None:
+            return  # sent when the batch out now comes back (settled)
         batch, self._queued = self._queued, []
         weights = {}
         for admission in batch:
-            handle = self._handle(admission.version) if admission.wants_weights else None
-            if handle is not None:
-                weights[admission.version] = handle
+            if admission.wants_weights and admission.version not in weights:
+                source = self._source(admission.version)
+                if source is not None:
+                    weights[admission.version] = source
         self._send(batch, weights)
 
     def _send(self, batch: list[Admission], weights: dict[int, Any]) -> None:
         requests = [(a.group, a.checks, a.wants_weights, a.lost) for a in batch]
-        self._in_flight[self.checker.check.remote(requests, weights)] = (batch, weights)
+        # a future's callback wakes the poll thread: no ray.wait polling, which cost the learner's
+        # core more than the checks' books
+        future = self.checker.check.remote(requests, weights).future()
+        self._verdict.clear()
+        future.add_done_callback(lambda _: self._verdict.set())
+        self._in_flight = (future, batch, weights)
         self.stats["batches"] += 1
 
     def wait(self, timeout_s: float) -> bool:
-        """Block up to ``timeout_s`` for a verdict (the poll thread's sleep while checks are out);
-        True when one is ready."""
-        if not self._in_flight:
+        """Block up to ``timeout_s`` for the batch's verdicts (the poll thread's sleep while checks
+        are out); True when they are in."""
+        if self._in_flight is None:
             if self._waiting:
                 time.sleep(min(timeout_s, 0.02))
             return False
-        ready, _ = ray.wait(list(self._in_flight), num_returns=1, timeout=timeout_s)
-        return bool(ready)
+        return self._verdict.wait(timeout_s)
 
     def settled(self) -> list[tuple[RolloutGroup, "bool | RecordRejected"]]:
         """The groups whose verdict came back since the last call: ``(group, vouched)`` to add
-        to the buffer (then :meth:`accepted`), or ``(group, RecordRejected)``."""
-        self.flush()
-        if not self._in_flight:
-            return []
-        ready, _ = ray.wait(list(self._in_flight), num_returns=len(self._in_flight), timeout=0)
+        to the buffer (then :meth:`accepted`), or ``(group, RecordRejected)``. The groups queued
+        meanwhile then go to the checker."""
         out: list[tuple[RolloutGroup, bool | RecordRejected]] = []
-        for ref in ready:
-            batch, weights = self._in_flight.pop(ref)
+        if self._in_flight is not None and self._in_flight[0].done():
+            future, batch, weights = self._in_flight
+            self._in_flight = None
             try:
-                results = ray.get(ref)
+                results = future.result()
             except ray.exceptions.RayActorError:
                 # the checker died (killed, out of memory): a new one checks the same groups
                 self.stats["checker_restarts"] += 1
                 self.checker = self._launch()
                 self._send(batch, weights)
-                continue
+                return out
             now = time.monotonic()
             for admission, result in zip(batch, results):
+                if result is None:  # its version was not in the store as published: our copy goes
+                    self._not_in_store.add(admission.version)
+                    self._queued.append(admission)
+                    continue
                 group = admission.group
                 self._sampler_awaiting[str(group.sampler_id)] -= 1
                 self._uids_awaiting.discard(group.group_uid)
@@ -268,6 +343,7 @@ class OffloadedChecks:
                     out.append((group, self.gate.finish(admission, result)))
                 except RecordRejected as err:
                     out.append((group, err))
+        self.flush()
         return out
 
     def accepted(self, group: RolloutGroup, vouched: bool = False) -> None:

@@ -34,13 +34,13 @@ import ray
 from tqdm import tqdm
 
 from ..sections import HeteroConfig
-from .async_shared import transport_spec
+from .async_shared import system_cores, transport_spec
 from .driver import run_loop
 from .engine import EngineConfig
 from .learner_actor import LearnerWorker
 from .run_utils import MetricLogger
 from .sampler import SamplerWorker
-from verl_ext.hetero.affinity import Pinned, machine_cpus
+from verl_ext.hetero.affinity import Pinned
 from verl_ext.hetero.auth import Enrolment
 from verl_ext.hetero.protocol import (
     EXPECTED_TOPIC,
@@ -309,15 +309,6 @@ def run_async(engine: EngineConfig, model_path: str, logger: MetricLogger) -> di
     # inherit them and stay off the learner's cores (the actors re-pin themselves)
     with Pinned(system_cores(hetero), "hetero.system_cpus"):
         return _run_async(engine, model_path, logger)
-
-
-def system_cores(hetero: HeteroConfig) -> list[int]:
-    """``hetero.system_cpus``, or by default the machine's cores not in ``learner_cpus`` (none of
-    them pinned when ``learner_cpus`` is empty)."""
-    if hetero.system_cpus or not hetero.learner_cpus:
-        return list(hetero.system_cpus)
-    rest = [c for c in machine_cpus() if c not in hetero.learner_cpus]
-    return rest or list(hetero.learner_cpus)  # a one-core machine: nowhere else to go
 
 
 @contextlib.contextmanager

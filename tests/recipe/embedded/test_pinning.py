@@ -150,7 +150,7 @@ def test_ray_processes_stay_off_the_learner_cores():
     """Async mode's default ``hetero.system_cpus``: the cores not in ``learner_cpus``. The driver
     moves there before ``ray.init``, so the GCS, the raylet and the Ray transport's mailbox it
     starts inherit them (they took 15-40% of a pinned learner core before)."""
-    from recipe.gepo.embedded.supervisor import system_cores
+    from recipe.gepo.embedded.async_shared import system_cores
     from verl_ext.hetero.transport import RayTransport
 
     assert system_cores(HeteroConfig(learner_cpus=[0])) == [c for c in range(os.cpu_count()) if c != 0]

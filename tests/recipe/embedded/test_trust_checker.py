@@ -3,7 +3,7 @@ a real :class:`TrustChecker` actor on a local Ray, the learner's gate and buffer
 :class:`RolloutInbox` on a filesystem transport, groups of the tiny toy model. A lying group is
 still refused and quarantines its sampler, honest groups get in, no group enters the buffer
 before its verdict, groups awaiting one count against their sampler's quota, and the checks ran in
-the checker's process at idle priority, none in the caller's."""
+the checker's process at low priority on the system cores, none in the caller's."""
 
 from __future__ import annotations
 
@@ -13,12 +13,13 @@ import time
 import pytest
 import ray
 
-from recipe.gepo.embedded.checker import OffloadedChecks, launch_checker
+from recipe.gepo.embedded.checker import CHECKER_NICE, OffloadedChecks, launch_checker
 from recipe.gepo.embedded.driver import build_buffer
 from recipe.gepo.embedded.verify import TrustGate
 from verl_ext.hetero.exchange import RolloutInbox, send_group
+from verl_ext.hetero.protocol import WEIGHTS_TOPIC, TransportSpec, version_key
 from verl_ext.hetero.transport import FsspecTransport
-from verl_ext.hetero.weights import serialize_state_dict
+from verl_ext.hetero.weights import WeightStore, serialize_state_dict
 
 from .test_trust_gate import Lab
 
@@ -65,10 +66,13 @@ def _drain(inbox: RolloutInbox, checks: OffloadedChecks, timeout_s: float = 120.
         inbox.poll()
 
 
-def test_lies_are_refused_and_honest_groups_admitted_by_a_checker_process_at_idle_priority(
+def test_lies_are_refused_and_honest_groups_admitted_by_a_checker_process_at_low_priority(
     local_ray, tiny_model_path, tmp_path
 ):
-    lab, buffer, checks, transport, inbox = _learner(tiny_model_path, tmp_path / "run", tmp_path / "exchange")
+    system_core = os.cpu_count() - 1
+    lab, buffer, checks, transport, inbox = _learner(
+        tiny_model_path, tmp_path / "run", tmp_path / "exchange", f"hetero.system_cpus=[{system_core}]"
+    )
 
     honest = lab.groups("sampler-0", n=3)
     lies = lab.groups("sampler-1", n=3)
@@ -91,11 +95,12 @@ def test_lies_are_refused_and_honest_groups_admitted_by_a_checker_process_at_idl
     metrics = checks.gate.metrics()
     assert metrics["trust/checked"] >= 4 and metrics["trust/failed"] >= 1
 
-    # the verdicts came from another process, at idle priority on every core, and no check ran here
+    # the verdicts came from another process, every thread at the checker's nice level on the
+    # system cores, and no check ran here
     where = ray.get(checks.checker.describe.remote())
     assert where["pid"] != os.getpid()
-    assert where["policy"] == os.SCHED_IDLE
-    assert where["cpus"] == sorted(range(os.cpu_count()))
+    assert where["nice"] == [CHECKER_NICE]
+    assert where["cpus"] == [system_core]
     assert metrics["perf/trust_check_cpu_s_total"] > 0
     assert metrics["perf/trust_check_learner_cpu_s_total"] == 0
     checks.close()
@@ -119,4 +124,54 @@ def test_groups_awaiting_a_verdict_count_against_their_samplers_quota(local_ray,
     ]
     _drain(inbox, checks)
     assert len(buffer) == 2 and checks.gate.metrics()["trust/sampler-2/passed_over"] == 2
+    checks.close()
+
+
+def test_the_checker_reads_published_weights_from_the_store_and_not_a_copy_rewritten_there(
+    local_ray, tiny_model_path, tmp_path
+):
+    """Versions the learner's weight store still keeps go to the checker as their published
+    SHA-256 (the learner puts nothing in the object store); a message rewritten in the transport
+    under a version's name (anyone who can send groups can write there) is not used: the learner's
+    own copy goes instead, and groups are judged against the learner's weights."""
+    lab = Lab(tiny_model_path, tmp_path / "run")
+    buffer = build_buffer(lab.engine, lab.task)
+    buffer.set_learner_version(1)
+    exchange = tmp_path / "exchange"
+    transport = FsspecTransport(str(exchange))
+    store = WeightStore(transport, keep_last=4)
+    gate = TrustGate(lab.engine, tiny_model_path, lab.task, buffer, local_checks=False)
+    spec = TransportSpec("fsspec", url=str(exchange))
+    checks = OffloadedChecks(
+        gate,
+        lambda: launch_checker(lab.engine, tiny_model_path, spec),
+        keep_versions=lab.engine.hetero.max_delay + 1,
+        published_sha256=store.published_sha256,
+    )
+    checks.remember(0, store.publish(0, lab.model.state_dict()))
+    checks.remember(1, store.publish(1, lab.v1.state_dict()))
+    inbox = RolloutInbox(transport, buffer, gate=checks)
+
+    honest, lies = lab.groups("sampler-0", n=2), lab.groups("sampler-1", n=2)
+    for group in lies:  # on probation: every group re-scored
+        group.sampler_logprobs = group.sampler_logprobs * 1.5
+    for group in honest + lies:
+        send_group(transport, group)
+    _drain(inbox, checks)
+    status = buffer.ledger.status
+    assert [status[g.group_uid] for g in honest] == ["buffered", "buffered"]
+    assert status[lies[0].group_uid] == "rejected:bad_logprobs"
+    assert checks.stats["versions_put"] == 0  # version 0 came from the store
+
+    # version 1 rewritten in the transport: version 0's weights under its name
+    transport.put(WEIGHTS_TOPIC, version_key(1), serialize_state_dict(lab.model.state_dict(), 1))
+    on_v1 = lab.groups("sampler-2", n=2, model=lab.v1)
+    for group in on_v1:
+        group.policy_version = 1
+        send_group(transport, group)
+    _drain(inbox, checks)
+    # judged against the learner's version 1 (against the rewritten one they would fail)
+    assert [status[g.group_uid] for g in on_v1] == ["buffered", "buffered"]
+    assert checks.stats["versions_put"] == 1
+    assert checks.gate.ledger.refusal("sampler-2") is None
     checks.close()
