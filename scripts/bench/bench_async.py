@@ -1,7 +1,7 @@
 """Async against synchronous generate-then-train on "separated hardware": same work, same model.
 
     python -m scripts.bench.bench_async [--steps 60] [--delays 0 1 5] [--learner-cpus 0] [--sampler-cpus 1]
-                                        [--trust-off | --trust-checker]
+                                        [--trust-off | --trust-checker | --compare-trust ROUNDS]
                                         [--warmup 5] [--out FILE] [extra hydra overrides ...]
 
 The learner process is pinned to ``--learner-cpus`` and the samplers to ``--sampler-cpus``
@@ -30,6 +30,16 @@ the CPU seconds of the learner's whole process (every thread: training, the inbo
 Ray's) over the timed steps, which another process's load does not enter either.
 The load average is recorded before and after every run; on a shared machine compare numbers
 within a row, not across rows.
+
+``--compare-trust ROUNDS``: what ``hetero.trust`` costs async mode. One synchronous run, then
+ROUNDS rounds of three async runs at the first delay -- protections off, checks in the checker
+process, checks in the learner's poll thread -- in an order rotated each round (drift in the
+machine's speed falls on every setting), a row per run and the medians per setting. On this
+project's 2-core VM the same run's train_step time moves by up to 30% from run to run, so one
+run of each says little; the medians of 5 rounds are what docs/reliability.md quotes. The table
+adds async wall / the training thread's CPU time in train_step: the wall time each CPU second of
+training needed, which the machine's speed moves less than either alone (checks in the learner's
+process take its core from training: wall up, training CPU not).
 """
 
 from __future__ import annotations
@@ -56,6 +66,12 @@ COMMON = [
 ]
 SYNC = ["hetero.mode=replay", "hetero.delay.dist=none", "hetero.max_delay=0"]
 TRUST_OFF = ["hetero.trust.sign_records=false", "hetero.trust.verify_fraction=0", "hetero.trust.check_rewards=false"]
+# --compare-trust's settings, each named by its overrides (not by what the defaults are today)
+TRUST_SETTINGS = {
+    "off": TRUST_OFF,
+    "checker process": ["hetero.trust.check_process=true"],
+    "in the learner": ["hetero.trust.check_process=false"],
+}
 
 
 def async_overrides(delay_s: float, samplers: int) -> list[str]:
@@ -114,6 +130,7 @@ def run(overrides: list[str], run_dir: Path, warmup: int) -> dict:
         "wall_s": total_of("perf/wall_s"),
         "step_s": total_of("perf/step_s"),
         "train_s": total_of("perf/train_s"),
+        "train_cpu_s": total_of("perf/train_cpu_s"),
         "publish_s": total_of("perf/publish_s"),
         "wait_s": float(sum(r["perf/step_s"] * r["perf/learner_idle_frac"] for r in timed)),
         "consumed": total_of("hetero/consumed", steps),
@@ -121,8 +138,63 @@ def run(overrides: list[str], run_dir: Path, warmup: int) -> dict:
         # async runs: CPU seconds of the learner's whole process over the timed steps (all threads)
         "learner_cpu_s": float(timed[-1].get("perf/learner_process_cpu_s_total", np.nan))
         - float(steps[warmup - 1].get("perf/learner_process_cpu_s_total", np.nan) if warmup else 0.0),
+        "poll_cpu_s": float(timed[-1].get("perf/learner_poll_cpu_s_total", np.nan))
+        - float(steps[warmup - 1].get("perf/learner_poll_cpu_s_total", np.nan) if warmup else 0.0),
         "load": f"{load_before} -> {loadavg()}",
     }
+
+
+def compare_trust_table(args, sync: dict, delay: float, rounds: list[tuple[str, int, dict]]) -> list[str]:
+    """--compare-trust's report: a row per run, then each setting's medians."""
+    bound = max(sync["wait_s"], sync["train_s"])
+    lines = [
+        f"hetero.trust's cost to async mode: {args.steps} learner steps (the first {args.warmup} left out), toy "
+        f"addition, GEPO, 8 prompts x G=8 per step, weight delay {delay:g} s; {platform.machine()}; learner on "
+        f"cores [{args.learner_cpus}], samplers on [{args.sampler_cpus}]; {args.compare_trust} rounds, the "
+        "settings' order rotated each round",
+        "",
+        f"synchronous run: pure sampling {sync['wait_s']:.2f} s, pure training {sync['train_s']:.2f} s; load {sync['load']}",
+        "",
+        "| setting | round | async wall s | async / max(sampling, training) | async wall / its own train_step "
+        "| async wall / training CPU | train_step s | learner idle s | learner process CPU s "
+        "| its poll thread's CPU s | load before -> after |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for name, r, run_ in rounds:
+        lines.append(
+            f"| {name} | {r} | {run_['wall_s']:.2f} | {run_['wall_s'] / bound:.2f} | {run_['wall_s'] / run_['train_s']:.3f} "
+            f"| {run_['wall_s'] / run_['train_cpu_s']:.3f} | {run_['train_s']:.2f} | {run_['wait_s']:.2f} "
+            f"| {run_['learner_cpu_s']:.2f} | {run_['poll_cpu_s']:.2f} | {run_['load']} |"
+        )
+    lines += [
+        "",
+        "Medians per setting (and against protections off):",
+        "",
+        "| setting | async wall s | async / max(sampling, training) | vs off | async wall / its own train_step "
+        "| vs off | async wall / training CPU | vs off | learner idle s | learner process CPU s "
+        "| its poll thread's CPU s |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+
+    def median(name: str, value) -> float:
+        return float(np.median([value(run_) for n, _, run_ in rounds if n == name]))
+
+    def own(x):
+        return x["wall_s"] / x["train_s"]
+
+    def per_cpu(x):
+        return x["wall_s"] / x["train_cpu_s"]
+
+    off = {key: median("off", f) for key, f in (("wall", lambda x: x["wall_s"]), ("own", own), ("cpu", per_cpu))}
+    for name in TRUST_SETTINGS:
+        wall, by_own, by_cpu = median(name, lambda x: x["wall_s"]), median(name, own), median(name, per_cpu)
+        lines.append(
+            f"| {name} | {wall:.2f} | {wall / bound:.2f} | {wall / off['wall']:.3f} | {by_own:.3f} "
+            f"| {by_own / off['own']:.3f} | {by_cpu:.3f} | {by_cpu / off['cpu']:.3f} "
+            f"| {median(name, lambda x: x['wait_s']):.2f} | {median(name, lambda x: x['learner_cpu_s']):.2f} "
+            f"| {median(name, lambda x: x['poll_cpu_s']):.2f} |"
+        )
+    return lines
 
 
 def main() -> None:
@@ -154,11 +226,21 @@ def main() -> None:
     parser.add_argument(
         "--trust-checker",
         action="store_true",
-        help="async runs: hetero.trust.check_process=true (the checks in a checker process at idle priority; "
+        help="async runs: hetero.trust.check_process=true (the checks in a checker process on the system cores; "
         "by default they run in the learner's poll thread)",
+    )
+    parser.add_argument(
+        "--compare-trust",
+        type=int,
+        default=0,
+        metavar="ROUNDS",
+        help="at the first delay, ROUNDS rounds of async runs with trust off, checks in the checker process "
+        "and checks in the learner, alternating, and their medians (module docstring)",
     )
     parser.add_argument("--out", type=Path, default=None)
     args, extra = parser.parse_known_args()
+    if args.compare_trust and (args.trust_off or args.trust_checker):
+        parser.error("--compare-trust runs every trust setting: drop --trust-off / --trust-checker")
     pin = (
         []
         if args.no_pin
@@ -169,6 +251,19 @@ def main() -> None:
         sync = run(base + SYNC + extra, Path(tmp) / "sync", args.warmup)
         system = [] if args.system_cpus is None else [f"hetero.system_cpus=[{args.system_cpus}]"]
         system += ["hetero.weights_bf16=true"] if args.weights_bf16 else []
+        if args.compare_trust:
+            delay = args.delays[0]
+            names = list(TRUST_SETTINGS)
+            rounds = []
+            for r in range(args.compare_trust):
+                for name in names[r % len(names) :] + names[: r % len(names)]:
+                    overrides = base + async_overrides(delay, args.samplers) + system + TRUST_SETTINGS[name] + extra
+                    rounds.append(
+                        (name, r + 1, run(overrides, Path(tmp) / f"trust{r}-{names.index(name)}", args.warmup))
+                    )
+                    print(f"round {r + 1}, {name}: async wall {rounds[-1][2]['wall_s']:.2f} s", file=sys.stderr)
+            emit(compare_trust_table(args, sync, delay, rounds), args.out)
+            return
         system += TRUST_OFF if args.trust_off else []
         system += ["hetero.trust.check_process=true"] if args.trust_checker else []
         runs = {
@@ -223,13 +318,13 @@ def main() -> None:
         "Where the async learner's wall time went (s, steps after the warm-up):",
         "",
         "| weight delay s/version | wall | train_step | publish | idle (waiting for groups) | between steps (driver) "
-        "| learner process CPU s (all threads) |",
-        "|---:|---:|---:|---:|---:|---:|---:|",
+        "| learner process CPU s (all threads) | of which its poll thread's |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for d, r in runs.items():
         lines.append(
             f"| {d:g} | {r['wall_s']:.2f} | {r['train_s']:.2f} | {r['publish_s']:.2f} | {r['wait_s']:.2f} "
-            f"| {r['wall_s'] - r['step_s']:.2f} | {r['learner_cpu_s']:.2f} |"
+            f"| {r['wall_s'] - r['step_s']:.2f} | {r['learner_cpu_s']:.2f} | {r['poll_cpu_s']:.2f} |"
         )
     emit(lines, args.out)
 
