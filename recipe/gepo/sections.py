@@ -173,18 +173,17 @@ class TrustConfig:
     distribution is caught even when its q matches its tokens. A group without a seed is refused
     (unseeded, without blame). Cost: the noise, V Philox draws a token (SmolLM2-135M on the CPU:
     +9% on each re-score; the sampler's draw about as fast as ordinary sampling; docs/reliability.md)."""
-    check_process: bool = option(False, honoured_by=(ASYNC,), instead=_NO_PUBLISHING_SAMPLERS)
+    check_process: bool = option(True, honoured_by=(ASYNC,), instead=_NO_PUBLISHING_SAMPLERS)
     """Where the checks (re-scoring, token check, rewards) run. true: in a checker process of their
-    own on the learner's node (``recipe.gepo.embedded.checker``), at Linux's SCHED_IDLE priority on
-    all of the node's cores, with its own copy of the policy: it takes only cycles nothing else
-    wants, and a group awaits its verdict out of the buffer (counted against its sampler's quota).
-    false: in the learner process's poll thread, as before, where they slow training (toy model:
-    +19% wall time a step at verify_fraction 0.1); the learner then holds the model copy. Either
-    way no group is admitted before its checks ran. Measured on the toy (docs/reliability.md,
-    "Cost"): with true the learner's process CPU is as with trust off, but groups wait for their
-    verdicts, so its async wall time is not yet below false's; on a node with no idle cycles the
-    verdicts wait for some (the liar soak on two busy cores: 10 learner steps in 3 minutes against
-    92 with false). Hence false by default; true is for a learner node with cores to spare."""
+    own on the learner's node (``recipe.gepo.embedded.checker``), on the system cores
+    (``hetero.system_cpus``: by default the cores not in ``hetero.learner_cpus``) at nice 10, with
+    its own copy of the policy; a group awaits its verdict out of the buffer (counted against its
+    sampler's quota). false: in the learner process's poll thread, where they take the learner's
+    core from training; the learner then holds the model copy. Either way no group is admitted
+    before its checks ran. Measured on the toy (``python -m scripts.bench.bench_async --steps 40
+    --delays 0 --compare-trust 5``, docs/reliability.md "Where the checks run"): async wall per
+    second of training CPU +2.7% over protections off with true, +8.1% with false; the liar soak
+    kept its liars out and its honest groups in with either."""
 
     bounds_file: str = option("", honoured_by=(ASYNC,), instead=_NO_PUBLISHING_SAMPLERS)
     """A calibration of bf16's bounds on the run's own model (``python -m recipe.gepo.calibrate``
