@@ -41,3 +41,16 @@ def tiny_cfg(tiny_model_path):
         )
 
     return make
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    """A local Ray for the module's tests, shut down after them: the trust checker
+    (``hetero.trust.check_process``, on by default) is a Ray actor, so a learner built in this
+    process starts one, and without Ray up its remote call would start Ray itself and leave it up
+    for every later test (whose own ``ray.init`` then fails)."""
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()

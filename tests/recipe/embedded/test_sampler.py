@@ -11,6 +11,7 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
 import torch
 
 from recipe.gepo.embedded.async_shared import weight_store
@@ -107,6 +108,7 @@ def test_sampler_pauses_while_the_learner_queue_is_full(tiny_cfg, tmp_path):
     assert counters["batches"] >= 1 and len(transport.keys(ROLLOUT_TOPIC)) == counters["groups"]
 
 
+@pytest.mark.usefixtures("local_ray")  # the learner built here starts its trust checker
 def test_learner_publishes_its_queue_depth_for_back_pressure(tiny_cfg, tmp_path):
     cfg = tiny_cfg(tmp_path / "run", "hetero.mode=async", "hetero.max_queued_groups=4")
     spec = TransportSpec("fsspec", url=str(tmp_path / "exchange"))

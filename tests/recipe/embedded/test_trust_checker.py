@@ -26,13 +26,6 @@ from .test_trust_gate import Lab
 pytestmark = pytest.mark.slow  # a Ray instance and a checker process with its model: ~15 s on 2 cores
 
 
-@pytest.fixture(scope="module")
-def local_ray():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
-
-
 def _learner(model_path: str, run_dir, exchange, *overrides: str):
     """The learner's side as TransportSource builds it, at version 1: its buffer, a gate without a
     verifier of its own with the checks in a checker actor (versions 0 and 1 published), and an

@@ -87,6 +87,7 @@ def _to_version_1(worker: LearnerWorker) -> None:
     assert worker.learner.version == 1
 
 
+@pytest.mark.usefixtures("local_ray")  # the learner built here starts its trust checker
 @pytest.mark.parametrize("policy", ["wait", "drop"])
 def test_async_wait_holds_the_step_for_an_announced_group_at_the_edge(tiny_cfg, tmp_path, policy):
     worker = _learner(tiny_cfg, tmp_path, policy)
@@ -120,6 +121,7 @@ def test_async_wait_holds_the_step_for_an_announced_group_at_the_edge(tiny_cfg, 
         worker.shutdown()
 
 
+@pytest.mark.usefixtures("local_ray")  # the learner built here starts its trust checker
 def test_async_wait_fails_after_the_timeout_naming_the_group_and_a_dead_samplers_are_withdrawn(tiny_cfg, tmp_path):
     worker = _learner(tiny_cfg, tmp_path, "wait", "hetero.wait_timeout_s=1.5")
     try:
@@ -142,6 +144,7 @@ def test_async_wait_fails_after_the_timeout_naming_the_group_and_a_dead_samplers
         worker.shutdown()
 
 
+@pytest.mark.usefixtures("local_ray")  # the learner built here starts its trust checker
 def test_async_sampler_announces_its_groups_only_under_wait(tiny_cfg, tmp_path):
     for policy in ("wait", "drop"):
         cfg = tiny_cfg(
