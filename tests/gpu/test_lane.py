@@ -45,6 +45,7 @@ def _finite_ok(rows):
             assert isinstance(value, (int, float)) and math.isfinite(value), (row["name"], key, value)
 
 
+@pytest.mark.slow  # the lane's three parts on CPU: ~29 s of the default suite's 15 minutes
 def test_lane_on_cpu_losses_cost_and_spread(tmp_path):
     result = run_lane(tmp_path, "--device", "cpu", "--quick", "--parts", "a,b,e", "--losses", "gepo,m2po")
     rows = result["rows"]

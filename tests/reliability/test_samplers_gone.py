@@ -14,6 +14,8 @@ import pytest
 
 from .conftest import CACHE_DIR, REPO
 
+pytestmark = pytest.mark.slow  # a real async run of the entry point that waits out its timeout: ~24 s
+
 WAIT_TIMEOUT_S = 4  # the learner reports its wait every WAIT_TIMEOUT_S / 3 s, so the status shows before the error
 
 
