@@ -50,8 +50,9 @@ from verl_ext.torch_threads import set_torch_threads
 
 # The checker's nice level: a CPU-bound process at nice 0 gets about 9x its CPU when they share a
 # core (Linux's weights: 1024 against 110), so the checks give way to training and sampling, yet
-# always get a share. SCHED_IDLE (the first placement) got none while the samplers kept their core
-# busy: verdicts waited 60 ms a group on a quiet toy run and 30 s in the liar soak.
+# always get a share. SCHED_IDLE (the first placement) gets none while other work keeps the cores
+# busy: the liar soak's liars were quarantined 35 s after their first group instead of under 1 s,
+# and on the toy bench, held to the sampler's core, its verdicts waited 148 s in all over 35 steps.
 CHECKER_NICE = 10
 
 

@@ -5,8 +5,8 @@
 One step (``LearnerWorker.step`` = :meth:`~.driver.LearnerRuntime.step`):
 :meth:`TransportSource.next_batch` takes whole groups within the staleness bound from the
 ``RolloutBuffer`` (a poller thread moves arriving groups into it from the transport, through
-the :class:`~.verify.TrustGate`, whose checks run in the poll thread, or with
-``hetero.trust.check_process`` in a checker process at idle priority: :mod:`.checker`), :meth:`~.learner.Learner.train_step` updates the model
+the :class:`~.verify.TrustGate`, whose checks run in a checker process on the system cores,
+:mod:`.checker`, or with ``hetero.trust.check_process=false`` in the poll thread), :meth:`~.learner.Learner.train_step` updates the model
 (``verl_ext.loss_bridge.compute_actor_loss``, then AdamW), and :meth:`TransportSource.publish`
 writes the new version to the ``WeightStore`` the samplers (:mod:`.sampler`) read. Under
 ``hetero.stale_policy=wait`` the buffer does not step past the version that would make an

@@ -57,10 +57,10 @@ already past the staleness bound is left to the buffer, which drops it unused).
 
 Where the checks run: :meth:`TrustGate.admit` is the gate in one call (the books, then the
 verifier's checks in the calling thread, then the verdict); tests and ``bench_trust detection``
-use it so, and so does an async run's learner by default. With ``hetero.trust.check_process=true`` it splits it:
-:meth:`TrustGate.begin` (refusals, the draw, replays: cheap, in the learner's poll thread), the
-checks in a checker process at idle priority (:mod:`.checker`: a :class:`GroupVerifier` of its
-own), and :meth:`TrustGate.finish` (the ledger, the CUSUM, quarantine) when the verdict is back.
+use it so, and so does an async run's learner with ``hetero.trust.check_process=false``. By default
+an async run's learner splits it: :meth:`TrustGate.begin` (refusals, the draw, replays: cheap, in
+the learner's poll thread), the checks in a checker process on the system cores (:mod:`.checker`:
+a :class:`GroupVerifier` of its own), and :meth:`TrustGate.finish` (the ledger, the CUSUM, quarantine) when the verdict is back.
 A group awaiting its verdict is out of the buffer and counts against its sampler's quota, so the
 rules above hold unchanged; one difference in timing: a copy of a group still awaiting its verdict
 is refused as ``replayed`` at once (in the one-call gate the first copy has its verdict by then).
