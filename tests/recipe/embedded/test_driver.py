@@ -1,11 +1,13 @@
 """The one driver loop: options that used to work in replay mode only work in async mode too,
 because both modes build the learner and run the step in one place
 (``recipe/gepo/embedded/driver.py``). The async learner here is the engine's own ``LearnerWorker``
-in-process over a real fs exchange (no Ray)."""
+in-process over a real fs exchange (Ray only for its trust checker: the module's local Ray)."""
 
 from __future__ import annotations
 
 import pickle
+
+import pytest
 
 from recipe.gepo.embedded.engine import EngineConfig
 from verl_ext.hetero.exchange import send_group
@@ -14,6 +16,7 @@ from verl_ext.loss_bridge import rollout_correction_settings
 from .test_wait_policy import KEY, _groups, _learner, _until
 
 
+@pytest.mark.usefixtures("local_ray")  # the learner built here starts its trust checker
 def test_async_learner_applies_rollout_correction_and_diagnostics(tiny_cfg, tmp_path):
     worker = _learner(
         tiny_cfg,
