@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -61,6 +63,7 @@ def test_the_demo_trains_from_the_shipped_warm_start_and_prints_its_table(tmp_pa
     assert not list(cache.glob("toy_add3-pin*")), sorted(p.name for p in cache.iterdir())
 
 
+@pytest.mark.slow  # ~11 s; the demo itself (async) stays in the default run, replay is covered by test_replay.py
 def test_the_readme_replay_example_runs(tmp_path):
     """README: ``make demo ARGS="algorithm_preset=grpo hetero.mode=replay"``. Replay refuses the demo's
     two samplers and speed factors; the demo leaves them out there instead of failing at start."""

@@ -105,6 +105,7 @@ class _RecordingReplay(ReplaySource):
 
 
 @TWO_CORES
+@pytest.mark.slow  # two replay runs, ~10 s
 def test_replay_generates_on_the_sampler_cores_and_gives_the_same_run(tiny_cfg, tmp_path):
     runs = {}
     for name, pins in (("free", []), ("pinned", ["hetero.learner_cpus=[0]", "hetero.sampler_cpus=[1]"])):
