@@ -1,7 +1,7 @@
 """Async against synchronous generate-then-train on "separated hardware": same work, same model.
 
     python -m scripts.bench.bench_async [--steps 60] [--delays 0 1 5] [--learner-cpus 0] [--sampler-cpus 1]
-                                        [--trust-off | --trust-checker | --compare-trust ROUNDS]
+                                        [--trust-off | --trust-checker | --trust-in-learner | --compare-trust ROUNDS]
                                         [--warmup 5] [--out FILE] [extra hydra overrides ...]
 
 The learner process is pinned to ``--learner-cpus`` and the samplers to ``--sampler-cpus``
@@ -226,8 +226,13 @@ def main() -> None:
     parser.add_argument(
         "--trust-checker",
         action="store_true",
-        help="async runs: hetero.trust.check_process=true (the checks in a checker process on the system cores; "
-        "by default they run in the learner's poll thread)",
+        help="async runs: hetero.trust.check_process=true, named (the default: the checks in a checker process "
+        "on the system cores)",
+    )
+    parser.add_argument(
+        "--trust-in-learner",
+        action="store_true",
+        help="async runs: hetero.trust.check_process=false (the checks in the learner's poll thread)",
     )
     parser.add_argument(
         "--compare-trust",
@@ -239,8 +244,12 @@ def main() -> None:
     )
     parser.add_argument("--out", type=Path, default=None)
     args, extra = parser.parse_known_args()
-    if args.compare_trust and (args.trust_off or args.trust_checker):
-        parser.error("--compare-trust runs every trust setting: drop --trust-off / --trust-checker")
+    if sum([args.trust_off, args.trust_checker, args.trust_in_learner]) > 1:
+        parser.error("--trust-off, --trust-checker and --trust-in-learner name one setting each: give one")
+    if args.compare_trust and (args.trust_off or args.trust_checker or args.trust_in_learner):
+        parser.error(
+            "--compare-trust runs every trust setting: drop --trust-off / --trust-checker / --trust-in-learner"
+        )
     pin = (
         []
         if args.no_pin
@@ -266,6 +275,7 @@ def main() -> None:
             return
         system += TRUST_OFF if args.trust_off else []
         system += ["hetero.trust.check_process=true"] if args.trust_checker else []
+        system += ["hetero.trust.check_process=false"] if args.trust_in_learner else []
         runs = {
             d: run(base + async_overrides(d, args.samplers) + system + extra, Path(tmp) / f"async{d:g}", args.warmup)
             for d in args.delays
@@ -287,9 +297,9 @@ def main() -> None:
         + (
             ", hetero.trust off"
             if args.trust_off
+            else ", hetero.trust on, checks in the learner's poll thread"
+            if args.trust_in_learner
             else ", hetero.trust on, checks in a checker process"
-            if args.trust_checker
-            else ", hetero.trust at its defaults (checks in the learner)"
         ),
         "",
         f"synchronous run: generation (pure sampling) {pure_sampling:.2f} s, learner.train_step (pure training) "
