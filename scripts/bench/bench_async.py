@@ -102,6 +102,12 @@ def emit(lines: list[str], out: Path | None) -> None:
         out.write_text(table + "\n")
 
 
+def counter_over(timed: list[dict], steps: list[dict], warmup: int, key: str, absent: float = np.nan) -> float:
+    """A running total's growth over the timed steps (``absent`` where the run does not report it)."""
+    start = float(steps[warmup - 1].get(key, absent)) if warmup else 0.0
+    return float(timed[-1].get(key, absent)) - start
+
+
 def run(overrides: list[str], run_dir: Path, warmup: int) -> dict:
     cmd = [
         sys.executable,
@@ -136,10 +142,10 @@ def run(overrides: list[str], run_dir: Path, warmup: int) -> dict:
         "consumed": total_of("hetero/consumed", steps),
         "staleness": float(np.mean([r["hetero/staleness_mean"] for r in timed])),
         # async runs: CPU seconds of the learner's whole process over the timed steps (all threads)
-        "learner_cpu_s": float(timed[-1].get("perf/learner_process_cpu_s_total", np.nan))
-        - float(steps[warmup - 1].get("perf/learner_process_cpu_s_total", np.nan) if warmup else 0.0),
-        "poll_cpu_s": float(timed[-1].get("perf/learner_poll_cpu_s_total", np.nan))
-        - float(steps[warmup - 1].get("perf/learner_poll_cpu_s_total", np.nan) if warmup else 0.0),
+        "learner_cpu_s": counter_over(timed, steps, warmup, "perf/learner_process_cpu_s_total"),
+        "poll_cpu_s": counter_over(timed, steps, warmup, "perf/learner_poll_cpu_s_total"),
+        # checker-process runs: the learner waited while only verdicts kept it from its batch (0 otherwise)
+        "verdict_block_s": counter_over(timed, steps, warmup, "perf/learner_verdict_block_s_total", absent=0.0),
         "load": f"{load_before} -> {loadavg()}",
     }
 
@@ -157,14 +163,14 @@ def compare_trust_table(args, sync: dict, delay: float, rounds: list[tuple[str, 
         "",
         "| setting | round | async wall s | async / max(sampling, training) | async wall / its own train_step "
         "| async wall / training CPU | train_step s | learner idle s | learner process CPU s "
-        "| its poll thread's CPU s | load before -> after |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| its poll thread's CPU s | blocked on verdicts s | load before -> after |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for name, r, run_ in rounds:
         lines.append(
             f"| {name} | {r} | {run_['wall_s']:.2f} | {run_['wall_s'] / bound:.2f} | {run_['wall_s'] / run_['train_s']:.3f} "
             f"| {run_['wall_s'] / run_['train_cpu_s']:.3f} | {run_['train_s']:.2f} | {run_['wait_s']:.2f} "
-            f"| {run_['learner_cpu_s']:.2f} | {run_['poll_cpu_s']:.2f} | {run_['load']} |"
+            f"| {run_['learner_cpu_s']:.2f} | {run_['poll_cpu_s']:.2f} | {run_['verdict_block_s']:.2f} | {run_['load']} |"
         )
     lines += [
         "",
@@ -172,8 +178,8 @@ def compare_trust_table(args, sync: dict, delay: float, rounds: list[tuple[str, 
         "",
         "| setting | async wall s | async / max(sampling, training) | vs off | async wall / its own train_step "
         "| vs off | async wall / training CPU | vs off | learner idle s | learner process CPU s "
-        "| its poll thread's CPU s |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| its poll thread's CPU s | blocked on verdicts s | cost to the learner |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
 
     def median(name: str, value) -> float:
@@ -186,14 +192,28 @@ def compare_trust_table(args, sync: dict, delay: float, rounds: list[tuple[str, 
         return x["wall_s"] / x["train_cpu_s"]
 
     off = {key: median("off", f) for key, f in (("wall", lambda x: x["wall_s"]), ("own", own), ("cpu", per_cpu))}
+    off_poll = median("off", lambda x: x["poll_cpu_s"])
+
+    def to_learner(x):
+        # what the checks cost the learner's critical path, as a share of its train_step: the
+        # poll thread's CPU beyond trust off's (on the learner's core, holding its GIL: the books,
+        # or every check with check_process=false) and the waits on verdicts
+        return (x["poll_cpu_s"] - off_poll + x["verdict_block_s"]) / x["train_s"]
+
     for name in TRUST_SETTINGS:
         wall, by_own, by_cpu = median(name, lambda x: x["wall_s"]), median(name, own), median(name, per_cpu)
         lines.append(
             f"| {name} | {wall:.2f} | {wall / bound:.2f} | {wall / off['wall']:.3f} | {by_own:.3f} "
             f"| {by_own / off['own']:.3f} | {by_cpu:.3f} | {by_cpu / off['cpu']:.3f} "
             f"| {median(name, lambda x: x['wait_s']):.2f} | {median(name, lambda x: x['learner_cpu_s']):.2f} "
-            f"| {median(name, lambda x: x['poll_cpu_s']):.2f} |"
+            f"| {median(name, lambda x: x['poll_cpu_s']):.2f} | {median(name, lambda x: x['verdict_block_s']):.2f} "
+            f"| {100 * median(name, to_learner):+.1f}% |"
         )
+    lines += [
+        "",
+        "cost to the learner: (its poll thread's CPU - off's median + blocked on verdicts) / train_step, "
+        "the median over the setting's runs",
+    ]
     return lines
 
 
@@ -328,13 +348,14 @@ def main() -> None:
         "Where the async learner's wall time went (s, steps after the warm-up):",
         "",
         "| weight delay s/version | wall | train_step | publish | idle (waiting for groups) | between steps (driver) "
-        "| learner process CPU s (all threads) | of which its poll thread's |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| learner process CPU s (all threads) | of which its poll thread's | of the idle: blocked on verdicts |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for d, r in runs.items():
         lines.append(
             f"| {d:g} | {r['wall_s']:.2f} | {r['train_s']:.2f} | {r['publish_s']:.2f} | {r['wait_s']:.2f} "
-            f"| {r['wall_s'] - r['step_s']:.2f} | {r['learner_cpu_s']:.2f} | {r['poll_cpu_s']:.2f} |"
+            f"| {r['wall_s'] - r['step_s']:.2f} | {r['learner_cpu_s']:.2f} | {r['poll_cpu_s']:.2f} "
+            f"| {r['verdict_block_s']:.2f} |"
         )
     emit(lines, args.out)
 

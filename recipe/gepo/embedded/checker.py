@@ -16,7 +16,10 @@ awaits its verdict out of the buffer, counted against its sampler's quota, and
 :meth:`TrustGate.finish` (ledger, CUSUM, quarantine) runs when the verdict is back. A group is
 never admitted before its checks ran; every rule of :mod:`.verify` holds as in the one-call gate.
 One batch of checks is at the checker at a time (groups begun meanwhile go as the next batch);
-its future's callback wakes the poll thread.
+its future's callback wakes the poll thread. While the learner waits for a batch that the groups
+it holds would fill once their verdicts are in (:class:`VerdictBlockClock`,
+``perf/learner_verdict_block_s_total``), its cores are idle and lent to the checker
+(:meth:`OffloadedChecks.lend_cores`); they are taken back when the learner is served.
 
 Weights: the learner keeps the ``max_delay + 1`` newest versions' messages, as the gate did
 (:meth:`OffloadedChecks.remember`: no copy). A version the weight store still keeps reaches the
@@ -56,14 +59,18 @@ from verl_ext.torch_threads import set_torch_threads
 CHECKER_NICE = 10
 
 
+def _thread_ids() -> list[int]:
+    """This process's threads (the calling one only where there is no procfs)."""
+    try:
+        return [int(t) for t in os.listdir("/proc/self/task")]
+    except FileNotFoundError:
+        return [threading.get_native_id()]
+
+
 def run_at_low_priority(cpus: list[int], nice: int = CHECKER_NICE) -> None:
     """Every thread of this process (and every thread it starts later: they inherit it) at
     ``nice``, allowed on ``cpus`` (every core when empty), with one torch thread."""
-    try:
-        tids = [int(t) for t in os.listdir("/proc/self/task")]
-    except FileNotFoundError:  # no procfs: the calling thread only
-        tids = [threading.get_native_id()]
-    for tid in tids:
+    for tid in _thread_ids():
         try:
             if cpus:
                 os.sched_setaffinity(tid, cpus)
@@ -87,7 +94,8 @@ class TrustChecker:
     """
 
     def __init__(self, engine: Any, model_path: str, spec: Optional[TransportSpec] = None):
-        run_at_low_priority(system_cores(engine.hetero))
+        self.hetero = engine.hetero
+        run_at_low_priority(system_cores(self.hetero))
         self.store = spec.open() if spec is not None else None
         from .placement import Placement
         from .tasks import Task
@@ -107,14 +115,16 @@ class TrustChecker:
         self.verifier.task = Task(engine.task, hetero.seed, self.verifier.tokenizer)
 
     def describe(self) -> dict[str, Any]:
-        """Where and how it runs: ``pid``, ``nice`` (the nice levels of its threads, this one's
-        included), ``cpus`` (this thread's affinity)."""
-        tids = {int(t) for t in os.listdir("/proc/self/task")} | {threading.get_native_id()}
-        return {
-            "pid": os.getpid(),
-            "nice": sorted({os.getpriority(os.PRIO_PROCESS, tid) for tid in tids}),
-            "cpus": sorted(os.sched_getaffinity(0)),
-        }
+        """Where and how it runs: ``pid``, ``nice`` (the distinct nice levels of its threads, this
+        one's included), ``cpus`` (the distinct core sets its threads may run on)."""
+        levels, core_sets = set(), set()
+        for tid in set(_thread_ids()) | {threading.get_native_id()}:
+            try:
+                levels.add(os.getpriority(os.PRIO_PROCESS, tid))
+                core_sets.add(tuple(sorted(os.sched_getaffinity(tid))))
+            except ProcessLookupError:
+                pass  # the thread ended since listing
+        return {"pid": os.getpid(), "nice": sorted(levels), "cpus": sorted(list(c) for c in core_sets)}
 
     def check(
         self, requests: list[tuple[RolloutGroup, bool, bool, bool]], weights: dict[int, Any]
@@ -157,6 +167,22 @@ class TrustChecker:
         return message if checksum(message) == source else None
 
 
+    @ray.method(concurrency_group="control")
+    def lend_cores(self, cores: list[int]) -> list[int]:
+        """Run on ``cores`` too (the learner's, lent while it is blocked on this checker's
+        verdicts: idle then), or on the system cores alone again (``cores`` empty); every thread,
+        the one checking now included (this call has a thread of its own). Returns the cores it
+        may run on now (every core when it is not pinned)."""
+        own = system_cores(self.hetero)
+        if own:
+            for tid in _thread_ids():
+                try:
+                    os.sched_setaffinity(tid, sorted(set(own) | set(cores)))
+                except ProcessLookupError:
+                    pass  # the thread ended since listing
+        return sorted(os.sched_getaffinity(0))
+
+
 def launch_checker(engine: Any, model_path: str, spec: Optional[TransportSpec] = None) -> Any:
     """A :class:`TrustChecker` actor on the learner's node (``hetero.learner_ray_resources``),
     fate-shared with the calling learner actor (its owner): a learner that dies takes its checker
@@ -167,7 +193,9 @@ def launch_checker(engine: Any, model_path: str, spec: Optional[TransportSpec] =
     if hetero.device.startswith("cuda"):
         # no GPU reservation: it re-scores on the learner's GPU (cuda:N as the learner names it)
         options["runtime_env"] = {"env_vars": {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}}
-    return ray.remote(num_cpus=0, max_restarts=0)(TrustChecker).options(**options).remote(engine, model_path, spec)
+    # "control": lend_cores runs beside a batch of checks (it moves the thread checking it)
+    checker = ray.remote(num_cpus=0, max_restarts=0, concurrency_groups={"control": 1})(TrustChecker)
+    return checker.options(**options).remote(engine, model_path, spec)
 
 
 class OffloadedChecks:
@@ -186,6 +214,8 @@ class OffloadedChecks:
             store keeps it, else None (:meth:`WeightStore.published_sha256`): the checker reads
             such a version from the store, and the learner's copy goes to it only when the store
             no longer has it. Default: never (every version from the learner).
+        learner_cores: the learner's cores (``hetero.learner_cpus``), lent to the checker while
+            the learner is blocked on its verdicts (:meth:`lend_cores`). Empty: never lent.
     """
 
     def __init__(
@@ -194,8 +224,11 @@ class OffloadedChecks:
         launch: Callable[[], Any],
         keep_versions: int,
         published_sha256: Callable[[int], Optional[str]] = lambda version: None,
+        learner_cores: list[int] = (),
     ):
         self.gate, self._launch, self._published_sha256 = gate, launch, published_sha256
+        self.learner_cores = list(learner_cores)
+        self.lent = False  # the checker may run on the learner's cores now
         self.checker = launch()
         self.weights = KeptVersions(keep_versions)  # version -> its message (no copy)
         self._handles: dict[int, list] = {}  # version -> [ObjectRef of its message], once a check needed it
@@ -205,7 +238,8 @@ class OffloadedChecks:
         # the batch at the checker (one at a time: groups begun meanwhile queue and go as the next
         # batch, so a busy checker gets fewer, larger calls): (its future, batch, weights)
         self._in_flight: Optional[tuple[Any, list[Admission], dict[int, Any]]] = None
-        self._verdict = threading.Event()  # set by Ray's thread when the batch's verdicts are in
+        # set by Ray's thread when the batch's verdicts are in, or by interrupt(): wakes wait()
+        self._wake = threading.Event()
         self._sampler_awaiting: Counter[str] = Counter()
         self._uids_awaiting: set[str] = set()
         self.stats: Counter[str] = Counter()  # batches sent, versions put in the object store, checker restarts
@@ -300,19 +334,35 @@ class OffloadedChecks:
         # a future's callback wakes the poll thread: no ray.wait polling, which cost the learner's
         # core more than the checks' books
         future = self.checker.check.remote(requests, weights).future()
-        self._verdict.clear()
-        future.add_done_callback(lambda _: self._verdict.set())
+        future.add_done_callback(lambda _: self._wake.set())
         self._in_flight = (future, batch, weights)
         self.stats["batches"] += 1
 
     def wait(self, timeout_s: float) -> bool:
-        """Block up to ``timeout_s`` for the batch's verdicts (the poll thread's sleep while checks
-        are out); True when they are in."""
+        """Block up to ``timeout_s`` for the batch's verdicts or :meth:`interrupt` (the poll
+        thread's sleep while checks are out); True when woken (then :meth:`settled` says whether
+        verdicts came)."""
         if self._in_flight is None:
             if self._waiting:
                 time.sleep(min(timeout_s, 0.02))
             return False
-        return self._verdict.wait(timeout_s)
+        woken = self._wake.wait(timeout_s)
+        self._wake.clear()  # a verdict that came meanwhile is still seen: settled() asks its future
+        return woken
+
+    def interrupt(self) -> None:
+        """Wake :meth:`wait` now (another thread: the learner starts or stops waiting)."""
+        self._wake.set()
+
+    def lend_cores(self, lend: bool) -> None:
+        """Let the checker run on the learner's cores too (``lend``: the learner is blocked on its
+        verdicts, so they are idle) or not (it trains again). Asynchronous: the checker's own
+        thread for it moves every thread, the one checking included."""
+        if lend == self.lent or not self.learner_cores:
+            return
+        self.lent = lend
+        self.checker.lend_cores.remote(self.learner_cores if lend else [])
+        self.stats["cores_lent"] += int(lend)
 
     def settled(self) -> list[tuple[RolloutGroup, "bool | RecordRejected"]]:
         """The groups whose verdict came back since the last call: ``(group, vouched)`` to add
@@ -327,7 +377,7 @@ class OffloadedChecks:
             except ray.exceptions.RayActorError:
                 # the checker died (killed, out of memory): a new one checks the same groups
                 self.stats["checker_restarts"] += 1
-                self.checker = self._launch()
+                self.checker, self.lent = self._launch(), False
                 self._send(batch, weights)
                 return out
             now = time.monotonic()
@@ -367,3 +417,57 @@ class OffloadedChecks:
             ray.kill(self.checker)
         except Exception:  # noqa: BLE001 - already gone
             pass
+
+
+class VerdictBlockClock:
+    """How long the learner was blocked on trust verdicts (``perf/learner_verdict_block_s_total``):
+    the time it waited for ``n`` groups while the buffered ones and those awaiting a verdict were
+    ``n`` or more -- with instant verdicts it would have been served. That is what the checker
+    process costs the learner's critical path, beside its poll thread's CPU.
+
+    Threads: the learner's calls :meth:`waits` before it blocks and :meth:`fed` once served; the
+    poll thread :meth:`update` after each change it makes to the counts. ``on_change(blocked)``
+    runs in the thread that changed it, at each start and end (:meth:`OffloadedChecks.lend_cores`).
+    """
+
+    def __init__(
+        self,
+        on_change: Callable[[bool], None] = lambda blocked: None,
+        now: Callable[[], float] = time.monotonic,
+    ):
+        self._lock, self._now = threading.Lock(), now
+        self._need = 0  # groups the learner waits for; 0 while it trains
+        self._since: Optional[float] = None  # the learner has been blocked on verdicts since
+        self.total_s = 0.0
+        self.episodes = 0
+        self._on_change = on_change
+
+    @property
+    def blocked(self) -> bool:
+        return self._since is not None
+
+    def waits(self, n: int, held: int) -> None:
+        """The learner starts waiting for ``n`` groups; ``held``: buffered + awaiting a verdict."""
+        with self._lock:
+            self._need = n
+            self._set(held >= n)
+
+    def update(self, held: int) -> None:
+        with self._lock:
+            self._set(self._need > 0 and held >= self._need)
+
+    def fed(self) -> None:
+        with self._lock:
+            self._need = 0
+            self._set(False)
+
+    def _set(self, blocked: bool) -> None:
+        if blocked == self.blocked:
+            return
+        now = self._now()
+        if blocked:
+            self._since, self.episodes = now, self.episodes + 1
+        else:
+            self.total_s += now - self._since
+            self._since = None
+        self._on_change(blocked)

@@ -23,7 +23,7 @@ import ray
 
 from ..sections import HeteroConfig
 from .async_shared import pin_worker, weight_store
-from .checker import OffloadedChecks, launch_checker
+from .checker import OffloadedChecks, VerdictBlockClock, launch_checker
 from .driver import LearnerRuntime
 from .engine import Batch, EngineConfig
 from .verify import TrustGate
@@ -81,7 +81,10 @@ class TransportSource:
                 lambda: launch_checker(engine, model_path, spec),
                 keep_versions=hetero.max_delay + 1,
                 published_sha256=self.weights.published_sha256,
+                learner_cores=hetero.learner_cpus,
             )
+        # while the learner is blocked on verdicts, its cores are idle: the checker may use them
+        self.verdict_block = VerdictBlockClock(self.checks.lend_cores if self.checks else lambda blocked: None)
         announcements = self.transport if hetero.stale_policy == "wait" else None
         self.inbox = RolloutInbox(
             rollout_inbox_transport(hetero, self.transport),
@@ -131,11 +134,14 @@ class TransportSource:
             self.poll_cpu_s = time.thread_time()
             if self.checks is not None:
                 self.inbox.settle()  # verdicts that came back: they need no listing
+                self.verdict_block.update(self._held())
             if self._hungry.is_set() or time.monotonic() >= next_listing:
                 self.gate.reload_enrolment()
                 received = self.inbox.stats["received"]
                 self.inbox.poll(settle=False)
                 self.inbox.poll_announcements()
+                if self.checks is not None:
+                    self.verdict_block.update(self._held())
                 # groups read (admitted, refused or awaiting a verdict): more may follow soon
                 if self.inbox.stats["received"] > received or self._hungry.is_set():
                     interval = self.POLL_HUNGRY_S
@@ -156,10 +162,14 @@ class TransportSource:
     def next_batch(self, step: int, n: int, learner_version: int) -> Batch:
         t0 = time.perf_counter()
         self._hungry.set()
+        if self.checks is not None:
+            self.verdict_block.waits(n, self._held())
+            self.checks.interrupt()  # the poll thread may be asleep on verdicts: it lists now
         try:
             groups = self.buffer.take(n, learner_version=learner_version)
         finally:
             self._hungry.clear()
+            self.verdict_block.fed()
         metrics = self.inbox.metrics()
         # CPU seconds of the learner's process so far, every thread (training, the poll thread,
         # Ray's): what the trust checks, wherever they run, add to it shows here
@@ -169,6 +179,8 @@ class TransportSource:
         metrics.update(self.gate.metrics())
         if self.checks is not None:
             metrics.update(self.checks.metrics())
+            # the checker's cost to the learner's critical path (with its poll thread's CPU above)
+            metrics["perf/learner_verdict_block_s_total"] = self.verdict_block.total_s
         return Batch(groups, wait_s=time.perf_counter() - t0, metrics=metrics)
 
     def publish(self, weights, version: int) -> None:
@@ -178,10 +190,14 @@ class TransportSource:
                 self.transport, LearnerStatus(version=int(version), queue_depth=self._queue_depth()), wait=False
             )
 
+    def _held(self) -> int:
+        """Groups read and not refused: buffered, and awaiting a trust verdict."""
+        return len(self.buffer) + (self.checks.outstanding() if self.checks is not None else 0)
+
     def _queue_depth(self) -> int:
         """Groups the learner holds for training: buffered, and awaiting a trust verdict (samplers
         pause on it, ``hetero.max_queued_groups``)."""
-        return len(self.buffer) + (self.checks.outstanding() if self.checks is not None else 0)
+        return self._held()
 
     def state_dict(self) -> dict[str, Any]:
         return {"trust": self.gate.state_dict()}

@@ -3,7 +3,8 @@ a real :class:`TrustChecker` actor on a local Ray, the learner's gate and buffer
 :class:`RolloutInbox` on a filesystem transport, groups of the tiny toy model. A lying group is
 still refused and quarantines its sampler, honest groups get in, no group enters the buffer
 before its verdict, groups awaiting one count against their sampler's quota, and the checks ran in
-the checker's process at low priority on the system cores, none in the caller's."""
+the checker's process at low priority on the system cores, none in the caller's; while the
+learner is blocked on verdicts, its cores are lent to the checker, and taken back."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import time
 import pytest
 import ray
 
-from recipe.gepo.embedded.checker import CHECKER_NICE, OffloadedChecks, launch_checker
+from recipe.gepo.embedded.checker import CHECKER_NICE, OffloadedChecks, VerdictBlockClock, launch_checker
 from recipe.gepo.embedded.driver import build_buffer
 from recipe.gepo.embedded.verify import TrustGate
 from verl_ext.hetero.exchange import RolloutInbox, send_group
@@ -93,7 +94,7 @@ def test_lies_are_refused_and_honest_groups_admitted_by_a_checker_process_at_low
     where = ray.get(checks.checker.describe.remote())
     assert where["pid"] != os.getpid()
     assert where["nice"] == [CHECKER_NICE]
-    assert where["cpus"] == [system_core]
+    assert where["cpus"] == [[system_core]]
     assert metrics["perf/trust_check_cpu_s_total"] > 0
     assert metrics["perf/trust_check_learner_cpu_s_total"] == 0
     checks.close()
@@ -167,4 +168,44 @@ def test_the_checker_reads_published_weights_from_the_store_and_not_a_copy_rewri
     assert [status[g.group_uid] for g in on_v1] == ["buffered", "buffered"]
     assert checks.stats["versions_put"] == 1
     assert checks.gate.ledger.refusal("sampler-2") is None
+    checks.close()
+
+
+def _placed(checker, cpus: list[list[int]], timeout_s: float = 20.0) -> dict:
+    """The checker's describe() once every thread of it may run on ``cpus`` (lend_cores is
+    asynchronous and runs in its own thread)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        where = ray.get(checker.describe.remote())
+        if where["cpus"] == cpus or time.monotonic() > deadline:
+            return where
+        time.sleep(0.05)
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs a learner core and a system core")
+def test_the_learners_cores_are_lent_to_the_checker_while_the_learner_is_blocked_on_its_verdicts(
+    local_ray, tiny_model_path, tmp_path
+):
+    learner_core, system_core = sorted(os.sched_getaffinity(0))[:2]
+    lab = Lab(
+        tiny_model_path,
+        tmp_path / "run",
+        f"hetero.learner_cpus=[{learner_core}]",
+        f"hetero.system_cpus=[{system_core}]",
+    )
+    gate = TrustGate(lab.engine, tiny_model_path, lab.task, lab.buffer, local_checks=False)
+    checks = OffloadedChecks(
+        gate, lambda: launch_checker(lab.engine, tiny_model_path), keep_versions=2, learner_cores=[learner_core]
+    )
+    clock = VerdictBlockClock(checks.lend_cores)
+    assert _placed(checks.checker, [[system_core]])["cpus"] == [[system_core]]
+
+    clock.waits(2, held=1)  # the learner waits for a group not read yet: nothing lent
+    assert not checks.lent
+    clock.update(held=2)  # read, awaiting its verdict: the learner's idle core goes to the checker
+    where = _placed(checks.checker, [sorted({learner_core, system_core})])
+    assert where["cpus"] == [sorted({learner_core, system_core})] and where["nice"] == [CHECKER_NICE]
+    clock.fed()  # served: it trains again, and the checker is back on the system cores alone
+    assert _placed(checks.checker, [[system_core]])["cpus"] == [[system_core]]
+    assert checks.stats["cores_lent"] == 1 and clock.episodes == 1 and clock.total_s > 0
     checks.close()
