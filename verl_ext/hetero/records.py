@@ -254,7 +254,7 @@ def validate_group(group: Any, spec: RecordSpec = RecordSpec(), learner_version:
 
     for name in ("prompt_mask", "response_mask"):
         values = getattr(group, name)
-        if values.size and not np.isin(values, (0, 1)).all():
+        if not ((values == 0) | (values == 1)).all():  # np.isin's 30 us a call, on every group read
             reject(name, "mask", "must contain only 0 and 1")
     if G < 1:
         reject("response_ids", "group_size", "group has no responses")
