@@ -13,7 +13,7 @@ from verl_ext.hetero.delay import make_delay_model
 from verl_ext.hetero.delay_channel import DelayChannel
 from verl_ext.hetero.exchange import RolloutInbox, send_group
 from verl_ext.hetero.protocol import version_key
-from verl_ext.hetero.transport import CorruptMessage, FsspecTransport, make_transport
+from verl_ext.hetero.transport import CorruptMessage, FsspecTransport, checksum, make_transport
 from verl_ext.hetero.weights import WeightStore
 
 from .factories import build_group
@@ -82,6 +82,15 @@ def test_corrupted_payload_is_counted_never_returned(transport):
     transport.fs.pipe_file(posixpath.join(transport.root, "weights", "v2.ok"), b"{garbage")
     with pytest.raises(CorruptMessage, match="commit marker of weights/v2 is unreadable"):
         transport.get("weights", "v2")
+
+
+def test_get_with_sha256_returns_the_digest_it_verified_and_refuses_corrupt_bytes(transport):
+    transport.put("weights", "v1", b"A" * 100)
+    transport.put("weights", "v2", b"B" * 100)
+    assert transport.get_with_sha256("weights", "v1") == (b"A" * 100, checksum(b"A" * 100))
+    transport.fs.pipe_file(_data_path(transport, "weights", "v2"), b"B" * 99 + b"C")  # bit flip
+    with pytest.raises(CorruptMessage, match="message weights/v2"):
+        transport.get_with_sha256("weights", "v2")
 
 
 def test_leftovers_of_interrupted_writes_are_invisible_and_listed(transport):

@@ -148,6 +148,12 @@ class Transport(ABC):
         info, data = self._read(check_name("topic", topic), check_name("key", key))
         return self._verified(info, data)
 
+    def get_with_sha256(self, topic: str, key: str) -> tuple[bytes, str]:
+        """:meth:`get`, and the SHA-256 the payload was just verified against: a caller holding it
+        to a digest of its own compares digests instead of hashing the payload a second time."""
+        info, data = self._read(check_name("topic", topic), check_name("key", key))
+        return self._verified(info, data), info.sha256
+
     def get_many(self, topic: str, keys: list[str]) -> dict[str, bytes | Exception]:
         """:meth:`get` of each key: key -> its payload, or the KeyError / :class:`CorruptMessage`
         :meth:`get` would have raised. One round trip where the backend can (the learner's inbox

@@ -46,7 +46,7 @@ from .async_shared import system_cores
 from .verify import Admission, CheckResult, GroupVerifier, KeptVersions, TrustGate
 from verl_ext.hetero.exchange import DEFERRED
 from verl_ext.hetero.protocol import WEIGHTS_TOPIC, TransportSpec, version_key
-from verl_ext.hetero.transport import CorruptMessage, checksum
+from verl_ext.hetero.transport import CorruptMessage
 from verl_ext.hetero.records import RecordRejected, RolloutGroup
 from verl_ext.torch_threads import set_torch_threads
 
@@ -160,11 +160,12 @@ class TrustChecker:
         if self.store is None:
             return None
         try:
-            message = self.store.get(WEIGHTS_TOPIC, version_key(version))
+            # verified against the digest it was committed with (one hash of a whole model copy)
+            message, sha256 = self.store.get_with_sha256(WEIGHTS_TOPIC, version_key(version))
         except (KeyError, CorruptMessage):
             return None
         # the transport is writable by samplers too: only the learner's digest says whose it is
-        return message if checksum(message) == source else None
+        return message if sha256 == source else None
 
 
     @ray.method(concurrency_group="control")
