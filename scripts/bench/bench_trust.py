@@ -5,6 +5,7 @@
     python -m scripts.bench.bench_trust spread [--batches 20] [--out FILE]
     python -m scripts.bench.bench_trust ratio [--model toy|smollm2] [--prompts 8] [--checkable] [--out FILE]
     python -m scripts.bench.bench_trust components [--steps 40] [--lag 2] [--fraction 0.1] [--checkable] [--out FILE]
+    python -m scripts.bench.bench_trust checker-latency [--model toy|smollm2] [--repeats 20] [--out FILE]
     python -m scripts.bench.bench_trust detection-table [--model toy|smollm2] [--setups fp32 bf16-on-fp32 bf16] [--trials 20]
         [--bounds SETUP=FILE ...] [--lies KIND ...]
 
@@ -20,6 +21,9 @@ books, the rewards check's parts, loading a version, the re-score's forward, tok
 honest groups of one sampler, signed, through the inbox's path and the real :class:`TrustGate` at
 the run's trust defaults, while a real learner trains on them and publishes a version every step
 (thread CPU time; see :func:`components`).
+
+``checker-latency``: a verdict's round trip to a real checker process (:func:`checker_latency`),
+with its system core idle, busy with a nice-0 process, and with the learner's core lent to it.
 
 ``spread``: the honest difference between a sampler's log-probs (the KV-cache sampler,
 ``verl_ext.sampling.generate``) and the learner's re-scoring of the same tokens (one full forward
@@ -576,6 +580,93 @@ def components(args) -> list[str]:
     return lines
 
 
+def checker_latency(args) -> list[str]:
+    """A verdict's round trip to a real :class:`~recipe.gepo.embedded.checker.TrustChecker` (a Ray
+    actor at nice 10 on the system core, as in a run): one group re-scored under its version and
+    its rewards checked, per call, as the learner's :class:`OffloadedChecks` sends it. Three
+    conditions: the system core idle; a nice-0 busy process held to it (a stand-in for a sampler
+    generating there, as in ``bench_async``'s two-core set-up); and the same with the learner's core
+    lent to the checker first (``lend_cores``, what a learner blocked on verdicts does; the lend's
+    own round trip is reported apart)."""
+    import os
+    import statistics
+    import subprocess
+    import sys
+    import time
+
+    import ray
+
+    from recipe.gepo.embedded.checker import CHECKER_NICE, launch_checker
+
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        raise SystemExit("checker-latency needs two cores: the learner's and a system core")
+    learner_core, system_core = cores[:2]
+    os.sched_setaffinity(0, [learner_core])  # this process is the learner's side
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    lab = _Lab(
+        args.model,
+        "fp32",
+        None,
+        seed=0,
+        overrides=[f"hetero.learner_cpus=[{learner_core}]", f"hetero.system_cpus=[{system_core}]"],
+    )
+    checker = launch_checker(lab.engine, lab.path)
+    where = ray.get(checker.describe.remote())
+    assert where["nice"] == [CHECKER_NICE] and where["cpus"] == [[system_core]], where
+    weights = {0: [ray.put(np.frombuffer(lab.publish(0), dtype=np.uint8))]}
+    groups = lab.groups(args.prompts, stream=3, index=0)
+    ray.get(checker.check.remote([(groups[0], True, True, False)], weights))  # warm: version 0 loaded
+
+    def round_trips(lend: bool) -> tuple[list[float], list[float]]:
+        checks, lends = [], []
+        for i in range(args.repeats):
+            if lend:
+                t = time.perf_counter()
+                ray.get(checker.lend_cores.remote([learner_core]))
+                lends.append(time.perf_counter() - t)
+            t = time.perf_counter()
+            ray.get(checker.check.remote([(groups[i % len(groups)], True, True, False)], weights))
+            checks.append(time.perf_counter() - t)
+            if lend:
+                ray.get(checker.lend_cores.remote([]))
+            time.sleep(0.02)
+        return checks, lends
+
+    def busy_system_core() -> subprocess.Popen:
+        return subprocess.Popen(
+            [sys.executable, "-c", f"import os; os.sched_setaffinity(0, [{system_core}])\nwhile True: pass"]
+        )
+
+    def summary(seconds: list[float]) -> str:
+        ms = [1000 * x for x in seconds]
+        return f"{statistics.median(ms):.1f} | {min(ms):.1f} - {max(ms):.1f}"
+
+    rows = [("system core idle", *round_trips(False))]
+    hog = busy_system_core()
+    try:
+        time.sleep(1.0)
+        rows.append(("a nice-0 process busy on the system core", *round_trips(False)))
+        rows.append(("the same, the learner's core lent first", *round_trips(True)))
+    finally:
+        hog.kill()
+        ray.shutdown()
+    tokens = int(sum(int(g.response_mask.sum()) for g in groups[: args.repeats]))
+    lines = [
+        f"A verdict's round trip, one group a call (re-scored under its version, rewards checked): "
+        f"{args.model}, G={lab.engine.settings.group_size}, {args.repeats} calls per condition over "
+        f"{min(args.repeats, len(groups))} groups ({tokens} response tokens); learner's side on core "
+        f"{learner_core}, checker at nice {CHECKER_NICE} on core {system_core}",
+        "",
+        "| condition | round trip ms, median | min - max | the lend's own round trip ms, median |",
+        "|---|---:|---:|---:|",
+    ]
+    for name, checks, lends in rows:
+        lend = f"{1000 * statistics.median(lends):.1f}" if lends else "-"
+        lines.append(f"| {name} | {summary(checks)} | {lend} |")
+    return lines
+
+
 DETECTION_MODELS = {
     "toy": [],
     "smollm2": [*SMOLLM2_TASK, "data.max_response_length=32"],
@@ -616,7 +707,7 @@ class _Lab:
     the set-up's ``hetero.sampler_precision``) and one honest sampler in the set-up's precision, of the
     engine's own loading, with the weights of version 0 as the learner publishes them."""
 
-    def __init__(self, model_name: str, setup: str, fraction, seed: int, bounds_file: str = ""):
+    def __init__(self, model_name: str, setup: str, fraction, seed: int, bounds_file: str = "", overrides=()):
         import dataclasses
 
         from hydra import compose, initialize_config_dir
@@ -637,6 +728,7 @@ class _Lab:
             f"hetero.seed={seed}",
             f"hetero.trust.bounds_file={bounds_file}",
             *DETECTION_MODELS[model_name],
+            *overrides,
         ]
         if fraction is not None:
             overrides.append(f"hetero.trust.verify_fraction={fraction}")
@@ -958,7 +1050,11 @@ def main() -> None:
     co.add_argument("--lag", type=int, default=2, help="versions the sampler is behind the learner")
     co.add_argument("--fraction", type=float, default=0.1, help="hetero.trust.verify_fraction")
     co.add_argument("--checkable", action="store_true", help="hetero.trust.checkable_sampling on")
-    for p in (o, d, dt, sp, ra, co):
+    cl = sub.add_parser("checker-latency")
+    cl.add_argument("--model", choices=sorted(DETECTION_MODELS), default="toy")
+    cl.add_argument("--prompts", type=int, default=4, help="groups generated (the calls cycle through them)")
+    cl.add_argument("--repeats", type=int, default=20, help="calls per condition")
+    for p in (o, d, dt, sp, ra, co, cl):
         p.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     from .bench_async import emit, loadavg
@@ -970,6 +1066,7 @@ def main() -> None:
         "spread": spread,
         "ratio": ratio,
         "components": components,
+        "checker-latency": checker_latency,
     }[args.part]
     emit([f"(load at the start: {loadavg()})", *part(args)], args.out)
 
