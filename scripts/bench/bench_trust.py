@@ -609,7 +609,11 @@ def checker_latency(args) -> list[str]:
         "fp32",
         None,
         seed=0,
-        overrides=[f"hetero.learner_cpus=[{learner_core}]", f"hetero.system_cpus=[{system_core}]"],
+        overrides=[
+            f"hetero.learner_cpus=[{learner_core}]",
+            f"hetero.system_cpus=[{system_core}]",
+            f"hetero.trust.checkable_sampling={str(args.checkable).lower()}",  # the run's default: off
+        ],
     )
     checker = launch_checker(lab.engine, lab.path)
     where = ray.get(checker.describe.remote())
@@ -653,7 +657,8 @@ def checker_latency(args) -> list[str]:
         ray.shutdown()
     tokens = int(sum(int(g.response_mask.sum()) for g in groups[: args.repeats]))
     lines = [
-        f"A verdict's round trip, one group a call (re-scored under its version, rewards checked): "
+        f"A verdict's round trip, one group a call (re-scored under its version, rewards checked"
+        f"{', tokens checked' if args.checkable else ''}): "
         f"{args.model}, G={lab.engine.settings.group_size}, {args.repeats} calls per condition over "
         f"{min(args.repeats, len(groups))} groups ({tokens} response tokens); learner's side on core "
         f"{learner_core}, checker at nice {CHECKER_NICE} on core {system_core}",
@@ -1054,6 +1059,7 @@ def main() -> None:
     cl.add_argument("--model", choices=sorted(DETECTION_MODELS), default="toy")
     cl.add_argument("--prompts", type=int, default=4, help="groups generated (the calls cycle through them)")
     cl.add_argument("--repeats", type=int, default=20, help="calls per condition")
+    cl.add_argument("--checkable", action="store_true", help="hetero.trust.checkable_sampling on (the token check too)")
     for p in (o, d, dt, sp, ra, co, cl):
         p.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
