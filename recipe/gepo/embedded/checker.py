@@ -115,8 +115,8 @@ class TrustChecker:
         self.verifier.task = Task(engine.task, hetero.seed, self.verifier.tokenizer)
 
     def describe(self) -> dict[str, Any]:
-        """Where and how it runs: ``pid``, ``nice`` (the distinct nice levels of its threads, this
-        one's included), ``cpus`` (the distinct core sets its threads may run on)."""
+        """Where and how it runs: ``pid``, ``node_id`` (Ray's), ``nice`` (the distinct nice levels of
+        its threads, this one's included), ``cpus`` (the distinct core sets its threads may run on)."""
         levels, core_sets = set(), set()
         for tid in set(_thread_ids()) | {threading.get_native_id()}:
             try:
@@ -124,7 +124,12 @@ class TrustChecker:
                 core_sets.add(tuple(sorted(os.sched_getaffinity(tid))))
             except ProcessLookupError:
                 pass  # the thread ended since listing
-        return {"pid": os.getpid(), "nice": sorted(levels), "cpus": sorted(list(c) for c in core_sets)}
+        return {
+            "pid": os.getpid(),
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "nice": sorted(levels),
+            "cpus": sorted(list(c) for c in core_sets),
+        }
 
     def check(
         self, requests: list[tuple[RolloutGroup, bool, bool, bool]], weights: dict[int, Any]
@@ -142,12 +147,16 @@ class TrustChecker:
             group, rewards, logprobs, lost = requests[i]
             version = int(group.policy_version)
             rescore = logprobs and version in weights
+            fetch_s = 0.0
             if rescore and not self.verifier.holds(version):
+                start = time.perf_counter()
                 message = self._message(version, weights[version])
                 if message is None:
                     continue
                 self.verifier.remember(version, message)
+                fetch_s = time.perf_counter() - start
             results[i] = self.verifier.run(group, rewards=rewards, logprobs=rescore, lost=lost)
+            results[i].fetch_s = fetch_s
             if logprobs and version not in weights:
                 results[i].held = False
         return results
@@ -230,7 +239,7 @@ class OffloadedChecks:
         self.gate, self._launch, self._published_sha256 = gate, launch, published_sha256
         self.learner_cores = list(learner_cores)
         self.lent = False  # the checker may run on the learner's cores now
-        self.checker = launch()
+        self._start_checker()
         self.weights = KeptVersions(keep_versions)  # version -> its message (no copy)
         self._handles: dict[int, list] = {}  # version -> [ObjectRef of its message], once a check needed it
         self._not_in_store: set[int] = set()  # versions the checker could not read from the store as published
@@ -245,6 +254,9 @@ class OffloadedChecks:
         self._uids_awaiting: set[str] = set()
         self.stats: Counter[str] = Counter()  # batches sent, versions put in the object store, checker restarts
         self.verdict_wait_s = 0.0  # summed over groups: from begin to verdict
+        self.round_trip_s = 0.0  # summed over batches: from sending to the verdicts' return
+        self.fetch_s = 0.0  # summed: the checker fetching versions' weights it did not hold
+        self._sent_at = 0.0
         self._began: dict[str, float] = {}
 
     # ---------------------------------------------------------------- weights (learner's thread)
@@ -337,6 +349,7 @@ class OffloadedChecks:
         future = self.checker.check.remote(requests, weights).future()
         future.add_done_callback(lambda _: self._wake.set())
         self._in_flight = (future, batch, weights)
+        self._sent_at = time.monotonic()
         self.stats["batches"] += 1
 
     def wait(self, timeout_s: float) -> bool:
@@ -355,15 +368,53 @@ class OffloadedChecks:
         """Wake :meth:`wait` now (another thread: the learner starts or stops waiting)."""
         self._wake.set()
 
+    def _start_checker(self) -> None:
+        self.checker, self.lent = self._launch(), False
+        # where it runs, once it has started (lend_cores moves its threads itself when it can)
+        self._where = self.checker.describe.remote().future()
+
     def lend_cores(self, lend: bool) -> None:
         """Let the checker run on the learner's cores too (``lend``: the learner is blocked on its
-        verdicts, so they are idle) or not (it trains again). Asynchronous: the checker's own
-        thread for it moves every thread, the one checking included."""
+        verdicts, so they are idle) or not (it trains again). A checker on this node, as
+        :func:`launch_checker` places it, has every thread moved from here at once (a few
+        ``sched_setaffinity`` calls); otherwise, or while it is still starting, it is asked to
+        (:meth:`TrustChecker.lend_cores`, on a thread of its own that has to get a share of the
+        busy system cores first)."""
         if lend == self.lent or not self.learner_cores:
             return
         self.lent = lend
-        self.checker.lend_cores.remote(self.learner_cores if lend else [])
         self.stats["cores_lent"] += int(lend)
+        threads = self._checker_threads()
+        if threads is not None:
+            own, tids = threads
+            cores = sorted(set(own) | set(self.learner_cores)) if lend else own
+            try:
+                for tid in tids:
+                    try:
+                        os.sched_setaffinity(tid, cores)
+                    except ProcessLookupError:
+                        pass  # that thread ended since listing
+                self.stats["lent_here"] += int(lend)
+                return
+            except OSError:  # not ours to move after all: ask it
+                self._where = None
+        self.checker.lend_cores.remote(self.learner_cores if lend else [])
+
+    def _checker_threads(self) -> Optional[tuple[list[int], list[int]]]:
+        """(the checker's system cores, its thread ids) when it runs on this node and has
+        started, else None."""
+        if self._where is None or not self._where.done():
+            return None
+        try:
+            where = self._where.result()
+            if where["node_id"] != ray.get_runtime_context().get_node_id():
+                return None
+            with open(f"/proc/{where['pid']}/cmdline", "rb") as f:
+                if not f.read().startswith(b"ray::TrustChecker"):
+                    return None  # that pid is someone else's now
+            return where["cpus"][0], [int(t) for t in os.listdir(f"/proc/{where['pid']}/task")]
+        except (ray.exceptions.RayError, OSError):
+            return None
 
     def settled(self) -> list[tuple[RolloutGroup, "bool | RecordRejected"]]:
         """The groups whose verdict came back since the last call: ``(group, vouched)`` to add
@@ -378,10 +429,12 @@ class OffloadedChecks:
             except ray.exceptions.RayActorError:
                 # the checker died (killed, out of memory): a new one checks the same groups
                 self.stats["checker_restarts"] += 1
-                self.checker, self.lent = self._launch(), False
+                self._start_checker()
                 self._send(batch, weights)
                 return out
             now = time.monotonic()
+            self.round_trip_s += now - self._sent_at
+            self.fetch_s += sum(r.fetch_s for r in results if r is not None)
             for admission, result in zip(batch, results):
                 if result is None:  # its version was not in the store as published: our copy goes
                     self._not_in_store.add(admission.version)
@@ -406,10 +459,16 @@ class OffloadedChecks:
 
     def metrics(self) -> dict[str, float]:
         """``trust/awaiting_verdict`` (groups out of the buffer awaiting one now),
-        ``perf/trust_verdict_wait_s_total`` (their waits, summed), ``trust/checker_restarts``."""
+        ``perf/trust_verdict_wait_s_total`` (their waits, summed),
+        ``perf/trust_check_round_trip_s_total`` (the batches', from sending to the verdicts'
+        return), ``perf/trust_checker_fetch_s_total`` (of which the checker fetching versions'
+        weights), ``trust/check_batches``, ``trust/checker_restarts``."""
         return {
             "trust/awaiting_verdict": float(self.outstanding()),
             "perf/trust_verdict_wait_s_total": self.verdict_wait_s,
+            "perf/trust_check_round_trip_s_total": self.round_trip_s,
+            "perf/trust_checker_fetch_s_total": self.fetch_s,
+            "trust/check_batches": float(self.stats["batches"]),
             "trust/checker_restarts": float(self.stats["checker_restarts"]),
         }
 

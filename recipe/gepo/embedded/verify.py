@@ -119,7 +119,9 @@ class CheckResult:
     ``held``: the claimed version's weights were at hand (False: not re-scored, and the gate
     decides: left to the buffer when stale, else refused); ``cpu_s``: the checks' CPU seconds
     (thread time, in ``pid``); ``tokens``: the token check's counts for this group;
-    ``scorer_precision``: the re-scoring model's precision (whose bounds apply)."""
+    ``scorer_precision``: the re-scoring model's precision (whose bounds apply); ``fetch_s``: the
+    wall seconds a checker process spent fetching the claimed version's weights for it (0 when it
+    held them, and in the learner's thread)."""
 
     rewards_failure: Optional[tuple[str, str]] = None
     logprobs_failure: Optional[tuple[str, str]] = None
@@ -129,6 +131,7 @@ class CheckResult:
     tokens: dict[str, int] = field(default_factory=dict)
     pid: int = 0
     scorer_precision: str = "fp32"
+    fetch_s: float = 0.0
 
 
 class KeptVersions:

@@ -199,6 +199,7 @@ def test_the_learners_cores_are_lent_to_the_checker_while_the_learner_is_blocked
     )
     clock = VerdictBlockClock(checks.lend_cores)
     assert _placed(checks.checker, [[system_core]])["cpus"] == [[system_core]]
+    checks._where.result(timeout=60)  # started: on this node, its threads are moved from here
 
     clock.waits(2, held=1)  # the learner waits for a group not read yet: nothing lent
     assert not checks.lent
@@ -208,4 +209,12 @@ def test_the_learners_cores_are_lent_to_the_checker_while_the_learner_is_blocked
     clock.fed()  # served: it trains again, and the checker is back on the system cores alone
     assert _placed(checks.checker, [[system_core]])["cpus"] == [[system_core]]
     assert checks.stats["cores_lent"] == 1 and clock.episodes == 1 and clock.total_s > 0
+    assert checks.stats["lent_here"] == 1  # the same node: no call the busy checker had to answer first
+
+    # a checker elsewhere is asked instead: it moves its own threads
+    both = sorted({learner_core, system_core})
+    assert ray.get(checks.checker.lend_cores.remote([learner_core])) == both
+    assert _placed(checks.checker, [both])["cpus"] == [both]
+    assert ray.get(checks.checker.lend_cores.remote([])) == [system_core]
+    assert _placed(checks.checker, [[system_core]])["cpus"] == [[system_core]]
     checks.close()
