@@ -146,6 +146,11 @@ def run(overrides: list[str], run_dir: Path, warmup: int) -> dict:
         "poll_cpu_s": counter_over(timed, steps, warmup, "perf/learner_poll_cpu_s_total"),
         # checker-process runs: the learner waited while only verdicts kept it from its batch (0 otherwise)
         "verdict_block_s": counter_over(timed, steps, warmup, "perf/learner_verdict_block_s_total", absent=0.0),
+        # ... the batches' round trips to the checker, how many, and its fetching of versions
+        "round_trip_s": counter_over(timed, steps, warmup, "perf/trust_check_round_trip_s_total", absent=0.0),
+        "check_batches": counter_over(timed, steps, warmup, "trust/check_batches", absent=0.0),
+        "fetch_s": counter_over(timed, steps, warmup, "perf/trust_checker_fetch_s_total", absent=0.0),
+        "check_cpu_s": counter_over(timed, steps, warmup, "perf/trust_check_cpu_s_total", absent=0.0),
         "load": f"{load_before} -> {loadavg()}",
     }
 
@@ -348,14 +353,16 @@ def main() -> None:
         "Where the async learner's wall time went (s, steps after the warm-up):",
         "",
         "| weight delay s/version | wall | train_step | publish | idle (waiting for groups) | between steps (driver) "
-        "| learner process CPU s (all threads) | of which its poll thread's | of the idle: blocked on verdicts |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| learner process CPU s (all threads) | of which its poll thread's | of the idle: blocked on verdicts "
+        "| checks' CPU s | batches to the checker | their round trips s | of which fetching versions s |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for d, r in runs.items():
         lines.append(
             f"| {d:g} | {r['wall_s']:.2f} | {r['train_s']:.2f} | {r['publish_s']:.2f} | {r['wait_s']:.2f} "
             f"| {r['wall_s'] - r['step_s']:.2f} | {r['learner_cpu_s']:.2f} | {r['poll_cpu_s']:.2f} "
-            f"| {r['verdict_block_s']:.2f} |"
+            f"| {r['verdict_block_s']:.2f} | {r['check_cpu_s']:.2f} | {r['check_batches']:.0f} "
+            f"| {r['round_trip_s']:.2f} | {r['fetch_s']:.2f} |"
         )
     emit(lines, args.out)
 
