@@ -176,7 +176,6 @@ class TrustChecker:
         # the transport is writable by samplers too: only the learner's digest says whose it is
         return message if sha256 == source else None
 
-
     @ray.method(concurrency_group="control")
     def lend_cores(self, cores: list[int]) -> list[int]:
         """Run on ``cores`` too (the learner's, lent while it is blocked on this checker's
@@ -375,11 +374,10 @@ class OffloadedChecks:
 
     def lend_cores(self, lend: bool) -> None:
         """Let the checker run on the learner's cores too (``lend``: the learner is blocked on its
-        verdicts, so they are idle) or not (it trains again). A checker on this node, as
-        :func:`launch_checker` places it, has every thread moved from here at once (a few
-        ``sched_setaffinity`` calls); otherwise, or while it is still starting, it is asked to
-        (:meth:`TrustChecker.lend_cores`, on a thread of its own that has to get a share of the
-        busy system cores first)."""
+        verdicts, so they are idle) or not (it trains again). A checker on this node has every
+        thread moved from here at once (a few ``sched_setaffinity`` calls); otherwise, or while it
+        is still starting, it is asked to (:meth:`TrustChecker.lend_cores`, on a thread of its own
+        that has to get a share of the busy system cores first)."""
         if lend == self.lent or not self.learner_cores:
             return
         self.lent = lend
@@ -483,7 +481,8 @@ class VerdictBlockClock:
     """How long the learner was blocked on trust verdicts (``perf/learner_verdict_block_s_total``):
     the time it waited for ``n`` groups while the buffered ones and those awaiting a verdict were
     ``n`` or more -- with instant verdicts it would have been served. That is what the checker
-    process costs the learner's critical path, beside its poll thread's CPU.
+    process costs the learner's critical path, beside its poll thread's CPU. (An upper bound under
+    ``hetero.stale_policy=wait``, where the learner may also be waiting for an announced group.)
 
     Threads: the learner's calls :meth:`waits` before it blocks and :meth:`fed` once served; the
     poll thread :meth:`update` after each change it makes to the counts. ``on_change(blocked)``

@@ -134,14 +134,14 @@ class TransportSource:
             self.poll_cpu_s = time.thread_time()
             if self.checks is not None:
                 self.inbox.settle()  # verdicts that came back: they need no listing
-                self.verdict_block.update(self._held())
+                self.verdict_block.update(self._queue_depth())
             if self._hungry.is_set() or time.monotonic() >= next_listing:
                 self.gate.reload_enrolment()
                 received = self.inbox.stats["received"]
                 self.inbox.poll(settle=False)
                 self.inbox.poll_announcements()
                 if self.checks is not None:
-                    self.verdict_block.update(self._held())
+                    self.verdict_block.update(self._queue_depth())
                 # groups read (admitted, refused or awaiting a verdict): more may follow soon
                 if self.inbox.stats["received"] > received or self._hungry.is_set():
                     interval = self.POLL_HUNGRY_S
@@ -163,7 +163,7 @@ class TransportSource:
         t0 = time.perf_counter()
         self._hungry.set()
         if self.checks is not None:
-            self.verdict_block.waits(n, self._held())
+            self.verdict_block.waits(n, self._queue_depth())
             self.checks.interrupt()  # the poll thread may be asleep on verdicts: it lists now
         try:
             groups = self.buffer.take(n, learner_version=learner_version)
@@ -190,14 +190,10 @@ class TransportSource:
                 self.transport, LearnerStatus(version=int(version), queue_depth=self._queue_depth()), wait=False
             )
 
-    def _held(self) -> int:
-        """Groups read and not refused: buffered, and awaiting a trust verdict."""
-        return len(self.buffer) + (self.checks.outstanding() if self.checks is not None else 0)
-
     def _queue_depth(self) -> int:
         """Groups the learner holds for training: buffered, and awaiting a trust verdict (samplers
-        pause on it, ``hetero.max_queued_groups``)."""
-        return self._held()
+        pause on it, ``hetero.max_queued_groups``; the verdict clock counts on it)."""
+        return len(self.buffer) + (self.checks.outstanding() if self.checks is not None else 0)
 
     def state_dict(self) -> dict[str, Any]:
         return {"trust": self.gate.state_dict()}
