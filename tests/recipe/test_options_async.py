@@ -133,7 +133,7 @@ CASES_ASYNC: dict[str, Case] = {
     "hetero.trust.trust_penalty": _c("hetero.trust.trust_penalty=0", setup=FAILING),
     "hetero.trust.quarantine_below": _c("hetero.trust.quarantine_below=0.5", setup=(*FAILING, *TIMEOUT)),
     "hetero.trust.checkable_sampling": _c("hetero.trust.checkable_sampling=true"),
-    "hetero.trust.check_process": _c("hetero.trust.check_process=false"),  # the checks' CPU back in the learner
+    "hetero.trust.check_process": _c("hetero.trust.check_process=false"),  # no checker process: every check in the learner
     "hetero.trust.max_divergence": _c("hetero.trust.max_divergence=1e9"),
 }
 """(option, async) pairs declared honoured and how a 2-step async run shows each."""
@@ -418,7 +418,8 @@ def run_facts(sandbox: Path) -> dict:
     - ``events``: the kinds of events in events.jsonl (a quarantine, the divergence bound crossed);
     - ``checked``: some group was re-scored (``trust/checked`` > 0); ``checks_cost``: the learner
       spent CPU on checks (``perf/trust_check_cpu_s_total`` > 0, reward checks included);
-      ``checks_in_learner``: of it in the learner's process (``hetero.trust.check_process=false``);
+      ``checks_in_checker``: checks went to a checker process (``trust/check_batches`` > 0; not with
+      ``hetero.trust.check_process=false``, where every check runs in the learner's process);
       ``failed``: the reasons of failed checks; ``scores``: the samplers' trust scores at the end;
       ``token_checks`` / ``divergence``: the token check's counters / a sampler's divergence
       metric were logged;
@@ -444,7 +445,7 @@ def run_facts(sandbox: Path) -> dict:
         "events": sorted({e["event"] for e in events}),
         "checked": any(line.get("trust/checked", 0) > 0 for line in lines),
         "checks_cost": any(line.get("perf/trust_check_cpu_s_total", 0) > 0 for line in lines),
-        "checks_in_learner": any(line.get("perf/trust_check_learner_cpu_s_total", 0) > 0 for line in lines),
+        "checks_in_checker": any(line.get("trust/check_batches", 0) > 0 for line in lines),
         "failed": sorted(k.split("/", 2)[2] for k, v in last.items() if k.startswith("trust/failed/") and v > 0),
         "scores": sorted({round(v, 6) for k, v in last.items() if re.fullmatch(r"trust/[^/]+/score", k)}),
         "token_checks": "trust/tokens_checked" in keys,

@@ -225,6 +225,11 @@ class OffloadedChecks:
             no longer has it. Default: never (every version from the learner).
         learner_cores: the learner's cores (``hetero.learner_cpus``), lent to the checker while
             the learner is blocked on its verdicts (:meth:`lend_cores`). Empty: never lent.
+        rewards_here: a :class:`~.verify.GroupVerifier` without a model (the learner's tokenizer
+            and task): a group due only its rewards check that arrives while ``learner_waits()``
+            (the learner blocked for groups: its core idle) is checked here at once, instead of
+            waiting a round trip to the checker that the learner would wait out. None: never.
+        learner_waits: whether the learner is waiting for groups now.
     """
 
     def __init__(
@@ -234,8 +239,11 @@ class OffloadedChecks:
         keep_versions: int,
         published_sha256: Callable[[int], Optional[str]] = lambda version: None,
         learner_cores: list[int] = (),
+        rewards_here: Optional[GroupVerifier] = None,
+        learner_waits: Callable[[], bool] = lambda: False,
     ):
         self.gate, self._launch, self._published_sha256 = gate, launch, published_sha256
+        self.rewards_here, self._learner_waits = rewards_here, learner_waits
         self.learner_cores = list(learner_cores)
         self.lent = False  # the checker may run on the learner's cores now
         self._start_checker()
@@ -298,6 +306,11 @@ class OffloadedChecks:
         admission = self.gate.begin(group)
         if not admission.checks:
             return self.gate.finish(admission, CheckResult(held=False))
+        if self.rewards_here is not None and not admission.wants_weights and self._learner_waits():
+            # the learner waits for groups, its core idle: a rewards check (~0.4 ms on the toy)
+            # here beats the round trip to the checker (~10-20 ms) it would wait out
+            self.stats["checked_here"] += 1
+            return self.gate.finish(admission, self.rewards_here.run(group, rewards=True, logprobs=False))
         sampler = str(group.sampler_id)
         self._sampler_awaiting[sampler] += 1
         self._uids_awaiting.add(group.group_uid)
@@ -416,8 +429,9 @@ class OffloadedChecks:
 
     def settled(self) -> list[tuple[RolloutGroup, "bool | RecordRejected"]]:
         """The groups whose verdict came back since the last call: ``(group, vouched)`` to add
-        to the buffer (then :meth:`accepted`), or ``(group, RecordRejected)``. The groups queued
-        meanwhile then go to the checker."""
+        to the buffer (then :meth:`accepted`), or ``(group, RecordRejected)``. While the learner
+        waits for groups, those due only their rewards check, queued or at the checker, are
+        judged here (:meth:`_check_here`). The groups queued meanwhile then go to the checker."""
         out: list[tuple[RolloutGroup, bool | RecordRejected]] = []
         if self._in_flight is not None and self._in_flight[0].done():
             future, batch, weights = self._in_flight
@@ -430,23 +444,46 @@ class OffloadedChecks:
                 self._start_checker()
                 self._send(batch, weights)
                 return out
-            now = time.monotonic()
-            self.round_trip_s += now - self._sent_at
+            self.round_trip_s += time.monotonic() - self._sent_at
             self.fetch_s += sum(r.fetch_s for r in results if r is not None)
             for admission, result in zip(batch, results):
+                if not self.awaits(admission.group.group_uid):
+                    continue  # judged here while the batch was out
                 if result is None:  # its version was not in the store as published: our copy goes
                     self._not_in_store.add(admission.version)
                     self._queued.append(admission)
                     continue
-                group = admission.group
-                self._sampler_awaiting[str(group.sampler_id)] -= 1
-                self._uids_awaiting.discard(group.group_uid)
-                self.verdict_wait_s += now - self._began.pop(group.group_uid, now)
-                try:
-                    out.append((group, self.gate.finish(admission, result)))
-                except RecordRejected as err:
-                    out.append((group, err))
+                out.append(self._verdict(admission, result))
+        if self.rewards_here is not None and self._learner_waits():
+            out += self._check_here()
         self.flush()
+        return out
+
+    def _verdict(self, admission: Admission, result: CheckResult) -> tuple[RolloutGroup, "bool | RecordRejected"]:
+        """A begun group's checks are done: out of the awaiting books, and its verdict."""
+        group = admission.group
+        self._sampler_awaiting[str(group.sampler_id)] -= 1
+        self._uids_awaiting.discard(group.group_uid)
+        now = time.monotonic()
+        self.verdict_wait_s += now - self._began.pop(group.group_uid, now)
+        try:
+            return group, self.gate.finish(admission, result)
+        except RecordRejected as err:
+            return group, err
+
+    def _check_here(self) -> list[tuple[RolloutGroup, "bool | RecordRejected"]]:
+        """The groups due only their rewards check that still await a verdict, queued or in the
+        batch at the checker, judged here: the learner waits for groups (its core idle), and
+        would otherwise wait out their round trip. The checker's answer for them is ignored when
+        it comes."""
+        at_checker = self._in_flight[1] if self._in_flight is not None else []
+        out = []
+        for admission in [*self._queued, *at_checker]:
+            if admission.wants_weights or not self.awaits(admission.group.group_uid):
+                continue
+            self.stats["checked_here"] += 1
+            out.append(self._verdict(admission, self.rewards_here.run(admission.group, rewards=True, logprobs=False)))
+        self._queued = [a for a in self._queued if self.awaits(a.group.group_uid)]
         return out
 
     def accepted(self, group: RolloutGroup, vouched: bool = False) -> None:
@@ -460,13 +497,15 @@ class OffloadedChecks:
         ``perf/trust_verdict_wait_s_total`` (their waits, summed),
         ``perf/trust_check_round_trip_s_total`` (the batches', from sending to the verdicts'
         return), ``perf/trust_checker_fetch_s_total`` (of which the checker fetching versions'
-        weights), ``trust/check_batches``, ``trust/checker_restarts``."""
+        weights), ``trust/check_batches``, ``trust/checked_in_learner`` (rewards checks done here
+        while the learner waited), ``trust/checker_restarts``."""
         return {
             "trust/awaiting_verdict": float(self.outstanding()),
             "perf/trust_verdict_wait_s_total": self.verdict_wait_s,
             "perf/trust_check_round_trip_s_total": self.round_trip_s,
             "perf/trust_checker_fetch_s_total": self.fetch_s,
             "trust/check_batches": float(self.stats["batches"]),
+            "trust/checked_in_learner": float(self.stats["checked_here"]),
             "trust/checker_restarts": float(self.stats["checker_restarts"]),
         }
 

@@ -26,7 +26,7 @@ from .async_shared import pin_worker, weight_store
 from .checker import OffloadedChecks, VerdictBlockClock, launch_checker
 from .driver import LearnerRuntime
 from .engine import Batch, EngineConfig
-from .verify import TrustGate
+from .verify import GroupVerifier, TrustGate
 from verl_ext.hetero.auth import Enrolment
 from verl_ext.hetero.delay_channel import DelayChannel
 from verl_ext.hetero.exchange import RolloutInbox
@@ -54,6 +54,22 @@ def rollout_inbox_transport(hetero: HeteroConfig, transport):
     )
 
 
+def rewards_verifier(runtime: LearnerRuntime) -> GroupVerifier:
+    """The learner's rewards-only checker (no model: its own tokenizer and task), for groups that
+    arrive while it waits for them (:class:`~.checker.OffloadedChecks`' ``rewards_here``)."""
+    engine, trust = runtime.engine, runtime.engine.hetero.trust
+    return GroupVerifier(
+        None,
+        runtime.task,
+        engine.settings.temperature,
+        engine.algorithm,
+        keep_versions=0,
+        bounds=trust.bounds(),
+        check_rewards=True,
+        tokenizer=runtime.tokenizer,
+    )
+
+
 class TransportSource:
     """Async mode's :class:`~recipe.gepo.embedded.engine.RolloutSource`: groups arrive from sampler
     actors over the transport (a background thread polls them into the buffer); weights go out
@@ -74,6 +90,7 @@ class TransportSource:
             runtime.engine, runtime.model_path, runtime.task, runtime.buffer, local_checks=not offload
         )
         self.checks: Optional[OffloadedChecks] = None
+        self._hungry = threading.Event()  # set while the learner is blocked in take()
         if offload and self.gate.checking:
             engine, model_path = runtime.engine, runtime.model_path
             self.checks = OffloadedChecks(
@@ -82,6 +99,8 @@ class TransportSource:
                 keep_versions=hetero.max_delay + 1,
                 published_sha256=self.weights.published_sha256,
                 learner_cores=hetero.learner_cpus,
+                rewards_here=rewards_verifier(runtime) if hetero.trust.check_rewards else None,
+                learner_waits=self._hungry.is_set,
             )
         # while the learner is blocked on verdicts, its cores are idle: the checker may use them
         self.verdict_block = VerdictBlockClock(self.checks.lend_cores if self.checks else lambda blocked: None)
@@ -94,7 +113,6 @@ class TransportSource:
             gate=self.checks or self.gate,
         )
         self._stop = threading.Event()
-        self._hungry = threading.Event()  # set while the learner is blocked in take()
         self._poller = threading.Thread(target=self._poll_loop, daemon=True)
         self.poll_cpu_s = 0.0  # the poll thread's CPU seconds so far (its own clock, read by itself)
 

@@ -247,7 +247,8 @@ class GroupVerifier:
     """Re-derives a group's claims on the learner (see module docstring).
 
     Args:
-        model_path: the policy's HF folder (a second copy is loaded for re-scoring).
+        model_path: the policy's HF folder (a second copy is loaded for re-scoring); None: no
+            scorer, the rewards checked only (``tokenizer`` then gives the task's encoding).
         task: the learner's task (prompts' answers, the reward).
         temperature: the sampling temperature (q is softmax(logits / T)).
         algorithm_config: verl's ``algorithm`` config (the advantage estimator).
@@ -261,11 +262,12 @@ class GroupVerifier:
             q; None: fp32 on the CPU.
         checkable_sampling: ``hetero.trust.checkable_sampling``: a re-scored group with a
             ``sampling_seed`` also has its tokens re-derived from the same forward's logits.
+        tokenizer: with ``model_path`` None, the policy's tokenizer.
     """
 
     def __init__(
         self,
-        model_path: str,
+        model_path: Optional[str],
         task: Task,
         temperature: float,
         algorithm_config: Any,
@@ -274,14 +276,20 @@ class GroupVerifier:
         check_rewards: bool,
         placement: Optional[Placement] = None,
         checkable_sampling: bool = False,
+        tokenizer: Any = None,
     ):
-        if placement is not None:
-            self.scorer, self.tokenizer = placement.load_sampler(model_path)
+        if model_path is None:
+            if tokenizer is None:
+                raise ValueError("GroupVerifier without a model (rewards only) needs the policy's tokenizer")
+            self.scorer, self.tokenizer, self.scorer_precision = None, tokenizer, "fp32"
         else:
-            self.scorer, self.tokenizer = load_policy(model_path)
-        self.scorer.eval()
-        self.scorer.config.use_cache = False  # one full forward per re-score: no KV cache to build
-        self.scorer_precision = precision_of(self.scorer)
+            if placement is not None:
+                self.scorer, self.tokenizer = placement.load_sampler(model_path)
+            else:
+                self.scorer, self.tokenizer = load_policy(model_path)
+            self.scorer.eval()
+            self.scorer.config.use_cache = False  # one full forward per re-score: no KV cache to build
+            self.scorer_precision = precision_of(self.scorer)
         self.task, self.temperature, self.algorithm_config = task, float(temperature), algorithm_config
         self.keep_versions = int(keep_versions)
         self.bounds, self.check_rewards = bounds, bool(check_rewards)
@@ -296,7 +304,8 @@ class GroupVerifier:
         self._lock = threading.Lock()  # the scorer: one re-score at a time
         # (rewards, response mask) bytes -> the group-local estimator's advantages [G]: see _group_advantages
         self._advantages: dict[tuple[bytes, tuple[int, ...], bytes], np.ndarray] = {}
-        self._scorer_tensors = self.scorer.state_dict(keep_vars=True)  # name -> the scorer's own tensor
+        # name -> the scorer's own tensor
+        self._scorer_tensors = self.scorer.state_dict(keep_vars=True) if self.scorer is not None else {}
 
     def remember(self, version: int, message: bytes) -> None:
         """Keep a published version's message (:meth:`WeightStore.publish` returns it; no copy)."""
@@ -414,6 +423,8 @@ class GroupVerifier:
     def rescore(self, group: RolloutGroup, with_logits: bool = False):
         """float32 (G, R): the group's token log-probs under the claimed version's weights, or None
         when that version is not held; ``with_logits``: (log-probs, logits) of :func:`group_scores`."""
+        if self.scorer is None:
+            raise RuntimeError("this GroupVerifier checks rewards only: it has no model to re-score with")
         with self._lock:
             if not self._load(int(group.policy_version)):
                 return None

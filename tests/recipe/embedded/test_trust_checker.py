@@ -16,7 +16,7 @@ import ray
 
 from recipe.gepo.embedded.checker import CHECKER_NICE, OffloadedChecks, VerdictBlockClock, launch_checker
 from recipe.gepo.embedded.driver import build_buffer
-from recipe.gepo.embedded.verify import TrustGate
+from recipe.gepo.embedded.verify import GroupVerifier, TrustGate
 from verl_ext.hetero.exchange import RolloutInbox, send_group
 from verl_ext.hetero.protocol import WEIGHTS_TOPIC, TransportSpec, version_key
 from verl_ext.hetero.transport import FsspecTransport
@@ -217,4 +217,72 @@ def test_the_learners_cores_are_lent_to_the_checker_while_the_learner_is_blocked
     assert _placed(checks.checker, [both])["cpus"] == [both]
     assert ray.get(checks.checker.lend_cores.remote([])) == [system_core]
     assert _placed(checks.checker, [[system_core]])["cpus"] == [[system_core]]
+    checks.close()
+
+
+def test_while_the_learner_waits_a_rewards_check_runs_in_the_learner_at_once_and_still_refuses_lies(
+    local_ray, tiny_model_path, tmp_path
+):
+    """A group due only its rewards check (nothing re-scored: verify_fraction 0) is checked in the
+    learner's process, by a verifier without a model, when the learner waits for groups (its core
+    idle): at once when it arrives then, and a group already sent to the checker or queued for it
+    when the learner starts waiting -- no round trip the learner would wait out. A lie about the
+    rewards is still refused there; while the learner trains, groups go to the checker."""
+    lab = Lab(tiny_model_path, tmp_path / "run", "hetero.trust.verify_fraction=0")
+    buffer = build_buffer(lab.engine, lab.task)
+    buffer.set_learner_version(1)
+    gate = TrustGate(lab.engine, tiny_model_path, lab.task, buffer, local_checks=False)
+    waits = [False]
+    s = lab.engine.settings
+    here = GroupVerifier(
+        None, lab.task, s.temperature, lab.engine.algorithm, 0, lab.engine.hetero.trust.bounds(), True,
+        tokenizer=lab.tokenizer,
+    )
+    assert here.scorer is None
+    checks = OffloadedChecks(
+        gate, lambda: launch_checker(lab.engine, tiny_model_path), keep_versions=2, rewards_here=here,
+        learner_waits=lambda: waits[0],
+    )
+    transport = FsspecTransport(str(tmp_path / "exchange"))
+    inbox = RolloutInbox(transport, buffer, gate=checks)
+    status = buffer.ledger.status
+
+    # the learner trains: two groups go to the checker (still starting: seconds to load torch)
+    sent = lab.groups("sampler-0", n=2)
+    for group in sent:
+        send_group(transport, group)
+    inbox.poll()
+    assert checks.outstanding() == 2 and checks.stats["batches"] == 1
+    waits[0] = True  # the learner waits for groups: they are judged here, not waited for
+    inbox.settle()
+    assert checks.outstanding() == 0 and checks.stats["checked_here"] == 2
+    assert [status[g.group_uid] for g in sent] == ["buffered", "buffered"]
+
+    # arriving while it waits: judged as they are read, the lie refused
+    honest, liar = lab.groups("sampler-0", n=2), lab.groups("sampler-1", n=1)[0]
+    liar.rewards = 1.0 - liar.rewards  # every reward flipped
+    for group in [*honest, liar]:
+        send_group(transport, group)
+    inbox.poll()
+    assert checks.outstanding() == 0 and checks.stats["checked_here"] == 5
+    assert [status[g.group_uid] for g in honest] == ["buffered", "buffered"]
+    assert status[liar.group_uid] == "rejected:bad_rewards"
+    assert checks.gate.metrics()["perf/trust_check_learner_cpu_s_total"] > 0
+
+    # the checker's late answers for the first two change nothing (each group judged once)
+    deadline = time.monotonic() + 120
+    while checks._in_flight is not None:
+        assert time.monotonic() < deadline, "the checker did not answer"
+        checks.wait(0.5)
+        inbox.settle()
+    assert [status[g.group_uid] for g in sent] == ["buffered", "buffered"]
+    assert checks.awaiting("sampler-0") == 0 and checks.outstanding() == 0  # not counted out twice
+
+    waits[0] = False  # the learner trains again: the checker checks
+    later = lab.groups("sampler-0", n=1)
+    send_group(transport, later[0])
+    inbox.poll()
+    assert checks.outstanding() == 1 and checks.stats["batches"] == 2
+    _drain(inbox, checks)
+    assert status[later[0].group_uid] == "buffered" and checks.stats["checked_here"] == 5
     checks.close()
