@@ -180,15 +180,15 @@ class TrustConfig:
     its own copy of the policy; a group awaits its verdict out of the buffer (counted against its
     sampler's quota). false: in the learner process's poll thread, where they take the learner's
     core from training; the learner then holds the model copy. Either way no group is admitted
-    before its checks ran; while the learner is blocked on verdicts its cores are lent to the
-    checker (``perf/learner_verdict_block_s_total``). Measured on the toy (``python -m
-    scripts.bench.bench_async --steps 40 --delays 0 --compare-trust 5``, docs/reliability.md "Where
-    the checks run"), async wall per second of training CPU over protections off, three
-    comparisons: +2.7%, +11.5% and +2.3% with true, +8.1%, +10.3% and +6.4% with false; the
-    learner's own cost in the third (poll-thread CPU and waits on verdicts per second of
-    train_step) +7.9% with true, +9.6% with false -- true takes the checks' CPU off the learner,
-    not yet the wait for each step's last verdict; the liar soak kept its liars out and its honest
-    groups in with either."""
+    before its checks ran. While the learner waits for groups (its core idle), a group due only
+    its rewards check is judged in the learner at once, and the learner's cores are lent to the
+    checker while it waits on verdicts (``perf/learner_verdict_block_s_total``); re-scores run
+    only in the checker. Measured on the toy (``python -m scripts.bench.bench_async --steps 40
+    --delays 0 --compare-trust 5``, docs/reliability.md "Where the checks run"), two comparisons:
+    async wall per second of training CPU +0.5% and +4.2% over protections off with true, +8.1%
+    and +10.4% with false; the learner's own cost (poll-thread CPU and waits on verdicts per second
+    of train_step) +4.1% and +3.5% with true, +9.3% and +8.9% with false. The liar soak kept its
+    liars out and its honest groups in with either."""
 
     bounds_file: str = option("", honoured_by=(ASYNC,), instead=_NO_PUBLISHING_SAMPLERS)
     """A calibration of bf16's bounds on the run's own model (``python -m recipe.gepo.calibrate``
