@@ -19,7 +19,10 @@ One batch of checks is at the checker at a time (groups begun meanwhile go as th
 its future's callback wakes the poll thread. While the learner waits for a batch that the groups
 it holds would fill once their verdicts are in (:class:`VerdictBlockClock`,
 ``perf/learner_verdict_block_s_total``), its cores are idle and lent to the checker
-(:meth:`OffloadedChecks.lend_cores`); they are taken back when the learner is served.
+(:meth:`OffloadedChecks.lend_cores`); they are taken back when the learner is served. And while
+the learner waits for groups at all, a group due only its rewards check (not drawn for a re-score)
+is judged in the learner's poll thread at once, by a verifier without a model (``rewards_here``):
+a round trip to the checker would cost the waiting learner more than the check.
 
 Weights: the learner keeps the ``max_delay + 1`` newest versions' messages, as the gate did
 (:meth:`OffloadedChecks.remember`: no copy). A version the weight store still keeps reaches the
@@ -302,7 +305,9 @@ class OffloadedChecks:
     # ---------------------------------------------------------------- the deferring gate
     def admit(self, group: RolloutGroup):
         """:meth:`TrustGate.begin` (raises its refusals); then the group awaits its verdict:
-        returns :data:`~verl_ext.hetero.exchange.DEFERRED` (or, with no check configured, the verdict)."""
+        returns :data:`~verl_ext.hetero.exchange.DEFERRED` -- or the verdict (raising a refusal),
+        with no check configured, or for a group due only its rewards check while the learner
+        waits for groups (checked here)."""
         admission = self.gate.begin(group)
         if not admission.checks:
             return self.gate.finish(admission, CheckResult(held=False))
