@@ -235,12 +235,21 @@ def test_while_the_learner_waits_a_rewards_check_runs_in_the_learner_at_once_and
     waits = [False]
     s = lab.engine.settings
     here = GroupVerifier(
-        None, lab.task, s.temperature, lab.engine.algorithm, 0, lab.engine.hetero.trust.bounds(), True,
+        None,
+        lab.task,
+        s.temperature,
+        lab.engine.algorithm,
+        0,
+        lab.engine.hetero.trust.bounds(),
+        True,
         tokenizer=lab.tokenizer,
     )
     assert here.scorer is None
     checks = OffloadedChecks(
-        gate, lambda: launch_checker(lab.engine, tiny_model_path), keep_versions=2, rewards_here=here,
+        gate,
+        lambda: launch_checker(lab.engine, tiny_model_path),
+        keep_versions=2,
+        rewards_here=here,
         learner_waits=lambda: waits[0],
     )
     transport = FsspecTransport(str(tmp_path / "exchange"))
