@@ -133,7 +133,7 @@ CASES_ASYNC: dict[str, Case] = {
     "hetero.trust.trust_penalty": _c("hetero.trust.trust_penalty=0", setup=FAILING),
     "hetero.trust.quarantine_below": _c("hetero.trust.quarantine_below=0.5", setup=(*FAILING, *TIMEOUT)),
     "hetero.trust.checkable_sampling": _c("hetero.trust.checkable_sampling=true"),
-    "hetero.trust.check_process": _c("hetero.trust.check_process=false"),  # no checker process: every check in the learner
+    "hetero.trust.check_process": _c("hetero.trust.check_process=false"),  # no checker: all checks in the learner
     "hetero.trust.max_divergence": _c("hetero.trust.max_divergence=1e9"),
 }
 """(option, async) pairs declared honoured and how a 2-step async run shows each."""
