@@ -71,6 +71,7 @@ def test_pinned_moves_the_process_and_restores_it():
 
 
 @TWO_CORES
+@pytest.mark.slow  # Ray and a sampler actor, ~13 s (test_pinned_moves_the_process_and_restores_it: in-process)
 def test_sampler_actor_runs_on_its_cores(tiny_cfg, tmp_path):
     cfg = tiny_cfg(tmp_path / "run", "hetero.mode=async", "hetero.sampler_cpus=[1]")
     spec = TransportSpec("fsspec", url=str(tmp_path / "exchange"))

@@ -88,7 +88,8 @@ def _to_version_1(worker: LearnerWorker) -> None:
 
 
 @pytest.mark.usefixtures("local_ray")  # the learner built here starts its trust checker
-@pytest.mark.parametrize("policy", ["wait", "drop"])
+# drop, the contrast (~10 s), in the slow tier: the suite's time (wait, the feature, stays)
+@pytest.mark.parametrize("policy", ["wait", pytest.param("drop", marks=pytest.mark.slow)])
 def test_async_wait_holds_the_step_for_an_announced_group_at_the_edge(tiny_cfg, tmp_path, policy):
     worker = _learner(tiny_cfg, tmp_path, policy)
     try:
