@@ -112,9 +112,8 @@ def test_gpu_scripts_pass_the_dry_run_with_the_papers_settings(name):
     ) in plan and offset in plan
 
 
-@pytest.mark.parametrize(
-    "name", [pytest.param(n, marks=[] if n == "run_qwen3_8b_megatron.sh" else pytest.mark.slow) for n in GPU_SCRIPTS]
-)
+@pytest.mark.slow  # ~12 s a script: test_each_knob_is_commented_and_reaches_the_command stays in the default run
+@pytest.mark.parametrize("name", GPU_SCRIPTS)
 def test_changed_variables_of_a_gpu_script_change_its_plan(name):
     env = {
         "MODEL_PATH": "/models/my-qwen",
@@ -151,6 +150,7 @@ def metrics_rows(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
 
+@pytest.mark.slow  # ~12 s; the demo test trains the embedded engine, the knob test reads this script
 def test_the_embedded_script_trains_two_steps(tmp_path):
     run_dir = tmp_path / "run"
     out = run_script(

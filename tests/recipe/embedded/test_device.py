@@ -129,6 +129,7 @@ def test_bf16_learner_and_sampler_train_and_mismatch_more_than_fp32(tiny_cfg, tm
     assert all(t.dtype == torch.float32 and t.device.type == "cpu" for t in params + moments)
 
 
+@pytest.mark.slow  # ~19 s; test_bf16_learner_and_sampler_train_and_mismatch_more_than_fp32 stays in the default run
 def test_async_mode_runs_bf16_learner_and_samplers_and_checks_their_q(tiny_cfg, tmp_path):
     """Async mode honours both precisions; the trust gate re-scores every group's q with a model in
     the sampler's precision, so honest bf16 samplers pass every check (no quarantine)."""
