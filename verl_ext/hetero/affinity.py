@@ -42,7 +42,7 @@ def pin_process(cpus: Sequence[int], key: str = "cpus", set_threads: bool = True
     if not cpus:
         return sorted(os.sched_getaffinity(0))
     cpus = check_cpus(key, cpus, machine_cpus())
-    for tid in _threads():
+    for tid in thread_ids():
         try:
             os.sched_setaffinity(tid, cpus)
         except (ProcessLookupError, PermissionError):
@@ -54,10 +54,15 @@ def pin_process(cpus: Sequence[int], key: str = "cpus", set_threads: bool = True
     return sorted(os.sched_getaffinity(0))
 
 
-def _threads() -> list[int]:
+def thread_ids(pid: int | str = "self") -> list[int]:
+    """The thread ids of process ``pid`` (this one by default), from procfs. Without procfs: for
+    this process, ``[0]`` (the calling thread, to ``os.sched_setaffinity``); for another,
+    FileNotFoundError."""
     try:
-        return [int(t) for t in os.listdir("/proc/self/task")]
-    except FileNotFoundError:  # no procfs: the calling thread only (pid 0)
+        return [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    except FileNotFoundError:
+        if pid != "self":
+            raise
         return [0]
 
 

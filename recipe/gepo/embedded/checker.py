@@ -47,6 +47,7 @@ import ray
 
 from .async_shared import system_cores
 from .verify import Admission, CheckResult, GroupVerifier, KeptVersions, TrustGate
+from verl_ext.hetero.affinity import pin_process, thread_ids
 from verl_ext.hetero.exchange import DEFERRED
 from verl_ext.hetero.protocol import WEIGHTS_TOPIC, TransportSpec, version_key
 from verl_ext.hetero.transport import CorruptMessage
@@ -62,18 +63,10 @@ from verl_ext.torch_threads import set_torch_threads
 CHECKER_NICE = 10
 
 
-def _thread_ids() -> list[int]:
-    """This process's threads (the calling one only where there is no procfs)."""
-    try:
-        return [int(t) for t in os.listdir("/proc/self/task")]
-    except FileNotFoundError:
-        return [threading.get_native_id()]
-
-
 def run_at_low_priority(cpus: list[int], nice: int = CHECKER_NICE) -> None:
     """Every thread of this process (and every thread it starts later: they inherit it) at
     ``nice``, allowed on ``cpus`` (every core when empty), with one torch thread."""
-    for tid in _thread_ids():
+    for tid in thread_ids():
         try:
             if cpus:
                 os.sched_setaffinity(tid, cpus)
@@ -121,7 +114,7 @@ class TrustChecker:
         """Where and how it runs: ``pid``, ``node_id`` (Ray's), ``nice`` (the distinct nice levels of
         its threads, this one's included), ``cpus`` (the distinct core sets its threads may run on)."""
         levels, core_sets = set(), set()
-        for tid in set(_thread_ids()) | {threading.get_native_id()}:
+        for tid in set(thread_ids()) | {threading.get_native_id()}:
             try:
                 levels.add(os.getpriority(os.PRIO_PROCESS, tid))
                 core_sets.add(tuple(sorted(os.sched_getaffinity(tid))))
@@ -186,13 +179,7 @@ class TrustChecker:
         the one checking now included (this call has a thread of its own). Returns the cores it
         may run on now (every core when it is not pinned)."""
         own = system_cores(self.hetero)
-        if own:
-            for tid in _thread_ids():
-                try:
-                    os.sched_setaffinity(tid, sorted(set(own) | set(cores)))
-                except ProcessLookupError:
-                    pass  # the thread ended since listing
-        return sorted(os.sched_getaffinity(0))
+        return pin_process(sorted(set(own) | set(cores)) if own else [], "lend_cores", set_threads=False)
 
 
 def launch_checker(engine: Any, model_path: str, spec: Optional[TransportSpec] = None) -> Any:
@@ -314,8 +301,7 @@ class OffloadedChecks:
         if self.rewards_here is not None and not admission.wants_weights and self._learner_waits():
             # the learner waits for groups, its core idle: a rewards check (~0.4 ms on the toy)
             # here beats the round trip to the checker (~10-20 ms) it would wait out
-            self.stats["checked_here"] += 1
-            return self.gate.finish(admission, self.rewards_here.run(group, rewards=True, logprobs=False))
+            return self.gate.finish(admission, self._check_rewards_here(group))
         sampler = str(group.sampler_id)
         self._sampler_awaiting[sampler] += 1
         self._uids_awaiting.add(group.group_uid)
@@ -428,7 +414,7 @@ class OffloadedChecks:
             with open(f"/proc/{where['pid']}/cmdline", "rb") as f:
                 if not f.read().startswith(b"ray::TrustChecker"):
                     return None  # that pid is someone else's now
-            return where["cpus"][0], [int(t) for t in os.listdir(f"/proc/{where['pid']}/task")]
+            return where["cpus"][0], thread_ids(where["pid"])
         except (ray.exceptions.RayError, OSError):
             return None
 
@@ -486,10 +472,14 @@ class OffloadedChecks:
         for admission in [*self._queued, *at_checker]:
             if admission.wants_weights or not self.awaits(admission.group.group_uid):
                 continue
-            self.stats["checked_here"] += 1
-            out.append(self._verdict(admission, self.rewards_here.run(admission.group, rewards=True, logprobs=False)))
+            out.append(self._verdict(admission, self._check_rewards_here(admission.group)))
         self._queued = [a for a in self._queued if self.awaits(a.group.group_uid)]
         return out
+
+    def _check_rewards_here(self, group: RolloutGroup) -> CheckResult:
+        """``group``'s rewards check, in this thread (``rewards_here``), counted."""
+        self.stats["checked_here"] += 1
+        return self.rewards_here.run(group, rewards=True, logprobs=False)
 
     def accepted(self, group: RolloutGroup, vouched: bool = False) -> None:
         self.gate.accepted(group, vouched)

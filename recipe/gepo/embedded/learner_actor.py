@@ -54,17 +54,17 @@ def rollout_inbox_transport(hetero: HeteroConfig, transport):
     )
 
 
-def rewards_verifier(runtime: LearnerRuntime) -> GroupVerifier:
+def rewards_verifier(runtime: LearnerRuntime, gate: TrustGate) -> GroupVerifier:
     """The learner's rewards-only checker (no model: its own tokenizer and task), for groups that
     arrive while it waits for them (:class:`~.checker.OffloadedChecks`' ``rewards_here``)."""
-    engine, trust = runtime.engine, runtime.engine.hetero.trust
+    engine = runtime.engine
     return GroupVerifier(
         None,
         runtime.task,
         engine.settings.temperature,
         engine.algorithm,
         keep_versions=0,
-        bounds=trust.bounds(),
+        bounds=gate.bounds,  # the gate's, read once at start (a rewards check does not use them)
         check_rewards=True,
         tokenizer=runtime.tokenizer,
     )
@@ -99,7 +99,7 @@ class TransportSource:
                 keep_versions=hetero.max_delay + 1,
                 published_sha256=self.weights.published_sha256,
                 learner_cores=hetero.learner_cpus,
-                rewards_here=rewards_verifier(runtime) if hetero.trust.check_rewards else None,
+                rewards_here=rewards_verifier(runtime, self.gate) if hetero.trust.check_rewards else None,
                 learner_waits=self._hungry.is_set,
             )
         # while the learner is blocked on verdicts, its cores are idle: the checker may use them
