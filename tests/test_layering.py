@@ -157,3 +157,17 @@ def test_no_import_cycles_in_the_library_or_the_recipe():
         assert sum(map(len, graph.values())) > 20  # the walk sees the edges
         cycle = _cycle(graph)
         assert not cycle, " -> ".join(cycle)
+
+
+def test_the_trust_package_imports_neither_ray_nor_an_engine():
+    """Everything that decides admission is engine-neutral (verl_ext/trust): both engines wire it,
+    neither owns it. Ray and the engines' packages stay out of it."""
+    trust = ROOT / "trust"
+    imports = _imports_of(trust)
+    assert len(imports) > 20  # the walk sees the package
+    offenders = [
+        f"{p.relative_to(REPO)}:{line}: {mod}"
+        for p, line, mod in imports
+        if mod == "ray" or mod.startswith(("ray.", "recipe.", "verl_ext.cpu", "verl.workers"))
+    ]
+    assert not offenders, "\n".join(offenders)

@@ -15,7 +15,7 @@ A run directory (``trainer.default_local_dir``) holds
   sampler quarantined, a sampler's divergence over its bound: ``hetero.trust``), each with
   ``step`` and ``event``; appended by :func:`append_event`, read by :func:`read_events`.
 * ``enrolment.json`` -- the public keys of the samplers an async run launched
-  (:class:`verl_ext.hetero.auth.Enrolment`), written by the driver before each sampler may send, so
+  (:class:`verl_ext.trust.signing.Enrolment`), written by the driver before each sampler may send, so
   a learner resumed after a crash accepts the groups they left in flight.
 * ``checkpoints/step_<k>.pt`` and ``checkpoints/latest`` (the name of the newest) --
   :func:`save_checkpoint` / :func:`load_latest_checkpoint` (:func:`latest_checkpoint_step`: its step).

@@ -83,7 +83,7 @@ def generate(
             torch RNG as it was; None draws from torch's global RNG.
         with_log_q: also return log q (keeps the logits of every step: off for long generations
             that need only the tokens).
-        gumbel_seeds: draw by seeded Gumbel-max instead (:class:`verl_ext.hetero.gumbel.GumbelMax`:
+        gumbel_seeds: draw by seeded Gumbel-max instead (:class:`verl_ext.trust.gumbel.GumbelMax`:
             sampling the learner can check): one seed per group of N / len(seeds) consecutive rows,
             the same softmax(logits / T) sampled with noise any machine re-derives from the seed;
             needs temperature > 0 and no truncation (``seed`` is then unused).
@@ -102,7 +102,7 @@ def generate(
             )
         from transformers import LogitsProcessorList
 
-        from verl_ext.hetero.gumbel import GumbelMax
+        from verl_ext.trust.gumbel import GumbelMax
 
         processors = LogitsProcessorList([GumbelMax(gumbel_seeds, input_ids.shape[0], input_ids.shape[1], temperature)])
     kwargs = dict(
@@ -205,3 +205,44 @@ def sample_continuations(
     for row, row_log_q, n in zip(gen.tokens.tolist(), gen.log_q.tolist(), lengths):
         results.append(Continuation(row[:n], row_log_q[:n], finished=row[n - 1] in eos))
     return results
+
+
+def sequence_token_log_probs(
+    model: torch.nn.Module,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    response_ids: torch.Tensor,
+    response_mask: torch.Tensor,
+    temperature: float,
+    compute_dtype: Optional[torch.dtype] = None,
+) -> torch.Tensor:
+    """Learner log-probs of the given responses, with gradient: [B, P] + [B, R] -> [B, R], float32,
+    on the inputs' device (the model's).
+
+    Position ids follow the attention mask, so left padding of the prompt does not shift them
+    (matching what ``generate`` used). ``compute_dtype`` (e.g. bf16): the model's forward runs
+    under autocast to it (fp32 weights stay fp32); the log-softmax is fp32 either way.
+    """
+    input_ids = torch.cat([prompt_ids, response_ids], dim=1)
+    attention_mask = torch.cat([prompt_mask, response_mask], dim=1)
+    position_ids = (attention_mask.cumsum(dim=-1) - 1).clamp(min=0)
+    logits = forward_logits(model, input_ids, attention_mask, position_ids, compute_dtype)
+    prompt_len = prompt_ids.shape[1]
+    # logits at position t predict token t+1: the response is predicted by positions P-1 .. P+R-2
+    response_logits = logits[:, prompt_len - 1 : -1]
+    return token_log_probs(response_logits, response_ids, temperature)
+
+
+def forward_logits(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    position_ids: torch.Tensor,
+    compute_dtype: Optional[torch.dtype] = None,
+) -> torch.Tensor:
+    """The model's logits [B, L, V]; with ``compute_dtype`` under ``torch.autocast`` on the inputs'
+    device type (mixed precision: the weights keep their dtype, matmuls run in ``compute_dtype``)."""
+    if compute_dtype is None:
+        return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
+    with torch.autocast(device_type=input_ids.device.type, dtype=compute_dtype):
+        return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits

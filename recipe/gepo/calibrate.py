@@ -4,7 +4,7 @@ write the bounds that follow (``hetero.trust.bounds_file``).
     python -m recipe.gepo.calibrate --out bounds.json [--groups 128] [--prompts 16] [hydra overrides of the run...]
 
 The trust gate holds every group a sampler declares bf16 to bf16's bounds. The table's
-(``verl_ext.hetero.precision.TOLERANCES``) come from SmolLM2-135M's honest spread: too wide to catch
+(``verl_ext.trust.bounds.TOLERANCES``) come from SmolLM2-135M's honest spread: too wide to catch
 small lies on a model whose bf16 arithmetic moves log q less, possibly too narrow for one that
 moves it more. This command measures the run's own model the way the gate will see it:
 
@@ -14,9 +14,9 @@ moves it more. This command measures the run's own model the way the gate will s
 3. an honest sampler in bf16 on ``hetero.device`` draws ``--groups`` groups of the task's training
    prompts with the engine's own rollout code (Gumbel-max when ``checkable_sampling`` is on);
 4. the gate's scorer (``hetero.sampler_precision`` on ``hetero.device``) re-scores each group with
-   one full forward, as :class:`~recipe.gepo.embedded.verify.GroupVerifier` does;
-5. per group the mismatch statistics of :func:`~verl_ext.hetero.precision.group_mismatch`, then
-   :func:`~verl_ext.hetero.precision.calibrate` (its rule is written into the file).
+   one full forward, as :class:`~verl_ext.trust.verifier.GroupVerifier` does;
+5. per group the mismatch statistics of :func:`~verl_ext.trust.bounds.group_mismatch`, then
+   :func:`~verl_ext.trust.bounds.calibrate` (its rule is written into the file).
 
 The file records the model, the scorer's precision and the temperature (a run with others refuses
 it at start), and the device, lengths and honest sample's statistics for the reader. Samplers
@@ -53,10 +53,10 @@ def compose_engine(overrides: list[str]):
 def honest_mismatches(
     engine, groups: int, prompts: int, precision: str = "bf16", progress: bool = True
 ) -> tuple[list, Optional[list]]:
-    """(:class:`~verl_ext.hetero.precision.Mismatch` of ``groups`` honest groups drawn by a sampler
+    """(:class:`~verl_ext.trust.bounds.Mismatch` of ``groups`` honest groups drawn by a sampler
     in ``precision`` and re-scored by the run's gate scorer, steps 2-4 of the module docstring;
     with ``checkable_sampling``, each group's checked tokens' noised margins
-    (:func:`~verl_ext.hetero.gumbel.noised_margins`, float64 [tokens]), else None)."""
+    (:func:`~verl_ext.trust.gumbel.noised_margins`, float64 [tokens]), else None)."""
     import torch
     from tqdm import tqdm
 
@@ -64,9 +64,9 @@ def honest_mismatches(
     from .embedded.policy import load_policy
     from .embedded.rollout import RolloutSettings, generate_groups
     from .embedded.tasks import Task, resolve_model_path
-    from .embedded.verify import group_log_probs, group_scores
-    from verl_ext.hetero.gumbel import noised_margins
-    from verl_ext.hetero.precision import group_mismatch
+    from verl_ext.trust.verifier import group_log_probs, group_scores
+    from verl_ext.trust.gumbel import noised_margins
+    from verl_ext.trust.bounds import group_mismatch
     from verl_ext.hetero.weights import deserialize_state_dict, serialize_state_dict
 
     hetero, s = engine.hetero, engine.settings
@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> None:
     if not out.parent.is_dir():
         parser.error(f"--out {args.out}: no folder {out.parent}")
 
-    from verl_ext.hetero.precision import TOLERANCES, bounds_file_payload, calibrate
+    from verl_ext.trust.bounds import TOLERANCES, bounds_file_payload, calibrate
     from verl_ext.torch_threads import set_torch_threads
 
     from .embedded.engine import model_identity

@@ -2,7 +2,7 @@
 
 The config is ``config/gepo_trainer.yaml``: verl's ``ppo_trainer`` defaults, an algorithm preset
 (``algorithm_preset=gepo|grpo|...``), a ``hetero:`` section and a ``task:`` section.
-``hetero.engine=local`` runs the embedded engine (replay or async mode); ``hetero.engine=verl``
+``hetero.engine=embedded`` runs the embedded engine (replay or async mode); ``hetero.engine=verl``
 hands over to verl's trainer on a GPU cluster.
 
 A config the project refuses (:class:`~recipe.gepo.options.ConfigError`: an unknown key, a bad
@@ -20,6 +20,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from .options import ConfigError
+from .sections import ENGINE_ALIASES
 
 # the verl engine's cluster presets (``--config-dir configs +verl_preset=<name>``)
 VERL_PRESET_DIR = Path(__file__).resolve().parents[2] / "configs" / "verl_preset"
@@ -101,15 +102,15 @@ def check_no_missing_values(cfg: DictConfig) -> None:
 def run(cfg: DictConfig) -> dict[str, Any]:
     """Dispatch on ``hetero.engine``: the embedded engine, or (after checking that no mandatory
     value is missing) the verl engine."""
-    engine_name = cfg.hetero.engine
-    if engine_name == "local":
+    engine_name = ENGINE_ALIASES.get(cfg.hetero.engine, cfg.hetero.engine)
+    if engine_name == "embedded":
         return run_local(cfg)
     if engine_name == "verl":
         check_no_missing_values(cfg)
         from .verl_engine.runner import run as run_verl
 
         return run_verl(cfg)
-    raise ConfigError(f"hetero.engine={engine_name!r}; expected 'local' or 'verl'")
+    raise ConfigError(f"hetero.engine={engine_name!r}; expected 'embedded' (alias 'local') or 'verl'")
 
 
 DEBUG_ENV = "HETERORL_DEBUG"

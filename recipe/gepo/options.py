@@ -26,81 +26,25 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import fnmatch
-from typing import Any, Callable, Iterable, Iterator, Optional
+from typing import Any, Callable, Iterable, Optional
 
 from verl_ext.rundir import config_leaves
 
-REPLAY, ASYNC, VERL = "replay", "async", "verl"
-RUNNERS = (REPLAY, ASYNC, VERL)
-EMBEDDED = (REPLAY, ASYNC)
-EVERYWHERE = RUNNERS
-
-RUNNER_NAMES = {
-    REPLAY: "hetero.engine=local hetero.mode=replay",
-    ASYNC: "hetero.engine=local hetero.mode=async",
-    VERL: "hetero.engine=verl",
-}
-
-
-def runner_of(engine: str, mode: str) -> str:
-    """The runner of ``hetero.engine`` / ``hetero.mode`` (the verl engine is always async)."""
-    return VERL if engine == "verl" else mode
-
-
-def option(
-    default: Any = dataclasses.MISSING,
-    *,
-    honoured_by: Iterable[str],
-    factory: Optional[Callable[[], Any]] = None,
-    instead: str | dict[str, str] = "",
-) -> Any:
-    """A config dataclass field that declares which runners honour it.
-
-    Args:
-        default: the field's default (or ``factory`` for mutable defaults).
-        honoured_by: the runners (:data:`REPLAY`, :data:`ASYNC`, :data:`VERL`) that act on it.
-        instead: what the other runners do instead (one text, or one per runner), quoted in the
-            error that refuses a non-default value there.
-    """
-    runners = tuple(honoured_by)
-    unknown = [r for r in runners if r not in RUNNERS]
-    if unknown or not runners:
-        raise ValueError(f"option honoured_by={runners!r}: expected a non-empty subset of {RUNNERS}")
-    metadata = {"honoured_by": runners, "instead": instead}
-    if factory is not None:
-        return dataclasses.field(default_factory=factory, metadata=metadata)
-    return dataclasses.field(default=default, metadata=metadata)
-
-
-def honoured_by(field: dataclasses.Field) -> tuple[str, ...]:
-    """The runners that honour ``field`` (every runner for a field declared without :func:`option`)."""
-    return tuple(field.metadata.get("honoured_by", RUNNERS))
-
-
-def _instead(field: dataclasses.Field, runner: str) -> str:
-    instead = field.metadata.get("instead", "")
-    return instead.get(runner, "") if isinstance(instead, dict) else instead
-
-
-def field_default(field: dataclasses.Field) -> Any:
-    """A dataclass field's default (its factory's product for a mutable one; MISSING if none)."""
-    if field.default is not dataclasses.MISSING:
-        return field.default
-    if field.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
-        return field.default_factory()  # type: ignore[misc]
-    return dataclasses.MISSING
-
-
-def option_fields(cls: type, prefix: str) -> Iterator[tuple[str, dataclasses.Field, type]]:
-    """``(dotted key, field, owner class)`` for every field of the config dataclass ``cls`` and of
-    the config dataclasses nested in it (``hetero.delay.*``)."""
-    for f in dataclasses.fields(cls):
-        key = f"{prefix}.{f.name}"
-        default = field_default(f)
-        if dataclasses.is_dataclass(default) and not isinstance(default, type):
-            yield from option_fields(type(default), key)
-        else:
-            yield key, f, cls
+from verl_ext.option_fields import (  # noqa: F401 - the declaration's names, used with the contract's
+    ASYNC,
+    EMBEDDED,
+    EVERYWHERE,
+    REPLAY,
+    RUNNER_NAMES,
+    RUNNERS,
+    VERL,
+    _instead,
+    field_default,
+    honoured_by,
+    option,
+    option_fields,
+    runner_of,
+)
 
 
 class ConfigError(ValueError):

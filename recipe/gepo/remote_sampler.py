@@ -20,8 +20,8 @@ Signed records (``hetero.trust.sign_records``, the default): the sampler signs w
 made on its machine; the learner's operator enrols the public half in the file the learner reads
 (``hetero.trust.enrolment_file``)::
 
-    python -m verl_ext.hetero.auth keygen sampler-100.key sampler-100          # prints the public key
-    python -m verl_ext.hetero.auth enrol /shared/enrolment.json sampler-100 <public key>
+    python -m verl_ext.trust.signing keygen sampler-100.key sampler-100          # prints the public key
+    python -m verl_ext.trust.signing enrol /shared/enrolment.json sampler-100 <public key>
     python -m recipe.gepo.remote_sampler --index 100 --key sampler-100.key hetero.transport_url=...
 """
 
@@ -51,10 +51,10 @@ def compose_config(overrides: Sequence[str]) -> DictConfig:
 def check_remote_config(cfg: DictConfig, index: int, key_file: Optional[str] = None) -> None:
     """The settings a remote sampler needs; ValueError naming the key (or flag) otherwise."""
     hetero = cfg.hetero
-    if hetero.engine != "local" or hetero.mode != "async":
+    if hetero.engine != "embedded" or hetero.mode != "async":
         raise ValueError(
             f"hetero.engine={hetero.engine!r}, hetero.mode={hetero.mode!r}: remote samplers join the embedded "
-            "engine's async mode (hetero.engine=local hetero.mode=async)"
+            "engine's async mode (hetero.engine=embedded hetero.mode=async)"
         )
     if hetero.transport != "fs":
         raise ValueError(
@@ -69,7 +69,7 @@ def check_remote_config(cfg: DictConfig, index: int, key_file: Optional[str] = N
     if hetero.trust.sign_records and not key_file:
         raise ValueError(
             f"hetero.trust.sign_records=true: the learner accepts only signed records; give --key <file> "
-            f"(python -m verl_ext.hetero.auth keygen <file> sampler-{index}, then enrol its public key in the "
+            f"(python -m verl_ext.trust.signing keygen <file> sampler-{index}, then enrol its public key in the "
             "learner's hetero.trust.enrolment_file)"
         )
     if key_file and not hetero.trust.sign_records:
@@ -85,7 +85,7 @@ def run_remote_sampler(
     from .embedded.sampler import SamplerWorker
     from .embedded.engine import EngineConfig
     from .embedded.tasks import resolve_model_path
-    from verl_ext.hetero.auth import SamplerKey
+    from verl_ext.trust.signing import SamplerKey
     from verl_ext.hetero.seeding import seed_process
 
     check_remote_config(cfg, index, key_file)
@@ -126,7 +126,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         "--index", type=int, required=True, help="this sampler's index (>= the learner's hetero.num_samplers)"
     )
     parser.add_argument(
-        "--key", default=None, help="this sampler's signing key (python -m verl_ext.hetero.auth keygen)"
+        "--key", default=None, help="this sampler's signing key (python -m verl_ext.trust.signing keygen)"
     )
     parser.add_argument(
         "--max-batches", type=int, default=None, help="stop after this many batches (default: at the learner's stop)"
@@ -135,7 +135,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         "overrides", nargs="*", help="hydra overrides, the learner's (hetero.transport_url=... required)"
     )
     args = parser.parse_args(argv)
-    overrides = ["hetero.engine=local", "hetero.mode=async", "hetero.transport=fs", *args.overrides]
+    overrides = ["hetero.engine=embedded", "hetero.mode=async", "hetero.transport=fs", *args.overrides]
     try:
         cfg = compose_config(overrides)
         counters = run_remote_sampler(cfg, args.index, args.max_batches, key_file=args.key)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GEPO on the embedded engine (hetero.engine=local), on a CPU: the project's ~1M-parameter toy Llama
+# GEPO on the embedded engine (hetero.engine=embedded), on a CPU: the project's ~1M-parameter toy Llama
 # on 3-digit addition, one learner and sampler actors on Ray whose weights arrive after a delay
 # (async mode), or the deterministic stale-buffer emulation in one process (MODE=replay).
 # The same run as `make demo`, with every knob in sight; no GPU, no verl worker.
@@ -79,7 +79,7 @@ if [[ "$MODE" == async ]]; then optional+=("hetero.num_samplers=$NUM_SAMPLERS");
 cd "$REPO_ROOT"
 export PYTHONPATH="$REPO_ROOT${PYTHONPATH:+:$PYTHONPATH}"  # this recipe, also in Ray's worker processes
 exec "$PYTHON" -m "$RECIPE.main_gepo" \
-    hetero.engine=local \
+    hetero.engine=embedded \
     "hetero.mode=$MODE" \
     "algorithm_preset=$ALGORITHM" \
     "actor_rollout_ref.model.path=$MODEL_PATH" \

@@ -54,7 +54,7 @@ EMBEDDED_AS_CPU_TOY = [
 ]
 ROWS = {
     "embedded, async, 1 sampler": [
-        "hetero.engine=local",
+        "hetero.engine=embedded",
         "hetero.mode=async",
         "hetero.num_samplers=1",
         *EMBEDDED_AS_CPU_TOY,

@@ -4,14 +4,14 @@
 
 A sampler draws groups with the model in fp32 and in bf16 (the weights cast, log q from float32
 logits: ``verl_ext.sampling.generate``, as vLLM computes them); the learner re-scores the same tokens
-in fp32 (one full forward pass, ``recipe.gepo.embedded.verify.group_log_probs``) with the weights it
+in fp32 (one full forward pass, ``verl_ext.trust.verifier.group_log_probs``) with the weights it
 holds: fp32 as published, or rounded to bf16 (``hetero.weights_bf16``). Per group: the largest
 |Δ log q| a token, the mean |Δ| a token and the mismatch KL (k3) a token
-(``verl_ext.hetero.precision.group_mismatch``). Beside the honest samplers, liars on the bf16
+(``verl_ext.trust.bounds.group_mismatch``). Beside the honest samplers, liars on the bf16
 sampler's own draws: q reported at temperature 0.7 for tokens drawn at 1.0, and q with a constant
 bias per token (several sizes). For each: the share of groups the precision's per-group bounds
 refuse, and the checked groups until the per-sampler CUSUM fails it
-(``verl_ext.hetero.precision.TOLERANCES``, which cites this script's numbers).
+(``verl_ext.trust.bounds.TOLERANCES``, which cites this script's numbers).
 
 One torch thread; ``nice`` it on a shared machine. The toy's 128 groups take about a minute.
 """
@@ -40,7 +40,7 @@ BIASES = (0.01, 0.03, 0.06, 0.1)
 def detection(stats, precision: str) -> tuple[float, str]:
     """(share of groups the per-group bounds refuse, checked groups until the first failure of a
     sampler sending these groups in order: per-group bound or CUSUM; '-' when none fails)."""
-    from verl_ext.hetero.precision import TOLERANCES, MismatchCusum, single_group_failure
+    from verl_ext.trust.bounds import TOLERANCES, MismatchCusum, single_group_failure
 
     tol = TOLERANCES[precision]
     refused = sum(single_group_failure(m, tol, precision) is not None for m in stats) / len(stats)
@@ -66,8 +66,8 @@ def main() -> None:
     from recipe.gepo.embedded.policy import load_policy
     from recipe.gepo.embedded.rollout import RolloutSettings, generate_groups
     from recipe.gepo.embedded.tasks import Task, resolve_model_path
-    from recipe.gepo.embedded.verify import group_log_probs
-    from verl_ext.hetero.precision import group_mismatch
+    from verl_ext.trust.verifier import group_log_probs
+    from verl_ext.trust.bounds import group_mismatch
 
     torch.set_num_threads(1)
     with initialize_config_dir(config_dir=str(REPO / "recipe/gepo/config"), version_base=None):

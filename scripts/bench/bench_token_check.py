@@ -29,8 +29,8 @@ def main(argv=None) -> None:
     torch.set_num_threads(1)
 
     from recipe.gepo.embedded.policy import load_policy, sample_groups
-    from recipe.gepo.embedded.verify import group_scores
-    from verl_ext.hetero.gumbel import TIE_MARGINS, check_scores, group_seed
+    from verl_ext.trust.verifier import group_scores
+    from verl_ext.trust.gumbel import TIE_MARGINS, check_scores, group_seed
     from verl_ext.hetero.records import RolloutGroup
 
     path = args.model

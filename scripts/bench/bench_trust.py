@@ -136,7 +136,7 @@ def detection(args) -> list[str]:
     from recipe.gepo.embedded.policy import load_policy
     from recipe.gepo.embedded.rollout import RolloutSettings, generate_groups
     from recipe.gepo.embedded.tasks import Task, resolve_model_path
-    from recipe.gepo.embedded.verify import TrustGate
+    from recipe.gepo.embedded.trust_wiring import embedded_gate
     from verl_ext.hetero.records import RecordRejected
     from verl_ext.hetero.weights import serialize_state_dict
 
@@ -169,7 +169,7 @@ def detection(args) -> list[str]:
         engine = EngineConfig.from_omegaconf(cfg)
         task = Task(engine.task, 0)
         buffer = build_buffer(engine, task)
-        gate = TrustGate(engine, model_path, task, buffer)
+        gate = embedded_gate(engine, model_path, task, buffer)
         gate.remember(0, serialize_state_dict(model.state_dict(), 0))
         s = engine.settings
         settings = RolloutSettings(s.group_size, s.temperature, s.max_new_tokens)
@@ -231,7 +231,7 @@ def spread(args) -> list[str]:
     from recipe.gepo.embedded.policy import load_policy
     from recipe.gepo.embedded.rollout import RolloutSettings, generate_groups
     from recipe.gepo.embedded.tasks import Task, resolve_model_path
-    from recipe.gepo.embedded.verify import group_log_probs
+    from verl_ext.trust.verifier import group_log_probs
     from recipe.gepo.sections import TaskConfig
 
     torch.set_num_threads(1)
@@ -329,7 +329,7 @@ def ratio(args) -> list[str]:
     from recipe.gepo.embedded.policy import load_policy
     from recipe.gepo.embedded.rollout import RolloutSettings, generate_groups
     from recipe.gepo.embedded.tasks import Task, resolve_model_path
-    from recipe.gepo.embedded.verify import TrustGate
+    from recipe.gepo.embedded.trust_wiring import embedded_gate
     from verl_ext.hetero.weights import serialize_state_dict
 
     torch.set_num_threads(1)
@@ -348,7 +348,7 @@ def ratio(args) -> list[str]:
     task = Task(engine.task, 0)
     path = resolve_model_path(engine.settings.model_path, engine.task, 0)
     model, tokenizer = load_policy(path)
-    gate = TrustGate(engine, path, task, build_buffer(engine, task))
+    gate = embedded_gate(engine, path, task, build_buffer(engine, task))
     gate.remember(0, serialize_state_dict(model.state_dict(), 0))
     s = engine.settings
     model.eval()
@@ -434,13 +434,13 @@ def components(args) -> list[str]:
     from hydra import compose, initialize_config_dir
 
     from .bench_async import COMMON, async_overrides
-    from recipe.gepo.embedded import verify
+    from recipe.gepo.embedded.trust_wiring import embedded_gate
     from recipe.gepo.embedded.driver import build_buffer, build_learner
     from recipe.gepo.embedded.engine import EngineConfig
     from recipe.gepo.embedded.policy import load_policy
     from recipe.gepo.embedded.rollout import RolloutSettings, generate_groups
     from recipe.gepo.embedded.tasks import Task, resolve_model_path
-    from verl_ext.hetero.auth import SamplerKey
+    from verl_ext.trust.signing import SamplerKey
     from verl_ext.hetero.records import RecordRejected, RolloutGroup, validate_group
     from verl_ext.hetero.weights import deserialize_state_dict, serialize_state_dict
 
@@ -461,7 +461,7 @@ def components(args) -> list[str]:
     sampler, _ = load_policy(path)
     sampler.eval()
     buffer = build_buffer(engine, task)
-    gate = verify.TrustGate(engine, path, task, buffer)
+    gate = embedded_gate(engine, path, task, buffer)
     learner = build_learner(model, tokenizer.pad_token_id, engine)
     key = SamplerKey.generate("s0")
     gate.enrol("s0", key.public_hex())
@@ -486,9 +486,12 @@ def components(args) -> list[str]:
         setattr(verifier, name, timed(name, getattr(verifier, name)))
     verifier.tokenizer.batch_decode = timed("batch_decode", verifier.tokenizer.batch_decode)
     gate.cusum.add = timed("cusum", gate.cusum.add)
-    module_names = {"content_digest": verify.content_digest, "sequence_advantages": verify.sequence_advantages}
-    for name, fn in module_names.items():
-        setattr(verify, name, timed(name, fn))
+    from verl_ext.trust import gate as gate_module, verifier as verifier_module
+
+    patched = [(gate_module, "content_digest"), (verifier_module, "sequence_advantages")]
+    originals = [(module, name, getattr(module, name)) for module, name in patched]
+    for module, name, fn in originals:
+        setattr(module, name, timed(name, fn))
     s = engine.settings
     settings = RolloutSettings(s.group_size, s.temperature, s.max_new_tokens)
     groups_n, rescored, train_cpu, refused = 0, 0, 0.0, collections.Counter()
@@ -537,8 +540,8 @@ def components(args) -> list[str]:
             messages[step + 1] = serialize_state_dict(model.state_dict(), step + 1, wire)
             gate.remember(step + 1, messages[step + 1])
     finally:
-        for name, fn in module_names.items():
-            setattr(verify, name, fn)
+        for module, name, fn in originals:
+            setattr(module, name, fn)
     rewards = spent["check_group_rewards"]
     part = {
         "signature": spent["signature"],
@@ -722,7 +725,7 @@ class _Lab:
         from recipe.gepo.embedded.placement import Placement
         from recipe.gepo.embedded.policy import load_policy
         from recipe.gepo.embedded.tasks import Task, resolve_model_path
-        from recipe.gepo.embedded.verify import TrustGate
+        from recipe.gepo.embedded.trust_wiring import embedded_gate
         from verl_ext.hetero.weights import deserialize_state_dict, serialize_state_dict
 
         overrides = [
@@ -744,7 +747,7 @@ class _Lab:
         self.path = resolve_model_path(engine.settings.model_path, engine.task, 0)
         self.learner, self.tokenizer = load_policy(self.path)
         self.learner.eval()
-        self.gate = TrustGate(engine, self.path, self.task, build_buffer(engine, self.task))
+        self.gate = embedded_gate(engine, self.path, self.task, build_buffer(engine, self.task))
         self.gate.version_wait_s = 5.0
         self.wire = "bf16" if engine.hetero.weights_bf16 else None
         self.serialize = serialize_state_dict

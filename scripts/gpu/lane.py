@@ -31,7 +31,7 @@ d. SmolLM2-135M-Instruct trained with GEPO on easy GSM8K problems by the embedde
    device: held-out accuracy (math_verify) before and after, and the step time;
 e. the honest log-prob spread between a sampler (the embedded engine's ``sample_groups``:
    ``verl_ext.sampling.generate``, KV cache) and a learner re-scoring the same tokens with one full forward pass
-   (``recipe.gepo.embedded.policy.sequence_token_log_probs``), fp32 and bf16, on the CPU and the device;
+   (``verl_ext.sampling.sequence_token_log_probs``), fp32 and bf16, on the CPU and the device;
 f. the verl engine (verl's FSDP learner, the project's HF rollout server, delayed weight sync) for
    3 steps with GEPO on the toy, on the device.
 
@@ -421,7 +421,8 @@ def part_e(device: str, quick: bool, emit: Callable[[Row], None], workdir: Path)
 
     dev = _device(device)
 
-    from recipe.gepo.embedded.policy import load_policy, sample_groups, sequence_token_log_probs
+    from recipe.gepo.embedded.policy import load_policy, sample_groups
+    from verl_ext.sampling import sequence_token_log_probs
     from verl_ext.data.task_model import resolve_task_model
     from verl_ext.data.toy.problems import make_problems
 

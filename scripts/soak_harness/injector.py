@@ -20,7 +20,7 @@ from .faults import (
     fault_weights,
 )
 from .wan_link import WanLink
-from verl_ext.hetero.auth import SamplerKey, unverified_record
+from verl_ext.trust.signing import SamplerKey, unverified_record
 from verl_ext.hetero.exchange import send_group
 from verl_ext.hetero.protocol import (
     LEARNER_ACTOR,

@@ -55,10 +55,10 @@ import torch
 
 from recipe.gepo.embedded.sampler import SamplerWorker
 from recipe.gepo.embedded.policy import load_policy
-from recipe.gepo.embedded.rollout import sequence_advantages
-from recipe.gepo.embedded.verify import group_log_probs
+from verl_ext.algos.advantages import sequence_advantages
+from verl_ext.trust.verifier import group_log_probs
 from . import lies
-from verl_ext.hetero.auth import Enrolment, SamplerKey, unverified_record
+from verl_ext.trust.signing import Enrolment, SamplerKey, unverified_record
 from verl_ext.hetero.exchange import send_group
 from verl_ext.hetero.protocol import ROLLOUT_TOPIC
 from verl_ext.hetero.records import RolloutGroup

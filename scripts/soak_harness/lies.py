@@ -26,8 +26,8 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import torch
 
-from recipe.gepo.embedded.rollout import sequence_advantages
-from recipe.gepo.embedded.verify import group_log_probs
+from verl_ext.algos.advantages import sequence_advantages
+from verl_ext.trust.verifier import group_log_probs
 from verl_ext.hetero.records import RolloutGroup
 from verl_ext.sampling import eos_mask, generate
 

@@ -29,7 +29,7 @@ from .liars import start_crew, start_honest_bf16
 from .report import SoakResult
 from .wan_link import WanLink
 from .watchers import TransportWatcher, Watcher
-from verl_ext.hetero.auth import Enrolment, SamplerKey
+from verl_ext.trust.signing import Enrolment, SamplerKey
 from verl_ext.hetero.protocol import LEARNER_ACTOR, ROLLOUT_TOPIC, WEIGHTS_TOPIC
 from verl_ext.hetero.transport import Transport
 from verl_ext.rundir import read_metric_rows

@@ -329,7 +329,7 @@ def run_overrides(
         ALGOS[algo]
         + condition_overrides(delay)
         + [
-            "hetero.engine=local",
+            "hetero.engine=embedded",
             "hetero.mode=replay",
             f"hetero.seed={seed}",
             f"actor_rollout_ref.model.path={model_path}",

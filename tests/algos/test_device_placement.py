@@ -33,9 +33,10 @@ from verl.utils.config import omega_conf_to_dataclass
 from verl.workers.utils.losses import ppo_loss
 
 from recipe.gepo.embedded import learner as embedded_learner
-from recipe.gepo.embedded import verify
-from recipe.gepo.embedded.policy import sample_groups, sequence_token_log_probs
-from recipe.gepo.embedded.rollout import sequence_advantages
+from verl_ext.trust import verifier as verify
+from recipe.gepo.embedded.policy import sample_groups
+from verl_ext.algos.advantages import sequence_advantages
+from verl_ext.sampling import sequence_token_log_probs
 from verl_ext import sampling
 from verl_ext.algos import advantages as adv_lib
 from verl_ext.algos import diagnostics, losses

@@ -42,7 +42,8 @@ from verl.trainer.ppo.rollout_corr_helper import (
 from verl.utils.config import omega_conf_to_dataclass
 
 from recipe.gepo.embedded.learner import Learner, collate_groups, log_probs_and_entropy
-from recipe.gepo.embedded.policy import load_policy, sequence_token_log_probs
+from recipe.gepo.embedded.policy import load_policy
+from verl_ext.sampling import sequence_token_log_probs
 from verl_ext.hetero.records import RolloutGroup
 from verl_ext.loss_bridge import RolloutCorrection, compute_actor_loss, rollout_correction_settings
 

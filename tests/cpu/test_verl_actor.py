@@ -82,7 +82,8 @@ def _embedded_step(cfg, groups, tokenizer):
     from verl.utils.config import omega_conf_to_dataclass
 
     from recipe.gepo.embedded.learner import Learner, collate_groups
-    from recipe.gepo.embedded.policy import load_policy, sequence_token_log_probs
+    from recipe.gepo.embedded.policy import load_policy
+    from verl_ext.sampling import sequence_token_log_probs
 
     model, _ = load_policy(cfg.actor_rollout_ref.model.path)
     metrics = Learner(

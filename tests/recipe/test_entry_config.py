@@ -216,7 +216,7 @@ def test_an_estimator_the_embedded_engine_cannot_feed_fails_at_start(estimator, 
     """verl's registry has estimators that need a critic's values, reward baselines or recomputed
     log-probs; the embedded engine refuses them at start, naming the inputs (not a TypeError at step 1)."""
     from recipe.gepo.embedded.engine import check_registered
-    from recipe.gepo.embedded.rollout import unfed_advantage_inputs
+    from verl_ext.algos.advantages import unfed_advantage_inputs
 
     with pytest.raises(ValueError, match=rf"algorithm.adv_estimator='{estimator}' needs \[.*'{needs}'"):
         check_registered("gepo", estimator)

@@ -19,10 +19,17 @@ def hetero_from(*overrides) -> HeteroConfig:
 
 def test_defaults_compose_and_build_the_delay_model():
     hc = hetero_from()
-    assert hc.engine == "local" and hc.mode == "async"
+    assert hc.engine == "embedded" and hc.mode == "async"
     model = hc.delay.build()
     draws = model.sample(1000, __import__("numpy").random.default_rng(0))
     assert draws.min() >= hc.delay.low and draws.max() <= hc.delay.high
+
+
+def test_the_embedded_engine_keeps_its_old_name_local_as_an_alias():
+    assert hetero_from("hetero.engine=local").engine == "embedded"
+    assert hetero_from("hetero.engine=embedded").engine == "embedded"
+    with pytest.raises(ValueError, match="hetero.engine='embeded'"):
+        hetero_from("hetero.engine=embeded")
 
 
 def test_paper_setting_overrides():

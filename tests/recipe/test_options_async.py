@@ -164,18 +164,18 @@ OBSERVED_ELSEWHERE = {
     ),
     "hetero.trust.trust_recovery": (
         "tests/recipe/embedded/test_trust_gate.py::test_lenient_trust_needs_two_failures",
-        f"{EMB}.verify:TrustGate.__init__",
-        "trust.ledger(",
+        "verl_ext.trust.gate:TrustGate.__init__",
+        "config.ledger(",
     ),
     "hetero.trust.divergence_window": (
-        "tests/hetero/test_hetero_trust.py::test_divergence_window_bound_and_events",
-        f"{EMB}.verify:TrustGate.__init__",
-        "trust.ledger(",
+        "tests/trust/test_ledger.py::test_divergence_window_bound_and_events",
+        "verl_ext.trust.gate:TrustGate.__init__",
+        "config.ledger(",
     ),
     "hetero.trust.bounds_file": (
         "tests/recipe/embedded/test_trust_calibration.py::test_a_calibration_catches_a_lie_the_table_lets_through",
-        f"{EMB}.verify:TrustGate.__init__",
-        "trust.bounds()",
+        "verl_ext.trust.gate:TrustGate.__init__",
+        "config.bounds()",
     ),
 }
 """Honoured (option, async) pairs whose effect needs a moment no 2-step run of an honest toy
@@ -390,7 +390,7 @@ def test_every_async_only_option_has_a_behaviour_case():
     assert honoured - covered == set(), "declared honoured by async with no case"
     assert covered - honoured == set(), "an async case for an option async does not honour (or replay does)"
     assert not set(CASES_ASYNC) & set(OBSERVED_ELSEWHERE)
-    from recipe.gepo.sections import TrustConfig
+    from verl_ext.trust.config import TrustConfig
 
     check_pointers({key: where for key, (where, _, _) in OBSERVED_ELSEWHERE.items()})
     for key, (_, site, hands_on) in OBSERVED_ELSEWHERE.items():

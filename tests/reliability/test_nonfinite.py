@@ -12,7 +12,7 @@ from verl.utils.config import omega_conf_to_dataclass
 
 from recipe.gepo.embedded.learner import Learner, NonFiniteStepError
 from recipe.gepo.embedded.policy import load_policy
-from recipe.gepo.embedded.rollout import sequence_advantages
+from verl_ext.algos.advantages import sequence_advantages
 from verl_ext.hetero.records import RolloutGroup
 
 from .conftest import compose_trainer

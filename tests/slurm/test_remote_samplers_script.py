@@ -1,5 +1,5 @@
 """``scripts/slurm/remote_samplers.sbatch`` run by bash on this machine, without SLURM (the array
-task id is an environment variable): its key handling with the real ``verl_ext.hetero.auth`` CLI,
+task id is an environment variable): its key handling with the real ``verl_ext.trust.signing`` CLI,
 and the command it assembles. ``SAMPLER_CMD=echo ...`` stands in for the sampler program (the
 documented knob), so the tests see the exact arguments without starting a sampler; one test runs
 the real ``recipe.gepo.remote_sampler`` in dry-run mode."""
@@ -15,7 +15,7 @@ import pytest
 
 from tests.hetero.factories import build_group
 from tests.slurm.test_slurm_scripts import assert_shellcheck_clean
-from verl_ext.hetero.auth import Enrolment, SamplerKey
+from verl_ext.trust.signing import Enrolment, SamplerKey
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "slurm" / "remote_samplers.sbatch"
@@ -93,7 +93,7 @@ def test_without_enrolment_file_the_enrol_line_is_printed_for_an_existing_key_to
         assert result.returncode == 0, result.stderr
         key_file = tmp_path / "home" / ".heterorl" / "keys" / "sampler-100.key"  # the default KEY_DIR
         assert (
-            f"enrol it: python -m verl_ext.hetero.auth enrol <the learner's hetero.trust.enrolment_file> "
+            f"enrol it: python -m verl_ext.trust.signing enrol <the learner's hetero.trust.enrolment_file> "
             f"sampler-100 {public_of(key_file)}" in result.stdout
         )
 

@@ -1,5 +1,6 @@
-"""BNPO's outcome advantages over prompt groups (GRPO and Dr.GRPO use verl's own estimator).
-Pure torch / numpy, no verl import.
+"""BNPO's outcome advantages over prompt groups (GRPO and Dr.GRPO use verl's own estimator), and
+:func:`sequence_advantages`, one advantage per sequence from any estimator in verl's registry.
+Pure torch / numpy at import; verl is imported only when an estimator is looked up.
 
 :func:`bnpo_advantages` takes one scalar score per sequence ([B]) and group labels ([B], equal
 label = same prompt) and returns one advantage per sequence ([B]); engines broadcast it over
@@ -9,8 +10,10 @@ BNPO advantages without the rest of the sampler's batch.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import math
-from typing import Optional
+from typing import Any, Callable, Mapping, Optional
 
 import numpy as np
 import torch
@@ -142,3 +145,56 @@ def bnpo_group_mismatch(
         if clamped.any() and (c * np.abs(d[clamped])).min() < max_abs_advantage - tolerance:
             return "a clamped advantage whose unclamped value would be inside the clamp"
     return None
+
+
+@functools.lru_cache(maxsize=None)
+def _parameters(fn: Callable) -> Mapping[str, inspect.Parameter]:
+    return inspect.signature(fn).parameters  # read once per estimator: the learner calls this for every group
+
+
+ADVANTAGE_INPUTS = ("token_level_rewards", "response_mask", "index", "norm_adv_by_std_in_grpo", "config")
+"""What :func:`sequence_advantages` gives an estimator: rewards, masks and group ids (no critic
+values, reward baselines or log-probs)."""
+
+
+def unfed_advantage_inputs(name: str) -> list[str]:
+    """The required arguments of verl's estimator ``name`` that :func:`sequence_advantages` cannot
+    give (``gae`` needs ``values``, ``remax`` ``reward_baselines``, ...): empty when it can run."""
+    from verl.trainer.ppo.core_algos import get_adv_estimator_fn
+
+    params = _parameters(get_adv_estimator_fn(name))
+    return [
+        k
+        for k, p in params.items()
+        if p.default is inspect.Parameter.empty
+        and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+        and k not in ADVANTAGE_INPUTS
+    ]
+
+
+def sequence_advantages(
+    rewards: torch.Tensor, response_mask: torch.Tensor, uids: list[str], algorithm_config: Any
+) -> torch.Tensor:
+    """One advantage per sequence from verl's registered estimator. rewards [B], mask [B, R] -> [B].
+
+    The reward sits on the last response token, as verl's reward managers put it.
+    """
+    name = algorithm_config.get("adv_estimator", "grpo")
+    name = getattr(name, "value", name)
+    from verl.trainer.ppo.core_algos import get_adv_estimator_fn
+
+    fn = get_adv_estimator_fn(name)
+    lengths = response_mask.sum(dim=-1)
+    token_rewards = torch.zeros(response_mask.shape, dtype=torch.float32, device=response_mask.device)
+    rows = torch.arange(len(rewards), device=response_mask.device)
+    token_rewards[rows, (lengths - 1).clamp(min=0)] = rewards.float()
+    kwargs: dict[str, Any] = {"token_level_rewards": token_rewards, "response_mask": response_mask.float()}
+    params = _parameters(fn)
+    if "index" in params:
+        kwargs["index"] = np.array(uids, dtype=object)
+    if "norm_adv_by_std_in_grpo" in params:
+        kwargs["norm_adv_by_std_in_grpo"] = bool(algorithm_config.get("norm_adv_by_std_in_grpo", True))
+    if "config" in params:
+        kwargs["config"] = algorithm_config
+    advantages, _ = fn(**kwargs)
+    return (advantages * response_mask).sum(dim=-1) / lengths.clamp(min=1)

@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Protocol
 
-from verl_ext.hetero.auth import Enrolment, SamplerKey, unverified_record
+from verl_ext.trust.signing import Enrolment, SamplerKey, unverified_record
 from verl_ext.hetero.buffer import REJECTED, RolloutBuffer
 from verl_ext.hetero.protocol import EXPECTED_TOPIC, ROLLOUT_TOPIC, Announcement
 from verl_ext.hetero.records import RecordRejected, RolloutGroup, validate_group
@@ -40,7 +40,7 @@ def send_group(
     transport: Transport, group: RolloutGroup, topic: str = ROLLOUT_TOPIC, key: SamplerKey | None = None
 ) -> MessageInfo:
     """Write ``group`` under key = its uid (which must be a valid transport name: letters,
-    digits, ``_ . = -``), signed with ``key`` when given (:mod:`verl_ext.hetero.auth`).
+    digits, ``_ . = -``), signed with ``key`` when given (:mod:`verl_ext.trust.signing`).
     Re-sending the same uid replaces the message; the learner's ledger ensures it is used at most
     once."""
     check_name("group_uid", group.group_uid)
@@ -56,7 +56,7 @@ def send_group(
 
 class GroupGate(Protocol):
     """What a learner checks of a decoded group before it may enter the buffer
-    (:class:`~recipe.gepo.embedded.verify.TrustGate` is one: trust, verification)."""
+    (:class:`~verl_ext.trust.verifier.TrustGate` is one: trust, verification)."""
 
     def admit(self, group: RolloutGroup) -> bool:
         """Raise :class:`RecordRejected` to refuse ``group``; else True when a check vouched for it
@@ -104,7 +104,7 @@ class RolloutInbox:
     the buffer under its reason), ``refused`` (refused by the gate), ``acknowledged`` (deleted
     after a checkpoint).
 
-    With ``enrolment`` (:class:`~verl_ext.hetero.auth.Enrolment`) only records signed by an
+    With ``enrolment`` (:class:`~verl_ext.trust.signing.Enrolment`) only records signed by an
     enrolled, unrevoked sampler, and naming that sampler, are decoded and handed over; without
     it a signed record is read without checking its signature. With ``gate``, a decoded group
     also passes :meth:`GroupGate.admit` first (refusals counted by the buffer under their reason);

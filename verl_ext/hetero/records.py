@@ -80,10 +80,10 @@ class RolloutGroup:
         created_at: wall-clock seconds since the epoch when generation finished.
         extra: JSON-serialisable metadata (data source, ground truth, ...); not validated.
         sampler_precision: the arithmetic the sampler computed q in (``"fp32"`` / ``"bf16"``,
-            :func:`verl_ext.hetero.precision.precision_of`); None when undeclared. Signed with the
+            :func:`verl_ext.trust.bounds.precision_of`); None when undeclared. Signed with the
             record; the learner's trust gate picks its log-prob tolerance by it and refuses a
             record without a known one.
-        sampling_seed: the seed of the group's Gumbel-max draw (``verl_ext.hetero.gumbel``: the
+        sampling_seed: the seed of the group's Gumbel-max draw (``verl_ext.trust.gumbel``: the
             learner re-derives its tokens from it); None when drawn otherwise. Signed with the
             record.
     """

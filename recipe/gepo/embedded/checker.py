@@ -1,6 +1,6 @@
 """The trust checks off the learner's process (``hetero.trust.check_process``).
 
-The gate's checks (:class:`~.verify.GroupVerifier`: re-scoring a group under its claimed version,
+The gate's checks (:class:`~verl_ext.trust.verifier.GroupVerifier`: re-scoring a group under its claimed version,
 the token check, the rewards' recomputation) cost the learner CPU on its own cores, measured at
 +19% wall time per step on the toy model (docs/reliability.md, "Cost"). Here they run in a
 :class:`TrustChecker`, a Ray actor of their own that the learner starts on its node, on the
@@ -14,7 +14,7 @@ the task; the learner no longer holds one.
 (cheap books: quarantine, replays, the draw) runs in the inbox's poll thread, the group then
 awaits its verdict out of the buffer, counted against its sampler's quota, and
 :meth:`TrustGate.finish` (ledger, CUSUM, quarantine) runs when the verdict is back. A group is
-never admitted before its checks ran; every rule of :mod:`.verify` holds as in the one-call gate.
+never admitted before its checks ran; every rule of :mod:`verl_ext.trust.gate` holds as in the one-call gate.
 One batch of checks is at the checker at a time (groups begun meanwhile go as the next batch);
 its future's callback wakes the poll thread. While the learner waits for a batch that the groups
 it holds would fill once their verdicts are in (:class:`VerdictBlockClock`,
@@ -30,7 +30,7 @@ checker as the SHA-256 it was published with: the checker reads it from the tran
 it to that digest, so the learner copies nothing. Otherwise (pruned from the store, not landed
 yet, or rewritten there by someone else) the learner's copy goes into Ray's object store once,
 from the poll thread. The checker holds one version at a time. A group claiming a version not
-published yet waits for it in the learner (:attr:`~.verify.TrustGate.VERSION_WAIT_S` at most,
+published yet waits for it in the learner (:attr:`~verl_ext.trust.gate.TrustGate.VERSION_WAIT_S` at most,
 without blocking the poll thread).
 """
 
@@ -46,13 +46,15 @@ import numpy as np
 import ray
 
 from .async_shared import system_cores
-from .verify import Admission, CheckResult, GroupVerifier, KeptVersions, TrustGate
+from .trust_wiring import embedded_verifier
 from verl_ext.hetero.affinity import pin_process, thread_ids
 from verl_ext.hetero.exchange import DEFERRED
 from verl_ext.hetero.protocol import WEIGHTS_TOPIC, TransportSpec, version_key
 from verl_ext.hetero.transport import CorruptMessage
 from verl_ext.hetero.records import RecordRejected, RolloutGroup
 from verl_ext.torch_threads import set_torch_threads
+from verl_ext.trust.gate import Admission, TrustGate
+from verl_ext.trust.verifier import CheckResult, GroupVerifier, KeptVersions
 
 
 # The checker's nice level: a CPU-bound process at nice 0 gets about 9x its CPU when they share a
@@ -78,7 +80,7 @@ def run_at_low_priority(cpus: list[int], nice: int = CHECKER_NICE) -> None:
 
 
 class TrustChecker:
-    """Ray actor: a :class:`~.verify.GroupVerifier` of its own (model copy, tokenizer, task) that
+    """Ray actor: a :class:`~verl_ext.trust.verifier.GroupVerifier` of its own (model copy, tokenizer, task) that
     answers batches of checks for the learner's :class:`OffloadedChecks`, on the system cores at
     nice :data:`CHECKER_NICE`.
 
@@ -93,22 +95,8 @@ class TrustChecker:
         self.hetero = engine.hetero
         run_at_low_priority(system_cores(self.hetero))
         self.store = spec.open() if spec is not None else None
-        from .placement import Placement
-        from .tasks import Task
-
-        hetero, trust = engine.hetero, engine.hetero.trust
-        self.verifier = GroupVerifier(
-            model_path,
-            None,  # the task needs the scorer's tokenizer: set below
-            engine.settings.temperature,
-            engine.algorithm,
-            keep_versions=1,  # the version being checked; the learner holds the others
-            bounds=trust.bounds(),
-            check_rewards=trust.check_rewards,
-            placement=Placement.of(hetero),
-            checkable_sampling=trust.checkable_sampling,
-        )
-        self.verifier.task = Task(engine.task, hetero.seed, self.verifier.tokenizer)
+        # the version being checked; the learner holds the others
+        self.verifier = embedded_verifier(engine, model_path, None, keep_versions=1)
 
     def describe(self) -> dict[str, Any]:
         """Where and how it runs: ``pid``, ``node_id`` (Ray's), ``nice`` (the distinct nice levels of
@@ -199,7 +187,7 @@ def launch_checker(engine: Any, model_path: str, spec: Optional[TransportSpec] =
 
 class OffloadedChecks:
     """The learner's deferring gate (:class:`~verl_ext.hetero.exchange.RolloutInbox`'s
-    ``gate``): :class:`~.verify.TrustGate`'s books here, its checks in a :class:`TrustChecker`.
+    ``gate``): :class:`~verl_ext.trust.gate.TrustGate`'s books here, its checks in a :class:`TrustChecker`.
 
     Threads: the inbox's poll thread calls :meth:`admit`, :meth:`flush`, :meth:`settled`,
     :meth:`wait`, :meth:`accepted`, :meth:`passed_over`; the learner's thread :meth:`remember`.
@@ -215,7 +203,7 @@ class OffloadedChecks:
             no longer has it. Default: never (every version from the learner).
         learner_cores: the learner's cores (``hetero.learner_cpus``), lent to the checker while
             the learner is blocked on its verdicts (:meth:`lend_cores`). Empty: never lent.
-        rewards_here: a :class:`~.verify.GroupVerifier` without a model (the learner's tokenizer
+        rewards_here: a :class:`~verl_ext.trust.verifier.GroupVerifier` without a model (the learner's tokenizer
             and task): a group due only its rewards check that arrives while ``learner_waits()``
             (the learner blocked for groups: its core idle) is checked here at once, instead of
             waiting a round trip to the checker that the learner would wait out. None: never.

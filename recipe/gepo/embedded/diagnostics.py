@@ -12,7 +12,8 @@ import torch
 from .engine import EngineConfig
 from .learner import collate_groups
 from .placement import Placement, model_device
-from .policy import sample_groups, sequence_token_log_probs
+from .policy import sample_groups
+from verl_ext.sampling import sequence_token_log_probs
 from .run_utils import RunSettings
 from .tasks import Task
 from verl_ext.algos.importance import sequence_log_prob

@@ -81,8 +81,8 @@ class EngineConfig:
             actor=omega_conf_to_dataclass(cfg.actor_rollout_ref.actor),
             algorithm=omega_conf_to_dataclass(cfg.algorithm),
         )
-        if engine.hetero.engine != "local":
-            raise ValueError(f"hetero.engine={engine.hetero.engine!r}: the embedded engine runs hetero.engine=local")
+        if engine.hetero.engine != "embedded":
+            raise ValueError(f"hetero.engine={engine.hetero.engine!r}: the embedded engine runs hetero.engine=embedded")
         check_registered(engine.actor.policy_loss.loss_mode, engine.algorithm.adv_estimator)
         estimator = getattr(engine.algorithm.adv_estimator, "value", engine.algorithm.adv_estimator)
         if estimator in ("grpo", "bnpo") and engine.settings.group_size < 2:
@@ -124,7 +124,7 @@ def check_registered(loss_mode: str, adv_estimator: Any) -> None:
         raise ValueError(
             f"algorithm.adv_estimator={name!r} is not registered; known: {sorted(core_algos.ADV_ESTIMATOR_REGISTRY)}"
         )
-    from .rollout import unfed_advantage_inputs
+    from verl_ext.algos.advantages import unfed_advantage_inputs
 
     unfed = unfed_advantage_inputs(name)
     if unfed:

@@ -19,7 +19,7 @@ import torch
 from verl.utils.torch_functional import entropy_from_logits
 
 from .placement import cpu_copy, model_device
-from .policy import sequence_token_log_probs
+from verl_ext.sampling import sequence_token_log_probs
 from verl_ext.algos.diagnostics import sequence_sampler_learner_kl
 from verl_ext.algos.importance import group_expectation_log_denominator, sequence_log_prob
 from verl_ext.hetero.records import RolloutGroup

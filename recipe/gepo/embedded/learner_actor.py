@@ -5,7 +5,7 @@
 One step (``LearnerWorker.step`` = :meth:`~.driver.LearnerRuntime.step`):
 :meth:`TransportSource.next_batch` takes whole groups within the staleness bound from the
 ``RolloutBuffer`` (a poller thread moves arriving groups into it from the transport, through
-the :class:`~.verify.TrustGate`, whose checks run in a checker process on the system cores,
+the :class:`~verl_ext.trust.gate.TrustGate`, whose checks run in a checker process on the system cores,
 :mod:`.checker`, or with ``hetero.trust.check_process=false`` in the poll thread), :meth:`~.learner.Learner.train_step` updates the model
 (``verl_ext.loss_bridge.compute_actor_loss``, then AdamW), and :meth:`TransportSource.publish`
 writes the new version to the ``WeightStore`` the samplers (:mod:`.sampler`) read. Under
@@ -26,8 +26,8 @@ from .async_shared import pin_worker, weight_store
 from .checker import OffloadedChecks, VerdictBlockClock, launch_checker
 from .driver import LearnerRuntime
 from .engine import Batch, EngineConfig
-from .verify import GroupVerifier, TrustGate
-from verl_ext.hetero.auth import Enrolment
+from .trust_wiring import embedded_gate, embedded_verifier
+from verl_ext.trust.signing import Enrolment
 from verl_ext.hetero.delay_channel import DelayChannel
 from verl_ext.hetero.exchange import RolloutInbox
 from verl_ext.hetero.protocol import (
@@ -41,6 +41,8 @@ from verl_ext.hetero.protocol import (
 )
 from verl_ext.hetero.records import RolloutGroup
 from verl_ext.hetero.seeding import LEARNER_STREAM
+from verl_ext.trust.gate import TrustGate
+from verl_ext.trust.verifier import GroupVerifier
 
 
 def rollout_inbox_transport(hetero: HeteroConfig, transport):
@@ -57,16 +59,9 @@ def rollout_inbox_transport(hetero: HeteroConfig, transport):
 def rewards_verifier(runtime: LearnerRuntime, gate: TrustGate) -> GroupVerifier:
     """The learner's rewards-only checker (no model: its own tokenizer and task), for groups that
     arrive while it waits for them (:class:`~.checker.OffloadedChecks`' ``rewards_here``)."""
-    engine = runtime.engine
-    return GroupVerifier(
-        None,
-        runtime.task,
-        engine.settings.temperature,
-        engine.algorithm,
-        keep_versions=0,
-        bounds=gate.bounds,  # the gate's, read once at start (a rewards check does not use them)
-        check_rewards=True,
-        tokenizer=runtime.tokenizer,
+    # the gate's bounds, read once at start (a rewards check does not use them)
+    return embedded_verifier(
+        runtime.engine, None, runtime.task, keep_versions=0, tokenizer=runtime.tokenizer, bounds=gate.bounds
     )
 
 
@@ -75,7 +70,7 @@ class TransportSource:
     actors over the transport (a background thread polls them into the buffer); weights go out
     through a ``WeightStore``; the learner's status is published after every step.
 
-    Groups pass the :class:`~recipe.gepo.embedded.verify.TrustGate` on their way into the buffer
+    Groups pass the :class:`~verl_ext.trust.gate.TrustGate` on their way into the buffer
     (``hetero.trust``: signatures, checks, trust, quarantine, the divergence bound); with
     ``hetero.trust.check_process`` its checks run in a :class:`~.checker.TrustChecker` process
     (:class:`~.checker.OffloadedChecks`), else in the poll thread."""
@@ -86,7 +81,7 @@ class TransportSource:
         self.transport = spec.open()
         self.weights = weight_store(hetero, self.transport, pipelined=True)
         offload = hetero.trust.check_process
-        self.gate = TrustGate(
+        self.gate = embedded_gate(
             runtime.engine, runtime.model_path, runtime.task, runtime.buffer, local_checks=not offload
         )
         self.checks: Optional[OffloadedChecks] = None
@@ -247,7 +242,7 @@ class LearnerWorker(LearnerRuntime):
 
     def start(self, checkpoint: Optional[dict] = None, enrolment: str = "") -> int:
         """:meth:`LearnerRuntime.start`, after enrolling ``enrolment`` (an
-        :class:`~verl_ext.hetero.auth.Enrolment` as JSON: the samplers launched before a resume,
+        :class:`~verl_ext.trust.signing.Enrolment` as JSON: the samplers launched before a resume,
         whose groups may still be in flight) -- before the inbox reads anything."""
         if enrolment:
             for sampler_id, keys in Enrolment.from_json(enrolment).keys.items():

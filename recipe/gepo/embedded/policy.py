@@ -18,7 +18,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 # the sampling call and the log-prob rule are verl_ext.sampling's; the learner scores with the same
-from verl_ext.sampling import eos_mask, generate, token_log_probs
+from verl_ext.sampling import eos_mask, generate
 
 
 @dataclass
@@ -93,44 +93,3 @@ def sample_groups(
     response_ids = torch.where(response_mask.bool(), tokens, torch.full_like(tokens, tokenizer.pad_token_id))
     texts = tokenizer.batch_decode(response_ids, skip_special_tokens=True)
     return SampledBatch(enc["input_ids"], enc["attention_mask"], response_ids, response_mask, logprobs, texts)
-
-
-def sequence_token_log_probs(
-    model: PreTrainedModel,
-    prompt_ids: torch.Tensor,
-    prompt_mask: torch.Tensor,
-    response_ids: torch.Tensor,
-    response_mask: torch.Tensor,
-    temperature: float,
-    compute_dtype: Optional[torch.dtype] = None,
-) -> torch.Tensor:
-    """Learner log-probs of the given responses, with gradient: [B, P] + [B, R] -> [B, R], float32,
-    on the inputs' device (the model's).
-
-    Position ids follow the attention mask, so left padding of the prompt does not shift them
-    (matching what ``generate`` used). ``compute_dtype`` (e.g. bf16): the model's forward runs
-    under autocast to it (fp32 weights stay fp32); the log-softmax is fp32 either way.
-    """
-    input_ids = torch.cat([prompt_ids, response_ids], dim=1)
-    attention_mask = torch.cat([prompt_mask, response_mask], dim=1)
-    position_ids = (attention_mask.cumsum(dim=-1) - 1).clamp(min=0)
-    logits = forward_logits(model, input_ids, attention_mask, position_ids, compute_dtype)
-    prompt_len = prompt_ids.shape[1]
-    # logits at position t predict token t+1: the response is predicted by positions P-1 .. P+R-2
-    response_logits = logits[:, prompt_len - 1 : -1]
-    return token_log_probs(response_logits, response_ids, temperature)
-
-
-def forward_logits(
-    model: PreTrainedModel,
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor,
-    position_ids: torch.Tensor,
-    compute_dtype: Optional[torch.dtype] = None,
-) -> torch.Tensor:
-    """The model's logits [B, L, V]; with ``compute_dtype`` under ``torch.autocast`` on the inputs'
-    device type (mixed precision: the weights keep their dtype, matmuls run in ``compute_dtype``)."""
-    if compute_dtype is None:
-        return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
-    with torch.autocast(device_type=input_ids.device.type, dtype=compute_dtype):
-        return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits

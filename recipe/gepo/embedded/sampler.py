@@ -22,7 +22,7 @@ from .engine import EngineConfig
 from .placement import Placement
 from .rollout import RolloutSettings, generate_groups
 from .tasks import Task
-from verl_ext.hetero.auth import SamplerKey
+from verl_ext.trust.signing import SamplerKey
 from verl_ext.hetero.delay_channel import DelayChannel
 from verl_ext.hetero.exchange import send_group
 from verl_ext.hetero.protocol import (

@@ -20,7 +20,7 @@ reached (:meth:`RemoteRuntime._reached`), so it draws new prompts and never reus
 Trust (``hetero.trust``): each sampler makes its signing key where it runs; the driver records
 the public half in the run directory's ``enrolment.json`` and has the learner enrol it before the
 sampler may send (a resumed learner enrols the file's keys before it reads anything). Every
-arriving group passes the learner's :class:`~.verify.TrustGate`.
+arriving group passes the learner's :class:`~verl_ext.trust.gate.TrustGate`.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from .learner_actor import LearnerWorker
 from .run_utils import MetricLogger
 from .sampler import SamplerWorker
 from verl_ext.hetero.affinity import Pinned
-from verl_ext.hetero.auth import Enrolment
+from verl_ext.trust.signing import Enrolment
 from verl_ext.hetero.protocol import (
     EXPECTED_TOPIC,
     LEARNER_ACTOR,

@@ -274,7 +274,7 @@ def _validate(cfg: DictConfig) -> Validated:
     if hetero.mode != "async":
         _fail(
             f"hetero.mode={hetero.mode!r}: the verl engine runs real samplers (vLLM) asynchronously; "
-            "replay emulation is the local engine's (hetero.engine=local)"
+            "replay emulation is the local engine's (hetero.engine=embedded)"
         )
     check_no_forced_bypass(cfg)
     check_section(hetero, "hetero", VERL)

@@ -39,7 +39,7 @@ def require_gpus(cfg: DictConfig | None = None) -> int:
         f"hetero.engine=verl with actor_rollout_ref.rollout.name={rollout!r} needs GPUs (vLLM/SGLang samplers); "
         "this machine has none. On a CPU machine use the CPU backend: --config-dir configs "
         "+verl_preset=cpu_toy (rollout.name=hf_cpu, FSDP2 over gloo); or hetero.dry_run=true to validate "
-        "and print the plan; or hetero.engine=local for the embedded engine. See docs/scale-out.md."
+        "and print the plan; or hetero.engine=embedded for the embedded engine. See docs/scale-out.md."
     )
 
 

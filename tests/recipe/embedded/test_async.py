@@ -125,7 +125,7 @@ def test_async_metrics_say_which_path_weight_loads_took(async_run):
 def test_async_signs_checks_and_rejects_no_honest_group(async_run):
     """hetero.trust at its defaults: the driver recorded each launched sampler's public key in the
     run directory, the learner re-scored groups (probation), and no honest group was refused."""
-    from verl_ext.hetero.auth import Enrolment
+    from verl_ext.trust.signing import Enrolment
 
     run_dir, final, lines = async_run
     enrolled = Enrolment.load(Path(run_dir) / "enrolment.json")

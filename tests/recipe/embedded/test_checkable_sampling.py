@@ -1,4 +1,4 @@
-"""Seeded Gumbel-max sampling and the learner's token check (verl_ext.hetero.gumbel) on the tiny
+"""Seeded Gumbel-max sampling and the learner's token check (verl_ext.trust.gumbel) on the tiny
 toy model: an honest sampler's tokens are re-derived exactly in fp32 and up to near ties in bf16;
 a sampler at another temperature, on other weights or truncating to its top token picks other
 tokens, and the check counts them, though its q matches its tokens."""
@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from recipe.gepo.embedded.policy import load_policy
-from verl_ext.hetero.gumbel import check_tokens, gumbel_noise, sample
+from verl_ext.trust.gumbel import check_tokens, gumbel_noise, sample
 
 from .test_trust_gate import Lab, _off_model
 

@@ -16,8 +16,8 @@ import torch
 
 from recipe.gepo.embedded.policy import load_policy
 from recipe.gepo.embedded.rollout import RolloutSettings, generate_groups
-from recipe.gepo.embedded.verify import group_log_probs
-from verl_ext.hetero.auth import Enrolment, SamplerKey
+from verl_ext.trust.verifier import group_log_probs
+from verl_ext.trust.signing import Enrolment, SamplerKey
 from verl_ext.hetero.records import RecordRejected, RolloutGroup
 
 from .test_trust_gate import Lab

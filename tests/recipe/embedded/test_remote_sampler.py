@@ -20,7 +20,7 @@ import torch
 
 from recipe.gepo.main_gepo import run
 from recipe.gepo.remote_sampler import check_remote_config, compose_config, main
-from verl_ext.hetero import auth
+from verl_ext.trust import signing as auth
 
 from .helpers import TINY, read_metrics
 
@@ -67,14 +67,14 @@ def test_a_remote_sampler_process_feeds_the_learner_through_the_exchange(tiny_mo
     # the operator's steps: a key made for the sampler, its public half enrolled where the learner reads
     key_file, enrolment = tmp_path / "sampler-7.key", tmp_path / "enrolment.json"
     public = subprocess.run(
-        [sys.executable, "-m", "verl_ext.hetero.auth", "keygen", str(key_file), "sampler-7"],
+        [sys.executable, "-m", "verl_ext.trust.signing", "keygen", str(key_file), "sampler-7"],
         cwd=ROOT,
         capture_output=True,
         text=True,
         check=True,
     ).stdout.strip()
     subprocess.run(
-        [sys.executable, "-m", "verl_ext.hetero.auth", "enrol", str(enrolment), "sampler-7", public],
+        [sys.executable, "-m", "verl_ext.trust.signing", "enrol", str(enrolment), "sampler-7", public],
         cwd=ROOT,
         check=True,
     )

@@ -14,9 +14,9 @@ import torch
 from recipe.gepo.calibrate import main as calibrate_main
 from recipe.gepo.embedded.engine import EngineConfig
 from recipe.gepo.embedded.policy import load_policy
-from recipe.gepo.embedded.verify import group_log_probs
+from verl_ext.trust.verifier import group_log_probs
 from recipe.gepo.options import ConfigError
-from verl_ext.hetero.precision import BOUND_FIELDS, TOLERANCES, bounds_file_payload, read_bounds_file
+from verl_ext.trust.bounds import BOUND_FIELDS, TOLERANCES, bounds_file_payload, read_bounds_file
 
 from .helpers import TINY, compose_cfg
 from .test_trust_gate import Lab
@@ -115,7 +115,7 @@ def test_a_calibration_of_another_model_is_refused_at_start(tmp_path, tiny_model
 @pytest.mark.parametrize("fact, value", [("temperature", 0.7), ("scorer_precision", "bf16")])
 def test_a_calibration_of_another_temperature_or_scorer_is_refused(tmp_path, fact, value):
     """(Replay and the verl engine refuse the option itself: tests/recipe/test_options.py.)"""
-    from recipe.gepo.sections import TrustConfig
+    from verl_ext.trust.config import TrustConfig
 
     path = tmp_path / "bounds.json"
     measured = {"model": "m", "scorer_precision": "fp32", "temperature": 1.0}

@@ -16,7 +16,7 @@ import ray
 
 from recipe.gepo.embedded.checker import CHECKER_NICE, OffloadedChecks, VerdictBlockClock, launch_checker
 from recipe.gepo.embedded.driver import build_buffer
-from recipe.gepo.embedded.verify import GroupVerifier, TrustGate
+from recipe.gepo.embedded.trust_wiring import embedded_gate, embedded_verifier
 from verl_ext.hetero.exchange import RolloutInbox, send_group
 from verl_ext.hetero.protocol import WEIGHTS_TOPIC, TransportSpec, version_key
 from verl_ext.hetero.transport import FsspecTransport
@@ -40,7 +40,7 @@ def _learner(model_path: str, run_dir, exchange, *overrides: str):
 
 
 def _offloaded(lab: Lab, model_path: str, buffer) -> OffloadedChecks:
-    gate = TrustGate(lab.engine, model_path, lab.task, buffer, local_checks=False)
+    gate = embedded_gate(lab.engine, model_path, lab.task, buffer, local_checks=False)
     assert gate.verifier is None  # no model copy here: the checker holds it
     checks = OffloadedChecks(
         gate, lambda: launch_checker(lab.engine, model_path), keep_versions=lab.engine.hetero.max_delay + 1
@@ -134,7 +134,7 @@ def test_the_checker_reads_published_weights_from_the_store_and_not_a_copy_rewri
     exchange = tmp_path / "exchange"
     transport = FsspecTransport(str(exchange))
     store = WeightStore(transport, keep_last=4)
-    gate = TrustGate(lab.engine, tiny_model_path, lab.task, buffer, local_checks=False)
+    gate = embedded_gate(lab.engine, tiny_model_path, lab.task, buffer, local_checks=False)
     spec = TransportSpec("fsspec", url=str(exchange))
     checks = OffloadedChecks(
         gate,
@@ -193,7 +193,7 @@ def test_the_learners_cores_are_lent_to_the_checker_while_the_learner_is_blocked
         f"hetero.learner_cpus=[{learner_core}]",
         f"hetero.system_cpus=[{system_core}]",
     )
-    gate = TrustGate(lab.engine, tiny_model_path, lab.task, lab.buffer, local_checks=False)
+    gate = embedded_gate(lab.engine, tiny_model_path, lab.task, lab.buffer, local_checks=False)
     checks = OffloadedChecks(
         gate, lambda: launch_checker(lab.engine, tiny_model_path), keep_versions=2, learner_cores=[learner_core]
     )
@@ -231,19 +231,9 @@ def test_while_the_learner_waits_a_rewards_check_runs_in_the_learner_at_once_and
     lab = Lab(tiny_model_path, tmp_path / "run", "hetero.trust.verify_fraction=0")
     buffer = build_buffer(lab.engine, lab.task)
     buffer.set_learner_version(1)
-    gate = TrustGate(lab.engine, tiny_model_path, lab.task, buffer, local_checks=False)
+    gate = embedded_gate(lab.engine, tiny_model_path, lab.task, buffer, local_checks=False)
     waits = [False]
-    s = lab.engine.settings
-    here = GroupVerifier(
-        None,
-        lab.task,
-        s.temperature,
-        lab.engine.algorithm,
-        0,
-        lab.engine.hetero.trust.bounds(),
-        True,
-        tokenizer=lab.tokenizer,
-    )
+    here = embedded_verifier(lab.engine, None, lab.task, keep_versions=0, tokenizer=lab.tokenizer)
     assert here.scorer is None
     checks = OffloadedChecks(
         gate,

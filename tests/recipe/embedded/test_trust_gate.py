@@ -14,9 +14,11 @@ import torch
 from recipe.gepo.embedded.driver import build_buffer
 from recipe.gepo.embedded.engine import EngineConfig
 from recipe.gepo.embedded.policy import load_policy
-from recipe.gepo.embedded.rollout import RolloutSettings, generate_groups, sequence_advantages
+from recipe.gepo.embedded.rollout import RolloutSettings, generate_groups
+from verl_ext.algos.advantages import sequence_advantages
 from recipe.gepo.embedded.tasks import Task
-from recipe.gepo.embedded.verify import TrustGate, group_log_probs
+from recipe.gepo.embedded.trust_wiring import embedded_gate
+from verl_ext.trust.verifier import group_log_probs
 from verl_ext.hetero.exchange import RolloutInbox, send_group
 from verl_ext.hetero.records import RecordRejected, RolloutGroup
 from verl_ext.hetero.transport import FsspecTransport
@@ -45,7 +47,7 @@ class Lab:
         self.engine = _engine(model_path, tmp_path, *overrides)
         self.task = Task(self.engine.task, self.engine.hetero.seed)
         self.buffer = build_buffer(self.engine, self.task)
-        self.gate = TrustGate(self.engine, model_path, self.task, self.buffer)
+        self.gate = embedded_gate(self.engine, model_path, self.task, self.buffer)
         # a group whose version's weights never come waits this long (30 s in a run); the tests that
         # need the wait itself set their own (test_trust_windows.py)
         self.gate.version_wait_s = 1.0

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from recipe.gepo.embedded.policy import sequence_token_log_probs
-from recipe.gepo.embedded.verify import distinct_responses, group_log_probs, group_scores
+from verl_ext.sampling import sequence_token_log_probs
+from verl_ext.trust.verifier import distinct_responses, group_log_probs, group_scores
 from verl_ext.hetero.weights import serialize_state_dict
 
 from .test_trust_gate import Lab, _with_rewards

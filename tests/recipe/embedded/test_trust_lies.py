@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from recipe.gepo.embedded.verify import group_log_probs
+from verl_ext.trust.verifier import group_log_probs
 from scripts.bench.bench_trust import _lying_trial
 from scripts.soak_harness import lies
 from verl_ext.hetero.weights import serialize_state_dict

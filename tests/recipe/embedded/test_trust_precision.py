@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from recipe.gepo.embedded.policy import load_policy
-from recipe.gepo.embedded.verify import group_log_probs
-from verl_ext.hetero.precision import TOLERANCES, MismatchCusum, group_mismatch, precision_of
+from verl_ext.trust.verifier import group_log_probs
+from verl_ext.trust.bounds import TOLERANCES, MismatchCusum, group_mismatch, precision_of
 from verl_ext.hetero.records import RolloutGroup
 
 from .test_trust_gate import Lab
@@ -75,7 +75,7 @@ def test_a_small_systematic_lie_adds_up_while_honest_noise_does_not(tiny_model_p
 
 
 def test_cusum_keeps_honest_noise_at_rest_and_restarts_after_an_alarm():
-    from verl_ext.hetero.precision import Mismatch
+    from verl_ext.trust.bounds import Mismatch
 
     tol, cusum = TOLERANCES["bf16"], MismatchCusum()
     rng = np.random.default_rng(0)

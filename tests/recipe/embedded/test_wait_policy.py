@@ -22,7 +22,7 @@ from recipe.gepo.embedded.sampler import SamplerWorker
 from recipe.gepo.embedded.engine import EngineConfig
 from recipe.gepo.main_gepo import run
 from recipe.gepo.options import OptionNotHonoured
-from verl_ext.hetero.auth import SamplerKey
+from verl_ext.trust.signing import SamplerKey
 from verl_ext.hetero.buffer import BufferTimeout
 from verl_ext.hetero.exchange import send_group
 from verl_ext.hetero.protocol import EXPECTED_TOPIC, ROLLOUT_TOPIC, Announcement, TransportSpec, announce, clear_topic

@@ -3,7 +3,7 @@ sampler, and when it is quarantined (an enrolled sampler can still lie about its
 
 The learner checks what a sampler claims about a group (its log-probs q under the claimed
 version, its rewards and advantages) on a sampled fraction of groups; the checks themselves are
-the engine's (:mod:`recipe.gepo.embedded.verify`). This module keeps the books:
+the engine's (:mod:`verl_ext.trust.verifier`). This module keeps the books:
 
 - **which groups are checked**: every group of a sampler still on probation (its first
   ``probation_groups`` checks), then each group with probability ``verify_fraction`` (a seeded

@@ -23,7 +23,7 @@ seed per group from :func:`group_seed`), the seed travels in the group's signed 
 logits of the forward it already runs to re-score q. :func:`sample` and :func:`check_tokens` are
 the two halves on their own (one full forward a step: a reference).
 
-The tie margin a precision allows (:data:`~verl_ext.hetero.precision.TIE_MARGINS`, or a
+The tie margin a precision allows (:data:`~verl_ext.trust.bounds.TIE_MARGINS`, or a
 calibration's): the noised scores of two tokens are log q + g (up to one shared constant), so their
 difference moves between two computations by at most the sum of the two tokens' |Δ log q|: twice the largest honest |Δ log q| a token measured
 for that precision.
@@ -41,7 +41,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .precision import TIE_MARGINS  # noqa: F401 - the margins live beside the other bounds
+from .bounds import TIE_MARGINS  # noqa: F401 - the margins live beside the other bounds
 
 
 def group_seed(base_seed: int, index: int) -> int:

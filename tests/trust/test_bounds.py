@@ -1,4 +1,4 @@
-"""Bounds calibrated from a sample of honest groups (``verl_ext.hetero.precision.calibrate``), the
+"""Bounds calibrated from a sample of honest groups (``verl_ext.trust.bounds.calibrate``), the
 bounds file that carries them, and whose bounds a group gets (:class:`TrustBounds`)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from verl_ext.hetero.precision import (
+from verl_ext.trust.bounds import (
     BOUND_FIELDS,
     TIE_MARGINS,
     TOLERANCES,

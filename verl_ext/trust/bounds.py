@@ -48,7 +48,7 @@ class Tolerance:
     cusum_limit: the sum of (mean |Δ| - reference) over a sampler's checked groups that fails it.
     bias_reference: the |mean signed Δ| per token the bias CUSUMs subtract.
     bias_limit: the sum of (±mean signed Δ - bias_reference) that fails a sampler.
-    tie_margin: the token check's near-tie allowance (``verl_ext.hetero.gumbel``); None: the
+    tie_margin: the token check's near-tie allowance (``verl_ext.trust.gumbel``); None: the
         precision's :data:`TIE_MARGINS` (a calibration sets its own).
     near_tie_rate: the share of checked tokens an honest sampler draws as near ties (a token not
         the noised best, within ``tie_margin`` of it); None: no near-tie test (the table's).
@@ -121,7 +121,7 @@ TIE_MARGINS: dict[str, float] = {
     # 1.95% of SmolLM2's tokens, with the best two within 0.1 at 1.6% (GPU_FIRST_RUN.md 5).
     "bf16": 1.2,
 }
-"""The token check's near-tie allowance (``verl_ext.hetero.gumbel``): the largest (best - chosen) noised
+"""The token check's near-tie allowance (``verl_ext.trust.gumbel``): the largest (best - chosen) noised
 score a checked token may have, per declared precision. The noised scores of two tokens move apart
 between two computations by at most the sum of their |Δ log q|: twice the largest honest one."""
 
@@ -352,7 +352,7 @@ def calibrate(
     (:class:`_HonestTail`); the CUSUMs' references a high percentile (above the honest mean), their
     limits 1.5x the largest sum any of ``trials`` simulated honest samplers reached, groups drawn
     from the sample and from the fitted tail. ``token_margins``: per honest group, its checked
-    tokens' noised margins (:func:`verl_ext.hetero.gumbel.noised_margins`), which set the near-tie
+    tokens' noised margins (:func:`verl_ext.trust.gumbel.noised_margins`), which set the near-tie
     test (:func:`near_tie_evidence`); None: no near-tie test."""
     if len(honest) < 16:
         raise ValueError(f"calibrate: {len(honest)} honest groups; at least 16 are needed for a percentile")

@@ -8,14 +8,14 @@ import json
 
 import pytest
 
-from verl_ext.hetero import auth
-from verl_ext.hetero.auth import MAGIC, Enrolment, SamplerKey
+from verl_ext.trust import signing as auth
+from verl_ext.trust.signing import MAGIC, Enrolment, SamplerKey
 from verl_ext.hetero.buffer import RolloutBuffer
 from verl_ext.hetero.exchange import RolloutInbox, send_group
 from verl_ext.hetero.records import RecordRejected
 from verl_ext.hetero.transport import FsspecTransport
 
-from .factories import build_group
+from tests.hetero.factories import build_group
 
 _ids = itertools.count()
 

@@ -1,4 +1,4 @@
-"""``python -m verl_ext.hetero.auth`` run as an operator (and remote_samplers.sbatch) runs it: real
+"""``python -m verl_ext.trust.signing`` run as an operator (and remote_samplers.sbatch) runs it: real
 processes on real files. keygen -> pubkey -> enrol puts the key in the enrolment file; enrolling
 the same key again changes nothing; bad input exits 2 naming it, without a traceback."""
 
@@ -8,16 +8,16 @@ import subprocess
 import sys
 from pathlib import Path
 
-from verl_ext.hetero.auth import Enrolment, SamplerKey
+from verl_ext.trust.signing import Enrolment, SamplerKey
 
-from .factories import build_group
+from tests.hetero.factories import build_group
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def auth(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "verl_ext.hetero.auth", *map(str, args)],
+        [sys.executable, "-m", "verl_ext.trust.signing", *map(str, args)],
         cwd=ROOT,
         capture_output=True,
         text=True,

@@ -26,10 +26,10 @@ key, and the records its previous launch left in flight stay valid). Rejections 
 
 Operators (a sampler outside the learner's Ray job, ``recipe/gepo/remote_sampler.py``)::
 
-    python -m verl_ext.hetero.auth keygen sampler-7.key sampler-7     # on the sampler's machine
-    python -m verl_ext.hetero.auth pubkey sampler-7.key [--sampler-id sampler-7]  # an existing key's public hex
-    python -m verl_ext.hetero.auth enrol enrolment.json sampler-7 <public hex>   # by the learner's operator
-    python -m verl_ext.hetero.auth revoke enrolment.json sampler-7
+    python -m verl_ext.trust.signing keygen sampler-7.key sampler-7     # on the sampler's machine
+    python -m verl_ext.trust.signing pubkey sampler-7.key [--sampler-id sampler-7]  # an existing key's public hex
+    python -m verl_ext.trust.signing enrol enrolment.json sampler-7 <public hex>   # by the learner's operator
+    python -m verl_ext.trust.signing revoke enrolment.json sampler-7
 """
 
 from __future__ import annotations
@@ -245,7 +245,7 @@ class Enrolment:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m verl_ext.hetero.auth", description="Sampler keys and the learner's enrolment file."
+        prog="python -m verl_ext.trust.signing", description="Sampler keys and the learner's enrolment file."
     )
     sub = parser.add_subparsers(dest="command", required=True)
     keygen = sub.add_parser("keygen", help="make a sampler's key (file mode 0600); prints its public key")

@@ -1,4 +1,4 @@
-"""TrustLedger (verl_ext.hetero.trust): argument checks, which groups are checked (probation, then
+"""TrustLedger (verl_ext.trust.ledger): argument checks, which groups are checked (probation, then
 a seeded fraction), the trust score and quarantine with its purge, the divergence bound, metrics,
 events and the state_dict round trip. Expectations come from the module's documented rules."""
 
@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 
-from verl_ext.hetero.trust import TrustLedger
+from verl_ext.trust.ledger import TrustLedger
 
 
 def ledger(**kw):
@@ -40,7 +40,7 @@ def test_constructor_rejects_bad_values(param, value):
 def test_the_ranges_are_checked_once_under_the_callers_names():
     """TrustLedger.check_arguments owns the ranges: hetero.trust's validation calls it with its
     hydra keys (TrustConfig maps every constructor argument), the constructor without."""
-    from recipe.gepo.sections import TrustConfig
+    from verl_ext.trust.config import TrustConfig
 
     assert set(TrustConfig._LEDGER_FIELDS) == set(TrustLedger.RANGES)
     with pytest.raises(ValueError, match=r"^hetero\.trust\.trust_penalty=-1\.0 must be >= 0$"):

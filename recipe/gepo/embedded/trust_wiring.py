@@ -1,0 +1,43 @@
+"""The embedded engine's side of :mod:`verl_ext.trust`: the gate and verifiers built from its
+validated configs, with a scorer loaded as its samplers load their model (:class:`.placement.Placement`:
+the sampler's device and precision, since a re-score recomputes a sampler's q)."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from .placement import Placement
+from .tasks import Task
+from verl_ext.trust import build_gate, build_verifier
+
+
+def embedded_verifier(engine: Any, model_path: Optional[str], task: Optional[Task], keep_versions: int, **kwargs):
+    """A verifier with its own model copy from ``model_path`` (the task built on its tokenizer when
+    ``task`` is None), or, with ``model_path`` None, rewards only (``tokenizer=`` required)."""
+    hetero = engine.hetero
+    scorer, tokenizer = None, kwargs.pop("tokenizer", None)
+    if model_path is not None:
+        scorer, tokenizer = Placement.of(hetero).load_sampler(model_path)
+    if task is None:
+        task = Task(engine.task, hetero.seed, tokenizer)
+    return build_verifier(
+        hetero.trust,
+        tokenizer,
+        task,
+        engine.settings.temperature,
+        engine.algorithm,
+        keep_versions=keep_versions,
+        scorer=scorer,
+        **kwargs,
+    )
+
+
+def embedded_gate(engine: Any, model_path: str, task: Task, buffer: Any, local_checks: bool = True):
+    """The run's gate; ``local_checks``: its checks run in the caller's thread (a second model copy
+    here), else elsewhere (:mod:`.checker`)."""
+    hetero = engine.hetero
+    trust = hetero.trust
+    verifier = None
+    if local_checks and (trust.verify_fraction > 0 or trust.check_rewards):
+        verifier = embedded_verifier(engine, model_path, task, keep_versions=hetero.max_delay + 1)
+    return build_gate(trust, hetero.seed, buffer, verifier)

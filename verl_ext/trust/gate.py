@@ -1,0 +1,444 @@
+"""The gate every arriving group passes on its way into the buffer: :class:`TrustGate`.
+
+It owns the books: enrolment (signatures are checked by the inbox against it), quarantine and
+the divergence bound (:class:`~verl_ext.trust.ledger.TrustLedger`), replays of accepted content
+under a new uid (``replayed``), the per-sampler CUSUM of small lies, and which groups are drawn
+for a re-score. The checks themselves are a :class:`~verl_ext.trust.verifier.GroupVerifier`'s,
+run in the caller's thread (:meth:`TrustGate.admit`) or elsewhere between :meth:`TrustGate.begin`
+and :meth:`TrustGate.finish` (a checker process).
+
+Contract: no group is admitted unchecked in place of a check that is due. A group whose check is
+due and whose version's weights are not held is refused (``unverifiable_version``, no blame); a
+group claiming a version lost in a learner crash is always re-scored (``lost_version``, no blame).
+No Ray and no engine import: a caller needs a :class:`TrustConfig`-like config, the buffer and,
+for checks in its own thread, a verifier.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import numpy as np
+
+from verl_ext.hetero.buffer import RolloutBuffer
+from verl_ext.hetero.records import RecordRejected, RolloutGroup
+from verl_ext.hetero.staleness import is_stale
+from verl_ext.trust.bounds import Mismatch, MismatchCusum, precision_refusal
+from verl_ext.trust.signing import Enrolment
+from verl_ext.trust.verifier import CheckResult, GroupVerifier
+
+
+def content_digest(group: RolloutGroup) -> str:
+    """What makes a group the same group whatever its uid, row order or reported numbers: its
+    prompt's tokens and the multiset of its responses' tokens (padding left out). The log-probs,
+    rewards, version and row order are not part of it, so a copy with its rows rotated, its q
+    nudged or another version claimed is still a copy. Two honest groups coincide only by drawing
+    the very same G responses for the same prompt (a confident model on a short answer does; such
+    a group's responses all score alike, so its group advantages carry little or nothing)."""
+    h = hashlib.blake2b(digest_size=16)
+    prompt = np.asarray(group.prompt_ids, np.int64)
+    if group.prompt_mask is not None:
+        prompt = prompt[np.asarray(group.prompt_mask).astype(bool)]
+    h.update(len(prompt).to_bytes(4, "little") + np.ascontiguousarray(prompt).tobytes())
+    mask = np.asarray(group.response_mask).astype(bool)
+    rows = sorted(
+        np.ascontiguousarray(np.asarray(ids, np.int64)[keep]).tobytes() for ids, keep in zip(group.response_ids, mask)
+    )
+    for row in rows:
+        h.update(len(row).to_bytes(4, "little") + row)
+    return h.hexdigest()
+
+
+@dataclass
+class Admission:
+    """A group between :meth:`TrustGate.begin` and :meth:`TrustGate.finish`: what the gate decided
+    before any check. ``rescore``: its q is re-scored (probation or the fraction's draw); ``lost``:
+    it claims a version lost in a learner crash (re-scored whatever ``rescore`` says); ``replayed``:
+    its content was seen before (only a lost version's group gets this far so: the re-score
+    decides which refusal it gets); ``checks``: any check is configured (the rewards' included)."""
+
+    group: RolloutGroup
+    digest: str
+    rescore: bool
+    lost: bool
+    replayed: bool
+    checks: bool
+
+    @property
+    def version(self) -> int:
+        return int(self.group.policy_version)
+
+    @property
+    def wants_weights(self) -> bool:
+        """Its claimed version's weights are needed (a re-score is due)."""
+        return self.rescore or self.lost
+
+
+class TrustGate:
+    """``hetero.trust`` on the learner: every decoded, well-formed group passes :meth:`admit` (or
+    :meth:`begin`, its checks, :meth:`finish`) before it may enter the buffer.
+
+    Args:
+        config: the trust options (``hetero.trust``: :class:`TrustConfig`).
+        seed: the run's seed (the ledger's draw of groups to re-score).
+        buffer: the buffer groups enter (its version and bound; a quarantine purges from it).
+        verifier: runs the checks in :meth:`admit`; None when they run elsewhere.
+
+    Threads: the inbox's poller calls :meth:`admit` (or :meth:`begin` and :meth:`finish`) /
+    :meth:`accepted`, the learner's thread :meth:`trained` / :meth:`remember` / :meth:`metrics`,
+    Ray's control thread :meth:`enrol`; the books are behind one lock, the checks run outside it.
+    """
+
+    VERSION_WAIT_S = 30.0
+    """How long :meth:`admit` waits for the weights of a version the buffer already accepts (the
+    learner publishes them between the two): the time one weight publication takes, with room.
+    Only a group claiming the newest version waits, and only in that gap."""
+
+    def __init__(self, config: Any, seed: int, buffer: RolloutBuffer, verifier: Optional[GroupVerifier] = None):
+        self.config, self.buffer = config, buffer
+        self.enrolment = Enrolment() if config.sign_records else None
+        self._enrolment_stamp: Optional[tuple[float, int]] = None
+        self.ledger = config.ledger(seed)
+        self._lock = threading.Lock()
+        # content digest of every accepted group and every group passed over -> the sampler whose
+        # passed check it earned ("" when none: unchecked, passed over, or its credit withdrawn)
+        self._contents: dict[str, str] = {}
+        self.passed_over_counts: Counter[str] = Counter()  # sampler -> groups dropped unchecked over its quota
+        self.lost_versions: set[int] = set()  # version numbers a crashed learner published past its checkpoint
+        self.check_cpu_s = 0.0  # CPU seconds of the verifier's checks, wherever they ran
+        self.learner_check_cpu_s = 0.0  # ... of those, in this process (the learner's, in a run)
+        self.token_counts: Counter[str] = Counter()  # the token check's counts, all checked groups
+        self.version_wait_s = self.VERSION_WAIT_S
+        self.cusum = MismatchCusum()  # per sampler: small lies in q, summed over its checked groups
+        # the per-group bounds and the CUSUMs' (a calibration's, if given): the verifier's, when local
+        self.bounds = verifier.bounds if verifier is not None else config.bounds()
+        self.checking = config.verify_fraction > 0 or config.check_rewards  # any check at all
+        self.rescoring = config.verify_fraction > 0
+        # digest -> whether a copy arrived: groups between begin and finish (awaiting their verdict)
+        self._awaiting: dict[str, bool] = {}
+        self.verifier = verifier if self.checking else None
+
+    # ---------------------------------------------------------------- enrolment
+    def enrol(self, sampler_id: str, public_hex: Optional[str]) -> None:
+        """Accept records signed by this key in this sampler's name (a sampler the learner launched)."""
+        if self.enrolment is not None and public_hex is not None:
+            self.enrolment.enrol(sampler_id, public_hex)
+
+    def reload_enrolment(self) -> None:
+        """``enrolment_file``: add its keys and revocations when the file has changed."""
+        path = self.config.enrolment_file
+        if self.enrolment is None or not path:
+            return
+        try:
+            stat = os.stat(path)
+        except FileNotFoundError:
+            return
+        stamp = (stat.st_mtime, stat.st_size)
+        if stamp != self._enrolment_stamp:
+            self.enrolment.update(Enrolment.load(path))
+            self._enrolment_stamp = stamp
+
+    # ---------------------------------------------------------------- the gate
+    def lose_versions(self, versions) -> None:
+        """Version numbers whose earlier weights are gone (see the module docstring)."""
+        with self._lock:
+            self.lost_versions |= {int(v) for v in versions}
+
+    def remember(self, version: int, message: bytes) -> None:
+        """A published version's message (the weight store's), for re-scoring groups that claim it."""
+        if self.verifier is not None and self.rescoring:
+            self.verifier.remember(version, message)
+
+    def admit(self, group: RolloutGroup) -> bool:
+        """Refuse (:class:`RecordRejected`, reason named) or let ``group`` through: True when a
+        passed re-score vouched for it. Nothing of the group is remembered here: the caller hands
+        the verdict to :meth:`accepted` once the buffer has taken the group (a group the buffer
+        refuses leaves no trace, and its uid may be re-sent and judged afresh).
+
+        The gate in one call: :meth:`begin`, the checks in this thread (waiting for a version the
+        buffer already accepts, :attr:`version_wait_s` at most), :meth:`finish`."""
+        if self.checking and self.verifier is None:
+            raise RuntimeError("this gate has no verifier (its checks run elsewhere): use begin() and finish()")
+        admission = self.begin(group)
+        result = CheckResult(held=False)
+        if self.verifier is not None:
+            if admission.wants_weights:
+                # the buffer takes version v before the learner hands v's weights here: wait for them
+                self.verifier.wait_for(admission.version, self.version_wait_s)
+            result = self.verifier.run(
+                group, rewards=admission.checks, logprobs=admission.wants_weights, lost=admission.lost
+            )
+        return self.finish(admission, result)
+
+    def begin(self, group: RolloutGroup) -> Admission:
+        """The gate's part before any check (cheap: the books only): refuse a quarantined or
+        divergent sampler, an unknown precision, a missing seed, or a replay (without blame);
+        draw whether q is re-scored. Returns what the checks must do for :meth:`finish`."""
+        sampler, uid = str(group.sampler_id), group.group_uid
+        version = int(group.policy_version)
+        with self._lock:
+            refusal = self.ledger.refusal(sampler)
+            if refusal is not None:
+                self.ledger.refused(refusal)
+                raise RecordRejected("sampler_id", refusal, f"sampler is {refusal}", sampler_id=sampler, group_uid=uid)
+            if self.checking and self.rescoring:
+                # the tolerance of a re-score depends on it: refused on every group, checked or not
+                unknown = precision_refusal(group.sampler_precision)
+                if unknown is not None:
+                    self.ledger.refused(unknown[0])
+                    raise RecordRejected("sampler_precision", *unknown, sampler_id=sampler, group_uid=uid)
+                seed = group.sampling_seed
+                if self.config.checkable_sampling and (
+                    not isinstance(seed, (int, np.integer)) or isinstance(seed, bool)
+                ):
+                    # the token check needs it: refused on every group, checked or not (no blame:
+                    # a sampler not configured for it, not a lie shown)
+                    self.ledger.refused("unseeded")
+                    raise RecordRejected(
+                        "sampling_seed",
+                        "unseeded",
+                        f"sampling_seed={seed!r}: "
+                        "hetero.trust.checkable_sampling needs each group's Gumbel-max seed "
+                        "(an integer) in its signed record",
+                        sampler_id=sampler,
+                        group_uid=uid,
+                    )
+            rescore = self.ledger.should_check(sampler) and self.rescoring
+            digest = content_digest(group)
+            if digest in self._awaiting:
+                # a copy of a group still awaiting its verdict: the same tokens twice, as below;
+                # the first earns no credit by its check
+                self._awaiting[digest] = True
+                replayed = True
+            else:
+                replayed = digest in self._contents
+                if replayed and self._contents[digest]:
+                    # the same tokens twice: one of the two copied, and which cannot be told (the
+                    # first to arrive may be the copy). The credit the first earned by its check is
+                    # withdrawn, so a copier that front-runs an honest sampler gains no trust by it;
+                    # no blame
+                    self.ledger.withdraw_credit(self._contents[digest])
+                    self._contents[digest] = ""
+            lost = self.checking and version in self.lost_versions
+            if replayed and not lost:
+                raise self._replayed(group)
+            if not replayed:
+                self._awaiting[digest] = False
+        return Admission(group, digest, rescore=rescore, lost=lost, replayed=replayed, checks=self.checking)
+
+    @staticmethod
+    def _replayed(group: RolloutGroup) -> RecordRejected:
+        # Old content under a new uid: refused, but without blame. Two honest samplers (or one,
+        # twice) can draw the very same responses at the same version -- a confident model on
+        # a short answer does -- and their log-probs are then identical too, so a coincidence
+        # looks exactly like a replay; the refusal alone takes away all a replay could gain.
+        return RecordRejected(
+            "record",
+            "replayed",
+            "this group's content (its prompt and its responses' tokens, in any order) was received before",
+            sampler_id=str(group.sampler_id),
+            group_uid=group.group_uid,
+        )
+
+    def finish(self, admission: Admission, result: CheckResult) -> bool:
+        """The verdict on a begun group from its checks' ``result`` (:meth:`GroupVerifier.run`,
+        here or in a checker process): refuse it (:class:`RecordRejected`) or return whether a
+        passed re-score vouched for it, as :meth:`admit` does. A sampler quarantined while the
+        group awaited its verdict has it refused too."""
+        group = admission.group
+        credited = False
+        try:
+            self._account(group, result)
+            self._refuse_lost_version(admission, result)
+            if admission.replayed:
+                raise self._replayed(group)
+            rescore, failure, mismatch = self._outcome(admission, result)
+            with self._lock:
+                if failure is None and mismatch is not None:
+                    failure = self._repeated_mismatch(group, mismatch, result)
+                if failure is None:
+                    if rescore:
+                        self.ledger.record(str(group.sampler_id), group.group_uid, passed=True)
+                        credited = True
+                    return rescore
+                self._record_failure(group, failure)
+            raise RecordRejected("record", *failure, sampler_id=str(group.sampler_id), group_uid=group.group_uid)
+        finally:
+            self._settle_copies(admission, credited)
+
+    def _account(self, group: RolloutGroup, result: CheckResult) -> None:
+        """Book the checks' cost and token counts; refuse a group whose sampler was quarantined (or
+        went divergent) while it was checked."""
+        sampler = str(group.sampler_id)
+        with self._lock:
+            self.check_cpu_s += result.cpu_s
+            if result.pid == os.getpid():
+                self.learner_check_cpu_s += result.cpu_s
+            self.token_counts.update(result.tokens)
+            refusal = self.ledger.refusal(sampler)
+            if refusal is not None:
+                self.ledger.refused(refusal)
+                raise RecordRejected(
+                    "sampler_id", refusal, f"sampler is {refusal}", sampler_id=sampler, group_uid=group.group_uid
+                )
+
+    def _refuse_lost_version(self, admission: Admission, result: CheckResult) -> None:
+        """A group claiming a lost version gets in only when its re-score matches our weights of
+        that number (else it was made with the crashed learner's: refused without blame)."""
+        if not admission.lost:
+            return
+        group = admission.group
+        lost = (
+            result.logprobs_failure
+            if result.held
+            else ("lost_version", "the learner does not hold its own weights of that number to tell")
+        )
+        if lost is not None:
+            raise RecordRejected(
+                "policy_version",
+                "lost_version",
+                f"version {group.policy_version} was republished after a learner resume; {lost[1]}",
+                sampler_id=str(group.sampler_id),
+                group_uid=group.group_uid,
+            )
+
+    def _outcome(
+        self, admission: Admission, result: CheckResult
+    ) -> tuple[bool, Optional[tuple[str, str]], Optional[Mismatch]]:
+        """(whether the group was re-scored, its failure, its mismatch) from the checks' result.
+        A due re-score that could not be made refuses the group (``unverifiable_version``, no
+        blame), unless the group is past the bound (the buffer drops it unused)."""
+        if not self.checking:
+            return admission.rescore, None, None
+        group, version = admission.group, admission.version
+        rescore = admission.rescore
+        if rescore and not result.held and is_stale(self.buffer.learner_version, version, self.buffer.max_delay):
+            rescore = False
+        if rescore and not result.held:
+            raise RecordRejected(
+                "policy_version",
+                "unverifiable_version",
+                f"a check is due and the learner does "
+                f"not hold version {version}'s weights (waited {self.version_wait_s:g} s)",
+                sampler_id=str(group.sampler_id),
+                group_uid=group.group_uid,
+            )
+        failure = result.rewards_failure
+        if failure is None and rescore:
+            return rescore, result.logprobs_failure, result.mismatch
+        return rescore, failure, None
+
+    def _repeated_mismatch(
+        self, group: RolloutGroup, mismatch: Mismatch, result: CheckResult
+    ) -> Optional[tuple[str, str]]:
+        """Add a passed re-score's mismatch to its sampler's CUSUM: a failure once small lies add up.
+        Call with the lock held."""
+        precision = str(group.sampler_precision)
+        checked = result.tokens.get("tokens_checked", 0)  # the token check's counts, if it ran
+        repeated = self.cusum.add(
+            str(group.sampler_id),
+            mismatch,
+            self.bounds.tolerance(result.scorer_precision, precision),
+            self.bounds.bounds_precision(result.scorer_precision, precision),
+            near_ties=(checked, result.tokens.get("token_near_ties", 0)) if checked else None,
+        )
+        return None if repeated is None else ("bad_logprobs", repeated)
+
+    def _record_failure(self, group: RolloutGroup, failure: tuple[str, str]) -> None:
+        """A failed check against its sampler; a quarantine drops its unchecked groups still
+        buffered (the buffer's lock inside the gate's: the buffer never calls the gate). Call with
+        the lock held."""
+        reason, detail = failure
+        self.ledger.record(
+            str(group.sampler_id),
+            group.group_uid,
+            passed=False,
+            reason=reason,
+            detail=detail,
+            drop=lambda uids: self.buffer.purge(uids, "quarantined"),
+        )
+
+    def _settle_copies(self, admission: Admission, credited: bool) -> None:
+        """A copy arrived while this group awaited its verdict (and was refused as replayed): what
+        its check earned is withdrawn, and its content is known."""
+        if admission.replayed:
+            return
+        with self._lock:
+            if self._awaiting.pop(admission.digest, False):
+                if credited:
+                    self.ledger.withdraw_credit(str(admission.group.sampler_id))
+                self._contents[admission.digest] = ""
+
+    def accepted(self, group: RolloutGroup, vouched: bool = False) -> None:
+        """``group`` entered the buffer; ``vouched``: :meth:`admit`'s verdict on it (a group no
+        check vouched for is purged if its sampler is quarantined before a check passes)."""
+        with self._lock:
+            digest = content_digest(group)
+            # already known: a copy came while it awaited its verdict, and its credit was withdrawn
+            self._contents[digest] = "" if digest in self._contents else (str(group.sampler_id) if vouched else "")
+            if not vouched:
+                self.ledger.accepted(str(group.sampler_id), group.group_uid)
+
+    def passed_over(self, group: RolloutGroup) -> None:
+        """A group the inbox dropped unchecked (over its sampler's quota): its content is known
+        from now on, so a copy under another uid is refused as ``replayed`` (else a replaying
+        sampler could pass off an honest group the learner never used as its own)."""
+        with self._lock:
+            self._contents.setdefault(content_digest(group), "")
+            self.passed_over_counts[str(group.sampler_id)] += 1
+
+    def trained(self, groups: list[RolloutGroup], divergence: list[float]) -> None:
+        """After a step: each consumed group's measured divergence (the per-sampler bound)."""
+        with self._lock:
+            for group, value in zip(groups, divergence):
+                self.ledger.observe_divergence(str(group.sampler_id), value)
+
+    # ---------------------------------------------------------------- reporting
+    def drain_events(self) -> list[dict]:
+        with self._lock:
+            return self.ledger.drain_events()
+
+    def metrics(self) -> dict[str, float]:
+        """The ledger's ``trust/*``, ``trust/<sampler id>/passed_over`` (its groups dropped unchecked
+        over its quota: who floods), ``perf/trust_check_cpu_s_total`` (CPU seconds spent checking,
+        wherever) and ``perf/trust_check_learner_cpu_s_total`` (the part in this process)."""
+        with self._lock:
+            passed = {f"trust/{sampler}/passed_over": float(n) for sampler, n in self.passed_over_counts.items()}
+            cusum = {f"trust/{sampler}/mismatch_cusum": value for sampler, value in self.cusum.sums.items()}
+            tokens = (
+                {f"trust/{k}": float(v) for k, v in self.token_counts.items()}
+                if self.rescoring and self.config.checkable_sampling
+                else {}
+            )
+            return {
+                **self.ledger.metrics(),
+                **passed,
+                **cusum,
+                **tokens,
+                "perf/trust_check_cpu_s_total": self.check_cpu_s,
+                "perf/trust_check_learner_cpu_s_total": self.learner_check_cpu_s,
+            }
+
+    def state_dict(self) -> dict:
+        with self._lock:
+            return {
+                "ledger": self.ledger.state_dict(),
+                "contents": dict(sorted(self._contents.items())),
+                "lost_versions": sorted(self.lost_versions),
+                "passed_over": dict(self.passed_over_counts),
+                "cusum": self.cusum.state_dict(),
+            }
+
+    def load_state_dict(self, state: dict) -> None:
+        with self._lock:
+            self.ledger.load_state_dict(state["ledger"])
+            contents = state["contents"]  # a list before checks earned credit per content
+            self._contents = dict(contents) if isinstance(contents, dict) else dict.fromkeys(contents, "")
+            self.lost_versions = set(state.get("lost_versions", []))
+            self.passed_over_counts = Counter(state.get("passed_over", {}))
+            self.cusum.load_state_dict(state.get("cusum", {}))
