@@ -16,7 +16,7 @@ from verl_ext.eval.run import (
     run_evaluation,
     score_samples,
 )
-from verl_ext.data.toy.problems import scratchpad_response, toy_data_source
+from verl_ext.data.toy.problems import response_length, scratchpad_response, toy_data_source
 from verl_ext.rewards import scratchpad_reward, toy_reward
 
 SAMPLES = 4
@@ -68,23 +68,25 @@ def test_toy_answer_format_is_checked_and_part_of_the_fingerprint(tmp_path):
 
 
 def test_a_scratchpad_checkpoint_is_scored_with_the_scratchpad_reward(toy_scratchpad_model_path, tmp_path):
-    """End to end on a real scratchpad warm start: every record's score is the scratchpad reward
-    of its response, and the correct ones are scratchpads the short-answer reward scores 0."""
+    """End to end on the shipped scratchpad warm start: every record's score is the scratchpad
+    reward of its response, the model solves some problems, and some of those the short-answer
+    reward scores 0 (so the data_source picked the scratchpad reward). The pad's shape is the
+    model's, not the reward's (the reward does not read it), so nothing here depends on it."""
     cfg = _cfg(
         model_path=str(toy_scratchpad_model_path),
-        toy_digits=1,
+        toy_digits=3,
         toy_answer_format="scratchpad",
+        max_new_tokens=response_length(3, "scratchpad") + 1,
         output_dir=str(tmp_path),
     )
     summary = run_evaluation(cfg)
     records = read_records(tmp_path / "records.jsonl")
-    assert len(records) == 8 * SAMPLES and {r["data_source"] for r in records} == {"toy_add1_scratch"}
+    assert len(records) == 8 * SAMPLES and {r["data_source"] for r in records} == {"toy_add3_scratch"}
     for r in records:
         assert r["acc"] == scratchpad_reward.compute_score(r["data_source"], r["response"], r["ground_truth"])["acc"]
     correct = [r for r in records if r["acc"] == 1.0]
-    assert correct, "the scratchpad warm start solves some problems"
+    assert correct, "the shipped scratchpad warm start solves some problems"
     for r in correct:
-        pad, _, total = r["response"].partition("=")
-        assert total == r["ground_truth"] and len(pad) == 5  # a written-out column, then the sum
-        assert toy_reward.compute_score("toy_add1", r["response"], r["ground_truth"])["acc"] == 0.0
+        assert r["response"].partition("=")[2].strip().startswith(r["ground_truth"])  # the sum after "="
+    assert any(toy_reward.compute_score("toy_add3", r["response"], r["ground_truth"])["acc"] == 0.0 for r in correct)
     assert summary["benchmarks"]["toy"]["n_correct"] == len(correct)

@@ -57,6 +57,29 @@ def test_scratchpad_reward_scores_only_the_sum_after_equals():
         scratchpad_reward.compute_score("toy_add3_scratch", TARGET, "sum")
 
 
+@pytest.mark.parametrize(
+    ("response", "acc"),
+    [
+        (scratchpad_response(8, 1, 1), 1.0),  # "81009=09", the target
+        ("81009=09</s>", 1.0),
+        (" 81009= 09 ", 1.0),
+        ("810108=09", 1.0),  # a six-digit pad (issue 47): the pad is not read
+        ("=09", 1.0),  # no pad at all
+        ("99999=09", 1.0),  # a wrong pad
+        ("81009=091", 0.0),  # more digits than the sum
+        ("81009=9", 0.0),  # the sum not zero-padded
+        ("81009=08=09", 0.0),  # only the first "=" counts
+        ("81009 09", 0.0),  # no "="
+    ],
+)
+def test_scratchpad_reward_accepts_any_pad_and_exactly_the_sum_after_the_first_equals(response, acc):
+    """The contract in the reward's docstring, on 8 + 1: the text before the first ``=`` is not
+    read (only the final answer is rewarded); the digits right after it must be the sum."""
+    out = scratchpad_reward.compute_score("toy_add1_scratch", response, "09")
+    assert (out["score"], out["acc"]) == (acc, acc)
+    assert dispatch.compute_score(toy_data_source(1, "scratchpad"), response, "09")["acc"] == acc
+
+
 @pytest.mark.parametrize("answer_format", ["short", "scratchpad"])
 def test_task_score_goes_through_dispatch(answer_format):
     task = Task(TaskConfig(answer_format=answer_format, eval_size=8), seed=0)
