@@ -10,7 +10,7 @@ STAMP   = $(VENV)/.heterorl-installed
 ARGS   ?=
 PYTEST_ARGS ?=
 
-.PHONY: install demo test test-all bench results verl-smoke verl-smoke-megatron clean-venv
+.PHONY: install demo test test-quick test-all bench results verl-smoke verl-smoke-megatron clean-venv
 
 install: $(STAMP)
 
@@ -30,6 +30,10 @@ demo: install
 
 test: install
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+# the unit tests of the edit-test loop: no Ray, no subprocess runs (tests/conftest.py marks those)
+test-quick: install
+	$(PY) -m pytest -q -m "not slow and not integration" $(PYTEST_ARGS)
 
 test-all: install
 	$(PY) -m pytest -q -m "" $(PYTEST_ARGS)

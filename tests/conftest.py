@@ -6,10 +6,17 @@ every time. Explore new ones with ``HYPOTHESIS_PROFILE=explore make test``.
 A test that leaves Ray up without meaning to (a remote call starts it: a learner built in the
 test's process launches its trust checker, a Ray actor) would make every later ``ray.init`` in
 the run fail; :func:`_no_ray_left_up` shuts down what a test left up that was not up before it.
+
+Tests that start processes -- their module imports ``ray``, ``subprocess`` or ``multiprocessing``,
+or they use a fixture that starts Ray -- are marked ``integration``; ``make test-quick`` runs the
+rest (``-m "not slow and not integration"``), the unit tests of the edit-test loop.
 """
 
+import ast
+import functools
 import os
 import sys
+from pathlib import Path
 
 import pytest
 from hypothesis import settings
@@ -27,3 +34,28 @@ def _no_ray_left_up():
     ray = sys.modules.get("ray")
     if ray is not None and not was_up and ray.is_initialized():
         ray.shutdown()
+
+
+PROCESS_MODULES = ("ray", "subprocess", "multiprocessing")
+PROCESS_FIXTURES = {"local_ray", "ray_session"}
+
+
+@functools.lru_cache(maxsize=None)
+def starts_processes(path: Path) -> bool:
+    """Whether the test module at ``path`` imports a module that starts processes (anywhere in it)."""
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names = [node.module]
+        if any(n.split(".")[0] in PROCESS_MODULES for n in names):
+            return True
+    return False
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if starts_processes(Path(item.path)) or PROCESS_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.integration)
