@@ -2,7 +2,7 @@
 SLURM tools), one package so that they import each other without touching ``sys.path``.
 
 Run them from the repository root as modules, e.g. ``python -m scripts.bench.delay_sweep ...``,
-``python -m scripts.soak ...``, ``python -m scripts.wan.cluster up``: ``-m`` puts the working
+``python -m scripts.soak ...``, ``python -m research.testbeds.wan.cluster up``: ``-m`` puts the working
 directory first on ``sys.path``, so this package is found before the unrelated top-level
 ``scripts`` package that verl and TransferQueue install (nothing imports that one at run time;
 Ray's workers get the driver's working directory first on their path too). A tool that imports a

@@ -43,7 +43,7 @@ quarantine. ``honest groups rejected: N`` (honest samplers' groups refused by th
 or the trust gate, or purged by a quarantine; goal 0) is printed by every soak.
 
 ``--wan`` (opt-in; needs root / CAP_NET_ADMIN, refused clearly without it): the samplers run on
-the sampler node of scripts/wan/cluster.py (a Ray worker in its own network namespace behind a
+the sampler node of research/testbeds/wan/cluster.py (a Ray worker in its own network namespace behind a
 rate-limited veth pair, ``--wan-rate-mbit``), the learner and the Ray transport's mailbox on the
 head, so weights and rollouts cross the link (``hetero.transport=ray``, ``hetero.ray_address``,
 ``hetero.{learner,sampler}_ray_resources``). The file-level faults (``rollout_*``, ``weights_*``)
@@ -135,7 +135,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--wan",
         action="store_true",
-        help="samplers across the real rate-limited link of scripts/wan (needs CAP_NET_ADMIN)",
+        help="samplers across the real rate-limited link of research/testbeds/wan (needs CAP_NET_ADMIN)",
     )
     parser.add_argument("--wan-rate-mbit", type=float, default=100.0, help="--wan: link rate (default 100)")
     parser.add_argument(

@@ -346,7 +346,7 @@ class HeteroConfig:
     )
     """async: "" = start a local Ray instance (``ray.init(num_cpus=...)``); else the address of a
     running Ray cluster to join (``ray.init(address=...)``, e.g. the two-node cluster of
-    scripts/wan/cluster.py; "auto" = the cluster ``ray start`` recorded on this machine)."""
+    research/testbeds/wan/cluster.py; "auto" = the cluster ``ray start`` recorded on this machine)."""
     learner_ray_resources: Optional[dict[str, float]] = option(
         factory=dict,
         honoured_by=(ASYNC,),

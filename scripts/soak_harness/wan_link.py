@@ -1,4 +1,4 @@
-"""The real link of ``--wan``: the two-node cluster of scripts/wan/cluster.py (samplers behind a
+"""The real link of ``--wan``: the two-node cluster of research/testbeds/wan/cluster.py (samplers behind a
 rate-limited veth pair) and its network faults ``link_cut``, ``link_slow`` and ``worker_gone``."""
 
 from __future__ import annotations
@@ -9,11 +9,11 @@ from typing import Optional
 
 
 class WanLink:
-    """The two-node cluster of scripts/wan/cluster.py and its network faults (see
+    """The two-node cluster of research/testbeds/wan/cluster.py and its network faults (see
     ``scripts/soak.py``). Check :meth:`refusal` before :meth:`up`: it names the missing privileges."""
 
     def __init__(self, rate_mbit: float, fault_s: float):
-        from ..wan import cluster, link
+        from research.testbeds.wan import cluster, link
 
         self.cluster, self.link = cluster, link
         self.link_cfg, self.cluster_cfg = link.LinkConfig(), cluster.ClusterConfig()

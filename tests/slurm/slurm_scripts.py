@@ -1,4 +1,4 @@
-"""Load ``scripts/slurm/local_cluster.py`` as a module (the scripts are not a package), and bring a
+"""Load ``research/testbeds/slurm_cluster.py`` as a module (run as a file, as root), and bring a
 real cluster up and down for the slow tests (:func:`running_cluster`)."""
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ from typing import Iterator
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "slurm" / "local_cluster.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "research" / "testbeds" / "slurm_cluster.py"
 
 
-def load_local_cluster():
-    name = "heterorl_slurm_local_cluster"
+def load_slurm_cluster():
+    name = "heterorl_slurm_cluster"
     if name not in sys.modules:
         spec = importlib.util.spec_from_file_location(name, SCRIPT)
         module = importlib.util.module_from_spec(spec)
@@ -28,7 +28,7 @@ def load_local_cluster():
 
 
 def cli(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
-    """``python scripts/slurm/local_cluster.py <args>``."""
+    """``python research/testbeds/slurm_cluster.py <args>``."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
     return subprocess.run(
         [sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=timeout, env=env
@@ -37,7 +37,7 @@ def cli(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
 
 def skip_reason() -> str | None:
     """Why a real cluster cannot be made here, or None."""
-    lc = load_local_cluster()
+    lc = load_slurm_cluster()
     if not sys.platform.startswith("linux"):
         return "network namespaces are Linux-only"
     if os.geteuid() != 0:
@@ -47,7 +47,7 @@ def skip_reason() -> str | None:
 
 
 def our_netns(cfg) -> list[str]:
-    return [ns for ns in load_local_cluster().netns_list() if ns.startswith(cfg.netns_prefix)]
+    return [ns for ns in load_slurm_cluster().netns_list() if ns.startswith(cfg.netns_prefix)]
 
 
 @contextmanager
@@ -55,7 +55,7 @@ def running_cluster(nodes: int, rate_mbit: float = 100) -> Iterator[tuple[object
     """Up ``nodes`` rate-limited nodes (skipping the test where that cannot be done), yield
     ``(config, env with SLURM_CONF, the state recorded at up)``; on exit ``down`` twice and assert
     nothing is left: no namespace, veth, bridge or state dir of the cluster."""
-    lc = load_local_cluster()
+    lc = load_slurm_cluster()
     reason = skip_reason()
     if reason:
         pytest.skip(reason)

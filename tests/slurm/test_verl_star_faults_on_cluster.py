@@ -4,7 +4,7 @@ nodes (slow, root): what survives is what docs/scale-out.md promises.
 Three nodes (the job takes two, one is spare), 100 Mbit/s links, the toy preset with a checkpoint
 every 5 steps and ``trainer.resume_mode=auto``:
 
-- the sampler node vanishes mid-job (``local_cluster.py node-gone``: its namespace, slurmd and Ray
+- the sampler node vanishes mid-job (``slurm_cluster.py node-gone``: its namespace, slurmd and Ray
   worker die) -- the recipe fails at once (Ray: the sampler actor is unavailable), the script names
   the failure and how many Ray nodes are left, and with ``REQUEUE_ON_FAILURE=2`` requeues the job;
   Slurm has marked the node DOWN by then (``SlurmdTimeout``, 30 s) and starts it again on the two

@@ -1,6 +1,6 @@
 """``sbatch scripts/slurm/verl_star.sbatch`` on a real SLURM cluster of namespace nodes (slow, root).
 
-Nodes of ``scripts/slurm/local_cluster.py`` joined by 100 Mbit/s links; the script, unmodified,
+Nodes of ``research/testbeds/slurm_cluster.py`` joined by 100 Mbit/s links; the script, unmodified,
 with the documented CPU switch (``PRESET=cpu_toy GPUS_PER_NODE=0``, ``--gpus-per-node=0
 --cpus-per-task=2``): Ray head on node 1 and workers on the others, the verl engine's learner on
 the first ``trainer.nnodes`` nodes (1, or 2 FSDP ranks with gloo across the links) and its hf_cpu

@@ -109,7 +109,7 @@ def deserialize_state_dict(data: bytes) -> tuple[int, dict[str, torch.Tensor]]:
     return version, _to_original(tensors, dtypes)
 
 
-# --- XOR deltas (also what scripts/wan/sync_bench.py measures) ------------------------------------
+# --- XOR deltas (also what research/testbeds/wan/sync_bench.py measures) --------------------------
 
 
 def _tensor_bytes(tensor: torch.Tensor) -> torch.Tensor:

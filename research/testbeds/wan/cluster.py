@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
 """A two-node Ray cluster across the rate-limited link: head = learner node, worker = sampler node.
 
-    python -m scripts.wan.cluster up --rate-mbit 100   # link (link.py up) + Ray head + Ray worker
-    python -m scripts.wan.cluster status
-    python -m scripts.wan.cluster worker-gone --seconds 20   # fault: sampler node gone and back
-    python -m scripts.wan.cluster down                 # Ray processes of this script, then the link
+    python -m research.testbeds.wan.cluster up --rate-mbit 100   # link (link.py up) + Ray head + Ray worker
+    python -m research.testbeds.wan.cluster status
+    python -m research.testbeds.wan.cluster worker-gone --seconds 20   # fault: sampler node gone and back
+    python -m research.testbeds.wan.cluster down                 # Ray processes of this script, then the link
 
 The head runs in the root namespace bound to the learner-side address with the custom resource
 ``{"learner_node": 1}``; the worker node runs inside the sampler namespace
@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 if not __package__:  # run as a file: its sibling modules are reachable only through the package
-    raise SystemExit("run it from the repository root as: python -m scripts.wan.cluster ...")
+    raise SystemExit("run it from the repository root as: python -m research.testbeds.wan.cluster ...")
 from . import link  # noqa: E402
 from .link import LinkConfig  # noqa: E402
 

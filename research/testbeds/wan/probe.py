@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Measure the link with one bounded TCP bulk transfer: learner side -> sampler namespace.
 
-    python -m scripts.wan.probe --mbytes 8          # link must be up (scripts/wan/link.py up)
+    python -m research.testbeds.wan.probe --mbytes 8          # link must be up (research/testbeds/wan/link.py up)
 
 A receiver runs inside the sampler namespace (``ip netns exec``) on the sampler-side address; the
 sender in the root namespace connects to it and writes ``--mbytes`` MB. The receiver reports the
@@ -20,7 +20,7 @@ import time
 from typing import Optional, Sequence
 
 if not __package__:  # run as a file: its sibling modules are reachable only through the package
-    raise SystemExit("run it from the repository root as: python -m scripts.wan.probe ...")
+    raise SystemExit("run it from the repository root as: python -m research.testbeds.wan.probe ...")
 from .link import LinkConfig  # noqa: E402
 
 PORT = 6399

@@ -1,22 +1,22 @@
 #!/usr/bin/env python3
 """A real SLURM cluster of N nodes on one Linux box, each node a network + UTS namespace.
 
-    python -m scripts.slurm.local_cluster up --nodes 3 [--rate-mbit 100] [--cpus-per-node 2]
+    python -m research.testbeds.slurm_cluster up --nodes 3 [--rate-mbit 100] [--cpus-per-node 2]
     export SLURM_CONF=/tmp/heterorl-slurm/slurm.conf      # `up` prints this as its last line
     sinfo; srun -N2 hostname; sbatch --nodes=2 job.sbatch  # any Slurm command, pointed at it
-    python -m scripts.slurm.local_cluster status [--json]
-    python -m scripts.slurm.local_cluster cut --node n2        # fault: n2's cable pulled
-    python -m scripts.slurm.local_cluster heal --node n2       # and plugged back in
-    python -m scripts.slurm.local_cluster node-gone --node n2  # fault: n2 powered off (processes, namespace, veth)
-    python -m scripts.slurm.local_cluster node-back --node n2  # n2 rebuilt; its slurmd re-registers
-    python -m scripts.slurm.local_cluster down                 # idempotent: removes whatever is left
+    python -m research.testbeds.slurm_cluster status [--json]
+    python -m research.testbeds.slurm_cluster cut --node n2        # fault: n2's cable pulled
+    python -m research.testbeds.slurm_cluster heal --node n2       # and plugged back in
+    python -m research.testbeds.slurm_cluster node-gone --node n2  # fault: n2 powered off (processes, namespace, veth)
+    python -m research.testbeds.slurm_cluster node-back --node n2  # n2 rebuilt; its slurmd re-registers
+    python -m research.testbeds.slurm_cluster down                 # idempotent: removes whatever is left
 
 What it builds (``ClusterConfig``): a bridge ``hrl-sbr0`` in the root namespace holding the
-controller's address (10.214.0.1/24; distinct from ``scripts/wan``'s ``hrl-br0`` and 10.213.0.0),
+controller's address (10.214.0.1/24; distinct from ``research/testbeds/wan``'s ``hrl-br0`` and 10.213.0.0),
 and nodes ``n1..nN``, each a network namespace ``hrl-slurm-nK`` whose one interface ``eth0`` (and
 loopback) is the far end of a veth pair ``hrls-nK`` plugged into the bridge, at 10.214.0.11, .12,
 ... With ``--rate-mbit`` both ends of every pair carry a ``tc tbf`` at that rate (the same
-parameters as ``scripts/wan/link.py``), so each node's link is limited in each direction. No node
+parameters as ``research/testbeds/wan/link.py``), so each node's link is limited in each direction. No node
 has a default route: a node reaches the controller and the other nodes, nothing else.
 
 The Slurm daemons (Slurm 22.05 as Debian 12 ships it, no cgroups, no systemd, no accounting): one
@@ -66,11 +66,11 @@ from typing import Optional, Sequence
 
 
 def _load_wan_link():
-    """``scripts/wan/link.py`` (namespaces, tbf, capability checks), imported by path."""
+    """``research/testbeds/wan/link.py`` (namespaces, tbf, capability checks), imported by path."""
     name = "heterorl_wan_link"
     if name in sys.modules:
         return sys.modules[name]
-    path = Path(__file__).resolve().parents[1] / "wan" / "link.py"
+    path = Path(__file__).resolve().parent / "wan" / "link.py"
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module  # dataclasses look their module up there
@@ -82,7 +82,7 @@ link = _load_wan_link()
 CommandError = link.CommandError
 EXIT_USAGE, EXIT_REFUSED, EXIT_FAILED = link.EXIT_USAGE, link.EXIT_REFUSED, link.EXIT_FAILED
 
-PROG = "local_cluster.py"
+PROG = "slurm_cluster.py"
 STATE_DIR = "/tmp/heterorl-slurm"
 MAX_NODES = 64
 SLURM_PACKAGES = ("slurmctld", "slurmd", "slurm-client", "munge")
@@ -208,7 +208,7 @@ def render_slurm_conf(cfg: ClusterConfig, controller_host: str) -> str:
     """slurm.conf of the cluster: no GRES, no cgroups, no accounting; every path under state_dir."""
     d = cfg.state_dir
     lines = [
-        f"# Written by scripts/slurm/local_cluster.py: {cfg.nodes} namespace nodes on {controller_host}.",
+        f"# Written by research/testbeds/slurm_cluster.py: {cfg.nodes} namespace nodes on {controller_host}.",
         "ClusterName=heterorl",
         f"SlurmctldHost={controller_host}({cfg.controller_ip})",
         f"SlurmctldPort={cfg.ctld_port}",
@@ -311,7 +311,7 @@ def missing_requirements(capeff: int, which=shutil.which) -> list[str]:
 
 
 def refusal_message(problems: Sequence[str]) -> str:
-    lines = [f"scripts/slurm/{PROG} refuses to run: it needs root (namespaces, veths, mounts). Missing:"]
+    lines = [f"research/testbeds/{PROG} refuses to run: it needs root (namespaces, veths, mounts). Missing:"]
     lines += [f"  - {p}" for p in problems]
     lines.append("Run as root (CAP_NET_ADMIN, CAP_SYS_ADMIN) with iproute2 and util-linux; nothing was changed.")
     return "\n".join(lines)

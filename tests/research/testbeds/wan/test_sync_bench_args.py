@@ -1,4 +1,4 @@
-"""``scripts/wan/sync_bench.py``'s command line: ``--behind`` (the offline delta-size table) refuses
+"""``research/testbeds/wan/sync_bench.py``'s command line: ``--behind`` (the offline delta-size table) refuses
 the link benchmark's options instead of ignoring them. Argument parsing only: nothing here
 measures, trains or touches the network."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.wan.wan_scripts import load
+from tests.research.testbeds.wan.wan_scripts import load
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,7 @@
 """Bytes and seconds of one weight version over the rate-limited link: what a
 slow link costs each weight sync, full and delta.
 
-    python -m scripts.wan.sync_bench --rates 10,100,1000 --trials 3 [--out runs/wan/sync.json]
+    python -m research.testbeds.wan.sync_bench --rates 10,100,1000 --trials 3 [--out runs/wan/sync.json]
 
 Brings up the link and the two-node Ray cluster (``cluster.py``), places a receiver actor on the
 sampler node (``resources={"sampler_node": ...}``: it runs inside the namespace), and for each
@@ -20,7 +20,7 @@ Also one raw TCP transfer of the same size as the fp32 message (``probe.py``), t
 of the link Ray's object transfer uses. Bounded: ``--trials`` x forms x rates transfers, each
 with a timeout; SIGTERM and Ctrl-C tear down too.
 
-    python -m scripts.wan.sync_bench --behind 1,2,4,8 [--lr 1e-6] [--model-path DIR] > rows.jsonl
+    python -m research.testbeds.wan.sync_bench --behind 1,2,4,8 [--lr 1e-6] [--model-path DIR] > rows.jsonl
 
 only prints (JSON lines), for a sampler k versions behind, the bytes of the direct delta, of a
 chain of one-step deltas (raw, and as the engine's delta messages) and of a full bf16 version (no
@@ -43,13 +43,13 @@ import numpy as np
 import torch
 
 if not __package__:  # run as a file: its sibling modules are reachable only through the package
-    raise SystemExit("run it from the repository root as: python -m scripts.wan.sync_bench ...")
+    raise SystemExit("run it from the repository root as: python -m research.testbeds.wan.sync_bench ...")
 from . import cluster, link, probe  # noqa: E402
 
 # the engine's XOR delta (hetero.weight_sync=delta): what is measured here is what the engine sends
 from verl_ext.hetero.weights import decode_xor, encode_xor, floating_bits  # noqa: E402,F401
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 FORMS = ("fp32", "bf16", "bf16-xor")
 BIG_MODELS = {"1.7B": 1.7e9, "8B": 8.0e9}  # parameters, for the extrapolated sync times
 BIG_RATES_GBIT = (1.0, 10.0)
@@ -238,7 +238,7 @@ def run(rates: list[float], trials: int, model_path: str, lr: float) -> dict:
             _node_ip_address=link_cfg.host_ip,
             log_to_driver=False,
             logging_level="ERROR",
-            runtime_env={"env_vars": {"PYTHONPATH": f"{REPO}:{REPO / 'scripts' / 'wan'}"}},
+            runtime_env={"env_vars": {"PYTHONPATH": f"{REPO}:{REPO / 'research' / 'testbeds' / 'wan'}"}},
         )
         receiver = ray.remote(num_cpus=0)(Receiver).options(resources={"sampler_node": 0.01}).remote()
         result["receiver_ip"] = ray.get(receiver.node_ip.remote(), timeout=120)

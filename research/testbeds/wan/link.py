@@ -1,13 +1,13 @@
 #!/usr/bin/env python3
 """A real, rate-limited network link between the learner and the samplers, on one Linux box.
 
-    python -m scripts.wan.link up --rate-mbit 100    # namespace + veth pair + tbf on both ends
-    python -m scripts.wan.link set-rate --rate-mbit 10
-    python -m scripts.wan.link status [--json]
-    python -m scripts.wan.link cut                   # fault: the cable is pulled (both directions)
-    python -m scripts.wan.link heal                  # and plugged back in
-    python -m scripts.wan.link ns-gone --seconds 20  # fault: the sampler namespace deleted, then rebuilt
-    python -m scripts.wan.link down                  # idempotent: removes whatever is left
+    python -m research.testbeds.wan.link up --rate-mbit 100    # namespace + veth pair + tbf on both ends
+    python -m research.testbeds.wan.link set-rate --rate-mbit 10
+    python -m research.testbeds.wan.link status [--json]
+    python -m research.testbeds.wan.link cut                   # fault: the cable is pulled (both directions)
+    python -m research.testbeds.wan.link heal                  # and plugged back in
+    python -m research.testbeds.wan.link ns-gone --seconds 20  # fault: the sampler namespace deleted, then rebuilt
+    python -m research.testbeds.wan.link down                  # idempotent: removes whatever is left
 
 What it builds (``LinkConfig``): a network namespace for the samplers (``heterorl-smp``) joined to
 the root namespace (the learner's) by a veth pair with two private addresses on a /30
@@ -128,7 +128,7 @@ def missing_requirements(capeff: int, which=shutil.which) -> list[str]:
 
 
 def refusal_message(problems: Sequence[str]) -> str:
-    lines = ["scripts/wan/link.py refuses to run: it needs root-like network privileges. Missing:"]
+    lines = ["research/testbeds/wan/link.py refuses to run: it needs root-like network privileges. Missing:"]
     lines += [f"  - {p}" for p in problems]
     lines.append("Run as root (or with CAP_NET_ADMIN and CAP_SYS_ADMIN) on Linux with iproute2; nothing was changed.")
     return "\n".join(lines)

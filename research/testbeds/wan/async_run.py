@@ -2,7 +2,7 @@
 """A short async run of the embedded engine across the rate-limited link: the
 engine over a real slow link, not an emulated delay.
 
-    sudo .venv/bin/python -m scripts.wan.async_run --rate-mbit 100 --steps 10 [--out /tmp/heterorl-wan-async]
+    sudo .venv/bin/python -m research.testbeds.wan.async_run --rate-mbit 100 --steps 10 [--out /tmp/heterorl-wan-async]
 
 Brings the two-node cluster up (``cluster.py up``), runs ``recipe.gepo.main_gepo`` with the
 learner and the Ray mailbox on the head and two samplers in the sampler namespace
@@ -20,10 +20,10 @@ import time
 from pathlib import Path
 
 if not __package__:  # run as a file: its sibling modules are reachable only through the package
-    raise SystemExit("run it from the repository root as: python -m scripts.wan.async_run ...")
+    raise SystemExit("run it from the repository root as: python -m research.testbeds.wan.async_run ...")
 from . import cluster, link  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def main(argv=None) -> int:

@@ -1,6 +1,6 @@
 """The real link and a real two-node Ray cluster across it (needs CAP_NET_ADMIN, ip, tc; slow).
 
-    nice -n 10 .venv/bin/pytest -q -m slow tests/wan/test_link_slow.py
+    nice -n 10 .venv/bin/pytest -q -m slow tests/research/testbeds/wan/test_link_slow.py
 
 Sets the link up at 20 Mbit/s, checks a bounded TCP transfer runs near that rate, starts the Ray
 head (learner side) and worker (inside the sampler namespace), checks an actor asking for the
@@ -19,7 +19,7 @@ import textwrap
 
 import pytest
 
-from tests.wan.wan_scripts import load
+from tests.research.testbeds.wan.wan_scripts import load
 
 
 link = load("link")

@@ -1,4 +1,4 @@
-"""scripts/wan: the parts that need no privileges (argument checks, tbf parameters, refusal,
+"""research/testbeds/wan: the parts that need no privileges (argument checks, tbf parameters, refusal,
 route-clash detection, the delta encoding). These run in the default suite on any machine."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.wan.wan_scripts import load
+from tests.research.testbeds.wan.wan_scripts import load
 
 
 link = load("link")
@@ -77,7 +77,12 @@ UNPRIVILEGED_COMMANDS = [
 @pytest.mark.parametrize("argv", UNPRIVILEGED_COMMANDS, ids=lambda argv: " ".join(argv[:2]))
 def test_without_privileges_every_command_refuses_and_changes_nothing(argv):
     """A real unprivileged run: drop every capability with setpriv (as root), or run as is (as a user)."""
-    cmd = [sys.executable, "-m", f"scripts.wan.{argv[0].removesuffix('.py')}", *argv[1:]]  # from the repository root
+    cmd = [
+        sys.executable,
+        "-m",
+        f"research.testbeds.wan.{argv[0].removesuffix('.py')}",
+        *argv[1:],
+    ]  # from the repository root
     if os.geteuid() == 0:
         setpriv = shutil.which("setpriv")
         if not setpriv:

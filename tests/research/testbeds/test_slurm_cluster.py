@@ -1,9 +1,9 @@
-"""scripts/slurm/local_cluster.py: a real SLURM cluster of network-namespace nodes on this box.
+"""research/testbeds/slurm_cluster.py: a real SLURM cluster of network-namespace nodes on this box.
 
 The fast tests need no privileges (slurm.conf and hosts rendering, addresses, argument checks,
 the refusal without capabilities). The slow one needs root and the Slurm packages:
 
-    nice -n 10 .venv/bin/pytest -q -m slow tests/slurm/test_local_cluster.py
+    nice -n 10 .venv/bin/pytest -q -m slow tests/research/testbeds/test_slurm_cluster.py
 
 It brings up 3 rate-limited nodes, runs ``sbatch --nodes=2 --wait`` whose ``srun`` reports each
 node's hostname and address and makes a TCP request from one node to the other, exercises the
@@ -24,9 +24,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.slurm.slurm_scripts import SCRIPT, cli as _cli, load_local_cluster, running_cluster
+from tests.slurm.slurm_scripts import SCRIPT, cli as _cli, load_slurm_cluster, running_cluster
 
-lc = load_local_cluster()
+lc = load_slurm_cluster()
 EVERY_CAP = (1 << lc.link.CAP_NET_ADMIN) | (1 << lc.link.CAP_SYS_ADMIN)
 
 
@@ -41,7 +41,7 @@ def test_node_addresses_follow_the_subnet():
     assert cfg.controller_ip == "10.77.5.1"
     assert lc.node_addresses(cfg) == {"n1": "10.77.5.100", "n2": "10.77.5.101"}
     assert cfg.netns("n2") == "hrl-slurm-n2" and cfg.host_if("n2") == "hrls-n2"
-    assert cfg.bridge != lc.link.LinkConfig().bridge  # never scripts/wan's bridge
+    assert cfg.bridge != lc.link.LinkConfig().bridge  # never research/testbeds/wan's bridge
     assert not cfg.network.overlaps(lc.link.LinkConfig().subnet)
 
 

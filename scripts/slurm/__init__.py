@@ -1,1 +1,0 @@
-"""SLURM: the sbatch scripts and a local cluster of network-namespace nodes to run them on."""
