@@ -54,7 +54,7 @@ sampler's rate of groups.
 Honest groups from several samplers, every one re-scored (``verify_fraction`` 1): the honest groups
 rejected. Then, for each lie of :data:`TABLE_LIES` (q scaled by 1 + eps, q at another temperature,
 tokens from other weights or a truncated distribution with q true to them, a lie claiming a version
-at its bump, a near copy of an accepted group: ``scripts/soak_harness/lies.py``, the soak's liars),
+at its bump, a near copy of an accepted group: ``research/soak/lies.py``, the soak's liars),
 ``--trials`` liars, each honest through its probation and then lying on every group: the lying
 groups the real :class:`TrustGate` admitted before the one it refused (the quarantine), at the
 run's ``verify_fraction``; a trial ends uncaught after ``--cap`` admitted. ``--bounds SETUP=FILE``:
@@ -696,7 +696,7 @@ TABLE_LIES = (
     ("near copy of an accepted group (rows rotated, one log q + 1e-5)", "near_copy", None),
 )
 """``detection-table``'s lies: (row label, kind, size); every kind but ``bump`` and ``near_copy``
-is a function of ``scripts/soak_harness/lies.py`` applied to an honest group."""
+is a function of ``research/soak/lies.py`` applied to an honest group."""
 
 
 DETECTION_SETUPS = {
@@ -802,7 +802,7 @@ def _lie_maker(lab: "_Lab", kind: str, size):
     """A function honest group -> lying group for ``kind`` (see :data:`TABLE_LIES`)."""
     import contextlib
 
-    from ..soak_harness import lies
+    from research.soak import lies
 
     s = lab.engine.settings
     if kind in ("scaled", "bump"):
@@ -879,7 +879,7 @@ def detection_table(args) -> list[str]:
 
     import torch
 
-    from ..soak_harness.lies import near_copy
+    from research.soak.lies import near_copy
     from verl_ext.hetero.records import RecordRejected
 
     torch.set_num_threads(1)

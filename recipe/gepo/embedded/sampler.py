@@ -196,7 +196,7 @@ class SamplerWorker:
 
     def send(self, group: RolloutGroup) -> None:
         """Publish one group (signed when the sampler has a key). The soak's lying samplers
-        (scripts/soak_harness/liars.py) change the group here."""
+        (research/soak/liars.py) change the group here."""
         send_group(self.transport, group, key=self.key)
 
     def counters(self) -> dict[str, float]:

@@ -198,7 +198,7 @@ class RemoteRuntime:
 
     def _launch_all(self) -> None:
         # at the first step, after the initial evaluation: samplers started during it only slow
-        # it down on shared cores, and the soak (scripts/soak.py) showed that samplers killed
+        # it down on shared cores, and the soak (research/soak/__main__.py) showed that samplers killed
         # while still starting, plus version 0 re-sent with a skewed clock, stall the learner at
         # version 0 for good (it needs a first batch to publish a version the samplers can see)
         for i in range(self.engine.hetero.num_samplers):

@@ -1,4 +1,4 @@
-"""The lies of ``scripts/soak_harness/lies.py`` (told by the soak's lying samplers and measured by
+"""The lies of ``research/soak/lies.py`` (told by the soak's lying samplers and measured by
 ``bench_trust detection-table``) against the real trust gate with the tiny toy model, checkable
 sampling on: each is the lie it says it is and is refused by the check it names; and the table's
 trial loop (a liar past an honest probation) counts what gets in before its quarantine."""
@@ -13,7 +13,7 @@ import torch
 
 from verl_ext.trust.verifier import group_log_probs
 from scripts.bench.bench_trust import _lying_trial
-from scripts.soak_harness import lies
+from research.soak import lies
 from verl_ext.hetero.weights import serialize_state_dict
 
 from .test_checkable_sampling_gate import ON, _groups

@@ -20,7 +20,7 @@ class SoakResult:
     errors: list[str]
     wall_s: float
     run_dir: str
-    liars: Optional[dict[str, Any]] = None  # --liars: soak_harness.checks.liar_figures
+    liars: Optional[dict[str, Any]] = None  # --liars: research.soak.checks.liar_figures
 
     @property
     def honest_rejected(self) -> int:

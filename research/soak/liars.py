@@ -1,4 +1,4 @@
-"""Samplers that lie (``scripts/soak.py --liars``): one Ray actor, a real sampler of the run's
+"""Samplers that lie (``python -m research.soak --liars``): one Ray actor, a real sampler of the run's
 config, that generates real groups and sends each under one of several identities, each identity
 lying one way on every group it sends. The enrolled identities hold keys the learner's operator
 enrolled (``hetero.trust.enrolment_file``): insiders turned bad. Two more are outsiders: one signs
@@ -22,7 +22,7 @@ Lies (identity ``sampler-<60 + i>`` for the i-th kind):
   weights with every weight moved by +-1e-3, q reported true to them under the claimed version;
   ``truncated``: drawn again from the top-2 tokens of each step, q true to them. Both pass the
   log-q and reward checks: they join only under ``hetero.trust.checkable_sampling`` (the token
-  check is what catches them; ``scripts/soak.py --liars`` turns it on). A redraw that gives the
+  check is what catches them; ``python -m research.soak --liars`` turns it on). A redraw that gives the
   honest tokens back is no lie and is not sent;
 - ``near_copy``: an honest group at least :data:`NEAR_COPY_AGE_S` old (so the learner has judged
   it), its rows rotated and one log q moved by 1e-5, sent under a new uid;

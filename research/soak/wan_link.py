@@ -10,10 +10,10 @@ from typing import Optional
 
 class WanLink:
     """The two-node cluster of research/testbeds/wan/cluster.py and its network faults (see
-    ``scripts/soak.py``). Check :meth:`refusal` before :meth:`up`: it names the missing privileges."""
+    ``research/soak/__main__.py``). Check :meth:`refusal` before :meth:`up`: it names the missing privileges."""
 
     def __init__(self, rate_mbit: float, fault_s: float):
-        from research.testbeds.wan import cluster, link
+        from ..testbeds.wan import cluster, link
 
         self.cluster, self.link = cluster, link
         self.link_cfg, self.cluster_cfg = link.LinkConfig(), cluster.ClusterConfig()

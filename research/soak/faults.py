@@ -1,4 +1,4 @@
-"""The fault kinds of the soak (see ``scripts/soak.py``), how often each is drawn, and how each
+"""The fault kinds of the soak (see ``research/soak/__main__.py``), how often each is drawn, and how each
 damages a message: files written straight into the fs transport's exchange folder (a transport
 fault, on purpose: ``<exchange>/<topic>/<key>.msg`` + the ``<key>.ok`` commit marker, see
 ``verl_ext/hetero/transport.py``) and rollout groups edited to be rejected by a named reason."""
@@ -22,7 +22,7 @@ from verl_ext.hetero.transport import COMMIT_SUFFIX, DATA_SUFFIX, TEMP_PREFIX, c
 # sampler uids: "s<i>-b<batch>-<j>", or "s<i>-<launch id>-b<batch>-<j>" when the engine namespaces
 # each sampler launch; everything the injector writes starts with "fault-"
 SAMPLER_UID = re.compile(r"^s\d+-(?:[0-9A-Za-z]+-)?b\d+-\d+$")
-# the lying samplers' uids (--liars, soak_harness/liars.py): "sampler-<i>-<lie>-liars-b<batch>-<j>"
+# the lying samplers' uids (--liars, research/soak/liars.py): "sampler-<i>-<lie>-liars-b<batch>-<j>"
 LIAR_UID = re.compile(r"^sampler-\d+-[a-z]+-liars-b\d+-\d+$")
 SAMPLER_ACTOR = re.compile(rf"^{re.escape(SAMPLER_ACTOR_PREFIX)}(\d+)-(\d+)$")
 

@@ -1,4 +1,4 @@
-"""``scripts/soak.py`` refuses what it cannot run, clearly and before touching anything: ``--wan``
+"""``research/soak/__main__.py`` refuses what it cannot run, clearly and before touching anything: ``--wan``
 without the network privileges the real link needs (run as an unprivileged user
 via setpriv), an unbounded link cut, a run without checkpoints."""
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 @pytest.mark.skipif(
@@ -30,7 +30,7 @@ def test_soak_wan_refuses_without_cap_net_admin():
             "--bounding-set=-all",
             sys.executable,
             "-m",
-            "scripts.soak",
+            "research.soak",
             "--wan",
             "--minutes",
             "0.1",
@@ -48,7 +48,7 @@ def test_soak_wan_refuses_without_cap_net_admin():
 
 def test_soak_wan_cut_must_be_bounded():
     proc = subprocess.run(
-        [sys.executable, "-m", "scripts.soak", "--wan", "--wan-cut-s", "1000"],
+        [sys.executable, "-m", "research.soak", "--wan", "--wan-cut-s", "1000"],
         capture_output=True,
         text=True,
         timeout=120,
@@ -61,7 +61,7 @@ def test_soak_needs_checkpoints_to_account_for_groups():
     """Without checkpoints the learner deletes consumed groups at once and the soak has no ledger
     to account from after its time limit: refused at start, naming the flag."""
     proc = subprocess.run(
-        [sys.executable, "-m", "scripts.soak", "--save-freq", "0"],
+        [sys.executable, "-m", "research.soak", "--save-freq", "0"],
         capture_output=True,
         text=True,
         timeout=120,

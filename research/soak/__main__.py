@@ -2,8 +2,8 @@
 bounded time while a separate thread injects faults at random, then account for every rollout
 group by uid.
 
-    python -m scripts.soak                 # 10 minutes, seed 0
-    python -m scripts.soak --minutes 1 --seed 3 --run-dir /tmp/soak
+    python -m research.soak                 # 10 minutes, seed 0
+    python -m research.soak --minutes 1 --seed 3 --run-dir /tmp/soak
 
 Faults (one every ``--fault-every`` seconds on average, kind drawn at random):
 
@@ -31,7 +31,7 @@ One sampler runs 4x slower than the others (``hetero.sampler_speed_factors=[1,1,
 protections of ``hetero.trust`` run at their defaults (signed records, checks, quarantine); the
 injector is an enrolled sampler (``<run dir>/enrolment.json``), so its bad groups meet validation.
 
-``--liars``: samplers that lie join the run (``scripts/soak_harness/liars.py``: q scaled, shuffled
+``--liars``: samplers that lie join the run (``research/soak/liars.py``: q scaled, shuffled
 or of another version, a newer version claimed, rewards flipped or inflated, an honest group
 replayed under a new uid, q slightly scaled or at another temperature, tokens drawn from other
 weights or from a truncated distribution with q true to them, a near copy of an honest group, a
@@ -69,7 +69,7 @@ consumed twice). Exit status 1 if any group was lost, anything was consumed twic
 rejected, a poisoned group was trained on, or the run failed; 0 otherwise.
 
 The harness itself, by concern (config, faults, injector, watchers, the WAN link, the run, the
-checks after it, the report), is the package ``scripts/soak_harness/``.
+checks after it, the report), is the package ``research/soak/``.
 """
 
 from __future__ import annotations
@@ -80,9 +80,9 @@ from pathlib import Path
 from typing import Optional
 
 if not __package__:  # run as a file: its sibling modules are reachable only through the package
-    raise SystemExit("run it from the repository root as: python -m scripts.soak ...")
-from .soak_harness.report import report  # noqa: E402
-from .soak_harness.wan_link import WanLink  # noqa: E402
+    raise SystemExit("run it from the repository root as: python -m research.soak ...")
+from .report import report  # noqa: E402
+from .wan_link import WanLink  # noqa: E402
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -97,7 +97,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             return 2
         wan.up()
     try:
-        from .soak_harness.run import soak  # imports Ray: after wan.up() set the cluster's auth environment
+        from .run import soak  # imports Ray: after wan.up() set the cluster's auth environment
 
         result = soak(
             args.minutes,
@@ -119,7 +119,9 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m research.soak",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--minutes", type=float, default=10.0, help="wall-clock budget (default 10)")
     parser.add_argument("--seed", type=int, default=0, help="fault schedule and run seed")
@@ -130,7 +132,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--liars",
         action="store_true",
-        help="lying samplers join the run (soak_harness/liars.py); the summary counts poisoned groups trained on",
+        help="lying samplers join the run (research/soak/liars.py); the summary counts poisoned groups trained on",
     )
     parser.add_argument(
         "--wan",

@@ -1,4 +1,4 @@
-"""The soak's pieces that need no run (``scripts/soak_harness``): its damaged exchange files are
+"""The soak's pieces that need no run (``research/soak``): its damaged exchange files are
 never loadable, and its accounting by uid and its fault judges say what they should. The soak
 itself is ``test_soak_slow.py``."""
 
@@ -12,7 +12,7 @@ import pytest
 from verl_ext.hetero.transport import CorruptMessage, FsspecTransport
 
 
-from scripts.soak_harness.checks import (  # noqa: E402
+from research.soak.checks import (  # noqa: E402
     FinalState,
     RunEnd,
     StepCheck,
@@ -22,7 +22,7 @@ from scripts.soak_harness.checks import (  # noqa: E402
     judge_faults,
     liar_figures,
 )
-from scripts.soak_harness.faults import ExchangeDamage, Fault, fault_weights  # noqa: E402
+from research.soak.faults import ExchangeDamage, Fault, fault_weights  # noqa: E402
 
 
 @pytest.mark.parametrize("damage", ["truncated", "corrupt", "half_written"])
@@ -120,7 +120,7 @@ def test_fault_judges():
 def test_liar_accounting_counts_poisoned_groups_false_alarms_and_time_to_quarantine(tmp_path):
     """--liars: a lying group consumed is poisoned; an honest uid refused by a trust reason or
     purged by a quarantine is a false alarm (other refusals, e.g. future_version after a crash, are not)."""
-    from scripts.soak_harness.liars import liar_id
+    from research.soak.liars import liar_id
     from verl_ext.rundir import append_event
 
     ledger = {

@@ -1,4 +1,4 @@
-"""A one-minute soak (``scripts/soak.py --minutes 1``): async mode, 3 samplers (one 4x slower),
+"""A one-minute soak (``python -m research.soak --minutes 1``): async mode, 3 samplers (one 4x slower),
 fs transport, a fault every ~2 s and one learner crash; nothing may be lost or consumed twice.
 The full 10-minute run and its figures are in docs/reliability.md."""
 
@@ -6,10 +6,11 @@ import ast
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from .conftest import REPO
+REPO = Path(__file__).resolve().parents[3]
 
 # fault kinds the engine does not handle yet; each has a strict-xfail test naming the gap
 KNOWN_GAPS: set[str] = set()
@@ -28,7 +29,7 @@ def test_one_minute_soak_loses_nothing(tmp_path):
         [
             sys.executable,
             "-m",
-            "scripts.soak",
+            "research.soak",
             "--minutes",
             "1",
             "--seed",
@@ -74,7 +75,7 @@ def test_soak_with_liars_trains_on_no_poisoned_group_and_rejects_no_honest_one(t
         [
             sys.executable,
             "-m",
-            "scripts.soak",
+            "research.soak",
             "--minutes",
             "2",
             "--seed",
@@ -99,7 +100,7 @@ def test_soak_with_liars_trains_on_no_poisoned_group_and_rejects_no_honest_one(t
     assert "poisoned groups trained on: 0 " in out and "honest groups rejected: 0" in out, out[-3000:]
     sent = int(re.search(r"poisoned groups trained on: 0 \(of (\d+) lying groups sent\)", out).group(1))
     assert sent >= 9, out[-3000:]
-    from scripts.soak_harness.liars import INSIDER_LIES, OUTSIDER_LIES
+    from research.soak.liars import INSIDER_LIES, OUTSIDER_LIES
 
     judged = 0
     for kind in INSIDER_LIES:

@@ -1,5 +1,5 @@
 """After the soak's run: the learner's final ledger, every sampler group accounted for by uid,
-the ledger against the step metrics, and each injected fault judged (see ``scripts/soak.py``)."""
+the ledger against the step metrics, and each injected fault judged (see ``research/soak/__main__.py``)."""
 
 from __future__ import annotations
 
@@ -312,7 +312,7 @@ def accounting(
     segments: list[dict],
     leftovers: list[str],
 ) -> dict[str, Any]:
-    """The figures :func:`soak_harness.report.report` prints."""
+    """The figures :func:`research.soak.report.report` prints."""
     outcome = uids.outcome
     return {
         "ledger_source": final.source,

@@ -1,4 +1,4 @@
-"""The thread that injects the soak's faults into a live run (see ``scripts/soak.py``)."""
+"""The thread that injects the soak's faults into a live run (see ``research/soak/__main__.py``)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The soak itself (see ``scripts/soak.py``): set up the run, the watcher and the injector; run
+"""The soak itself (see ``research/soak/__main__.py``): set up the run, the watcher and the injector; run
 ``recipe.gepo.main_gepo.run`` under the time limit, resuming after each injected learner crash;
 then check what happened and return the result. Ray is up through it all (the injector kills
 actors; the final ledger is read from the live learner), started the product's one way
@@ -70,7 +70,7 @@ def soak(
     liars: bool = False,
 ) -> SoakResult:
     """Run the soak; with ``wan`` (a :class:`WanLink` already ``up``) across the real link; with
-    ``liars`` beside the lying samplers of :mod:`soak_harness.liars` and its honest bf16 sampler,
+    ``liars`` beside the lying samplers of :mod:`research.soak.liars` and its honest bf16 sampler,
     with ``hetero.trust.checkable_sampling`` on (unless ``overrides`` turn it off)."""
     folder = Path(run_dir or f"/tmp/heterorl-soak-{seed}-{int(time.time())}").resolve()
     (folder / "exchange").mkdir(parents=True, exist_ok=True)
