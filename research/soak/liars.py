@@ -33,7 +33,7 @@ Lies (identity ``sampler-<60 + i>`` for the i-th kind):
 
 Every group an identity sends is a lie; the soak counts those that reached an optimizer step
 (``poisoned groups trained on``, goal 0) from the uids the crew reports (:meth:`LiarCrew.report`).
-The lies themselves are :mod:`.lies`'s (the detection table of ``scripts/bench/bench_trust.py``
+The lies themselves are :mod:`.lies`'s (the detection table of ``research/bench/bench_trust.py``
 tells the same ones).
 
 Beside the crew, an honest sampler in bf16 (:class:`HonestBf16Sampler`, ``sampler-50``, uids

@@ -1,5 +1,5 @@
 """What a lying sampler does to a group, as functions of an honest one: the soak's lying samplers
-(:mod:`.liars`) and the detection table of ``scripts/bench/bench_trust.py detection-table`` both
+(:mod:`.liars`) and the detection table of ``research/bench/bench_trust.py detection-table`` both
 make their lies here, so the soak and the table measure the same attacks.
 
 Each function returns a new :class:`RolloutGroup` (the honest one is left as it was):

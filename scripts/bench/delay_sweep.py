@@ -43,7 +43,7 @@ is gone, so committing the rows file makes the study resumable on another machin
 weights (below).
 
 **Pinned weights.** The same warm-start recipe gives other weights on another CPU
-(``scripts/bench/warm_start_kernels.py``), so the designs with committed rows pin the weights they
+(``research/bench/warm_start_kernels.py``), so the designs with committed rows pin the weights they
 ran from (``Plan.warm_start_sha256``): ``powered_long`` runs from the copy the package ships
 (``verl_ext/data/toy/pinned/``); ``powered``'s is not shipped, so its cells run only where the
 recipe rebuilds it. Tables use the pin and build nothing. ``--own-warm-start`` runs and tabulates

@@ -20,7 +20,7 @@ a lie a little over it, on every group, adds up.
 
 Every number of :data:`TOLERANCES` comes from a measurement named beside it: the GPU runs in
 ``/work/shared/reference/GPU_FIRST_RUN.md`` (sections 3 and 4: the toy model and SmolLM2-135M-Instruct
-on an H200) and ``scripts/bench/bench_precision.py`` on this project's CPU (the toy model sampling in
+on an H200) and ``research/bench/bench_precision.py`` on this project's CPU (the toy model sampling in
 bf16, re-scored in fp32; its table is in docs/reliability.md). bf16's come from SmolLM2-135M's spread;
 :func:`calibrate` sets them from a sample of the run's own model instead (``python -m
 recipe.gepo.calibrate`` writes the bounds file ``hetero.trust.bounds_file`` reads), and

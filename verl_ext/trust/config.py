@@ -83,7 +83,7 @@ class TrustConfig:
     before its checks ran. While the learner waits for groups (its core idle), a group due only
     its rewards check is judged in the learner at once, and the learner's cores are lent to the
     checker while it waits on verdicts (``perf/learner_verdict_block_s_total``); re-scores run
-    only in the checker. Measured on the toy (``python -m scripts.bench.bench_async --steps 40
+    only in the checker. Measured on the toy (``python -m research.bench.bench_async --steps 40
     --delays 0 --compare-trust 5``, docs/reliability.md "Where the checks run"), two comparisons:
     async wall per second of training CPU +0.5% and +4.2% over protections off with true, +8.1%
     and +10.4% with false; the learner's own cost (poll-thread CPU and waits on verdicts per second

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from verl_ext.trust.verifier import group_log_probs
-from scripts.bench.bench_trust import _lying_trial
+from research.bench.bench_trust import _lying_trial
 from research.soak import lies
 from verl_ext.hetero.weights import serialize_state_dict
 

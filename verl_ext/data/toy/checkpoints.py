@@ -103,7 +103,7 @@ def warm_start(
     by ``weights_sha256`` in :data:`WARM_START_INFO` (one and two threads gave the same weights
     here, ``docs/study.md``; two threads ran 13x slower on a loaded machine). Another CPU may not:
     torch and MKL choose their kernels by the CPU's instruction set and sum in another order, and
-    the training amplifies the last bits (``scripts/bench/warm_start_kernels.py``: other kernel
+    the training amplifies the last bits (``research/bench/warm_start_kernels.py``: other kernel
     settings on one CPU, other weights each). So the warm starts everything here uses by default
     ship with the package (:data:`PINNED_WARM_STARTS`, one folder per settings, named as in the
     cache): with ``use_shipped`` (the default) a shipped folder of the same settings is returned

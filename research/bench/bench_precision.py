@@ -1,6 +1,6 @@
 """Honest log-prob spreads per sampler precision, and what the learner's tolerance makes of them.
 
-    python -m scripts.bench.bench_precision [--model toy|smollm2] [--batches 8] [--prompts 16] [--out FILE]
+    python -m research.bench.bench_precision [--model toy|smollm2] [--batches 8] [--prompts 16] [--out FILE]
 
 A sampler draws groups with the model in fp32 and in bf16 (the weights cast, log q from float32
 logits: ``verl_ext.sampling.generate``, as vLLM computes them); the learner re-scores the same tokens

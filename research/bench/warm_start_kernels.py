@@ -1,6 +1,6 @@
 """Does the pinned warm start give the same weights under other CPU kernels? One build per setting.
 
-    python -m scripts.bench.warm_start_kernels [--steps 210] [--answer-format scratchpad] [--out FILE]
+    python -m research.bench.warm_start_kernels [--steps 210] [--answer-format scratchpad] [--out FILE]
 
 The study's warm start (``verl_ext.data.toy.checkpoints.warm_start``: 210 supervised steps, seed 0,
 one torch thread, deterministic algorithms) is the same bytes every time on one machine. Another

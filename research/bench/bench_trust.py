@@ -1,12 +1,12 @@
 """What ``hetero.trust`` costs the learner, and how soon it catches a sampler that starts lying.
 
-    python -m scripts.bench.bench_trust overhead [--steps 60] [--repeats 2] [--fractions 0 0.25 1] [--out FILE]
-    python -m scripts.bench.bench_trust detection [--trials 200] [--fractions 0.05 0.1 0.25 0.5 1] [--out FILE]
-    python -m scripts.bench.bench_trust spread [--batches 20] [--out FILE]
-    python -m scripts.bench.bench_trust ratio [--model toy|smollm2] [--prompts 8] [--checkable] [--out FILE]
-    python -m scripts.bench.bench_trust components [--steps 40] [--lag 2] [--fraction 0.1] [--checkable] [--out FILE]
-    python -m scripts.bench.bench_trust checker-latency [--model toy|smollm2] [--repeats 20] [--out FILE]
-    python -m scripts.bench.bench_trust detection-table [--model toy|smollm2] [--setups fp32 bf16-on-fp32 bf16] [--trials 20]
+    python -m research.bench.bench_trust overhead [--steps 60] [--repeats 2] [--fractions 0 0.25 1] [--out FILE]
+    python -m research.bench.bench_trust detection [--trials 200] [--fractions 0.05 0.1 0.25 0.5 1] [--out FILE]
+    python -m research.bench.bench_trust spread [--batches 20] [--out FILE]
+    python -m research.bench.bench_trust ratio [--model toy|smollm2] [--prompts 8] [--checkable] [--out FILE]
+    python -m research.bench.bench_trust components [--steps 40] [--lag 2] [--fraction 0.1] [--checkable] [--out FILE]
+    python -m research.bench.bench_trust checker-latency [--model toy|smollm2] [--repeats 20] [--out FILE]
+    python -m research.bench.bench_trust detection-table [--model toy|smollm2] [--setups fp32 bf16-on-fp32 bf16] [--trials 20]
         [--bounds SETUP=FILE ...] [--lies KIND ...]
 
 ``ratio``: in one process, one torch thread, the CPU time of each check per group against the CPU
@@ -72,7 +72,7 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parents[2]
 if not __package__:  # run as a file: its sibling modules are reachable only through the package
-    raise SystemExit("run it from the repository root as: python -m scripts.bench.bench_trust ...")
+    raise SystemExit("run it from the repository root as: python -m research.bench.bench_trust ...")
 
 
 def overhead(args) -> list[str]:
@@ -802,7 +802,7 @@ def _lie_maker(lab: "_Lab", kind: str, size):
     """A function honest group -> lying group for ``kind`` (see :data:`TABLE_LIES`)."""
     import contextlib
 
-    from research.soak import lies
+    from ..soak import lies
 
     s = lab.engine.settings
     if kind in ("scaled", "bump"):
@@ -879,7 +879,7 @@ def detection_table(args) -> list[str]:
 
     import torch
 
-    from research.soak.lies import near_copy
+    from ..soak.lies import near_copy
     from verl_ext.hetero.records import RecordRejected
 
     torch.set_num_threads(1)

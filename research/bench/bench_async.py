@@ -1,6 +1,6 @@
 """Async against synchronous generate-then-train on "separated hardware": same work, same model.
 
-    python -m scripts.bench.bench_async [--steps 60] [--delays 0 1 5] [--learner-cpus 0] [--sampler-cpus 1]
+    python -m research.bench.bench_async [--steps 60] [--delays 0 1 5] [--learner-cpus 0] [--sampler-cpus 1]
                                         [--trust-off | --trust-checker | --trust-in-learner | --compare-trust ROUNDS]
                                         [--warmup 5] [--out FILE] [extra hydra overrides ...]
 

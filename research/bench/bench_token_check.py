@@ -3,7 +3,7 @@ re-scoring forward (paid anyway for the log-q check) against the token check on 
 seed's Gumbel noise for every response token, V draws each, and the comparison), and what it costs
 the sampler (Gumbel-max generation against ordinary sampling).
 
-    python -m scripts.bench.bench_token_check [--model PATH] [--group-size 8] [--tokens 64] [--groups 3]
+    python -m research.bench.bench_token_check [--model PATH] [--group-size 8] [--tokens 64] [--groups 3]
 
 Without ``--model``: the tiny toy model of the tests (its warm start). Prints one line per part, in
 CPU seconds of this thread (whatever else shares the cores) and per group.

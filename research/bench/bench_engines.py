@@ -1,7 +1,7 @@
 """Start-up and per-step time of the two engines on the same toy run, and of the verl engine with
 1 vs 2 FSDP2 learner ranks (results in docs/scale-out.md).
 
-    python -m scripts.bench.bench_engines [--steps 8] [--out docs/bench_engines.md] [--only NAME ...]
+    python -m research.bench.bench_engines [--steps 8] [--out docs/bench_engines.md] [--only NAME ...]
 
 Every row is ``main_gepo`` with the same toy model, batch (4 prompts x 4 responses, 8 response
 tokens), loss (gepo) and no weight delay, so the rows differ only in the engine:

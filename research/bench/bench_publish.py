@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """What one weight publication costs the learner, piece by piece (docs/benchmarks.md).
 
-    OMP_NUM_THREADS=1 python -m scripts.bench.bench_publish [--model PATH] [--repeats 30]
+    OMP_NUM_THREADS=1 python -m research.bench.bench_publish [--model PATH] [--repeats 30]
 
 The toy warm start's state dict (or ``--model``): safetensors serialisation (fp32 and bf16),
 SHA-256 of the message, one ``RayTransport.put`` round trip (the mailbox actor on core 1, this
