@@ -62,7 +62,7 @@ bench: install
 # --replicate hash is powered_long's first warm start, whose fix256 drops are set beside the pinned one's.
 FIRST_LONG_START = e0af1dc20b526b76d0f350bab56dc6cb972a5514438cc30cbbebc7b48d6c7552
 results: install
-	$(PY) -m scripts.bench.delay_sweep --design powered --join powered_long --out /tmp/study_tables \
+	$(PY) -m research.study.delay_sweep --design powered --join powered_long --out /tmp/study_tables \
 	    --rows docs/study_data/rows_powered.csv --table-only --update-doc docs/results.md \
 	    --replicate powered_long=$(FIRST_LONG_START)
 

@@ -5,7 +5,7 @@ nothing here changes it. Only when it is not set does the caller's small default
 the machine's cores (on this project's shared 2-core machine more threads ran slower, OpenMP
 threads waiting for each other). Used by ``recipe.gepo.main_gepo`` (default 2), the async
 engine's Ray actors (1), the toy warm start (1) and the delay sweep's workers
-(``scripts/sweep/run.py``, 1).
+(``research/study/run.py``, 1).
 """
 
 from __future__ import annotations

@@ -37,7 +37,7 @@ MICRO_BATCH_PER_GPU=${MICRO_BATCH_PER_GPU:-4}
 # token budgets of prompt (the one-shot chat prompt) and response
 MAX_PROMPT_LENGTH=${MAX_PROMPT_LENGTH:-256}
 MAX_RESPONSE_LENGTH=${MAX_RESPONSE_LENGTH:-160}
-# sampling temperature (measured: the most boxed answers at 0.5; scripts/smollm2_signal.py)
+# sampling temperature (measured: the most boxed answers at 0.5; research/study/smollm2_signal.py)
 TEMPERATURE=${TEMPERATURE:-0.5}
 
 # ---- algorithm

@@ -19,7 +19,7 @@ Templates (:data:`TEMPLATES`):
                   prompt), no template arguments; :func:`render_prompt` needs the tokenizer.
 ``chat_1shot``    ``chat`` whose user turn shows one worked example (:data:`ONE_SHOT_EXAMPLE`)
                   before the problem: a weak model (SmolLM2-135M) then ends with a ``\\boxed{}``
-                  answer far more often (``scripts/smollm2_signal.py``).
+                  answer far more often (``research/study/smollm2_signal.py``).
 
 The math templates append :data:`MATH_INSTRUCTION` (the instruction the paper's models were
 trained with) so that answers land in ``\\boxed{}`` where the reward looks for them

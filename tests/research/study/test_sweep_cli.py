@@ -8,7 +8,7 @@ import sys
 import pytest
 
 
-SCRIPT = ["-m", "scripts.bench.delay_sweep"]  # from the repository root
+SCRIPT = ["-m", "research.study.delay_sweep"]  # from the repository root
 
 
 def _sweep(tmp_path, *args: str) -> subprocess.CompletedProcess:

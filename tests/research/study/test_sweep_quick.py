@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 @pytest.mark.slow
@@ -15,7 +15,7 @@ def test_quick_sweep_writes_tables_and_figures(tmp_path):
         [
             sys.executable,
             "-m",
-            "scripts.bench.delay_sweep",
+            "research.study.delay_sweep",
             "--quick",
             "--out",
             str(tmp_path),

@@ -1,13 +1,13 @@
 """The delay sweep: algorithms x staleness conditions x seeds in replay mode, with the same warm
 start, steps and evaluation for all; designs from the 252-run legacy sweep to the powered study.
 
-    .venv/bin/python -m scripts.bench.delay_sweep --out OUT [--design legacy|quick|powered|powered_long|dry]
+    .venv/bin/python -m research.study.delay_sweep --out OUT [--design legacy|quick|powered|powered_long|dry]
         [--workers 2] [--tasks long] [--algos gepo gspo ...] [--delays 0 fix16 uni64 ...]
         [--seeds 0 1 2] [--steps N] [--lr LR] [--lrs gepo=1e-4 ...] [--rows PATH]
         [--plan-only] [--table-only [--join DESIGN ...] [--warm-start-sha256 HEX] [--replicate DESIGN=HEX ...]]
         [--own-warm-start]
 
-This file is the command line; the sweep itself is the package ``scripts/sweep/`` (plan, run,
+This file is the command line; the sweep itself is the package ``research/study/`` (plan, run,
 rows, analyse, render, figures). Each run is composed by hydra from ``recipe/gepo/config``
 (``gepo_trainer``) and the run's overrides and started through ``recipe.gepo.main_gepo.run_local``
 (its checks, then the replay engine), in a worker process with one torch thread
@@ -36,7 +36,7 @@ tabulated (``--table-only``) but it cannot be run.
   in learner steps (99.5% of the mass in [1, 64], median 8), rounded, capped at K.
 
 **Rows and resuming.** Every finished run appends one row to the rows file (``--rows``, default
-``OUT/rows.csv``): its numbers (``sweep.analyse.run_numbers``), realised staleness, the warm
+``OUT/rows.csv``): its numbers (``research.study.analyse.run_numbers``), realised staleness, the warm
 start's weight hash and the design id (a hash of the settings a run depends on). A run whose row
 is present with the same design id and warm-start hash is never run again, even if its directory
 is gone, so committing the rows file makes the study resumable on another machine that has its
@@ -55,7 +55,7 @@ with Spearman's rho of the methods' mean drops between the two (``replicate_<tas
 ``replicate``): whether the ranking holds on another build of the same recipe.
 
 **Learning rates** (designs with ``lr_grid``): stage 1 runs every algorithm on-policy at each rate
-of the grid for the ``lr_seeds``; the rule of ``sweep.analyse.choose_lrs`` picks one rate per
+of the grid for the ``lr_seeds``; the rule of ``research.study.analyse.choose_lrs`` picks one rate per
 algorithm, held fixed in stage 2 (every condition x seed). ``--lrs algo=lr`` pins rates and skips
 stage 1. ``--lr-grid`` replaces the grid of such a design; ``--lr`` is the one rate of a design
 without a grid (``legacy``, ``quick``). Either is refused where no run would read it: ``--lr`` on
@@ -84,12 +84,12 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 if not __package__:  # run as a file: its sibling modules are reachable only through the package
-    raise SystemExit("run it from the repository root as: python -m scripts.bench.delay_sweep ...")
-from ..sweep.analyse import choose_lrs, main_runs  # noqa: E402
-from ..sweep.plan import ALGOS, DESIGNS, TASKS, Plan, design_id, normalize_condition  # noqa: E402
-from ..sweep.render import joined_markdown, replicate_markdown, update_doc, write_outputs  # noqa: E402
-from ..sweep.rows import collect, rows_warm_start  # noqa: E402
-from ..sweep.run import Sweep, warm_starts  # noqa: E402
+    raise SystemExit("run it from the repository root as: python -m research.study.delay_sweep ...")
+from .analyse import choose_lrs, main_runs  # noqa: E402
+from .plan import ALGOS, DESIGNS, TASKS, Plan, design_id, normalize_condition  # noqa: E402
+from .render import joined_markdown, replicate_markdown, update_doc, write_outputs  # noqa: E402
+from .rows import collect, rows_warm_start  # noqa: E402
+from .run import Sweep, warm_starts  # noqa: E402
 
 
 def lr_design_runs(plan: Plan, rows_path: Path, out: Path, ws: dict, own: bool) -> tuple[Plan, list[dict]]:

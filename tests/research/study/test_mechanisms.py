@@ -7,7 +7,7 @@ import pytest
 import torch
 from verl.utils.config import omega_conf_to_dataclass
 
-from tests.study.conftest import compose_cfg
+from tests.research.study.conftest import compose_cfg
 from verl_ext.algos.importance import group_expectation_log_denominator, sequence_log_prob
 from verl_ext.loss_bridge import compute_actor_loss
 

@@ -51,7 +51,7 @@ def _p(p: float) -> str:
 
 
 def markdown_table(rows: list[dict]) -> str:
-    """``table_<task>.md``: one line per :func:`sweep.analyse.summarize` row."""
+    """``table_<task>.md``: one line per :func:`research.study.analyse.summarize` row."""
     head = (
         "| algo | max delay | n | Best | Last | last-quarter mean | best-last gap | drop from delay 0 (lq) "
         "| KL(q‖p) | IS-weight var | E[A] error |"
@@ -69,7 +69,7 @@ def markdown_table(rows: list[dict]) -> str:
 
 
 def stability_table(rows: list[dict]) -> str:
-    """``stability_<task>.md`` from :func:`sweep.analyse.stability_rows`, largest pooled drop first."""
+    """``stability_<task>.md`` from :func:`research.study.analyse.stability_rows`, largest pooled drop first."""
     delays = sorted({normalize_condition(k[3:]) for r in rows for k in r if k.startswith("lq_")}, key=condition_key)
     head = (
         "| algo | " + " | ".join(f"lq, delay {d}" for d in delays) + " | drop over delays > 0 (± s.e.) | pairs worse |"
@@ -168,7 +168,7 @@ def _drop_correlation(drops: list[dict], key: str, what: str) -> list[str]:
 
 
 def dominance_markdown(rows: list[dict], not_run: list[str] = ()) -> str:
-    """The table of :func:`sweep.analyse.dominance_rows` and its answer in one line; ``not_run``:
+    """The table of :func:`research.study.analyse.dominance_rows` and its answer in one line; ``not_run``:
     planned stale conditions without a single run yet (a win is not decided while one is)."""
     table = [
         "| method | comparisons (stale) | complete | significantly larger drop than | larger mean drop (of the "
@@ -244,9 +244,9 @@ def _others(tied: list[str] | None, seeds: int, untested: list[str]) -> str:
 
 
 def choice_markdown(rows: list[dict], references: tuple[str, ...] = ("gepo", "grpo_paper")) -> str:
-    """The "which loss for which staleness" table of :func:`sweep.analyse.choice_rows`, a row per
+    """The "which loss for which staleness" table of :func:`research.study.analyse.choice_rows`, a row per
     stale condition, and a line naming the methods not significantly below the best score in the
-    most conditions (:func:`sweep.analyse.recommended`); ``references``' scores and drops beside."""
+    most conditions (:func:`research.study.analyse.recommended`); ``references``' scores and drops beside."""
     table = [
         "| condition | realised staleness mean / max | highest score | not significantly below it | smallest drop "
         "[95% CI] | not significantly larger | " + " | ".join(f"{a} score / drop" for a in references) + " |",
@@ -283,7 +283,7 @@ def choice_markdown(rows: list[dict], references: tuple[str, ...] = ("gepo", "gr
 
 
 def verdict_markdown(rows: list[dict]) -> str:
-    """:func:`sweep.analyse.verdict_rows` as one methods x conditions matrix per reference: the
+    """:func:`research.study.analyse.verdict_rows` as one methods x conditions matrix per reference: the
     verdict, the paired difference of drops (method minus the reference) and its interval."""
     out = []
     for other in dict.fromkeys(r["against"] for r in rows):
@@ -504,7 +504,7 @@ def replicate_markdown(
 ) -> str:
     """``plan``'s drops from its pinned warm start (``this``) beside those from another build of the
     same recipe (``other``), per stale condition both ran, with Spearman's rho of the methods' mean
-    drops between the two (:func:`sweep.analyse.replicate_rows`): a block ``replicate`` of
+    drops between the two (:func:`research.study.analyse.replicate_rows`): a block ``replicate`` of
     ``doc_key(task, plan)``."""
     rows = [r for r in replicate_rows(this, other) if r["task"] == task]
     parts = []
@@ -574,7 +574,7 @@ def write_outputs(
     chosen: dict | None = None,
     ws: dict | None = None,
 ) -> None:
-    """Every output of a plan's finished runs (``per_run``, from :func:`sweep.rows.collect`) in
+    """Every output of a plan's finished runs (``per_run``, from :func:`research.study.rows.collect`) in
     ``out``, per task: ``table_<task>.md``, ``summary_<task>.csv``, ``runs_<task>.csv``,
     ``stability_<task>.md``, for the powered designs ``study_<task>.md``, and the figures."""
     chosen = chosen if chosen is not None else {}

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 @pytest.mark.slow
@@ -17,7 +17,7 @@ def test_dry_design_runs_rows_tables_and_resumes(tmp_path):
     cmd = [
         sys.executable,
         "-m",
-        "scripts.bench.delay_sweep",
+        "research.study.delay_sweep",
         "--design",
         "dry",
         "--out",
@@ -45,7 +45,7 @@ def test_dry_design_runs_rows_tables_and_resumes(tmp_path):
         rows = list(csv.DictReader(fh))
     assert len(rows) == 8  # stage 1: 2 (seed 0 on-policy); stage 2: 2 x 2 x 2 minus those 2
     plan = json.loads((tmp_path / "plan.json").read_text())
-    from scripts.sweep.run import warm_start_path
+    from research.study.run import warm_start_path
     from verl_ext.data.toy.checkpoints import weights_sha256
 
     # the folder the sweep ran from (the package's shipped copy, else its build in the default cache)

@@ -205,7 +205,7 @@ class Sweep:
     (:func:`estimate_seconds`)"""
 
     def finished(self) -> list[dict]:
-        """Every finished run of the plan (:func:`sweep.rows.collect`)."""
+        """Every finished run of the plan (:func:`research.study.rows.collect`)."""
         return collect(self.out, self.plan, self.rows_path, self.ws)
 
     def stage1_cells(self) -> list[tuple]:

@@ -6,7 +6,7 @@ import pytest
 
 from recipe.gepo.embedded.tasks import resolve_model_path
 from recipe.gepo.sections import TaskConfig
-from tests.study.conftest import compose_cfg
+from tests.research.study.conftest import compose_cfg
 from verl_ext.data.toy.checkpoints import WARM_START_INFO, weights_sha256
 
 

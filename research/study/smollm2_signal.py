@@ -1,7 +1,7 @@
 """Does SmolLM2-135M-Instruct get a learning signal on easy GSM8K? Reward statistics per candidate
 task (prompt filter x prompt template x temperature), measured with the plain HF model, no verl.
 
-    OMP_NUM_THREADS=1 python -m scripts.smollm2_signal [--prompts 16] [--group 4] [--only NAME ...]
+    OMP_NUM_THREADS=1 python -m research.study.smollm2_signal [--prompts 16] [--group 4] [--only NAME ...]
 
 For each candidate, G responses to each of the same N training prompts are sampled exactly as the
 ``hf_cpu`` sampler does (``verl_ext.sampling.sample_continuations``, left-padded batches, eos

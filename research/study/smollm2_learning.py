@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """Does SmolLM2-135M-Instruct learn through the verl engine? The runs and their report, one command each.
 
-    python -m scripts.smollm2_learning run --seeds 0 1 --steps 30      # one seed after another (resumable)
-    python -m scripts.smollm2_learning report                          # table on stdout + figure
-    python -m scripts.smollm2_learning evaluate                        # start vs each seed's last checkpoint
+    python -m research.study.smollm2_learning run --seeds 0 1 --steps 30      # one seed after another (resumable)
+    python -m research.study.smollm2_learning report                          # table on stdout + figure
+    python -m research.study.smollm2_learning evaluate                        # start vs each seed's last checkpoint
 
 ``run`` trains ``+verl_preset=cpu_smollm2_math hetero.engine=verl`` once per seed into
 ``runs/smollm2_gepo_s<seed>`` (``nice``, one torch thread a process, a checkpoint every 5 steps,
@@ -35,7 +35,7 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 RUNS = ROOT / "runs"
 FIGURE = ROOT / "docs" / "figures" / "smollm2_learning.png"
 EVAL_DIR = ROOT / "outputs" / "eval" / "smollm2"

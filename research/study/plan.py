@@ -124,7 +124,7 @@ class Plan:
     """algo -> pinned learning rate (overrides ``lr`` and the grid)."""
     lr_grid: list = field(default_factory=list)
     """stage 1: on-policy runs at each of these rates, the rule of
-    :func:`sweep.analyse.choose_lrs` picks one."""
+    :func:`research.study.analyse.choose_lrs` picks one."""
     lr_seeds: list = field(default_factory=list)
     """seeds of stage 1."""
     reference: str = "gepo"

@@ -1,5 +1,5 @@
 """Fixtures of the study tests: a tiny 1-digit toy warm start (seconds, cached) and config
-composition. The sweep package is ``scripts.sweep`` (the tests run from the repository root)."""
+composition. The sweep package is ``research.study`` (the tests run from the repository root)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 CONFIG_DIR = REPO / "recipe" / "gepo" / "config"
 
 

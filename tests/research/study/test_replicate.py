@@ -1,6 +1,6 @@
 """``--replicate DESIGN=HEX``: a design's drops from its pinned warm start beside those from another
 build of the same recipe (powered_long's first start), and whether the methods' ranking holds
-(Spearman's rho of their mean drops) -- ``scripts.sweep.analyse.replicate_rows`` and the command line."""
+(Spearman's rho of their mean drops) -- ``research.study.analyse.replicate_rows`` and the command line."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import sys
 
 import pytest
 
-from scripts.sweep.analyse import replicate_rows
-from scripts.sweep.plan import DESIGNS, POWERED_LONG_WARM_START, Plan, design_id
-from scripts.sweep.rows import append_row
+from research.study.analyse import replicate_rows
+from research.study.plan import DESIGNS, POWERED_LONG_WARM_START, Plan, design_id
+from research.study.rows import append_row
 
 OTHER = "b" * 64
 
@@ -52,7 +52,7 @@ def _sweep(tmp_path, *extra: str) -> subprocess.CompletedProcess:
     cli = [
         sys.executable,
         "-m",
-        "scripts.bench.delay_sweep",
+        "research.study.delay_sweep",
         "--design",
         "powered_long",
         "--algos",

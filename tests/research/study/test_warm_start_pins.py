@@ -8,9 +8,9 @@ import json
 
 import pytest
 
-from scripts.sweep.plan import DESIGNS, POWERED_LONG_WARM_START, Plan
-from scripts.sweep.rows import append_row, collect, load_rows
-from scripts.sweep.run import warm_starts
+from research.study.plan import DESIGNS, POWERED_LONG_WARM_START, Plan
+from research.study.rows import append_row, collect, load_rows
+from research.study.run import warm_starts
 from verl_ext.data.toy.checkpoints import PINNED_WARM_STARTS, warm_start_folder, weights_sha256
 
 #: the package's copy of the warm start powered_long pins (210 scratchpad steps, seed 0)
@@ -79,7 +79,7 @@ def test_a_run_from_other_weights_than_the_pinned_ones_is_refused(tmp_path):
 def test_rows_are_taken_from_the_pinned_weights_whatever_this_machine_builds(tmp_path):
     rows = tmp_path / "rows.csv"
     plan = _plan(warm_start_sha256={"long": "pinned"})
-    from scripts.sweep.plan import design_id
+    from research.study.plan import design_id
 
     for seed, sha in ((0, "pinned"), (1, "this machine")):
         append_row(
@@ -112,7 +112,7 @@ def test_own_warm_start_counts_a_pinned_designs_cells_from_this_machines_build(t
     import subprocess
     import sys
 
-    from scripts.sweep.plan import POWERED_WARM_START, design_id
+    from research.study.plan import POWERED_WARM_START, design_id
 
     cache = tmp_path / "cache"  # stays empty: this checkout's warm start is the package's copy
     rows = tmp_path / "rows.csv"
@@ -134,7 +134,7 @@ def test_own_warm_start_counts_a_pinned_designs_cells_from_this_machines_build(t
     cli = [
         sys.executable,
         "-m",
-        "scripts.bench.delay_sweep",
+        "research.study.delay_sweep",
         "--design",
         "powered",
         "--algos",
@@ -163,7 +163,7 @@ def test_tables_of_other_weights_are_asked_for_by_their_hash(tmp_path):
     import subprocess
     import sys
 
-    from scripts.sweep.plan import design_id
+    from research.study.plan import design_id
 
     other = "a" * 64
     rows = tmp_path / "rows.csv"
@@ -185,7 +185,7 @@ def test_tables_of_other_weights_are_asked_for_by_their_hash(tmp_path):
     cli = [
         sys.executable,
         "-m",
-        "scripts.bench.delay_sweep",
+        "research.study.delay_sweep",
         "--design",
         "powered_long",
         "--algos",
@@ -213,9 +213,9 @@ def test_a_run_folder_of_other_weights_neither_counts_nor_is_overwritten(tmp_pat
     """A finished run folder records its warm start in DONE: collect counts it only for the same
     weights, and a sweep that finds one of other weights stops, naming it, instead of re-running
     into it or recording it under its own hash."""
-    from scripts.sweep.plan import run_dir
-    from scripts.sweep.run import Sweep
-    from tests.study.test_sweep_table import _write_run
+    from research.study.plan import run_dir
+    from research.study.run import Sweep
+    from tests.research.study.test_sweep_table import _write_run
 
     plan = _plan(warm_start_sha256={"long": "mine"})
     d = run_dir(tmp_path, plan, "long", "gepo", 1e-4, "fix4", 0)
@@ -241,8 +241,8 @@ def test_joined_tables_name_each_designs_own_weights(tmp_path):
     import subprocess
     import sys
 
-    from scripts.sweep.plan import POWERED_WARM_START, design_id
-    from scripts.sweep.rows import rows_warm_start
+    from research.study.plan import POWERED_WARM_START, design_id
+    from research.study.rows import rows_warm_start
 
     assert rows_warm_start(Plan(**DESIGNS["powered_long"]), {"long": "this machine"}) == {
         "long": POWERED_LONG_WARM_START
@@ -270,7 +270,7 @@ def test_joined_tables_name_each_designs_own_weights(tmp_path):
         [
             sys.executable,
             "-m",
-            "scripts.bench.delay_sweep",
+            "research.study.delay_sweep",
             "--design",
             "powered",
             "--join",
@@ -312,7 +312,7 @@ def test_a_joined_design_keeps_its_pin_whatever_the_main_design_pins(tmp_path):
     import subprocess
     import sys
 
-    from scripts.sweep.plan import POWERED_WARM_START, design_id
+    from research.study.plan import POWERED_WARM_START, design_id
 
     rows = tmp_path / "rows.csv"
     for seed, sha in ((0, POWERED_WARM_START), (1, "another build")):
@@ -335,7 +335,7 @@ def test_a_joined_design_keeps_its_pin_whatever_the_main_design_pins(tmp_path):
         [
             sys.executable,
             "-m",
-            "scripts.bench.delay_sweep",
+            "research.study.delay_sweep",
             "--design",
             "legacy",
             "--tasks",

@@ -10,7 +10,7 @@ import pytest
 
 from tests.slurm.test_slurm_scripts import assert_shellcheck_clean
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 SCRIPT = ROOT / "scripts" / "dev" / "resume_powered_long.sh"
 DOC_ROWS = ROOT / "docs" / "study_data" / "rows_powered.csv"
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from scripts.sweep.analyse import (
+from research.study.analyse import (
     RUN_KEYS,
     choose_lrs,
     comparison_rows,
@@ -18,8 +18,8 @@ from scripts.sweep.analyse import (
     kl_variance_rows,
     run_numbers,
 )
-from scripts.sweep.figures import kl_variance_figure, method_styles, staleness_figure
-from scripts.sweep.plan import (
+from research.study.figures import kl_variance_figure, method_styles, staleness_figure
+from research.study.plan import (
     ALGOS,
     DESIGNS,
     LEGACY,
@@ -34,11 +34,11 @@ from scripts.sweep.plan import (
     run_dir,
     run_overrides,
 )
-from scripts.sweep.render import doc_block, glance_markdown, study_markdown, update_doc
-from scripts.sweep.rows import append_row, collect, load_rows, make_row
-from scripts.sweep.run import SECONDS_PER_EVAL_PROBLEM, SECONDS_PER_STEP_16, Sweep, estimate_seconds, progress_line
-from tests.study.conftest import REPO, compose_cfg
-from tests.study.test_sweep_table import _write_run
+from research.study.render import doc_block, glance_markdown, study_markdown, update_doc
+from research.study.rows import append_row, collect, load_rows, make_row
+from research.study.run import SECONDS_PER_EVAL_PROBLEM, SECONDS_PER_STEP_16, Sweep, estimate_seconds, progress_line
+from tests.research.study.conftest import REPO, compose_cfg
+from tests.research.study.test_sweep_table import _write_run
 
 
 def _staleness(overrides: list[str], steps: int, seed: int = 0) -> list[int]:
@@ -225,8 +225,8 @@ def _drops_runs(drops: dict, seeds: int = 5, noise: float = 0.005, seed: int = 1
 
 
 def test_dominance_names_the_method_never_worse_and_better_than_grpo_somewhere():
-    from scripts.sweep.analyse import dominance_rows
-    from scripts.sweep.render import dominance_markdown
+    from research.study.analyse import dominance_rows
+    from research.study.render import dominance_markdown
 
     drops = {
         ("grpo_paper", "fix4"): 0.00,
@@ -266,8 +266,8 @@ def test_dominance_says_whether_the_win_over_grpo_survives_holm():
     adjustment (x3 for the smallest p) does not keep; a clear win (p ~1e-5) it keeps."""
     from scipy import stats
 
-    from scripts.sweep.analyse import dominance_rows
-    from scripts.sweep.render import dominance_markdown
+    from research.study.analyse import dominance_rows
+    from research.study.render import dominance_markdown
 
     spread = [0.015, -0.015, 0.01, -0.01, 0.0]  # mean 0, sd 0.0127
 
@@ -316,7 +316,7 @@ def test_dominance_says_whether_the_win_over_grpo_survives_holm():
 def test_dominance_spans_designs_each_paired_with_its_own_on_policy_runs():
     """The 600-step fix256 runs join the 200-step study: a method must be no worse there too, and
     its drop there is measured from the 600-step on-policy runs, not the 200-step ones."""
-    from scripts.sweep.analyse import dominance_rows
+    from research.study.analyse import dominance_rows
 
     short = {("grpo_paper", "fix64"): 0.10, ("gepo_tc", "fix64"): 0.05}
     long = {("grpo_paper", "fix256"): 0.05, ("gepo_tc", "fix256"): 0.20}
@@ -337,8 +337,8 @@ def test_dominance_spans_designs_each_paired_with_its_own_on_policy_runs():
 
 
 def test_choice_rows_name_the_best_and_the_methods_not_significantly_worse():
-    from scripts.sweep.analyse import choice_rows, recommended
-    from scripts.sweep.render import choice_markdown
+    from research.study.analyse import choice_rows, recommended
+    from research.study.render import choice_markdown
 
     drops = {
         ("gepo", "fix4"): 0.15,
@@ -399,8 +399,8 @@ def test_choice_rows_name_the_best_and_the_methods_not_significantly_worse():
 
 
 def test_verdicts_give_each_method_minus_the_reference_with_its_sign():
-    from scripts.sweep.analyse import verdict_rows
-    from scripts.sweep.render import verdict_markdown
+    from research.study.analyse import verdict_rows
+    from research.study.render import verdict_markdown
 
     drops = {
         ("gepo", "fix4"): 0.15,
@@ -425,7 +425,7 @@ def test_verdicts_give_each_method_minus_the_reference_with_its_sign():
 
 
 def test_joined_section_keeps_each_designs_blocks_apart():
-    from scripts.sweep.render import doc_key, joined_markdown
+    from research.study.render import doc_key, joined_markdown
 
     short, long = _plan(steps=200, design="powered"), _plan(steps=600, delays=[0, "fix256"], design="powered_long")
     assert doc_key("long", short) == "long" and doc_key("long", long) == "long_powered_long"
@@ -440,7 +440,7 @@ def test_joined_section_keeps_each_designs_blocks_apart():
 
 
 def test_joined_answer_is_marked_provisional_until_every_planned_run_is_in():
-    from scripts.sweep.render import joined_markdown
+    from research.study.render import joined_markdown
 
     seeds = [0, 1, 2, 3, 4]
     short = _plan(steps=200, design="powered", seeds=seeds)
@@ -462,7 +462,7 @@ def test_joined_answer_is_marked_provisional_until_every_planned_run_is_in():
 
 def test_joined_answer_is_not_yes_while_a_planned_condition_has_no_run():
     """A method that wins on the 200-step conditions is no winner while fix256 has no run at all."""
-    from scripts.sweep.render import joined_markdown
+    from research.study.render import joined_markdown
 
     short = _plan(steps=200, design="powered", seeds=[0, 1, 2, 3, 4])
     long = _plan(steps=600, delays=[0, "fix256"], design="powered_long", seeds=[0, 1, 2, 3, 4])
@@ -489,8 +489,8 @@ def test_joined_answer_is_not_yes_while_a_planned_condition_has_no_run():
 def test_an_unbeaten_method_is_not_a_no_while_a_planned_condition_has_no_run():
     """No method beats GRPO on what ran, but two are beaten by none: a planned condition without
     runs could still make one win, so neither the answer nor their rows say no."""
-    from scripts.sweep.analyse import dominance_rows
-    from scripts.sweep.render import dominance_markdown
+    from research.study.analyse import dominance_rows
+    from research.study.render import dominance_markdown
 
     drops = {("grpo_paper", "fix4"): 0.05, ("gepo_tc", "fix4"): 0.05, ("gepo", "fix4"): 0.20}
     rows = dominance_rows(_drops_runs(drops))
@@ -508,7 +508,7 @@ def test_join_is_refused_outside_table_only(tmp_path):
     cli = [
         sys.executable,
         "-m",
-        "scripts.bench.delay_sweep",
+        "research.study.delay_sweep",
         "--design",
         "powered",
         "--join",
@@ -556,7 +556,7 @@ def test_study_markdown_has_every_section(tmp_path):
 
 def test_every_method_of_the_study_has_its_own_style_in_the_figures():
     # 14 methods: matplotlib's default colour cycle repeats after 10, so two methods shared a colour
-    from scripts.sweep.plan import DESIGNS
+    from research.study.plan import DESIGNS
 
     algos = DESIGNS["powered"]["algos"]
     styles = method_styles(list(reversed(algos)))
@@ -737,7 +737,7 @@ def test_the_entrys_checks_refuse_an_unregistered_loss(tmp_path):
 def test_the_legacy_design_is_tabulated_but_never_run(tmp_path):
     """Its accuracy-window warm start is gone: running it fails in one line naming it; its rows
     still make its tables (figures skip runs known from a row alone)."""
-    cli = [sys.executable, "-m", "scripts.bench.delay_sweep", "--design", "legacy"]
+    cli = [sys.executable, "-m", "research.study.delay_sweep", "--design", "legacy"]
     proc = subprocess.run(cli + ["--out", str(tmp_path / "ran")], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert "--design legacy is table-only" in proc.stderr and "warm start" in proc.stderr

@@ -1,4 +1,4 @@
-"""The delay sweep's table arithmetic (scripts/sweep) against hand computation on synthetic run directories."""
+"""The delay sweep's table arithmetic (research/study) against hand computation on synthetic run directories."""
 
 import json
 import math
@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from scripts.sweep.analyse import run_numbers, stability_rows, summarize
-from scripts.sweep.plan import Plan
-from scripts.sweep.render import markdown_table, stability_table, write_outputs
-from scripts.sweep.rows import collect
+from research.study.analyse import run_numbers, stability_rows, summarize
+from research.study.plan import Plan
+from research.study.render import markdown_table, stability_table, write_outputs
+from research.study.rows import collect
 
 
 def _write_run(d: Path, evals: dict[int, float], kl: dict[int, float], var: dict[int, float], err=None):

@@ -1,4 +1,4 @@
-"""scripts/smollm2_learning.py report: per-seed first/last-window means of the reward (metrics.jsonl)
+"""research/study/smollm2_learning.py report: per-seed first/last-window means of the reward (metrics.jsonl)
 and of accuracy and boxed rate (the rollout dumps scored again by the math reward), and the verdict
 rule (every seed's rise above the seed-to-seed spread of the first-window means)."""
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "smollm2_learning.py"
+SCRIPT = Path(__file__).resolve().parents[3] / "research" / "study" / "smollm2_learning.py"
 
 
 @pytest.fixture
