@@ -1,9 +1,9 @@
 """The initial sampled accuracy of SmolLM2-135M-Instruct on the held-out easy GSM8K problems, as the
-embedded engine samples it (its ``Task`` and ``sample_groups``): the reward signal GPU lane part d
-starts from, for a prompt template.
+embedded engine samples it (its ``Task`` and ``sample_groups``): the reward signal the GPU lane's
+``embedded_smollm2`` part starts from, for a prompt template.
 
-    OMP_NUM_THREADS=1 python scripts/gpu/smollm2_prompt_signal.py --template chat_1shot
-    OMP_NUM_THREADS=1 python scripts/gpu/smollm2_prompt_signal.py --template qwen3_nothink
+    OMP_NUM_THREADS=1 python research/gpu_lane/smollm2_prompt_signal.py --template chat_1shot
+    OMP_NUM_THREADS=1 python research/gpu_lane/smollm2_prompt_signal.py --template qwen3_nothink
 
 Prints one line: accuracy (math_verify), the share of complete ``\\boxed{}`` answers, the share of
 groups with reward variance. CPU by default (slow: ~10 min at the defaults on one loaded core).

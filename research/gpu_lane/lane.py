@@ -1,41 +1,18 @@
 #!/usr/bin/env python3
 """The GPU lane: install from the packed parts, then measure the project on one GPU, in one table.
 
-    python scripts/gpu/lane.py --parts-dir /tmp/hrl_parts --device cuda --out "$OUT"   # on the GPU machine
-    python scripts/gpu/lane.py --device cpu --quick --parts a,b,e                        # here, from the venv
+    python research/gpu_lane/lane.py --parts-dir /tmp/hrl_parts --device cuda --out "$OUT"   # on the GPU machine
+    python research/gpu_lane/lane.py --device cpu --quick --parts loss_precision,logprob_spread   # here, from the venv
 
-Install (only with ``--parts-dir``, which holds ``manifest.json`` and the parts of
-``scripts/gpu/pack.py``): every part's size and sha256 checked, each group re-joined and unpacked,
-its wheels installed with ``pip install --no-index --no-deps --target --site`` (the project from the
-code group's wheel; without one, the checkout the lane runs from, with the project's entry points
-written into ``--site``),
-and ``--site`` put first on ``sys.path`` and on ``PYTHONPATH`` (for the parts' processes and Ray's
-workers). Without ``--parts-dir`` the lane uses the Python it runs in; with ``--no-install`` it also uses
-``--site`` as an earlier run left it (a rerun on a machine still warm).
-
-Parts (``--parts``, run in the order given; default all, as a,e,b,c,f,d: the cheap checks first,
-the SmolLM2 training last with what time is left). Each runs in its own process with its own budget,
-all within ``--budget-s`` (8 minutes) counted from the start, install included; a part without
-time left gets a ``skipped: budget`` row; a failing part writes its error in its row and the
-others go on):
-
-a. every loss of the recipe's presets (``scripts/bench/bench_losses.py``'s list, called as verl's
-   ``ppo_loss`` calls it) on the device in fp32 and bf16 against float64 on the CPU: the relative
-   error of the loss and of its gradient;
-b. their forward+backward cost against vanilla and against the memory floor (20 bytes a token --
-   read log p, log q, advantage, mask, write the gradient -- at the device's copy bandwidth,
-   measured here): ``scripts/bench/bench_losses_gpu.py`` when it is there, else eager timing;
-c. the embedded engine, GEPO on the toy, in replay and in async mode, learner and samplers on the
-   device (``hetero.device``): held-out accuracy before and after, the reward curve, the step time;
-d. SmolLM2-135M-Instruct trained with GEPO on easy GSM8K problems by the embedded engine on the
-   device: held-out accuracy (math_verify) before and after, and the step time;
-e. the honest log-prob spread between a sampler (the embedded engine's ``sample_groups``:
-   ``verl_ext.sampling.generate``, KV cache) and a learner re-scoring the same tokens with one full forward pass
-   (``verl_ext.sampling.sequence_token_log_probs``), fp32 and bf16, on the CPU and the device;
-f. the verl engine (verl's FSDP learner, the project's HF rollout server, delayed weight sync) for
-   3 steps with GEPO on the toy, on the device.
-
-Writes ``lane.json`` and ``lane.md`` into ``--out`` (default ``$OUT`` when set, else ``lane_out``).
+Install (only with ``--parts-dir``, which holds ``manifest.json`` and the parts of ``pack.py``): every
+part's size and sha256 checked, each group re-joined, its wheels installed into ``--site``
+(``pip install --no-index --no-deps --target``), and ``--site`` put first on ``sys.path`` and
+``PYTHONPATH``; ``--no-install`` reuses the ``--site`` of an earlier run. Then the parts of ``--parts``
+(:data:`PARTS`, each described in :data:`PART_NAMES` and docs/gpu.md; default :data:`DEFAULT_ORDER`,
+the cheap checks first) run in the order given, each in its own process with its own budget, all
+within ``--budget-s`` counted from the start: a part without time left gets a ``skipped: budget`` row,
+a failing part writes its error in its row and the others go on. After every part the lane writes
+``lane.json`` (rows of ``part, name, status, values, note``) and ``lane.md`` into ``--out``.
 """
 
 from __future__ import annotations
@@ -59,17 +36,24 @@ from typing import Any, Callable, Optional, Sequence
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 PART_NAMES = {
-    "a": "losses against float64",
-    "b": "loss forward+backward cost",
-    "c": "embedded engine, GEPO on the toy",
-    "d": "SmolLM2-135M GEPO on easy GSM8K",
-    "e": "sampler/learner log-prob spread",
-    "f": "verl engine, 3 steps",
+    "loss_precision": "losses in fp32 and bf16 against float64",
+    "loss_speed": "loss forward+backward cost",
+    "embedded_toy": "embedded engine, GEPO on the toy",
+    "embedded_smollm2": "SmolLM2-135M GEPO on easy GSM8K",
+    "logprob_spread": "sampler/learner log-prob spread",
+    "verl_toy": "verl engine, 3 steps",
 }
 #: seconds each part may take (full, --quick); all of them within --budget-s
-PART_BUDGET_S = {"a": (30, 90), "b": (100, 120), "e": (30, 90), "c": (90, 240), "d": (150, 300), "f": (80, 300)}
+PART_BUDGET_S = {
+    "loss_precision": (30, 90),
+    "loss_speed": (100, 120),
+    "logprob_spread": (30, 90),
+    "embedded_toy": (90, 240),
+    "embedded_smollm2": (150, 300),
+    "verl_toy": (80, 300),
+}
 #: the default order: the cheap checks first, the SmolLM2 training (which takes what is left) last
-DEFAULT_ORDER = "a,e,b,c,f,d"
+DEFAULT_ORDER = "loss_precision,logprob_spread,loss_speed,embedded_toy,verl_toy,embedded_smollm2"
 #: a part is started only with at least this much time left
 MIN_PART_S = 10
 #: kept back at the end for the table
@@ -208,7 +192,7 @@ def _bench_losses():
 
 def selected_losses(workdir: Path) -> list[tuple[str, Any, Any]]:
     """[(label, loss function, ActorConfig)] of bench_losses.LOSSES (``--losses`` picks labels; the
-    first, vanilla, always comes: the baseline of part b's ratios), the
+    first, vanilla, always comes: the baseline of loss_speed's ratios), the
     configs composed once per lane run (hydra's compose takes seconds) and shared through ``workdir``."""
     import pickle
 
@@ -276,7 +260,7 @@ def _rel(x, ref) -> float:
 # the parts: part(device, quick, emit, workdir)
 
 
-def part_a(device: str, quick: bool, emit: Callable[[Row], None], workdir: Path) -> None:
+def loss_precision(device: str, quick: bool, emit: Callable[[Row], None], workdir: Path) -> None:
     import torch
 
     dev = _device(device)
@@ -287,7 +271,11 @@ def part_a(device: str, quick: bool, emit: Callable[[Row], None], workdir: Path)
         try:
             loss64, grad64 = _call_loss(fn, cfg, *ref_inputs)
         except Exception as exc:  # noqa: BLE001 -- the error is the row
-            emit(make_row("a", label, "error", f"float64 reference on cpu: {type(exc).__name__}: {exc}"[:300]))
+            emit(
+                make_row(
+                    "loss_precision", label, "error", f"float64 reference on cpu: {type(exc).__name__}: {exc}"[:300]
+                )
+            )
             continue
         values, errors = {}, []
         for tag, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
@@ -300,15 +288,19 @@ def part_a(device: str, quick: bool, emit: Callable[[Row], None], workdir: Path)
                     errors.append(f"{tag}: non-finite gradient")
             except Exception as exc:  # noqa: BLE001
                 errors.append(f"{tag} on {dev}: {type(exc).__name__}: {exc}"[:300])
-        emit(make_row("a", label, "error" if errors else "ok", "; ".join(errors), B=batch, T=length, **values))
+        emit(
+            make_row(
+                "loss_precision", label, "error" if errors else "ok", "; ".join(errors), B=batch, T=length, **values
+            )
+        )
 
 
-def part_b(device: str, quick: bool, emit: Callable[[Row], None], workdir: Path) -> None:
+def loss_speed(device: str, quick: bool, emit: Callable[[Row], None], workdir: Path) -> None:
     dev = _device(device)
     bandwidth = copy_bandwidth(dev, (64 if quick else 1024) * 2**20)
     emit(
         make_row(
-            "b",
+            "loss_speed",
             f"copy bandwidth on {dev}",
             note="device-to-device copy, bytes read + written",
             GB_per_s=bandwidth / 1e9,
@@ -332,7 +324,9 @@ def part_b(device: str, quick: bool, emit: Callable[[Row], None], workdir: Path)
                 entries.append((label, once))
             except Exception as exc:  # noqa: BLE001
                 failed.append(
-                    make_row("b", f"{label} B={batch} T={length}", "error", f"{type(exc).__name__}: {exc}"[:300])
+                    make_row(
+                        "loss_speed", f"{label} B={batch} T={length}", "error", f"{type(exc).__name__}: {exc}"[:300]
+                    )
                 )
         times: dict[str, list[float]] = {label: [] for label, _ in entries}
         for _ in range(repeats):  # round-robin: drift hits every loss alike
@@ -344,7 +338,7 @@ def part_b(device: str, quick: bool, emit: Callable[[Row], None], workdir: Path)
             ms = statistics.median(times[label])
             emit(
                 make_row(
-                    "b",
+                    "loss_speed",
                     f"{label} B={batch} T={length}",
                     note=f"eager fp32, median of {repeats}",
                     ms=ms,
@@ -370,9 +364,13 @@ def part_b(device: str, quick: bool, emit: Callable[[Row], None], workdir: Path)
                     if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in ("repeats", "bandwidth_tbs")
                 }
                 note = f"bench_losses_gpu.py, {r.get('backend')}, median of {r.get('repeats')}; floor at the copy bandwidth"
-                emit(make_row("b", name, "error" if error else "ok", f"{error}; {note}" if error else note, **values))
+                emit(
+                    make_row(
+                        "loss_speed", name, "error" if error else "ok", f"{error}; {note}" if error else note, **values
+                    )
+                )
         except Exception as exc:  # noqa: BLE001 -- the rows above stand
-            emit(make_row("b", "bench_losses_gpu.py", "error", f"{type(exc).__name__}: {exc}"[:400]))
+            emit(make_row("loss_speed", "bench_losses_gpu.py", "error", f"{type(exc).__name__}: {exc}"[:400]))
 
 
 def _run_gpu_bench(path: Path, device: str, quick: bool, bandwidth: float, workdir: Path, timeout: float) -> list[dict]:
@@ -415,7 +413,7 @@ def _run_gpu_bench(path: Path, device: str, quick: bool, bandwidth: float, workd
     return rows
 
 
-def part_e(device: str, quick: bool, emit: Callable[[Row], None], workdir: Path) -> None:
+def logprob_spread(device: str, quick: bool, emit: Callable[[Row], None], workdir: Path) -> None:
     import numpy as np
     import torch
 
@@ -494,7 +492,7 @@ def part_e(device: str, quick: bool, emit: Callable[[Row], None], workdir: Path)
         w = np.asarray(worst)
         emit(
             make_row(
-                "e",
+                "logprob_spread",
                 f"toy: sampler {s_dev.type} {s_prec} / learner {l_dev.type} {l_prec}",
                 note=f"{len(w)} groups of {group}, {new_tokens} new tokens; tolerance {tolerance:g}",
                 max=float(w.max()),
@@ -570,12 +568,12 @@ def _engine_row(part: str, name: str, run_dir: Path, rc: int, tail: str, wall: f
     return make_row(part, name, note=f"{note}; reward curve {curve}", **values)
 
 
-def part_c(device: str, quick: bool, emit: Callable[[Row], None], workdir: Path) -> None:
+def embedded_toy(device: str, quick: bool, emit: Callable[[Row], None], workdir: Path) -> None:
     steps, eval_size = (3, 16) if quick else (20, 256)
     budget = float(os.environ.get("LANE_PART_BUDGET_S", "120"))
     runs = [("replay", "fp32", "fp32"), ("async", "fp32", "fp32")] + ([] if quick else [("replay", "bf16", "bf16")])
     for i, (mode, lp, sp) in enumerate(runs):
-        run_dir = workdir / f"c_{mode}_{lp}"
+        run_dir = workdir / f"embedded_toy_{mode}_{lp}"
         overrides = [
             "algorithm_preset=gepo",
             f"hetero.mode={mode}",
@@ -599,7 +597,7 @@ def part_c(device: str, quick: bool, emit: Callable[[Row], None], workdir: Path)
         rc, tail = _main_gepo(overrides, workdir, timeout=max(5.0, left / (len(runs) - i)))
         emit(
             _engine_row(
-                "c",
+                "embedded_toy",
                 f"{mode}, learner {lp}, samplers {sp}, {device}",
                 run_dir,
                 rc,
@@ -610,11 +608,11 @@ def part_c(device: str, quick: bool, emit: Callable[[Row], None], workdir: Path)
         )
 
 
-def part_d(device: str, quick: bool, emit: Callable[[Row], None], workdir: Path) -> None:
+def embedded_smollm2(device: str, quick: bool, emit: Callable[[Row], None], workdir: Path) -> None:
     # held-out: 128 of the 133 easy GSM8K test problems (one sample each; the initial accuracy with
     # chat_1shot is ~1.6%: 1 of 64 samples on CPU, 16 problems x 4, T=0.5, 160 tokens)
     steps, eval_size, response, batch, group = (2, 8, 32, 2, 4) if quick else (10, 128, 160, 8, 8)
-    run_dir = workdir / "d_smollm2"
+    run_dir = workdir / "embedded_smollm2"
     overrides = [
         "algorithm_preset=gepo",
         "hetero.mode=replay",
@@ -650,7 +648,7 @@ def part_d(device: str, quick: bool, emit: Callable[[Row], None], workdir: Path)
     rc, tail = _main_gepo(overrides, workdir, timeout=max(5.0, budget - (t0 - START)))
     emit(
         _engine_row(
-            "d",
+            "embedded_smollm2",
             f"replay, {device}, {steps} steps, G={group}, {batch} prompts a step",
             run_dir,
             rc,
@@ -678,8 +676,8 @@ VERL_GPU_OVERRIDES = [
 VERL_GPU_ENV = {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}
 
 
-def part_f(device: str, quick: bool, emit: Callable[[Row], None], workdir: Path) -> None:
-    run_dir = workdir / "f_verl"
+def verl_toy(device: str, quick: bool, emit: Callable[[Row], None], workdir: Path) -> None:
+    run_dir = workdir / "verl_toy"
     overrides = [
         "+verl_preset=cpu_toy",
         "hetero.engine=verl",
@@ -702,7 +700,7 @@ def part_f(device: str, quick: bool, emit: Callable[[Row], None], workdir: Path)
     )
     emit(
         _engine_row(
-            "f",
+            "verl_toy",
             f"verl engine, GEPO, delayed sync, {device}",
             run_dir,
             rc,
@@ -713,7 +711,14 @@ def part_f(device: str, quick: bool, emit: Callable[[Row], None], workdir: Path)
     )
 
 
-PARTS: dict[str, Callable[..., None]] = {"a": part_a, "b": part_b, "c": part_c, "d": part_d, "e": part_e, "f": part_f}
+PARTS: dict[str, Callable[..., None]] = {
+    "loss_precision": loss_precision,
+    "loss_speed": loss_speed,
+    "embedded_toy": embedded_toy,
+    "embedded_smollm2": embedded_smollm2,
+    "logprob_spread": logprob_spread,
+    "verl_toy": verl_toy,
+}
 START = time.time()
 
 
@@ -811,14 +816,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument(
         "--parts",
         default=DEFAULT_ORDER,
-        help=f"comma-separated parts of a-f, run in the order given (default {DEFAULT_ORDER})",
+        help=f"comma-separated, run in the order given, of: {', '.join(PARTS)} (default all, the cheap ones "
+        f"first: {DEFAULT_ORDER.replace(',', ', ')})",
     )
     parser.add_argument("--device", default="cuda", help="cuda | cuda:N | cpu")
     parser.add_argument("--quick", action="store_true", help="small sizes (the CPU run of the test suite)")
     parser.add_argument(
         "--losses",
         default="all",
-        help="parts a, b: comma-separated labels of scripts/bench/bench_losses.py's list (default all)",
+        help="loss_precision, loss_speed: comma-separated labels of scripts/bench/bench_losses.py's list (default all)",
     )
     parser.add_argument("--budget-s", type=float, default=480.0, help="seconds for everything, install included")
     parser.add_argument("--parts-dir", type=Path, default=None, help="packed parts + manifest.json: install them first")

