@@ -1,7 +1,7 @@
 """The delay sweep: algorithms x staleness conditions x seeds in replay mode, with the same warm
 start, steps and evaluation for all; designs from the 252-run legacy sweep to the powered study.
 
-    .venv/bin/python -m research.study.delay_sweep --out OUT [--design legacy|quick|powered|powered_long|dry]
+    .venv/bin/python -m research.study.delay_sweep --out OUT [--design powered (default)|powered_long|dry|quick|legacy]
         [--workers 2] [--tasks long] [--algos gepo gspo ...] [--delays 0 fix16 uni64 ...]
         [--seeds 0 1 2] [--steps N] [--lr LR] [--lrs gepo=1e-4 ...] [--rows PATH]
         [--plan-only] [--table-only [--join DESIGN ...] [--warm-start-sha256 HEX] [--replicate DESIGN=HEX ...]]
@@ -146,9 +146,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--design",
         choices=list(DESIGNS),
-        help="legacy (the default): the 252-run sweep (table-only); quick: a 5-minute smoke test; powered: "
-        "the study (docs/study.md); powered_long: its 600-step fix256 condition; dry: the powered "
-        "pipeline on tiny settings",
+        help="powered (the default): the study (docs/study.md); powered_long: its 600-step fix256 condition; "
+        "dry: the powered pipeline on tiny settings; quick: a 5-minute smoke test; legacy: the 252-run sweep "
+        "of docs/results_data/legacy_results.md (table-only: its rows can be tabulated, not run)",
     )
     p.add_argument("--quick", action="store_true", help="= --design quick (not with another --design)")
     p.add_argument("--workers", type=int, default=2)
@@ -216,10 +216,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--no-figures", action="store_true")
     a = p.parse_args(argv)
-    # --design's default is None, not legacy, so that --quick can tell an explicit --design apart
+    # --design's default is None, not powered, so that --quick can tell an explicit --design apart
     if a.quick and a.design not in (None, "quick"):
         p.error(f"--quick is --design quick: not with --design {a.design} (give one of them)")
-    a.design = "quick" if a.quick else a.design or "legacy"
+    a.design = "quick" if a.quick else a.design or "powered"
     if a.update_doc and a.plan_only:
         p.error(f"--update-doc {a.update_doc}: not with --plan-only (it tabulates nothing to write into the page)")
     replicate = {}

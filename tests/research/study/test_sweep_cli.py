@@ -42,7 +42,7 @@ def _sweep(tmp_path, *args: str) -> subprocess.CompletedProcess:
         ),
         # no stage-1 seeds: a grid would choose no rate and nothing would run
         (["--design", "quick", "--lr-grid", "1e-4"], "--lr-grid: --design quick has no stage 1"),
-        (["--lr-grid", "1e-4", "--table-only"], "--lr-grid: --design legacy has no stage 1"),
+        (["--design", "legacy", "--lr-grid", "1e-4", "--table-only"], "--lr-grid: --design legacy has no stage 1"),
         # every method pinned: --lr reaches no run
         (
             ["--design", "quick", "--algos", "gepo", "--lrs", "gepo=5e-5", "--lr", "3e-4"],
@@ -79,6 +79,8 @@ QUICK_PLAN = pytest.mark.slow
         pytest.param(["--quick", "--design", "quick"], "quick", {"lr": 1e-4}, marks=QUICK_PLAN),
         pytest.param(["--quick"], "quick", {}, marks=QUICK_PLAN),
         (["--design", "powered", "--lr-grid", "1e-4", "3e-4"], "powered", {"lr_grid": [1e-4, 3e-4]}),
+        # no --design: the study's, powered (legacy can only tabulate)
+        (["--lr-grid", "1e-4"], "powered", {"lr_grid": [1e-4]}),
         # --lrs is honoured on every design, powered_long's too
         (
             ["--design", "powered_long", "--algos", "gepo", "--lrs", "gepo=5e-5"],
