@@ -171,3 +171,16 @@ def test_the_trust_package_imports_neither_ray_nor_an_engine():
         if mod == "ray" or mod.startswith(("ray.", "recipe.", "verl_ext.cpu", "verl.workers"))
     ]
     assert not offenders, "\n".join(offenders)
+
+
+def test_the_library_and_the_recipe_import_no_tool():
+    """``scripts/`` (what users run) and ``research/`` (research and test-bed tooling) are run from
+    the repository root and not installed: nothing under verl_ext/ or recipe/ may import them."""
+    imports = _imports_of(ROOT) + _imports_of(REPO / "recipe")
+    assert len(imports) > 100  # the walk sees both
+    offenders = [
+        f"{p.relative_to(REPO)}:{line}: {mod}"
+        for p, line, mod in imports
+        if mod.split(".")[0] in ("scripts", "research")
+    ]
+    assert not offenders, "\n".join(offenders)

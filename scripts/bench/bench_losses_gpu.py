@@ -25,7 +25,7 @@ so a GPU run checks correctness too. On a CPU the default backend is "aot_eager"
 capture without code generation: inductor compiles C++ for up to a minute a graph there), so
 CPU "compiled" times are no speed figure; pass ``--backend inductor`` for one.
 
-``main(argv) -> list[dict]`` returns the rows (one per shape and loss) for scripts/gpu/.
+``main(argv) -> list[dict]`` returns the rows (one per shape and loss) for the GPU lane (research/gpu_lane/).
 """
 
 from __future__ import annotations
