@@ -32,7 +32,7 @@ SCRIPT = textwrap.dedent(
     config.validate()
     buffer = RolloutBuffer(max_delay=2)
     verifier = build_verifier(config, None, None, 1.0, {"adv_estimator": "grpo"}, keep_versions=3, scorer=model)
-    gate = build_gate(config, seed=0, buffer=buffer, verifier=verifier)
+    gate = build_gate(config, buffer, verifier)
     gate.remember(0, serialize_state_dict(model.state_dict(), 0))
 
     rng = np.random.default_rng(0)

@@ -1,5 +1,5 @@
 """TrustLedger (verl_ext.trust.ledger): argument checks, which groups are checked (probation, then
-a seeded fraction), the trust score and quarantine with its purge, the divergence bound, metrics,
+a fraction drawn under the learner's secret), the trust score and quarantine with its purge, the divergence bound, metrics,
 events and the state_dict round trip. Expectations come from the module's documented rules."""
 
 import copy
@@ -69,7 +69,7 @@ def test_probation_checks_every_group_then_none():
     t = ledger(probation_groups=3)
     seen = []
     for i in range(6):
-        check = t.should_check("s")
+        check = t.should_check("s", f"g{i}")
         seen.append(check)
         if check:  # probation counts recorded checks, not draws
             t.record("s", f"g{i}", passed=True)
@@ -78,32 +78,32 @@ def test_probation_checks_every_group_then_none():
 
 def test_probation_is_per_sampler():
     t = ledger(probation_groups=1)
-    assert t.should_check("a")
+    assert t.should_check("a", "g0")
     t.record("a", "g0", passed=True)
-    assert not t.should_check("a")
-    assert t.should_check("b")  # b has not been checked yet
+    assert not t.should_check("a", "g1")
+    assert t.should_check("b", "g1")  # b has not been checked yet
 
 
-def test_verify_fraction_is_binomial_and_seeded():
+def test_verify_fraction_is_binomial_and_keyed_by_the_secret():
     n, p = 4000, 0.25
-    t = ledger(verify_fraction=p, seed=3)
-    draws = [t.should_check("s") for _ in range(n)]
+    keys = [f"g{i}" for i in range(n)]
+    t = ledger(verify_fraction=p, secret=b"a")
+    draws = [t.should_check("s", k) for k in keys]
     tol = 5 * math.sqrt(p * (1 - p) / n)  # 5 standard deviations of the sample fraction
     assert abs(np.mean(draws) - p) < tol
-    t_same = ledger(verify_fraction=p, seed=3)
-    assert [t_same.should_check("s") for _ in range(n)] == draws
-    t_other = ledger(verify_fraction=p, seed=4)
-    assert [t_other.should_check("s") for _ in range(n)] != draws
+    # the same group draws the same way, whatever came before it
+    assert [t.should_check("s", k) for k in reversed(keys)] == draws[::-1]
+    assert [ledger(verify_fraction=p, secret=b"a").should_check("s", k) for k in keys] == draws
+    assert [ledger(verify_fraction=p, secret=b"b").should_check("s", k) for k in keys] != draws
 
 
-def test_draws_do_not_depend_on_probation():
-    # documented: a draw is made for every group, so probation does not shift the sequence
-    on_probation, free = ledger(verify_fraction=0.5, probation_groups=3, seed=1), ledger(verify_fraction=0.5, seed=1)
-    for _ in range(3):
-        assert on_probation.should_check("s")
-        free.should_check("s")
-        on_probation.record("s", "g", passed=True)
-    assert [on_probation.should_check("s") for _ in range(50)] == [free.should_check("s") for _ in range(50)]
+def test_no_sampler_can_predict_the_draw_from_the_config():
+    """Two learners with the same config (nothing secret in it) draw differently: the key of the
+    draw is made at start, not derived from the config, the seed or what the exchange lists."""
+    keys = [f"g{i}" for i in range(200)]
+    first, second = ledger(verify_fraction=0.5), ledger(verify_fraction=0.5)
+    assert first.secret != second.secret and len(first.secret) == 32
+    assert [first.should_check("s", k) for k in keys] != [second.should_check("s", k) for k in keys]
 
 
 def test_one_failure_quarantines_and_purges_since_last_pass():
@@ -179,7 +179,7 @@ def test_other_samplers_unaffected_by_quarantine():
     assert t.record("a", "c", passed=False, reason="x") == ["ua1"]  # none of b's groups
     assert t.refusal("a") == "quarantined"
     assert t.refusal("b") is None
-    assert t.should_check("b")  # b is still on probation
+    assert t.should_check("b", "g9")  # b is still on probation
     m = t.metrics()
     assert m["trust/b/score"] == 1.0 and m["trust/quarantined"] == 1
     # b's own books are intact: its accepted group is purged only if b itself is quarantined
@@ -223,16 +223,16 @@ def test_divergence_off_when_bound_zero():
 
 def test_state_dict_round_trip():
     kw = dict(verify_fraction=0.3, probation_groups=1, max_divergence=0.1, divergence_window=2)
-    old = TrustLedger(seed=7, **kw)
+    old = TrustLedger(**kw)
     for i in range(20):
-        old.should_check("b")
+        old.should_check("b", f"k{i}")
     old.record("b", "c0", passed=True)
     old.accepted("a", "ua")
     assert old.record("a", "c1", passed=False, reason="logprob") == ["ua"]
     old.observe_divergence("d", 1.0)  # d is over the divergence bound
     old.refused("quarantined")
 
-    new = TrustLedger(seed=99, **kw)  # a different seed: the RNG must come from the state
+    new = TrustLedger(**kw)  # another secret of its own: the run's must come from the state
     new.load_state_dict(copy.deepcopy(old.state_dict()))
     assert new.refusal("a") == "quarantined"
     assert new.refusal("d") == "divergent"
@@ -241,7 +241,8 @@ def test_state_dict_round_trip():
     # quarantine happens once, also across a resume
     assert new.record("a", "c2", passed=False, reason="logprob") == []
     assert new.drain_events() == []
-    assert [new.should_check("b") for _ in range(50)] == [old.should_check("b") for _ in range(50)]
+    keys = [f"later{i}" for i in range(50)]
+    assert [new.should_check("b", k) for k in keys] == [old.should_check("b", k) for k in keys]
 
 
 def test_purge_list_survives_resume():

@@ -20,6 +20,7 @@ Recommended learner loop::
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
 from typing import Protocol
 
@@ -34,6 +35,12 @@ __all__ = ["DEFERRED", "ROLLOUT_TOPIC", "RolloutInbox", "send_group"]
 DEFERRED = "deferred"
 """What a deferring gate's :meth:`GroupGate.admit` returns for a group whose checks run elsewhere:
 the verdict comes later, through :meth:`DeferringGate.settled`."""
+
+logger = logging.getLogger(__name__)
+
+BLAMELESS_REASONS = ("future_version",)
+"""Validation failures that are not the sampler's fault (a version from a learner crash's lost
+branch looks newer than the learner's); every other one counts against the sampler that signed it."""
 
 
 def send_group(
@@ -69,6 +76,10 @@ class GroupGate(Protocol):
     def passed_over(self, group: RolloutGroup) -> None:
         """``group`` was dropped unchecked, over its sampler's quota: it never met :meth:`admit`,
         but a copy of it under another uid is still a replay."""
+
+    def malformed(self, refusal: RecordRejected) -> None:
+        """A signed record that does not decode, fails validation or makes a check raise: a failed
+        check against the sampler ``refusal`` names (its signer)."""
 
 
 class DeferringGate(GroupGate, Protocol):
@@ -212,8 +223,15 @@ class RolloutInbox:
                 self.stats["unauthenticated"] += 1
                 self.buffer.reject(err)
                 continue
-            except (CorruptMessage, ValueError):
+            except CorruptMessage:
                 self.stats["corrupt"] += 1
+                continue
+            except ValueError as err:  # signed (or unsigned) bytes that are not a rollout group
+                self.stats["corrupt"] += 1
+                if signer is not None and self.gate is not None:
+                    refusal = RecordRejected("record", "undecodable", str(err)[:300], sampler_id=signer, group_uid=key)
+                    self.gate.malformed(refusal)
+                    self.buffer.reject(refusal)
                 continue
             if group.group_uid != key:
                 self.stats["uid_mismatch"] += 1
@@ -236,6 +254,13 @@ class RolloutInbox:
                 try:
                     # malformed first, with its named reason; only a well-formed group meets the gate
                     validate_group(group, self.buffer.spec, learner_version=self.buffer.learner_version)
+                except RecordRejected as err:
+                    self.stats["malformed"] += 1
+                    if signer is not None and err.reason not in BLAMELESS_REASONS:
+                        self.gate.malformed(err)  # its signer sent it: unsigned, anyone could have
+                    self.buffer.reject(err)
+                    continue
+                try:
                     awaiting = self.gate.awaiting(str(group.sampler_id)) if self.deferring else 0
                     if not self.buffer.would_keep(group, also_held=awaiting):
                         # its sampler's quota is full: dropped on arrival, no check paid for it (a
@@ -248,6 +273,20 @@ class RolloutInbox:
                 except RecordRejected as err:
                     self.stats["refused"] += 1
                     self.buffer.reject(err)
+                    continue
+                except Exception as err:  # noqa: BLE001 - no record may stop the learner
+                    refusal = RecordRejected(
+                        "record",
+                        "check_error",
+                        f"its check raised {type(err).__name__}: {str(err)[:300]}",
+                        sampler_id=str(group.sampler_id),
+                        group_uid=key,
+                    )
+                    logger.warning("%s", refusal, exc_info=True)
+                    self.stats["check_error"] += 1
+                    if signer is not None:
+                        self.gate.malformed(refusal)
+                    self.buffer.reject(refusal)
                     continue
                 if verdict is DEFERRED:
                     continue  # out of the buffer until settle() has its verdict
@@ -272,5 +311,6 @@ class RolloutInbox:
 
     def metrics(self) -> dict[str, float]:
         """``hetero/inbox_<stat>`` for every counter of :attr:`stats` (received, corrupt,
-        unauthenticated, uid_mismatch, refused, acknowledged): totals since this inbox was made."""
+        unauthenticated, uid_mismatch, malformed, refused, check_error, acknowledged): totals since
+        this inbox was made."""
         return {f"hetero/inbox_{k}": float(v) for k, v in self.stats.items()}

@@ -150,7 +150,8 @@ class RolloutGroup:
 
     @classmethod
     def from_bytes(cls, data: bytes) -> "RolloutGroup":
-        """Inverse of :meth:`to_bytes`. Raises ValueError on bytes that are not a rollout group."""
+        """Inverse of :meth:`to_bytes`. Raises ValueError, and only ValueError, on bytes that are
+        not a rollout group (any bytes: a sampler may send anything)."""
         try:
             tensors = st_load(data)
             meta_block = read_metadata(data)
@@ -158,8 +159,19 @@ class RolloutGroup:
             raise ValueError(f"not a safetensors rollout group: {err}") from None
         if meta_block.get("format") != RECORD_FORMAT:
             raise ValueError(f"not a rollout group: format={meta_block.get('format')!r}, expected {RECORD_FORMAT!r}")
-        meta = json.loads(meta_block["record"])
-        return cls(**{name: tensors[name] for name in _ARRAY_FIELDS}, **meta)
+        try:
+            meta = json.loads(meta_block["record"])
+        except (KeyError, TypeError, ValueError) as err:
+            raise ValueError(f"not a rollout group: its record metadata does not parse ({err})") from None
+        if not isinstance(meta, dict) or not set(meta) <= set(_SCALAR_FIELDS):
+            raise ValueError(f"not a rollout group: record metadata {str(meta)[:200]!r} has unknown or no fields")
+        missing = [name for name in _ARRAY_FIELDS if name not in tensors]
+        if missing or not set(tensors) <= set(_ARRAY_FIELDS):
+            raise ValueError(f"not a rollout group: arrays {sorted(tensors)}, expected {list(_ARRAY_FIELDS)}")
+        try:
+            return cls(**{name: tensors[name] for name in _ARRAY_FIELDS}, **meta)
+        except TypeError as err:  # a required scalar field missing
+            raise ValueError(f"not a rollout group: {err}") from None
 
     def as_torch(self) -> dict[str, Any]:
         """Arrays as torch tensors (int64 ids, bool masks, float32 values) plus the scalar fields."""
@@ -189,12 +201,18 @@ class RecordSpec:
         reward_range: (min, max) inclusive bounds on rewards; None checks only finiteness.
         logprob_tolerance: how far above 0 a log-prob may be before rejection (float rounding in
             fp16/bf16 samplers produces tiny positive values).
+        vocab_size: token ids must lie in [0, vocab_size) (the learner's embedding rows); None:
+            only >= 0.
+        max_prompt_length / max_response_length: bounds on P and R; None: unbounded.
     """
 
     group_size: int | None = None
     allow_empty_responses: bool = False
     reward_range: tuple[float, float] | None = None
     logprob_tolerance: float = 1e-4
+    vocab_size: int | None = None
+    max_prompt_length: int | None = None
+    max_response_length: int | None = None
 
     def __post_init__(self):
         if self.group_size is not None and self.group_size < 1:
@@ -203,6 +221,14 @@ class RecordSpec:
             raise ValueError(f"RecordSpec: reward_range={self.reward_range} must have min <= max")
         if not self.logprob_tolerance >= 0:
             raise ValueError(f"RecordSpec: logprob_tolerance={self.logprob_tolerance} must be >= 0")
+        for name in ("vocab_size", "max_prompt_length", "max_response_length"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"RecordSpec: {name}={value} must be >= 1")
+
+
+SEED_LIMIT = 2**63
+"""Gumbel seeds and policy versions lie in [0, SEED_LIMIT) (numpy's and torch's int64)."""
 
 
 def validate_group(group: Any, spec: RecordSpec = RecordSpec(), learner_version: int | None = None) -> None:
@@ -211,8 +237,10 @@ def validate_group(group: Any, spec: RecordSpec = RecordSpec(), learner_version:
     Checks: type; uid non-empty; array dtypes; shapes agree (prompt (P,), responses (G, R),
     rewards (G,), advantages (G,) or (G, R)); masks are 0/1; group size as configured; no empty
     responses unless allowed; log-probs finite and <= tolerance on generated tokens; rewards and
-    advantages finite (rewards within ``spec.reward_range``); ``policy_version`` an int >= 0 and
-    not newer than ``learner_version`` (when given).
+    advantages finite (rewards within ``spec.reward_range``); token ids in [0, ``spec.vocab_size``),
+    P and R within the spec's bounds; ``policy_version`` an int in [0, 2^63) and not newer than
+    ``learner_version`` (when given); ``sampler_id`` / ``sampler_precision`` strings, ``extra`` a
+    dict, ``sampling_seed`` None or an int in [0, 2^63). Never raises anything but RecordRejected.
     """
     if not isinstance(group, RolloutGroup):
         raise RecordRejected("record", "type", f"expected RolloutGroup, got {type(group).__name__}")
@@ -223,15 +251,33 @@ def validate_group(group: Any, spec: RecordSpec = RecordSpec(), learner_version:
 
     if not isinstance(group.group_uid, str) or not group.group_uid:
         reject("group_uid", "uid", f"must be a non-empty string, got {group.group_uid!r}")
+    if not isinstance(group.sampler_id, str) or not group.sampler_id:
+        reject("sampler_id", "sampler_id", f"must be a non-empty string, got {str(group.sampler_id)[:80]!r}")
     if isinstance(group.policy_version, bool) or not isinstance(group.policy_version, (int, np.integer)):
         reject("policy_version", "version", f"must be an int, got {group.policy_version!r}")
-    if group.policy_version < 0:
-        reject("policy_version", "version", f"{group.policy_version} must be >= 0")
-    if not isinstance(group.created_at, (int, float)) or not math.isfinite(group.created_at):
+    if not 0 <= group.policy_version < SEED_LIMIT:
+        reject("policy_version", "version", f"{group.policy_version} must be in [0, 2^63)")
+    if (
+        isinstance(group.created_at, bool)
+        or not isinstance(group.created_at, (int, float))
+        or not math.isfinite(group.created_at)
+    ):
         reject("created_at", "created_at", f"must be a finite number of seconds, got {group.created_at!r}")
+    if group.sampler_precision is not None and not isinstance(group.sampler_precision, str):
+        reject("sampler_precision", "precision", f"must be a string, got {str(group.sampler_precision)[:80]!r}")
+    seed = group.sampling_seed
+    if seed is not None and (
+        isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= seed < SEED_LIMIT
+    ):
+        reject("sampling_seed", "seed", f"must be None or an int in [0, 2^63), got {str(seed)[:80]!r}")
+    if not isinstance(group.extra, dict):
+        reject("extra", "extra", f"must be a dict, got {type(group.extra).__name__}")
+    for name in _ARRAY_FIELDS:
+        if not isinstance(getattr(group, name), np.ndarray):
+            reject(name, "type", f"must be an array, got {type(getattr(group, name)).__name__}")
 
-    for name in ("prompt_ids", "response_ids"):
-        if not np.issubdtype(getattr(group, name).dtype, np.integer):
+    for name in ("prompt_ids", "response_ids", "prompt_mask", "response_mask"):
+        if not (np.issubdtype(getattr(group, name).dtype, np.integer) or getattr(group, name).dtype == np.bool_):
             reject(name, "dtype", f"dtype {getattr(group, name).dtype} must be an integer type")
     for name in ("sampler_logprobs", "rewards", "advantages"):
         if not np.issubdtype(getattr(group, name).dtype, np.floating):
@@ -258,6 +304,18 @@ def validate_group(group: Any, spec: RecordSpec = RecordSpec(), learner_version:
             reject(name, "mask", "must contain only 0 and 1")
     if G < 1:
         reject("response_ids", "group_size", "group has no responses")
+    if R < 1:
+        reject("response_ids", "shape", f"shape {(G, R)}: responses have no positions")
+    for name, length, bound in (
+        ("prompt_ids", group.prompt_ids.shape[0], spec.max_prompt_length),
+        ("response_ids", R, spec.max_response_length),
+    ):
+        if bound is not None and length > bound:
+            reject(name, "too_long", f"length {length} > {bound}")
+    for name in ("prompt_ids", "response_ids"):
+        ids = getattr(group, name)
+        if (ids < 0).any() or (spec.vocab_size is not None and (ids >= spec.vocab_size).any()):
+            reject(name, "token_id", f"ids in [{int(ids.min())}, {int(ids.max())}] outside [0, {spec.vocab_size})")
     if spec.group_size is not None and G != spec.group_size:
         reject("response_ids", "group_size", f"group size {G} != configured group_size {spec.group_size}")
     lengths = group.response_lengths

@@ -44,10 +44,18 @@ def build_verifier(
     )
 
 
-def build_gate(config: Any, seed: int, buffer: Any, verifier: Optional[Any] = None):
+def build_gate(
+    config: Any,
+    buffer: Any,
+    verifier: Optional[Any] = None,
+    secret: Optional[bytes] = None,
+    precisions: Optional[tuple[str, ...]] = None,
+):
     """The :class:`~.gate.TrustGate` for ``config`` (``hetero.trust``) in front of ``buffer``;
     ``verifier`` runs its checks in :meth:`~.gate.TrustGate.admit` (None: they run elsewhere,
-    between :meth:`~.gate.TrustGate.begin` and :meth:`~.gate.TrustGate.finish`)."""
+    between :meth:`~.gate.TrustGate.begin` and :meth:`~.gate.TrustGate.finish`); ``secret``: the
+    key of the draw of groups to re-score (None: a fresh random one); ``precisions``: the sampler
+    precisions the run accepts (None: any known)."""
     from .gate import TrustGate
 
-    return TrustGate(config, seed, buffer, verifier)
+    return TrustGate(config, buffer, verifier, secret, precisions)

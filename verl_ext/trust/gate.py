@@ -85,9 +85,12 @@ class TrustGate:
 
     Args:
         config: the trust options (``hetero.trust``: :class:`TrustConfig`).
-        seed: the run's seed (the ledger's draw of groups to re-score).
         buffer: the buffer groups enter (its version and bound; a quarantine purges from it).
         verifier: runs the checks in :meth:`admit`; None when they run elsewhere.
+        secret: the key of the draw of groups to re-score (None: a fresh random one; a resume
+            restores the run's own with :meth:`load_state_dict`).
+        precisions: the sampler precisions this run accepts (its config's); a group declaring
+            another is refused, so no sampler widens its bounds by what it declares. None: any known.
 
     Threads: the inbox's poller calls :meth:`admit` (or :meth:`begin` and :meth:`finish`) /
     :meth:`accepted`, the learner's thread :meth:`trained` / :meth:`remember` / :meth:`metrics`,
@@ -99,11 +102,19 @@ class TrustGate:
     learner publishes them between the two): the time one weight publication takes, with room.
     Only a group claiming the newest version waits, and only in that gap."""
 
-    def __init__(self, config: Any, seed: int, buffer: RolloutBuffer, verifier: Optional[GroupVerifier] = None):
+    def __init__(
+        self,
+        config: Any,
+        buffer: RolloutBuffer,
+        verifier: Optional[GroupVerifier] = None,
+        secret: Optional[bytes] = None,
+        precisions: Optional[tuple[str, ...]] = None,
+    ):
         self.config, self.buffer = config, buffer
+        self.precisions = None if precisions is None else tuple(precisions)
         self.enrolment = Enrolment() if config.sign_records else None
         self._enrolment_stamp: Optional[tuple[float, int]] = None
-        self.ledger = config.ledger(seed)
+        self.ledger = config.ledger(secret)
         self._lock = threading.Lock()
         # content digest of every accepted group and every group passed over -> the sampler whose
         # passed check it earned ("" when none: unchecked, passed over, or its credit withdrawn)
@@ -189,6 +200,12 @@ class TrustGate:
             if self.checking and self.rescoring:
                 # the tolerance of a re-score depends on it: refused on every group, checked or not
                 unknown = precision_refusal(group.sampler_precision)
+                if unknown is None and self.precisions is not None and group.sampler_precision not in self.precisions:
+                    unknown = (
+                        "precision_not_accepted",
+                        f"sampler_precision={group.sampler_precision!r}: this run accepts "
+                        f"{', '.join(self.precisions)} (hetero.sampler_precision)",
+                    )
                 if unknown is not None:
                     self.ledger.refused(unknown[0])
                     raise RecordRejected("sampler_precision", *unknown, sampler_id=sampler, group_uid=uid)
@@ -208,8 +225,8 @@ class TrustGate:
                         sampler_id=sampler,
                         group_uid=uid,
                     )
-            rescore = self.ledger.should_check(sampler) and self.rescoring
             digest = content_digest(group)
+            rescore = self.rescoring and self.ledger.should_check(sampler, f"{uid}\x00{digest}")
             if digest in self._awaiting:
                 # a copy of a group still awaiting its verdict: the same tokens twice, as below;
                 # the first earns no credit by its check
@@ -383,6 +400,20 @@ class TrustGate:
             self._contents[digest] = "" if digest in self._contents else (str(group.sampler_id) if vouched else "")
             if not vouched:
                 self.ledger.accepted(str(group.sampler_id), group.group_uid)
+
+    def malformed(self, refusal: RecordRejected) -> None:
+        """A signed record that does not decode, fails validation or makes a check raise: a failed
+        check against the sampler ``refusal`` names (its signer: the inbox refuses any record
+        naming another sampler than the one that signed it)."""
+        with self._lock:
+            self.ledger.record(
+                str(refusal.sampler_id),
+                str(refusal.group_uid),
+                passed=False,
+                reason=refusal.reason,
+                detail=str(refusal),
+                drop=lambda uids: self.buffer.purge(uids, "quarantined"),
+            )
 
     def passed_over(self, group: RolloutGroup) -> None:
         """A group the inbox dropped unchecked (over its sampler's quota): its content is known

@@ -6,8 +6,10 @@ version, its rewards and advantages) on a sampled fraction of groups; the checks
 the engine's (:mod:`verl_ext.trust.verifier`). This module keeps the books:
 
 - **which groups are checked**: every group of a sampler still on probation (its first
-  ``probation_groups`` checks), then each group with probability ``verify_fraction`` (a seeded
-  draw, so a run is reproducible; a sampler cannot know which of its groups will be checked);
+  ``probation_groups`` checks), then each group with probability ``verify_fraction``, drawn by a
+  keyed hash of the group under a secret only the learner holds (made at start with
+  ``os.urandom``, kept across resume in :meth:`state_dict`): no sampler can predict which of its
+  groups will be checked, from the config, the seed or the exchange;
 - **trust**: a score in [0, 1] per sampler id, 1 at the start; a failed check subtracts
   ``penalty``, a passed one adds ``recovery`` (capped at 1). Below ``quarantine_below`` the
   sampler is quarantined: every later record of it is refused (reason ``quarantined``), and the
@@ -29,6 +31,9 @@ Events (quarantine, divergence bound crossed either way) are kept for the run's 
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import os
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
@@ -88,7 +93,7 @@ class TrustLedger:
         quarantine_below: float = 0.5,
         max_divergence: float = 0.0,
         divergence_window: int = 8,
-        seed: int = 0,
+        secret: bytes | None = None,
     ):
         self.check_arguments(
             {
@@ -104,7 +109,7 @@ class TrustLedger:
         self.verify_fraction, self.probation_groups = float(verify_fraction), int(probation_groups)
         self.penalty, self.recovery, self.quarantine_below = float(penalty), float(recovery), float(quarantine_below)
         self.max_divergence, self.divergence_window = float(max_divergence), int(divergence_window)
-        self._rng = np.random.default_rng([int(seed), 23])
+        self.secret = os.urandom(32) if secret is None else bytes(secret)  # the draw's key: never leaves the learner
         self.samplers: dict[str, SamplerTrust] = {}
         self.counts: Counter[str] = Counter()  # checked, failed:<reason>, purged, refused:<reason>
         self._events: list[dict] = []
@@ -126,12 +131,14 @@ class TrustLedger:
             return DIVERGENT
         return None
 
-    def should_check(self, sampler_id: str) -> bool:
-        """Check this group? Always while the sampler is on probation, else with
-        probability ``verify_fraction``. The draw is made for every group, so the sequence of
-        draws does not depend on which samplers were on probation."""
-        draw = self._rng.random() < self.verify_fraction
-        return self._of(sampler_id).checks < self.probation_groups or draw
+    def should_check(self, sampler_id: str, key: str) -> bool:
+        """Check this group? Always while the sampler is on probation, else with probability
+        ``verify_fraction``: HMAC-SHA256(secret, ``key``) read as a uniform number, ``key`` naming
+        the group (its uid and content). The same group always draws the same way."""
+        if self._of(sampler_id).checks < self.probation_groups:
+            return True
+        digest = hmac.new(self.secret, f"{sampler_id}\x00{key}".encode(), hashlib.sha256).digest()
+        return int.from_bytes(digest[:8], "big") / 2.0**64 < self.verify_fraction
 
     def accepted(self, sampler_id: str, uid: str) -> None:
         """An unchecked group of this sampler entered the buffer (purged if a later check
@@ -253,7 +260,7 @@ class TrustLedger:
     def state_dict(self) -> dict:
         return {
             "counts": dict(self.counts),
-            "rng": self._rng.bit_generator.state,
+            "secret": self.secret.hex(),
             "samplers": {
                 s: {
                     "score": b.score,
@@ -270,7 +277,8 @@ class TrustLedger:
 
     def load_state_dict(self, state: dict) -> None:
         self.counts = Counter(state["counts"])
-        self._rng.bit_generator.state = state["rng"]
+        if "secret" in state:  # a checkpoint from before the secret keeps this ledger's new one
+            self.secret = bytes.fromhex(state["secret"])
         self.samplers = {}
         for sampler_id, books in state["samplers"].items():
             self.samplers[sampler_id] = SamplerTrust(

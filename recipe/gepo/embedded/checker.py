@@ -472,6 +472,9 @@ class OffloadedChecks:
     def accepted(self, group: RolloutGroup, vouched: bool = False) -> None:
         self.gate.accepted(group, vouched)
 
+    def malformed(self, refusal: RecordRejected) -> None:
+        self.gate.malformed(refusal)
+
     def passed_over(self, group: RolloutGroup) -> None:
         self.gate.passed_over(group)
 

@@ -29,9 +29,11 @@ or async mode's proxy of it in a Ray actor. The two modes differ only in their
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any, Callable, Optional, Protocol, runtime_checkable
 
+import torch
 from tqdm import tqdm
 
 from .diagnostics import step_diagnostics
@@ -40,8 +42,9 @@ from .learner import Learner
 from .placement import Placement
 from .run_utils import MetricLogger
 from .tasks import Task
+from verl_ext.algos.advantages import sequence_advantages
 from verl_ext.hetero.buffer import RolloutBuffer
-from verl_ext.hetero.records import RecordSpec
+from verl_ext.hetero.records import RecordSpec, RolloutGroup
 from verl_ext.loss_bridge import rollout_correction_settings
 from verl_ext.rundir import append_event, load_latest_checkpoint, save_checkpoint, truncate_metrics
 
@@ -64,13 +67,24 @@ def build_learner(model, pad_token_id: int, engine: EngineConfig) -> Learner:
     )
 
 
-def build_buffer(engine: EngineConfig, task: Task) -> RolloutBuffer:
-    hetero = engine.hetero
+def build_buffer(engine: EngineConfig, task: Task, model_config: Any = None) -> RolloutBuffer:
+    """The learner's buffer. ``model_config`` (the policy's HF config): records whose token ids lie
+    outside its vocabulary, or whose prompt and response would not fit its positions, are refused
+    on arrival (a sampler may send any bytes; nothing out of range reaches a model)."""
+    hetero, max_new = engine.hetero, engine.settings.max_new_tokens
+    vocab = getattr(model_config, "vocab_size", None)
+    positions = getattr(model_config, "max_position_embeddings", None)
     return RolloutBuffer(
         max_delay=hetero.max_delay,
         stale_policy=hetero.stale_policy,
         order=hetero.order,
-        spec=RecordSpec(group_size=engine.settings.group_size, reward_range=task.reward_range),
+        spec=RecordSpec(
+            group_size=engine.settings.group_size,
+            reward_range=task.reward_range,
+            vocab_size=vocab,
+            max_response_length=max_new,
+            max_prompt_length=max(1, positions - max_new) if positions else None,
+        ),
         wait_timeout_s=hetero.wait_timeout_s,
         sampler_capacity=sampler_quota(engine),
     )
@@ -84,6 +98,27 @@ def sampler_quota(engine: EngineConfig) -> int:
     if hetero.max_buffered_per_sampler is not None:
         return hetero.max_buffered_per_sampler
     return (hetero.max_delay + 1) * engine.settings.prompts_per_step
+
+
+def with_learner_advantages(groups: list[RolloutGroup], algorithm_config: Any) -> list[RolloutGroup]:
+    """The batch's groups with the advantages the loss reads derived here, from their rewards, by
+    verl's estimator over the batch (group-local ones such as grpo: per group), one per sequence:
+    the sampler's own advantages are at most cross-checked (the trust gate), never trained on."""
+    width = max(g.response_ids.shape[1] for g in groups)
+    rewards = torch.cat([torch.as_tensor(g.rewards, dtype=torch.float32) for g in groups])
+    mask = torch.zeros((len(rewards), width), dtype=torch.long)
+    uids: list[str] = []
+    row = 0
+    for g in groups:
+        mask[row : row + g.group_size, : g.response_ids.shape[1]] = torch.as_tensor(g.response_mask).long()
+        uids += [g.group_uid] * g.group_size
+        row += g.group_size
+    advantages = sequence_advantages(rewards, mask, uids, algorithm_config).numpy()
+    out, row = [], 0
+    for g in groups:
+        out.append(dataclasses.replace(g, advantages=advantages[row : row + g.group_size].copy()))
+        row += g.group_size
+    return out
 
 
 # ---------------------------------------------------------------------------- one step
@@ -105,7 +140,7 @@ class LearnerRuntime:
         self.model, self.tokenizer = Placement.of(engine.hetero).load_learner(model_path)
         self.task = Task(engine.task, engine.hetero.seed, self.tokenizer)
         self.learner = build_learner(self.model, self.tokenizer.pad_token_id, engine)
-        self.buffer = build_buffer(engine, self.task)
+        self.buffer = build_buffer(engine, self.task, self.model.config)
         self.source = make_source(self)
 
     def start(self, checkpoint: Optional[dict] = None) -> int:
@@ -129,9 +164,10 @@ class LearnerRuntime:
         step = self.learner.version if step is None else int(step)
         t0 = time.perf_counter()
         batch = self.source.next_batch(step, engine.settings.prompts_per_step, self.learner.version)
-        diag = step_diagnostics(self.model, self.tokenizer, batch.groups, self.task, engine, step, self.learner.version)
+        groups = with_learner_advantages(batch.groups, engine.algorithm)
+        diag = step_diagnostics(self.model, self.tokenizer, groups, self.task, engine, step, self.learner.version)
         t_train, cpu_train = time.perf_counter(), time.thread_time()
-        metrics = self.learner.train_step(batch.groups)
+        metrics = self.learner.train_step(groups)
         train_cpu_s = time.thread_time() - cpu_train
         self.source.trained(batch.groups, self.learner.group_divergence)
         if engine.settings.save_freq <= 0:

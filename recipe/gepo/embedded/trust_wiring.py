@@ -40,4 +40,11 @@ def embedded_gate(engine: Any, model_path: str, task: Task, buffer: Any, local_c
     verifier = None
     if local_checks and (trust.verify_fraction > 0 or trust.check_rewards):
         verifier = embedded_verifier(engine, model_path, task, keep_versions=hetero.max_delay + 1)
-    return build_gate(trust, hetero.seed, buffer, verifier)
+    return build_gate(trust, buffer, verifier, precisions=accepted_precisions(engine))
+
+
+def accepted_precisions(engine: Any) -> tuple[str, ...]:
+    """The sampler precisions a run accepts: its ``hetero.sampler_precision`` and those its
+    ``hetero.trust.bounds_file`` calibrated. A sampler cannot widen its bounds by what it declares."""
+    calibrated = engine.hetero.trust.bounds().calibrated
+    return tuple(sorted({engine.hetero.sampler_precision, *calibrated}))

@@ -59,8 +59,9 @@ STEP_METRICS = (
 )
 
 
-def wait_until(predicate, what: str, timeout_s: float = 20.0, poll_s: float = 0.02) -> None:
-    """Poll ``predicate`` until it is true; AssertionError naming ``what`` after ``timeout_s``."""
+def wait_until(predicate, what: str, timeout_s: float = 60.0, poll_s: float = 0.02) -> None:
+    """Poll ``predicate`` until it is true; AssertionError naming ``what`` after ``timeout_s`` (a bound
+    on a wait that ends as soon as it holds: generous, so a loaded machine does not fail it)."""
     deadline = time.monotonic() + timeout_s
     while not predicate():
         if time.monotonic() > deadline:

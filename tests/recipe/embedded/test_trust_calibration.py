@@ -77,12 +77,16 @@ def test_a_calibration_catches_a_lie_the_table_lets_through(calibration, tiny_mo
     )
     assert mine.gate.verifier.tolerance("bf16") == read_bounds_file(str(calibration))[0]["bf16"]
     assert mine.gate.verifier.tolerance("fp32") == table.gate.verifier.tolerance("fp32")  # fp32 untouched
-    # honest bf16 groups (prompts of another stream than the calibration's) pass both
-    for lab in (table, mine):
-        honest = [g for _ in range(4) for g in lab.groups("honest", n=8, model=bf16)]
-        assert [lab.offer(g) for g in honest] == [None] * len(honest)
-    # a sampler reporting q x 1.02 on every group: the table admits all of it (this model's log q are
-    # small: 1.02 x moves them under SmolLM2's honest spread), the calibration refuses it
+    assert table.gate.precisions == ("fp32",) and mine.gate.precisions == ("bf16", "fp32")
+    # honest bf16 groups (prompts of another stream than the calibration's) pass the calibrated run;
+    # the run without a calibration does not accept bf16 at all
+    honest = [g for _ in range(4) for g in mine.groups("honest", n=8, model=bf16)]
+    assert [mine.offer(g) for g in honest] == [None] * len(honest)
+    refused = [table.offer(g) for g in table.groups("honest", n=8, model=bf16)]
+    assert refused == ["precision_not_accepted"] * 8
+    # a sampler reporting q x 1.02 on every group: the table's bounds would admit all of it (this
+    # model's log q are small: 1.02 x moves them under SmolLM2's honest spread), the calibration refuses it
+    table.gate.precisions = None  # the table's bf16 bounds, as a gate accepting any known precision applies them
     verdicts = {}
     for name, lab in (("table", table), ("calibrated", mine)):
         liar = _scaled([g for _ in range(3) for g in lab.groups("liar", n=8, model=bf16)], 1.02)

@@ -46,13 +46,13 @@ class Lab:
     def __init__(self, model_path, tmp_path, *overrides):
         self.engine = _engine(model_path, tmp_path, *overrides)
         self.task = Task(self.engine.task, self.engine.hetero.seed)
-        self.buffer = build_buffer(self.engine, self.task)
+        self.model, self.tokenizer = load_policy(model_path)
+        self.model.eval()
+        self.buffer = build_buffer(self.engine, self.task, self.model.config)
         self.gate = embedded_gate(self.engine, model_path, self.task, self.buffer)
         # a group whose version's weights never come waits this long (30 s in a run); the tests that
         # need the wait itself set their own (test_trust_windows.py)
         self.gate.version_wait_s = 1.0
-        self.model, self.tokenizer = load_policy(model_path)
-        self.model.eval()
         self.v1, _ = load_policy(model_path)  # another version: every weight moved by one Adam-sized step
         with torch.no_grad():
             for p in self.v1.parameters():

@@ -32,6 +32,7 @@ def _first_failure(lab, groups) -> int | None:
 
 def test_honest_bf16_groups_pass_and_a_temperature_liar_is_caught_at_once(tiny_model_path, tmp_path):
     lab = Lab(tiny_model_path, tmp_path, "hetero.trust.verify_fraction=1")
+    lab.gate.precisions = None  # the table's bf16 bounds, as a gate accepting any known precision applies them
     bf16 = _bf16(tiny_model_path)
     honest = [g for _ in range(6) for g in lab.groups("sampler-0", n=8, model=bf16)]
     assert {g.sampler_precision for g in honest} == {"bf16"}
@@ -61,6 +62,7 @@ def test_a_small_systematic_lie_adds_up_while_honest_noise_does_not(tiny_model_p
     """q lowered by ``bias`` on every token: under every per-group bound (the fp32 one is 1e-3 a
     token), caught by the sum over the sampler's checked groups."""
     lab = Lab(tiny_model_path, tmp_path, "hetero.trust.verify_fraction=1")
+    lab.gate.precisions = None  # the table's bounds of the declared precision (a run needs a calibration for bf16)
     model = _bf16(tiny_model_path) if precision == "bf16" else lab.model
     tol = lab.gate.verifier.tolerance(precision)
     groups = [g for _ in range(3) for g in lab.groups("sampler-2", n=8, model=model)]
@@ -129,14 +131,19 @@ def test_the_precision_travels_in_the_record():
     assert RolloutGroup.from_bytes(group.to_bytes()).sampler_precision is None
 
 
-def test_a_bf16_scorer_gives_every_sampler_the_bf16_bounds(tiny_model_path, tmp_path):
-    """With hetero.sampler_precision=bf16 the learner re-scores in bf16 too: an honest fp32 sampler's
-    groups then differ from the re-score by bf16's spread, and are judged by bf16's bounds."""
-    lab = Lab(tiny_model_path, tmp_path, "hetero.sampler_precision=bf16", "hetero.trust.verify_fraction=1")
-    verifier = lab.gate.verifier
-    assert verifier.scorer_precision == "bf16" and verifier.bounds_precision("fp32") == "bf16"
-    honest = lab.groups("sampler-4", n=8)  # the fp32 model: declared fp32
-    assert {g.sampler_precision for g in honest} == {"fp32"}
-    spreads = [group_mismatch(g.sampler_logprobs, verifier.rescore(g), g.response_mask) for g in honest]
-    assert max(m.token_max for m in spreads) > 1e-3  # over fp32's bound: the scorer's own rounding
-    assert [lab.offer(g) for g in honest] == [None] * 8
+def test_a_sampler_cannot_widen_its_bounds_by_the_precision_it_declares(tiny_model_path, tmp_path):
+    """A run accepts the precision its config names (hetero.sampler_precision) and those its
+    bounds_file calibrated: an fp32 run refuses a group declaring bf16 (wider bounds) and a bf16
+    run one declaring fp32, without blame (a misconfigured sampler, not a lie shown)."""
+    fp32_run = Lab(tiny_model_path, tmp_path / "fp32", "hetero.trust.verify_fraction=1")
+    assert fp32_run.gate.precisions == ("fp32",)
+    declared_bf16 = [g for g in fp32_run.groups("sampler-4", n=4, model=_bf16(tiny_model_path))]
+    assert {g.sampler_precision for g in declared_bf16} == {"bf16"}
+    assert [fp32_run.offer(g) for g in declared_bf16] == ["precision_not_accepted"] * 4
+    assert fp32_run.gate.ledger.refusal("sampler-4") is None  # no blame
+    bf16_run = Lab(
+        tiny_model_path, tmp_path / "bf16", "hetero.sampler_precision=bf16", "hetero.trust.verify_fraction=1"
+    )
+    assert bf16_run.gate.verifier.scorer_precision == "bf16" and bf16_run.gate.precisions == ("bf16",)
+    declared_fp32 = bf16_run.groups("sampler-5", n=4)  # the fp32 model: declared fp32
+    assert [bf16_run.offer(g) for g in declared_fp32] == ["precision_not_accepted"] * 4
