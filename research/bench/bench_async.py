@@ -4,42 +4,15 @@
                                         [--trust-off | --trust-checker | --trust-in-learner | --compare-trust ROUNDS]
                                         [--warmup 5] [--out FILE] [extra hydra overrides ...]
 
-The learner process is pinned to ``--learner-cpus`` and the samplers to ``--sampler-cpus``
-(``hetero.learner_cpus`` / ``hetero.sampler_cpus``), so one machine behaves like a learner node
-and a sampler node (``--no-pin``: both share every core, as before pinning existed).
-
-- Synchronous = replay mode, no delay, with the same pinning: the process generates a batch with
-  the current weights on the sampler cores, then trains on the learner cores; the learner waits
-  while the sampler generates. A synchronous loop also waits for every weight transfer, so its
-  wall time at a transfer delay of d seconds per version is the measured wall + steps x d
-  (computed, not re-run: nothing in a synchronous step overlaps the transfer).
-- Async = one learner actor and one sampler actor (``--samplers``) with a constant weight
-  delay of d seconds per version (``hetero.delay.dist=constant``), the staleness bound and kept
-  versions wide enough to hold d seconds of versions, and back-pressure at two batches.
-
-Same work: both consume ``steps x prompts_per_step`` groups with the same model, loss and batch
-size. The first ``--warmup`` steps (sampler start-up; at delay d the first version reaches the
-sampler after d s) are reported apart; the table's times are the steps after them.
-
-Reported per delay: async wall, synchronous wall, async / max(pure sampling, pure training)
-(both from the synchronous run: generation time on the sampler core and ``learner.train_step``
-time on the learner core, for the same steps), the speed-up over synchronous, the async wall over
-the async run's own ``learner.train_step`` time (the overhead of async mode, measured within one
-run, so a load that changes between runs does not enter it), and the learner's idle fraction; and
-the CPU seconds of the learner's whole process (every thread: training, the inbox's poll thread,
-Ray's) over the timed steps, which another process's load does not enter either.
-The load average is recorded before and after every run; on a shared machine compare numbers
-within a row, not across rows.
-
-``--compare-trust ROUNDS``: what ``hetero.trust`` costs async mode. One synchronous run, then
-ROUNDS rounds of three async runs at the first delay -- protections off, checks in the checker
-process, checks in the learner's poll thread -- in an order rotated each round (drift in the
-machine's speed falls on every setting), a row per run and the medians per setting. On this
-project's 2-core VM the same run's train_step time moves by up to 30% from run to run, so one
-run of each says little; the medians of 5 rounds are what docs/reliability.md quotes. The table
-adds async wall / the training thread's CPU time in train_step: the wall time each CPU second of
-training needed, which the machine's speed moves less than either alone (checks in the learner's
-process take its core from training: wall up, training CPU not).
+The learner is pinned to ``--learner-cpus`` and the samplers to ``--sampler-cpus`` (``--no-pin``: all
+share every core). Synchronous = replay mode, no delay: generate on the sampler cores, then train on
+the learner cores; its wall at a transfer delay of d s per version is the measured wall + steps x d.
+Async = one learner and ``--samplers`` sampler actors, a constant weight delay of d s per version.
+Both consume the same groups with the same model, loss and batch size; the first ``--warmup`` steps
+are reported apart. The table (async and synchronous wall, async / max(pure sampling, pure training),
+the speed-up, async wall / its own train_step time, the learner's idle fraction and CPU, the load
+around each run) and ``--compare-trust`` (rounds of trust off / checker process / checks in the
+learner, in rotated order, and their medians): docs/benchmarks.md and docs/reliability.md.
 """
 
 from __future__ import annotations
@@ -265,7 +238,7 @@ def main() -> None:
         default=0,
         metavar="ROUNDS",
         help="at the first delay, ROUNDS rounds of async runs with trust off, checks in the checker process "
-        "and checks in the learner, alternating, and their medians (module docstring)",
+        "and checks in the learner, alternating, and their medians (docs/reliability.md)",
     )
     parser.add_argument("--out", type=Path, default=None)
     args, extra = parser.parse_known_args()

@@ -1,23 +1,16 @@
 """Start-up and per-step time of the two engines on the same toy run, and of the verl engine with
-1 vs 2 FSDP2 learner ranks (results in docs/scale-out.md).
+1 vs 2 FSDP2 learner ranks and with Megatron (results in docs/scale-out.md).
 
     python -m research.bench.bench_engines [--steps 8] [--out docs/bench_engines.md] [--only NAME ...]
 
-Every row is ``main_gepo`` with the same toy model, batch (4 prompts x 4 responses, 8 response
-tokens), loss (gepo) and no weight delay, so the rows differ only in the engine:
-
-- embedded, async: the embedded engine's learner + 1 sampler actor on Ray (the batch keys set to
-  the cpu_toy preset's values: a verl preset on the embedded engine is refused, its FSDP and
-  rollout keys are not the embedded engine's);
-- verl, dp=1 / dp=2: verl 0.9.1's trainer (``hetero.engine=verl``), 1 hf_cpu sampler replica, the
-  learner on 1 or 2 FSDP2 ranks over gloo (``trainer.n_gpus_per_node``, logical GPUs);
-- verl, Megatron TP=2 / PP=2: the same trainer with verl's Megatron engine on 2 ranks
-  (``+verl_preset=cpu_toy_megatron``, float32, megatron-core 0.16.1 via ``verl_ext/cpu/megatron.py``).
-
-Start-up = wall time of the whole command minus the sum of its step times (Ray, workers, model
-loading, and for the verl engine TransferQueue); per-step = median of the step times after the
-first (the first step includes warm-up). The machine's load average is recorded with each row:
-run it on a quiet machine (nothing else started), since two cores are shared by every process.
+Every row (:data:`ROWS`) is ``main_gepo`` with the same toy model, batch (4 prompts x 4 responses, 8
+response tokens), loss (gepo) and no weight delay, so the rows differ only in the engine: the
+embedded engine's learner + 1 sampler actor on Ray (with the cpu_toy preset's batch keys: a verl
+preset on the embedded engine is refused); verl 0.9.1's trainer with 1 hf_cpu sampler replica and
+the learner on 1 or 2 FSDP2 ranks over gloo; the same with verl's Megatron engine at TP=2 or PP=2
+(``+verl_preset=cpu_toy_megatron``). Start-up = the command's wall time minus the sum of its step
+times (Ray, workers, model loading, TransferQueue); per-step = the median of the step times after
+the first. Each row records the load average: run it on a quiet machine.
 """
 
 from __future__ import annotations

@@ -4,16 +4,13 @@
 
 A sampler draws groups with the model in fp32 and in bf16 (the weights cast, log q from float32
 logits: ``verl_ext.sampling.generate``, as vLLM computes them); the learner re-scores the same tokens
-in fp32 (one full forward pass, ``verl_ext.trust.verifier.group_log_probs``) with the weights it
-holds: fp32 as published, or rounded to bf16 (``hetero.weights_bf16``). Per group: the largest
-|Δ log q| a token, the mean |Δ| a token and the mismatch KL (k3) a token
-(``verl_ext.trust.bounds.group_mismatch``). Beside the honest samplers, liars on the bf16
-sampler's own draws: q reported at temperature 0.7 for tokens drawn at 1.0, and q with a constant
-bias per token (several sizes). For each: the share of groups the precision's per-group bounds
-refuse, and the checked groups until the per-sampler CUSUM fails it
-(``verl_ext.trust.bounds.TOLERANCES``, which cites this script's numbers).
-
-One torch thread; ``nice`` it on a shared machine. The toy's 128 groups take about a minute.
+in fp32 (``verl_ext.trust.verifier.group_log_probs``) with the weights it holds: fp32 as published,
+or rounded to bf16 (``hetero.weights_bf16``). Per group: the largest and the mean |Δ log q| a token
+and the mismatch KL (k3) a token (``verl_ext.trust.bounds.group_mismatch``). Beside the honest
+samplers, liars on the bf16 sampler's own draws (q at temperature 0.7 for tokens drawn at 1.0, q
+with a constant bias per token): for each, the share of groups the precision's per-group bounds
+refuse and the checked groups until the per-sampler CUSUM fails it (``verl_ext.trust.bounds.TOLERANCES``
+cites these numbers). One torch thread; ``nice`` it on a shared machine.
 """
 
 from __future__ import annotations

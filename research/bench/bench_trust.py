@@ -9,62 +9,15 @@
     python -m research.bench.bench_trust detection-table [--model toy|smollm2] [--setups fp32 bf16-on-fp32 bf16] [--trials 20]
         [--bounds SETUP=FILE ...] [--lies KIND ...]
 
-``ratio``: in one process, one torch thread, the CPU time of each check per group against the CPU
-time of the learner's ``train_step`` per group, on the same freshly generated groups: the cost of
-``hetero.trust`` as a function of the fraction, cost(f) = (rewards + f x re-scoring) / training,
-without the run-to-run noise of ``overhead``; for the toy model and for a real pretrained LM
-(SmolLM2-135M-Instruct on cpu_smollm2_math's easy GSM8K problems, plain template), where a group's training is
-much more than one call's overhead.
-
-``components``: where the gate's CPU goes, per group and per part (signature, content digest,
-books, the rewards check's parts, loading a version, the re-score's forward, token check, CUSUM):
-honest groups of one sampler, signed, through the inbox's path and the real :class:`TrustGate` at
-the run's trust defaults, while a real learner trains on them and publishes a version every step
-(thread CPU time; see :func:`components`).
-
-``checker-latency``: a verdict's round trip to a real checker process (:func:`checker_latency`),
-with its system core idle, busy with a nice-0 process, and with the learner's core lent to it.
-
-``spread``: the honest difference between a sampler's log-probs (the KV-cache sampler,
-``verl_ext.sampling.generate``) and the learner's re-scoring of the same tokens (one full forward
-pass), over ``--batches`` x 16 groups of the toy model, fp32 and with the weights rounded to bf16
-on both sides (``hetero.weights_bf16``); and, for scale, how far one Adam-sized step on every
-weight (lr 1e-5, 1e-4) moves the same groups' log-probs. ``hetero.trust.logprob_tolerance``'s
-default comes from this.
-
-``overhead``: async runs of ``bench_async.py``'s set-up (learner pinned to core 0, one sampler on
-core 1, delay 0, toy addition, GEPO, 8 prompts x G=8), protections off (``sign_records=false
-verify_fraction=0 check_rewards=false``) against protections on at each ``--fraction`` (rewards
-always checked), repeated ``--repeats`` times in alternation. The cost: the CPU seconds the
-learner's poll thread spent in checks (``perf/trust_check_cpu_s_total``) over the CPU seconds of
-its ``train_step`` (``perf/train_cpu_s``), both thread CPU time within one run, so another
-process's load does not enter them. The wall time per step is printed per run beside it (on two
-shared cores it moves by ~10% from run to run, more than the effect).
-
-``detection``: a sampler that passed its probation and then lies on every group (its log-probs
-times 1.5, which every check catches), offered to the real :class:`TrustGate` with the toy model,
-``--trials`` times per fraction: the lying groups that got into the buffer before the check that
-quarantined it (each would be trained on if a step took it first; the quarantine purges those
-still buffered), against the rule's expectation (1 - f) / f. Groups become seconds through the
-sampler's rate of groups.
-
-``detection-table``: detection against false alarms, per set-up of sampler and scorer precision
-(:data:`DETECTION_SETUPS`: fp32; a bf16 sampler with the default fp32 learner; both in bf16,
-``hetero.sampler_precision=bf16``), with checkable sampling on.
-Honest groups from several samplers, every one re-scored (``verify_fraction`` 1): the honest groups
-rejected. Then, for each lie of :data:`TABLE_LIES` (q scaled by 1 + eps, q at another temperature,
-tokens from other weights or a truncated distribution with q true to them, a lie claiming a version
-at its bump, a near copy of an accepted group: ``research/soak/lies.py``, the soak's liars),
-``--trials`` liars, each honest through its probation and then lying on every group: the lying
-groups the real :class:`TrustGate` admitted before the one it refused (the quarantine), at the
-run's ``verify_fraction``; a trial ends uncaught after ``--cap`` admitted. ``--bounds SETUP=FILE``:
-that set-up's gate uses a calibration (``hetero.trust.bounds_file``, ``python -m recipe.gepo.calibrate``
-with the set-up's overrides) in place of the table's bf16 bounds.
+Each subcommand is the function of its name (``bench_trust <name> --help`` prints what it measures);
+their results are in docs/reliability.md and docs/benchmarks.md. The lies of ``detection-table`` are
+``research/soak/lies.py``'s, the ones the soak's liars tell.
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
 import tempfile
 from pathlib import Path
 
@@ -76,6 +29,13 @@ if not __package__:  # run as a file: its sibling modules are reachable only thr
 
 
 def overhead(args) -> list[str]:
+    """Async runs of ``bench_async.py``'s set-up (learner pinned to core 0, one sampler on core 1,
+    delay 0, toy addition, GEPO, 8 prompts x G=8), protections off (``sign_records=false
+    verify_fraction=0 check_rewards=false``) against protections on at each ``--fraction`` (rewards
+    always checked), repeated ``--repeats`` times in alternation. The cost: the CPU seconds the
+    learner's poll thread spent in checks (``perf/trust_check_cpu_s_total``) over the CPU seconds of
+    its ``train_step`` (``perf/train_cpu_s``), both thread CPU time within one run, so another
+    process's load does not enter them; the wall time per step is printed per run beside it."""
     from .bench_async import COMMON, TRUST_OFF, async_overrides, loadavg, run
 
     from verl_ext.rundir import read_metric_rows
@@ -128,6 +88,12 @@ def overhead(args) -> list[str]:
 
 
 def detection(args) -> list[str]:
+    """A sampler that passed its probation and then lies on every group (its log-probs times 1.5,
+    which every check catches), offered to the real :class:`TrustGate` with the toy model,
+    ``--trials`` times per fraction: the lying groups that got into the buffer before the check that
+    quarantined it (each would be trained on if a step took it first; the quarantine purges those
+    still buffered), against the rule's expectation (1 - f) / f. Groups become seconds through the
+    sampler's rate of groups."""
     import torch
     from hydra import compose, initialize_config_dir
 
@@ -225,6 +191,12 @@ def detection(args) -> list[str]:
 
 
 def spread(args) -> list[str]:
+    """The honest difference between a sampler's log-probs (the KV-cache sampler,
+    ``verl_ext.sampling.generate``) and the learner's re-scoring of the same tokens (one full forward
+    pass), over ``--batches`` x 16 groups of the toy model, fp32 and with the weights rounded to bf16
+    on both sides (``hetero.weights_bf16``); and, for scale, how far one Adam-sized step on every
+    weight (lr 1e-5, 1e-4) moves the same groups' log-probs. ``hetero.trust.logprob_tolerance``'s
+    default comes from this."""
     import torch
     from omegaconf import OmegaConf
 
@@ -319,6 +291,12 @@ RATIO_MODELS = {
 
 
 def ratio(args) -> list[str]:
+    """In one process, one torch thread, the CPU time of each check per group against the CPU time of
+    the learner's ``train_step`` per group, on the same freshly generated groups: the cost of
+    ``hetero.trust`` as a function of the fraction, cost(f) = (rewards + f x re-scoring) / training,
+    without the run-to-run noise of ``overhead``; for the toy model and for a real pretrained LM
+    (SmolLM2-135M-Instruct on cpu_smollm2_math's easy GSM8K problems, plain template), where a
+    group's training is much more than one call's overhead."""
     import time
 
     import torch
@@ -874,6 +852,16 @@ def _lying_trial(lab: "_Lab", sampler: str, pool: list, start: int, lie, bump: b
 
 
 def detection_table(args) -> list[str]:
+    """Detection against false alarms, per set-up of sampler and scorer precision
+    (:data:`DETECTION_SETUPS`: fp32; a bf16 sampler with the default fp32 learner; both in bf16,
+    ``hetero.sampler_precision=bf16``), with checkable sampling on. Honest groups from several
+    samplers, every one re-scored (``verify_fraction`` 1): the honest groups rejected. Then, for each
+    lie of :data:`TABLE_LIES` (``research/soak/lies.py``, the soak's liars), ``--trials`` liars, each
+    honest through its probation and then lying on every group: the lying groups the real
+    :class:`TrustGate` admitted before the one it refused (the quarantine), at the run's
+    ``verify_fraction``; a trial ends uncaught after ``--cap`` admitted. ``--bounds SETUP=FILE``: that
+    set-up's gate uses a calibration (``hetero.trust.bounds_file``, ``python -m recipe.gepo.calibrate``
+    with the set-up's overrides) in place of the table's bf16 bounds."""
     import collections
     import dataclasses
 
@@ -1020,15 +1008,16 @@ def main() -> None:
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
     sub = parser.add_subparsers(dest="part", required=True)
-    o = sub.add_parser("overhead")
+    raw = argparse.RawDescriptionHelpFormatter
+    o = sub.add_parser("overhead", description=inspect.cleandoc(overhead.__doc__), formatter_class=raw)
     o.add_argument("--steps", type=int, default=60)
     o.add_argument("--warmup", type=int, default=5)
     o.add_argument("--repeats", type=int, default=2)
     o.add_argument("--fractions", type=float, nargs="+", default=[0.0, 0.25, 1.0])
-    d = sub.add_parser("detection")
+    d = sub.add_parser("detection", description=inspect.cleandoc(detection.__doc__), formatter_class=raw)
     d.add_argument("--trials", type=int, default=200)
     d.add_argument("--fractions", type=float, nargs="+", default=[0.05, 0.1, 0.25, 0.5, 1.0])
-    dt = sub.add_parser("detection-table")
+    dt = sub.add_parser("detection-table", description=inspect.cleandoc(detection_table.__doc__), formatter_class=raw)
     dt.add_argument("--model", choices=sorted(DETECTION_MODELS), default="toy")
     dt.add_argument("--setups", nargs="+", choices=list(DETECTION_SETUPS), default=list(DETECTION_SETUPS))
     dt.add_argument("--honest", type=int, default=256, help="honest groups offered, every one checked")
@@ -1045,20 +1034,20 @@ def main() -> None:
     dt.add_argument(
         "--bounds", nargs="*", default=[], metavar="SETUP=FILE", help="a set-up's bf16 bounds from a calibration file"
     )
-    sp = sub.add_parser("spread")
+    sp = sub.add_parser("spread", description=inspect.cleandoc(spread.__doc__), formatter_class=raw)
     sp.add_argument("--batches", type=int, default=20)
-    ra = sub.add_parser("ratio")
+    ra = sub.add_parser("ratio", description=inspect.cleandoc(ratio.__doc__), formatter_class=raw)
     ra.add_argument("--model", choices=sorted(RATIO_MODELS), default="toy")
     ra.add_argument("--prompts", type=int, default=8)
     ra.add_argument(
         "--checkable", action="store_true", help="hetero.trust.checkable_sampling on (seeded groups, the token check)"
     )
-    co = sub.add_parser("components")
+    co = sub.add_parser("components", description=inspect.cleandoc(components.__doc__), formatter_class=raw)
     co.add_argument("--steps", type=int, default=40)
     co.add_argument("--lag", type=int, default=2, help="versions the sampler is behind the learner")
     co.add_argument("--fraction", type=float, default=0.1, help="hetero.trust.verify_fraction")
     co.add_argument("--checkable", action="store_true", help="hetero.trust.checkable_sampling on")
-    cl = sub.add_parser("checker-latency")
+    cl = sub.add_parser("checker-latency", description=inspect.cleandoc(checker_latency.__doc__), formatter_class=raw)
     cl.add_argument("--model", choices=sorted(DETECTION_MODELS), default="toy")
     cl.add_argument("--prompts", type=int, default=4, help="groups generated (the calls cycle through them)")
     cl.add_argument("--repeats", type=int, default=20, help="calls per condition")

@@ -11,8 +11,8 @@ warm start in a fresh folder, in its own process, and prints its weights' sha256
 digits) and the held-out accuracy it records. Different hashes mean the recipe is not portable
 and a design must pin the weights it ran from (``Plan.warm_start_sha256``, docs/study.md).
 
-Each build takes about a minute of one core (more on a loaded machine): run it at ``nice`` beside
-a sweep, never beside a benchmark.
+Each build is a whole warm start on one core: run it at ``nice`` beside a sweep, never beside a
+benchmark.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ embedded engine samples it (its ``Task`` and ``sample_groups``): the reward sign
     OMP_NUM_THREADS=1 python research/gpu_lane/smollm2_prompt_signal.py --template qwen3_nothink
 
 Prints one line: accuracy (math_verify), the share of complete ``\\boxed{}`` answers, the share of
-groups with reward variance. CPU by default (slow: ~10 min at the defaults on one loaded core).
+groups with reward variance. CPU by default (slow: docs/gpu.md gives a run's time).
 """
 
 from __future__ import annotations

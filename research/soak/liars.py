@@ -1,44 +1,17 @@
-"""Samplers that lie (``python -m research.soak --liars``): one Ray actor, a real sampler of the run's
-config, that generates real groups and sends each under one of several identities, each identity
-lying one way on every group it sends. The enrolled identities hold keys the learner's operator
-enrolled (``hetero.trust.enrolment_file``): insiders turned bad. Two more are outsiders: one signs
-with a key nobody enrolled in an enrolled sampler's name, one writes unsigned records straight
-into the transport.
+"""Samplers that lie (``python -m research.soak --liars``): one Ray actor (:class:`LiarCrew`), a real
+sampler of the run's config, that generates real groups and sends each under one of several
+identities (``sampler-<60 + i>``, :func:`liar_id`), each lying one way (:data:`LIES`) on every group
+it sends. The insiders (:data:`INSIDER_LIES`) hold keys the learner's operator enrolled
+(``hetero.trust.enrolment_file``); the two outsiders (:data:`OUTSIDER_LIES`) sign with a key nobody
+enrolled, or write unsigned records straight into the transport. The token lies (:data:`TOKEN_LIES`)
+join only under ``hetero.trust.checkable_sampling`` (``--liars`` turns it on); a redraw that gives the
+honest tokens back is no lie and is not sent. The lies themselves are :mod:`.lies`'s, shared with
+the detection table of ``research/bench/bench_trust.py``; what became of them: docs/reliability.md.
 
-Lies (identity ``sampler-<60 + i>`` for the i-th kind):
-
-- ``q_scaled``: the log-probs q times 1.5; ``q_shuffled``: q permuted over the group's tokens;
-- ``q_other_version``: q re-computed under the oldest other version the weight store holds (the
-  group is held back until a second version exists, so every group sent is a lie);
-- ``claims_newer``: the newest published version claimed while the weights used are older (when
-  none is newer: the next version, which the learner refuses as ``future_version``);
-- ``reward_flip``: rewards 1 - r; ``reward_inflate``: every reward 1; both with the advantages the
-  estimator gives for the lie, so the group is self-consistent;
-- ``replay``: an honest sampler's group, read from the transport, sent again under a new uid;
-- ``q_scaled_slightly``: q times 1.05 (a small systematic lie, left to the per-sampler CUSUM
-  where one group is within the bounds); ``q_temperature``: the group's tokens, drawn at the run's
-  temperature, with q reported at 0.95 of it;
-- ``other_weights``: the tokens drawn again (the group's own Gumbel-max seed) by the crew's
-  weights with every weight moved by +-1e-3, q reported true to them under the claimed version;
-  ``truncated``: drawn again from the top-2 tokens of each step, q true to them. Both pass the
-  log-q and reward checks: they join only under ``hetero.trust.checkable_sampling`` (the token
-  check is what catches them; ``python -m research.soak --liars`` turns it on). A redraw that gives the
-  honest tokens back is no lie and is not sent;
-- ``near_copy``: an honest group at least :data:`NEAR_COPY_AGE_S` old (so the learner has judged
-  it), its rows rotated and one log q moved by 1e-5, sent under a new uid;
-- ``version_bump``: q times 1.5, claiming a version the moment the learner publishes it (the
-  group may reach the gate before that version's weights do);
-- ``forged_signature`` (outsider): a key nobody enrolled, claiming to be ``sampler-0``;
-- ``unsigned`` (outsider): no signature at all.
-
-Every group an identity sends is a lie; the soak counts those that reached an optimizer step
-(``poisoned groups trained on``, goal 0) from the uids the crew reports (:meth:`LiarCrew.report`).
-The lies themselves are :mod:`.lies`'s (the detection table of ``research/bench/bench_trust.py``
-tells the same ones).
-
-Beside the crew, an honest sampler in bf16 (:class:`HonestBf16Sampler`, ``sampler-50``, uids
-``s50-bf16-b<batch>-<i>``: the soak counts its groups as honest) among the run's fp32 samplers:
-the engine's own sampler loaded with ``hetero.sampler_precision=bf16``, enrolled like the crew.
+The soak counts the lying groups that reached an optimizer step (``poisoned groups trained on``,
+goal 0) from the uids the crew reports (:meth:`LiarCrew.report`). Beside the crew,
+:class:`HonestBf16Sampler` (``sampler-50``, uids ``s50-bf16-b<batch>-<i>``) is an honest sampler in
+bf16 among the run's fp32 ones, enrolled like the crew: its groups count as honest.
 """
 
 from __future__ import annotations
@@ -64,19 +37,23 @@ from verl_ext.hetero.protocol import ROLLOUT_TOPIC
 from verl_ext.hetero.records import RolloutGroup
 
 INSIDER_LIES = (
-    "q_scaled",
-    "q_shuffled",
+    "q_scaled",  # log q x 1.5
+    "q_shuffled",  # log q permuted over the group's tokens
+    # q re-computed under the oldest other version the weight store holds (held back until one exists)
     "q_other_version",
+    # the newest published version claimed, older weights used (none newer: the next, a future_version)
     "claims_newer",
-    "reward_flip",
-    "reward_inflate",
-    "replay",
-    "q_scaled_slightly",
-    "q_temperature",
+    "reward_flip",  # rewards 1 - r, with the advantages the estimator gives for them (self-consistent)
+    "reward_inflate",  # every reward 1, likewise
+    "replay",  # an honest sampler's group, read from the transport, sent again under a new uid
+    "q_scaled_slightly",  # log q x SLIGHT_SCALE: within one group's bounds, left to the per-sampler CUSUM
+    "q_temperature",  # the group's tokens (drawn at the run's temperature), q at LIE_TEMPERATURE_FACTOR of it
+    # the tokens drawn again (the group's own Gumbel-max seed) by the crew's weights moved by
+    # +-OTHER_WEIGHTS_STEP, or from the top-TRUNCATED_TOP_K tokens of each step; q true to them
     "other_weights",
     "truncated",
-    "near_copy",
-    "version_bump",
+    "near_copy",  # an honest group >= NEAR_COPY_AGE_S old, rows rotated, one log q moved by 1e-5
+    "version_bump",  # log q x 1.5, claiming a version the moment the learner publishes it
 )
 TOKEN_LIES = ("other_weights", "truncated")
 """Lies only checkable sampling's token check can catch: the crew tells them only when it is on."""
@@ -87,6 +64,7 @@ NEAR_COPY_AGE_S = 5.0
 VERSION_BUMP_WAIT_S = 3.0
 """``version_bump`` waits at most this long for the learner to publish a version (else sends nothing)."""
 OUTSIDER_LIES = ("forged_signature", "unsigned")
+"""A key nobody enrolled, claiming to be ``sampler-0``; no signature at all."""
 LIES = INSIDER_LIES + OUTSIDER_LIES
 FIRST_INDEX = 60
 

@@ -1,18 +1,14 @@
-"""What a lying sampler does to a group, as functions of an honest one: the soak's lying samplers
-(:mod:`.liars`) and the detection table of ``research/bench/bench_trust.py detection-table`` both
-make their lies here, so the soak and the table measure the same attacks.
+"""What a lying sampler does to a group, as functions of an honest one, each returning a new
+:class:`RolloutGroup` (the honest one is left as it was). The soak's lying samplers (:mod:`.liars`)
+and the detection table of ``research/bench/bench_trust.py detection-table`` both make their lies
+here, so the soak and the table measure the same attacks:
 
-Each function returns a new :class:`RolloutGroup` (the honest one is left as it was):
-
-- :func:`scaled_q`: log q times ``factor`` (q reported at another scale: 1.5 is a large lie,
-  1 + eps for small eps a small systematic one);
-- :func:`q_at_temperature`: the group's own tokens (drawn at the run's temperature), log q reported
-  as the sampler's model gives it at another temperature (0.9, 0.95: close to 1.0);
+- :func:`scaled_q`: log q times ``factor`` (1.5 a large lie, 1 + eps a small systematic one);
+- :func:`q_at_temperature`: the group's own tokens (drawn at the run's temperature), log q as the
+  sampler's model gives it at another temperature (0.9, 0.95: close to 1.0);
 - :func:`redrawn`: the tokens drawn again, with the group's own Gumbel-max seed, by another model
-  (other weights, or the same weights truncated to top-k / top-p by :func:`truncated`), and log q
-  reported true to those tokens under the claimed version's weights, rewards and advantages
-  recomputed for them: the log-q and reward checks pass it, only checkable sampling's token check
-  can tell (``hetero.trust.checkable_sampling``);
+  (other weights, or the same truncated to top-k / top-p by :func:`truncated`), with log q, rewards
+  and advantages true to them: only checkable sampling's token check can tell;
 - :func:`near_copy`: another sampler's group with its rows rotated and one log q changed by 1e-5
   (a replay that tries to look new).
 """

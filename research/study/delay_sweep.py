@@ -1,5 +1,5 @@
-"""The delay sweep: algorithms x staleness conditions x seeds in replay mode, with the same warm
-start, steps and evaluation for all; designs from the 252-run legacy sweep to the powered study.
+"""The study's command line: the delay sweep, algorithms x staleness conditions x seeds in replay
+mode, with the same warm start, steps and evaluation for all (docs/study.md).
 
     .venv/bin/python -m research.study.delay_sweep --out OUT [--design powered (default)|powered_long|dry|quick|legacy]
         [--workers 2] [--tasks long] [--algos gepo gspo ...] [--delays 0 fix16 uni64 ...]
@@ -7,68 +7,12 @@ start, steps and evaluation for all; designs from the 252-run legacy sweep to th
         [--plan-only] [--table-only [--join DESIGN ...] [--warm-start-sha256 HEX] [--replicate DESIGN=HEX ...]]
         [--own-warm-start]
 
-This file is the command line; the sweep itself is the package ``research/study/`` (plan, run,
-rows, analyse, render, figures). Each run is composed by hydra from ``recipe/gepo/config``
-(``gepo_trainer``) and the run's overrides and started through ``recipe.gepo.main_gepo.run_local``
-(its checks, then the replay engine), in a worker process with one torch thread
-(``OMP_NUM_THREADS`` if set). A run's directory is
-``OUT/runs/<task>/<algo>[@<lr>]/d<condition>/s<seed>/`` (``metrics.jsonl``, ``config.yaml``,
-``DONE`` with the run's seconds and its warm start's weight hash); the ``@<lr>`` part appears when
-a design tries several learning rates.
-
-**Designs** (``--design``): ``powered`` (the study, docs/study.md), ``powered_long`` (its harsher
-``fix256`` condition: 600 steps, with its own on-policy reference, each method at the rate
-``powered``'s stage 1 chose), ``dry`` (its pipeline on tiny settings), ``quick`` (a smoke test) --
-all from the warm start of 210 supervised steps, seed 0 (pinned by hash for the first two, see
-"Pinned weights") -- and ``legacy`` (the 252-run sweep of docs/results_data/legacy_results.md), which is
-table-only: its accuracy-window warm start was machine-dependent and is gone, so its rows can be
-tabulated (``--table-only``) but it cannot be run.
-
-**Staleness conditions** (``--delays``; the realised mean and max of each run are in its row):
-
-* ``0`` -- on-policy.
-* ``fix<k>`` -- every batch exactly k versions old (``hetero.delay.dist=constant``, value k,
-  ``max_delay`` k), except the first k steps, when only that many versions exist.
-* ``uni<K>`` -- staleness uniform on {0, ..., K} (``hetero.delay.dist=uniform``, low 0, high K,
-  ``integer=true``; ``max_delay`` K). Rows made before the named model read a trace file of the
-  values 0..K resampled i.i.d.: the same draws (tests/hetero/test_hetero_delay.py).
-* ``logn<K>`` or a bare integer K (the legacy sweep's "max delay K") -- the paper's log-normal
-  in learner steps (99.5% of the mass in [1, 64], median 8), rounded, capped at K.
-
-**Rows and resuming.** Every finished run appends one row to the rows file (``--rows``, default
-``OUT/rows.csv``): its numbers (``research.study.analyse.run_numbers``), realised staleness, the warm
-start's weight hash and the design id (a hash of the settings a run depends on). A run whose row
-is present with the same design id and warm-start hash is never run again, even if its directory
-is gone, so committing the rows file makes the study resumable on another machine that has its
-weights (below).
-
-**Pinned weights.** The same warm-start recipe gives other weights on another CPU
-(``research/bench/warm_start_kernels.py``), so the designs with committed rows pin the weights they
-ran from (``Plan.warm_start_sha256``): ``powered_long`` runs from the copy the package ships
-(``verl_ext/data/toy/pinned/``); ``powered``'s is not shipped, so its cells run only where the
-recipe rebuilds it. Tables use the pin and build nothing. ``--own-warm-start`` runs and tabulates
-a design from this machine's build instead: a study of its own, whose rows carry that build's hash
-and never mix with the pinned ones; ``--table-only --warm-start-sha256 HEX`` tabulates a design's
-rows of other weights (``powered_long``'s first start). ``--table-only --replicate DESIGN=HEX`` puts
-the design's drops from the weights HEX beside those from its pin, per stale condition both ran,
-with Spearman's rho of the methods' mean drops between the two (``replicate_<task>.md``, block
-``replicate``): whether the ranking holds on another build of the same recipe.
-
-**Learning rates** (designs with ``lr_grid``): stage 1 runs every algorithm on-policy at each rate
-of the grid for the ``lr_seeds``; the rule of ``research.study.analyse.choose_lrs`` picks one rate per
-algorithm, held fixed in stage 2 (every condition x seed). ``--lrs algo=lr`` pins rates and skips
-stage 1. ``--lr-grid`` replaces the grid of such a design; ``--lr`` is the one rate of a design
-without a grid (``legacy``, ``quick``). Either is refused where no run would read it: ``--lr`` on
-a design with a grid, ``--lr-grid`` on one without stage 1, both on ``powered_long`` (its rates
-come from ``powered``'s stage 1), ``--lr`` when ``--lrs`` pins every method.
-
-**Outputs** per task: ``table_<task>.md`` / ``summary_<task>.csv`` (per algorithm and condition),
-``stability_<task>.md``, ``runs_<task>.csv`` (one row per run), and for the powered designs
-``study_<task>.md``: the methods x conditions matrices (score, drop, paired differences), warm
-start, learning-rate choice, drops with 95% t intervals, paired differences of drops GEPO minus
-each baseline (interval, p-value, minimum detectable effect), the design's MDE, the correlation of
-IS-weight variance with KL per method;
-``figures_<task>/acc_vs_staleness.png`` and ``kl_vs_weight_var.png``.
+The sweep itself is this package: the designs are :data:`~research.study.plan.DESIGNS`, the staleness
+conditions :func:`~research.study.plan.normalize_condition`, a run's directory :func:`~research.study.plan.run_dir`,
+each finished run one row of the rows file (``--rows``, default ``OUT/rows.csv``: a run whose row is there
+never runs again), the outputs :func:`~research.study.render.write_outputs`. Designs with committed rows run
+from the weights they pin (``--own-warm-start``: this machine's build, as a study of its own). What each
+flag does and refuses: ``--help``; the designs, the learning-rate rule and the results: docs/study.md.
 """
 
 from __future__ import annotations
@@ -141,7 +85,7 @@ def rates_from_design(plan: Plan, reference: tuple[Plan, list[dict]]) -> list[st
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="runs/sweep")
     p.add_argument(
         "--design",

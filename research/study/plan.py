@@ -236,6 +236,11 @@ DRY = dict(
     design="dry",
 )
 DESIGNS = {"legacy": LEGACY, "quick": QUICK, "powered": POWERED, "powered_long": POWERED_LONG, "dry": DRY}
+"""``powered``: the study (docs/study.md); ``powered_long``: its harsher ``fix256`` condition (600 steps, its own
+on-policy reference, each method at the rate ``powered``'s stage 1 chose); ``dry``: its pipeline on tiny settings;
+``quick``: a smoke test -- all from the warm start of 210 supervised steps, seed 0, pinned by hash for the first
+two; ``legacy``: the 252-run sweep of docs/results_data/legacy_results.md, table-only (its accuracy-window warm
+start was machine-dependent and is gone)."""
 
 _COND = re.compile(r"^(fix|uni|logn)(\d+)$")
 
@@ -299,6 +304,8 @@ def lrs_to_try(plan: Plan, algo: str, chosen: dict | None = None) -> list[float]
 
 
 def run_dir(out: Path, plan: Plan, task: str, algo: str, lr: float, delay, seed: int) -> Path:
+    """``OUT/runs/<task>/<algo>[@<lr>]/d<condition>/s<seed>/`` (``metrics.jsonl``, ``config.yaml``, ``DONE`` with
+    the run's seconds and its warm start's weight hash); ``@<lr>`` where the design tries several rates."""
     name = f"{algo}@{lr:g}" if multi_lr(plan) else algo
     return out / "runs" / task / name / f"d{delay}" / f"s{seed}"
 

@@ -576,7 +576,8 @@ def write_outputs(
 ) -> None:
     """Every output of a plan's finished runs (``per_run``, from :func:`research.study.rows.collect`) in
     ``out``, per task: ``table_<task>.md``, ``summary_<task>.csv``, ``runs_<task>.csv``,
-    ``stability_<task>.md``, for the powered designs ``study_<task>.md``, and the figures."""
+    ``stability_<task>.md``, for the powered designs ``study_<task>.md``, and the figures
+    (``figures_<task>/acc_vs_staleness.png``, ``kl_vs_weight_var.png``)."""
     chosen = chosen if chosen is not None else {}
     main = main_runs(per_run, plan, chosen)
     rows = summarize(main)

@@ -1,5 +1,6 @@
-"""Running a sweep: the pinned warm starts, one worker process per run slot (each run composed from
-hydra overrides and started through ``recipe.gepo.main_gepo.run_local``), the two stages
+"""Running a sweep: the pinned warm starts, one worker process per run slot (one torch thread,
+``OMP_NUM_THREADS`` if set; each run composed by hydra from ``recipe/gepo/config`` and its overrides and
+started through ``recipe.gepo.main_gepo.run_local``: its checks, then the replay engine), the two stages
 (learning rates, then conditions x seeds) with a row appended as each run finishes, and the
 time estimate."""
 

@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Does SmolLM2-135M-Instruct learn through the verl engine? The runs and their report, one command each.
+"""Does SmolLM2-135M-Instruct learn through the verl engine? The runs and their report, one command each
+(results: docs/scale-out.md).
 
     python -m research.study.smollm2_learning run --seeds 0 1 --steps 30      # one seed after another (resumable)
     python -m research.study.smollm2_learning report                          # table on stdout + figure
@@ -7,22 +8,12 @@
 
 ``run`` trains ``+verl_preset=cpu_smollm2_math hetero.engine=verl`` once per seed into
 ``runs/smollm2_gepo_s<seed>`` (``nice``, one torch thread a process, a checkpoint every 5 steps,
-``trainer.resume_mode=auto``: the same command continues a run that was stopped), with verl's
-rollout dump (``trainer.rollout_data_dir``) beside it. Seeds run one after another: two at once do
-not fit in 24 GB.
-
-``evaluate`` exports each seed's last checkpoint to float32 (:mod:`recipe.gepo.verl_engine.export`)
-and runs the project's evaluation (``recipe.gepo.evaluate``) on it and on the starting model with
-the same settings (:data:`EVAL_SETTINGS`: the first 20 problems of MATH500 and of the GSM8K test
-split, mean@4 at the training temperature and template), each into ``outputs/eval/smollm2/<name>``
-(resumable), then prints mean@4 per benchmark for each.
-
-``report`` reads each run's metrics.jsonl (``reward/mean``: accuracy + the 0.1 boxed-answer term)
-and rollout dumps (each response scored again with the math reward: ``acc``, math_verify
-correctness, and ``format_boxed``) and prints, per seed, the means over the first and the last ``--window`` steps
-and their difference; the rise counts as beyond seed-to-seed noise when every seed's difference
-exceeds the spread of the seeds' first-window means (max - min). The figure (``--out``) shows the
-per-step reward and boxed rate of every seed with a rolling mean.
+``trainer.resume_mode=auto``), verl's rollout dump beside it; one seed at a time (two do not fit in 24 GB).
+``evaluate`` exports each seed's last checkpoint to float32 and runs ``recipe.gepo.evaluate`` on it and on
+the starting model with the same settings (:data:`EVAL_SETTINGS`), each into ``outputs/eval/smollm2/<name>``
+(resumable). ``report`` prints, per seed, the means of the reward and of the re-scored accuracy and boxed
+rate over the first and the last ``--window`` steps, and whether every seed's rise exceeds the spread of
+the seeds' first-window means; the figure (``--out``) shows each seed's per-step curves.
 """
 
 from __future__ import annotations

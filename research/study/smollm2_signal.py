@@ -11,7 +11,7 @@ advantages are zero for a group whose G rewards are all equal, so the column tha
 ``var>0``: the fraction of groups with non-zero reward variance (``acc var>0``: from accuracy alone).
 
 Prints one markdown table row per candidate, with the machine's load average. The model folder is
-the cached conversion (``python -m verl_ext.data.smollm2``; made on first use, ~30 s).
+the cached conversion (``python -m verl_ext.data.smollm2``; made on first use).
 """
 
 from __future__ import annotations

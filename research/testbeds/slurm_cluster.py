@@ -5,44 +5,15 @@
     export SLURM_CONF=/tmp/heterorl-slurm/slurm.conf      # `up` prints this as its last line
     sinfo; srun -N2 hostname; sbatch --nodes=2 job.sbatch  # any Slurm command, pointed at it
     python -m research.testbeds.slurm_cluster status [--json]
-    python -m research.testbeds.slurm_cluster cut --node n2        # fault: n2's cable pulled
-    python -m research.testbeds.slurm_cluster heal --node n2       # and plugged back in
-    python -m research.testbeds.slurm_cluster node-gone --node n2  # fault: n2 powered off (processes, namespace, veth)
-    python -m research.testbeds.slurm_cluster node-back --node n2  # n2 rebuilt; its slurmd re-registers
+    python -m research.testbeds.slurm_cluster cut --node n2        # fault: n2's cable pulled (heal: back)
+    python -m research.testbeds.slurm_cluster node-gone --node n2  # fault: n2 powered off (node-back: rebuilt)
     python -m research.testbeds.slurm_cluster down                 # idempotent: removes whatever is left
 
-What it builds (``ClusterConfig``): a bridge ``hrl-sbr0`` in the root namespace holding the
-controller's address (10.214.0.1/24; distinct from ``research/testbeds/wan``'s ``hrl-br0`` and 10.213.0.0),
-and nodes ``n1..nN``, each a network namespace ``hrl-slurm-nK`` whose one interface ``eth0`` (and
-loopback) is the far end of a veth pair ``hrls-nK`` plugged into the bridge, at 10.214.0.11, .12,
-... With ``--rate-mbit`` both ends of every pair carry a ``tc tbf`` at that rate (the same
-parameters as ``research/testbeds/wan/link.py``), so each node's link is limited in each direction. No node
-has a default route: a node reaches the controller and the other nodes, nothing else.
-
-The Slurm daemons (Slurm 22.05 as Debian 12 ships it, no cgroups, no systemd, no accounting): one
-``munged`` of its own (user munge, key and socket under the state dir), ``slurmctld`` in the root
-namespace listening on the controller's address only, and per node one ``slurmd -D`` started as
-``nsenter --net=/run/netns/NS unshare --uts --mount`` (not ``ip netns exec``, which remounts /sys
-and hides the cgroup mount slurmd 22.05 still probes), with the node's hostname and a private bind
-mount of the cluster's hosts file over /etc/hosts, which maps every node name to its address and
-this machine's name to the bridge address (slurmctld sees it too, in a mount namespace of its own:
-that is what binds it to the bridge address). So every process a job runs on ``nK`` sees
-hostname ``nK``, ``hostname --ip-address`` answers the node's address (so does Ray's fallback when
-there is no default route), and it can open TCP connections to the other nodes' addresses.
-Only network, hostname and /etc/hosts are per node: processes and the filesystem are shared, and
-/tmp serves as the cluster's shared filesystem. Everything else -- slurm.conf, logs, spool and
-state dirs, pid files, the state file ``cluster.json`` -- is under ``STATE_DIR``
-(/tmp/heterorl-slurm); /etc/slurm and the system's munge are never touched. Point Slurm's
-commands at the cluster with ``SLURM_CONF``.
-
-``down`` and ``node-gone`` stop the daemons by the process ids recorded in the state file (checked
-against their start times), and the processes a node's jobs left behind by their network namespace
-(only this cluster's namespaces), never by process name.
-
-Needs root: CAP_NET_ADMIN and CAP_SYS_ADMIN (namespaces, veths, bridge, qdiscs, mounts), ``ip``
-and ``tc`` (iproute2), ``nsenter``, ``unshare`` and ``setpriv`` (util-linux); without them every
-command exits with ``EXIT_REFUSED`` naming what is missing, before changing anything. ``up``
-installs the Slurm packages with apt-get when their binaries are missing.
+What it builds (:class:`ClusterConfig`; docs/scale-out.md): a bridge with the controller's address and
+nodes ``n1..nN``, each a namespace behind a veth pair (``tc tbf`` on both ends with ``--rate-mbit``)
+with its own hostname, hosts file and ``slurmd``; one ``munged`` and ``slurmctld`` of its own. Its
+files are under ``STATE_DIR``, and it stops only what it started, by recorded process id. Needs root
+(``up`` installs Slurm with apt-get if missing); without it every command exits with ``EXIT_REFUSED``.
 """
 
 from __future__ import annotations

@@ -1,23 +1,16 @@
 #!/usr/bin/env python3
 """A two-node Ray cluster across the rate-limited link: head = learner node, worker = sampler node.
 
-    python -m research.testbeds.wan.cluster up --rate-mbit 100   # link (link.py up) + Ray head + Ray worker
+    python -m research.testbeds.wan.cluster up --rate-mbit 100         # link (link.py up) + Ray head + Ray worker
     python -m research.testbeds.wan.cluster status
     python -m research.testbeds.wan.cluster worker-gone --seconds 20   # fault: sampler node gone and back
-    python -m research.testbeds.wan.cluster down                 # Ray processes of this script, then the link
+    python -m research.testbeds.wan.cluster down                       # Ray processes of this script, then the link
 
-The head runs in the root namespace bound to the learner-side address with the custom resource
-``{"learner_node": 1}``; the worker node runs inside the sampler namespace
-(``ip netns exec heterorl-smp ray start --address=10.213.0.1:PORT``) with ``{"sampler_node": 1}``.
-An actor created with ``.options(resources={"sampler_node": 0.01})`` lands in the namespace, and
-every object it fetches from the head (weights) or sends to it (rollouts) crosses the veth pair and
-its tbf limit. A driver joins with ``ray.init(address="10.213.0.1:PORT")`` (or ``RAY_ADDRESS``).
-
-Isolation from other Ray users of the same machine: the cluster uses its own ``--temp-dir``, so
-``ray start`` records its address there and not in /tmp/ray/ray_current_cluster (where a plain
-``ray.init()`` elsewhere would find and join it); and ``down`` never calls ``ray stop`` (which kills
-*every* Ray process on the machine): it ends the two process sessions this script started, by
-the ids recorded in ``STATE_FILE``.
+The head runs in the root namespace with the resource ``{"learner_node": 1}``, the worker inside
+the sampler namespace with ``{"sampler_node": 1}``: an actor placed with
+``resources={"sampler_node": 0.01}`` fetches and sends every object across the link. Kept apart from
+other Ray users of the machine (docs/network.md): its own ``--temp-dir`` and auth token, and ``down``
+ends only the two process sessions this script started (ids in ``STATE_FILE``), never ``ray stop``.
 """
 
 from __future__ import annotations

@@ -9,19 +9,11 @@
     python -m research.testbeds.wan.link ns-gone --seconds 20  # fault: the sampler namespace deleted, then rebuilt
     python -m research.testbeds.wan.link down                  # idempotent: removes whatever is left
 
-What it builds (``LinkConfig``): a network namespace for the samplers (``heterorl-smp``) joined to
-the root namespace (the learner's) by a veth pair with two private addresses on a /30
-(10.213.0.1 learner side, 10.213.0.2 sampler side), and a token-bucket filter (``tc tbf``) at the
-chosen rate on *both* veth ends, so each direction is limited. The learner-side address lives on
-a bridge (``hrl-br0``) whose one port is the learner's veth end, not on the veth itself: deleting
-the sampler namespace destroys the veth pair, and the Ray head bound to 10.213.0.1 must keep its
-address while the sampler node is gone (``ns-gone``, ``cluster.py worker-gone``). The namespace
-has no default route and no other interface than its loopback and its veth end: a process inside
-can reach only 10.213.0.1 and itself. Nothing here touches any other interface or address.
-
-Needs CAP_NET_ADMIN (veth, addresses, qdiscs) and CAP_SYS_ADMIN (``ip netns add`` bind-mounts
-the namespace under /run/netns), plus ``ip`` and ``tc`` on PATH; without them every command exits
-with ``EXIT_REFUSED`` and a message naming what is missing, before changing anything.
+What it builds (:class:`LinkConfig`; docs/network.md): a sampler namespace joined to the root
+namespace by a veth pair on a private /30, a ``tc tbf`` at the rate on both ends, the learner-side
+address on a bridge so that it outlives the pair; the namespace has no default route, and nothing
+else is touched. Without CAP_NET_ADMIN, CAP_SYS_ADMIN, ``ip`` and ``tc`` every command exits with
+``EXIT_REFUSED`` naming what is missing, before changing anything.
 """
 
 from __future__ import annotations

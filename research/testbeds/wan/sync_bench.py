@@ -1,31 +1,18 @@
 #!/usr/bin/env python3
 """Bytes and seconds of one weight version over the rate-limited link: what a
-slow link costs each weight sync, full and delta.
+slow link costs each weight sync, full and delta (docs/network.md).
 
     python -m research.testbeds.wan.sync_bench --rates 10,100,1000 --trials 3 [--out runs/wan/sync.json]
-
-Brings up the link and the two-node Ray cluster (``cluster.py``), places a receiver actor on the
-sampler node (``resources={"sampler_node": ...}``: it runs inside the namespace), and for each
-rate and wire form puts one encoded weight version into the head's object store and times the
-receiver's ``ray.get`` of it (the object crosses the veth pair and its tbf limit) plus decoding.
-Tears everything down at the end, also on failure or Ctrl-C.
-
-Wire forms (the toy model's state dict; version v+1 is v after one real AdamW step):
-  fp32       the engine's weight message (``serialize_state_dict``, safetensors), float32
-  bf16       the same with ``wire_dtype="bf16"`` (what ``hetero.weights_bf16=true`` sends)
-  bf16-xor   bf16 bit patterns of v+1 XOR those of v (the sampler holds v), zlib level 1:
-             exact reconstruction of the bf16 weights, checked by SHA-256 on the receiver
-
-Also one raw TCP transfer of the same size as the fp32 message (``probe.py``), to show how much
-of the link Ray's object transfer uses. Bounded: ``--trials`` x forms x rates transfers, each
-with a timeout; SIGTERM and Ctrl-C tear down too.
-
     python -m research.testbeds.wan.sync_bench --behind 1,2,4,8 [--lr 1e-6] [--model-path DIR] > rows.jsonl
 
-only prints (JSON lines), for a sampler k versions behind, the bytes of the direct delta, of a
-chain of one-step deltas (raw, and as the engine's delta messages) and of a full bf16 version (no
-network, no privileges); the link benchmark's --rates, --trials and --out are refused with it.
-The XOR encoding is the engine's (``verl_ext.hetero.weights``), one implementation.
+``--rates``: brings up the two-node cluster (``cluster.py``), places a receiver actor on the sampler
+node and times its ``ray.get`` and decoding of one version per rate and wire form (fp32, bf16, and
+bf16-xor: the bf16 bit patterns of v+1 XOR those of v, zlib level 1, checked by SHA-256 on the
+receiver), beside one raw TCP transfer of the fp32 size (``probe.py``); bounded (``--trials``, a
+timeout each) and torn down at the end, also on failure, SIGTERM or Ctrl-C. ``--behind`` (no network,
+no privileges): for a sampler k versions behind, the bytes of the direct delta, of a chain of one-step
+deltas and of a full bf16 version, as JSON lines. The XOR encoding is the engine's
+(``verl_ext.hetero.weights``), one implementation.
 """
 
 from __future__ import annotations
