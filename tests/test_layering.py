@@ -67,8 +67,8 @@ def _imports_of(folder: Path) -> list[tuple[Path, int, str]]:
 
 
 def test_the_walk_resolves_relative_imports():
-    assert "recipe.gepo.embedded.engine" in {m for _, m in imported_modules(RECIPE / "embedded" / "driver.py")}
-    assert any(mod == "recipe.gepo.sections" for _, mod in imported_modules(RECIPE / "embedded" / "engine.py"))
+    assert "recipe.gepo.embedded.engine_config" in {m for _, m in imported_modules(RECIPE / "embedded" / "loop.py")}
+    assert any(mod == "recipe.gepo.sections" for _, mod in imported_modules(RECIPE / "embedded" / "engine_config.py"))
 
 
 def test_the_recipe_never_names_itself_absolutely():

@@ -11,7 +11,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from recipe.gepo.embedded.run_utils import MetricLogger, RunSettings
+from recipe.gepo.embedded.run_log import MetricLogger, RunSettings
 from verl_ext import rundir
 
 METRICS = {

@@ -40,10 +40,10 @@ CONFIG_DIR = Path(__file__).resolve().parent / "config"
 
 
 def compose_engine(overrides: list[str]):
-    """The run's validated :class:`~recipe.gepo.embedded.engine.EngineConfig` for ``overrides``."""
+    """The run's validated :class:`~recipe.gepo.embedded.engine_config.EngineConfig` for ``overrides``."""
     from hydra import compose, initialize_config_dir
 
-    from .embedded.engine import EngineConfig
+    from .embedded.engine_config import EngineConfig
 
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
         cfg = compose(config_name="gepo_trainer", overrides=["trainer.logger=[]", *overrides])
@@ -60,9 +60,9 @@ def honest_mismatches(
     import torch
     from tqdm import tqdm
 
-    from .embedded.placement import Placement
+    from .embedded.model_placement import Placement
     from .embedded.policy import load_policy
-    from .embedded.rollout import RolloutSettings, generate_groups
+    from .embedded.rollout_groups import RolloutSettings, generate_groups
     from .embedded.tasks import Task, resolve_model_path
     from verl_ext.trust.verifier import group_log_probs, group_scores
     from verl_ext.trust.gumbel import noised_margins
@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> None:
     from verl_ext.trust.bounds import TOLERANCES, bounds_file_payload, calibrate
     from verl_ext.torch_threads import set_torch_threads
 
-    from .embedded.engine import model_identity
+    from .embedded.engine_config import model_identity
 
     set_torch_threads(1)
     # the run's config, without a bounds file of its own (this measures one)

@@ -57,7 +57,7 @@ def _fmt(value, spec: str = ".3f") -> str:
 
 def main(argv: list[str]) -> int:
     from .main_gepo import run
-    from .report import load_metrics, summarize
+    from .run_report import load_metrics, summarize
 
     cfg = demo_config(argv)
     start = time.time()

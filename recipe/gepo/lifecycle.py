@@ -14,7 +14,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
-from .report import METRICS_FILE, report_after_failure, write_config_notes, write_report
+from .run_report import METRICS_FILE, report_after_failure, write_config_notes, write_report
 
 
 def print_notes(notes: list[str]) -> None:

@@ -30,9 +30,9 @@ def run_local(cfg: DictConfig) -> dict[str, Any]:
     """The embedded engine: validate everything (:meth:`EngineConfig.from_omegaconf`), then train
     in the mode ``hetero.mode`` names; returns the final metrics. Scripts call this with a config
     composed by hydra's compose API."""
-    from .embedded.engine import EngineConfig
+    from .embedded.engine_config import EngineConfig
     from .embedded.replay import run_replay
-    from .embedded.run_utils import MetricLogger
+    from .embedded.run_log import MetricLogger
     from .embedded.supervisor import run_async
     from .embedded.tasks import resolve_model_path
     from .lifecycle import print_notes, run_directory

@@ -101,7 +101,7 @@ def check_section(section: Any, prefix: str, runner: str) -> None:
 # ------------------------------------------------------------------------------ verl's own keys
 
 EMBEDDED_VERL_KEYS = (
-    # the model and the batch (recipe/gepo/embedded/run_utils.py RunSettings)
+    # the model and the batch (recipe/gepo/embedded/run_log.py RunSettings)
     "actor_rollout_ref.model.path",
     "data.train_batch_size",
     "data.max_response_length",
@@ -133,7 +133,7 @@ EMBEDDED_VERL_KEYS = (
     "actor_rollout_ref.actor.optim.lr",
     "actor_rollout_ref.actor.optim.betas",
     "actor_rollout_ref.actor.optim.weight_decay",
-    # advantages (recipe/gepo/embedded/rollout.py) and the decoupled truncated IS
+    # advantages (recipe/gepo/embedded/rollout_groups.py) and the decoupled truncated IS
     # (verl_ext.loss_bridge.rollout_correction_settings refuses the values it cannot do)
     "algorithm.adv_estimator",
     "algorithm.norm_adv_by_std_in_grpo",
@@ -345,7 +345,7 @@ def _shipped_warm_start(get: Callable[[str], Any]) -> bool:
 def _project_name_unread(get: Callable[..., Any]) -> bool:
     """No tracking backend of the embedded engine is told ``trainer.project_name``: console prints
     no names and TensorBoard writes to ``$TENSORBOARD_DIR`` (default ``<run dir>/tensorboard``,
-    ``recipe.gepo.embedded.run_utils.MetricLogger``); nor does the run dir interpolate it."""
+    ``recipe.gepo.embedded.run_log.MetricLogger``); nor does the run dir interpolate it."""
     backends = get("trainer.logger") or []
     backends = [backends] if isinstance(backends, str) else list(backends)
     return all(b in ("console", "tensorboard") for b in backends) and "project_name" not in str(

@@ -17,7 +17,7 @@ loss mode (``actor_rollout_ref.actor.policy_loss.loss_mode``) and the max delay
   per step; ``scatter_var_staleness.<fmt>`` / ``scatter_kl_staleness.<fmt>`` -- each of them
   against ``hetero/staleness_mean``. Legends give Pearson's r per run and pooled over all
   runs' steps (the paper: r = 0.96 between IS-weight variance and KL).
-* ``summary.csv`` -- one row per run: :func:`recipe.gepo.report.summarize` numbers and the
+* ``summary.csv`` -- one row per run: :func:`recipe.gepo.run_report.summarize` numbers and the
   correlations.
 
 A figure whose data no run has is skipped with a note; where each file went, the accuracy
@@ -55,7 +55,7 @@ from verl_ext.analysis.run_figures import format_number as _fmt
 from verl_ext.analysis.run_figures import legend as _legend
 from verl_ext.rundir import Run, RunDirError, load_runs
 
-from .report import eval_accuracy, series, summarize_run
+from .run_report import eval_accuracy, series, summarize_run
 
 KL = "is/kl_sampler_learner"
 VAR = "is/weight_var"
@@ -76,7 +76,7 @@ def accuracy_vs_delay(runs: Sequence[Run]) -> pd.DataFrame:
     """Best and Last evaluation accuracy per (algorithm, max delay), averaged over runs.
 
     Best = max over a run's evaluations, Last = its final evaluation (accuracy as chosen by
-    :func:`recipe.gepo.report.eval_accuracy`). Runs without evaluations or without a max
+    :func:`recipe.gepo.run_report.eval_accuracy`). Runs without evaluations or without a max
     delay in the config are left out. Columns: ``algorithm``, ``max_delay``, ``n`` (runs),
     ``best_mean``, ``best_std``, ``last_mean``, ``last_std`` (sample std, ddof=1; NaN for a
     single run), ``best_values``, ``last_values`` (per-run lists), ``runs`` (directory names);

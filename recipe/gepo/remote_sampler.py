@@ -83,7 +83,7 @@ def run_remote_sampler(
     batches), signing with the key in ``key_file``; returns the sampler's counters."""
     from .embedded.async_shared import transport_spec
     from .embedded.sampler import SamplerWorker
-    from .embedded.engine import EngineConfig
+    from .embedded.engine_config import EngineConfig
     from .embedded.tasks import resolve_model_path
     from verl_ext.trust.signing import SamplerKey
     from verl_ext.hetero.seeding import seed_process

@@ -59,9 +59,9 @@ def main() -> None:
     import torch
     from hydra import compose, initialize_config_dir
 
-    from recipe.gepo.embedded.engine import EngineConfig
+    from recipe.gepo.embedded.engine_config import EngineConfig
     from recipe.gepo.embedded.policy import load_policy
-    from recipe.gepo.embedded.rollout import RolloutSettings, generate_groups
+    from recipe.gepo.embedded.rollout_groups import RolloutSettings, generate_groups
     from recipe.gepo.embedded.tasks import Task, resolve_model_path
     from verl_ext.trust.verifier import group_log_probs
     from verl_ext.trust.bounds import group_mismatch

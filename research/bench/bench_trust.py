@@ -97,10 +97,10 @@ def detection(args) -> list[str]:
     import torch
     from hydra import compose, initialize_config_dir
 
-    from recipe.gepo.embedded.driver import build_buffer
-    from recipe.gepo.embedded.engine import EngineConfig
+    from recipe.gepo.embedded.loop import build_buffer
+    from recipe.gepo.embedded.engine_config import EngineConfig
     from recipe.gepo.embedded.policy import load_policy
-    from recipe.gepo.embedded.rollout import RolloutSettings, generate_groups
+    from recipe.gepo.embedded.rollout_groups import RolloutSettings, generate_groups
     from recipe.gepo.embedded.tasks import Task, resolve_model_path
     from recipe.gepo.embedded.trust_wiring import embedded_gate
     from verl_ext.hetero.records import RecordRejected
@@ -201,7 +201,7 @@ def spread(args) -> list[str]:
     from omegaconf import OmegaConf
 
     from recipe.gepo.embedded.policy import load_policy
-    from recipe.gepo.embedded.rollout import RolloutSettings, generate_groups
+    from recipe.gepo.embedded.rollout_groups import RolloutSettings, generate_groups
     from recipe.gepo.embedded.tasks import Task, resolve_model_path
     from verl_ext.trust.verifier import group_log_probs
     from recipe.gepo.sections import TaskConfig
@@ -302,10 +302,10 @@ def ratio(args) -> list[str]:
     import torch
     from hydra import compose, initialize_config_dir
 
-    from recipe.gepo.embedded.driver import build_buffer, build_learner
-    from recipe.gepo.embedded.engine import EngineConfig
+    from recipe.gepo.embedded.loop import build_buffer, build_learner
+    from recipe.gepo.embedded.engine_config import EngineConfig
     from recipe.gepo.embedded.policy import load_policy
-    from recipe.gepo.embedded.rollout import RolloutSettings, generate_groups
+    from recipe.gepo.embedded.rollout_groups import RolloutSettings, generate_groups
     from recipe.gepo.embedded.tasks import Task, resolve_model_path
     from recipe.gepo.embedded.trust_wiring import embedded_gate
     from verl_ext.hetero.weights import serialize_state_dict
@@ -413,10 +413,10 @@ def components(args) -> list[str]:
 
     from .bench_async import COMMON, async_overrides
     from recipe.gepo.embedded.trust_wiring import embedded_gate
-    from recipe.gepo.embedded.driver import build_buffer, build_learner
-    from recipe.gepo.embedded.engine import EngineConfig
+    from recipe.gepo.embedded.loop import build_buffer, build_learner
+    from recipe.gepo.embedded.engine_config import EngineConfig
     from recipe.gepo.embedded.policy import load_policy
-    from recipe.gepo.embedded.rollout import RolloutSettings, generate_groups
+    from recipe.gepo.embedded.rollout_groups import RolloutSettings, generate_groups
     from recipe.gepo.embedded.tasks import Task, resolve_model_path
     from verl_ext.trust.signing import SamplerKey
     from verl_ext.hetero.records import RecordRejected, RolloutGroup, validate_group
@@ -698,9 +698,9 @@ class _Lab:
 
         from hydra import compose, initialize_config_dir
 
-        from recipe.gepo.embedded.driver import build_buffer
-        from recipe.gepo.embedded.engine import EngineConfig
-        from recipe.gepo.embedded.placement import Placement
+        from recipe.gepo.embedded.loop import build_buffer
+        from recipe.gepo.embedded.engine_config import EngineConfig
+        from recipe.gepo.embedded.model_placement import Placement
         from recipe.gepo.embedded.policy import load_policy
         from recipe.gepo.embedded.tasks import Task, resolve_model_path
         from recipe.gepo.embedded.trust_wiring import embedded_gate
@@ -738,7 +738,7 @@ class _Lab:
         self.sampler.eval()
 
     def groups(self, n: int, stream: int, index: int, sampler_id: str = "x", model=None) -> list:
-        from recipe.gepo.embedded.rollout import RolloutSettings, generate_groups
+        from recipe.gepo.embedded.rollout_groups import RolloutSettings, generate_groups
 
         s = self.engine.settings
         return generate_groups(

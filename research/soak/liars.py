@@ -299,7 +299,7 @@ def start_honest_bf16(cfg, enrolment_file: Path) -> Any:
     import ray
 
     from recipe.gepo.embedded.async_shared import transport_spec
-    from recipe.gepo.embedded.engine import EngineConfig
+    from recipe.gepo.embedded.engine_config import EngineConfig
 
     engine = EngineConfig.from_omegaconf(cfg)
     sampler = (
@@ -321,7 +321,7 @@ def start_crew(cfg, enrolment_file: Path) -> Optional[Any]:
     import ray
 
     from recipe.gepo.embedded.async_shared import transport_spec
-    from recipe.gepo.embedded.engine import EngineConfig
+    from recipe.gepo.embedded.engine_config import EngineConfig
 
     engine = EngineConfig.from_omegaconf(cfg)
     crew = (

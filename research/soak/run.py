@@ -19,7 +19,7 @@ import ray
 from recipe.gepo.sections import HeteroConfig
 from recipe.gepo.embedded.async_shared import transport_spec
 from recipe.gepo.embedded.supervisor import ray_session
-from recipe.gepo.embedded.run_utils import RunSettings
+from recipe.gepo.embedded.run_log import RunSettings
 from recipe.gepo.main_gepo import run
 from .checks import RunEnd, accounting, account_uids, check_steps, final_state, judge_faults, liar_figures
 from .config import soak_config
@@ -56,6 +56,33 @@ class Harness:
         return self.folder / "run"
 
 
+def calibrate_bf16(cfg, folder: Path, overrides: list[str]) -> None:
+    """The honest bf16 sampler of ``--liars`` is accepted by an fp32 learner only with bf16 bounds
+    calibrated on the run's own model (a run accepts the precisions its config names): measure
+    them once per soak folder (``recipe.gepo.calibrate``) and hand the file to the run."""
+    from omegaconf import open_dict
+
+    from recipe.gepo.calibrate import main as calibrate_main
+
+    bounds = folder / "bounds_bf16.json"
+    if not bounds.exists():
+        calibrate_main(
+            [
+                "--out",
+                str(bounds),
+                "--groups",
+                "64",
+                "hetero.mode=async",
+                "hetero.trust.checkable_sampling=true",
+                f"actor_rollout_ref.model.path={cfg.actor_rollout_ref.model.path}",
+                f"task.cache_dir={cfg.task.cache_dir}",
+                *overrides,
+            ]
+        )
+    with open_dict(cfg):
+        cfg.hetero.trust.bounds_file = str(bounds)
+
+
 def soak(
     minutes: float = 10.0,
     seed: int = 0,
@@ -85,6 +112,8 @@ def soak(
         extra + list(overrides or []),
         wan_address=wan.address if wan is not None else "",
     )
+    if liars and not cfg.hetero.trust.bounds_file:
+        calibrate_bf16(cfg, folder, list(overrides or []))
     hetero = HeteroConfig.from_omegaconf(cfg.hetero)
     if liars and not hetero.trust.sign_records:
         raise ValueError("--liars: the outsiders' lies are only refused with hetero.trust.sign_records=true")

@@ -83,7 +83,7 @@ echo "rows: $ROWS ($(($(wc -l <"$ROWS") - 1)) rows)"
 
 LRS=()
 for a in "${ALGOS[@]}"; do LRS+=("$a=5e-5"); done
-SWEEP=(scripts/bench/delay_sweep.py --design powered_long --algos "${ALGOS[@]}" --lrs "${LRS[@]}"
+SWEEP=(-m research.study.delay_sweep --design powered_long --algos "${ALGOS[@]}" --lrs "${LRS[@]}"
        --out "$OUT" --rows "$ROWS" --workers 2)
 cd "$WT"
 if [ "$MODE" = --plan ]; then

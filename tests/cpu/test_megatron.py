@@ -398,7 +398,7 @@ def _configs(*overrides: str) -> tuple:
 def _warm_start_groups(cfg) -> tuple:
     """:data:`GROUPS` prompt groups of :data:`G` sampled by the toy warm start, and its tokenizer."""
     from recipe.gepo.embedded.policy import load_policy
-    from recipe.gepo.embedded.rollout import RolloutSettings, generate_groups
+    from recipe.gepo.embedded.rollout_groups import RolloutSettings, generate_groups
     from recipe.gepo.embedded.tasks import Task
     from recipe.gepo.sections import TaskConfig
 

@@ -29,7 +29,7 @@ def lab(tmp_path_factory):
 
     from recipe.gepo.embedded.learner import Learner
     from recipe.gepo.embedded.policy import load_policy
-    from recipe.gepo.embedded.rollout import RolloutSettings, generate_groups
+    from recipe.gepo.embedded.rollout_groups import RolloutSettings, generate_groups
     from recipe.gepo.embedded.tasks import Task
     from recipe.gepo.sections import TaskConfig
     from recipe.gepo.verl_engine.runner import resolve_task_files

@@ -131,7 +131,7 @@ def test_the_preset_resolves_to_the_converted_model_and_passes_the_verl_engines_
     from transformers import AutoTokenizer
     from verl.utils.dataset.rl_dataset import RLHFDataset
 
-    from recipe.gepo.verl_engine.plan import check_data_files, engine_settings, validate
+    from recipe.gepo.verl_engine.launch_plan import check_data_files, engine_settings, validate
     from recipe.gepo.verl_engine.runner import resolve_task_files
 
     searchpath = f"hydra.searchpath=[pkg://verl.trainer.config,file://{ROOT / 'configs'}]"

@@ -215,7 +215,7 @@ def test_a_given_model_path_with_warm_start_steps_is_refused(tmp_path):
 def test_an_estimator_the_embedded_engine_cannot_feed_fails_at_start(estimator, needs):
     """verl's registry has estimators that need a critic's values, reward baselines or recomputed
     log-probs; the embedded engine refuses them at start, naming the inputs (not a TypeError at step 1)."""
-    from recipe.gepo.embedded.engine import check_registered
+    from recipe.gepo.embedded.engine_config import check_registered
     from verl_ext.algos.advantages import unfed_advantage_inputs
 
     with pytest.raises(ValueError, match=rf"algorithm.adv_estimator='{estimator}' needs \[.*'{needs}'"):

@@ -332,11 +332,11 @@ def test_an_unknown_key_is_refused_in_every_section_naming_the_closest(override,
         options.ConfigError, match=rf"unknown key\(s\) {re.escape(typo)} \(did you mean {re.escape(suggestion)}\?\)"
     ):
         if runner == options.VERL:
-            from recipe.gepo.verl_engine.plan import validate
+            from recipe.gepo.verl_engine.launch_plan import validate
 
             validate(cfg)
         else:
-            from recipe.gepo.embedded.engine import EngineConfig
+            from recipe.gepo.embedded.engine_config import EngineConfig
 
             EngineConfig.from_omegaconf(cfg)
 

@@ -154,7 +154,7 @@ EXPECTED_ERRORS = {
 OBSERVED_ELSEWHERE = {
     "hetero.order": (
         "tests/hetero/test_hetero_buffer.py::test_take_respects_bound_and_order",
-        f"{EMB}.driver:build_buffer",
+        f"{EMB}.loop:build_buffer",
         "order=hetero.order",
     ),
     "hetero.max_delta_chain": (
@@ -216,7 +216,7 @@ class Link:
 
 LEARNER = f"{EMB}.learner_actor:LearnerWorker.__init__"  # async's learner: a LearnerRuntime in a Ray actor
 SAMPLER = f"{EMB}.sampler:SamplerWorker"
-RUNTIME = f"{EMB}.driver:LearnerRuntime"
+RUNTIME = f"{EMB}.loop:LearnerRuntime"
 SHARED_WITH_REPLAY: tuple[Link, ...] = (
     Link(
         ("hetero.delay.*",),
@@ -225,7 +225,7 @@ SHARED_WITH_REPLAY: tuple[Link, ...] = (
         (f"{EMB}.replay:ReplaySource.__init__",),
         (f"{SAMPLER}.__init__",),
     ),
-    Link(("hetero.max_delay",), f"{EMB}.driver:build_buffer", "hetero.max_delay", (f"{RUNTIME}.__init__",), (LEARNER,)),
+    Link(("hetero.max_delay",), f"{EMB}.loop:build_buffer", "hetero.max_delay", (f"{RUNTIME}.__init__",), (LEARNER,)),
     Link(
         (
             "hetero.max_nonfinite_steps",
@@ -233,14 +233,14 @@ SHARED_WITH_REPLAY: tuple[Link, ...] = (
             "actor_rollout_ref.actor.*",
             "algorithm.rollout_correction.*",
         ),
-        f"{EMB}.driver:build_learner",
+        f"{EMB}.loop:build_learner",
         "engine.actor",
         (f"{RUNTIME}.__init__",),
         (LEARNER,),
     ),
     Link(
         ("hetero.device", "hetero.sampler_precision"),
-        f"{EMB}.placement:Placement.of",
+        f"{EMB}.model_placement:Placement.of",
         "hetero.sampler_precision",
         (f"{EMB}.replay:ReplaySource.__init__", f"{RUNTIME}.__init__"),
         (f"{SAMPLER}.__init__", LEARNER),
@@ -288,21 +288,21 @@ SHARED_WITH_REPLAY: tuple[Link, ...] = (
             "algorithm.adv_estimator",
             "algorithm.norm_adv_by_std_in_grpo",
         ),
-        f"{EMB}.rollout:generate_groups",
+        f"{EMB}.rollout_groups:generate_groups",
         "settings.temperature",
         (f"{EMB}.replay:ReplaySource.next_batch",),
         (f"{SAMPLER}.run",),
     ),
     Link(
         ("task.diagnostics_*",),
-        f"{EMB}.diagnostics:step_diagnostics",
+        f"{EMB}.advantage_error:step_diagnostics",
         "engine.task.diagnostics_every",
         (f"{RUNTIME}.step",),
         (f"{EMB}.learner_actor:LearnerWorker.step",),
     ),
     Link(
         ("trainer.total_training_steps", "trainer.save_freq", "trainer.test_freq", "trainer.resume_mode"),
-        f"{EMB}.driver:run_loop",
+        f"{EMB}.loop:run_loop",
         "settings.total_steps",
         (f"{EMB}.replay:run_replay",),
         (f"{EMB}.supervisor:_run_async",),
@@ -378,7 +378,7 @@ def test_every_option_shared_with_replay_is_read_through_the_same_code_in_async_
             name = callee or link.reader.rpartition(".")[2].rpartition(":")[2]
             pattern = rf"\b{re.escape(name)}\b" if callee else rf"\b{re.escape(name)}\("
             assert re.search(pattern, _site_source(where)), f"{link.keys}: {where} does not call {name}"
-    from recipe.gepo.embedded.driver import LearnerRuntime
+    from recipe.gepo.embedded.loop import LearnerRuntime
     from recipe.gepo.embedded.learner_actor import LearnerWorker
 
     assert issubclass(LearnerWorker, LearnerRuntime)  # the learner's sites above are LearnerRuntime's

@@ -2,7 +2,7 @@
 what the engine would hand to verl.
 
 A verl run costs minutes on the CPU, so the observable is the engine's validated plan, taken
-as ``hetero.dry_run=true`` takes it (``recipe.gepo.verl_engine.plan``: ``validate`` then
+as ``hetero.dry_run=true`` takes it (``recipe.gepo.verl_engine.launch_plan``: ``validate`` then
 ``render``), and the settings ``runner.run`` passes to verl's trainer
 (``engine_settings(resolve_task_files(cfg))``). HeteroRL's own sections are left out of those
 settings -- they travel to verl's process as they are, so comparing them would count every option
@@ -115,7 +115,7 @@ ALSO_IN_VERLS_LOOP = {
     "hetero.max_delay": "tests/cpu/test_verl_trainer.py::test_hetero_engine_verl_does_not_stall_and_keeps_the_bound",
     "hetero.stale_policy": "tests/recipe/verl_engine/test_trainer_registry.py::test_replay_buffer_bound_is_exact_over_weight_versions",
     "hetero.keep_weight_versions": "tests/recipe/verl_engine/test_delayed_sync.py::test_snapshot_budget_drops_the_oldest_and_counts_it_apart_from_supersession",
-    "verl_engine.node_resources": "tests/recipe/verl_engine/test_placement.py::test_pinned_pools_ask_ray_for_their_roles_node_resource",
+    "verl_engine.node_resources": "tests/recipe/verl_engine/test_node_placement.py::test_pinned_pools_ask_ray_for_their_roles_node_resource",
 }
 """Options the plan shows but whose effect happens inside verl's loop (the trainer reads them from
 the ``hetero:`` / ``verl_engine:`` section it is handed): the test that shows that effect."""
@@ -179,7 +179,7 @@ class VerlHarness(BehaviourHarness):
             )
 
     def observe(self, overrides: tuple[str, ...]) -> dict:
-        from recipe.gepo.verl_engine.plan import engine_settings, render, validate
+        from recipe.gepo.verl_engine.launch_plan import engine_settings, render, validate
         from recipe.gepo.verl_engine.runner import resolve_task_files
 
         self._n += 1

@@ -15,7 +15,7 @@ import pytest
 from PIL import Image
 
 from recipe.gepo import plot
-from recipe.gepo.report import RunDirError
+from recipe.gepo.run_report import RunDirError
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = "actor_rollout_ref:\n  actor:\n    policy_loss:\n      loss_mode: {loss}\nhetero:\n  max_delay: {delay}\n"

@@ -70,7 +70,7 @@ def log(out: subprocess.CompletedProcess) -> str:
 def test_a_copied_recipe_runs_its_own_modules_and_configs(tmp_path):
     copy = copy_recipe(tmp_path)
     # code: the copy's report writer; config: a value of the copy's algorithm preset
-    edit(copy / "report.py", 'f"# Run report: {name}"', 'f"# MyGEPO run report: {name}"')
+    edit(copy / "run_report.py", 'f"# Run report: {name}"', 'f"# MyGEPO run report: {name}"')
     edit(copy / "config" / "algorithm_preset" / "gepo.yaml", "sampler_kl_coef: 0.005", "sampler_kl_coef: 0.0075")
     run_dir = tmp_path / "run"
     out = run_copy(
@@ -86,11 +86,11 @@ def test_a_copied_recipe_runs_its_own_modules_and_configs(tmp_path):
     assert {
         "recipe.mygepo",
         "recipe.mygepo.embedded.replay",
-        "recipe.mygepo.report",
+        "recipe.mygepo.run_report",
     } <= modules  # main_gepo runs as __main__
     assert not {m for m in modules if m == "recipe.gepo" or m.startswith("recipe.gepo.")}, modules
     # the original's report writer was not edited: the copy did not change it
-    assert 'f"# Run report: {name}"' in (ORIGINAL / "report.py").read_text()
+    assert 'f"# Run report: {name}"' in (ORIGINAL / "run_report.py").read_text()
 
 
 @pytest.mark.slow  # ~10 s: the copy's own-code run stays in the default suite
@@ -104,7 +104,7 @@ def test_a_copied_recipe_plans_with_its_own_trainer_name(tmp_path):
     assert "trainer_mode=hetero_separate_async_recipe_mygepo " in out.stdout
     assert "seq_reduction=sum" in out.stdout
     modules = imported_recipe_modules(out.stderr)
-    assert "recipe.mygepo.verl_engine.plan" in modules
+    assert "recipe.mygepo.verl_engine.launch_plan" in modules
     assert not {m for m in modules if m.startswith("recipe.gepo.")}, modules
 
 

@@ -1,4 +1,4 @@
-"""recipe.gepo.report on synthetic run directories: tolerant metrics.jsonl loading, summary
+"""recipe.gepo.run_report on synthetic run directories: tolerant metrics.jsonl loading, summary
 numbers against values computed here from the data written, report.md/curves.png output."""
 
 import json
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from recipe.gepo import report
+from recipe.gepo import run_report as report
 
 CONFIG = """\
 actor_rollout_ref:

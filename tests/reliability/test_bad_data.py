@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from recipe.gepo.embedded.learner_actor import LearnerWorker
-from recipe.gepo.embedded.engine import EngineConfig
+from recipe.gepo.embedded.engine_config import EngineConfig
 from verl_ext.hetero.protocol import TransportSpec
 from verl_ext.hetero.exchange import ROLLOUT_TOPIC, send_group
 from verl_ext.hetero.records import RolloutGroup

@@ -6,7 +6,7 @@ Exactly-once of the inbox alone is unit-tested in tests/hetero/test_hetero_trans
 here it is the engine's wiring: checkpoint_state -> acknowledge -> crash -> start(checkpoint)."""
 
 from recipe.gepo.embedded.learner_actor import LearnerWorker
-from recipe.gepo.embedded.engine import EngineConfig
+from recipe.gepo.embedded.engine_config import EngineConfig
 from verl_ext.hetero.protocol import TransportSpec
 from verl_ext.hetero.exchange import send_group
 

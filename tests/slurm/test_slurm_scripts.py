@@ -67,7 +67,7 @@ def test_star_script_reads_node_counts_from_the_plan():
     """The node-count parser of verl_star.sbatch, run by bash on the real plan text."""
     from hydra import compose, initialize_config_dir
 
-    from recipe.gepo.verl_engine.plan import build_plan
+    from recipe.gepo.verl_engine.launch_plan import build_plan
 
     with initialize_config_dir(config_dir=str(ROOT / "recipe/gepo/config"), version_base=None):
         cfg = compose(
@@ -94,7 +94,7 @@ def test_star_script_reads_gpus_per_node_of_each_role_from_the_plan(preset, expe
     """GPUS_PER_NODE=0 (CPU): each node offers Ray its role's ranks per node, read from the plan."""
     from hydra import compose, initialize_config_dir
 
-    from recipe.gepo.verl_engine.plan import build_plan
+    from recipe.gepo.verl_engine.launch_plan import build_plan
 
     with initialize_config_dir(config_dir=str(ROOT / "recipe/gepo/config"), version_base=None):
         cfg = compose(

@@ -1,5 +1,5 @@
 """Correlations and scatter plots of metrics over the steps of several runs, and the figure style
-every run figure shares (``recipe.gepo.report`` / ``recipe.gepo.plot`` and
+every run figure shares (``recipe.gepo.run_report`` / ``recipe.gepo.plot`` and
 :mod:`verl_ext.analysis.run_diagnostics` draw with these).
 
 Runs are :class:`verl_ext.rundir.Run` (``run.metrics``: one pandas row per step).

@@ -6,7 +6,7 @@ the thread rule of an actor and the system cores. Used by :mod:`.sampler` (sampl
 from __future__ import annotations
 
 from ..sections import HeteroConfig
-from .run_utils import RunSettings
+from .run_log import RunSettings
 from verl_ext.hetero.affinity import machine_cpus, pin_process
 from verl_ext.hetero.protocol import TransportSpec
 from verl_ext.hetero.weights import WeightStore

@@ -18,7 +18,7 @@ from typing import Any, Optional
 import torch
 from verl.utils.torch_functional import entropy_from_logits
 
-from .placement import cpu_copy, model_device
+from .model_placement import cpu_copy, model_device
 from verl_ext.sampling import sequence_token_log_probs
 from verl_ext.algos.diagnostics import sequence_sampler_learner_kl
 from verl_ext.algos.importance import group_expectation_log_denominator, sequence_log_prob
@@ -150,7 +150,7 @@ class Learner:
             bf16), or None (none). The weights, gradients and AdamW state keep the model's dtype
             (fp32 master weights); the log-softmax and the loss are fp32 either way.
 
-    The learner runs where its model is (:mod:`recipe.gepo.embedded.placement` put it there): each
+    The learner runs where its model is (:mod:`recipe.gepo.embedded.model_placement` put it there): each
     step's batch is moved to the model's device; :meth:`state_dict` holds CPU copies.
 
     With ``actor.use_kl_loss`` the reference policy is a frozen copy of ``model`` as it is here,

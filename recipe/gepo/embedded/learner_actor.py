@@ -1,8 +1,8 @@
 """Async mode's learner process: :class:`LearnerWorker`, a Ray actor launched by
-:mod:`.supervisor`, is the in-process :class:`~.driver.LearnerRuntime` with a
+:mod:`.supervisor`, is the in-process :class:`~.loop.LearnerRuntime` with a
 :class:`TransportSource` as its rollout source.
 
-One step (``LearnerWorker.step`` = :meth:`~.driver.LearnerRuntime.step`):
+One step (``LearnerWorker.step`` = :meth:`~.loop.LearnerRuntime.step`):
 :meth:`TransportSource.next_batch` takes whole groups within the staleness bound from the
 ``RolloutBuffer`` (a poller thread moves arriving groups into it from the transport, through
 the :class:`~verl_ext.trust.gate.TrustGate`, whose checks run in a checker process on the system cores,
@@ -24,8 +24,8 @@ import ray
 from ..sections import HeteroConfig
 from .async_shared import pin_worker, weight_store
 from .checker import OffloadedChecks, VerdictBlockClock, launch_checker
-from .driver import LearnerRuntime
-from .engine import Batch, EngineConfig
+from .loop import LearnerRuntime
+from .engine_config import Batch, EngineConfig
 from .trust_wiring import embedded_gate, embedded_verifier
 from verl_ext.trust.signing import Enrolment
 from verl_ext.hetero.delay_channel import DelayChannel
@@ -66,7 +66,7 @@ def rewards_verifier(runtime: LearnerRuntime, gate: TrustGate) -> GroupVerifier:
 
 
 class TransportSource:
-    """Async mode's :class:`~recipe.gepo.embedded.engine.RolloutSource`: groups arrive from sampler
+    """Async mode's :class:`~recipe.gepo.embedded.engine_config.RolloutSource`: groups arrive from sampler
     actors over the transport (a background thread polls them into the buffer); weights go out
     through a ``WeightStore``; the learner's status is published after every step.
 

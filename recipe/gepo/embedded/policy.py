@@ -1,6 +1,6 @@
 """A causal LM as a policy: sample G responses per prompt with their log-probs, and score them.
 
-HF transformers on CPU or one GPU (where :mod:`recipe.gepo.embedded.placement` put the model).
+HF transformers on CPU or one GPU (where :mod:`recipe.gepo.embedded.model_placement` put the model).
 The sampler and the learner compute log-probabilities of
 the same distribution: ``log_softmax(logits / temperature)``, as verl's actor does, so that
 p / q compares like with like.

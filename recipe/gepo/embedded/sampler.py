@@ -18,9 +18,9 @@ import time
 from typing import Any, Optional
 
 from .async_shared import pin_worker, weight_store
-from .engine import EngineConfig
-from .placement import Placement
-from .rollout import RolloutSettings, generate_groups
+from .engine_config import EngineConfig
+from .model_placement import Placement
+from .rollout_groups import RolloutSettings, generate_groups
 from .tasks import Task
 from verl_ext.trust.signing import SamplerKey
 from verl_ext.hetero.delay_channel import DelayChannel

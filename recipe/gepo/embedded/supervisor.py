@@ -1,12 +1,12 @@
 """Async mode's driver process: :func:`run_async` starts Ray (:func:`ray_session`) and runs the
-one loop (:func:`~.driver.run_loop`) against a :class:`RemoteRuntime`, which launches the
+one loop (:func:`~.loop.run_loop`) against a :class:`RemoteRuntime`, which launches the
 learner actor (:mod:`.learner_actor`) and N sampler actors (:mod:`.sampler`) and supervises the
 samplers while each step waits.
 
 One step, from the entry point to the optimizer: ``main_gepo.run_local`` -> :func:`run_async` ->
-:func:`~.driver.run_loop` -> :meth:`RemoteRuntime.step` (here: it also starts launched samplers
+:func:`~.loop.run_loop` -> :meth:`RemoteRuntime.step` (here: it also starts launched samplers
 and restarts dead ones while it waits) -> over Ray ``LearnerWorker.step``
-(:meth:`~.driver.LearnerRuntime.step` in the learner actor) -> :meth:`.learner_actor.TransportSource.next_batch`
+(:meth:`~.loop.LearnerRuntime.step` in the learner actor) -> :meth:`.learner_actor.TransportSource.next_batch`
 -> :meth:`.learner.Learner.train_step` (``verl_ext.loss_bridge.compute_actor_loss``, AdamW).
 
 The transport is Ray's object store (``hetero.transport=ray``) or an fsspec URL
@@ -35,10 +35,10 @@ from tqdm import tqdm
 
 from ..sections import HeteroConfig
 from .async_shared import system_cores, transport_spec
-from .driver import run_loop
-from .engine import EngineConfig
+from .loop import run_loop
+from .engine_config import EngineConfig
 from .learner_actor import LearnerWorker
-from .run_utils import MetricLogger
+from .run_log import MetricLogger
 from .sampler import SamplerWorker
 from verl_ext.hetero.affinity import Pinned
 from verl_ext.trust.signing import Enrolment
@@ -114,8 +114,8 @@ def gpu_share(hetero: HeteroConfig) -> dict[str, Any]:
 
 
 class RemoteRuntime:
-    """The driver's view of the learner actor, a :class:`~.driver.Runtime` for
-    :func:`~.driver.run_loop` (each call forwarded to ``LearnerWorker`` over Ray), plus the
+    """The driver's view of the learner actor, a :class:`~.loop.Runtime` for
+    :func:`~.loop.run_loop` (each call forwarded to ``LearnerWorker`` over Ray), plus the
     samplers' supervision while a step waits."""
 
     def __init__(self, engine: EngineConfig, model_path: str, spec: TransportSpec):

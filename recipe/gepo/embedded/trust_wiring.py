@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from .placement import Placement
+from .model_placement import Placement
 from .tasks import Task
 from verl_ext.trust import build_gate, build_verifier
 

@@ -17,7 +17,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from ..lifecycle import print_notes, run_directory
-from .plan import check_data_files, check_megatron_stack, engine_settings, render, validate
+from .launch_plan import check_data_files, check_megatron_stack, engine_settings, render, validate
 
 
 class NoGPUError(RuntimeError):

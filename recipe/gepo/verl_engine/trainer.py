@@ -19,7 +19,7 @@ What it adds to verl's loop, each on one of verl's own extension points:
 - exact staleness bound over weight versions: :class:`HeteroReplayBuffer` (hetero.max_delay,
   hetero.stale_policy).
 - the bypass guard, at construction and before every actor update.
-- roles pinned to their nodes (``verl_engine.node_resources``, :mod:`.placement`); where every
+- roles pinned to their nodes (``verl_engine.node_resources``, :mod:`.node_placement`); where every
   rank and server ran, in ``placement.json``.
 - the embedded engine's ``hetero/*``, ``is/*``, ``reward/mean`` and evaluation
   (``eval/<benchmark>/acc``, ``eval/acc_mean``; :func:`embedded_eval_metrics`) metric names.
@@ -43,14 +43,14 @@ from verl.trainer.ppo.v1.replay_buffer import ReplayBufferAsync
 from verl.trainer.ppo.v1.trainer_base import register_trainer
 from verl.trainer.ppo.v1.trainer_separate_async import PPOTrainerSeparateAsync
 
-from ..report import EVAL_MEAN
+from ..run_report import EVAL_MEAN
 from ..sections import HeteroConfig, VerlEngineConfig
 from . import batch_rules
 from .batch_rules import hetero_step_metrics, stale_group_uids
 from .delayed_sync import DelayedCheckpointManager, DelayedSyncSchedule
 from .loss import bridge_loss_fn
-from .placement import pin_pools_to_node_roles
-from .plan import (
+from .node_placement import pin_pools_to_node_roles
+from .launch_plan import (
     TRAINER_NAME,
     check_loss_mode_unchanged,
     check_no_forced_bypass,

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from recipe.gepo.embedded.policy import load_policy
-from recipe.gepo.embedded.rollout import RolloutSettings, generate_groups
+from recipe.gepo.embedded.rollout_groups import RolloutSettings, generate_groups
 from verl_ext.trust.verifier import group_log_probs
 from verl_ext.trust.signing import Enrolment, SamplerKey
 from verl_ext.hetero.records import RecordRejected, RolloutGroup

@@ -15,10 +15,10 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
-from recipe.gepo.embedded.engine import EngineConfig
+from recipe.gepo.embedded.engine_config import EngineConfig
 from recipe.gepo.embedded.learner import Learner
-from recipe.gepo.embedded.placement import Placement, cpu_copy
-from recipe.gepo.embedded.rollout import RolloutSettings, generate_groups
+from recipe.gepo.embedded.model_placement import Placement, cpu_copy
+from recipe.gepo.embedded.rollout_groups import RolloutSettings, generate_groups
 from recipe.gepo.embedded.tasks import Task
 from recipe.gepo.main_gepo import run, run_local
 from recipe.gepo.options import OptionNotHonoured
@@ -72,7 +72,7 @@ def test_cuda_is_refused_where_there_is_none(tiny_cfg, tmp_path, device):
 def test_the_verl_engine_refuses_them_naming_its_own_keys(override):
     from hydra import compose, initialize_config_dir
 
-    from recipe.gepo.verl_engine.plan import build_plan
+    from recipe.gepo.verl_engine.launch_plan import build_plan
 
     searchpath = f"hydra.searchpath=[pkg://verl.trainer.config,file://{ROOT / 'configs'}]"
     with initialize_config_dir(config_dir=str(ROOT / "recipe" / "gepo" / "config"), version_base=None):

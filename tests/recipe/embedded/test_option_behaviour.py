@@ -13,7 +13,7 @@ import numpy as np
 from recipe.gepo.sections import DelayConfig, HeteroConfig
 from recipe.gepo.embedded.async_shared import transport_spec
 from recipe.gepo.embedded.learner_actor import rollout_inbox_transport
-from recipe.gepo.embedded.run_utils import RunSettings
+from recipe.gepo.embedded.run_log import RunSettings
 from recipe.gepo.embedded.tasks import Task
 from recipe.gepo.sections import TaskConfig
 from verl_ext.hetero.protocol import ROLLOUT_TOPIC

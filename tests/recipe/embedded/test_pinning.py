@@ -14,11 +14,11 @@ import torch
 
 from recipe.gepo.sections import HeteroConfig
 from recipe.gepo.embedded.sampler import SamplerWorker
-from recipe.gepo.embedded.driver import LearnerRuntime, run_loop
-from recipe.gepo.embedded.engine import EngineConfig
+from recipe.gepo.embedded.loop import LearnerRuntime, run_loop
+from recipe.gepo.embedded.engine_config import EngineConfig
 from recipe.gepo.embedded.replay import GenerateOn
 from recipe.gepo.embedded.replay import ReplaySource
-from recipe.gepo.embedded.run_utils import MetricLogger
+from recipe.gepo.embedded.run_log import MetricLogger
 from recipe.gepo.main_gepo import run
 from verl_ext.hetero.affinity import Pinned
 from verl_ext.hetero.protocol import TransportSpec

@@ -158,9 +158,9 @@ def test_a_fresh_run_sets_the_old_checkpoint_pointer_aside(tiny_cfg, tmp_path):
 def test_a_failed_run_still_gets_its_report(tiny_cfg, tmp_path, monkeypatch):
     """A run that raises (here: its evaluation fails after two steps) leaves report.md and
     curves.png for what it logged; the run's own error is the one raised."""
-    from recipe.gepo.embedded import driver
+    from recipe.gepo.embedded import loop
 
-    real = driver.LearnerRuntime.evaluate
+    real = loop.LearnerRuntime.evaluate
     calls = []
 
     def evaluate_then_fail(self, seed):
@@ -169,7 +169,7 @@ def test_a_failed_run_still_gets_its_report(tiny_cfg, tmp_path, monkeypatch):
             raise RuntimeError("evaluation failed on purpose")
         return real(self, seed)
 
-    monkeypatch.setattr(driver.LearnerRuntime, "evaluate", evaluate_then_fail)
+    monkeypatch.setattr(loop.LearnerRuntime, "evaluate", evaluate_then_fail)
     with pytest.raises(RuntimeError, match="on purpose"):
         run(tiny_cfg(tmp_path, "hetero.mode=replay", "trainer.total_training_steps=2", "trainer.test_freq=2"))
     assert (tmp_path / "report.md").is_file() and (tmp_path / "curves.png").is_file()

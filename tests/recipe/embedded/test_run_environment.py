@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from recipe.gepo.embedded.run_utils import MetricLogger, RunSettings
+from recipe.gepo.embedded.run_log import MetricLogger, RunSettings
 from recipe.gepo.main_gepo import run
 from verl_ext.torch_threads import default_threads, set_torch_threads
 

@@ -7,7 +7,7 @@ import inspect
 
 import pytest
 
-from recipe.gepo.embedded.driver import LearnerRuntime, Runtime
+from recipe.gepo.embedded.loop import LearnerRuntime, Runtime
 from recipe.gepo.embedded.learner_actor import LearnerWorker
 from recipe.gepo.embedded.supervisor import RemoteRuntime
 
@@ -17,9 +17,9 @@ PROTOCOL_METHODS = [
 
 
 def test_the_protocol_names_what_run_loop_calls():
-    from recipe.gepo.embedded import driver
+    from recipe.gepo.embedded import loop
 
-    source = inspect.getsource(driver.run_loop)
+    source = inspect.getsource(loop.run_loop)
     called = {name for name in PROTOCOL_METHODS if f"runtime.{name}(" in source}
     assert called == set(PROTOCOL_METHODS)
 

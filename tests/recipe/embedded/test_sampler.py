@@ -17,7 +17,7 @@ import torch
 from recipe.gepo.embedded.async_shared import weight_store
 from recipe.gepo.embedded.learner_actor import LearnerWorker
 from recipe.gepo.embedded.sampler import SamplerWorker
-from recipe.gepo.embedded.engine import EngineConfig
+from recipe.gepo.embedded.engine_config import EngineConfig
 from verl_ext.hetero.protocol import (
     CONTROL_TOPIC,
     ROLLOUT_TOPIC,

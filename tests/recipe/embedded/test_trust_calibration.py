@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from recipe.gepo.calibrate import main as calibrate_main
-from recipe.gepo.embedded.engine import EngineConfig
+from recipe.gepo.embedded.engine_config import EngineConfig
 from recipe.gepo.embedded.policy import load_policy
 from verl_ext.trust.verifier import group_log_probs
 from recipe.gepo.options import ConfigError

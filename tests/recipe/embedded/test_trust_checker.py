@@ -15,7 +15,7 @@ import pytest
 import ray
 
 from recipe.gepo.embedded.checker import CHECKER_NICE, OffloadedChecks, VerdictBlockClock, launch_checker
-from recipe.gepo.embedded.driver import build_buffer
+from recipe.gepo.embedded.loop import build_buffer
 from recipe.gepo.embedded.trust_wiring import embedded_gate, embedded_verifier
 from verl_ext.hetero.exchange import RolloutInbox, send_group
 from verl_ext.hetero.protocol import WEIGHTS_TOPIC, TransportSpec, version_key

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 import torch
 
-from recipe.gepo.embedded.driver import build_buffer
-from recipe.gepo.embedded.engine import EngineConfig
+from recipe.gepo.embedded.loop import build_buffer
+from recipe.gepo.embedded.engine_config import EngineConfig
 from recipe.gepo.embedded.policy import load_policy
-from recipe.gepo.embedded.rollout import RolloutSettings, generate_groups
+from recipe.gepo.embedded.rollout_groups import RolloutSettings, generate_groups
 from verl_ext.algos.advantages import sequence_advantages
 from recipe.gepo.embedded.tasks import Task
 from recipe.gepo.embedded.trust_wiring import embedded_gate
@@ -330,7 +330,7 @@ def _off_model(model_path, seed: int):
 
 def _divergence_lab(model_path, tmp_path, *overrides):
     """A lab whose learner took three real steps on honest groups (version 3); the buffer is there too."""
-    from recipe.gepo.embedded.driver import build_learner
+    from recipe.gepo.embedded.loop import build_learner
 
     lab = Lab(
         model_path,

@@ -19,7 +19,7 @@ import pytest
 
 from recipe.gepo.embedded.learner_actor import LearnerWorker
 from recipe.gepo.embedded.sampler import SamplerWorker
-from recipe.gepo.embedded.engine import EngineConfig
+from recipe.gepo.embedded.engine_config import EngineConfig
 from recipe.gepo.main_gepo import run
 from recipe.gepo.options import OptionNotHonoured
 from verl_ext.trust.signing import SamplerKey
@@ -60,7 +60,7 @@ def _learner(tiny_cfg, tmp_path, policy: str, *overrides: str) -> LearnerWorker:
 
 def _groups(worker: LearnerWorker, prefix: str, version: int, n: int) -> list[RolloutGroup]:
     """Real groups from the toy model (any sampler would do: the version stamp is what counts)."""
-    from recipe.gepo.embedded.rollout import RolloutSettings, generate_groups
+    from recipe.gepo.embedded.rollout_groups import RolloutSettings, generate_groups
 
     s = worker.engine.settings
     items = worker.task.train_items(n, stream=9, index=version)

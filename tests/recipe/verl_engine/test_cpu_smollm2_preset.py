@@ -12,7 +12,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf, open_dict
 
-from recipe.gepo.verl_engine.plan import validate
+from recipe.gepo.verl_engine.launch_plan import validate
 from recipe.gepo.verl_engine.runner import resolve_task_files
 from verl_ext.data import smollm2
 

@@ -12,7 +12,7 @@ pytest.importorskip(
 
 from verl.utils.tracking import Tracking
 
-from recipe.gepo import report
+from recipe.gepo import run_report as report
 from recipe.gepo.verl_engine.trainer import (
     HeteroSeparateAsyncTrainer,
     MetricsTee,

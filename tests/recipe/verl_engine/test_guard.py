@@ -9,7 +9,7 @@ from hydra import compose, initialize_config_dir
 from verl.protocol import DataProto
 from verl.trainer.ppo.rollout_corr_helper import apply_bypass_mode
 
-from recipe.gepo.verl_engine.plan import (
+from recipe.gepo.verl_engine.launch_plan import (
     ForcedLossModeError,
     check_loss_mode_unchanged,
     check_no_forced_bypass,

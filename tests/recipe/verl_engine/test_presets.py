@@ -13,11 +13,11 @@ from omegaconf import OmegaConf, open_dict
 from verl.utils.config import omega_conf_to_dataclass
 from verl.workers.config import ActorConfig, RolloutConfig
 
-from recipe.gepo.verl_engine.plan import build_plan, dry_run
+from recipe.gepo.verl_engine.launch_plan import build_plan, dry_run
 from recipe.gepo.verl_engine.runner import run
 from recipe.gepo.options import ConfigError
 from recipe.gepo.options import OptionNotHonoured
-from recipe.gepo.verl_engine.plan import VerlEngineConfigError, engine_settings, validate
+from recipe.gepo.verl_engine.launch_plan import VerlEngineConfigError, engine_settings, validate
 from recipe.gepo.verl_engine.runner import NoGPUError
 from verl_ext.loss_config import HeteroPolicyLossConfig
 
@@ -223,7 +223,7 @@ def test_megatron_parallel_sizes_must_divide_the_learner_gpus():
 def test_megatron_presets_carry_what_the_cpu_run_taught(preset):
     """Every Megatron preset names the installed bridge (mbridge, ``vanilla_mbridge``) and keeps the
     distributed optimizer; both pass the pre-training check against this machine's packages."""
-    from recipe.gepo.verl_engine.plan import check_megatron_stack
+    from recipe.gepo.verl_engine.launch_plan import check_megatron_stack
 
     cfg = preset_cfg(preset)
     mc = cfg.actor_rollout_ref.actor.megatron
@@ -240,7 +240,7 @@ def test_megatron_presets_carry_what_the_cpu_run_taught(preset):
     ],
 )
 def test_megatron_settings_this_stack_cannot_run_fail_before_training(override, named):
-    from recipe.gepo.verl_engine.plan import check_megatron_stack
+    from recipe.gepo.verl_engine.launch_plan import check_megatron_stack
 
     with pytest.raises(VerlEngineConfigError, match=re.escape(override.split("=")[0]) + ".*" + re.escape(named)):
         check_megatron_stack(preset_cfg("qwen3_1p7b_megatron", override))

@@ -17,8 +17,8 @@ from verl.trainer.ppo.v1.replay_buffer import ReplayBufferAsync  # noqa: E402
 from verl.trainer.ppo.v1.trainer_separate_async import PPOTrainerSeparateAsync  # noqa: E402
 
 from recipe.gepo.verl_engine import trainer as hetero_trainer  # noqa: E402
-from recipe.gepo.verl_engine.plan import TRAINER_NAME  # noqa: E402
-from recipe.gepo.verl_engine.plan import ForcedLossModeError  # noqa: E402
+from recipe.gepo.verl_engine.launch_plan import TRAINER_NAME  # noqa: E402
+from recipe.gepo.verl_engine.launch_plan import ForcedLossModeError  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[3]
 

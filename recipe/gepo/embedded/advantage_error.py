@@ -9,12 +9,12 @@ from typing import Any
 
 import torch
 
-from .engine import EngineConfig
+from .engine_config import EngineConfig
 from .learner import collate_groups
-from .placement import Placement, model_device
+from .model_placement import Placement, model_device
 from .policy import sample_groups
 from verl_ext.sampling import sequence_token_log_probs
-from .run_utils import RunSettings
+from .run_log import RunSettings
 from .tasks import Task
 from verl_ext.algos.importance import sequence_log_prob
 from verl_ext.hetero.records import RolloutGroup

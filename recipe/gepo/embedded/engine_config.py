@@ -13,8 +13,8 @@ from typing import Any, Optional, Protocol
 import torch
 from omegaconf import DictConfig
 
-from .placement import check_device
-from .run_utils import RunSettings
+from .model_placement import check_device
+from .run_log import RunSettings
 from ..options import (
     ConfigError,
     check_dependencies,

@@ -1,11 +1,11 @@
 """verl_engine.node_resources: verl's learner and sampler resource pools ask for their role's node
-resource (recipe/gepo/verl_engine/placement.py), checked on real Ray placement groups."""
+resource (recipe/gepo/verl_engine/node_placement.py), checked on real Ray placement groups."""
 
 from __future__ import annotations
 
 import pytest
 
-from recipe.gepo.verl_engine.placement import (
+from recipe.gepo.verl_engine.node_placement import (
     LEARNER_NODE_RESOURCE,
     SAMPLER_NODE_RESOURCE,
     node_resource_of,

@@ -1,6 +1,6 @@
 """The one driver loop: options that used to work in replay mode only work in async mode too,
 because both modes build the learner and run the step in one place
-(``recipe/gepo/embedded/driver.py``). The async learner here is the engine's own ``LearnerWorker``
+(``recipe/gepo/embedded/loop.py``). The async learner here is the engine's own ``LearnerWorker``
 in-process over a real fs exchange (Ray only for its trust checker: the module's local Ray)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pickle
 
 import pytest
 
-from recipe.gepo.embedded.engine import EngineConfig
+from recipe.gepo.embedded.engine_config import EngineConfig
 from verl_ext.hetero.exchange import send_group
 from verl_ext.loss_bridge import rollout_correction_settings
 

@@ -1,7 +1,7 @@
 """Per-run report: read a run directory's ``metrics.jsonl``, summarise it, draw ``curves.png``
 and write ``report.md``.
 
-    python -m recipe.gepo.report RUN_DIR [RUN_DIR ...]
+    python -m recipe.gepo.run_report RUN_DIR [RUN_DIR ...]
 
 A run directory holds ``metrics.jsonl`` (one JSON object per line, ``{"step": int, "<metric>":
 float, ...}``; evaluation lines carry ``eval/...`` keys, possibly only every k steps and possibly

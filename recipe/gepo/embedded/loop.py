@@ -13,7 +13,7 @@ Read top to bottom, a run is::
 
 :func:`run_loop` drives any :class:`Runtime`: the in-process :class:`LearnerRuntime` (replay mode)
 or async mode's proxy of it in a Ray actor. The two modes differ only in their
-:class:`~recipe.gepo.embedded.engine.RolloutSource` and in where the runtime lives; the entry point
+:class:`~recipe.gepo.embedded.engine_config.RolloutSource` and in where the runtime lives; the entry point
 (``recipe/gepo/main_gepo.py``) picks the mode. One step, from the entry point to the optimizer:
 
 * replay: ``main_gepo.run_local`` -> :func:`.replay.run_replay` -> :func:`run_loop` ->
@@ -36,11 +36,11 @@ from typing import Any, Callable, Optional, Protocol, runtime_checkable
 import torch
 from tqdm import tqdm
 
-from .diagnostics import step_diagnostics
-from .engine import EngineConfig, RolloutSource
+from .advantage_error import step_diagnostics
+from .engine_config import EngineConfig, RolloutSource
 from .learner import Learner
-from .placement import Placement
-from .run_utils import MetricLogger
+from .model_placement import Placement
+from .run_log import MetricLogger
 from .tasks import Task
 from verl_ext.algos.advantages import sequence_advantages
 from verl_ext.hetero.buffer import RolloutBuffer
