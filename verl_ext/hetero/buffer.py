@@ -1,28 +1,17 @@
 """Staleness-bounded rollout buffer with an exactly-once ledger.
 
 The learner at version v (v optimizer steps taken) calls ``take(n, v)`` and receives n whole
-prompt groups, each with ``v - policy_version <= max_delay``: an exact bound (the reference code
-allowed up to 2N). A group is returned at most once, ever: uids already seen are rejected on
-arrival and remembered across checkpoints.
-
-What happens to groups past the bound (``stale_policy``):
-
-- ``"drop"``: they are removed and counted (``hetero/dropped``, reason ``"stale"``); the learner
-  waits only for enough fresh groups.
-- ``"wait"`` (dropless, like verl's ``max_off_policy_strategy=wait``): before stepping, the learner
-  also waits for every group announced with :meth:`RolloutBuffer.expect` whose version would be
-  past the bound after this step, so it is trained on now instead of dropped later. Groups that
-  still arrive too late (e.g. their sampler had old weights for a long time) are dropped and
-  counted: the bound is never relaxed.
-
-Both policies block ``take`` until enough fresh data is there, up to a timeout, then raise
-:class:`BufferTimeout` with a message saying what was missing.
-
-Threads: all methods are safe to call concurrently (one lock, one condition variable).
-
-Ledger: every uid that ever reached the buffer has one status: buffered, consumed, dropped (with
-reason) or rejected (with reason). ``state_dict()`` saves the ledger and the buffered groups so a
-resumed learner neither loses nor repeats a group.
+prompt groups, each with ``v - policy_version <= max_delay`` (an exact bound). A group is returned
+at most once, ever: uids already seen are rejected on arrival and remembered across checkpoints.
+Groups past the bound (``stale_policy``): ``"drop"`` removes and counts them (``hetero/dropped``,
+reason ``"stale"``); ``"wait"`` (dropless, like verl's ``max_off_policy_strategy=wait``) also waits,
+before a step, for every group announced with :meth:`RolloutBuffer.expect` that the step would put
+past the bound, and drops only those that still arrive too late: the bound is never relaxed.
+``take`` blocks until enough fresh data is there, up to a timeout, then raises
+:class:`BufferTimeout` saying what was missing. Thread-safe (one lock, one condition variable).
+Every uid that reached the buffer has one status: buffered, consumed, dropped or rejected (with a
+reason); ``state_dict()`` saves the ledger and the buffered groups, so a resumed learner neither
+loses nor repeats a group.
 """
 
 from __future__ import annotations

@@ -1,31 +1,17 @@
 """Delay models for emulating heterogeneous, geographically spread compute.
 
-A delay model draws non-negative delays. The unit is whatever the caller uses: seconds in real
-async runs (how long until a sampler sees new weights), learner steps in replay emulation (how
-many policy versions behind a batch is). Models:
+A delay model draws non-negative delays in the caller's unit: seconds in async runs (until a
+sampler sees new weights), learner steps in replay (how many versions behind a batch is). Models
+(:func:`make_delay_model`): ``none``, ``constant``, ``uniform`` (``integer=True``: the whole numbers
+low..high), ``lognormal`` / ``weibull`` (``low`` and ``high`` the (1-c)/2 and 1-(1-c)/2 quantiles of
+an underlying T, the delay ``clip(T - offset, low, high)``: the GEPO paper's emulation) and
+``trace`` (measured delays from a file). Each has ``sample(n, rng) -> float64 [n]``, depending only
+on the ``numpy.random.Generator`` passed in, and ``summary()``.
 
-- ``none``: always 0.
-- ``constant``: always ``value``.
-- ``lognormal`` / ``weibull``: an underlying variable T parameterised so that ``low`` and ``high``
-  are its (1-c)/2 and 1-(1-c)/2 quantiles (c = ``confidence``, default 0.995); the delay is
-  ``clip(T - offset, low, high)``. This matches the GEPO paper's emulation (L=60 s, U=1920 s,
-  offset 400 for the 1.7B run; L=400 s, U=3600 s, offset 400 for the 8B run).
-- ``uniform``: uniform on [``low``, ``high``]; with ``integer=True`` the whole numbers
-  low, low+1, ..., high, each equally likely (replay's "uniform staleness in [0, K]").
-- ``trace``: replays measured delays from a file (one number a line, or one CSV column).
-
-Every model exposes ``sample(n, rng) -> np.ndarray`` of shape (n,), float64, and ``summary()``.
-Reproducibility: draws depend only on the ``numpy.random.Generator`` passed in.
-
-:class:`DelaySchedule` is the one rule from a model to the delays of a run, used by every engine
-and mode: the delay of item ``key`` (a weight version, a replay step, a message) for receiver
-``stream`` is one draw from ``default_rng([seed, key, stream])``, times the receiver's speed
-factor; in learner steps it is rounded half to even and capped. Each receiver thus has its own
-independent delays (the reference code handed every sampler the same pre-drawn list, so their
-delays were perfectly correlated), and a delay never depends on when or how often it is asked.
-
-CLI: ``python -m verl_ext.hetero.delay --dist lognormal --low 60 --high 1920 --offset 400``
-prints the summary; ``--plot PATH`` saves a histogram.
+:class:`DelaySchedule` is the one rule from a model to a run's delays, for every engine and mode:
+item ``key``'s delay for receiver ``stream`` is one draw from ``default_rng([seed, key, stream])``
+times the receiver's speed factor (learner steps: rounded half to even, capped): receivers draw
+independently, and a delay never depends on when or how often it is asked. Settings, CLI: docs/heterogeneity.md.
 """
 
 from __future__ import annotations

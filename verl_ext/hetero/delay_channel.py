@@ -1,23 +1,16 @@
 """A transport wrapper that makes each message visible only after a drawn delay.
 
 :class:`DelayChannel` is itself a :class:`~verl_ext.hetero.transport.Transport`, so a
-:class:`~verl_ext.hetero.weights.WeightStore` or the rollout helpers run over it unchanged.
-Typical use: each sampler wraps the shared transport in its own channel (``stream`` = its index,
-``speed_factor`` = its relative slowness) around the weights topic, so every sampler sees each
-new policy version after its own delay; the learner may wrap the rollouts topic the same way.
+:class:`~verl_ext.hetero.weights.WeightStore` or the rollout helpers run over it unchanged. Typical
+use: each sampler wraps the shared transport around the weights topic (``stream`` = its index,
+``speed_factor`` = its relative slowness), so it sees each new version after its own delay.
 
-Delays are in seconds of ``clock``, drawn by the run's one rule
-(:class:`~verl_ext.hetero.delay.DelaySchedule`): a weight version's delay depends only on (seed,
-version, stream), any other message's on (seed, topic and key, stream). It is reproducible and
-does not depend on when or how often the receiver polls.
-It is counted from:
-
-- ``timebase="sender"``: the sender's commit time (``MessageInfo.sent_at``). Exact, but assumes
-  sender and receiver clocks agree (same machine, or NTP-synchronised).
-- ``timebase="receiver"``: the first time this channel saw the message committed. Immune to
-  clock skew between machines; adds up to one polling interval.
-
-The clock is injectable, so tests advance time by hand and run instantly.
+Delays are in seconds of ``clock`` (injectable: tests advance it by hand), drawn by the run's one
+rule (:class:`~verl_ext.hetero.delay.DelaySchedule`): a weight version's delay depends only on
+(seed, version, stream), any other message's on (seed, topic and key, stream), never on when or
+how often the receiver polls. Counted from ``timebase="sender"``: the sender's commit time
+(``MessageInfo.sent_at``; exact, but assumes the clocks agree), or ``timebase="receiver"``: the
+first time this channel saw the message committed (immune to clock skew; up to one poll late).
 """
 
 from __future__ import annotations

@@ -1,15 +1,10 @@
 """Rollout groups over a transport, with nothing lost or repeated across a learner resume.
 
-Sampler side: :func:`send_group` writes one group under its uid.
-
-Learner side: :class:`RolloutInbox` moves groups from the transport into a
-:class:`~verl_ext.hetero.buffer.RolloutBuffer`. It does not delete a message when it reads it:
-the message stays until :meth:`RolloutInbox.acknowledge` is called with the ledger of a saved
-checkpoint. So if the learner dies after reading a group but before checkpointing, the resumed
-learner (whose restored ledger does not know the uid) reads it again; if it dies after the
-checkpoint, the restored ledger knows the uid and the group is not read twice.
-
-Recommended learner loop::
+Sampler side: :func:`send_group` writes one group under its uid. Learner side:
+:class:`RolloutInbox` moves groups from the transport into a
+:class:`~verl_ext.hetero.buffer.RolloutBuffer` and keeps each message until
+:meth:`RolloutInbox.acknowledge` gets the ledger of a saved checkpoint: a learner that dies before
+checkpointing reads the group again after resuming, one that dies after does not. Loop::
 
     inbox.poll()                       # transport -> buffer
     groups = buffer.take(n, version)   # train on them

@@ -1,30 +1,17 @@
-"""The async wire protocol, in one place: every topic, every control key, every control record.
+"""The async wire protocol, in one place: every topic, control key and control record. Learner and
+samplers (and the soak's fault injector) talk only through a
+:class:`~verl_ext.hetero.transport.Transport`; a message is ``(topic, key) -> bytes``::
 
-Learner and samplers (and the soak test that injects faults into their exchange) talk only
-through a :class:`~verl_ext.hetero.transport.Transport`; a message is ``(topic, key) -> bytes``.
-
-=================  ==========================  =================================================
-topic              key                         payload
-=================  ==========================  =================================================
-``weights``        ``version_key(v)``          safetensors state dict of policy version v
-                                               (:mod:`verl_ext.hetero.weights`), learner -> samplers
-``weights_delta``  ``version_key(v)``          XOR delta of the weights from v-1 to v
-                                               (``hetero.weight_sync=delta``), learner -> samplers
-``rollouts``       the group uid               :class:`~verl_ext.hetero.records.RolloutGroup`
-                                               bytes, sampler -> learner
-``expected``       the group uid               :class:`Announcement`: a group a sampler is
-                                               generating (``stale_policy=wait`` only)
-``control``        ``stop``                    anything: every sampler stops (driver/learner)
-``control``        ``learner-status``          :class:`LearnerStatus`, after every learner step
-``control``        ``progress_key(sampler)``   :class:`SamplerProgress`: the batch index a
-                                               sampler has claimed, before it draws the prompts
-=================  ==========================  =================================================
-
-On Ray, the learner actor is named :data:`LEARNER_ACTOR` and sampler i's n-th launch
-:func:`sampler_actor_name` (i, n).
-
-Records are small JSON objects; a reader that finds one missing, half-written or malformed
-treats it as absent (:func:`read_record` returns None) instead of stalling on it.
+    weights        version_key(v)         safetensors state dict of version v, learner -> samplers
+    weights_delta  version_key(v)         XOR delta from v-1 to v (hetero.weight_sync=delta)
+    rollouts       the group uid          RolloutGroup bytes, sampler -> learner
+    expected       the group uid          Announcement: a group being generated (stale_policy=wait)
+    control        stop                   anything: every sampler stops (driver / learner)
+    control        learner-status         LearnerStatus, after every learner step
+    control        progress_key(sampler)  SamplerProgress: the batch index a sampler claimed
+On Ray the learner actor is :data:`LEARNER_ACTOR`, sampler i's n-th launch :func:`sampler_actor_name`.
+Records are small JSON objects; a reader that finds one missing, half-written or malformed treats
+it as absent (:func:`read_record` returns None) instead of stalling on it.
 """
 
 from __future__ import annotations

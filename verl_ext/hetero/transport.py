@@ -1,19 +1,13 @@
 """Transports: move opaque byte messages between the learner and samplers.
 
-One interface, two backends, swappable by config (:func:`make_transport`):
-
-- :class:`FsspecTransport` over any fsspec URL: ``file:///shared/run1``, a plain path, NFS,
-  ``memory://run1`` (one process, tests), ``s3://bucket/run1`` where s3fs is installed. For
-  samplers that are separate jobs, possibly in other data centres.
-- :class:`RayTransport` over Ray's object store, for samplers and learner in one Ray cluster.
-
-A message is addressed by ``(topic, key)`` (e.g. ``("weights", "v00000017")``,
-``("rollouts", group_uid)``) and carries a SHA-256 checksum and the sender's timestamp
-(:class:`MessageInfo`). Writes are atomic: the payload goes to a temporary name, is renamed to
-its final name, and only then is a small commit marker (holding size and checksum) written. A
-reader lists committed keys only, so a writer killed at any point leaves nothing visible; a
-committed payload whose bytes no longer match the checksum (truncated, bit rot, overwritten
-while read) raises :class:`CorruptMessage` and is counted in ``stats["corrupt"]``, never returned.
+One interface, two backends, chosen by config (:func:`make_transport`): :class:`FsspecTransport`
+over any fsspec URL (a plain path, NFS, ``memory://`` for tests, ``s3://`` where s3fs is
+installed), for samplers in separate jobs or data centres; :class:`RayTransport` over Ray's object
+store, for one Ray cluster. A message is addressed by ``(topic, key)`` and carries a SHA-256 and
+the sender's timestamp (:class:`MessageInfo`). Writes are atomic: payload to a temporary name,
+renamed, then a small commit marker (size, checksum). Readers list committed keys only, so a writer
+killed at any point leaves nothing visible; a committed payload that no longer matches its
+checksum raises :class:`CorruptMessage` (counted in ``stats["corrupt"]``), never returned.
 """
 
 from __future__ import annotations

@@ -1,26 +1,17 @@
 """Versioned policy weights over a transport.
 
-The learner calls ``publish(version, state_dict)`` after each update (or every k updates);
-samplers poll ``latest_version()`` and load ``latest()`` or ``get(version)``. Only the last
-``keep_last`` versions are kept. The state dict travels as safetensors bytes; the transport
-adds a SHA-256 checksum that is verified on every load, so a half-written or corrupted version
-is skipped (counted in ``stats["corrupt"]``), never loaded. With ``wire_dtype="bf16"`` floating
-tensors are sent as bfloat16 (half the bytes) and cast back to their original dtype on load.
+The learner calls ``publish(version, state_dict)``; samplers poll ``latest_version()`` and load
+``latest()`` or ``get(version)``; the last ``keep_last`` versions are kept. State dicts travel as
+safetensors bytes under the transport's SHA-256, verified on every load (a corrupt version is skipped,
+``stats["corrupt"]``). ``wire_dtype="bf16"``: floating tensors sent as bfloat16, cast back on load.
 
-Deltas (``delta=True``, ``hetero.weight_sync=delta``): besides each full version n the publisher
-sends a delta message n in the topic ``<topic>_delta`` (same key): the wire-dtype bit patterns of
-every floating tensor of n XOR those of n-1, zlib-compressed (:func:`encode_xor`; a value that did
-not change is zero bits, which compress away), non-floating tensors whole, and the SHA-256 of the
-exact wire bits of n-1 (the base) and of n (the target). A fetcher remembers the version it last
-returned and its wire bits; it moves from its version b to the newest visible version n by
-applying deltas b+1..n when all are visible, ``n - b <= max_delta_chain`` and the deltas' bytes
-add up to less than the full version's (after a large step a chain of a few deltas outweighs
-one version: docs/network.md), and checks the result's SHA-256. Otherwise -- too far behind, no
-version held yet, a delta missing, pruned, corrupt or built on other bits -- it fetches the full
-version n. Either way the state dict is bit-identical to the full version's. ``stats``:
-``full_loads``, ``delta_loads``, ``bytes_fetched`` (payload bytes read), ``delta_fallbacks``
-(a chain was in reach but missing or failed its checks), ``delta_larger`` (a chain was in reach
-but the full version was smaller).
+Deltas (``delta=True``, ``hetero.weight_sync=delta``): beside each full version n, a message n in
+``<topic>_delta``: the XOR of n's and n-1's wire bits, zlib-compressed (:func:`encode_xor`), with
+the SHA-256 of both. A fetcher at version b applies deltas b+1..n when all are visible, ``n - b <=
+max_delta_chain`` and they are smaller than the full version, and checks the result's digest;
+otherwise it fetches the full version. Either way the state dict is bit-identical to the full
+version's (``stats``: ``full_loads``, ``delta_loads``, ``bytes_fetched``, ``delta_fallbacks``,
+``delta_larger``). Costs: docs/network.md.
 """
 
 from __future__ import annotations

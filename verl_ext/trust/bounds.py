@@ -1,30 +1,17 @@
 """How far an honest sampler's log-probs may be from the learner's re-scoring, per precision the
-sampler declares, and the per-sampler sequential test that lets small systematic lies add up.
+sampler declares, and the per-sampler sequential tests that let small systematic lies add up.
 
-A sampler reports log q of the tokens it drew; the learner re-scores the same tokens under the
-claimed version's weights. An honest sampler's q differs from the learner's by its arithmetic: a
-few 1e-6 in fp32, a few 1e-2 per token in bf16 (vLLM's default), up to ~0.6 on single tokens. A
-tolerance that separates honest from lying samplers must therefore know the sampler's precision:
-the sampler declares it in its signed record (``RolloutGroup.sampler_precision``: ``"fp32"`` or
-``"bf16"``, stamped by :func:`precision_of` from its model's dtype); a record without one, or with
-another, is refused by name (``undeclared_precision`` / ``unknown_precision``).
-
-Per checked group three statistics over its response tokens (:func:`group_mismatch`): the largest
-|log q reported - log q re-scored|, the mean |Δ| per token, and the mismatch KL per token (k3,
-exp(Δ) - 1 - Δ with Δ = log p - log q, the estimator of prime-rl's and of ``is/kl_sampler_learner``).
-A group fails at once when one of them is over its precision's bound (:class:`Tolerance`); below
-them, the mean |Δ| per token minus the precision's ``reference`` is summed per sampler over its
-checked groups (a one-sided CUSUM, floored at 0: :class:`MismatchCusum`), and a group that takes the
-sum over ``cusum_limit`` fails too. Honest noise sits below the reference and keeps the sum at 0;
-a lie a little over it, on every group, adds up.
-
-Every number of :data:`TOLERANCES` comes from a measurement named beside it: the GPU runs in
-``/work/shared/reference/GPU_FIRST_RUN.md`` (sections 3 and 4: the toy model and SmolLM2-135M-Instruct
-on an H200) and ``research/bench/bench_precision.py`` on this project's CPU (the toy model sampling in
-bf16, re-scored in fp32; its table is in docs/reliability.md). bf16's come from SmolLM2-135M's spread;
-:func:`calibrate` sets them from a sample of the run's own model instead (``python -m
-recipe.gepo.calibrate`` writes the bounds file ``hetero.trust.bounds_file`` reads), and
-:class:`TrustBounds` is what the gate asks whose bounds a group gets.
+An honest sampler's q differs from the learner's re-score by its arithmetic, so a bound must know
+its precision: the signed record declares it (``RolloutGroup.sampler_precision``, ``"fp32"`` or
+``"bf16"``, stamped by :func:`precision_of`); a record without one or with another is refused
+(``undeclared_precision`` / ``unknown_precision``). Per checked group :func:`group_mismatch` gives
+the largest |log q reported - log q re-scored| of a token, the mean |Δ| a token and the mismatch
+KL a token (k3); a group fails when one is over its precision's :class:`Tolerance`, or when it takes
+one of its sampler's one-sided CUSUMs (:class:`MismatchCusum`) over its limit. :data:`TOLERANCES`
+and :data:`TIE_MARGINS` cite their measurements beside each number; :func:`calibrate` sets bf16's
+from the run's own model (``python -m recipe.gepo.calibrate`` writes ``hetero.trust.bounds_file``),
+and :class:`TrustBounds` says whose bounds a group gets. The tables and their evidence:
+docs/reliability.md, "Re-scoring" and "Numbers".
 """
 
 from __future__ import annotations

@@ -1,36 +1,17 @@
 """Sampling the learner can check: seeded Gumbel-max.
 
-Sampling token t from softmax(logits / T) is the same as taking argmax(logits / T + g) with g a
-vector of independent Gumbel(0, 1) draws. When g comes from a seed the sampler declares -- one
-vector per (seed, row, position), from a counter-based generator that gives the same numbers on
-every machine and device -- the learner can re-derive, with its own logits and the same noise,
-which token the sampler had to choose, and check the tokens themselves, not only the log-probs
-reported for them. A sampler that draws from other weights, at another temperature or from a
-truncated distribution (top-k, top-p) then picks other tokens at some positions, even when the q it
-reports matches the tokens it sent.
-
-Arithmetic differs between sampler and learner (bf16 kernels on a GPU, fp32 on the learner): where
-the best and second-best noised scores are within that difference, they may swap. A chosen token
-that is not the learner's argmax is therefore allowed when its noised score is within
-``tie_margin`` of the best (a near tie), and refused otherwise (a mismatch). Measured (GPU_FIRST_RUN.md
-5, SmolLM2 on the CPU): under the same noise, bf16's argmax differs from fp32's at 1.95% of tokens;
-the noised margin between the best two tokens is under 0.1 at 1.6% of tokens.
-
-Wired into the embedded engine's async mode under ``hetero.trust.checkable_sampling``: the
-samplers draw through ``verl_ext.sampling.generate(gumbel_seeds=...)`` (:class:`GumbelMax`, one
-seed per group from :func:`group_seed`), the seed travels in the group's signed record
-(``RolloutGroup.sampling_seed``), and the learner's trust gate runs :func:`check_scores` on the
-logits of the forward it already runs to re-score q. :func:`sample` and :func:`check_tokens` are
-the two halves on their own (one full forward a step: a reference).
-
-The tie margin a precision allows (:data:`~verl_ext.trust.bounds.TIE_MARGINS`, or a
-calibration's): the noised scores of two tokens are log q + g (up to one shared constant), so their
-difference moves between two computations by at most the sum of the two tokens' |Δ log q|: twice the largest honest |Δ log q| a token measured
-for that precision.
-
-What it does not constrain: the choice of the seed. A sampler may draw with several seeds and
-send the draw it likes best (the check holds each draw to the distribution, not the seed to a
-value the learner picked); the learner does not assign seeds.
+Sampling from softmax(logits / T) equals taking argmax(logits / T + g), g a vector of Gumbel(0, 1)
+draws. With g from a seed the sampler declares (one vector per (seed, row, position), from a
+counter-based generator that gives the same numbers on every machine and device), the learner
+re-derives from its own logits which token the sampler had to choose, so a sampler drawing from
+other weights, at another temperature or from a truncated distribution is caught by its tokens,
+even when its reported q matches them. A chosen token that is not the learner's argmax passes when
+its noised score is within ``tie_margin`` of the best (a near tie: the two sides' arithmetic
+differ) and fails otherwise (a mismatch); a precision's margin (:data:`TIE_MARGINS`, or a
+calibration's) is twice the largest honest |Δ log q| of a token. :func:`sample` and
+:func:`check_tokens` are the two halves; the gate runs :func:`check_scores` on the logits of its
+re-score (``hetero.trust.checkable_sampling``; seed :func:`group_seed`, in the signed record).
+Not constrained: the choice of the seed. Evidence and limits: docs/reliability.md, "Checkable sampling".
 """
 
 from __future__ import annotations

@@ -1,32 +1,17 @@
-"""Trust in samplers, earned by checks: which groups to check, what a failed check costs the
-sampler, and when it is quarantined (an enrolled sampler can still lie about its groups).
+"""Trust in samplers, earned by checks: which groups to check, what a failed check costs the sampler,
+and when it is quarantined. The checks are :mod:`verl_ext.trust.verifier`'s; this module keeps the books.
 
-The learner checks what a sampler claims about a group (its log-probs q under the claimed
-version, its rewards and advantages) on a sampled fraction of groups; the checks themselves are
-the engine's (:mod:`verl_ext.trust.verifier`). This module keeps the books:
-
-- **which groups are checked**: every group of a sampler still on probation (its first
-  ``probation_groups`` checks), then each group with probability ``verify_fraction``, drawn by a
-  keyed hash of the group under a secret only the learner holds (made at start with
-  ``os.urandom``, kept across resume in :meth:`state_dict`): no sampler can predict which of its
-  groups will be checked, from the config, the seed or the exchange;
-- **trust**: a score in [0, 1] per sampler id, 1 at the start; a failed check subtracts
-  ``penalty``, a passed one adds ``recovery`` (capped at 1). Below ``quarantine_below`` the
-  sampler is quarantined: every later record of it is refused (reason ``quarantined``), and the
-  groups accepted from it since its last passed check are handed back to be purged from the buffer
-  (:meth:`TrustLedger.record` hands them to its ``drop``; ``trust/purged`` counts the ones it
-  actually dropped, not those a step already took). Quarantine is for the rest of the run and survives a
-  resume (:meth:`state_dict`);
-- **divergence** (``max_divergence`` > 0): the learner reports, after each step, the measured
-  divergence of each consumed group: KL(sampler || learner) estimated as the ``is/kl_sampler_learner``
-  metric estimates it (:func:`verl_ext.algos.diagnostics.sampler_learner_kl` on the group's
-  sequences: k3 per token, token-mean per sequence, mean over sequences), so the bound is read off
-  that metric; while the mean over a sampler's last ``divergence_window`` groups is above the
-  bound, that sampler's groups are refused (reason ``divergent``) -- a bound on what the data
-  are, beside the version bound on how old they are.
-
-Events (quarantine, divergence bound crossed either way) are kept for the run's records
-(:meth:`drain_events`); scalars under ``trust/`` (:meth:`metrics`).
+- **draw**: every group of a sampler on probation (its first ``probation_groups`` checks), then each
+  with probability ``verify_fraction``, by an HMAC of the group under a secret only the learner holds
+  (``os.urandom``, kept in :meth:`state_dict`): no sampler can predict which groups are checked;
+- **trust**: a score in [0, 1] per sampler id, 1 at start; a failed check subtracts ``penalty``, a
+  passed one adds ``recovery`` (capped at 1). Below ``quarantine_below`` the sampler is quarantined
+  for the rest of the run, across resumes: later records are refused (``quarantined``), and the groups
+  accepted since its last passed check go to ``drop`` (``trust/purged``: those actually dropped);
+- **divergence** (``max_divergence`` > 0): while the mean KL(sampler || learner) of a sampler's last
+  ``divergence_window`` consumed groups (:func:`verl_ext.algos.diagnostics.sampler_learner_kl`, as
+  ``is/kl_sampler_learner``) is over the bound, its groups are refused (``divergent``).
+Events: :meth:`drain_events`; ``trust/`` scalars: :meth:`metrics`. Evidence: docs/reliability.md.
 """
 
 from __future__ import annotations

@@ -1,35 +1,17 @@
-"""Signed rollout records: only enrolled samplers' groups reach the learner, so an
-unknown process cannot feed it rollouts.
+"""Signed rollout records: only enrolled samplers' groups reach the learner.
 
 A sampler seals each serialised group (:meth:`RolloutGroup.to_bytes`) with its Ed25519 key; the
-learner opens it with the public keys it enrolled and refuses anything else before decoding it.
-
-Why Ed25519 rather than HMAC with per-sampler secrets: the learner holds only public keys, so the
-list it enrols (a JSON file in the run directory, on a shared folder, in a bucket) is not a
-secret -- whoever can read it still cannot sign -- and a sampler's private key never has to be
-sent anywhere: a sampler makes its key where it runs and publishes only the public half. Cost:
-signing ~50 us and verifying ~150 us per group on this CPU, against milliseconds to seconds of
-generation per group.
-
-What is signed: a domain tag, the sampler id, and the SHA-256 of the record's bytes; so changing
-one byte of the record, claiming another sampler's id, or moving a signature to another record
-fails. The record's own ``sampler_id`` must equal the signer's (a sampler cannot publish in
-another's name). Replays of an old signed record carry its group uid, which the learner's ledger
-remembers across checkpoints (buffered, consumed, dropped: never twice) -- the uid is the nonce.
-
-Envelope: ``MAGIC`` + 4-byte big-endian header length + JSON header
-``{"sampler_id", "key_id", "signature" (hex)}`` + the record's bytes. ``key_id`` names which of
-the sampler's enrolled keys signed (a sampler id may hold several: a restarted sampler makes a new
-key, and the records its previous launch left in flight stay valid). Rejections are
+learner opens it with the public keys it enrolled (:class:`Enrolment`, not a secret) and refuses
+anything else before decoding it. Signed: a domain tag, the sampler id and the SHA-256 of the
+record's bytes; the record's ``sampler_id`` must equal the signer's. The group uid is the nonce
+(the ledger never accepts one twice). Envelope: ``MAGIC`` + 4-byte big-endian header length + JSON
+header ``{"sampler_id", "key_id", "signature" (hex)}`` + the record's bytes; ``key_id`` names which
+of the sampler's enrolled keys signed (a restarted sampler makes a new one). Rejections are
 :class:`~verl_ext.hetero.records.RecordRejected` with reasons ``unsigned``, ``unenrolled``,
-``revoked``, ``bad_signature``, ``sampler_mismatch``.
+``revoked``, ``bad_signature``, ``sampler_mismatch``. Why Ed25519, not HMAC, and what it costs:
+docs/reliability.md, "Signed records".
 
-Operators (a sampler outside the learner's Ray job, ``recipe/gepo/remote_sampler.py``)::
-
-    python -m verl_ext.trust.signing keygen sampler-7.key sampler-7     # on the sampler's machine
-    python -m verl_ext.trust.signing pubkey sampler-7.key [--sampler-id sampler-7]  # an existing key's public hex
-    python -m verl_ext.trust.signing enrol enrolment.json sampler-7 <public hex>   # by the learner's operator
-    python -m verl_ext.trust.signing revoke enrolment.json sampler-7
+    python -m verl_ext.trust.signing keygen | pubkey | enrol | revoke | reinstate ...  (--help)
 """
 
 from __future__ import annotations
