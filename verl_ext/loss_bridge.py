@@ -1,28 +1,17 @@
 """The actor objective: the one place where an engine turns a batch into the actor's loss.
 
-Both engines call :func:`compute_actor_loss` -- the embedded learner
-(``recipe/gepo/embedded/learner.py``) on its whole batch, the verl engine's worker
-(``recipe/gepo/verl_engine/loss.py``, verl's ``ppo_loss`` replacement) on each micro-batch after
-unpadding. It owns every term of the objective:
-
-- the policy loss, looked up in verl's registry by ``policy_loss.loss_mode`` (verl's losses or
-  the project's), with GEPO's per-sequence group denominators forwarded to the losses that take
-  them;
-- the KL(sampler || learner) penalty, ``policy_loss.sampler_kl_coef`` > 0
-  (:func:`verl_ext.verl_losses.add_sampler_kl`, its one owner, called here after the policy loss);
-- the entropy bonus, ``- actor.entropy_coeff x entropy`` (verl's ``agg_loss`` of the token
-  entropies under ``loss_agg_mode``), whenever the engine supplies ``entropy``;
-- the KL-to-reference term, ``+ actor.kl_loss_coef x KL(learner || reference)`` when
-  ``actor.use_kl_loss`` (verl's ``kl_penalty`` with ``actor.kl_loss_type``);
-- rollout correction: verl's ``rollout_is_weights`` passed in, or (embedded engine)
-  ``algorithm.rollout_correction``'s decoupled truncated IS computed here with verl's
-  ``compute_rollout_correction_weights`` (:class:`RolloutCorrection`);
-- uniform metrics: ``actor/*`` and the ``is/*`` weight statistics whatever the loss, and what
-  the loss does to each token's gradient (:func:`gradient_mechanism_metrics`: removed shares by
-  advantage sign, relative weights of right vs wrong answers).
-
-The terms are added in verl's ``ppo_loss`` order, so for verl's own losses the result equals
-verl's ``ppo_loss`` exactly. The trainer loop never knows which algorithm it runs.
+Both engines call :func:`compute_actor_loss`: the embedded learner on its whole batch, the verl
+engine's worker (``recipe/gepo/verl_engine/loss.py``) on each unpadded micro-batch. It owns every
+term, added in verl's ``ppo_loss`` order (so for verl's own losses the result equals ``ppo_loss``):
+the policy loss from verl's registry by ``policy_loss.loss_mode`` (GEPO's group denominators passed
+to the losses that take them); the sampler-KL penalty (``policy_loss.sampler_kl_coef`` > 0,
+:func:`verl_ext.verl_losses.add_sampler_kl`); the entropy bonus (``- actor.entropy_coeff x entropy``
+under ``loss_agg_mode``, when the engine supplies ``entropy``); the KL-to-reference term
+(``actor.use_kl_loss``, ``kl_loss_coef``, ``kl_loss_type``); rollout correction (verl's
+``rollout_is_weights``, or ``algorithm.rollout_correction`` computed here: :class:`RolloutCorrection`);
+uniform metrics (``actor/*``, ``is/*`` weight statistics, and
+:func:`gradient_mechanism_metrics`: what the loss does to each token's gradient). The trainer loop
+never knows which algorithm it runs.
 """
 
 from __future__ import annotations

@@ -1,28 +1,17 @@
 """The run directory: the one place that writes and reads its files.
 
-A run directory (``trainer.default_local_dir``) holds
+A run directory (``trainer.default_local_dir``) holds ``metrics.jsonl`` (``{"step": int, "<metric>":
+float, ...}`` a line, appended by :class:`MetricsWriter` for both engines; ``eval/...`` keys possibly
+on lines of their own; a resume drops the steps after its checkpoint first, :func:`truncate_metrics`;
+a killed run may leave a torn last line), ``config.yaml`` (the composed config:
+:func:`read_run_config`), ``placement.json`` (:func:`write_placement`: where each role of a
+verl-engine run ran), ``events.jsonl`` (things that happened once, each with ``step`` and ``event``:
+:func:`append_event`, :func:`read_events`), ``enrolment.json`` (the public keys of an async run's
+samplers, written before each may send) and ``checkpoints/step_<k>.pt`` with ``checkpoints/latest``
+(:func:`save_checkpoint`, :func:`load_latest_checkpoint`, :func:`latest_checkpoint_step`).
 
-* ``metrics.jsonl`` -- one JSON object per line, ``{"step": int, "<metric>": float, ...}``, appended
-  by :class:`MetricsWriter` (the embedded engine's ``MetricLogger`` and the verl engine's
-  ``MetricsTee`` both write through it). Evaluation lines carry ``eval/...`` keys, possibly on lines
-  of their own; a resumed run re-logs the steps after its checkpoint (:func:`truncate_metrics`
-  first drops them); a killed run may leave a torn last line.
-* ``config.yaml`` -- the composed hydra config (:func:`read_run_config` reads the algorithm and
-  delay from it).
-* ``placement.json`` -- where each role of a verl-engine run ran (:func:`write_placement`:
-  ``{"learner": [{"hostname", "ip"}, ...], "samplers": [...]}``, one entry per rank / server).
-* ``events.jsonl`` -- one JSON object per line for things that happened once, not per step (a
-  sampler quarantined, a sampler's divergence over its bound: ``hetero.trust``), each with
-  ``step`` and ``event``; appended by :func:`append_event`, read by :func:`read_events`.
-* ``enrolment.json`` -- the public keys of the samplers an async run launched
-  (:class:`verl_ext.trust.signing.Enrolment`), written by the driver before each sampler may send, so
-  a learner resumed after a crash accepts the groups they left in flight.
-* ``checkpoints/step_<k>.pt`` and ``checkpoints/latest`` (the name of the newest) --
-  :func:`save_checkpoint` / :func:`load_latest_checkpoint` (:func:`latest_checkpoint_step`: its step).
-
-Readers: :func:`read_metric_rows` (the lines as dicts, for scripts), :func:`load_metrics` (one
-pandas row per step, for reports and figures), :func:`load_run` / :func:`load_runs` (metrics plus
-what the config says). Every reader skips unreadable lines the same way (:func:`iter_metric_lines`).
+Readers: :func:`read_metric_rows` (dicts), :func:`load_metrics` (a pandas row a step),
+:func:`load_run` / :func:`load_runs` (plus the config); all skip bad lines alike (:func:`iter_metric_lines`).
 """
 
 from __future__ import annotations

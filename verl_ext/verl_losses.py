@@ -1,28 +1,17 @@
 """HeteroRL's policy losses and advantage estimators, registered into verl's registries.
 
-Loaded by ``import verl`` in every process (entry point ``heterorl`` of group ``verl.plugins`` in
-pyproject.toml). verl only logs a failing plugin at DEBUG level, so ``tests/test_verl_plugin.py``
-asserts that the names below arrived. The CPU backend is a separate entry point (:mod:`verl_ext.cpu`);
-nothing here imports it.
+Loaded by ``import verl`` in every process (entry point ``heterorl`` of group ``verl.plugins``;
+verl logs a failing plugin only at DEBUG, so ``tests/test_verl_plugin.py`` asserts the names). Losses
+(``policy_loss.loss_mode``): gepo, eqp, gepo_adaptive, gepo_tr, gepo_tc, topr, delta_l, m2po, vespo,
+options :class:`verl_ext.loss_config.HeteroPolicyLossConfig`; verl's own are used as they are
+(docs/algorithms.md). Advantage estimators (``algorithm.adv_estimator``): bnpo.
 
-Registered policy losses (``actor_rollout_ref.actor.policy_loss.loss_mode``):
-    gepo, eqp, gepo_adaptive, gepo_tr, gepo_tc, topr, delta_l, m2po, vespo. verl's own vanilla (GRPO, Dr.GRPO, BNPO's surrogate),
-    gspo, geo_mean (GMPO) and cispo are used as they are (docs/algorithms.md: where they differ
-    from their papers). Their options: :class:`verl_ext.loss_config.HeteroPolicyLossConfig`.
-Registered advantage estimators (``algorithm.adv_estimator``): bnpo.
-
-Every loss here has verl's signature (see ``verl.workers.utils.losses.ppo_loss``) plus optional
-keyword arguments that verl never passes but the project's engines do:
-``group_log_denominator`` [B] (GEPO's log E_q[q], computed over whole prompt groups upstream) and
-``group_index`` [B] (prompt-group labels), for the group losses. Without them, groups are taken as
-contiguous runs of ``policy_loss.group_size`` sequences, and a batch that does not split into whole
-groups is an error.
-
-The losses here are policy losses alone. The sampler-KL term (``policy_loss.sampler_kl_coef`` x
-:func:`sampler_kl_penalty`) has one owner, :func:`add_sampler_kl`, reached on each route once: the
-loss bridge calls it after any policy loss (:func:`policy_loss_fn` gives it the loss alone), and
-verl's registry holds each loss here with it added (:func:`_register`), because verl's own
-``ppo_loss`` (``python -m verl.trainer.main_ppo``) calls nothing but the registered function.
+Every loss has verl's signature (``verl.workers.utils.losses.ppo_loss``) plus optional keywords the
+project's engines pass: ``group_log_denominator`` [B] (GEPO's log E_q[q] over whole prompt groups)
+and ``group_index`` [B]; without them, groups are contiguous runs of ``policy_loss.group_size``
+sequences and a batch of partial groups is an error. The sampler-KL term has one owner,
+:func:`add_sampler_kl`: the loss bridge adds it after any policy loss (:func:`policy_loss_fn`), and
+verl's registry holds each loss with it added (:func:`_register`: verl's ``ppo_loss`` calls only that).
 """
 
 from __future__ import annotations

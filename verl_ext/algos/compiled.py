@@ -1,23 +1,16 @@
 """The group-expectation losses traced whole by ``torch.compile``: the same maths as
 :mod:`verl_ext.algos.losses` (the eager functions themselves are traced), one graph per loss.
 
-Why: eager GEPO launches many small kernels, and dynamo used to break its graph where the
-group count was read back to the host (``dense_group_index``). Under ``torch.compile`` the
-group statistics use B segment slots, each sequence's group named by its first row, and masked
-reductions over (group, sequence) pairs instead of scatters
-(:func:`verl_ext.algos.importance.segment_group_index`, ``segment_logsumexp``): O(B^2) work on
-[B] values, no sort, no atomics, no host read. A loss's forward and backward trace with
-``fullgraph=True``, and one graph serves every group count of a batch size.
-
-What differs from the eager functions, and only here:
-- GEPO-TC-ESS: the batch's normalised ESS of p_it / q_it is computed in the graph
-  (:func:`token_ratio_ess`, float64 as the eager ``normalised_ess``) and read to the host once,
-  after the graph, for its ``actor/tc_band_scale`` metric.
-
-Select it with ``actor_rollout_ref.actor.policy_loss.compile=true`` (verl_ext/loss_config.py);
-equal to the eager losses within float32 rounding (tests/algos/test_compiled_losses.py).
-Not done: a hand-written Triton kernel (triton is not a dependency of this project; inductor
-generates Triton kernels for this graph on CUDA itself).
+Eager GEPO launches many small kernels. Here the group statistics use B segment slots, each
+sequence's group named by its first row, and masked reductions over (group, sequence) pairs instead
+of scatters (:func:`verl_ext.algos.importance.segment_group_index`, ``segment_logsumexp``): O(B^2)
+work on [B] values, no sort, no atomics, no host read, so a loss's forward and backward trace with
+``fullgraph=True`` and one graph serves every group count of a batch size. Only difference from the
+eager functions: GEPO-TC-ESS's normalised ESS of p_it / q_it is computed in the graph
+(:func:`token_ratio_ess`, float64) and read to the host once, after it, for ``actor/tc_band_scale``.
+Selected by ``actor_rollout_ref.actor.policy_loss.compile=true`` (:data:`COMPILABLE_LOSS_TERMS`);
+equal to the eager losses within float32 rounding (tests/algos/test_compiled_losses.py). Why and
+what it gains: docs/benchmarks.md, "The compiled loss path".
 """
 
 from __future__ import annotations

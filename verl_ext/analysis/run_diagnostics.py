@@ -1,35 +1,17 @@
 """Diagnostics from runs: the estimation error of E[A] (the GEPO paper's Figure 5) and its
 relation to staleness, KL and importance-weight variance.
 
-**The E[A] estimation error.** For a logged batch (G responses per prompt, drawn from the sampler
-q of version v - tau) the learner p (version v) is to be trained on, the quantity an importance
-weighted policy gradient implicitly relies on is the learner's expected advantage
-E_{y~p}[A(y)]. Per prompt group g, with A_i = r_i - b_g the centred reward (b_g = the group's
-mean logged reward; the same definition for every algorithm, so runs compare), the estimate from
-the logged batch with weights w is
+For a logged batch (G responses per prompt from the sampler q of version v - tau) the learner p
+(version v) trains on, per prompt group g with A_i = r_i - b_g (b_g the group's mean logged reward,
+for every algorithm): E_hat_w[A]_g = (1/G) sum_i w_i A_i (unnormalised, as the losses use the
+weights), against M fresh samples y_j ~ p: mean_j (r(y_j) - b_g). ``diag/adv_estimation_error/<kind>``
+is the mean over groups of |E_hat_w[A]_g - E_fresh[A]_g| for each of :data:`WEIGHT_KINDS`: ``ratio``
+(p_i / q_i, the run's sequence reduction), ``group_expectation`` (p_i / E_hat_q[q], GEPO's),
+``ratio_full`` (prod_t p_t / q_t) and ``none`` (w = 1); ``diag/adv_estimation_error`` is the loss's
+own family (:func:`main_weight_kind`), ``diag/fresh_std_error`` the fresh mean's Monte-Carlo noise
+beside it. The embedded engine logs them every ``task.diagnostics_every`` steps.
 
-    E_hat_w[A]_g = (1/G) sum_i w_i A_i
-
-(unnormalised, as the losses use the weights), and the reference is the Monte-Carlo estimate from
-M fresh samples y_j ~ p on the same prompt: mean_j (r(y_j) - b_g). The logged error is the mean
-over groups of |E_hat_w[A]_g - E_fresh[A]_g|, for the weights
-
-* ``ratio``: p_i / q_i with the run's sequence reduction (length-normalised by default),
-* ``group_expectation``: p_i / E_hat_q[q] (GEPO's weight, the same reduction),
-* ``ratio_full``: the full sequence ratio prod_t p_t / q_t (the unbiased IS weight),
-* ``none``: w = 1 (ignore the staleness; the error is then how far p's expected reward on the
-  prompt moved away from the batch mean).
-
-``diag/adv_estimation_error`` is the variant of the algorithm's own weight family
-(``group_expectation`` for gepo / gepo_adaptive / eqp, ``ratio`` otherwise). The fresh estimate
-has Monte-Carlo noise of its own: ``diag/fresh_std_error`` (mean over groups of the standard
-error of the fresh mean) is logged beside it, so an error near that level means "no detectable
-error". In replay mode ``task.diagnostics_every=k`` turns it on (see ``recipe/gepo/embedded/replay.py``).
-
-**Scatter plots.** ``python -m verl_ext.analysis.run_diagnostics RUN_DIR... --out DIR`` draws,
-with Pearson's r per run and pooled (:mod:`verl_ext.analysis.run_figures`), the error against
-staleness, KL(sampler||learner) and IS-weight variance, and the IS-weight variance and KL
-against staleness and each other, and prints the correlation table.
+    python -m verl_ext.analysis.run_diagnostics RUN_DIR... --out DIR   # scatter plots, Pearson's r
 """
 
 from __future__ import annotations

@@ -1,19 +1,14 @@
 """Paired statistics of the study: a paired t confidence interval and test, and the minimum
 detectable effect of a paired design.
 
-The study pairs runs by seed: a seed fixes the training prompts, the delay draws and the evaluation
-problems, so the difference of two methods' accuracy drops on the same seed removes what the seed
-shares. With n seeds the n paired differences d_1..d_n are treated as i.i.d. normal:
-
-* :func:`paired_test` -- mean, sample std, standard error, the two-sided (1 - alpha) t interval
-  mean +- t_{1-alpha/2, n-1} * sd / sqrt(n), the t statistic and its two-sided p-value.
-* :func:`mde` -- the smallest true mean difference that a two-sided level-alpha paired t test on n
-  pairs detects with probability ``power``, for a given std of one difference (exact, through the
-  noncentral t distribution).
-* :func:`binomial_eval_sd` -- the sampling std of one run's accuracy score (the mean of k
-  evaluations of m problems x s samples), the floor of any run-to-run std.
-* :func:`holm_adjusted` -- Holm's step-down adjustment of a family of p-values: reject where the
-  adjusted p is below alpha and the family-wise error rate is at most alpha.
+The study pairs runs by seed (a seed fixes the training prompts, the delay draws and the
+evaluation problems), so the difference of two methods' scores on one seed removes what the seed
+shares; the n paired differences are treated as i.i.d. normal. :func:`paired_test`: mean, sample
+std, standard error, the two-sided (1 - alpha) t interval, the t statistic and its p-value.
+:func:`mde`: the smallest true mean difference a two-sided level-alpha paired t test on n pairs
+detects with probability ``power`` (exact, noncentral t). :func:`binomial_eval_sd`: the sampling
+std of one run's accuracy (the mean of k evaluations of m problems x s samples), the floor of any
+run-to-run std. :func:`holm_adjusted`: Holm's step-down adjustment of a family of p-values.
 """
 
 from __future__ import annotations

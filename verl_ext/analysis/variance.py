@@ -1,24 +1,14 @@
 """Exact (closed-form / quadrature) importance-weight variances, biases and the GEPO theorems.
 
-Notation (GEPO, arXiv 2508.17850): ``q`` is the sampler's distribution, ``p`` the learner's.
-Samples ``y ~ q``.  Two importance weights are compared:
-
-* the ordinary ratio ``p(y) / q(y)`` (GRPO/GSPO style), and
-* the group-expectation weight ``p(y) / E_q[q]`` with ``E_q[q] = sum_y q(y)^2 = ||q||_2^2``
-  (for densities ``E_q[q] = int q(y)^2 dy``), a constant, so
-  ``Var_q[p / E_q[q]] = Var_q[p(y)] / (E_q[q])^2``.
-
-Everything below is exact (no sampling); :mod:`verl_ext.analysis.montecarlo` holds the
-Monte-Carlo counterparts used to check these formulas.
-
-Families
---------
-* Bernoulli ``p = Bern(a)``, ``q = Bern(b)``: :func:`bernoulli_weight_variance`.
-* Unit-variance Gaussians ``p = N(mu_p, 1)``, ``q = N(mu_q, 1)``:
-  :func:`gaussian_weight_variance` (closed form) and :func:`gaussian_weight_variance_quad`
-  (``scipy.integrate.quad``).
-* General discrete ``p, q`` of shape ``(..., n)`` with an optional advantage ``A`` of the same
-  shape: :func:`discrete_weight_variance` (Theorems 1 and 3) and :func:`gepo_bias` (Theorem 2).
+Notation (GEPO, arXiv 2508.17850): ``q`` is the sampler's distribution, ``p`` the learner's,
+samples ``y ~ q``. Compared: the ordinary ratio ``p(y) / q(y)`` (GRPO/GSPO style) and the
+group-expectation weight ``p(y) / E_q[q]``, ``E_q[q] = sum_y q(y)^2`` (densities: ``int q(y)^2 dy``),
+a constant, so ``Var_q[p / E_q[q]] = Var_q[p(y)] / (E_q[q])^2``. Families: Bernoulli
+(:func:`bernoulli_weight_variance`), unit-variance Gaussians (:func:`gaussian_weight_variance`,
+closed form; :func:`gaussian_weight_variance_quad`, ``scipy.integrate.quad``) and general discrete
+``p, q`` [..., n] with an optional advantage ``A`` [..., n] (:func:`discrete_weight_variance`,
+Theorems 1 and 3; :func:`gepo_bias`, Theorem 2). Everything here is exact;
+:mod:`verl_ext.analysis.montecarlo` holds the Monte-Carlo counterparts that check it.
 """
 
 from __future__ import annotations

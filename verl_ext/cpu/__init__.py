@@ -1,24 +1,16 @@
 """A CPU backend for verl 0.9.1: its own trainer (``main_ppo``, the v1 trainers, this project's
 ``hetero_separate_async``) on a machine with no GPU.
 
-Loaded by its own ``verl.plugins`` entry point (``heterorl_cpu`` in pyproject.toml) in every process
-that imports verl, Ray workers of verl's stock ``main_ppo`` included; nothing to set. Importing this
-package registers the backend; the project's losses and their config do not import it. What it
-adds, each through verl's own extension points:
-
-- :mod:`.platform` -- the ``cpu`` platform (torch on the CPU, gloo), picked by verl only when no
-  accelerator is present;
-- :mod:`.rollout` -- ``actor_rollout_ref.rollout.name=hf_cpu`` (HF transformers generation);
-- :mod:`.checkpoint_engine` -- ``actor_rollout_ref.rollout.checkpoint_engine.backend=ray_mailbox``
-  (weight sync to a disaggregated rollout pool through Ray's object store);
-- :mod:`.patches` -- the few verl internals fixed on the CPU, each named with its verl file:line,
-  refused on a verl other than 0.9.1;
-- :mod:`.megatron` -- verl's Megatron engine on the CPU (megatron-core 0.16.1 + mbridge 0.15.1,
-  refused on other versions; nothing without megatron-core), and one fix for every device: tied
-  embeddings with pipeline parallelism.
-
-The settings a CPU run needs (logical Ray GPUs, fsdp2, sdpa, ...) are in
-``configs/verl_preset/cpu_toy.yaml`` (``cpu_toy_megatron.yaml`` for Megatron); see docs/scale-out.md.
+Loaded by its own ``verl.plugins`` entry point (``heterorl_cpu``) in every process that imports
+verl, Ray workers of verl's stock ``main_ppo`` included; the project's losses do not import it.
+Each part goes through verl's own extension points: :mod:`.platform` (the ``cpu`` platform, torch
+on the CPU with gloo, picked only when no accelerator is present), :mod:`.rollout`
+(``rollout.name=hf_cpu``), :mod:`.checkpoint_engine` (``checkpoint_engine.backend=ray_mailbox``:
+weight sync to a disaggregated rollout pool through Ray's object store), :mod:`.patches` (the few
+verl internals fixed on the CPU, each naming its verl file:line, refused on a verl other than
+0.9.1) and :mod:`.megatron` (verl's Megatron engine on the CPU, plus one fix for every device).
+The settings a CPU run needs: ``configs/verl_preset/cpu_toy.yaml`` (``cpu_toy_megatron.yaml``);
+docs/scale-out.md.
 """
 
 from __future__ import annotations

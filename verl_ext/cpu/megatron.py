@@ -1,18 +1,15 @@
 """verl 0.9.1's Megatron engine on the CPU: megatron-core 0.16.1 and mbridge 0.15.1 over gloo.
 
 Applied by :class:`verl_ext.cpu.platform.PlatformCPU` when verl picks it (never on GPUs), through
-the post-import hooks of :mod:`verl_ext.cpu.patches` (so inside Ray workers too, and only to the
-modules a process imports). Nothing happens without megatron-core; on any megatron-core but
-0.16.1 or mbridge but 0.15.1 nothing is patched and the Megatron engine for device ``cpu``
-refuses to start, naming the versions (:class:`UnsupportedMegatronVersion`); FSDP runs are
-unaffected. Each fix names the file:line it works around (megatron-core 0.16.1 under
-``megatron/core/``, mbridge 0.15.1 under ``mbridge/``, verl 0.9.1 under ``verl/``). The settings a
-run needs besides (local attention, no packed sequences, ``vanilla_mbridge``, float32) are in
-``configs/verl_preset/cpu_toy_megatron.yaml``.
-
-Registered at plugin import instead: :func:`fix_tied_embeddings_with_pipeline` (not a CPU fix: on
-every device) and :func:`allow_float32_on_cpu` (machines with no accelerator: verl validates the
-config on the driver before it picks a platform).
+the post-import hooks of :mod:`verl_ext.cpu.patches` (inside Ray workers too, only to the modules a
+process imports). Nothing happens without megatron-core; on other versions nothing is patched and
+the Megatron engine for device ``cpu`` refuses to start naming them
+(:class:`UnsupportedMegatronVersion`); FSDP runs are unaffected. Each fix names the file:line it
+works around (under ``megatron/core/``, ``mbridge/``, ``verl/``). The other settings a run needs
+(local attention, no packed sequences, ``vanilla_mbridge``, float32):
+``configs/verl_preset/cpu_toy_megatron.yaml``. Registered at plugin import instead:
+:func:`fix_tied_embeddings_with_pipeline` (not a CPU fix: every device) and :func:`allow_float32_on_cpu`
+(no accelerator: verl validates the config on the driver before it picks a platform).
 """
 
 from __future__ import annotations

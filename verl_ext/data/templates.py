@@ -1,29 +1,16 @@
 """Prompt templates: Qwen3 chat with thinking on or off, any model's own chat template, plain text,
 and the toy task.
 
-Two forms of the same prompt:
-
-* :func:`build_messages` -- chat messages, what verl's parquet stores in ``prompt`` (verl applies
-  the tokenizer's chat template itself, with ``data.apply_chat_template_kwargs``, see
-  :func:`chat_template_kwargs`);
-* :func:`render_prompt` -- the exact text a model is fed (HF generation, evaluation).
-
-Templates (:data:`TEMPLATES`):
-
-``qwen3_think``   Qwen3 chat, thinking on: the model writes ``<think>...</think>`` then answers.
-``qwen3_nothink`` Qwen3 chat, thinking off: the prompt ends with an empty think block, as Qwen3's
-                  template renders ``enable_thinking=False``.
-``plain``         no chat markup: ``Question: ...`` / ``Answer:`` for base models.
-``toy``           the toy addition prompt as is (``"047+385="``); the toy tokenizer adds ``<s>``.
-``chat``          the model's own chat template (ChatML for SmolLM2, with its default system
-                  prompt), no template arguments; :func:`render_prompt` needs the tokenizer.
-``chat_1shot``    ``chat`` whose user turn shows one worked example (:data:`ONE_SHOT_EXAMPLE`)
-                  before the problem: a weak model (SmolLM2-135M) then ends with a ``\\boxed{}``
-                  answer far more often (``research/study/smollm2_signal.py``).
-
-The math templates append :data:`MATH_INSTRUCTION` (the instruction the paper's models were
-trained with) so that answers land in ``\\boxed{}`` where the reward looks for them
-(``chat_1shot``: before the example).
+Two forms of the same prompt: :func:`build_messages`, the chat messages verl's parquet stores in
+``prompt`` (verl applies the tokenizer's chat template, with :func:`chat_template_kwargs`), and
+:func:`render_prompt`, the exact text a model is fed (HF generation, evaluation). Templates
+(:data:`TEMPLATES`): ``qwen3_think`` / ``qwen3_nothink`` (Qwen3 chat, thinking on; off as Qwen3's
+template renders ``enable_thinking=False``: an empty think block), ``plain`` (``Question: ...`` /
+``Answer:``, for base models), ``toy`` (the addition prompt as is), ``chat`` (the model's own chat
+template, no arguments; :func:`render_prompt` needs the tokenizer) and ``chat_1shot`` (``chat`` with
+one worked example, :data:`ONE_SHOT_EXAMPLE`, before the problem, so that a weak model ends with a
+``\\boxed{}`` answer: docs/gpu.md). The math templates append :data:`MATH_INSTRUCTION` (the
+paper's models' instruction) so answers land in ``\\boxed{}`` where the reward looks for them.
 """
 
 from __future__ import annotations

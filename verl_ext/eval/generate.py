@@ -1,21 +1,15 @@
 """Sampling completions for evaluation: HF transformers (CPU or one GPU), vLLM when importable.
 
-The paper's protocol: temperature 0.6, top_p 0.95, top_k 20, up to 4096 new tokens,
-8 samples per problem (:class:`SamplingParams` defaults, except ``max_new_tokens`` which the
-caller sets; the evaluation entry point defaults it to 4096).
-
-* :class:`HFGenerator` -- batched ``model.generate`` with left padding, a tqdm progress bar
-  over sequences, and an explicit seed per call (``torch.manual_seed``), so a given batch of
-  prompts with a given seed samples the same completions on the same machine.
-* :class:`VLLMGenerator` -- a thin wrapper used only when ``vllm`` is importable (and selected
-  by ``engine=auto`` only when CUDA is available and vLLM honours every option set). It was NOT
-  run in this project's CPU environment; see docs/evaluation.md.
-
-:func:`check_engine_options` decides, without importing vLLM, which settings an engine honours;
-an option vLLM would ignore is refused naming the key and value, before anything is loaded.
-
-Models load from an HF folder or a GGUF file (``model_path=/dir/model.gguf``, or a folder
-holding exactly one ``.gguf`` and no ``config.json``); GGUF weights are dequantised.
+:class:`SamplingParams` defaults are the paper's protocol (temperature 0.6, top_p 0.95, top_k 20,
+8 samples per problem); ``max_new_tokens`` is the caller's (the evaluation entry point: 4096).
+:class:`HFGenerator` runs batched ``model.generate`` with left padding and an explicit seed per
+call, so a batch of prompts with a seed samples the same completions on the same machine.
+:class:`VLLMGenerator` is a thin wrapper, used only when ``vllm`` is importable (``engine=auto``
+picks it only with CUDA and when vLLM honours every option set); untested here (docs/evaluation.md,
+"Generation engines"). :func:`check_engine_options` decides, without importing vLLM, which
+settings an engine honours, and refuses one it would ignore naming the key and value, before
+anything is loaded. Models load from an HF folder or a GGUF file (``model_path=/dir/model.gguf``,
+or a folder holding exactly one ``.gguf`` and no ``config.json``), GGUF weights dequantised.
 """
 
 from __future__ import annotations

@@ -1,29 +1,16 @@
 """Best/Last report from a run's evaluation history, laid out like the paper's table.
 
-* **Best** = the maximum over all evaluations of a run; **Last** = the final evaluation
-  (the one with the largest step).
-* Applied per benchmark *and* to the average: the average is computed per evaluation (macro
-  mean over the benchmarks, only for evaluations that cover all of them), then Best/Last are
-  taken over that series. Avg-Best is therefore the best single checkpoint's average, not the
-  mean of per-benchmark bests (which may come from different checkpoints); the latter is in the
-  JSON as ``mean_of_best``.
-* ``Δ`` = Avg-Best - Avg-Last, the paper's "best-to-last gap".
+**Best** is the maximum over a run's evaluations, **Last** the evaluation with the largest step,
+per benchmark and for the average; the average is taken per evaluation (macro mean over the
+benchmarks, only evaluations that cover all of them), so Avg-Best is the best single checkpoint's
+average (the mean of per-benchmark bests is the JSON's ``mean_of_best``). ``Δ`` = Avg-Best - Avg-Last,
+the paper's best-to-last gap. A history (:func:`load_history`) is any of: the jsonl that
+``recipe.gepo.evaluate`` appends to (``history_file``: ``{"step", "scores"}`` a line); verl's file
+logger's lines ``{"step", "data"}`` (keys ``val-core/<data_source>/acc/mean@<n>``, else
+``.../reward/mean@<n>``); ``recipe.gepo.evaluate``'s ``summary.json`` files (each with a ``step``);
+a training run directory (its ``metrics.jsonl``: ``eval/<benchmark>/acc`` or ``val-core/...``).
 
-A history can be read from
-
-1. the jsonl that ``recipe.gepo.evaluate`` appends to (``history_file=...``): one line per
-   evaluation, ``{"step": 128, "scores": {"math500": 0.61, ...}}``;
-2. verl's file logger (``trainer.logger=[file]``): lines ``{"step": s, "data": {...}}``; the
-   validation keys ``val-core/<data_source>/acc/mean@<n>`` (or ``.../reward/mean@<n>`` when no
-   ``acc`` is logged) are used, lines without them are skipped;
-3. ``summary.json`` files written by ``recipe.gepo.evaluate`` (each needs a ``step``);
-4. a training run directory (or its ``metrics.jsonl``, read by :mod:`verl_ext.rundir`): the
-   embedded engine's ``eval/<benchmark>/acc`` and the verl engine's ``val-core/...`` keys of
-   format 2, one evaluation per line that has them.
-
-CLI::
-
-    python -m verl_ext.eval.report GEPO=runs/gepo/history.jsonl GRPO=runs/grpo/history.jsonl \\
+    python -m verl_ext.eval.report GEPO=runs/gepo/history.jsonl GRPO=runs/grpo/history.jsonl \
         --benchmarks amc23,aime24,aime25,math500 --out best_last.md --json best_last.json
 """
 

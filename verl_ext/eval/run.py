@@ -1,24 +1,14 @@
 """Evaluate a model on math benchmarks with the paper's protocol (sampled mean@k, pass@k).
 
-The library behind the command line ``recipe/gepo/evaluate.py``:
-
-    python -m recipe.gepo.evaluate model_path=/path/to/hf_or.gguf \\
-        benchmarks=[amc23,aime24,aime25,math500] samples_per_problem=8 output_dir=outputs/eval/run1
-
-Writes to ``output_dir``:
-
-* ``records.jsonl`` -- one line per sample (benchmark, problem_id, sample_idx, response, pred,
-  acc, score, error, n_tokens, truncated, ...), appended and fsync'ed after every chunk of
-  problems. A killed evaluation started again with the same ``output_dir`` skips every problem
-  whose ``samples_per_problem`` records are all present; a torn last line (kill during a write)
-  is cut off, a partially written problem is redone.
-* ``run_config.json`` -- the settings that determine the records; resuming with different
-  ones is refused (name the differing fields) unless ``resume=false`` (start over).
-* ``summary.json`` / ``summary.md`` -- mean@k and pass@k per benchmark and their average.
-* optionally one line appended to ``history_file`` (``{"step", "scores"}``) for the Best/Last
-  report (``python -m verl_ext.eval.report``).
-
-Every field is documented in :class:`EvalConfig` (mirrors the recipe's ``config/evaluate.yaml``).
+The library behind ``python -m recipe.gepo.evaluate model_path=... benchmarks=[...]
+output_dir=...``; every setting is a field of :class:`EvalConfig` (mirrors ``config/evaluate.yaml``).
+Writes to ``output_dir``: ``records.jsonl`` (one line a sample, appended and fsync'ed after every
+chunk of problems), ``run_config.json`` (the settings that determine the records),
+``summary.json`` / ``summary.md`` (mean@k and pass@k per benchmark and their average) and, given
+``history_file``, one ``{"step", "scores"}`` line appended there for :mod:`verl_ext.eval.report`.
+Resume: started again on the same ``output_dir``, it skips every problem whose records are all
+present, cuts a torn last line and redoes a partly written problem; different settings are refused
+naming the fields, unless ``resume=false`` (start over). The files' fields: docs/evaluation.md.
 """
 
 from __future__ import annotations

@@ -1,23 +1,14 @@
 """The one reward entry point: a small registry of reward functions, picked by ``data_source``.
 
-=================  ==========================================  ===================================
-reward name        data_source                                 function
-=================  ==========================================  ===================================
-``toy_scratch``    starts with ``toy`` and ends with           :func:`scratchpad_reward.compute_score`
-                   ``_scratch`` (``toy_add3_scratch``)         (only the sum after ``=`` counts)
-``toy``            any other starting with ``toy``             :func:`toy_reward.compute_score`
-                   (``toy_add3``)
-``math``           everything else (``math500``, ``gsm8k``)    :func:`math_reward.compute_score`
-=================  ==========================================  ===================================
-
-Both engines score through it: the embedded engine's ``Task.score`` and verl's reward loop, with
-
-    reward.custom_reward_function.path=pkg://verl_ext.rewards.dispatch
-    reward.custom_reward_function.name=compute_score
-
-(the ``cpu_toy`` preset sets this); the evaluation (``recipe/gepo/evaluate.py``) scores many
-responses of one data_source at once with :func:`score_batch`. Every function returns the same keys
-(``math_reward.RESULT_KEYS``).
+A ``data_source`` starting with ``toy`` and ending with ``_scratch`` (``toy_add3_scratch``) is
+scored by :func:`scratchpad_reward.compute_score` (``toy_scratch``: only the sum after ``=``
+counts); any other starting with ``toy`` by :func:`toy_reward.compute_score` (``toy``); everything
+else (``math500``, ``gsm8k``) by :func:`math_reward.compute_score` (``math``). Every function
+returns the same keys (``math_reward.RESULT_KEYS``). Both engines score through it: the embedded
+engine's ``Task.score`` and verl's reward loop with
+``reward.custom_reward_function.path=pkg://verl_ext.rewards.dispatch`` and ``name=compute_score``
+(the ``cpu_toy`` preset sets them); the evaluation scores many responses of one data_source at
+once with :func:`score_batch`.
 """
 
 # No ``from __future__ import annotations``: verl may load this file by path (see math_reward).

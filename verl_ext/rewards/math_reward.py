@@ -1,32 +1,17 @@
 """Math reward: math_verify accuracy on the last ``\\boxed{}`` answer plus optional format terms.
 
-Plugs into verl unchanged::
-
-    reward.custom_reward_function.path=pkg://verl_ext.rewards.math_reward   # or the file's path
-    reward.custom_reward_function.name=compute_score            # per-sample managers (naive, dapo)
-    reward.custom_reward_function.reward_kwargs.think_weight=0.1  # any RewardConfig field
-
-and ``name=compute_score_batch`` for verl's ``batch`` reward manager.
-
-Scoring (per response):
-  1. ``pred`` = content of the last complete ``\\boxed{...}`` / ``\\fbox{...}``; none -> acc 0,
-     error ``"no_boxed"`` (no verification call).
-  2. In a worker process (see :mod:`verl_ext.rewards.verify_pool`): the gold is parsed with
-     math_verify (wrapped as ``\\boxed{gold}``); a gold that yields no sympy object is
-     ``"gold_unparsable"`` and scores acc 0 -- never a free 1.0. Otherwise
-     ``verify(parse(gold), parse(pred))`` gives acc 1/0 (``"pred_unparsable"`` when math_verify
-     extracts nothing from the prediction).
-  3. The whole verification runs under a wall-clock timeout (``timeout_seconds``) enforced by
-     killing the worker; a timeout scores acc 0, error ``"timeout"``, and is counted in
-     :func:`reward_stats`.
-  4. ``score = accuracy_weight*acc + boxed_weight*format_boxed + think_weight*format_think
-     + answer_tag_weight*format_answer``. Defaults give the paper's reward: 1.0 or 0.0.
-
-Every result dict has the same keys (:data:`RESULT_KEYS`) so verl can stack them per batch:
-``score`` (float), ``acc`` (1.0/0.0), ``pred`` (str, "" when none), ``error`` (str, "" when
-none; ``"no_boxed"``, ``"gold_unparsable"``, ``"pred_unparsable"``, ``"timeout"``),
-``format_boxed``, ``format_think``, ``format_answer``, ``timeout``, ``gold_unparsable``
-(each 1.0/0.0).
+Plugs into verl unchanged: ``reward.custom_reward_function.path=pkg://verl_ext.rewards.math_reward``
+with ``name=compute_score`` (per-sample managers: naive, dapo) or ``compute_score_batch`` (verl's
+``batch`` manager); ``reward_kwargs`` take any :class:`RewardConfig` field. Per response: ``pred``
+is the last complete ``\\boxed{...}`` / ``\\fbox{...}`` (none: acc 0, ``"no_boxed"``, no
+verification); in a worker process (:mod:`verl_ext.rewards.verify_pool`) under a wall-clock
+``timeout_seconds`` (past it: acc 0, ``"timeout"``), math_verify checks ``verify(parse(gold),
+parse(pred))``; a gold that parses to nothing is ``"gold_unparsable"`` and scores 0, never a free 1.
+``score = accuracy_weight*acc + boxed_weight*format_boxed + think_weight*format_think +
+answer_tag_weight*format_answer``: 1.0 or 0.0 with the defaults (the paper's reward). Every result
+has the keys :data:`RESULT_KEYS` (verl stacks them per batch): ``score``, ``acc``, ``pred``,
+``error`` (``""`` or one of the names above, or ``"pred_unparsable"``), the format terms,
+``timeout`` and ``gold_unparsable`` (1.0/0.0).
 """
 
 # No ``from __future__ import annotations`` here: verl loads this file by path without putting it

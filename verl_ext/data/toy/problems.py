@@ -1,21 +1,15 @@
 """Toy addition problems: prompts, answers, the long (scratchpad) responses and the task's name.
 
-``"047+385="`` -> ``"0432"``: both operands have exactly ``digits`` digits (zero-padded) and the
-sum has ``digits + 1``. Zero padding makes every sequence the same length and the carry
-positions fixed, which is what lets a tiny model learn it in a minute or two of CPU time.
-
-Long answers (``answer_format="scratchpad"``): the response first writes out every column of the
-addition, least significant first, as five digits ``a_i b_i c_i s_i`` (the two operand digits,
-the carry coming in, and the two-digit column sum a_i + b_i + c_i), then ``=`` and the
-zero-padded sum: ``"047+385="`` -> ``"75012" "48113" "03104" "=0432"`` (21 tokens with ``</s>``
-for 3 digits, 27 for 4). Only the final sum is rewarded
-(:func:`verl_ext.rewards.scratchpad_reward.compute_score`), as in math RL where only the final
-answer is checked; the scratchpad gives the policy 20-60 tokens per response, the regime where
-length-normalised and token-level importance weights differ.
-
-:func:`toy_data_source` is the one place that names the task (``toy_add3``, ``toy_add3_scratch``):
-the problems' ``data_source`` (which picks the reward in :mod:`verl_ext.rewards.dispatch`), the
-embedded engine's task and the warm start's cache folders all take it from there.
+``"047+385="`` -> ``"0432"``: both operands have exactly ``digits`` digits (zero-padded), the sum
+``digits + 1``; zero padding fixes every sequence's length and the carry positions, so a tiny model
+learns it quickly on the CPU. Long answers (``answer_format="scratchpad"``) first write every
+column, least significant first, as five digits ``a_i b_i c_i s_i`` (the operand digits, the carry
+in, the two-digit column sum), then ``=`` and the sum: ``"047+385="`` -> ``"75012" "48113" "03104"
+"=0432"``. Only the final sum is rewarded (:func:`verl_ext.rewards.scratchpad_reward.compute_score`),
+as in math RL; the scratchpad gives the policy 20-60 tokens a response, the regime where
+length-normalised and token-level importance weights differ. :func:`toy_data_source` is the one
+place that names the task (``toy_add3``, ``toy_add3_scratch``): the problems' ``data_source`` (which
+picks the reward), the embedded engine's task and the warm start's cache folders take it from there.
 """
 
 from __future__ import annotations
