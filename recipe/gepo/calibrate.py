@@ -1,27 +1,17 @@
 """Measure how far honest bf16 samplers of *this* run's model are from the learner's re-score, and
 write the bounds that follow (``hetero.trust.bounds_file``).
 
-    python -m recipe.gepo.calibrate --out bounds.json [--groups 128] [--prompts 16] [hydra overrides of the run...]
+    python -m recipe.gepo.calibrate --out bounds.json [--groups 128] [--prompts 16] [the run's overrides...]
 
-The trust gate holds every group a sampler declares bf16 to bf16's bounds. The table's
-(``verl_ext.trust.bounds.TOLERANCES``) come from SmolLM2-135M's honest spread: too wide to catch
-small lies on a model whose bf16 arithmetic moves log q less, possibly too narrow for one that
-moves it more. This command measures the run's own model the way the gate will see it:
-
-1. the config is the run's (the same overrides: model, task, temperature, response length, group
-   size, ``hetero.device``, ``hetero.sampler_precision``, ``hetero.weights_bf16``);
-2. the weights of version 0 go through the weight store's message, as samplers and the gate get them;
-3. an honest sampler in bf16 on ``hetero.device`` draws ``--groups`` groups of the task's training
-   prompts with the engine's own rollout code (Gumbel-max when ``checkable_sampling`` is on);
-4. the gate's scorer (``hetero.sampler_precision`` on ``hetero.device``) re-scores each group with
-   one full forward, as :class:`~verl_ext.trust.verifier.GroupVerifier` does;
-5. per group the mismatch statistics of :func:`~verl_ext.trust.bounds.group_mismatch`, then
-   :func:`~verl_ext.trust.bounds.calibrate` (its rule is written into the file).
-
-The file records the model, the scorer's precision and the temperature (a run with others refuses
-it at start), and the device, lengths and honest sample's statistics for the reader. Samplers
-on other kernels (vLLM's) are not measured by this: run it on the samplers' kind of device, and
-re-calibrate when the model changes much (the spread is measured at the run's initial weights).
+The table's bf16 bounds (``verl_ext.trust.bounds.TOLERANCES``) are SmolLM2-135M's honest spread, too
+wide or too narrow for another model. Under the run's config (model, task, temperature, lengths,
+group size, ``hetero.device``, ``hetero.sampler_precision``, ``hetero.weights_bf16``), version 0's
+weights go through the weight store's message; an honest bf16 sampler on ``hetero.device`` draws
+``--groups`` groups with the engine's rollout code (Gumbel-max under ``checkable_sampling``), the
+gate's scorer re-scores each as :class:`~verl_ext.trust.verifier.GroupVerifier` does, and
+:func:`~verl_ext.trust.bounds.calibrate` sets the bounds (its rule written into the file, with the
+model, scorer precision and temperature, which a run must match, and the honest sample's statistics).
+Other kernels (vLLM's) or a model that moved far need their own: docs/reliability.md.
 """
 
 from __future__ import annotations
@@ -54,9 +44,10 @@ def honest_mismatches(
     engine, groups: int, prompts: int, precision: str = "bf16", progress: bool = True
 ) -> tuple[list, Optional[list]]:
     """(:class:`~verl_ext.trust.bounds.Mismatch` of ``groups`` honest groups drawn by a sampler
-    in ``precision`` and re-scored by the run's gate scorer, steps 2-4 of the module docstring;
-    with ``checkable_sampling``, each group's checked tokens' noised margins
-    (:func:`~verl_ext.trust.gumbel.noised_margins`, float64 [tokens]), else None)."""
+    in ``precision`` with the engine's rollout code from version 0's weight-store message, and
+    re-scored by the run's gate scorer (one full forward a group); with ``checkable_sampling``, each
+    group's checked tokens' noised margins (:func:`~verl_ext.trust.gumbel.noised_margins`, float64
+    [tokens]), else None)."""
     import torch
     from tqdm import tqdm
 

@@ -1,24 +1,17 @@
 """The option contract: which engine and mode honours each option, and the one check that
 refuses every non-default value the chosen engine/mode would not honour.
 
-A run executes in one of three ways (a *runner*): the embedded engine in replay mode
-(``replay``), the embedded engine in async mode (``async``) or the verl engine (``verl``).
-
-- HeteroRL's own options are dataclass fields (``hetero:`` -> :class:`~recipe.gepo.sections.HeteroConfig`,
-  ``task:`` -> :class:`~recipe.gepo.sections.TaskConfig`, ``verl_engine:`` ->
-  :class:`~recipe.gepo.sections.VerlEngineConfig`). Each is declared with :func:`option`,
-  which records, where the field is declared, the runners that honour it and what the others do
-  instead.
-- verl's own keys (``actor_rollout_ref``, ``data``, ``trainer``, ``algorithm``, ...) are all
-  honoured by the verl engine; the embedded engine honours the ones in :data:`EMBEDDED_VERL_KEYS`.
-  Any other verl key whose value differs from the composed defaults (``gepo_trainer.yaml``) is
-  refused by the embedded engine.
-
-:func:`check_section` (the project's sections) and :func:`check_verl_keys` (verl's keys) are called
-once, at start, by both engines' validated constructors; they name the key, its value, the runner
-that would ignore it and the runners that honour it. Within a section, a field that only one
-setting reads (a delay distribution's parameter, a task's data field) is refused under the others
-by the section's own validation (``recipe.gepo.sections``).
+A run executes on one of three *runners*: the embedded engine in replay mode (``replay``) or in
+async mode (``async``), or the verl engine (``verl``). HeteroRL's own options are dataclass fields
+(``hetero:``, ``task:``, ``verl_engine:``: :mod:`recipe.gepo.sections`), each declared with
+:func:`option`, which records the runners that honour it and what the others do instead. verl's own
+keys are all honoured by the verl engine; the embedded engine honours :data:`EMBEDDED_VERL_KEYS` and
+refuses any other whose value differs from the composed defaults (``gepo_trainer.yaml``).
+:func:`check_section` and :func:`check_verl_keys` run once, at start, in both engines' validated
+constructors, naming the key, its value, the runner that would ignore it and those that honour it.
+A field that only one setting of its section reads (a delay distribution's parameter, a task's
+data field) is refused under the others by the section's own validation. docs/architecture.md,
+"One contract per option".
 """
 
 from __future__ import annotations

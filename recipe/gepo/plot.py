@@ -1,28 +1,17 @@
 """Paper-style figures from one or several run directories.
 
-    python -m recipe.gepo.plot RUN_DIR [RUN_DIR ...] --out DIR [--labels L1 L2 ...]
-        [--smooth N] [--format png|pdf|svg]
+    python -m recipe.gepo.plot RUN_DIR [RUN_DIR ...] --out DIR [--labels L1 L2 ...] [--smooth N] [--format png|pdf|svg]
 
-Each RUN_DIR holds ``metrics.jsonl`` and ``config.yaml`` (see :mod:`verl_ext.rundir`); the
-loss mode (``actor_rollout_ref.actor.policy_loss.loss_mode``) and the max delay
-(``hetero.max_delay``) come from the config. Writes into ``--out``:
-
-* ``curves.<fmt>`` -- eval accuracy and ``reward/mean`` against step, one line per run,
-  labelled ``"<loss mode>, d=<max delay>"`` (or ``--labels``); with several algorithms also
-  ``curves_<algorithm>.<fmt>``, one per algorithm.
-* ``acc_vs_delay.<fmt>`` -- accuracy against max delay per algorithm: Best (max over a run's
-  evaluations) and Last (its final evaluation); runs with the same (algorithm, delay) -- seeds
-  -- are averaged, error bars = sample standard deviation, single seeds drawn as dots.
-* ``scatter_var_kl.<fmt>`` -- ``is/weight_var`` against ``is/kl_sampler_learner``, one point
-  per step; ``scatter_var_staleness.<fmt>`` / ``scatter_kl_staleness.<fmt>`` -- each of them
-  against ``hetero/staleness_mean``. Legends give Pearson's r per run and pooled over all
-  runs' steps (the paper: r = 0.96 between IS-weight variance and KL).
-* ``summary.csv`` -- one row per run: :func:`recipe.gepo.run_report.summarize` numbers and the
-  correlations.
-
-A figure whose data no run has is skipped with a note; where each file went, the accuracy
-table and the correlations are printed. Exit status 2 (with the offending RUN_DIR named) when
-a RUN_DIR is missing or has no ``metrics.jsonl``.
+Each RUN_DIR holds ``metrics.jsonl`` and ``config.yaml`` (:mod:`verl_ext.rundir`); the loss mode
+and ``hetero.max_delay`` come from the config. Writes into ``--out``: ``curves.<fmt>`` (eval
+accuracy and ``reward/mean`` against step, a line per run labelled ``"<loss mode>, d=<max delay>"``
+or ``--labels``; with several algorithms also ``curves_<algorithm>.<fmt>``), ``acc_vs_delay.<fmt>``
+(Best and Last accuracy against max delay per algorithm, seeds averaged, error bars the sample std,
+single seeds as dots), ``scatter_var_kl.<fmt>``, ``scatter_var_staleness.<fmt>`` and
+``scatter_kl_staleness.<fmt>`` (a point per step; Pearson's r per run and pooled in the legends),
+``summary.csv`` (a row per run: :func:`recipe.gepo.run_report.summarize` and the correlations). A
+figure whose data no run has is skipped with a note. Exit status 2, naming the RUN_DIR, when one is
+missing or has no ``metrics.jsonl``.
 """
 
 from __future__ import annotations

@@ -1,28 +1,17 @@
 """One sampler that joins a running embedded-engine run through its fsspec exchange.
 
-    python -m recipe.gepo.remote_sampler --index 100 hetero.transport_url=s3://bucket/run42 [overrides]
+    python -m recipe.gepo.remote_sampler --index 100 --key sampler-100.key hetero.transport_url=URL [...]
 
-The learner runs ``python -m recipe.gepo.main_gepo hetero.mode=async hetero.transport=fs
-hetero.transport_url=<URL> ...`` with its own ``hetero.num_samplers`` samplers (indices 0 .. n-1).
-A remote sampler composes the same config (give it the learner's overrides: task, algorithm,
-delay, seed), builds a :class:`~recipe.gepo.embedded.sampler.SamplerWorker` on the same URL and
-generates until the learner writes its stop marker: weights come in through the URL (each version
-after its own delay draw), rollout groups go out through it, checksummed and exactly-once. No Ray,
-no shared cluster: any machine that reaches the URL can add samplers to a run
-(``scripts/slurm/remote_samplers.sbatch`` starts one per SLURM array task).
-
-``--index`` gives the sampler its prompt stream, sampling seeds and delay stream; it must not be an
-index the learner's own samplers use (keep it >= the learner's ``hetero.num_samplers``) nor that of
-another remote sampler. The uids of its groups carry ``r<index>-<random>`` so a restarted sampler
-never reuses one.
-
-Signed records (``hetero.trust.sign_records``, the default): the sampler signs with ``--key``, a key
-made on its machine; the learner's operator enrols the public half in the file the learner reads
-(``hetero.trust.enrolment_file``)::
-
-    python -m verl_ext.trust.signing keygen sampler-100.key sampler-100          # prints the public key
-    python -m verl_ext.trust.signing enrol /shared/enrolment.json sampler-100 <public key>
-    python -m recipe.gepo.remote_sampler --index 100 --key sampler-100.key hetero.transport_url=...
+It composes the learner's config (give it the learner's overrides: task, algorithm, delay, seed),
+builds a :class:`~recipe.gepo.embedded.sampler.SamplerWorker` on the same URL and generates until
+the learner writes its stop marker: weights in (each version after its own delay draw), rollout
+groups out, checksummed and exactly-once. No Ray: any machine that reaches the URL can add samplers
+(``scripts/slurm/remote_samplers.sbatch``: one per array task). ``--index`` picks its prompt stream,
+seeds and delay stream: not one the learner's samplers use (keep it >= ``hetero.num_samplers``) nor
+another remote sampler's; its group uids carry ``r<index>-<random>``, so a restart never reuses one.
+With signed records (the default) ``--key`` is a key made on its machine, whose public half the
+learner's operator enrols in ``hetero.trust.enrolment_file`` (``python -m verl_ext.trust.signing
+keygen`` / ``enrol``; docs/reliability.md, "Remote samplers and a learner that fails").
 """
 
 from __future__ import annotations

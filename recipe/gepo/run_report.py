@@ -3,16 +3,12 @@ and write ``report.md``.
 
     python -m recipe.gepo.run_report RUN_DIR [RUN_DIR ...]
 
-A run directory holds ``metrics.jsonl`` (one JSON object per line, ``{"step": int, "<metric>":
-float, ...}``; evaluation lines carry ``eval/...`` keys, possibly only every k steps and possibly
-on lines of their own) and ``config.yaml`` (the composed hydra config). The code relies on
-nothing else, so it works on a run in progress, on a killed run (torn last line) and on runs
-that logged only some of the metrics (a panel or number whose metric is absent says so).
-
-Public API: :func:`summarize`, :func:`write_report`, :func:`eval_accuracy`,
-:func:`staleness_histogram`; reading the run directory (:func:`load_metrics`, :func:`load_run`,
-:class:`RunDirError`) is :mod:`verl_ext.rundir`'s, re-exported here. :mod:`recipe.gepo.plot`
-draws multi-run figures on top of these.
+It relies on nothing but ``metrics.jsonl`` and ``config.yaml`` (:mod:`verl_ext.rundir`), so it works
+on a run in progress, on a killed run (torn last line) and on runs that logged only some metrics (a
+panel or number whose metric is absent says so). Public API: :func:`summarize`, :func:`write_report`,
+:func:`eval_accuracy`, :func:`staleness_histogram`; reading the run directory (:func:`load_metrics`,
+:func:`load_run`, :class:`RunDirError`) is :mod:`verl_ext.rundir`'s, re-exported here.
+:mod:`recipe.gepo.plot` draws multi-run figures on top of these.
 """
 
 from __future__ import annotations

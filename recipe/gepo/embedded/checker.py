@@ -1,37 +1,17 @@
 """The trust checks off the learner's process (``hetero.trust.check_process``).
 
-The gate's checks (:class:`~verl_ext.trust.verifier.GroupVerifier`: re-scoring a group under its claimed version,
-the token check, the rewards' recomputation) cost the learner CPU on its own cores, measured at
-+19% wall time per step on the toy model (docs/reliability.md, "Cost"). Here they run in a
-:class:`TrustChecker`, a Ray actor of their own that the learner starts on its node, on the
-system cores (``hetero.system_cpus``: by default the cores not in ``hetero.learner_cpus``) at
-nice :data:`CHECKER_NICE`, so it gives way to training and sampling yet is never starved. It
-holds its own copy of the policy (in the samplers' precision, as the learner's verifier did) and
-the task; the learner no longer holds one.
-
-:class:`OffloadedChecks` is the learner's side, the gate the inbox asks
-(:class:`~verl_ext.hetero.exchange.RolloutInbox`, a deferring gate): :meth:`TrustGate.begin`
-(cheap books: quarantine, replays, the draw) runs in the inbox's poll thread, the group then
-awaits its verdict out of the buffer, counted against its sampler's quota, and
-:meth:`TrustGate.finish` (ledger, CUSUM, quarantine) runs when the verdict is back. A group is
-never admitted before its checks ran; every rule of :mod:`verl_ext.trust.gate` holds as in the one-call gate.
-One batch of checks is at the checker at a time (groups begun meanwhile go as the next batch);
-its future's callback wakes the poll thread. While the learner waits for a batch that the groups
-it holds would fill once their verdicts are in (:class:`VerdictBlockClock`,
-``perf/learner_verdict_block_s_total``), its cores are idle and lent to the checker
-(:meth:`OffloadedChecks.lend_cores`); they are taken back when the learner is served. And while
-the learner waits for groups at all, a group due only its rewards check (not drawn for a re-score)
-is judged in the learner's poll thread at once, by a verifier without a model (``rewards_here``):
-a round trip to the checker would cost the waiting learner more than the check.
-
-Weights: the learner keeps the ``max_delay + 1`` newest versions' messages, as the gate did
-(:meth:`OffloadedChecks.remember`: no copy). A version the weight store still keeps reaches the
-checker as the SHA-256 it was published with: the checker reads it from the transport and holds
-it to that digest, so the learner copies nothing. Otherwise (pruned from the store, not landed
-yet, or rewritten there by someone else) the learner's copy goes into Ray's object store once,
-from the poll thread. The checker holds one version at a time. A group claiming a version not
-published yet waits for it in the learner (:attr:`~verl_ext.trust.gate.TrustGate.VERSION_WAIT_S` at most,
-without blocking the poll thread).
+:class:`TrustChecker` is a Ray actor the learner starts on its node that runs the gate's checks
+(:class:`~verl_ext.trust.verifier.GroupVerifier`: re-score under the claimed version, token check,
+rewards) on the system cores (``hetero.system_cpus``) at nice :data:`CHECKER_NICE`, with its own
+policy copy (in the samplers' precision) and task. :class:`OffloadedChecks` is the learner's side,
+the deferring gate the inbox asks: :meth:`TrustGate.begin` in the poll thread, the group awaiting its
+verdict outside the buffer (against its sampler's quota), :meth:`TrustGate.finish` when the verdict
+is back. No group is admitted before its checks ran; every rule of :mod:`verl_ext.trust.gate` holds.
+One batch is at the checker at a time; while the learner is blocked on verdicts
+(:class:`VerdictBlockClock`) its cores are lent to the checker (:meth:`OffloadedChecks.lend_cores`),
+and while it waits for groups, a group due only its rewards check is judged in the poll thread.
+A version reaches the checker as the SHA-256 it was published with, read from the transport (else
+the learner's copy, once, through Ray's object store). Costs and evidence: docs/reliability.md.
 """
 
 from __future__ import annotations
@@ -59,9 +39,8 @@ from verl_ext.trust.verifier import CheckResult, GroupVerifier, KeptVersions
 
 # The checker's nice level: a CPU-bound process at nice 0 gets about 9x its CPU when they share a
 # core (Linux's weights: 1024 against 110), so the checks give way to training and sampling, yet
-# always get a share. SCHED_IDLE (the first placement) gets none while other work keeps the cores
-# busy: the liar soak's liars were quarantined 35 s after their first group instead of under 1 s,
-# and on the toy bench, held to the sampler's core, its verdicts waited 148 s in all over 35 steps.
+# always get a share. Not SCHED_IDLE: it gets none while other work keeps the cores busy, so
+# verdicts, and with them quarantines, would wait on the load (docs/reliability.md, "Numbers").
 CHECKER_NICE = 10
 
 

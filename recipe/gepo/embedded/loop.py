@@ -1,6 +1,8 @@
 """The embedded engine's learner runtime and its one driver loop, for replay and async mode alike.
 
-Read top to bottom, a run is::
+:func:`run_loop` drives any :class:`Runtime`: the in-process :class:`LearnerRuntime` (replay mode,
+batches from :class:`.replay.ReplaySource`) or async mode's proxy of it in a Ray actor
+(:mod:`.supervisor`; batches the samplers sent over the transport). A run, top to bottom::
 
     checkpoint = latest checkpoint of the run dir (trainer.resume_mode=auto) or None
     runtime.start(checkpoint)                      # restore learner + buffer + source, publish v
@@ -10,21 +12,6 @@ Read top to bottom, a run is::
         metrics = learner.train_step(batch)        # (the E[A] diagnostic first, when asked for)
         source.publish(weights, version)
         log; evaluate / checkpoint on trainer.test_freq / trainer.save_freq
-
-:func:`run_loop` drives any :class:`Runtime`: the in-process :class:`LearnerRuntime` (replay mode)
-or async mode's proxy of it in a Ray actor. The two modes differ only in their
-:class:`~recipe.gepo.embedded.engine_config.RolloutSource` and in where the runtime lives; the entry point
-(``recipe/gepo/main_gepo.py``) picks the mode. One step, from the entry point to the optimizer:
-
-* replay: ``main_gepo.run_local`` -> :func:`.replay.run_replay` -> :func:`run_loop` ->
-  :meth:`LearnerRuntime.step` -> :meth:`.replay.ReplaySource.next_batch` (generates the batch
-  in-process from a policy snapshot ``tau`` versions old) -> :meth:`.learner.Learner.train_step`
-  (``verl_ext.loss_bridge.compute_actor_loss``, AdamW).
-* async: ``main_gepo.run_local`` -> :func:`.supervisor.run_async` -> :func:`run_loop` ->
-  :meth:`.supervisor.RemoteRuntime.step` (supervises the sampler actors of :mod:`.sampler` while
-  it waits) -> over Ray, :meth:`LearnerRuntime.step` in the learner actor
-  (:mod:`.learner_actor`) -> :meth:`.learner_actor.TransportSource.next_batch` (groups the
-  samplers sent over the transport) -> :meth:`.learner.Learner.train_step`.
 """
 
 from __future__ import annotations

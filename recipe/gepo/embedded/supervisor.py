@@ -1,26 +1,16 @@
-"""Async mode's driver process: :func:`run_async` starts Ray (:func:`ray_session`) and runs the
-one loop (:func:`~.loop.run_loop`) against a :class:`RemoteRuntime`, which launches the
-learner actor (:mod:`.learner_actor`) and N sampler actors (:mod:`.sampler`) and supervises the
-samplers while each step waits.
-
-One step, from the entry point to the optimizer: ``main_gepo.run_local`` -> :func:`run_async` ->
-:func:`~.loop.run_loop` -> :meth:`RemoteRuntime.step` (here: it also starts launched samplers
-and restarts dead ones while it waits) -> over Ray ``LearnerWorker.step``
-(:meth:`~.loop.LearnerRuntime.step` in the learner actor) -> :meth:`.learner_actor.TransportSource.next_batch`
--> :meth:`.learner.Learner.train_step` (``verl_ext.loss_bridge.compute_actor_loss``, AdamW).
-
-The transport is Ray's object store (``hetero.transport=ray``) or an fsspec URL
-(``hetero.transport=fs``); on an fsspec URL any process that builds a
-:class:`~.sampler.SamplerWorker` on the same URL joins, which is how a sampler in another data
-centre takes part. The driver owns logging, evaluation cadence, checkpoints and the progress bar;
-it notices a dead sampler, reports it, withdraws its announcements and restarts it: the
-replacement rejoins with the newest weights it can see, at the batch index the dead one had
-reached (:meth:`RemoteRuntime._reached`), so it draws new prompts and never reuses one.
-
-Trust (``hetero.trust``): each sampler makes its signing key where it runs; the driver records
-the public half in the run directory's ``enrolment.json`` and has the learner enrol it before the
-sampler may send (a resumed learner enrols the file's keys before it reads anything). Every
-arriving group passes the learner's :class:`~verl_ext.trust.gate.TrustGate`.
+"""Async mode's driver process: :func:`run_async` starts Ray (:func:`ray_session`) and runs the one
+loop (:func:`~.loop.run_loop`) against a :class:`RemoteRuntime`, which launches the learner actor
+(:mod:`.learner_actor`) and N sampler actors (:mod:`.sampler`) and supervises the samplers while
+each step waits. The transport is Ray's object store (``hetero.transport=ray``) or an fsspec URL
+(``hetero.transport=fs``) that any process building a :class:`~.sampler.SamplerWorker` on it joins
+(a sampler in another data centre). The driver owns logging, evaluation cadence, checkpoints and
+the progress bar; a dead sampler is reported, its announcements withdrawn, and it is restarted with
+the newest weights it sees, at the batch index the dead one reached (:meth:`RemoteRuntime._reached`),
+so no prompt is reused. Trust (``hetero.trust``): each sampler makes its signing key where it runs;
+the driver records the public half in the run directory's ``enrolment.json`` and has the learner
+enrol it before the sampler may send (a resumed learner enrols the file's keys before it reads
+anything); every arriving group passes the learner's :class:`~verl_ext.trust.gate.TrustGate`.
+One step, from the entry point to the optimizer: docs/architecture.md, "One step, in order".
 """
 
 from __future__ import annotations
@@ -198,9 +188,9 @@ class RemoteRuntime:
 
     def _launch_all(self) -> None:
         # at the first step, after the initial evaluation: samplers started during it only slow
-        # it down on shared cores, and the soak (research/soak/__main__.py) showed that samplers killed
-        # while still starting, plus version 0 re-sent with a skewed clock, stall the learner at
-        # version 0 for good (it needs a first batch to publish a version the samplers can see)
+        # it down on shared cores, and samplers killed while still starting, with version 0 re-sent
+        # under a skewed clock, could stall the learner at version 0 for good (it needs a first
+        # batch to publish a version the samplers can see)
         for i in range(self.engine.hetero.num_samplers):
             self._launch(i)
 

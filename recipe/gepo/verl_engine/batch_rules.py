@@ -1,23 +1,17 @@
 """The two per-batch rules the verl engine's driver applies to verl's batches, over whole prompt groups.
 
-1. **The exact staleness bound over weight versions.** verl's replay buffer measures
-   off-policy-ness by the learner step at which a prompt was *submitted*
-   (``max_off_policy_threshold``). With delayed weight sync a sampler may start a prompt on weights
-   many versions older than that step, so the verl engine also bounds the version of the weights
-   that actually generated each trajectory (verl records it per trajectory as ``min_global_steps``):
-   the learner at version v (``global_steps - 1``) trains only on prompt groups all of whose
-   trajectories were generated from versions >= v - ``hetero.max_delay``. Groups past the bound are
-   evicted (counted by verl's eviction metrics) under both ``stale_policy=drop`` and ``wait``:
-   ``wait`` additionally makes verl's buffer hold sampling until in-flight prompts near the bound
-   have finished, but never relaxes the bound. The rule itself is :mod:`verl_ext.hetero.staleness`'s.
+1. **The exact staleness bound over weight versions.** verl's replay buffer bounds the learner step
+   at which a prompt was *submitted* (``max_off_policy_threshold``); with delayed weight sync a
+   sampler may start it on much older weights, so the learner at version v (``global_steps - 1``)
+   also trains only on groups all of whose trajectories came from versions >= v - ``hetero.max_delay``
+   (verl's ``min_global_steps``). Groups past it are evicted (verl's eviction metrics) under both
+   ``stale_policy`` values; ``wait`` also holds sampling until in-flight prompts near the bound
+   finish, never relaxing it. The rule is :mod:`verl_ext.hetero.staleness`'s.
 2. **GEPO's denominator.** verl's worker-side loss sees micro-batches cut after shuffling and
-   data-parallel splitting, so a prompt group can be split across them. GEPO's denominator
-   log E_q[q] depends only on the detached sampler probabilities, so the driver computes it exactly
-   over each whole group (verl's ``uid``) before the update and ships it as one number per sequence
-   (``group_log_denominator`` [B]); the loss bridge (:mod:`recipe.gepo.verl_engine.loss`) hands it to
-   the loss. The maths is :func:`verl_ext.algos.importance.group_expectation_log_denominator`; this
-   module only turns verl's batch layouts (uid object arrays, nested TransferQueue tensors) into
-   its inputs.
+   data-parallel splitting, so a group can be split; log E_q[q] depends only on the detached sampler
+   probabilities, so the driver computes it over each whole group (``uid``) and ships it per sequence
+   (``group_log_denominator`` [B]) for :mod:`recipe.gepo.verl_engine.loss`. The maths is
+   :func:`verl_ext.algos.importance.group_expectation_log_denominator`; this turns verl's layouts into its inputs.
 """
 
 from __future__ import annotations

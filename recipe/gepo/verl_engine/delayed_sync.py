@@ -1,26 +1,17 @@
 """Delayed parameter sync from the learners to verl's rollout (sampler) replicas.
 
-verl pushes the learner's weights to the vLLM replicas at the end of every step
-(``CheckpointEngineManager.update_weights(global_steps)``), so its samplers are never more than
-one version behind. The verl engine wraps that manager: version v is published when the learner
-finishes step v, a delay d_v is drawn from the project's delay model (``hetero.delay``), and the
-samplers receive version v only once d_v has passed -- in learner steps (``unit: steps``) or
-wall-clock seconds (``unit: seconds``). Until then they keep generating with what they have.
-
-Exactness: the samplers see version v at the first sync point (a learner step end) after
-t_v + d_v, never earlier; a version whose release comes after a newer version's is superseded
-(the samplers never go back in time), counted in ``hetero/sync_superseded`` -- the delay model at
-work, expected whenever delays vary, nothing to fix. Pushing version v after the learner has moved
-on needs its weights: they are kept as CPU snapshots on the actor workers (verl's
-``DetachActorWorker.save_model_to_cpu``), at most ``hetero.keep_weight_versions`` of them; when
-more versions are in flight, the oldest unreleased one is dropped although its delay had not
-passed, counted in ``hetero/sync_over_capacity`` -- raise ``keep_weight_versions`` if that counter
-moves (the delays are then no longer the model's).
-
-:class:`DelayedSyncSchedule` is the decision logic (pure Python); :class:`DelayedCheckpointManager`
-applies it to verl's manager and reports each push (``hetero/sync_pushed_version``,
-``hetero/sync_drawn_delay``, ``hetero/sync_observed_delay``). Both run on the CPU with verl's real
-workers (tests/cpu/).
+verl pushes the learner's weights to its replicas at the end of every step
+(``CheckpointEngineManager.update_weights``); the verl engine wraps that manager: version v is
+published when the learner finishes step v, a delay d_v is drawn from ``hetero.delay``, and the
+samplers receive v at the first sync point (a learner step end) after t_v + d_v, never earlier, in
+learner steps (``unit: steps``) or seconds (``unit: seconds``); until then they keep generating. A
+version released after a newer one is superseded (samplers never go back in time;
+``hetero/sync_superseded``, expected whenever delays vary). Unreleased versions are kept as CPU
+snapshots on the actor workers (``DetachActorWorker.save_model_to_cpu``), at most
+``hetero.keep_weight_versions``; past that the oldest is dropped before its delay passed
+(``hetero/sync_over_capacity``: raise ``keep_weight_versions`` if it moves). :class:`DelayedSyncSchedule`
+decides (pure Python); :class:`DelayedCheckpointManager` applies it to verl's manager and reports
+each push (``hetero/sync_pushed_version``, ``hetero/sync_drawn_delay``, ``hetero/sync_observed_delay``).
 """
 
 from __future__ import annotations

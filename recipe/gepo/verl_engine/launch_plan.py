@@ -1,27 +1,17 @@
-"""Validate a composed config for the verl engine and describe what it would run.
+"""Validate a composed config for the verl engine and describe what it would run, on any CPU machine.
 
-Everything here runs on a CPU machine: it reads the config, builds verl's config dataclasses
-(``omega_conf_to_dataclass`` of actor, rollout, algorithm), runs verl's own ``validate_config``,
-checks what verl's separate_async trainer would only assert after reserving GPUs, applies the
-bypass guard, and resolves the presets. :func:`dry_run` prints the plan; :func:`build_plan`
-returns it.
-
-The ``verl_engine:`` section (:class:`~recipe.gepo.sections.VerlEngineConfig`) holds the few settings only the verl
-engine has; everything else it reads from keys that already exist: verl's own (``trainer.nnodes``,
-``actor_rollout_ref.rollout.nnodes``, TP/PP sizes, ...) and the shared ``hetero:`` section.
-Topology: learners on verl's trainer pool (``trainer.nnodes`` x ``trainer.n_gpus_per_node``),
-samplers on verl's standalone rollout pool (``actor_rollout_ref.rollout.nnodes`` x
-``n_gpus_per_node``, ``actor_rollout_ref.hybrid_engine=false``): a star around the learners. The
-section is optional (a config without it gets the defaults); the presets in ``configs/`` write it out.
-
-The bypass guard: verl 0.9.1's async trainers (``one_step_off_policy``, ``fully_async_policy``, the
-separation trainer) and the legacy ``RayPPOTrainer`` call ``apply_bypass_mode`` whenever
-``algorithm.rollout_correction.bypass_mode`` is true, and that function overwrites
-``policy_loss.loss_mode`` with ``"bypass_mode"`` -- a run asking for GEPO would train with a
-different loss and say nothing. The verl engine gets what users want from bypass mode (train on
-the sampler's log-probs) with ``verl_engine.old_log_prob=sampler``, so :func:`check_no_forced_bypass`
-refuses a run asking for any other loss together with ``bypass_mode=true`` at start, and the
-trainer re-checks the loss mode before every update (:func:`check_loss_mode_unchanged`).
+:func:`build_plan` reads the config, builds verl's config dataclasses (``omega_conf_to_dataclass``
+of actor, rollout, algorithm), runs verl's ``validate_config``, checks what verl's separate_async
+trainer would only assert after reserving GPUs, applies the bypass guard and resolves the presets;
+:func:`dry_run` prints the plan. The optional ``verl_engine:`` section
+(:class:`~recipe.gepo.sections.VerlEngineConfig`) holds the few settings only this engine has; the
+rest comes from verl's own keys and ``hetero:``. Topology: learners on verl's trainer pool
+(``trainer.nnodes`` x ``n_gpus_per_node``), samplers on its standalone rollout pool
+(``actor_rollout_ref.rollout.nnodes`` x ``n_gpus_per_node``, ``hybrid_engine=false``): a star. The
+bypass guard: verl 0.9.1's async trainers and ``RayPPOTrainer`` call ``apply_bypass_mode`` whenever
+``rollout_correction.bypass_mode`` is true, silently replacing ``policy_loss.loss_mode``, so
+:func:`check_no_forced_bypass` refuses another loss with ``bypass_mode=true`` at start (the engine's
+``old_log_prob=sampler`` is what bypass mode is for), and the trainer re-checks before every update.
 """
 
 from __future__ import annotations

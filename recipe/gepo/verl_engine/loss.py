@@ -1,20 +1,14 @@
 """Worker-side actor loss for verl's engine workers: verl's ``ppo_loss`` with the project's objective.
 
-verl's ``verl.workers.utils.losses.ppo_loss`` keeps only response_mask, old_log_probs, advantages
-(+ rollout_is_weights, ref_log_prob) and calls the registered policy loss without any group
-information, so GEPO's exact denominator (computed on the driver over whole prompt groups, see
+verl's ``verl.workers.utils.losses.ppo_loss`` calls the registered policy loss without any group
+information, so GEPO's exact denominator (computed on the driver over whole prompt groups:
 :mod:`recipe.gepo.verl_engine.batch_rules`) would be lost. :func:`hetero_ppo_loss` has the same
-signature and the same inputs (a micro-batch TensorDict and the engine's model output) and keeps
-only what is verl-specific: unpadding the model output, the global-batch normalisation info, and
-wrapping metrics in verl's ``Metric`` aggregation types. The objective itself -- policy loss,
-sampler-KL penalty, entropy bonus, KL-to-reference term, rollout-correction weights, ``is/*``
-metrics -- is :func:`verl_ext.loss_bridge.compute_actor_loss`, the function the embedded engine's
-learner calls, with ``group_log_denominator`` [B] forwarded when the batch carries it. So both
-engines give the same loss on the same batch.
-
-Without the field (e.g. a batch from a trainer that does not add it) the losses fall back to
-contiguous groups of ``policy_loss.group_size`` inside the micro-batch, and fail loudly if the
-micro-batch does not split into whole groups.
+signature and inputs (a micro-batch TensorDict and the engine's model output) and keeps only what is
+verl-specific: unpadding the model output, the global-batch normalisation info and verl's ``Metric``
+aggregation types. The objective is :func:`verl_ext.loss_bridge.compute_actor_loss`, the embedded
+learner's, with ``group_log_denominator`` [B] forwarded when the batch carries it, so both engines
+give the same loss on the same batch. Without the field the losses fall back to contiguous groups of
+``policy_loss.group_size`` within the micro-batch, and fail loudly if it does not split into whole groups.
 """
 
 from __future__ import annotations

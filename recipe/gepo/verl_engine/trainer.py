@@ -1,28 +1,17 @@
 """The verl engine's trainer: verl 0.9.1's v1 ``separate_async`` trainer plus HeteroRL.
 
-Importing this module registers :class:`HeteroSeparateAsyncTrainer` in verl's v1 trainer registry
-as ``hetero_separate_async`` (``trainer.v1.trainer_mode``). It needs verl's v1 trainer (which
-imports TransferQueue); it runs on GPU clusters and, with the ``cpu_toy`` preset, on this CPU
-(docs/scale-out.md).
-
-What it adds to verl's loop, each on one of verl's own extension points:
-
-- q is the sampler's log-prob (``verl_engine.old_log_prob=sampler``): ``_compute_old_log_prob``
-  copies vLLM's ``rollout_log_probs`` into ``old_log_probs``, without verl's bypass mode (whose
-  ``apply_bypass_mode`` would replace the loss in verl's other async trainers).
-- exact GEPO denominators: after verl's ``_compute_advantage``, log E_q[q] over every whole uid
-  group is computed on the driver and stored per sequence as ``group_log_denominator``;
-  :class:`HeteroActorWorker` replaces the worker's ``ppo_loss`` with
-  :func:`recipe.gepo.verl_engine.loss.hetero_ppo_loss`, which hands it to the loss.
-- delayed parameter sync: the standalone rollout pool's checkpoint manager is wrapped by
-  :class:`~recipe.gepo.verl_engine.delayed_sync.DelayedCheckpointManager` (hetero.delay).
-- exact staleness bound over weight versions: :class:`HeteroReplayBuffer` (hetero.max_delay,
-  hetero.stale_policy).
-- the bypass guard, at construction and before every actor update.
-- roles pinned to their nodes (``verl_engine.node_resources``, :mod:`.node_placement`); where every
-  rank and server ran, in ``placement.json``.
-- the embedded engine's ``hetero/*``, ``is/*``, ``reward/mean`` and evaluation
-  (``eval/<benchmark>/acc``, ``eval/acc_mean``; :func:`embedded_eval_metrics`) metric names.
+Importing this module registers :class:`HeteroSeparateAsyncTrainer` in verl's v1 trainer registry as
+``hetero_separate_async`` (``trainer.v1.trainer_mode``; needs verl's v1 trainer, which imports
+TransferQueue). It adds, each on one of verl's extension points: q is the sampler's log-prob
+(``verl_engine.old_log_prob=sampler``: ``rollout_log_probs`` copied into ``old_log_probs``, without
+verl's bypass mode); GEPO's exact denominators over whole uid groups, computed on the driver after
+``_compute_advantage`` and handed to the loss (:class:`HeteroActorWorker`,
+:func:`recipe.gepo.verl_engine.loss.hetero_ppo_loss`); delayed parameter sync
+(:class:`~recipe.gepo.verl_engine.delayed_sync.DelayedCheckpointManager`, ``hetero.delay``); the exact
+staleness bound over weight versions (:class:`HeteroReplayBuffer`); the bypass guard, at construction
+and before every update; roles pinned to nodes (:mod:`.node_placement`, ``placement.json``); the
+embedded engine's metric names (``hetero/*``, ``is/*``, ``reward/mean``, :func:`embedded_eval_metrics`).
+Runs on GPU clusters and, with the ``cpu_toy`` preset, on the CPU: docs/scale-out.md.
 """
 
 from __future__ import annotations
