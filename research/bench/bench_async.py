@@ -12,8 +12,7 @@ Both consume the same groups with the same model, loss and batch size; the first
 are reported apart. The table (async and synchronous wall, async / max(pure sampling, pure training),
 the speed-up, async wall / its own train_step time, the learner's idle fraction and CPU, the load
 around each run) and ``--compare-trust`` (rounds of trust off / checker process / checks in the
-learner, in rotated order, and their medians): docs/benchmarks.md and docs/reliability.md.
-"""
+learner, in rotated order, and their medians): docs/benchmarks.md and docs/reliability.md."""
 
 from __future__ import annotations
 

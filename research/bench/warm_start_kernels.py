@@ -12,8 +12,7 @@ digits) and the held-out accuracy it records. Different hashes mean the recipe i
 and a design must pin the weights it ran from (``Plan.warm_start_sha256``, docs/study.md).
 
 Each build is a whole warm start on one core: run it at ``nice`` beside a sweep, never beside a
-benchmark.
-"""
+benchmark."""
 
 from __future__ import annotations
 

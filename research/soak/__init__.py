@@ -12,5 +12,4 @@
 Imported as ``research.soak`` (run the soak as ``python -m research.soak`` from the
 repository root; see ``scripts/__init__.py``). Nothing here imports Ray
 at module level except :mod:`~research.soak.run` and :mod:`~research.soak.injector` (``--wan`` sets
-the cluster's auth environment before Ray is imported).
-"""
+the cluster's auth environment before Ray is imported)."""

@@ -12,8 +12,7 @@ if any group was lost or consumed twice, an honest group was rejected, a poisone
 on, or the run failed; 2 for what it refuses before touching anything (``--wan`` without the
 network privileges, an unbounded link cut, no checkpoints); 0 otherwise. The fault kinds, the
 liars, the network faults and the runs' results: docs/reliability.md. The harness, by concern, is
-this package (``research/soak/``).
-"""
+this package (``research/soak/``)."""
 
 from __future__ import annotations
 

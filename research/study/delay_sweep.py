@@ -12,8 +12,7 @@ conditions :func:`~research.study.plan.normalize_condition`, a run's directory :
 each finished run one row of the rows file (``--rows``, default ``OUT/rows.csv``: a run whose row is there
 never runs again), the outputs :func:`~research.study.render.write_outputs`. Designs with committed rows run
 from the weights they pin (``--own-warm-start``: this machine's build, as a study of its own). What each
-flag does and refuses: ``--help``; the designs, the learning-rate rule and the results: docs/study.md.
-"""
+flag does and refuses: ``--help``; the designs, the learning-rate rule and the results: docs/study.md."""
 
 from __future__ import annotations
 

@@ -13,8 +13,7 @@
 the starting model with the same settings (:data:`EVAL_SETTINGS`), each into ``outputs/eval/smollm2/<name>``
 (resumable). ``report`` prints, per seed, the means of the reward and of the re-scored accuracy and boxed
 rate over the first and the last ``--window`` steps, and whether every seed's rise exceeds the spread of
-the seeds' first-window means; the figure (``--out``) shows each seed's per-step curves.
-"""
+the seeds' first-window means; the figure (``--out``) shows each seed's per-step curves."""
 
 from __future__ import annotations
 

@@ -13,8 +13,7 @@ What it builds (:class:`ClusterConfig`; docs/scale-out.md): a bridge with the co
 nodes ``n1..nN``, each a namespace behind a veth pair (``tc tbf`` on both ends with ``--rate-mbit``)
 with its own hostname, hosts file and ``slurmd``; one ``munged`` and ``slurmctld`` of its own. Its
 files are under ``STATE_DIR``, and it stops only what it started, by recorded process id. Needs root
-(``up`` installs Slurm with apt-get if missing); without it every command exits with ``EXIT_REFUSED``.
-"""
+(``up`` installs Slurm with apt-get if missing); without it every command exits with ``EXIT_REFUSED``."""
 
 from __future__ import annotations
 

@@ -4,29 +4,14 @@ against vanilla in the same mode and against the memory-bandwidth floor.
     python scripts/bench/bench_losses_gpu.py [--device cuda] [--shapes 256x4096,1024x8192] [--repeats 20]
                                              [--backend inductor] [--bandwidth-tbs 4.8] [--json rows.json] [--quick]
 
-What is timed: one call of ``loss = token-mean(loss_mat)`` and ``torch.autograd.grad(loss, log_p)``
-on float32 [B, T] tensors (log p with gradient, log q, advantages, a float mask; response lengths
-uniform in [T/4, T]; G = 8 responses a prompt), the losses' pure functions
-(``verl_ext.algos.losses``; no verl import, so it runs on a bare CUDA machine). "compiled" is
-``torch.compile(fullgraph=True, dynamic=False)`` of that same forward (backward by AOTAutograd):
-vanilla's and the group losses' alike, so ratios compare compiled with compiled and eager with
-eager. Times are medians over ``--repeats`` after warm-up calls (the first compiles), taken
-round-robin so drift hits every entry alike; CUDA events on CUDA, ``perf_counter`` on CPU.
-
-Memory floor: 20 bytes a token (read log p, log q, advantage, mask; write the gradient, float32)
-at the card's memory bandwidth, from :data:`BANDWIDTH_TBS` by device name (spec-sheet peaks: H100
-SXM 3.35 TB/s, H200 4.8 TB/s; ../shared/reference/GPU_FIRST_RUN.md used 4.3 TB/s for its H200, so
-its "x floor" figures are 4.8 / 4.3 = 1.12x the ones here) or ``--bandwidth-tbs``; none on a CPU
-unless given. The issue's targets, checked at the largest shape: GEPO compiled <= 1.2x vanilla
-compiled, and <= 10x the floor.
-
-Each row also gives the compiled loss's and gradient's largest relative difference from eager,
-so a GPU run checks correctness too. On a CPU the default backend is "aot_eager" (the graph
-capture without code generation: inductor compiles C++ for up to a minute a graph there), so
-CPU "compiled" times are no speed figure; pass ``--backend inductor`` for one.
-
-``main(argv) -> list[dict]`` returns the rows (one per shape and loss) for the GPU lane (research/gpu_lane/).
-"""
+Timed: one ``token-mean(loss_mat)`` and ``torch.autograd.grad(loss, log_p)`` on float32 [B, T]
+tensors (G = 8 a prompt), the pure functions of ``verl_ext.algos.losses`` (no verl import: runs on
+a bare CUDA machine); "compiled" is ``torch.compile(fullgraph=True, dynamic=False)`` of the same
+forward for every loss. Medians over ``--repeats``, round-robin; CUDA events on CUDA. The floor is
+20 bytes a token at the card's bandwidth (:data:`BANDWIDTH_TBS` by device name, or
+``--bandwidth-tbs``). Each row also gives the compiled result's largest relative difference from
+eager. Targets, backends on a CPU and results: docs/benchmarks.md. ``main(argv) -> list[dict]``
+returns the rows for the GPU lane (research/gpu_lane/)."""
 
 from __future__ import annotations
 

@@ -13,8 +13,7 @@ What it builds (:class:`LinkConfig`; docs/network.md): a sampler namespace joine
 namespace by a veth pair on a private /30, a ``tc tbf`` at the rate on both ends, the learner-side
 address on a bridge so that it outlives the pair; the namespace has no default route, and nothing
 else is touched. Without CAP_NET_ADMIN, CAP_SYS_ADMIN, ``ip`` and ``tc`` every command exits with
-``EXIT_REFUSED`` naming what is missing, before changing anything.
-"""
+``EXIT_REFUSED`` naming what is missing, before changing anything."""
 
 from __future__ import annotations
 
