@@ -58,12 +58,13 @@ def _learner(tiny_cfg, tmp_path, policy: str, *overrides: str) -> LearnerWorker:
     return worker
 
 
-def _groups(worker: LearnerWorker, prefix: str, version: int, n: int) -> list[RolloutGroup]:
-    """Real groups from the toy model (any sampler would do: the version stamp is what counts)."""
+def _groups(worker: LearnerWorker, prefix: str, version: int, n: int, draw: int = 0) -> list[RolloutGroup]:
+    """Real groups of the learner's model as it is now, stamped ``version``: call it while the model
+    is at that version (a group whose q comes from other weights is a lie the trust gate may check)."""
     from recipe.gepo.embedded.rollout_groups import RolloutSettings, generate_groups
 
     s = worker.engine.settings
-    items = worker.task.train_items(n, stream=9, index=version)
+    items = worker.task.train_items(n, stream=9, index=version + 100 * draw)
     return generate_groups(
         worker.model,
         worker.tokenizer,
@@ -73,7 +74,7 @@ def _groups(worker: LearnerWorker, prefix: str, version: int, n: int) -> list[Ro
         worker.engine.algorithm,
         policy_version=version,
         sampler_id="sampler-7",
-        seed=version,
+        seed=version + 100 * draw,
         uid_prefix=prefix,
     )
 
@@ -94,9 +95,9 @@ def test_async_wait_holds_the_step_for_an_announced_group_at_the_edge(tiny_cfg, 
     worker = _learner(tiny_cfg, tmp_path, policy)
     try:
         transport = worker.source.transport
+        straggler = _groups(worker, "slow", 0, 1, draw=1)[0]  # drawn with version 0's weights
         _to_version_1(worker)
         # a sampler with version 0 announces a group: usable at v1 (1 - 0 <= max_delay), stale at v2
-        straggler = _groups(worker, "slow", 0, 1)[0]
         announce(transport, straggler.group_uid, 0, "sampler-7")
         for g in _groups(worker, "fresh", 1, 2):
             send_group(transport, g, key=KEY)
