@@ -7,7 +7,7 @@ i), seconds times its speed factor; under ``hetero.weight_sync=delta`` it applie
 few versions behind), wait while those weights are too stale (``sampler_skip_stale``) or the
 learner's queue is full (``max_queued_groups``), take the prompts of batch index b
 (:meth:`Task.train_items`, a pure function of seed, sampler and b), announce the groups
-(``stale_policy=wait``), generate and score them (:func:`.rollout.generate_groups`), and send each
+(``stale_policy=wait``), generate and score them (:func:`.rollout_groups.generate_groups`), and send each
 group over the transport, signed under ``hetero.trust.sign_records``. The learner side that
 receives them is :mod:`.learner_actor`.
 """

@@ -1,5 +1,5 @@
 """The embedded engine's side of :mod:`verl_ext.trust`: the gate and verifiers built from its
-validated configs, with a scorer loaded as its samplers load their model (:class:`.placement.Placement`:
+validated configs, with a scorer loaded as its samplers load their model (:class:`.model_placement.Placement`:
 the sampler's device and precision, since a re-score recomputes a sampler's q)."""
 
 from __future__ import annotations

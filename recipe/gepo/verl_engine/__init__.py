@@ -5,7 +5,7 @@ Ray cluster (scripts/slurm/). Entry points for ``recipe/gepo/main_gepo.py``:
 
 - :func:`.runner.run` (``hetero.engine=verl``): validates, then dry-runs when ``hetero.dry_run=true``
   or trains (GPUs required).
-- :func:`.plan.dry_run` / :func:`.plan.build_plan`: validate and print / return the plan; CPU only.
+- :func:`.launch_plan.dry_run` / :func:`.launch_plan.build_plan`: validate and print / return the plan; CPU only.
 
 Modules: ``plan`` (the bypass guard, validation and the plan),
 ``runner`` (run), ``trainer`` (the verl trainer subclass, imported only when it trains: it needs
