@@ -50,6 +50,9 @@ class Lab:
         self.model.eval()
         self.buffer = build_buffer(self.engine, self.task, self.model.config)
         self.gate = embedded_gate(self.engine, model_path, self.task, self.buffer)
+        # a fixed key for the draw of groups to re-score (a run's learner makes a random one): the
+        # same groups are drawn on every run of a test
+        self.gate.ledger.secret = b"test-lab"
         # a group whose version's weights never come waits this long (30 s in a run); the tests that
         # need the wait itself set their own (test_trust_windows.py)
         self.gate.version_wait_s = 1.0
@@ -168,7 +171,8 @@ def test_every_lie_is_refused_and_quarantines_its_sampler(tiny_model_path, tmp_p
         assert lab.offer(group) is None
     metrics = lab.gate.metrics()
     assert metrics["trust/quarantined"] == len(_lies(lab))
-    assert metrics["trust/sampler-0/score"] == 1.0
+    # not quarantined; at most the credit a drawn check of the copied group earned is withdrawn
+    assert metrics["trust/sampler-0/score"] >= 1.0 - lab.gate.ledger.recovery
     assert metrics["trust/failed/bad_logprobs"] == 4 and metrics["trust/failed/bad_rewards"] == 2
     events = lab.gate.drain_events()
     assert sorted(e["sampler_id"] for e in events) == sorted(f"sampler-{10 + i}" for i in range(8))
