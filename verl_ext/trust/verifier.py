@@ -182,13 +182,10 @@ def group_scores(model: torch.nn.Module, group: RolloutGroup, temperature: float
     return logprobs[row_of], logits.index_select(0, torch.as_tensor(row_of, device=logits.device))
 
 
-def _failing_safely(check, group: RolloutGroup):
-    """``check(group)``, or the failure ``("check_error", what it raised)``: a record that makes a
-    check raise fails it, and never stops the process that checks."""
-    try:
-        return check(group)
-    except Exception as err:  # noqa: BLE001 - any bytes a sampler sends must be survivable
-        return "check_error", f"the check raised {type(err).__name__}: {str(err)[:300]}"
+def _check_error(err: Exception) -> tuple[str, str]:
+    """The failure of a check that raised: a record that makes a check raise fails it, and never
+    stops the process that checks."""
+    return "check_error", f"the check raised {type(err).__name__}: {str(err)[:300]}"
 
 
 class RewardTask(Protocol):
@@ -277,12 +274,15 @@ class GroupVerifier:
         tokens_before = Counter(self.token_counts)
         result = CheckResult(pid=os.getpid(), scorer_precision=self.scorer_precision)
         if rewards and self.check_rewards:
-            result.rewards_failure = _failing_safely(self.check_group_rewards, group)
+            try:
+                result.rewards_failure = self.check_group_rewards(group)
+            except Exception as err:  # noqa: BLE001 - any bytes a sampler sends must be survivable
+                result.rewards_failure = _check_error(err)
         if logprobs and (lost or result.rewards_failure is None):
-            measured = _failing_safely(self.measure_logprobs, group)
-            if measured is not None and isinstance(measured[0], str):  # the check raised
-                measured = (measured, None)
-            result.logprobs_failure, result.mismatch = measured if measured is not None else (None, None)
+            try:
+                result.logprobs_failure, result.mismatch = self.measure_logprobs(group)
+            except Exception as err:  # noqa: BLE001 - any bytes a sampler sends must be survivable
+                result.logprobs_failure = _check_error(err)
             # (None, None) only when the version is not held: every re-score yields its mismatch
             # or a failure
             result.held = result.logprobs_failure is not None or result.mismatch is not None
