@@ -89,6 +89,18 @@ def test_a_part_without_time_is_skipped(tmp_path):
     ]
 
 
+def test_part_seconds_override_the_defaults(tmp_path):
+    result = run_lane(
+        tmp_path, "--device", "cpu", "--quick", "--parts", "logprob_spread", "--part-s", "logprob_spread=5"
+    )
+    assert [(r["part"], r["status"]) for r in result["rows"]] == [("logprob_spread", "skipped: budget")]
+    assert result["rows"][0]["note"].startswith("5 s for it"), result["rows"][0]
+    bad = subprocess.run(
+        [sys.executable, str(LANE), "--part-s", "verl_toy=soon"], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
+    assert bad.returncode == 2 and "'verl_toy=soon'" in bad.stderr, bad.stderr
+
+
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a machine without CUDA")
 def test_a_failing_part_does_not_stop_the_others(tmp_path):
     result = run_lane(
