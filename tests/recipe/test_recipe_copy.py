@@ -112,7 +112,6 @@ def test_a_copied_recipe_plans_with_its_own_trainer_name(tmp_path):
 def test_two_recipes_register_two_trainers_in_one_process(tmp_path):
     """The original and a copy imported side by side: each trainer under its own name in verl's
     registry, no clash."""
-    pytest.importorskip("transfer_queue", reason="verl's v1 trainer needs TransferQueue")
     copy_recipe(tmp_path)
     code = (
         "import importlib.util, sys\n"
