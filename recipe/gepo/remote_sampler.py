@@ -1,14 +1,14 @@
 """One sampler that joins a running embedded-engine run through its fsspec exchange.
 
-    python -m recipe.gepo.remote_sampler --index 100 --key sampler-100.key hetero.transport_url=URL [...]
+    python -m recipe.gepo.remote_sampler --index 32 --key sampler-32.key hetero.transport_url=URL [...]
 
 It composes the learner's config (give it the learner's overrides: task, algorithm, delay, seed),
 builds a :class:`~recipe.gepo.embedded.sampler.SamplerWorker` on the same URL and generates until
 the learner writes its stop marker: weights in (each version after its own delay draw), rollout
 groups out, checksummed and exactly-once. No Ray: any machine that reaches the URL can add samplers
 (``scripts/slurm/remote_samplers.sbatch``: one per array task). ``--index`` picks its prompt stream,
-seeds and delay stream: not one the learner's samplers use (keep it >= ``hetero.num_samplers``) nor
-another remote sampler's; its group uids carry ``r<index>-<random>``, so a restart never reuses one.
+seeds and delay stream: not one the learner's samplers use (at least ``hetero.num_samplers``), below
+``MAX_SAMPLERS`` (64) and not another remote sampler's; its group uids carry ``r<index>-<random>``, so a restart never reuses one.
 With signed records (the default) ``--key`` is a key made on its machine, whose public half the
 learner's operator enrols in ``hetero.trust.enrolment_file`` (``python -m verl_ext.trust.signing
 keygen`` / ``enrol``; docs/reliability.md, "Remote samplers and a learner that fails").
@@ -24,6 +24,8 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from omegaconf import DictConfig
+
+from verl_ext.hetero.seeding import MAX_SAMPLERS
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -53,8 +55,12 @@ def check_remote_config(cfg: DictConfig, index: int, key_file: Optional[str] = N
         raise ValueError(
             "hetero.transport_url is empty: give the exchange URL the learner uses (s3://..., /shared/folder)"
         )
-    if index < 0:
-        raise ValueError(f"--index {index}: must be >= 0 (and not an index the learner's own samplers use)")
+    if not hetero.num_samplers <= index < MAX_SAMPLERS:
+        raise ValueError(
+            f"--index {index}: must be in [{hetero.num_samplers}, {MAX_SAMPLERS}): at least hetero.num_samplers "
+            f"(the learner's own samplers use 0..{hetero.num_samplers - 1}) and below {MAX_SAMPLERS}, the "
+            "sampler slots of the seed layout (verl_ext.hetero.seeding)"
+        )
     if hetero.trust.sign_records and not key_file:
         raise ValueError(
             f"hetero.trust.sign_records=true: the learner accepts only signed records; give --key <file> "
@@ -112,7 +118,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument(
-        "--index", type=int, required=True, help="this sampler's index (>= the learner's hetero.num_samplers)"
+        "--index",
+        type=int,
+        required=True,
+        help=f"this sampler's index (>= the learner's hetero.num_samplers, < {MAX_SAMPLERS})",
     )
     parser.add_argument(
         "--key", default=None, help="this sampler's signing key (python -m verl_ext.trust.signing keygen)"

@@ -22,6 +22,7 @@ from typing import Any, Optional
 from omegaconf import DictConfig, OmegaConf
 
 from .options import ASYNC, EMBEDDED, EVERYWHERE, REPLAY, VERL, field_default, option, unknown_key_error
+from verl_ext.hetero.seeding import MAX_SAMPLERS
 from verl_ext.trust.config import NO_PUBLISHING_SAMPLERS, TrustConfig
 
 ENGINES = ("embedded", "verl")
@@ -389,8 +390,11 @@ class HeteroConfig:
                 f"hetero.transport_url={self.transport_url!r} is read by hetero.transport=fs only "
                 f"(hetero.transport={self.transport}): set hetero.transport=fs or leave the URL empty"
             )
-        if self.num_samplers < 1:
-            raise ValueError(f"hetero.num_samplers={self.num_samplers} must be >= 1")
+        if not 1 <= self.num_samplers <= MAX_SAMPLERS:
+            raise ValueError(
+                f"hetero.num_samplers={self.num_samplers} must be in [1, {MAX_SAMPLERS}] (the seed layout's sampler "
+                "slots, verl_ext.hetero.seeding; remote samplers take the slots above it)"
+            )
         if self.max_delay < 0:
             raise ValueError(f"hetero.max_delay={self.max_delay} must be >= 0")
         if self.wait_timeout_s <= 0:

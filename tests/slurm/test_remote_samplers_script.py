@@ -60,7 +60,7 @@ def test_shellcheck_clean():
 def test_an_existing_key_is_enrolled_on_every_start(tmp_path):
     """The key outlives the learner (KEY_DIR persists): a later learner's enrolment file gets it too."""
     keys = tmp_path / "keys"
-    key_file = keys / "sampler-102.key"
+    key_file = keys / "sampler-34.key"
     first_file, second_file = tmp_path / "run1-enrolment.json", tmp_path / "run2-enrolment.json"
     common = dict(KEY_DIR=str(keys), SAMPLER_CMD="echo sampler", SLURM_ARRAY_TASK_ID="2")
 
@@ -68,33 +68,33 @@ def test_an_existing_key_is_enrolled_on_every_start(tmp_path):
     assert first.returncode == 0, first.stderr
     assert key_file.stat().st_mode & 0o777 == 0o600
     key_bytes = key_file.read_bytes()
-    assert f"sampler-102 public key: {public_of(key_file)}" in first.stdout
-    assert accepts(first_file, key_file, "sampler-102")
+    assert f"sampler-34 public key: {public_of(key_file)}" in first.stdout
+    assert accepts(first_file, key_file, "sampler-34")
 
     # a new learner, a new enrolment file: the key exists and is enrolled there as well (the bug: it was not)
     second = run_script(tmp_path, ENROLMENT_FILE=str(second_file), **common)
     assert second.returncode == 0, second.stderr
     assert key_file.read_bytes() == key_bytes  # the same key, not a new one
-    assert f"sampler-102 enrolled in {second_file}" in second.stdout
-    assert accepts(second_file, key_file, "sampler-102")
+    assert f"sampler-34 enrolled in {second_file}" in second.stdout
+    assert accepts(second_file, key_file, "sampler-34")
 
     # and again into the same file: nothing changes
     text = second_file.read_text()
     again = run_script(tmp_path, ENROLMENT_FILE=str(second_file), **common)
     assert again.returncode == 0, again.stderr
     assert second_file.read_text() == text
-    assert list(Enrolment.load(second_file).keys) == ["sampler-102"]
-    assert list(Enrolment.load(second_file).keys["sampler-102"].values()) == [public_of(key_file)]
+    assert list(Enrolment.load(second_file).keys) == ["sampler-34"]
+    assert list(Enrolment.load(second_file).keys["sampler-34"].values()) == [public_of(key_file)]
 
 
 def test_without_enrolment_file_the_enrol_line_is_printed_for_an_existing_key_too(tmp_path):
     for _ in range(2):
         result = run_script(tmp_path, SAMPLER_CMD="echo sampler")
         assert result.returncode == 0, result.stderr
-        key_file = tmp_path / "home" / ".heterorl" / "keys" / "sampler-100.key"  # the default KEY_DIR
+        key_file = tmp_path / "home" / ".heterorl" / "keys" / "sampler-32.key"  # the default KEY_DIR
         assert (
             f"enrol it: python -m verl_ext.trust.signing enrol <the learner's hetero.trust.enrolment_file> "
-            f"sampler-100 {public_of(key_file)}" in result.stdout
+            f"sampler-32 {public_of(key_file)}" in result.stdout
         )
 
 
@@ -124,7 +124,7 @@ def test_sampler_cmd_replaces_only_the_program(tmp_path):
 def test_no_sign_passes_no_key_and_makes_none(tmp_path):
     result = run_script(tmp_path, SAMPLER_CMD="echo s", NO_SIGN="1")
     assert result.returncode == 0, result.stderr
-    assert result.stdout.splitlines()[-1] == f"s --index 100 hetero.transport_url={tmp_path / 'exchange'}"
+    assert result.stdout.splitlines()[-1] == f"s --index 32 hetero.transport_url={tmp_path / 'exchange'}"
     assert not (tmp_path / "home" / ".heterorl").exists()
 
 
@@ -134,12 +134,12 @@ def test_the_real_remote_sampler_accepts_the_command_and_the_enrolled_key(tmp_pa
     runs (the extra ``hetero.dry_run=true`` makes the final exec a dry run as well)."""
     keys, enrol_file = tmp_path / "keys", tmp_path / "enrolment.json"
     keys.mkdir(mode=0o700)
-    key_file = keys / "sampler-100.key"
-    SamplerKey.generate("sampler-100").save(key_file)  # a key left by an earlier run
+    key_file = keys / "sampler-32.key"
+    SamplerKey.generate("sampler-32").save(key_file)  # a key left by an earlier run
     result = run_script(tmp_path, "hetero.dry_run=true", KEY_DIR=str(keys), ENROLMENT_FILE=str(enrol_file))
     assert result.returncode == 0, result.stdout + result.stderr
-    assert result.stdout.count("[heterorl] remote sampler-100: config ok (dry run)") == 2
-    assert accepts(enrol_file, key_file, "sampler-100")
+    assert result.stdout.count("[heterorl] remote sampler-32: config ok (dry run)") == 2
+    assert accepts(enrol_file, key_file, "sampler-32")
 
 
 @pytest.mark.parametrize(
@@ -164,10 +164,10 @@ def test_bad_settings_are_refused_naming_them(tmp_path, settings, message):
 def test_a_key_of_another_sampler_is_refused_before_enrolling_it(tmp_path):
     keys, enrol_file = tmp_path / "keys", tmp_path / "enrolment.json"
     keys.mkdir()
-    SamplerKey.generate("sampler-7").save(keys / "sampler-100.key")
+    SamplerKey.generate("sampler-7").save(keys / "sampler-32.key")
     result = run_script(tmp_path, SAMPLER_CMD="echo s", KEY_DIR=str(keys), ENROLMENT_FILE=str(enrol_file))
     assert result.returncode == 2
-    assert "is 'sampler-7''s key, not --sampler-id 'sampler-100''s" in result.stderr
+    assert "is 'sampler-7''s key, not --sampler-id 'sampler-32''s" in result.stderr
     assert not enrol_file.exists() and "--index" not in result.stdout
 
 
@@ -197,5 +197,5 @@ def test_recipe_names_a_copied_recipe_whose_sampler_runs(tmp_path):
         PYTHONPATH="",
     )
     assert result.returncode == 0, result.stdout + result.stderr
-    assert result.stdout.count("[mygepo] remote sampler-100: config ok (dry run)") == 2
-    assert "[heterorl] remote sampler-100: config ok" not in result.stdout
+    assert result.stdout.count("[mygepo] remote sampler-32: config ok (dry run)") == 2
+    assert "[heterorl] remote sampler-32: config ok" not in result.stdout

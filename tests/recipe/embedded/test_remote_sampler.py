@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +21,7 @@ import torch
 
 from recipe.gepo.main_gepo import run
 from recipe.gepo.remote_sampler import check_remote_config, compose_config, main
+from verl_ext.hetero.seeding import sampler_sampling_seed
 from verl_ext.trust import signing as auth
 
 from .helpers import TINY, read_metrics
@@ -34,11 +36,29 @@ ROOT = Path(__file__).resolve().parents[3]
         (["hetero.mode=async", "hetero.transport=ray", "hetero.transport_url=/x"], 5, "hetero.transport='ray'"),
         (["hetero.mode=async", "hetero.transport=fs"], 5, "hetero.transport_url is empty"),
         (["hetero.mode=async", "hetero.transport=fs", "hetero.transport_url=/x"], -1, "--index -1"),
+        (
+            ["hetero.mode=async", "hetero.transport=fs", "hetero.transport_url=/x", "hetero.num_samplers=4"],
+            3,
+            "--index 3: must be in",
+        ),
+        (["hetero.mode=async", "hetero.transport=fs", "hetero.transport_url=/x"], 64, "--index 64: must be in"),
     ],
 )
 def test_what_a_remote_sampler_needs_is_refused_by_name(overrides, index, named):
     with pytest.raises(ValueError, match=named.replace("[", r"\[")):
         check_remote_config(compose_config(overrides), index)
+
+
+def test_the_documented_indices_reach_a_first_batch():
+    """The index the sbatch script starts by default and the README's example both pass the start-up
+    check and seed a first batch (the default was once 100: refused by the seed layout at batch 0)."""
+    sbatch = (ROOT / "scripts" / "slurm" / "remote_samplers.sbatch").read_text()
+    default_base = int(re.search(r'INDEX_BASE="\$\{INDEX_BASE:-(\d+)\}"', sbatch).group(1))
+    readme_index = int(re.search(r"remote_sampler --index (\d+)", (ROOT / "README.md").read_text()).group(1))
+    cfg = compose_config(["hetero.mode=async", "hetero.transport=fs", "hetero.transport_url=/x"])
+    for index in (default_base, default_base + 7, readme_index):  # an 8-task array's last task too
+        check_remote_config(cfg, index, key_file="sampler.key")
+        assert sampler_sampling_seed(int(cfg.hetero.seed), 0, index) >= 0
 
 
 def test_the_command_line_names_the_missing_url_and_exits_2(capsys):
