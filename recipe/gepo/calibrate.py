@@ -26,6 +26,8 @@ from typing import Optional
 
 import numpy as np
 
+from verl_ext.trust.config import TABLE_BOUNDS
+
 CONFIG_DIR = Path(__file__).resolve().parent / "config"
 
 
@@ -36,7 +38,10 @@ def compose_engine(overrides: list[str]):
     from .embedded.engine_config import EngineConfig
 
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
+        # measuring needs no bounds: the table's stand in for the ones a bf16 scorer's run must name
         cfg = compose(config_name="gepo_trainer", overrides=["trainer.logger=[]", *overrides])
+        if not cfg.hetero.trust.bounds_file:
+            cfg.hetero.trust.bounds_file = TABLE_BOUNDS
     return EngineConfig.from_omegaconf(cfg)
 
 

@@ -712,7 +712,7 @@ class _Lab:
             "hetero.trust.checkable_sampling=true",
             f"hetero.sampler_precision={DETECTION_SETUPS[setup][1]}",
             f"hetero.seed={seed}",
-            f"hetero.trust.bounds_file={bounds_file}",
+            f"hetero.trust.bounds_file={bounds_file or 'table'}",  # "": the table's bounds, on purpose
             *DETECTION_MODELS[model_name],
             *overrides,
         ]

@@ -13,6 +13,8 @@ NO_PUBLISHING_SAMPLERS = {
     VERL: "verl's rollout workers are actors of the trainer's own Ray job and publish no records; samplers "
     "outside it join through hetero.engine=embedded's fs transport (docs/reliability.md)",
 }
+TABLE_BOUNDS = "table"
+"""``hetero.trust.bounds_file`` naming the built-in table (SmolLM2-135M's bf16 spread) on purpose."""
 
 
 @dataclass
@@ -69,10 +71,10 @@ class TrustConfig:
     learner judges rewards-only groups itself and lends its cores. Costs: docs/reliability.md "Where the checks run"."""
 
     bounds_file: str = option("", honoured_by=(ASYNC,), instead=NO_PUBLISHING_SAMPLERS)
-    """bf16's bounds calibrated on the run's own model (python -m recipe.gepo.calibrate); "" = the table's.
-    Used for every group held to bf16's bounds (near-tie margin included; a near-tie rate test if measured with
-    checkable sampling); the table's come from SmolLM2-135M's spread. Refused at start when unreadable or measured
-    for another model, scorer precision or temperature (``verl_ext.trust.bounds.calibrate``)."""
+    """bf16's bounds calibrated on the run's own model (python -m recipe.gepo.calibrate); "" or "table" = the table's.
+    The table's are SmolLM2-135M's: a run whose learner re-scores in bf16 (sampler_precision=bf16) is refused at
+    start with "" (and starts with "table", said knowingly), as is a file unreadable or measured for another model,
+    scorer precision or temperature (``bounds.calibrate``). Used for every group held to bf16's bounds."""
 
     # TrustLedger's constructor argument -> the field (hetero.trust.<field>) that sets it
     _LEDGER_FIELDS = {
@@ -104,7 +106,7 @@ class TrustConfig:
                 "the learner would not check signatures"
             )
         self._calibration = None  # (precision -> Tolerance, measured facts), read once here: actors get it pickled
-        if self.bounds_file:
+        if self.bounds_file and self.bounds_file != TABLE_BOUNDS:
             from verl_ext.trust.bounds import read_bounds_file
 
             self._calibration = read_bounds_file(self.bounds_file)
@@ -117,11 +119,21 @@ class TrustConfig:
         calibration = getattr(self, "_calibration", None)
         return TrustBounds(self.logprob_tolerance, dict(calibration[0]) if calibration else {})
 
-    def check_calibration(self, model: str, scorer_precision: str, temperature: float) -> None:
+    def check_calibration(self, model: str, scorer_precision: str, temperature: float, rescores: bool = True) -> None:
         """Refuse a ``bounds_file`` measured for another model, scorer precision or temperature
-        than the run's (ValueError naming the key, the fact and both values)."""
+        than the run's, and a run that re-scores in bf16 without one: bf16's honest spread depends
+        on the model, and the table's bf16 bounds (SmolLM2's) let a lie on a quieter model through.
+        ``rescores``: the run's mode re-scores groups (async). ValueError naming the key, the fact and both values."""
         calibration = getattr(self, "_calibration", None)
         if not calibration:
+            if rescores and scorer_precision == "bf16" and self.verify_fraction > 0 and not self.bounds_file:
+                raise ValueError(
+                    f"hetero.sampler_precision=bf16 with hetero.trust.verify_fraction={self.verify_fraction}: "
+                    "bf16 groups are judged by bounds measured on the run's own model, and "
+                    "hetero.trust.bounds_file is empty (python -m recipe.gepo.calibrate --out bounds_bf16.json "
+                    "<the run's overrides>, then hetero.trust.bounds_file=bounds_bf16.json; "
+                    f"hetero.trust.bounds_file={TABLE_BOUNDS} takes SmolLM2-135M's table knowingly)"
+                )
             return
         measured = calibration[1]
         for fact, run in (("model", model), ("scorer_precision", scorer_precision), ("temperature", temperature)):

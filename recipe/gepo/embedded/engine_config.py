@@ -99,7 +99,10 @@ class EngineConfig:
         rollout_correction_settings(engine.algorithm)  # names a value the learner cannot do
         engine.task.check_files()
         engine.hetero.trust.check_calibration(
-            model_identity(engine), engine.hetero.sampler_precision, engine.settings.temperature
+            model_identity(engine),
+            engine.hetero.sampler_precision,
+            engine.settings.temperature,
+            rescores=engine.hetero.mode == "async",
         )
         return engine
 

@@ -6,6 +6,7 @@ configured device, none made on a default device by the engine's code."""
 
 from __future__ import annotations
 
+import json
 import math
 import re
 import sys
@@ -23,6 +24,7 @@ from recipe.gepo.embedded.tasks import Task
 from recipe.gepo.main_gepo import run, run_local
 from recipe.gepo.options import OptionNotHonoured
 from recipe.gepo.sections import HeteroConfig
+from verl_ext.trust.bounds import TOLERANCES, bounds_file_payload
 
 from .helpers import read_metrics, train_lines
 
@@ -130,9 +132,12 @@ def test_bf16_learner_and_sampler_train_and_mismatch_more_than_fp32(tiny_cfg, tm
 
 
 @pytest.mark.slow  # ~19 s; test_bf16_learner_and_sampler_train_and_mismatch_more_than_fp32 stays in the default run
-def test_async_mode_runs_bf16_learner_and_samplers_and_checks_their_q(tiny_cfg, tmp_path):
+def test_async_mode_runs_bf16_learner_and_samplers_and_checks_their_q(tiny_cfg, tiny_model_path, tmp_path):
     """Async mode honours both precisions; the trust gate re-scores every group's q with a model in
     the sampler's precision, so honest bf16 samplers pass every check (no quarantine)."""
+    bounds = tmp_path / "bounds_bf16.json"  # a bf16 scorer needs bounds for its model: the table's values here
+    measured = {"model": str(tiny_model_path), "scorer_precision": "bf16", "temperature": 1.0}
+    bounds.write_text(json.dumps(bounds_file_payload("bf16", TOLERANCES["bf16"], measured)))
     cfg = tiny_cfg(
         tmp_path,
         "hetero.mode=async",
@@ -140,6 +145,7 @@ def test_async_mode_runs_bf16_learner_and_samplers_and_checks_their_q(tiny_cfg, 
         "hetero.learner_precision=bf16",
         "hetero.sampler_precision=bf16",
         "hetero.trust.verify_fraction=1.0",
+        f"hetero.trust.bounds_file={bounds}",
         "hetero.delay.dist=none",
         "hetero.wait_timeout_s=120",
         "trainer.total_training_steps=3",

@@ -116,6 +116,24 @@ def test_a_calibration_of_another_model_is_refused_at_start(tmp_path, tiny_model
     assert engine.hetero.trust.bounds().calibrated["bf16"].tie_margin == 1.2
 
 
+def test_a_run_that_rescores_in_bf16_needs_bounds_for_its_own_model(tmp_path, tiny_model_path):
+    """The table's bf16 bounds are SmolLM2's: an async run whose learner re-scores in bf16 is refused
+    without a bounds file, naming both keys; replay (no re-scores), verify_fraction=0 and a file
+    measured for this model and a bf16 scorer start."""
+    bf16 = ["hetero.sampler_precision=bf16"]
+    with pytest.raises(ConfigError, match=r"hetero.sampler_precision=bf16 .*hetero.trust.bounds_file is empty"):
+        _engine(tmp_path, tiny_model_path, "hetero.mode=async", *bf16)
+    assert _engine(tmp_path, tiny_model_path, "hetero.mode=replay", *bf16).hetero.sampler_precision == "bf16"
+    _engine(tmp_path, tiny_model_path, "hetero.mode=async", "hetero.trust.verify_fraction=0", *bf16)
+    table = _engine(tmp_path, tiny_model_path, "hetero.mode=async", "hetero.trust.bounds_file=table", *bf16)
+    assert table.hetero.trust.bounds().calibrated == {}  # the table's bounds, named on purpose
+    path = tmp_path / "bounds.json"
+    measured = {"model": tiny_model_path, "scorer_precision": "bf16", "temperature": 1.0}
+    path.write_text(json.dumps(bounds_file_payload("bf16", TOLERANCES["bf16"], measured)))
+    engine = _engine(tmp_path, tiny_model_path, "hetero.mode=async", f"hetero.trust.bounds_file={path}", *bf16)
+    assert "bf16" in engine.hetero.trust.bounds().calibrated
+
+
 @pytest.mark.parametrize("fact, value", [("temperature", 0.7), ("scorer_precision", "bf16")])
 def test_a_calibration_of_another_temperature_or_scorer_is_refused(tmp_path, fact, value):
     """(Replay and the verl engine refuse the option itself: tests/recipe/test_options.py.)"""

@@ -5,13 +5,15 @@ the CPU, re-scored by the real TrustGate in fp32 with the weights the learner pu
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
 
 from recipe.gepo.embedded.policy import load_policy
 from verl_ext.trust.verifier import group_log_probs
-from verl_ext.trust.bounds import TOLERANCES, MismatchCusum, group_mismatch, precision_of
+from verl_ext.trust.bounds import TOLERANCES, MismatchCusum, bounds_file_payload, group_mismatch, precision_of
 from verl_ext.hetero.records import RolloutGroup
 
 from .test_trust_gate import Lab
@@ -141,8 +143,15 @@ def test_a_sampler_cannot_widen_its_bounds_by_the_precision_it_declares(tiny_mod
     assert {g.sampler_precision for g in declared_bf16} == {"bf16"}
     assert [fp32_run.offer(g) for g in declared_bf16] == ["precision_not_accepted"] * 4
     assert fp32_run.gate.ledger.refusal("sampler-4") is None  # no blame
+    bounds = tmp_path / "bounds_bf16.json"  # a bf16 scorer needs bounds for its model (the table's values here)
+    measured = {"model": str(tiny_model_path), "scorer_precision": "bf16", "temperature": 1.0}
+    bounds.write_text(json.dumps(bounds_file_payload("bf16", TOLERANCES["bf16"], measured)))
     bf16_run = Lab(
-        tiny_model_path, tmp_path / "bf16", "hetero.sampler_precision=bf16", "hetero.trust.verify_fraction=1"
+        tiny_model_path,
+        tmp_path / "bf16",
+        "hetero.sampler_precision=bf16",
+        "hetero.trust.verify_fraction=1",
+        f"hetero.trust.bounds_file={bounds}",
     )
     assert bf16_run.gate.verifier.scorer_precision == "bf16" and bf16_run.gate.precisions == ("bf16",)
     declared_fp32 = bf16_run.groups("sampler-5", n=4)  # the fp32 model: declared fp32
