@@ -143,6 +143,8 @@ class LiarCrew(SamplerWorker):
             )
         elif kind in ("reward_flip", "reward_inflate"):
             rewards = 1.0 - group.rewards if kind == "reward_flip" else np.ones_like(group.rewards)
+            if np.array_equal(rewards, group.rewards):
+                return False  # every response already earned 1: "inflated" it is the truth, no lie to send
             self._set_rewards(group, rewards)
         elif kind == "replay":
             return self._replay(group)

@@ -157,3 +157,27 @@ def test_liar_accounting_counts_poisoned_groups_false_alarms_and_time_to_quarant
     assert figures["honest_bf16"] == {"consumed": 1, "dropped": 1, "rejected": 1}  # the honest bf16 sampler's
     account = account_uids({}, ledger, in_transport=set())
     assert account.errors == []  # liar uids are known keys, not unaccounted ones
+
+
+def test_a_reward_lie_that_changes_nothing_is_not_sent():
+    """reward_inflate on a group whose every response already earned 1 is the truth: the crew sends
+    nothing rather than count an honest group as a poisoned one (a soak once failed on exactly that)."""
+    import numpy as np
+
+    from research.soak.liars import LiarCrew
+    from verl_ext.hetero.records import RolloutGroup
+
+    crew = LiarCrew.__new__(LiarCrew)  # the reward branch reads the group only, until it changes a reward
+    group = RolloutGroup(
+        "u",
+        np.array([1, 2]),
+        np.array([[3, 4], [5, 6]]),
+        np.ones((2, 2), np.int8),
+        np.full((2, 2), -0.5, np.float32),
+        np.ones(2, np.float32),
+        np.zeros(2, np.float32),
+        0,
+        "s",
+    )
+    assert crew._lie("reward_inflate", group) is False
+    assert group.rewards.tolist() == [1.0, 1.0]
