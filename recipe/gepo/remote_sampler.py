@@ -7,9 +7,8 @@ builds a :class:`~recipe.gepo.embedded.sampler.SamplerWorker` on the same URL an
 the learner writes its stop marker: weights in (each version after its own delay draw), rollout
 groups out, checksummed and exactly-once. No Ray: any machine that reaches the URL can add samplers
 (``scripts/slurm/remote_samplers.sbatch``: one per array task). ``--index`` picks its prompt stream,
-seeds and delay stream: at least ``hetero.num_samplers`` (the learner's own samplers' indices), below
-``MAX_SAMPLERS`` (64), and not another remote sampler's; its group uids carry ``r<index>-<random>``,
-so a restart never reuses one.
+seeds and delay stream: in [``hetero.num_samplers``, 64) and not another remote sampler's; its
+group uids carry ``r<index>-<random>``, so a restart never reuses one.
 With signed records (the default) ``--key`` is a key made on its machine, whose public half the
 learner's operator enrols in ``hetero.trust.enrolment_file`` (``python -m verl_ext.trust.signing
 keygen`` / ``enrol``; docs/reliability.md, "Remote samplers and a learner that fails").
