@@ -8,7 +8,7 @@ messages, :func:`templates.build_messages`), ``ability`` (``"math"``, ``"arithme
 task), ``reward_model`` (``{"style": "rule", "ground_truth": <gold answer str>}``) and
 ``extra_info`` (``{"index", "id", "split", "problem", "answer", "template"}``). Thinking on/off is a
 chat-template argument, not part of the messages: for ``qwen3_nothink`` also pass
-``data.apply_chat_template_kwargs.enable_thinking=false`` to verl (printed as a hint).
+``+data.apply_chat_template_kwargs.enable_thinking=false`` to verl (printed as a hint).
 :func:`prepare_math_assets` writes the train/val pair the verl engine trains a ``task.name=math``
 task on, from the ``task:`` section's dataset settings.
 """
@@ -190,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"wrote {len(records)} rows of {args.dataset} ({template} template) to {out}")
     kwargs = chat_template_kwargs(template)
     if kwargs.get("enable_thinking") is False:
-        print("hint: also pass data.apply_chat_template_kwargs.enable_thinking=false to verl")
+        print("hint: also pass +data.apply_chat_template_kwargs.enable_thinking=false to verl")
     return 0
 
 

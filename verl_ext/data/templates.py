@@ -88,7 +88,7 @@ def build_messages(problem: str, template: str = "qwen3_think") -> list[dict[str
 def chat_template_kwargs(template: str) -> dict:
     """Extra ``apply_chat_template`` arguments of a template, e.g. ``{"enable_thinking": False}``.
 
-    With verl: ``data.apply_chat_template_kwargs.enable_thinking=false`` for ``qwen3_nothink``.
+    With verl: ``+data.apply_chat_template_kwargs.enable_thinking=false`` for ``qwen3_nothink``.
     """
     check_template(template)
     if template == "qwen3_think":
