@@ -84,6 +84,8 @@ def test_preset_composes_validates_and_dry_runs(preset, capsys):
     if backend == "megatron":
         assert (v.actor.megatron.tensor_model_parallel_size, v.actor.megatron.pipeline_model_parallel_size) == (tp, pp)
     assert v.hetero.engine == "verl" and v.hetero.max_delay == 8
+    # the project's math rewards: verl's default scorer knows no math_train, math500 or amc23
+    assert cfg.reward.custom_reward_function.path == "pkg://verl_ext.rewards.dispatch"
 
     dry_run(cfg)
     out = capsys.readouterr().out
