@@ -119,6 +119,8 @@ RESUME_MAY_CHANGE = (
     "trainer.project_name",
     "trainer.experiment_name",
     "trainer.default_local_dir",
+    "actor_rollout_ref.rollout.trace.project_name",  # verl's copies of the two names above
+    "actor_rollout_ref.rollout.trace.experiment_name",
     "hetero.dry_run",
     "hetero.wait_timeout_s",
     "hetero.ray_address",

@@ -14,6 +14,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
+from .options import ConfigError
 from .run_report import METRICS_FILE, report_after_failure, write_config_notes, write_report
 
 
@@ -23,20 +24,35 @@ def print_notes(notes: list[str]) -> None:
         print(f"note: {note}", file=sys.stderr)
 
 
+def check_resume(run_dir: str | os.PathLike, cfg: Any) -> None:
+    """Resuming ``run_dir``: its ``config.yaml`` must be ``cfg``'s, else :class:`ConfigError` in one
+    line naming the directory, the keys that differ and how to continue it or start fresh."""
+    from verl_ext.rundir import describe_changes, resume_config_changes
+
+    changed = resume_config_changes(run_dir, cfg)
+    if changed:
+        raise ConfigError(
+            f"trainer.default_local_dir={str(run_dir)!r} holds a run with another config "
+            f"({describe_changes(changed)}). To continue that run, repeat its own command; to start fresh, "
+            "pass another trainer.default_local_dir=<dir>, or trainer.resume_mode=disable to start over there "
+            "(its metrics and checkpoint pointer are set aside, nothing is deleted)"
+        )
+
+
 @contextmanager
 def run_directory(run_dir: str | os.PathLike, cfg: Any, notes: list[str], resuming: bool) -> Iterator[Path]:
     """Around one training run in ``run_dir`` (``cfg``: the composed OmegaConf config):
 
-    - resuming, the directory's ``config.yaml`` must be this config's (else ValueError naming the
-      keys, before anything is written);
+    - resuming, the directory's ``config.yaml`` must be this config's (else :func:`check_resume`'s
+      ConfigError, before anything is written);
     - ``config.yaml`` and the config notes are written;
     - the body runs; when it raises, report.md is written from what was logged and the error goes on;
     - when it ends, report.md and curves.png are written next to ``metrics.jsonl``."""
-    from verl_ext.rundir import check_resume_config, write_run_config
+    from verl_ext.rundir import write_run_config
 
     run_dir = Path(run_dir)
     if resuming:
-        check_resume_config(run_dir, cfg)
+        check_resume(run_dir, cfg)
     write_run_config(run_dir, cfg)
     write_config_notes(run_dir, notes)
     try:
