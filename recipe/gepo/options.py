@@ -272,6 +272,100 @@ def check_known_keys(cfg: Any, defaults: Any) -> None:
         raise unknown_key_error(section, [name.split(".")[0]], names)
 
 
+def unknown_override_error(key: str, defaults: Any) -> ConfigError:
+    """The refusal of ``key`` (dotted), set on the command line without ``+`` where the composed
+    ``defaults`` have no such key (hydra refuses it before the run starts): the same words as
+    :func:`check_known_keys` gives the ``+`` form, naming the closest known key of the deepest
+    section that exists (its YAML keys and its dataclass's fields)."""
+    from omegaconf import OmegaConf
+
+    node: Any = OmegaConf.to_container(defaults, resolve=False)
+    parts = key.split(".")
+    depth = 0
+    while depth < len(parts) - 1 and isinstance(node, dict) and isinstance(node.get(parts[depth]), dict):
+        node = node[parts[depth]]
+        depth += 1
+    names = {k for k in node if k not in NOT_OPTIONS} | _schema_fields(node)
+    if parts[depth] in names:  # a key below a value: hetero.max_delay.x
+        leaf = ".".join(parts[: depth + 1])
+        return ConfigError(f"{key}: unknown key, {leaf} is a value, not a section")
+    return unknown_key_error(".".join(parts[:depth]), [parts[depth]], names)
+
+
+# ------------------------------------------------------------------------------ value types
+
+VERL_INT_KEYS = (
+    "trainer.total_training_steps",
+    "trainer.save_freq",
+    "trainer.test_freq",
+    "data.train_batch_size",
+    "data.max_response_length",
+    "actor_rollout_ref.rollout.n",
+)
+"""verl keys both engines read as integers (``trainer.total_training_steps`` may be null: verl's
+trainer then counts epochs): another type is refused at start, not met deep inside training."""
+
+
+def _type_error(key: str, value: Any, hint: Any) -> Optional[str]:
+    """Why ``value`` does not fit the type hint ``hint`` (int, float, bool, str or Optional of one),
+    or None when it fits or the hint is another type (not checked here)."""
+    import types
+    import typing
+
+    args = typing.get_args(hint)
+    if typing.get_origin(hint) in (typing.Union, types.UnionType) and type(None) in args and len(args) == 2:
+        if value is None:
+            return None
+        hint = next(a for a in args if a is not type(None))
+    ok = {
+        bool: lambda v: isinstance(v, bool),
+        int: lambda v: isinstance(v, int) and not isinstance(v, bool),
+        float: lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+        str: lambda v: isinstance(v, str),
+    }.get(hint)
+    if ok is None or ok(value):
+        return None
+    expected = {bool: "true or false", int: "an integer", float: "a number", str: "text"}[hint]
+    return f"{key}={value!r}: expected {expected}"
+
+
+def check_value_types(cfg: Any) -> None:
+    """Refuse (:class:`ConfigError`, naming the key and the value) a value of the wrong type: in the
+    ``hetero:`` and ``task:`` sections (their dataclasses' field types, nested sections included)
+    and in :data:`VERL_INT_KEYS` (``trainer.total_training_steps=abc``), before anything else reads it."""
+    import typing
+
+    from omegaconf import OmegaConf
+
+    from .sections import HeteroConfig, TaskConfig
+
+    def walk(cls: Any, node: Any, prefix: str) -> None:
+        if not isinstance(node, dict):
+            return
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            if f.name not in node:
+                continue
+            value, hint = node[f.name], hints.get(f.name)
+            if dataclasses.is_dataclass(hint):
+                walk(hint, value, f"{prefix}.{f.name}")
+                continue
+            why = _type_error(f"{prefix}.{f.name}", value, hint)
+            if why:
+                raise ConfigError(why)
+
+    for name, cls in (("hetero", HeteroConfig), ("task", TaskConfig)):
+        node = OmegaConf.select(cfg, name, default=None)
+        if node is not None:
+            walk(cls, OmegaConf.to_container(node, resolve=True), name)
+    for key in VERL_INT_KEYS:
+        value = OmegaConf.select(cfg, key, default=None)
+        if value is not None or key != "trainer.total_training_steps":
+            why = _type_error(key, value, int)
+            if why:
+                raise ConfigError(why)
+
+
 # ------------------------------------------------------------------------------ dependent options
 
 

@@ -54,22 +54,23 @@ class RunSettings:
     @classmethod
     def from_config(cls, cfg: DictConfig) -> "RunSettings":
         total = cfg.trainer.total_training_steps
-        if total is None or int(total) < 1:
+        if total is None or as_int("trainer.total_training_steps", total) < 1:
             raise ValueError(f"trainer.total_training_steps={total!r}: the embedded engine needs a positive step count")
+        trainer, rollout = cfg.trainer, cfg.actor_rollout_ref.rollout
         settings = cls(
             model_path=str(cfg.actor_rollout_ref.model.path or ""),
-            prompts_per_step=int(cfg.data.train_batch_size),
-            total_steps=int(total),
-            group_size=int(cfg.actor_rollout_ref.rollout.n),
-            temperature=float(cfg.actor_rollout_ref.rollout.temperature),
-            max_new_tokens=int(cfg.data.max_response_length),
-            run_dir=Path(str(cfg.trainer.default_local_dir)),
-            save_freq=int(cfg.trainer.save_freq),
-            test_freq=int(cfg.trainer.test_freq),
-            resume_mode=str(cfg.trainer.resume_mode),
-            loggers=list(cfg.trainer.logger or []),
-            project_name=str(cfg.trainer.project_name),
-            experiment_name=str(cfg.trainer.experiment_name),
+            prompts_per_step=as_int("data.train_batch_size", cfg.data.train_batch_size),
+            total_steps=as_int("trainer.total_training_steps", total),
+            group_size=as_int("actor_rollout_ref.rollout.n", rollout.n),
+            temperature=as_float("actor_rollout_ref.rollout.temperature", rollout.temperature),
+            max_new_tokens=as_int("data.max_response_length", cfg.data.max_response_length),
+            run_dir=Path(str(trainer.default_local_dir)),
+            save_freq=as_int("trainer.save_freq", trainer.save_freq),
+            test_freq=as_int("trainer.test_freq", trainer.test_freq),
+            resume_mode=str(trainer.resume_mode),
+            loggers=list(trainer.logger or []),
+            project_name=str(trainer.project_name),
+            experiment_name=str(trainer.experiment_name),
         )
         if settings.prompts_per_step < 1:
             raise ValueError(f"data.train_batch_size={settings.prompts_per_step} must be >= 1")
@@ -82,6 +83,29 @@ class RunSettings:
                 f"trainer.resume_mode={settings.resume_mode!r}: the embedded engine supports auto | disable"
             )
         return settings
+
+
+def as_int(key: str, value: Any) -> int:
+    """``value`` of ``key`` as an int: an integer, or a float or text holding one; else ValueError
+    naming the key and the value (not Python's "invalid literal for int()")."""
+    if not isinstance(value, bool):
+        try:
+            number = float(value) if isinstance(value, str) else value
+            if isinstance(number, int) or (isinstance(number, float) and number.is_integer()):
+                return int(number)
+        except ValueError:
+            pass
+    raise ValueError(f"{key}={value!r}: expected an integer")
+
+
+def as_float(key: str, value: Any) -> float:
+    """``value`` of ``key`` as a float (a number or text holding one); else ValueError naming both."""
+    if not isinstance(value, bool):
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            pass
+    raise ValueError(f"{key}={value!r}: expected a number")
 
 
 @contextlib.contextmanager
