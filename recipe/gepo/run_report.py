@@ -6,7 +6,7 @@ and write ``report.md``.
 It relies on nothing but ``metrics.jsonl`` and ``config.yaml`` (:mod:`verl_ext.rundir`), so it works
 on a run in progress, on a killed run (torn last line) and on runs that logged only some metrics (a
 panel or number whose metric is absent says so). Public API: :func:`summarize`, :func:`write_report`,
-:func:`eval_accuracy`, :func:`staleness_histogram`; reading the run directory (:func:`load_metrics`,
+:func:`eval_accuracy`, :func:`staleness_histogram`, :func:`closing_summary`; reading the run directory (:func:`load_metrics`,
 :func:`load_run`, :class:`RunDirError`) is :mod:`verl_ext.rundir`'s, re-exported here.
 :mod:`recipe.gepo.plot` draws multi-run figures on top of these.
 """
@@ -492,6 +492,45 @@ def report_after_failure(run_dir: str | os.PathLike) -> None:
         write_report(run_dir)
     except Exception as err:  # noqa: BLE001 -- never mask the run's own error
         warnings.warn(f"{run_dir}: report not written after the failure ({type(err).__name__}: {err})", stacklevel=2)
+
+
+def closing_summary(run_dir: str | os.PathLike, total_steps: Any = None, wall_s: float | None = None) -> list[str]:
+    """The lines a run prints when it ends (:mod:`recipe.gepo.main_gepo`): steps done (of
+    ``total_steps`` when given), held-out accuracy first -> last (:func:`summarize`), ``wall_s``, and
+    the paths of report.md, curves.png and the latest HF export (``hf/step_<N>``) that exist, else
+    how to evaluate the run. A run without ``metrics.jsonl`` gets one line saying so."""
+    run_dir = Path(run_dir)
+    try:
+        s = summarize(run_dir)
+    except RunDirError:
+        return [f"run {run_dir}: no metrics were logged ({METRICS_FILE} missing)"]
+    done = "n/a" if s["last_step"] is None else str(s["last_step"])
+    rows = [("learner steps", done + (f" of {total_steps}" if total_steps not in (None, "") else ""))]
+    if s["eval_metric"] is None:
+        rows.append(("held-out accuracy", "n/a (no evaluation logged)"))
+    else:
+        rows.append(
+            (
+                "held-out accuracy",
+                f"{s['eval_first']:.3f} (step {s['eval_first_step']}) -> {s['eval_last']:.3f} "
+                f"(step {s['eval_last_step']}), {s['eval_metric']}",
+            )
+        )
+    if wall_s is not None:
+        rows.append(("wall time (s)", f"{wall_s:.0f}"))
+    for name, file in (("report", REPORT_FILE), ("curves", CURVES_FILE)):
+        if (run_dir / file).is_file():
+            rows.append((name, str(run_dir / file)))
+    exports = sorted(
+        (d for d in (run_dir / "hf").glob("step_*") if d.is_dir() and to_step(d.name[len("step_") :]) is not None),
+        key=lambda d: int(d.name[len("step_") :]),
+    )
+    if exports:
+        rows.append(("HF export", str(exports[-1])))
+    else:
+        rows.append(("evaluate", f"python -m {__package__}.evaluate model_path={run_dir}"))
+    width = max(len(k) for k, _ in rows)
+    return [f"run {run_dir}:"] + [f"  {k:<{width}}  {v}" for k, v in rows]
 
 
 def main(argv: list[str] | None = None) -> int:
