@@ -6,20 +6,25 @@ The config is ``config/gepo_trainer.yaml``: verl's ``ppo_trainer`` defaults, an 
 hands over to verl's trainer on a GPU cluster.
 
 A config the project refuses (:class:`~recipe.gepo.options.ConfigError`: an unknown key, a bad
-value, an option the chosen engine would ignore) ends the command with one line naming the key and
-the value; ``HETERORL_DEBUG=1`` shows the traceback instead.
+value, an option the chosen engine would ignore, a missing model folder, a run directory holding
+another config's run) ends the command with one line naming the key and the value, hydra's own
+refusals (a key typed without ``+``) too; ``HETERORL_DEBUG=1`` shows the traceback instead. A
+finished run is not trained again; a run that trained ends with a few summary lines.
 """
 
 from __future__ import annotations
 
 import os
+import re
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from .options import ConfigError
+from .options import ConfigError, check_value_types, unknown_override_error
 from .sections import ENGINE_ALIASES
 
 # the verl engine's cluster presets (``--config-dir configs +verl_preset=<name>``)
@@ -35,18 +40,27 @@ def run_local(cfg: DictConfig) -> dict[str, Any]:
     from .embedded.run_log import MetricLogger
     from .embedded.supervisor import run_async
     from .embedded.tasks import resolve_model_path
-    from .lifecycle import print_notes, run_directory
+    from .lifecycle import check_resume, print_notes, run_directory
     from verl_ext.hetero.seeding import seed_process
     from verl_ext.rundir import latest_checkpoint_step, set_aside_latest_checkpoint, set_aside_metrics
     from verl_ext.torch_threads import set_torch_threads
 
+    check_value_types(cfg)  # hetero.max_delay=abc: named, not a TypeError from a comparison
     engine = EngineConfig.from_omegaconf(cfg)  # every check, before the warm start or any other work
     print_notes(engine.notes)
     if engine.hetero.dry_run:
         print(OmegaConf.to_yaml(cfg.hetero))
         return {}
     settings = engine.settings
-    resuming = settings.resume_mode == "auto" and latest_checkpoint_step(settings.run_dir) > 0
+    done = latest_checkpoint_step(settings.run_dir) if settings.resume_mode == "auto" else 0
+    resuming = done > 0
+    if resuming:
+        check_resume(settings.run_dir, cfg)  # another config's run: refused in one line
+        if done >= settings.total_steps:  # nothing to train: say so instead of "resuming" to the end
+            print(finished_line(settings.run_dir, done, settings.total_steps))
+            return {NOTHING_TO_TRAIN: done}
+        print(f"resuming the run at {settings.run_dir} from step {done} of {settings.total_steps}")
+    check_model_path(settings.model_path)
     if not resuming:  # a fresh run never appends to another run's metrics or resumes another run's checkpoint
         set_aside_metrics(settings.run_dir)
         set_aside_latest_checkpoint(settings.run_dir)
@@ -60,6 +74,48 @@ def run_local(cfg: DictConfig) -> dict[str, Any]:
             return run_mode(engine, model_path, logger)
         finally:
             logger.close()
+
+
+NOTHING_TO_TRAIN = "nothing_to_train"
+"""Key of :func:`run_local`'s result when the run directory's run has already reached its last step."""
+
+
+def finished_line(run_dir: Path, done: int, total: int) -> str:
+    """The one line for a command whose run directory holds a run at step ``done`` >= ``total``."""
+    where = f"finished at step {done} of {total}" if done == total else f"is at step {done}, past {total}"
+    return (
+        f"the run at {run_dir} {where} (trainer.total_training_steps={total}): nothing to train. To train it on, "
+        f"repeat the command with trainer.total_training_steps=<more than {done}>; to start fresh, add "
+        f"trainer.resume_mode=disable or another trainer.default_local_dir=<dir>. Report: {run_dir / 'report.md'}"
+    )
+
+
+class ModelPathError(ConfigError, FileNotFoundError):
+    """``actor_rollout_ref.model.path`` names no local HF model folder (a FileNotFoundError too)."""
+
+
+def check_model_path(model_path: str, hub_ids: bool = False) -> None:
+    """A given ``actor_rollout_ref.model.path`` must be a local HF model folder (``hub_ids``: an
+    ``org/name`` id that is no local path is the verl engine's workers' to load); else
+    :class:`ModelPathError` naming it, before the run directory is touched. Empty: the task's model."""
+    if not model_path:
+        return
+    if hub_ids:
+        from .verl_engine.runner import is_hub_id
+
+        if is_hub_id(model_path):
+            return
+    path = Path(model_path).expanduser()
+    if not path.is_dir():
+        raise ModelPathError(
+            f"actor_rollout_ref.model.path={model_path!r}: no such folder here (give a local HF model folder, "
+            "or leave it empty for the task's own model)"
+        )
+    if not (path / "config.json").is_file():
+        raise ModelPathError(
+            f"actor_rollout_ref.model.path={model_path!r}: not an HF model folder (no config.json); "
+            f"a run directory's checkpoints become one with `python -m {__package__}.export RUN_DIR`"
+        )
 
 
 class MissingValueError(ConfigError):
@@ -107,6 +163,9 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         return run_local(cfg)
     if engine_name == "verl":
         check_no_missing_values(cfg)
+        check_value_types(cfg)
+        if not cfg.hetero.dry_run:  # a dry run plans for a cluster whose files are not here
+            check_model_path(str(cfg.actor_rollout_ref.model.path or ""), hub_ids=True)
         from .verl_engine.runner import run as run_verl
 
         return run_verl(cfg)
@@ -124,19 +183,114 @@ def refusal(err: ConfigError) -> str:
 
 def run_command(cfg: DictConfig) -> None:
     """:func:`run` for the command line: a refused config exits with one line (:func:`refusal`),
-    or, under ``HETERORL_DEBUG=1``, raises with its traceback."""
+    or, under ``HETERORL_DEBUG=1``, raises with its traceback; a run that trained ends with its
+    summary (:func:`~recipe.gepo.run_report.closing_summary`; its wall time counts from the
+    command's start when :func:`cli` ran it, imports and composition included)."""
+    start = _STARTED if _STARTED is not None else time.monotonic()
     try:
-        run(cfg)
+        result = run(cfg)
     except ConfigError as err:  # the key and the value on one line, not a traceback
         if os.environ.get(DEBUG_ENV, "") not in ("", "0"):
             raise
         raise SystemExit(refusal(err)) from None
+    if cfg.hetero.dry_run or NOTHING_TO_TRAIN in (result or {}):
+        return
+    from .run_report import closing_summary
+
+    run_dir = Path(str((result or {}).get("run_dir") or cfg.trainer.default_local_dir))
+    print("\n".join(closing_summary(run_dir, cfg.trainer.total_training_steps, time.monotonic() - start)))
+
+
+_STARTED: float | None = None
+"""When :func:`cli` started (``time.monotonic()``); None outside the command line."""
+
+HYDRA_FULL_ERROR = "HYDRA_FULL_ERROR"
+_RAISE_HYDRA_ERRORS = False
+"""True while :func:`cli` has hydra raise its own errors (composition) instead of printing them."""
 
 
 @hydra.main(config_path="config", config_name="gepo_trainer", version_base=None)
 def main(cfg: DictConfig) -> None:
+    if _RAISE_HYDRA_ERRORS:  # composed: errors from here on are the run's, reported as hydra always did
+        os.environ.pop(HYDRA_FULL_ERROR, None)
     run_command(cfg)
 
 
+def _argument(key: str, argv: list[str]) -> str:
+    """The override in ``argv`` that set ``key`` (``key=value``, ``+key=value``, ...), or ``key``."""
+    for arg in argv:
+        if arg.lstrip("+~").split("=", 1)[0] == key:
+            return arg.lstrip("+~")
+    return key
+
+
+def hydra_refusal(err: Exception, argv: list[str] | None = None) -> ConfigError:
+    """One line for an override hydra refuses before the run starts: an unknown key typed without
+    ``+`` gets the closest known key, as with ``+`` (:func:`~recipe.gepo.options.unknown_override_error`);
+    an unknown config group option lists the available ones; any other is hydra's text on one line.
+    ``argv``: the command line's overrides (default ``sys.argv[1:]``)."""
+    from hydra.errors import OverrideParseException
+    from omegaconf.errors import ConfigAttributeError, ConfigKeyError
+
+    text = str(err)
+    if isinstance(err, OverrideParseException):
+        reason = next((ln.strip() for ln in err.message.splitlines() if ln.strip() and "^" not in ln), "")
+        reason = reason.removeprefix(f"Error parsing override '{err.override}'").strip() or reason
+        return ConfigError(
+            f"{err.override}: hydra cannot parse this override ({reason}); quote a value with brackets, "
+            "commas or spaces, e.g. 'key=[1,2]' (https://hydra.cc/docs/advanced/override_grammar/basic)"
+        )
+    unknown = re.search(r"Could not override '([^']+)'", text)
+    if unknown and isinstance(err.__cause__, (ConfigAttributeError, ConfigKeyError)):
+        try:
+            from .options import default_config
+
+            return unknown_override_error(unknown.group(1), default_config())
+        except ConfigError:
+            raise
+        except Exception:  # noqa: BLE001 -- no defaults to compare with: hydra's own words, on one line
+            pass
+    group = re.search(r"Could not find '([^'/]+)/([^']+)'", text)
+    if group:
+        options = re.findall(r"^\t(\S+)$", text, flags=re.M)
+        known = f" (available: {', '.join(options)})" if options else ""
+        return ConfigError(
+            f"{group.group(1)}={group.group(2)}: there is no {group.group(1)}/{group.group(2)}.yaml in the config "
+            f"search path{known}"
+        )
+    present = re.search(r"An item is already at '([^']+)'", text)
+    if present:
+        key = present.group(1)
+        given = _argument(key, sys.argv[1:] if argv is None else argv)
+        return ConfigError(f"+{given}: {key} exists already; set it without the +: {given}")
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    if isinstance(err.__cause__, Exception) and str(err.__cause__).strip():
+        lines += [line.strip() for line in str(err.__cause__).splitlines()[:1] if line.strip()]
+    return ConfigError(" ".join(lines))
+
+
+def cli() -> None:
+    """``python -m recipe.gepo.main_gepo``: :func:`main`, with hydra's refusals of the command line
+    (an unknown key without ``+``, an unknown preset, an override it cannot parse) as one ``error:``
+    line like the project's own; ``HETERORL_DEBUG=1`` shows hydra's traceback instead."""
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    global _RAISE_HYDRA_ERRORS, _STARTED
+    _STARTED = time.monotonic()
+    _RAISE_HYDRA_ERRORS = HYDRA_FULL_ERROR not in os.environ
+    if _RAISE_HYDRA_ERRORS:
+        os.environ[HYDRA_FULL_ERROR] = "1"  # hydra raises what it would print; popped once composed
+    try:
+        main()
+    except (HydraException, OmegaConfBaseException) as err:
+        if not _RAISE_HYDRA_ERRORS or os.environ.get(DEBUG_ENV, "") not in ("", "0"):
+            raise
+        raise SystemExit(refusal(hydra_refusal(err))) from None
+    finally:
+        if _RAISE_HYDRA_ERRORS:
+            os.environ.pop(HYDRA_FULL_ERROR, None)
+
+
 if __name__ == "__main__":
-    main()
+    cli()
