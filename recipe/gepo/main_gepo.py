@@ -25,7 +25,10 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from .options import ConfigError, check_value_types, unknown_override_error
-from .sections import ENGINE_ALIASES
+from .sections import ENGINE_ALIASES, HeteroConfig, TaskConfig
+
+CHECKED_SECTIONS = {"hetero": HeteroConfig, "task": TaskConfig}
+"""The config sections whose values' types are checked at start (:func:`.options.check_value_types`)."""
 
 # the verl engine's cluster presets (``--config-dir configs +verl_preset=<name>``)
 VERL_PRESET_DIR = Path(__file__).resolve().parents[2] / "configs" / "verl_preset"
@@ -45,7 +48,7 @@ def run_local(cfg: DictConfig) -> dict[str, Any]:
     from verl_ext.rundir import latest_checkpoint_step, set_aside_latest_checkpoint, set_aside_metrics
     from verl_ext.torch_threads import set_torch_threads
 
-    check_value_types(cfg)  # hetero.max_delay=abc: named, not a TypeError from a comparison
+    check_value_types(cfg, CHECKED_SECTIONS)  # hetero.max_delay=abc: named, not a TypeError from a comparison
     engine = EngineConfig.from_omegaconf(cfg)  # every check, before the warm start or any other work
     print_notes(engine.notes)
     if engine.hetero.dry_run:
@@ -163,7 +166,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         return run_local(cfg)
     if engine_name == "verl":
         check_no_missing_values(cfg)
-        check_value_types(cfg)
+        check_value_types(cfg, CHECKED_SECTIONS)
         if not cfg.hetero.dry_run:  # a dry run plans for a cluster whose files are not here
             check_model_path(str(cfg.actor_rollout_ref.model.path or ""), hub_ids=True)
         from .verl_engine.runner import run as run_verl

@@ -329,15 +329,14 @@ def _type_error(key: str, value: Any, hint: Any) -> Optional[str]:
     return f"{key}={value!r}: expected {expected}"
 
 
-def check_value_types(cfg: Any) -> None:
+def check_value_types(cfg: Any, sections: dict[str, type]) -> None:
     """Refuse (:class:`ConfigError`, naming the key and the value) a value of the wrong type: in the
-    ``hetero:`` and ``task:`` sections (their dataclasses' field types, nested sections included)
-    and in :data:`VERL_INT_KEYS` (``trainer.total_training_steps=abc``), before anything else reads it."""
+    ``sections`` (name -> config dataclass, e.g. ``{"hetero": HeteroConfig}``: their field types,
+    nested sections included) and in :data:`VERL_INT_KEYS` (``trainer.total_training_steps=abc``),
+    before anything else reads it."""
     import typing
 
     from omegaconf import OmegaConf
-
-    from .sections import HeteroConfig, TaskConfig
 
     def walk(cls: Any, node: Any, prefix: str) -> None:
         if not isinstance(node, dict):
@@ -354,7 +353,7 @@ def check_value_types(cfg: Any) -> None:
             if why:
                 raise ConfigError(why)
 
-    for name, cls in (("hetero", HeteroConfig), ("task", TaskConfig)):
+    for name, cls in sections.items():
         node = OmegaConf.select(cfg, name, default=None)
         if node is not None:
             walk(cls, OmegaConf.to_container(node, resolve=True), name)
