@@ -74,19 +74,47 @@ def _refusal(key: str, value: Any, default: Any, runner: str, honoured: Iterable
     )
 
 
-def check_section(section: Any, prefix: str, runner: str) -> None:
+POOL_KEYS = frozenset(
+    {
+        "hetero.transport",
+        "hetero.transport_url",
+        "hetero.order",
+        "hetero.keep_weight_versions",
+        "hetero.weights_bf16",
+        "hetero.weight_sync",
+        "hetero.max_delta_chain",
+        "hetero.sampler_skip_stale",
+        "hetero.max_queued_groups",
+        "hetero.max_buffered_per_sampler",
+        "hetero.trust.sign_records",
+        "hetero.trust.enrolment_file",
+        "hetero.trust.check_rewards",
+        "hetero.trust.trust_penalty",
+        "hetero.trust.trust_recovery",
+        "hetero.trust.quarantine_below",
+    }
+)
+"""Async-mode keys the verl engine also honours when remote sampler pools feed it
+(``hetero.transport=fs``: recipe/gepo/verl_engine/pool_ingress.py publishes the weights and
+admits the groups with them)."""
+
+
+def check_section(section: Any, prefix: str, runner: str, also_honoured: frozenset[str] = frozenset()) -> None:
     """Refuse (:class:`OptionNotHonoured`) the first field of the config dataclass ``section``
     (``prefix``: its dotted key, e.g. ``hetero``) set to a non-default value that ``runner``
-    does not honour."""
+    does not honour; ``also_honoured``: dotted keys ``runner`` honours in this run
+    (:data:`POOL_KEYS`)."""
     if runner not in RUNNERS:
         raise ValueError(f"runner={runner!r}; expected one of {RUNNERS}")
     defaults = type(section)()
     for f in dataclasses.fields(section):
         key, value, default = f"{prefix}.{f.name}", getattr(section, f.name), getattr(defaults, f.name)
         if dataclasses.is_dataclass(value) and not isinstance(value, type):
-            check_section(value, key, runner)
+            check_section(value, key, runner, also_honoured)
             continue
         runners = honoured_by(f)
+        if key in also_honoured:
+            continue
         if runner not in runners and value != default:
             raise OptionNotHonoured(_refusal(key, value, default, runner, runners, _instead(f, runner)))
 

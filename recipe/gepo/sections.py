@@ -170,22 +170,15 @@ class HeteroConfig:
     """Which admissible groups the learner takes first: oldest or newest."""
     transport: str = option(
         "ray",
-        honoured_by=(ASYNC,),
-        instead={
-            REPLAY: "replay mode hands rollouts and weights over in memory",
-            VERL: "the verl engine moves weights with its checkpoint engine and rollouts through TransferQueue inside "
-            "one Ray cluster; samplers in another cluster exchanging through an fsspec URL run with "
-            "hetero.engine=embedded (docs/scale-out.md)",
-        },
+        honoured_by=(ASYNC, VERL),
+        instead={REPLAY: "replay mode hands rollouts and weights over in memory"},
     )
-    """ray: Ray's object store (one cluster) | fs: an fsspec URL shared with samplers elsewhere."""
+    """ray: one Ray cluster (verl engine: its own replicas) | fs: an fsspec URL shared with samplers elsewhere.
+    On the verl engine, fs means remote pools (``python -m recipe.gepo.pool``) fill the training batches."""
     transport_url: str = option(
         "",
-        honoured_by=(ASYNC,),
-        instead={
-            REPLAY: "replay mode hands rollouts and weights over in memory",
-            VERL: "weights and rollouts stay inside one Ray cluster",
-        },
+        honoured_by=(ASYNC, VERL),
+        instead={REPLAY: "replay mode hands rollouts and weights over in memory"},
     )
     """fs transport: folder or URL (file://, memory://, s3://, ...); empty = <output_dir>/exchange."""
     sampler_speed_factors: list[float] = option(

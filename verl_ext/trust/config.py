@@ -10,8 +10,8 @@ from verl_ext.option_fields import ASYNC, REPLAY, VERL, option
 
 NO_PUBLISHING_SAMPLERS = {
     REPLAY: "replay mode's one sampler is the learner's own process: no record crosses a trust boundary",
-    VERL: "verl's rollout workers are actors of the trainer's own Ray job and publish no records; samplers "
-    "outside it join through hetero.engine=embedded's fs transport (docs/reliability.md)",
+    VERL: "the verl engine's own replicas are actors of its Ray job; its remote pools (hetero.transport=fs) get "
+    "signatures, replays and rewards checked, not q re-scored (docs/reliability.md)",
 }
 TABLE_BOUNDS = "table"
 """``hetero.trust.bounds_file`` naming the built-in table (SmolLM2-135M's bf16 spread) on purpose."""

@@ -17,12 +17,13 @@ bypass guard: verl 0.9.1's async trainers and ``RayPPOTrainer`` call ``apply_byp
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from ..sections import HeteroConfig, TaskConfig, VerlEngineConfig, changed_fields
-from ..options import VERL, ConfigError, check_dependencies, check_section, check_verl_keys, default_config
+from ..options import POOL_KEYS, VERL, ConfigError, check_dependencies, check_section, check_verl_keys, default_config
 from .batch_rules import verl_threshold
 
 # ---------------------------------------------------------------------------- names in verl's registries
@@ -267,7 +268,9 @@ def _validate(cfg: DictConfig) -> Validated:
             "replay emulation is the local engine's (hetero.engine=embedded)"
         )
     check_no_forced_bypass(cfg)
-    check_section(hetero, "hetero", VERL)
+    check_section(hetero, "hetero", VERL, POOL_KEYS if hetero.transport == "fs" else frozenset())
+    if hetero.transport == "fs":
+        _check_pools(cfg, hetero)
     task = TaskConfig.from_omegaconf(cfg.task)
     check_section(task, "task", VERL)
     task.check_files()  # a math task's task.dataset_path is read when data.train_files is empty
@@ -327,6 +330,29 @@ def _validate(cfg: DictConfig) -> Validated:
     validate_config(cfg, use_reference_policy=use_ref, use_critic=use_critic)
 
     return Validated(cfg, hetero, engine, actor, rollout, algorithm, use_ref, use_critic)
+
+
+POOL_MANAGER = "verl_engine.pool_ingress.PoolAgentLoopManager"
+"""The agent loop manager of a run fed by remote pools, below this recipe's package."""
+
+
+def _check_pools(cfg: DictConfig, hetero: HeteroConfig) -> None:
+    """What a learner fed by remote sampler pools (``hetero.transport=fs``) needs at start."""
+    trust = hetero.trust
+    if trust.sign_records and not trust.enrolment_file:
+        _fail(
+            "hetero.transport=fs with hetero.trust.sign_records=true needs hetero.trust.enrolment_file: the "
+            "public keys of the pools (python -m verl_ext.trust.signing keygen / enrol; README, "
+            '"Samplers in another data centre")'
+        )
+    if trust.enrolment_file and not Path(trust.enrolment_file).is_file():
+        _fail(f"hetero.trust.enrolment_file={trust.enrolment_file!r}: no such file")
+    manager = OmegaConf.select(cfg, "actor_rollout_ref.rollout.agent.agent_loop_manager_class")
+    if manager and not str(manager).endswith(POOL_MANAGER):
+        _fail(
+            f"actor_rollout_ref.rollout.agent.agent_loop_manager_class={manager!r}: with hetero.transport=fs the "
+            "verl engine fills its training batches from the pools itself; leave it unset"
+        )
 
 
 def _preset_name(cfg: DictConfig) -> str:
@@ -402,6 +428,20 @@ def render(v: Validated) -> str:
         f"  bypass guard:    algorithm.rollout_correction.bypass_mode="
         f"{bool(cfg.algorithm.rollout_correction.get('bypass_mode', False))} (ok)",
     ]
+    if hetero.transport == "fs":
+        trust = hetero.trust
+        checks = ["signatures of enrolled keys" if trust.sign_records else "unsigned records", "replays"]
+        checks += ["rewards against the learner's answers"] if trust.check_rewards else []
+        lines += [
+            f"  sampler pools:   training groups from remote pools through {hetero.transport_url or '<run dir>/exchange'} "
+            "(python -m recipe.gepo.pool); the local replica serves validation only",
+            f"    checks:        {', '.join(checks)}; q is not re-scored on the verl engine",
+            f"    flow:          per-pool quota {hetero.max_buffered_per_sampler or (hetero.max_delay + 1) * int(cfg.data.train_batch_size)} "
+            f"groups; pools wait at {hetero.max_queued_groups or 'no'} queued groups"
+            f"{' and past the bound' if hetero.sampler_skip_stale else ''}",
+            f"    weights out:   every version, {'bf16' if hetero.weights_bf16 else 'as trained'}"
+            f"{', XOR deltas' if hetero.weight_sync == 'delta' else ''}, SHA-256, from the actor's rank 0 in the background",
+        ]
     return "\n".join(lines)
 
 
@@ -412,11 +452,19 @@ def build_plan(cfg: DictConfig) -> str:
 
 def derived_keys(hetero: HeteroConfig) -> dict[str, Any]:
     """verl's keys that :func:`engine_settings` sets from ``hetero:`` (and their values)."""
-    return {
+    keys = {
         "trainer.v1.trainer_mode": TRAINER_NAME,
         "trainer.v1.sampler.max_off_policy_threshold": verl_threshold(hetero.max_delay),
         "trainer.v1.sampler.max_off_policy_strategy": hetero.stale_policy,
     }
+    if hetero.transport == "fs":  # remote pools fill the training batches
+        keys["actor_rollout_ref.rollout.agent.agent_loop_manager_class"] = f"{_recipe_package()}.{POOL_MANAGER}"
+    return keys
+
+
+def _recipe_package() -> str:
+    """This recipe's package (``recipe.gepo``, or a copy's): the manager is looked up by name."""
+    return __package__.rsplit(".", 1)[0]
 
 
 def check_derived_keys(cfg: DictConfig, hetero: HeteroConfig) -> None:
@@ -430,6 +478,7 @@ def check_derived_keys(cfg: DictConfig, hetero: HeteroConfig) -> None:
         "trainer.v1.trainer_mode": "the verl engine's own trainer",
         "trainer.v1.sampler.max_off_policy_threshold": f"hetero.max_delay={hetero.max_delay}",
         "trainer.v1.sampler.max_off_policy_strategy": f"hetero.stale_policy={hetero.stale_policy}",
+        "actor_rollout_ref.rollout.agent.agent_loop_manager_class": "hetero.transport=fs",
     }
     for key, derived in derived_keys(hetero).items():
         value = OmegaConf.select(cfg, key)

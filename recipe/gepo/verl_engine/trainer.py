@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import ray
+import torch
 import transfer_queue as tq
 from tensordict import TensorDict
 from verl.experimental.separation.engine_workers import DetachActorWorker
@@ -39,6 +40,7 @@ from .batch_rules import hetero_step_metrics, stale_group_uids
 from .delayed_sync import DelayedCheckpointManager, DelayedSyncSchedule
 from .loss import bridge_loss_fn
 from .node_placement import pin_pools_to_node_roles
+from .pool_ingress import INGRESS_NAME, STATE_FILE, BackgroundPublisher, ExchangePublisher, PoolIngress, exchange_url
 from .launch_plan import (
     TRAINER_NAME,
     check_loss_mode_unchanged,
@@ -99,7 +101,8 @@ class MetricsTee:
 
 
 class HeteroActorWorker(DetachActorWorker):
-    """verl's actor worker (with CPU weight snapshots) whose loss carries the group denominator."""
+    """verl's actor worker (with CPU weight snapshots) whose loss carries the group denominator,
+    and which publishes weight versions to remote pools' exchange (:meth:`publish_weights`)."""
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self):
@@ -107,6 +110,25 @@ class HeteroActorWorker(DetachActorWorker):
         if "actor" in self.role:
             self.loss_fn = bridge_loss_fn(self.loss_fn)
             self.actor.set_loss_fn(self.loss_fn)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def publish_weights(self, url: str, version: int, store_options: dict) -> None:
+        """Every rank gathers the HF-named weights (FSDP/Megatron collectives, as verl's checkpoint
+        engine does); rank 0 copies them to CPU and publishes ``version`` to the exchange at
+        ``url`` in a background thread, in order (deltas need the previous version). A failed
+        publish raises at the next call."""
+        per_tensor, _ = self.actor.engine.get_per_tensor_param()
+        rank0 = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+        named = {}
+        for name, tensor in per_tensor:  # every rank iterates: the gather is collective
+            if rank0:
+                named[name] = tensor.detach().to("cpu", copy=True)
+        if not rank0:
+            return
+        publisher = getattr(self, "_publisher", None)
+        if publisher is None:
+            publisher = self._publisher = BackgroundPublisher(url, store_options)
+        publisher.submit(version, named)
 
 
 class HeteroReplayBuffer(ReplayBufferAsync):
@@ -193,6 +215,7 @@ class HeteroSeparateAsyncTrainer(PPOTrainerSeparateAsync):
         check_no_forced_bypass(config)
         self.hetero = HeteroConfig.from_omegaconf(config.hetero)
         self.engine_config = VerlEngineConfig.from_config(config)
+        self.pools = self.hetero.transport == "fs"  # remote sampler pools feed the training batches
         self._requested_loss_mode = requested_loss_mode(config)
         self._group_aware = bool(getattr(get_policy_loss_fn(self._requested_loss_mode), "accepts_group_info", False))
         if self.engine_config.node_resources:
@@ -220,9 +243,20 @@ class HeteroSeparateAsyncTrainer(PPOTrainerSeparateAsync):
         return buffer
 
     def _release_due_weights(self) -> None:
-        manager = getattr(self, "standalone_checkpoint_manager", None)
-        if isinstance(manager, DelayedCheckpointManager):
-            manager.release_due()
+        release = getattr(getattr(self, "standalone_checkpoint_manager", None), "release_due", None)
+        if release is not None:  # a DelayedCheckpointManager, maybe inside an ExchangePublisher
+            release()
+
+    def fit(self, agent_loop_manager):
+        """verl's loop; with pools, the exchange's stop marker is written when it ends (pools stop)."""
+        try:
+            return super().fit(agent_loop_manager)
+        finally:
+            if self.pools:
+                from verl_ext.hetero.protocol import TransportSpec, request_stop
+
+                url = exchange_url(self.hetero, self.config.trainer.default_local_dir)
+                request_stop(TransportSpec("fsspec", url=url).open())
 
     # ---- checkpoints and resume ------------------------------------------------------------
     def _save_checkpoint(self):
@@ -232,6 +266,9 @@ class HeteroSeparateAsyncTrainer(PPOTrainerSeparateAsync):
         tracker = run_dir / TRACKER_FILE
         before = tracker.read_text().strip() if tracker.is_file() else None
         super()._save_checkpoint()
+        if self.pools:  # the groups trained up to here leave the exchange only now
+            folder = run_dir / f"global_step_{self.global_steps}"
+            ray.get(self.pool_ingress.checkpoint.remote(str(folder)))
         tee = getattr(self, "_hetero_logger", None)
         if tee is None or not tracker.is_file() or tracker.read_text().strip() != str(self.global_steps):
             return  # no tee yet, or verl did not write the tracker (async save)
@@ -264,7 +301,24 @@ class HeteroSeparateAsyncTrainer(PPOTrainerSeparateAsync):
         self.standalone_checkpoint_manager = DelayedCheckpointManager(
             self.standalone_checkpoint_manager, self.actor_rollout_wg, self.sync_schedule
         )
+        if self.pools:  # every version also goes to the exchange, undelayed (pools delay their own)
+            url = exchange_url(self.hetero, self.config.trainer.default_local_dir)
+            self.standalone_checkpoint_manager = ExchangePublisher(
+                self.standalone_checkpoint_manager, self.actor_rollout_wg, self.hetero, url
+            )
         self._record_placement()
+
+    def on_init_end(self):
+        if self.pools:  # after verl's resume: a resumed run refuses the groups it trained before
+            folder = Path(self.config.trainer.default_local_dir) / f"global_step_{self.global_steps}"
+            resumed = self.global_steps > 0 and (folder / STATE_FILE).is_file()
+            self.pool_ingress = PoolIngress.options(name=INGRESS_NAME).remote(self.config)
+            restored = ray.get(self.pool_ingress.start.remote(str(folder) if resumed else None, self.global_steps))
+            print(
+                f"[hetero] sampler pools: reading {exchange_url(self.hetero, self.config.trainer.default_local_dir)}"
+                + (f" (resumed: {restored} trained groups refused if sent again)" if resumed else "")
+            )
+        super().on_init_end()
 
     def _record_placement(self) -> None:
         """Which node each learner rank and sampler server runs on (hostname, address): printed
@@ -325,12 +379,17 @@ class HeteroSeparateAsyncTrainer(PPOTrainerSeparateAsync):
         worker_metrics: dict = {}
         batch = super()._update_actor(batch, worker_metrics)
         metrics.update(_strip_actor_prefix(worker_metrics))
+        if self.pools:
+            slots = sorted({key.split("_")[0] for key in batch.keys})
+            ray.get(self.pool_ingress.mark_trained.remote(slots))
         return batch
 
     def _compute_metrics(self, batch, metrics, timing_raw, global_steps, epoch):
         super()._compute_metrics(batch, metrics, timing_raw, global_steps, epoch)
         if "critic/score/mean" in metrics:  # the embedded engine's name for it (report.md, curves.png)
             metrics["reward/mean"] = metrics["critic/score/mean"]
+        if self.pools:
+            metrics.update(ray.get(self.pool_ingress.metrics.remote()))
         evicted = float(metrics.get("training/off_policy/evicted_samples", 0.0))
         metrics.update(
             hetero_step_metrics(list(batch.keys), list(batch.tags), global_steps, self.hetero.max_delay, evicted)

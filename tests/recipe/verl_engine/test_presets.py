@@ -167,7 +167,7 @@ def test_joining_a_running_ray_cluster_drops_the_local_start_sizes():
         (["actor_rollout_ref.rollout.nnodes=0"], VerlEngineConfigError, "rollout.nnodes=0"),
         (["actor_rollout_ref.actor.ppo_mini_batch_size=16"], VerlEngineConfigError, "parameter_sync_step"),
         (["hetero.mode=replay"], VerlEngineConfigError, "hetero.mode='replay'"),
-        (["hetero.transport=fs"], OptionNotHonoured, "hetero.transport='fs' is not honoured by hetero.engine=verl"),
+        (["hetero.transport=fs"], VerlEngineConfigError, "hetero.transport=fs .* needs hetero.trust.enrolment_file"),
         (["hetero.engine=embedded"], VerlEngineConfigError, "hetero.engine='embedded'"),
         (["verl_engine.old_log_prob=learner"], ValueError, "verl_engine.old_log_prob='learner'"),
         (["+verl_engine.placment=x"], ValueError, "placment"),

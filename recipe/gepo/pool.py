@@ -1,0 +1,264 @@
+"""A sampler pool for the verl engine, on its own machines and its own Ray cluster.
+
+    python -m recipe.gepo.pool --index 32 --key pool-32.key [--max-batches N] <the learner's overrides>
+
+It composes the learner's config (give it the learner's overrides: preset, task, delay, seed,
+``hetero.engine=verl hetero.transport=fs hetero.transport_url=URL``), starts verl's rollout servers,
+reward loop and agent loop with no trainer, and loops: load the newest weight version its delay
+stream lets it see (``hetero.delay``, seconds, stream of ``--index``), claim batch b, draw its
+prompts (a pure function of seed, index and b), generate G responses each with rewards computed
+here, sign each group and send it to the exchange. A restart resumes after the last claimed batch.
+The learner side is :mod:`.verl_engine.pool_ingress`. Weights load into ``hf_cpu`` servers here;
+vLLM/SGLang pools are not built yet (refused at start).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import uuid
+from typing import Any, Optional, Sequence
+
+import numpy as np
+from omegaconf import DictConfig
+
+from .remote_sampler import compose_config
+from verl_ext.hetero.seeding import MAX_SAMPLERS
+
+POOL_BACKENDS = ("hf_cpu",)
+"""Rollout back ends whose servers a pool can load the exchange's weights into."""
+
+
+def pool_id(index: int) -> str:
+    return f"pool-{index}"
+
+
+def check_pool_config(cfg: DictConfig, index: int, key_file: Optional[str]) -> None:
+    """The settings a pool needs; ValueError naming the key (or flag) otherwise."""
+    hetero = cfg.hetero
+    if hetero.engine != "verl" or hetero.transport != "fs":
+        raise ValueError(
+            f"hetero.engine={hetero.engine!r}, hetero.transport={hetero.transport!r}: a pool feeds a verl-engine "
+            "learner through an exchange (hetero.engine=verl hetero.transport=fs)"
+        )
+    if not hetero.transport_url:
+        raise ValueError("hetero.transport_url is empty: give the exchange URL the learner uses")
+    if not 1 <= index < MAX_SAMPLERS:
+        raise ValueError(f"--index {index}: must be in [1, {MAX_SAMPLERS}) (the seed layout's sampler slots)")
+    name = cfg.actor_rollout_ref.rollout.name
+    if name not in POOL_BACKENDS:
+        raise ValueError(
+            f"actor_rollout_ref.rollout.name={name!r}: a pool loads the exchange's weights into {POOL_BACKENDS} "
+            "servers only so far (vLLM/SGLang through verl's checkpoint engine is not built)"
+        )
+    if hetero.trust.sign_records and not key_file:
+        raise ValueError(
+            f"hetero.trust.sign_records=true: give --key <file> (python -m verl_ext.trust.signing keygen <file> "
+            f"{pool_id(index)}, then enrol its public key in the learner's hetero.trust.enrolment_file)"
+        )
+
+
+class Pool:
+    """One pool: verl's rollout side without a trainer, fed weights from the exchange."""
+
+    WAIT_POLL_S = 0.2
+
+    def __init__(self, settings: DictConfig, index: int, key: Any, speed_factor: float = 1.0):
+        from verl.experimental.agent_loop import AgentLoopManager
+        from verl.experimental.reward_loop import RewardLoopManager
+        from verl.utils import hf_tokenizer
+        from verl.utils.dataset.rl_dataset import RLHFDataset
+        from verl.workers.rollout.llm_server import LLMServerManager
+
+        from .sections import HeteroConfig
+        from .verl_engine.pool_ingress import exchange_url, store_options
+        from verl_ext.hetero.delay_channel import DelayChannel
+        from verl_ext.hetero.protocol import WEIGHTS_DELTA_TOPIC, WEIGHTS_TOPIC, TransportSpec, sampler_progress
+        from verl_ext.hetero.seeding import sampler_stream
+        from verl_ext.hetero.weights import WeightStore
+
+        self.cfg, self.index, self.key, self.speed_factor = settings, index, key, speed_factor
+        self.sampler_id = pool_id(index)
+        self.hetero = hetero = HeteroConfig.from_omegaconf(settings.hetero)
+        self.url = exchange_url(hetero, settings.trainer.default_local_dir)
+        self.transport = TransportSpec("fsspec", url=self.url).open()
+        channel = DelayChannel(
+            self.transport,
+            hetero.delay.build(),
+            seed=hetero.seed,
+            stream=sampler_stream(index),
+            speed_factor=speed_factor,
+            topics=[WEIGHTS_TOPIC, WEIGHTS_DELTA_TOPIC],
+        )
+        self.weights = WeightStore(channel, **store_options(hetero))
+        self.published = WeightStore(self.transport, keep_last=hetero.keep_weight_versions)  # numbers only
+        progress = sampler_progress(self.transport, self.sampler_id)
+        self.next_batch = progress.next_batch if progress is not None else 0
+        self.launch = f"r{index}-{uuid.uuid4().hex[:8]}"  # a restart never reuses a group uid
+        self.tokenizer = hf_tokenizer(settings.actor_rollout_ref.model.path)
+        self.dataset = RLHFDataset(str(settings.data.train_files), self.tokenizer, settings.data)
+        self.llm = LLMServerManager.create(config=settings)
+        self.rewards = RewardLoopManager(config=settings)
+        self.agent = AgentLoopManager.create(
+            config=settings,
+            llm_client=self.llm.get_client(),
+            reward_loop_worker_handles=self.rewards.reward_loop_worker_handles,
+        )
+        self.version = -1
+        self.stats = {"batches": 0, "groups": 0, "weight_loads": 0, "gen_s": 0.0, "wait_s": 0.0}
+
+    def load_newest_weights(self) -> bool:
+        """Load the newest version this pool's delay lets it see, if newer than its own."""
+        import ray
+
+        newest = self.weights.latest(newer_than=self.version if self.version >= 0 else None)
+        if newest is None:
+            return False
+        version, state = newest
+        servers = [s for replica in self.llm.get_replicas() for s in replica.servers]
+        ray.get([s.update_weights.remote(state, version) for s in servers])
+        self.version = version
+        self.stats["weight_loads"] += 1
+        return True
+
+    def weights_too_stale(self) -> bool:
+        """Groups made now would be past the bound on arrival (``hetero.sampler_skip_stale``)."""
+        if not self.hetero.sampler_skip_stale:
+            return False
+        newest = self.published.latest_version()
+        return newest is not None and newest - self.version > self.hetero.max_delay
+
+    def learner_queue_full(self) -> bool:
+        """The learner's last published queue depth is at ``hetero.max_queued_groups``."""
+        from verl_ext.hetero.protocol import CONTROL_TOPIC, STATUS_KEY, LearnerStatus, read_record
+
+        if self.hetero.max_queued_groups <= 0:
+            return False
+        status = read_record(self.transport, LearnerStatus, CONTROL_TOPIC, STATUS_KEY)
+        return status is not None and status.queue_depth >= self.hetero.max_queued_groups
+
+    def prompts(self, batch_index: int) -> Any:
+        """The prompts of batch ``batch_index``: a pure function of (seed, index, batch)."""
+        from verl import DataProto
+        from verl.utils.dataset.rl_dataset import collate_fn
+
+        n = int(self.cfg.data.train_batch_size)
+        rng = np.random.default_rng([self.hetero.seed, self.index + 1, batch_index])
+        picks = rng.choice(len(self.dataset), size=n, replace=len(self.dataset) < n)
+        return DataProto.from_single_dict(collate_fn([self.dataset[int(i)] for i in picks]))
+
+    def generate(self, batch_index: int) -> list:
+        from .verl_engine.pool_groups import PRECISION_OF_DTYPE, groups_from_agent_output
+
+        g = int(self.cfg.actor_rollout_ref.rollout.n)
+        batch = self.prompts(batch_index)
+        uids = [f"{self.launch}-b{batch_index}-{i}" for i in range(len(batch))]
+        batch.non_tensor_batch["uid"] = np.array(uids, dtype=object)
+        out = self.agent.generate_sequences(batch.repeat(repeat_times=g, interleave=True))
+        precision = PRECISION_OF_DTYPE.get(str(self.cfg.actor_rollout_ref.rollout.dtype))
+        return groups_from_agent_output(out, g, uids, self.sampler_id, precision)
+
+    def run(self, max_batches: Optional[int] = None) -> dict[str, float]:
+        from verl_ext.hetero.exchange import send_group
+        from verl_ext.hetero.protocol import claim_batch, stop_requested
+
+        start = self.next_batch
+        while not stop_requested(self.transport) and (max_batches is None or self.next_batch - start < max_batches):
+            self.load_newest_weights()
+            # wait: for the learner's first version; for newer weights rather than make groups
+            # past the bound (hetero.sampler_skip_stale); for room in the learner's queue
+            # (hetero.max_queued_groups)
+            if self.version < 0 or self.weights_too_stale() or self.learner_queue_full():
+                time.sleep(self.WAIT_POLL_S)
+                self.stats["wait_s"] += self.WAIT_POLL_S
+                continue
+            claim_batch(self.transport, self.sampler_id, self.launch, self.next_batch)
+            t0 = time.perf_counter()
+            groups = self.generate(self.next_batch)
+            gen_s = time.perf_counter() - t0
+            if self.speed_factor > 1:
+                time.sleep(gen_s * (self.speed_factor - 1))  # slower hardware: the same work takes longer
+            for group in groups:
+                send_group(self.transport, group, key=self.key)
+            self.stats["batches"] += 1
+            self.stats["groups"] += len(groups)
+            self.stats["gen_s"] += gen_s
+            print(
+                f"[pool {self.index}] batch {self.next_batch}: {len(groups)} groups with version {self.version}, "
+                f"mean reward {np.mean([g.rewards.mean() for g in groups]):.3f}, {gen_s:.1f}s",
+                flush=True,
+            )
+            self.next_batch += 1
+        return dict(self.stats, version=self.version, next_batch=self.next_batch)
+
+
+def run_pool(
+    cfg: DictConfig, index: int, key_file: Optional[str], max_batches: Optional[int], speed_factor: float = 1.0
+) -> dict[str, float]:
+    """Validate, start this pool's own Ray cluster and generate (see the module docstring)."""
+    import copy
+
+    import ray
+    from verl.trainer.constants_ppo import get_ppo_ray_runtime_env
+
+    from .verl_engine.launch_plan import engine_settings
+    from .verl_engine.runner import resolve_task_files
+    from verl_ext.trust.signing import SamplerKey
+
+    check_pool_config(cfg, index, key_file)
+    key = None
+    if key_file and cfg.hetero.trust.sign_records:
+        try:
+            key = SamplerKey.load(key_file)
+        except (OSError, ValueError) as err:
+            raise ValueError(f"--key {key_file}: {err}") from None
+        if key.sampler_id != pool_id(index):
+            raise ValueError(f"--key {key_file} is {key.sampler_id!r}'s key; this is {pool_id(index)}")
+    settings = engine_settings(resolve_task_files(cfg))
+    from omegaconf import OmegaConf
+
+    OmegaConf.resolve(settings)
+    if cfg.hetero.dry_run:
+        print(f"[pool {index}] config ok (dry run): exchange {cfg.hetero.transport_url}", flush=True)
+        return {}
+    runtime_env = copy.deepcopy(get_ppo_ray_runtime_env(settings))
+    ray_init = dict(settings.get("ray_kwargs", {}).get("ray_init", {}) or {})
+    ray.init(
+        num_cpus=ray_init.get("num_cpus"),
+        num_gpus=ray_init.get("num_gpus"),
+        runtime_env=runtime_env,
+        include_dashboard=False,
+    )
+    try:
+        pool = Pool(settings, index, key, speed_factor)
+        print(f"[pool {index}] up: exchange {pool.url}, starting at batch {pool.next_batch}", flush=True)
+        return pool.run(max_batches)
+    finally:
+        ray.shutdown()
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--index", type=int, required=True, help=f"this pool's index, in [1, {MAX_SAMPLERS})")
+    parser.add_argument("--key", default=None, help="this pool's signing key (python -m verl_ext.trust.signing keygen)")
+    parser.add_argument("--max-batches", type=int, default=None, help="stop after this many batches")
+    parser.add_argument("--speed-factor", type=float, default=1.0, help="emulate slower hardware (>= 1)")
+    parser.add_argument("overrides", nargs="*", help="hydra overrides: the learner's")
+    args = parser.parse_args(argv)
+    overrides = ["hetero.engine=verl", "hetero.transport=fs", *args.overrides]
+    try:
+        cfg = compose_config(overrides)
+        counters = run_pool(cfg, args.index, args.key, args.max_batches, args.speed_factor)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(json.dumps({"pool": args.index, **counters}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

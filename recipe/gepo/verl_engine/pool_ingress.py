@@ -1,0 +1,374 @@
+"""The verl engine's learner side of remote sampler pools (``hetero.transport=fs``).
+
+:class:`PoolAgentLoopManager` takes verl's place as the trainer's agent loop manager
+(``actor_rollout_ref.rollout.agent.agent_loop_manager_class``): the trainer's training prompts
+become slots that :class:`PoolIngress` (a Ray actor in the learner's cluster) fills with groups
+the pools sent through the exchange, after the trust package's checks (signature, enrolment,
+replay, the learner's own rewards) and the exact staleness bound; validation prompts still go to
+verl's local replica. :class:`ExchangePublisher` publishes every weight version the trainer syncs
+to the exchange (bf16 / XOR deltas, SHA-256, ``hetero.weights_bf16`` / ``weight_sync``) from the
+actor's rank 0 in a background thread. Trained groups are acknowledged (deleted from the exchange)
+only once the checkpoint that holds them is written (:meth:`PoolIngress.checkpoint`), so a learner
+that crashes reads the rest again. The pool program is ``recipe/gepo/pool.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import queue
+import threading
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import ray
+from tensordict import NonTensorData, NonTensorStack
+from verl.trainer.ppo.v1.agent_loop_tq import AgentLoopManagerTQ
+
+from ..sections import HeteroConfig
+from .pool_groups import trajectory_fields
+from verl_ext.hetero.buffer import CONSUMED, BufferTimeout, RolloutBuffer
+from verl_ext.hetero.exchange import RolloutInbox
+from verl_ext.hetero.protocol import (
+    ROLLOUT_TOPIC,
+    LearnerStatus,
+    TransportSpec,
+    clear_stop,
+    clear_topic,
+    publish_status,
+)
+from verl_ext.hetero.records import RecordSpec
+from verl_ext.hetero.weights import WeightStore
+
+INGRESS_NAME = "heterorl_pool_ingress"
+STATE_FILE = "pool_ingress.json"
+"""In each checkpoint folder: the uids of the groups trained up to it (never admitted again)."""
+
+
+def exchange_url(hetero: HeteroConfig, run_dir: str) -> str:
+    """``hetero.transport_url``, or ``<run dir>/exchange`` when it is empty."""
+    return hetero.transport_url or str((Path(run_dir) / "exchange").resolve())
+
+
+class PoolPrompts:
+    """The learner's own copy of the training prompts (``data.train_files``), tokenized as verl's
+    agent loop does: the answer the trust verifier recomputes rewards against
+    (:class:`~verl_ext.trust.verifier.RewardTask`, keyed by the prompt's text) and the row's data
+    fields (keyed by its token ids). A pool cannot name the answer it is scored against."""
+
+    def __init__(self, train_files: Any, tokenizer: Any, prompt_key: str = "prompt"):
+        import pandas as pd
+
+        files = [train_files] if isinstance(train_files, str) else list(train_files)
+        self.source_files = [str(f) for f in files]
+        frame = pd.concat([pd.read_parquet(f) for f in files], ignore_index=True)
+        self.by_text: dict[str, dict] = {}
+        self.by_ids: dict[tuple[int, ...], dict] = {}
+        for record in frame.to_dict("records"):
+            messages = [dict(m) for m in record[prompt_key]]
+            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            ids = [int(t) for t in getattr(ids, "input_ids", ids)]
+            text = tokenizer.decode(ids, skip_special_tokens=False)
+            bos = tokenizer.bos_token
+            if bos and text.startswith(bos) and ids and ids[0] == tokenizer.bos_token_id:
+                text = text[len(bos) :]  # as GroupVerifier decodes a group's prompt
+            self.by_text[text] = self.by_ids[tuple(ids)] = {k: v for k, v in record.items() if k != prompt_key}
+
+    def __len__(self) -> int:
+        return len(self.by_ids)
+
+    def answer_for(self, prompt: str) -> Optional[str]:
+        row = self.by_text.get(prompt)
+        return None if row is None else str(row["reward_model"]["ground_truth"])
+
+    def score(self, response: str, item: dict) -> float:
+        from verl_ext.rewards.dispatch import compute_score
+
+        row = self.by_text[item["prompt"]]
+        result = compute_score(row["data_source"], response, item["answer"], row.get("extra_info"))
+        return float(result["score"] if isinstance(result, dict) else result)
+
+    def data_fields(self, prompt_ids: Any) -> dict:
+        """The dataset row of these prompt token ids ({} when the prompt is not the learner's)."""
+        return dict(self.by_ids.get(tuple(int(t) for t in prompt_ids), {}))
+
+
+def admission(hetero: HeteroConfig, config: Any, tokenizer: Any, prompts: PoolPrompts) -> tuple[RolloutBuffer, Any]:
+    """The buffer (exact staleness bound, ``hetero.order``, per-pool quota
+    ``hetero.max_buffered_per_sampler``) and the trust gate in front of it: signatures of
+    enrolled keys, replays and, with ``hetero.trust.check_rewards``, every group's rewards
+    recomputed against the learner's own answers (:class:`PoolPrompts`). No re-score of q on the
+    verl engine yet, and no advantage check: the learner computes its own advantages."""
+    from verl_ext.trust import build_gate, build_verifier
+
+    rollout = config.actor_rollout_ref.rollout
+    spec = RecordSpec(
+        group_size=int(rollout.n),
+        vocab_size=len(tokenizer),
+        max_prompt_length=int(config.data.max_prompt_length),
+        max_response_length=int(config.data.max_response_length),
+    )
+    quota = hetero.max_buffered_per_sampler or (hetero.max_delay + 1) * int(config.data.train_batch_size)
+    buffer = RolloutBuffer(hetero.max_delay, "drop", hetero.order, spec=spec, sampler_capacity=quota)
+    trust = dataclasses.replace(hetero.trust, verify_fraction=0.0)
+    verifier = None
+    if trust.check_rewards:
+        no_advantages = {"adv_estimator": "computed_by_the_learner"}
+        verifier = build_verifier(trust, tokenizer, prompts, float(rollout.temperature), no_advantages, keep_versions=0)
+    return buffer, build_gate(trust, buffer, verifier)
+
+
+@ray.remote(num_cpus=0)
+class PoolIngress:
+    """Groups from the exchange into the trainer's prompt slots, one thread (the only
+    TransferQueue client of its process). See the module docstring."""
+
+    POLL_S = 0.05
+
+    def __init__(self, config: Any):
+        import transfer_queue as tq
+        from verl.utils import hf_tokenizer
+
+        self.tq = tq
+        tq.init()
+        self.hetero = hetero = HeteroConfig.from_omegaconf(config.hetero)
+        self.transport = TransportSpec("fsspec", url=exchange_url(hetero, config.trainer.default_local_dir)).open()
+        tokenizer = hf_tokenizer(config.actor_rollout_ref.model.path)
+        self.prompts = PoolPrompts(config.data.train_files, tokenizer, config.data.get("prompt_key", "prompt"))
+        self.buffer, self.gate = admission(hetero, config, tokenizer, self.prompts)
+        self.inbox = RolloutInbox(self.transport, self.buffer, enrolment=self.gate.enrolment, gate=self.gate)
+        self._lock = threading.Lock()
+        self._slots: list[dict] = []
+        self._slot_group: dict[str, str] = {}  # slot uid -> group uid written into it
+        self._trained: set[str] = set()  # group uids trained (this run, resumes included)
+        self._version = 0
+        self._stop = threading.Event()
+        self._error: Optional[str] = None
+        self.filled = 0
+        self._status: Optional[LearnerStatus] = None
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def start(self, resume_dir: Optional[str], learner_version: int) -> int:
+        """Start reading; ``resume_dir``: the checkpoint folder the trainer resumed from (its
+        trained uids are refused as replays), None on a fresh start (the exchange's old groups
+        are dropped: they are another run's). Weight versions newer than ``learner_version`` are
+        a crashed branch's: deleted, and groups claiming them not held against their pool.
+        Returns how many trained uids it restored."""
+        store = WeightStore(self.transport)
+        lost = range(learner_version + 1, max(store.versions(), default=learner_version) + 1)
+        store.delete_newer_than(learner_version)
+        self.gate.lose_versions(lost)
+        self._version = int(learner_version)
+        restored = 0
+        if resume_dir is not None and (Path(resume_dir) / STATE_FILE).is_file():
+            state = json.loads((Path(resume_dir) / STATE_FILE).read_text())
+            self._trained = set(state["trained"])
+            for uid in self._trained:
+                self.buffer.ledger.mark(uid, CONSUMED)
+            if "trust" in state:
+                self.gate.load_state_dict(state["trust"])
+            restored = len(state["trained"])
+        elif resume_dir is None:
+            clear_topic(self.transport, ROLLOUT_TOPIC)
+        clear_stop(self.transport)  # a previous run's marker is not for this one
+        self.gate.reload_enrolment()
+        self._thread.start()
+        return restored
+
+    # ---- called by the trainer ------------------------------------------------------------
+    def add_slots(self, prompts: list[dict]) -> None:
+        with self._lock:
+            self._slots.extend(prompts)
+
+    def set_learner_version(self, version: int) -> None:
+        self._version = max(self._version, int(version))
+
+    def mark_trained(self, slot_uids: list[str]) -> None:
+        with self._lock:
+            for slot in slot_uids:
+                group = self._slot_group.pop(slot, None)
+                if group is not None:
+                    self._trained.add(group)
+
+    def checkpoint(self, folder: str) -> int:
+        """Write the uids trained so far into the checkpoint ``folder``, then delete those groups
+        from the exchange (only now can a resume no longer need them). Returns how many."""
+        with self._lock:
+            trained = sorted(self._trained)
+        state = {"trained": trained, "trust": self.gate.state_dict()}
+        path = Path(folder) / STATE_FILE
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(state, default=_jsonable))
+        tmp.replace(path)
+        done = set(trained)
+        keys = [k for k in self.transport.keys(ROLLOUT_TOPIC) if k in done]
+        self.transport.delete_many(ROLLOUT_TOPIC, keys)
+        return len(keys)
+
+    def metrics(self) -> dict[str, float]:
+        if self._error is not None:
+            raise RuntimeError(f"the pool ingress stopped: {self._error}")
+        out = {**self.inbox.metrics(), **self.gate.metrics()}  # hetero/inbox_*, trust/*: the embedded engine's names
+        # the buffer's drops, refusals and totals; staleness is the trainer's, over the batch it trained on
+        skip = ("hetero/staleness", "hetero/wait_s", "hetero/expected")
+        out.update({k: v for k, v in self.buffer.metrics(reset=True).items() if not k.startswith(skip)})
+        out["pool/buffered"] = float(len(self.buffer))
+        out["pool/slots_waiting"] = float(len(self._slots))
+        out["pool/groups_filled"] = float(self.filled)
+        return out
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    # ---- the thread ------------------------------------------------------------------------
+    def _loop(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self.inbox.poll()
+                self._publish_status()
+                while self._slots and not self._stop.is_set():
+                    try:
+                        (group,) = self.buffer.take(1, self._version, timeout_s=self.POLL_S)
+                    except BufferTimeout:
+                        break
+                    with self._lock:
+                        slot = self._slots.pop(0)
+                    self._fill(slot, group)
+                time.sleep(self.POLL_S)
+        except Exception as err:  # surfaced by metrics(), which the trainer calls every step
+            self._error = f"{type(err).__name__}: {err}"
+            raise
+
+    def _publish_status(self) -> None:
+        """Back-pressure (``hetero.max_queued_groups``): the learner's queue depth, which pools read
+        before each batch; written when it changes."""
+        if self.hetero.max_queued_groups <= 0:
+            return
+        status = LearnerStatus(version=int(self._version), queue_depth=len(self.buffer))
+        if status != self._status:
+            publish_status(self.transport, status)
+            self._status = status
+
+    def _fill(self, slot: dict, group: Any) -> None:
+        from verl.utils.tensordict_utils import list_of_dict_to_tensordict
+
+        prompt_ids = group.prompt_ids[group.prompt_mask.astype(bool)]
+        keys, fields, tags = trajectory_fields(group, slot, self.prompts.data_fields(prompt_ids))
+        self.tq.kv_batch_put(keys=keys, fields=list_of_dict_to_tensordict(fields), tags=tags, partition_id="train")
+        self.tq.kv_put(key=slot["uid"], partition_id="train", tag={"status": "finished"})
+        with self._lock:
+            self._slot_group[slot["uid"]] = group.group_uid
+        self.filled += 1
+
+
+def _jsonable(value: Any) -> Any:
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    if isinstance(value, (set, tuple)):
+        return list(value)
+    raise TypeError(f"{type(value).__name__} is not JSON serialisable")
+
+
+def unpack_rows(batch: Any) -> list[dict]:
+    """The rows of the trainer's prompt batch (a TensorDict) as dicts, as ``AgentLoopWorkerTQ``
+    unpacks them."""
+    import torch
+
+    rows = []
+    for i in range(len(batch)):
+        row = {}
+        for key, value in batch.items():
+            if isinstance(value, torch.Tensor):
+                row[key] = value[i]
+            elif isinstance(value, NonTensorStack):
+                row[key] = value[i].data
+            elif isinstance(value, NonTensorData):
+                row[key] = value.data
+        rows.append(row)
+    return rows
+
+
+class PoolAgentLoopManager(AgentLoopManagerTQ):
+    """verl's agent loop manager whose training prompts are filled from the pools (see the
+    module docstring); validation runs on verl's own replica as before."""
+
+    def __init__(self, config, *args, **kwargs):
+        super().__init__(config, *args, **kwargs)
+        self.ingress = ray.get_actor(INGRESS_NAME)  # the trainer's (HeteroSeparateAsyncTrainer.on_init_end)
+
+    def generate_sequences(self, prompts) -> None:
+        validate = prompts["validate"] if "validate" in prompts.keys() else False
+        if bool(getattr(validate, "data", validate)):  # evaluation: verl's own replica, newest weights
+            return super().generate_sequences(prompts)
+        ray.get(self.ingress.add_slots.remote(unpack_rows(prompts)))
+
+
+def store_options(hetero: HeteroConfig) -> dict:
+    """The exchange weight store's settings (``WeightStore`` keyword arguments) from ``hetero:``."""
+    return {
+        "keep_last": hetero.keep_weight_versions,
+        "wire_dtype": "bf16" if hetero.weights_bf16 else None,
+        "delta": hetero.weight_sync == "delta",
+        "max_delta_chain": hetero.max_delta_chain,
+    }
+
+
+class BackgroundPublisher:
+    """Publishes versions to the exchange's weight store in one background thread, in the order
+    submitted; :meth:`submit` returns at once unless the previous version is still being
+    written (then it waits: at most one version queued). A failed write raises at the next
+    :meth:`submit` or :meth:`flush`."""
+
+    def __init__(self, url: str, options: dict):
+        self.store = WeightStore(TransportSpec("fsspec", url=url).open(), **options)
+        self._queue: "queue.Queue[tuple[int, dict] | None]" = queue.Queue(maxsize=1)
+        self._error: Optional[BaseException] = None
+        self.published: list[int] = []
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            try:
+                if item is not None and self._error is None:
+                    self.store.publish(*item)
+                    self.published.append(item[0])
+            except BaseException as err:  # raised in the caller's thread
+                self._error = err
+            finally:
+                self._queue.task_done()
+
+    def _raise(self) -> None:
+        if self._error is not None:
+            raise RuntimeError(f"publishing weights to the exchange failed: {self._error}") from self._error
+
+    def submit(self, version: int, state: dict) -> None:
+        self._raise()
+        self._queue.put((version, state))
+
+    def flush(self) -> None:
+        self._queue.join()
+        self._raise()
+
+
+class ExchangePublisher:
+    """The trainer's checkpoint manager, which also publishes each version it syncs to the
+    exchange (from the actor's rank 0, in the background: :meth:`HeteroActorWorker.publish_weights`)
+    and tells the ingress the learner's version."""
+
+    def __init__(self, inner: Any, actor_wg: Any, hetero: HeteroConfig, url: str):
+        self.inner, self.actor_wg, self.url, self.options = inner, actor_wg, url, store_options(hetero)
+
+    def update_weights(self, global_steps: int) -> dict[str, float]:
+        start = time.perf_counter()
+        self.actor_wg.publish_weights(self.url, int(global_steps), self.options)
+        ray.get(ray.get_actor(INGRESS_NAME).set_learner_version.remote(int(global_steps)))
+        metrics = dict(self.inner.update_weights(global_steps) or {})
+        metrics["pool/publish_gather_s"] = time.perf_counter() - start
+        return metrics
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)

@@ -1,0 +1,214 @@
+"""Remote sampler pools for the verl engine (recipe/gepo/pool.py, verl_engine/pool_ingress.py):
+start-up refusals in-process, and one real run: the verl engine's learner (FSDP2, its own Ray
+cluster) trained only on groups a pool in another Ray cluster generated with verl's agent loop,
+signed, sent through a folder exchange, checked and admitted."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from recipe.gepo.pool import check_pool_config
+from recipe.gepo.remote_sampler import compose_config
+from recipe.gepo.verl_engine.launch_plan import engine_settings, validate
+from verl_ext.hetero.protocol import ROLLOUT_TOPIC, TransportSpec
+
+ROOT = Path(__file__).resolve().parents[3]
+COMMON = ["+verl_preset=cpu_toy", "hetero.engine=verl", "hetero.transport=fs"]
+
+
+def test_the_plan_of_a_learner_fed_by_pools_names_the_exchange_and_its_checks(tmp_path):
+    enrolment = tmp_path / "enrolment.json"
+    enrolment.write_text("{}")
+    cfg = compose_config([*COMMON, f"hetero.transport_url={tmp_path}/x", f"hetero.trust.enrolment_file={enrolment}"])
+    from recipe.gepo.verl_engine.launch_plan import render
+
+    plan = render(validate(cfg))
+    assert f"through {tmp_path}/x" in plan and "signatures of enrolled keys" in plan
+    assert "q is not re-scored" in plan
+    settings = engine_settings(cfg)
+    assert settings.actor_rollout_ref.rollout.agent.agent_loop_manager_class == (
+        "recipe.gepo.verl_engine.pool_ingress.PoolAgentLoopManager"
+    )
+
+
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        ([], "needs hetero.trust.enrolment_file"),
+        (["hetero.trust.enrolment_file=/no/such/file.json"], "enrolment_file='/no/such/file.json': no such file"),
+        (
+            ["hetero.trust.sign_records=false", "+actor_rollout_ref.rollout.agent.agent_loop_manager_class=my.Manager"],
+            "agent_loop_manager_class='my.Manager'",
+        ),
+        (["hetero.trust.sign_records=false", "hetero.trust.verify_fraction=0.5"], "hetero.trust.verify_fraction=0.5"),
+    ],
+)
+def test_a_learner_fed_by_pools_refuses_what_it_cannot_do_at_start(overrides, match):
+    with pytest.raises(Exception, match=match):
+        validate(compose_config([*COMMON, *overrides]))
+
+
+@pytest.mark.parametrize(
+    "overrides, index, key, match",
+    [
+        (["hetero.transport=ray"], 32, "k", "a pool feeds a verl-engine learner through an exchange"),
+        ([], 32, "k", "hetero.transport_url is empty"),
+        (["hetero.transport_url=/x"], 64, "k", "--index 64"),
+        (["hetero.transport_url=/x"], 32, None, "give --key"),
+        (["hetero.transport_url=/x", "actor_rollout_ref.rollout.name=vllm"], 32, "k", "rollout.name='vllm'"),
+    ],
+)
+def test_a_pool_refuses_a_config_it_cannot_serve_naming_the_key(overrides, index, key, match):
+    with pytest.raises(ValueError, match=match):
+        check_pool_config(compose_config([*COMMON, *overrides]), index, key)
+
+
+@pytest.fixture(scope="module")
+def toy_admission():
+    """The learner's admission of pool groups on the toy task: its prompts, tokenizer and a builder."""
+    from verl.utils import hf_tokenizer
+
+    from recipe.gepo.sections import HeteroConfig
+    from recipe.gepo.verl_engine.pool_ingress import PoolPrompts
+    from recipe.gepo.verl_engine.runner import resolve_task_files
+
+    cfg = resolve_task_files(compose_config([*COMMON, "hetero.trust.sign_records=false"]))
+    tokenizer = hf_tokenizer(cfg.actor_rollout_ref.model.path)
+    prompts = PoolPrompts(cfg.data.train_files, tokenizer)
+    return cfg, HeteroConfig.from_omegaconf(cfg.hetero), tokenizer, prompts
+
+
+def toy_group(tokenizer, prompts, uid, answers, row=0, lie=False, pool="pool-32"):
+    """A group as a pool sends it: a training prompt tokenized as verl's agent loop does, one
+    response per answer text, its rewards as the pool computes them (flipped when ``lie``)."""
+    import numpy as np
+    import pandas as pd
+
+    from verl_ext.hetero.records import RolloutGroup
+
+    record = pd.read_parquet(prompts.source_files[0]).iloc[row]
+    ids = tokenizer.apply_chat_template([dict(m) for m in record["prompt"]], add_generation_prompt=True, tokenize=True)
+    ids = list(getattr(ids, "input_ids", ids))
+    responses = [tokenizer.encode(a, add_special_tokens=False) + [tokenizer.eos_token_id] for a in answers]
+    width = max(map(len, responses))
+    text = tokenizer.decode(ids, skip_special_tokens=False)
+    if tokenizer.bos_token and text.startswith(tokenizer.bos_token):
+        text = text[len(tokenizer.bos_token) :]
+    truth = prompts.answer_for(text)
+    rewards = np.array([prompts.score(a, {"prompt": text, "answer": truth}) for a in answers], np.float32)
+    if lie:
+        rewards = 1.0 - rewards
+    return RolloutGroup(
+        group_uid=uid,
+        prompt_ids=np.array(ids),
+        response_ids=np.array([r + [0] * (width - len(r)) for r in responses]),
+        response_mask=np.array([[1] * len(r) + [0] * (width - len(r)) for r in responses], np.int8),
+        sampler_logprobs=np.full((len(answers), width), -0.5, np.float32),
+        rewards=rewards,
+        advantages=np.zeros(len(answers), np.float32),
+        policy_version=0,
+        sampler_id=pool,
+        sampler_precision="fp32",
+    ), truth
+
+
+def test_the_learner_recomputes_a_pools_rewards_against_its_own_answers(toy_admission):
+    from recipe.gepo.verl_engine.pool_ingress import admission
+    from verl_ext.hetero.records import RecordRejected
+
+    cfg, hetero, tokenizer, prompts = toy_admission
+    assert len(prompts) > 100
+    buffer, gate = admission(hetero, cfg, tokenizer, prompts)
+    _, truth = toy_group(tokenizer, prompts, "probe", ["0"])
+    honest, _ = toy_group(tokenizer, prompts, "honest", [truth, "1", "2", "3"])
+    assert honest.rewards.tolist()[0] == 1.0 and honest.rewards.sum() == 1.0
+    gate.admit(honest)
+    assert buffer.add(honest, validated=True)
+    liar, _ = toy_group(tokenizer, prompts, "liar", [truth, "1", "2", "3"], row=1, lie=True)
+    with pytest.raises(RecordRejected, match="reported .1.0, 1.0, 1.0, 1.0., recomputed") as refused:
+        gate.admit(liar)
+    assert refused.value.reason == "bad_rewards"
+    with pytest.raises(RecordRejected) as refused:  # one lie shown: the pool is quarantined
+        gate.admit(toy_group(tokenizer, prompts, "next", [truth, "1", "2", "3"])[0])
+    assert refused.value.reason == "quarantined"
+    # a prompt the learner does not hold: no answer of its own to score against, refused
+    stranger, _ = toy_group(tokenizer, prompts, "stranger", ["1", "2", "3", "4"], row=2, pool="pool-33")
+    stranger.prompt_ids = np.concatenate(
+        [stranger.prompt_ids[:-1], [stranger.prompt_ids[-2]], stranger.prompt_ids[-1:]]
+    )
+    stranger.prompt_mask = np.ones(stranger.prompt_ids.shape, np.int8)
+    with pytest.raises(RecordRejected) as refused:
+        gate.admit(stranger)
+    assert refused.value.reason == "unknown_prompt"
+    assert gate.metrics()["trust/failed"] >= 1
+
+
+def _run(args, **kwargs):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    return subprocess.run(
+        [sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, check=True, **kwargs
+    )
+
+
+@pytest.mark.slow
+def test_the_verl_engine_trains_on_a_remote_pools_signed_groups(tmp_path):
+    """Learner and pool in two Ray clusters, one folder between them; three GEPO steps."""
+    key, enrolment, exchange, run_dir = (
+        tmp_path / "pool.key",
+        tmp_path / "enrolment.json",
+        tmp_path / "x",
+        tmp_path / "run",
+    )
+    public = _run(["-m", "verl_ext.trust.signing", "keygen", str(key), "pool-32"]).stdout.strip()
+    _run(["-m", "verl_ext.trust.signing", "enrol", str(enrolment), "pool-32", public])
+    shared = [
+        *COMMON,
+        f"hetero.transport_url={exchange}",
+        "hetero.delay.dist=none",
+        "hetero.max_delay=2",
+        f"trainer.default_local_dir={run_dir}",
+        "hetero.max_queued_groups=8",  # back-pressure: the pool waits while the learner holds 8
+    ]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    learner = subprocess.Popen(
+        [
+            sys.executable, "-m", "recipe.gepo.main_gepo", "--config-dir", "configs", *shared,
+            f"hetero.trust.enrolment_file={enrolment}", "trainer.total_training_steps=3", "trainer.save_freq=2",
+        ],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    time.sleep(5)  # the learner clears the exchange's old groups when it starts: let it begin first
+    pool = subprocess.Popen(
+        [sys.executable, "-m", "recipe.gepo.pool", "--index", "32", "--key", str(key), *shared],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        learner_out, _ = learner.communicate(timeout=1200)
+        pool_out, _ = pool.communicate(timeout=180)  # the learner's stop marker ends it
+    finally:
+        for proc in (learner, pool):
+            if proc.poll() is None:
+                proc.kill()
+    assert learner.returncode == 0, learner_out[-6000:]
+    assert pool.returncode == 0, pool_out[-6000:]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [row for row in rows if "pool/groups_filled" in row]
+    assert [row["step"] for row in steps] == [1, 2, 3]
+    assert steps[-1]["pool/groups_filled"] >= 12  # 3 steps x 4 prompts, every one the pool's
+    assert steps[-1]["hetero/inbox_received"] >= 12 and steps[-1]["trust/refused"] == 0
+    assert max(row["pool/buffered"] for row in steps) <= 8 + 4  # at most one batch past the bound
+    counters = json.loads(pool_out.strip().splitlines()[-1])
+    assert counters["groups"] >= 12 and counters["version"] >= 1  # it loaded the learner's new weights
+    # trained groups leave the exchange once the checkpoint holding them is written (step 2)
+    state = json.loads((run_dir / "global_step_2" / "pool_ingress.json").read_text())
+    assert len(state["trained"]) >= 8
+    left = set(TransportSpec("fsspec", url=str(exchange)).open().keys(ROLLOUT_TOPIC))
+    assert not left & set(state["trained"])
