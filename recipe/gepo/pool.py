@@ -191,7 +191,7 @@ class Pool:
                 flush=True,
             )
             self.next_batch += 1
-        return dict(self.stats, version=self.version, next_batch=self.next_batch)
+        return dict(self.stats, version=self.version, launch=self.launch, first_batch=start, next_batch=self.next_batch)
 
 
 def run_pool(

@@ -40,10 +40,13 @@ from verl_ext.hetero.protocol import (
 )
 from verl_ext.hetero.records import RecordSpec
 from verl_ext.hetero.weights import WeightStore
+from verl_ext.rundir import truncate_metrics
 
 INGRESS_NAME = "heterorl_pool_ingress"
 STATE_FILE = "pool_ingress.json"
 """In each checkpoint folder: the uids of the groups trained up to it (never admitted again)."""
+AUDIT_FILE = "pool_trained.jsonl"
+"""In the run directory: which pool groups each step trained (:meth:`PoolIngress.mark_trained`)."""
 
 
 def exchange_url(hetero: HeteroConfig, run_dir: str) -> str:
@@ -134,6 +137,8 @@ class PoolIngress:
         tq.init()
         self.hetero = hetero = HeteroConfig.from_omegaconf(config.hetero)
         self.transport = TransportSpec("fsspec", url=exchange_url(hetero, config.trainer.default_local_dir)).open()
+        self.audit_file = Path(config.trainer.default_local_dir) / AUDIT_FILE
+        self.audit_file.parent.mkdir(parents=True, exist_ok=True)
         tokenizer = hf_tokenizer(config.actor_rollout_ref.model.path)
         self.prompts = PoolPrompts(config.data.train_files, tokenizer, config.data.get("prompt_key", "prompt"))
         self.buffer, self.gate = admission(hetero, config, tokenizer, self.prompts)
@@ -161,6 +166,10 @@ class PoolIngress:
         self.gate.lose_versions(lost)
         self._version = int(learner_version)
         restored = 0
+        if resume_dir is not None:  # the steps after the checkpoint are trained again
+            truncate_metrics(self.audit_file, learner_version)
+        elif self.audit_file.exists():  # a fresh start in a used run directory
+            self.audit_file.rename(self.audit_file.with_suffix(f".{int(time.time())}.jsonl"))
         if resume_dir is not None and (Path(resume_dir) / STATE_FILE).is_file():
             state = json.loads((Path(resume_dir) / STATE_FILE).read_text())
             self._trained = set(state["trained"])
@@ -184,12 +193,16 @@ class PoolIngress:
     def set_learner_version(self, version: int) -> None:
         self._version = max(self._version, int(version))
 
-    def mark_trained(self, slot_uids: list[str]) -> None:
+    def mark_trained(self, step: int, slot_uids: list[str]) -> list[str]:
+        """The groups in these slots were trained at ``step``: remembered for the next checkpoint,
+        and appended to ``<run dir>/pool_trained.jsonl`` (``{"step": s, "groups": [uid, ...]}``,
+        the audit that no group is trained twice). Returns their uids."""
         with self._lock:
-            for slot in slot_uids:
-                group = self._slot_group.pop(slot, None)
-                if group is not None:
-                    self._trained.add(group)
+            groups = [self._slot_group.pop(slot) for slot in slot_uids if slot in self._slot_group]
+            self._trained.update(groups)
+        with self.audit_file.open("a") as f:
+            f.write(json.dumps({"step": int(step), "groups": sorted(groups)}) + "\n")
+        return groups
 
     def checkpoint(self, folder: str) -> int:
         """Write the uids trained so far into the checkpoint ``folder``, then delete those groups

@@ -381,7 +381,7 @@ class HeteroSeparateAsyncTrainer(PPOTrainerSeparateAsync):
         metrics.update(_strip_actor_prefix(worker_metrics))
         if self.pools:
             slots = sorted({key.split("_")[0] for key in batch.keys})
-            ray.get(self.pool_ingress.mark_trained.remote(slots))
+            ray.get(self.pool_ingress.mark_trained.remote(self.global_steps, slots))
         return batch
 
     def _compute_metrics(self, batch, metrics, timing_raw, global_steps, epoch):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -158,15 +159,23 @@ def _run(args, **kwargs):
     )
 
 
+def _wait_for_step(metrics: Path, step: int, proc: subprocess.Popen, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"the learner exited (rc={proc.returncode}) before step {step}")
+        if metrics.is_file() and any(json.loads(line)["step"] >= step for line in metrics.read_text().splitlines()):
+            return
+        time.sleep(1)
+    raise AssertionError(f"no step {step} within {timeout_s} s")
+
+
 @pytest.mark.slow
-def test_the_verl_engine_trains_on_a_remote_pools_signed_groups(tmp_path):
-    """Learner and pool in two Ray clusters, one folder between them; three GEPO steps."""
-    key, enrolment, exchange, run_dir = (
-        tmp_path / "pool.key",
-        tmp_path / "enrolment.json",
-        tmp_path / "x",
-        tmp_path / "run",
-    )
+def test_a_learner_killed_and_resumed_trains_every_pool_group_at_most_once_and_loses_none(tmp_path):
+    """Learner and pool in two Ray clusters, one folder between them, bf16 XOR-delta weights.
+    The learner is killed (SIGKILL, its whole process group) after step 3 and started again
+    while the pool keeps generating; 6 GEPO steps in all."""
+    key, enrolment, exchange, run_dir = tmp_path / "pool.key", tmp_path / "enrol.json", tmp_path / "x", tmp_path / "run"
     public = _run(["-m", "verl_ext.trust.signing", "keygen", str(key), "pool-32"]).stdout.strip()
     _run(["-m", "verl_ext.trust.signing", "enrol", str(enrolment), "pool-32", public])
     shared = [
@@ -176,39 +185,51 @@ def test_the_verl_engine_trains_on_a_remote_pools_signed_groups(tmp_path):
         "hetero.max_delay=2",
         f"trainer.default_local_dir={run_dir}",
         "hetero.max_queued_groups=8",  # back-pressure: the pool waits while the learner holds 8
+        "hetero.weight_sync=delta",
+        "hetero.weights_bf16=true",
     ]
+    learner_cmd = [
+        sys.executable, "-m", "recipe.gepo.main_gepo", "--config-dir", "configs", *shared,
+        f"hetero.trust.enrolment_file={enrolment}", "trainer.total_training_steps=6", "trainer.save_freq=1",
+    ]  # fmt: skip
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    learner = subprocess.Popen(
-        [
-            sys.executable, "-m", "recipe.gepo.main_gepo", "--config-dir", "configs", *shared,
-            f"hetero.trust.enrolment_file={enrolment}", "trainer.total_training_steps=3", "trainer.save_freq=2",
-        ],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
-    time.sleep(5)  # the learner clears the exchange's old groups when it starts: let it begin first
-    pool = subprocess.Popen(
-        [sys.executable, "-m", "recipe.gepo.pool", "--index", "32", "--key", str(key), *shared],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
+    out = {name: open(tmp_path / f"{name}.log", "w") for name in ("learner1", "learner2", "pool")}
+    procs = []
+
+    def start(cmd, log, **kwargs):
+        procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out[log], stderr=subprocess.STDOUT, **kwargs))
+        return procs[-1]
+
     try:
-        learner_out, _ = learner.communicate(timeout=1200)
-        pool_out, _ = pool.communicate(timeout=180)  # the learner's stop marker ends it
+        first = start(learner_cmd, "learner1", start_new_session=True)
+        time.sleep(5)  # the learner clears the exchange's old groups when it starts: let it begin first
+        pool = start([sys.executable, "-m", "recipe.gepo.pool", "--index", "32", "--key", str(key), *shared], "pool")
+        _wait_for_step(run_dir / "metrics.jsonl", 3, first, timeout_s=900)
+        os.killpg(first.pid, signal.SIGKILL)
+        first.wait(timeout=60)
+        second = start(learner_cmd, "learner2", start_new_session=True)
+        assert second.wait(timeout=1200) == 0, (tmp_path / "learner2.log").read_text()[-6000:]
+        assert pool.wait(timeout=180) == 0, (tmp_path / "pool.log").read_text()[-6000:]  # the stop marker ends it
     finally:
-        for proc in (learner, pool):
+        for proc in procs:
             if proc.poll() is None:
                 proc.kill()
-    assert learner.returncode == 0, learner_out[-6000:]
-    assert pool.returncode == 0, pool_out[-6000:]
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    steps = [row for row in rows if "pool/groups_filled" in row]
-    assert [row["step"] for row in steps] == [1, 2, 3]
-    assert steps[-1]["pool/groups_filled"] >= 12  # 3 steps x 4 prompts, every one the pool's
-    assert steps[-1]["hetero/inbox_received"] >= 12 and steps[-1]["trust/refused"] == 0
-    assert max(row["pool/buffered"] for row in steps) <= 8 + 4  # at most one batch past the bound
-    counters = json.loads(pool_out.strip().splitlines()[-1])
-    assert counters["groups"] >= 12 and counters["version"] >= 1  # it loaded the learner's new weights
-    # trained groups leave the exchange once the checkpoint holding them is written (step 2)
-    state = json.loads((run_dir / "global_step_2" / "pool_ingress.json").read_text())
-    assert len(state["trained"]) >= 8
+        for f in out.values():
+            f.close()
+    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in steps if "pool/groups_filled" in row] == [1, 2, 3, 4, 5, 6]
+    assert all(row["trust/refused"] == 0 for row in steps if "trust/refused" in row)
+    trained = [
+        g for line in (run_dir / "pool_trained.jsonl").read_text().splitlines() for g in json.loads(line)["groups"]
+    ]
+    assert len(trained) == 6 * 4 and len(set(trained)) == len(trained)  # every step the pool's, none twice
+    counters = json.loads((tmp_path / "pool.log").read_text().strip().splitlines()[-1])
+    assert counters["version"] >= 4 and counters["weight_loads"] >= 3  # it followed the resumed learner
+    sent = {
+        f"{counters['launch']}-b{b}-{i}"
+        for b in range(counters["first_batch"], counters["next_batch"])
+        for i in range(4)
+    }
     left = set(TransportSpec("fsspec", url=str(exchange)).open().keys(ROLLOUT_TOPIC))
-    assert not left & set(state["trained"])
+    assert set(trained) <= sent and not set(trained) & left  # trained groups leave with their checkpoint
+    assert sent - set(trained) - left == set()  # and no group is lost: trained, or still there
