@@ -23,7 +23,9 @@ from tests.slurm.test_slurm_scripts import assert_shellcheck_clean
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPE = ROOT / "recipe" / "gepo"
-SCRIPTS = sorted(RECIPE.glob("run_*.sh"))
+POOL_SCRIPT = RECIPE / "run_pool.sh"
+SCRIPTS = sorted(p for p in RECIPE.glob("run_*.sh") if p != POOL_SCRIPT)
+"""The scripts that run ``main_gepo`` (a learner); ``run_pool.sh`` starts a sampler pool."""
 GPU_SCRIPTS = [
     "run_qwen3_1p7b_fsdp.sh",
     "run_qwen3_1p7b_megatron.sh",
@@ -61,7 +63,7 @@ def test_every_setting_a_user_starts_from_has_a_script():
     }
 
 
-@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
+@pytest.mark.parametrize("script", [*SCRIPTS, POOL_SCRIPT], ids=lambda p: p.name)
 def test_bash_syntax_and_shellcheck(script):
     subprocess.run(["bash", "-n", str(script)], check=True)
     assert_shellcheck_clean(script)
@@ -342,3 +344,19 @@ def test_the_smollm2_script_trains_two_steps(tmp_path):
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-6000:]
     assert [row["step"] for row in metrics_rows(run_dir) if "is/group_log_denominator_mean" in row] == [1, 2]
+
+
+def test_the_pool_script_needs_the_exchange_makes_its_key_and_reaches_the_pool(tmp_path):
+    """run_pool.sh: refused without EXCHANGE_URL; otherwise it makes the pool's key on first use
+    (printing the enrol line) and hands its knobs and the extra overrides to ``recipe.gepo.pool``,
+    which validates them (``hetero.dry_run=true``: nothing started)."""
+    out = run_script("run_pool.sh", script_dir=RECIPE, timeout=120)
+    assert out.returncode == 2 and "error: EXCHANGE_URL is empty" in out.stderr
+    key = tmp_path / "keys" / "pool-7.key"
+    env = {"EXCHANGE_URL": str(tmp_path / "x"), "INDEX": "7", "KEY_FILE": str(key)}
+    out = run_script("run_pool.sh", "hetero.dry_run=true", env=env, timeout=300)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    assert key.is_file() and "enrol <hetero.trust.enrolment_file> pool-7 " in out.stderr
+    assert f"[pool 7] config ok (dry run): exchange {tmp_path / 'x'}" in out.stdout
+    out = run_script("run_pool.sh", "hetero.dry_run=true", "hetero.max_delay=-1", env=env, timeout=300)
+    assert out.returncode == 2 and "hetero.max_delay=-1" in out.stderr  # the overrides reach the pool
