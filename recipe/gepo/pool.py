@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 import uuid
 from typing import Any, Optional, Sequence
 
@@ -25,6 +24,7 @@ import numpy as np
 from omegaconf import DictConfig
 
 from .remote_sampler import compose_config
+from verl_ext.hetero.sampler_loop import SamplerLoop
 from verl_ext.hetero.seeding import MAX_SAMPLERS
 
 POOL_BACKENDS = ("hf_cpu",)
@@ -60,8 +60,8 @@ def check_pool_config(cfg: DictConfig, index: int, key_file: Optional[str]) -> N
         )
 
 
-class Pool:
-    """One pool: verl's rollout side without a trainer, fed weights from the exchange."""
+class Pool(SamplerLoop):
+    """One pool: verl's rollout side without a trainer, in :class:`SamplerLoop`."""
 
     WAIT_POLL_S = 0.2
 
@@ -79,24 +79,32 @@ class Pool:
         from verl_ext.hetero.seeding import sampler_stream
         from verl_ext.hetero.weights import WeightStore
 
-        self.cfg, self.index, self.key, self.speed_factor = settings, index, key, speed_factor
-        self.sampler_id = pool_id(index)
+        self.cfg, self.index = settings, index
         self.hetero = hetero = HeteroConfig.from_omegaconf(settings.hetero)
         self.url = exchange_url(hetero, settings.trainer.default_local_dir)
-        self.transport = TransportSpec("fsspec", url=self.url).open()
+        transport = TransportSpec("fsspec", url=self.url).open()
         channel = DelayChannel(
-            self.transport,
+            transport,
             hetero.delay.build(),
             seed=hetero.seed,
             stream=sampler_stream(index),
             speed_factor=speed_factor,
             topics=[WEIGHTS_TOPIC, WEIGHTS_DELTA_TOPIC],
         )
-        self.weights = WeightStore(channel, **store_options(hetero))
-        self.published = WeightStore(self.transport, keep_last=hetero.keep_weight_versions)  # numbers only
-        progress = sampler_progress(self.transport, self.sampler_id)
-        self.next_batch = progress.next_batch if progress is not None else 0
-        self.launch = f"r{index}-{uuid.uuid4().hex[:8]}"  # a restart never reuses a group uid
+        self.init_loop(
+            transport,
+            WeightStore(channel, **store_options(hetero)),
+            pool_id(index),
+            f"r{index}-{uuid.uuid4().hex[:8]}",  # a restart never reuses a group uid
+            max_delay=hetero.max_delay,
+            skip_stale=hetero.sampler_skip_stale,
+            max_queued_groups=hetero.max_queued_groups,
+            keep_weight_versions=hetero.keep_weight_versions,
+            speed_factor=speed_factor,
+            key=key,
+        )
+        progress = sampler_progress(transport, self.sampler_id)
+        self.next_batch = progress.next_batch if progress is not None else 0  # resume after the last claim
         self.tokenizer = hf_tokenizer(settings.actor_rollout_ref.model.path)
         self.dataset = RLHFDataset(str(settings.data.train_files), self.tokenizer, settings.data)
         self.llm = LLMServerManager.create(config=settings)
@@ -106,38 +114,14 @@ class Pool:
             llm_client=self.llm.get_client(),
             reward_loop_worker_handles=self.rewards.reward_loop_worker_handles,
         )
-        self.version = -1
-        self.stats = {"batches": 0, "groups": 0, "weight_loads": 0, "gen_s": 0.0, "wait_s": 0.0}
 
-    def load_newest_weights(self) -> bool:
-        """Load the newest version this pool's delay lets it see, if newer than its own."""
+    def load_weights(self, version: int, state: dict) -> None:
+        """Into every server of every replica (``hf_cpu``'s ``update_weights``: names and shapes
+        checked, under the model lock, the version set for the outputs' tags)."""
         import ray
 
-        newest = self.weights.latest(newer_than=self.version if self.version >= 0 else None)
-        if newest is None:
-            return False
-        version, state = newest
         servers = [s for replica in self.llm.get_replicas() for s in replica.servers]
         ray.get([s.update_weights.remote(state, version) for s in servers])
-        self.version = version
-        self.stats["weight_loads"] += 1
-        return True
-
-    def weights_too_stale(self) -> bool:
-        """Groups made now would be past the bound on arrival (``hetero.sampler_skip_stale``)."""
-        if not self.hetero.sampler_skip_stale:
-            return False
-        newest = self.published.latest_version()
-        return newest is not None and newest - self.version > self.hetero.max_delay
-
-    def learner_queue_full(self) -> bool:
-        """The learner's last published queue depth is at ``hetero.max_queued_groups``."""
-        from verl_ext.hetero.protocol import CONTROL_TOPIC, STATUS_KEY, LearnerStatus, read_record
-
-        if self.hetero.max_queued_groups <= 0:
-            return False
-        status = read_record(self.transport, LearnerStatus, CONTROL_TOPIC, STATUS_KEY)
-        return status is not None and status.queue_depth >= self.hetero.max_queued_groups
 
     def prompts(self, batch_index: int) -> Any:
         """The prompts of batch ``batch_index``: a pure function of (seed, index, batch)."""
@@ -149,7 +133,7 @@ class Pool:
         picks = rng.choice(len(self.dataset), size=n, replace=len(self.dataset) < n)
         return DataProto.from_single_dict(collate_fn([self.dataset[int(i)] for i in picks]))
 
-    def generate(self, batch_index: int) -> list:
+    def generate_batch(self, batch_index: int) -> list:
         from .verl_engine.pool_groups import PRECISION_OF_DTYPE, groups_from_agent_output
 
         g = int(self.cfg.actor_rollout_ref.rollout.n)
@@ -158,40 +142,16 @@ class Pool:
         batch.non_tensor_batch["uid"] = np.array(uids, dtype=object)
         out = self.agent.generate_sequences(batch.repeat(repeat_times=g, interleave=True))
         precision = PRECISION_OF_DTYPE.get(str(self.cfg.actor_rollout_ref.rollout.dtype))
-        return groups_from_agent_output(out, g, uids, self.sampler_id, precision)
+        groups = groups_from_agent_output(out, g, uids, self.sampler_id, precision)
+        rewards = np.mean([group.rewards.mean() for group in groups])
+        print(f"[pool {self.index}] batch {batch_index}: {len(groups)} groups, version {self.version}, "
+              f"mean reward {rewards:.3f}", flush=True)  # fmt: skip
+        return groups
 
-    def run(self, max_batches: Optional[int] = None) -> dict[str, float]:
-        from verl_ext.hetero.exchange import send_group
-        from verl_ext.hetero.protocol import claim_batch, stop_requested
-
+    def run(self, max_batches: int | None = None) -> dict[str, Any]:
         start = self.next_batch
-        while not stop_requested(self.transport) and (max_batches is None or self.next_batch - start < max_batches):
-            self.load_newest_weights()
-            # wait: for the learner's first version; for newer weights rather than make groups
-            # past the bound (hetero.sampler_skip_stale); for room in the learner's queue
-            # (hetero.max_queued_groups)
-            if self.version < 0 or self.weights_too_stale() or self.learner_queue_full():
-                time.sleep(self.WAIT_POLL_S)
-                self.stats["wait_s"] += self.WAIT_POLL_S
-                continue
-            claim_batch(self.transport, self.sampler_id, self.launch, self.next_batch)
-            t0 = time.perf_counter()
-            groups = self.generate(self.next_batch)
-            gen_s = time.perf_counter() - t0
-            if self.speed_factor > 1:
-                time.sleep(gen_s * (self.speed_factor - 1))  # slower hardware: the same work takes longer
-            for group in groups:
-                send_group(self.transport, group, key=self.key)
-            self.stats["batches"] += 1
-            self.stats["groups"] += len(groups)
-            self.stats["gen_s"] += gen_s
-            print(
-                f"[pool {self.index}] batch {self.next_batch}: {len(groups)} groups with version {self.version}, "
-                f"mean reward {np.mean([g.rewards.mean() for g in groups]):.3f}, {gen_s:.1f}s",
-                flush=True,
-            )
-            self.next_batch += 1
-        return dict(self.stats, version=self.version, launch=self.launch, first_batch=start, next_batch=self.next_batch)
+        counters = super().run(start, max_batches)
+        return dict(counters, version=self.version, launch=self.launch, first_batch=start)
 
 
 def run_pool(

@@ -1,0 +1,160 @@
+"""The loop every sampler runs, whatever generates its groups: one copy of claim, delay, sign, send.
+
+:class:`SamplerLoop` is the base of the embedded engine's sampler (HF ``generate``) and of the
+verl engine's sampler pools (verl's rollout servers and agent loop). Each batch: load the newest
+weights its delayed weight store lets it see, wait while they are past the staleness bound
+(``skip_stale``) or the learner's queue is full (``max_queued_groups``), claim batch b on the
+exchange (a restart resumes after it), generate, stretch the time by ``speed_factor``, sign and send
+every group. A subclass supplies :meth:`load_weights` and :meth:`generate_batch`.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from verl_ext.hetero.exchange import send_group
+from verl_ext.hetero.protocol import (
+    CONTROL_TOPIC,
+    STATUS_KEY,
+    LearnerStatus,
+    claim_batch,
+    read_record,
+    stop_requested,
+)
+from verl_ext.hetero.records import RolloutGroup
+from verl_ext.hetero.transport import Transport
+from verl_ext.hetero.weights import WeightStore
+from verl_ext.trust.signing import SamplerKey
+
+
+class SamplerLoop:
+    """Generates rollout groups with the newest weights its delay lets it see, until told to stop."""
+
+    WAIT_POLL_S = 0.1
+    """Seconds between checks while waiting for newer weights or for room in the learner's queue."""
+
+    WEIGHT_STATS = {
+        "full_loads": "weight_full_loads",
+        "delta_loads": "weight_delta_loads",
+        "bytes_fetched": "weight_bytes_fetched",
+        "delta_fallbacks": "weight_delta_fallbacks",
+        "delta_larger": "weight_delta_larger",
+    }
+    """Weight store counter -> sampler stat: which path each load took (hetero.weight_sync)."""
+
+    def init_loop(
+        self,
+        transport: Transport,
+        weights: WeightStore,
+        sampler_id: str,
+        launch: str,
+        *,
+        max_delay: int,
+        skip_stale: bool,
+        max_queued_groups: int,
+        keep_weight_versions: int,
+        speed_factor: float = 1.0,
+        key: SamplerKey | None = None,
+    ) -> None:
+        """``weights``: the store it fetches through (a delay channel over ``transport``);
+        ``launch``: this launch's uid namespace (a restart never reuses a group uid)."""
+        self.transport, self.weights, self.sampler_id, self.launch = transport, weights, sampler_id, launch
+        self.max_delay, self.skip_stale, self.max_queued_groups = max_delay, skip_stale, max_queued_groups
+        self.speed_factor, self.key = speed_factor, key
+        # what exists, undelayed: only the version numbers are read from it, never the weights
+        self.published = WeightStore(transport, keep_last=keep_weight_versions)
+        self.version = -1
+        self.stats: dict[str, Any] = {
+            "batches": 0,
+            "groups": 0,
+            "tokens": 0,
+            "gen_s": 0.0,
+            "weight_loads": 0,
+            "stale_wait_s": 0.0,
+            "queue_wait_s": 0.0,
+            **{k: 0 for k in self.WEIGHT_STATS.values()},
+        }
+
+    # ---- what a subclass supplies ----------------------------------------------------------
+    def load_weights(self, version: int, state: dict) -> None:
+        """Put ``state`` (HF-named CPU tensors of ``version``) into the generator."""
+        raise NotImplementedError
+
+    def generate_batch(self, batch_index: int) -> list[RolloutGroup]:
+        """The groups of batch ``batch_index``, generated with the loaded version (``self.version``)."""
+        raise NotImplementedError
+
+    # ---- the loop --------------------------------------------------------------------------
+    def _refresh_weights(self) -> None:
+        newest = self.weights.latest(newer_than=self.version if self.version >= 0 else None)
+        if newest is not None:
+            version, state = newest
+            self.load_weights(version, state)
+            self.version = version
+            self.stats["weight_loads"] += 1
+        for counter, stat in self.WEIGHT_STATS.items():
+            self.stats[stat] = self.weights.stats[counter]
+
+    def weights_too_stale(self) -> bool:
+        """Groups made now would be past the bound on arrival (the learner only moves forward)."""
+        if not self.skip_stale:
+            return False
+        newest = self.published.latest_version()
+        return newest is not None and newest - self.version > self.max_delay
+
+    def learner_queue_full(self) -> bool:
+        """Back-pressure: the learner's last published queue depth is at ``max_queued_groups``."""
+        if self.max_queued_groups <= 0:
+            return False
+        status = read_record(self.transport, LearnerStatus, CONTROL_TOPIC, STATUS_KEY)
+        return status is not None and status.queue_depth >= self.max_queued_groups
+
+    def stopped(self) -> bool:
+        return stop_requested(self.transport)
+
+    def public_key(self) -> str | None:
+        """The public half of this sampler's signing key (hex), or None when it does not sign."""
+        return None if self.key is None else self.key.public_hex()
+
+    def send(self, group: RolloutGroup) -> None:
+        """Publish one group (signed when the sampler has a key). The soak's lying samplers
+        (research/soak/liars.py) change the group here."""
+        send_group(self.transport, group, key=self.key)
+
+    def run(self, start_batch: int = 0, max_batches: int | None = None) -> dict[str, Any]:
+        """Generate until the stop marker appears (or ``max_batches``); returns the counters."""
+        batch_index = start_batch
+        while not self.stopped() and (max_batches is None or batch_index - start_batch < max_batches):
+            self._refresh_weights()
+            if self.version < 0:
+                time.sleep(0.05)  # the learner has not published version 0 yet
+                continue
+            # wait for newer weights rather than generate groups to drop; for room in the queue
+            wait = "stale_wait_s" if self.weights_too_stale() else None
+            if wait is None and self.learner_queue_full():
+                wait = "queue_wait_s"
+            if wait is not None:
+                # each check is a few round trips to the exchange: 10 a second, not 20
+                t0 = time.perf_counter()
+                time.sleep(self.WAIT_POLL_S)
+                self.stats[wait] += time.perf_counter() - t0
+                continue
+            # claimed before its prompts are drawn: a restart resumes after it
+            claim_batch(self.transport, self.sampler_id, self.launch, batch_index)
+            t0 = time.perf_counter()
+            groups = self.generate_batch(batch_index)
+            gen_s = time.perf_counter() - t0
+            if self.speed_factor > 1:
+                time.sleep(gen_s * (self.speed_factor - 1))  # slower hardware: same work takes longer
+            for group in groups:
+                self.send(group)
+            self.stats["batches"] += 1
+            self.stats["groups"] += len(groups)
+            self.stats["tokens"] += sum(int(g.response_mask.sum()) for g in groups)
+            self.stats["gen_s"] += gen_s
+            batch_index += 1
+        return dict(self.stats, next_batch=batch_index)
+
+    def counters(self) -> dict[str, Any]:
+        return dict(self.stats)
