@@ -8,8 +8,8 @@ reward loop and agent loop with no trainer, and loops: load the newest weight ve
 stream lets it see (``hetero.delay``, seconds, stream of ``--index``), claim batch b, draw its
 prompts (a pure function of seed, index and b), generate G responses each with rewards computed
 here, sign each group and send it to the exchange. A restart resumes after the last claimed batch.
-The learner side is :mod:`.verl_engine.pool_ingress`. Weights load into ``hf_cpu`` servers here;
-vLLM/SGLang pools are not built yet (refused at start).
+The learner side is :mod:`.verl_engine.pool_ingress`. Weights reach the servers through verl's
+checkpoint engine (ran with ``hf_cpu``; vLLM and SGLang pools have never run).
 """
 
 from __future__ import annotations
@@ -27,8 +27,42 @@ from .remote_sampler import compose_config
 from verl_ext.hetero.sampler_loop import SamplerLoop
 from verl_ext.hetero.seeding import MAX_SAMPLERS
 
-POOL_BACKENDS = ("hf_cpu",)
-"""Rollout back ends whose servers a pool can load the exchange's weights into."""
+POOL_BACKENDS = ("hf_cpu", "vllm", "sglang")
+"""Rollout back ends a pool serves; their servers take the exchange's weights through verl's own
+checkpoint engine (:func:`weight_source_class`). Only ``hf_cpu`` has run (CPU); vLLM and SGLang never."""
+NEVER_RAN = ("vllm", "sglang")
+POOL_WEIGHT_BACKEND = "ray_mailbox"
+"""The checkpoint engine between a pool's weight source and its servers: node-local, any device."""
+
+
+def weight_source_class():
+    """A verl ``Worker`` that stands where verl's actor worker group would in
+    ``CheckpointEngineManager.update_weights``: it sends the version the pool fetched from the
+    exchange (``set_state``) through the checkpoint engine, so each server loads it by its own
+    weight-update path (hf_cpu's ``update_weights``; vLLM's ``update_weights_from_ipc``)."""
+    from verl.checkpoint_engine import CheckpointEngineRegistry
+    from verl.single_controller.base import Worker
+    from verl.single_controller.base.decorator import Dispatch, register
+
+    class ExchangeWeightSource(Worker):
+        def __init__(self, backend: str, bucket_bytes: int):
+            super().__init__()
+            self.engine = CheckpointEngineRegistry.new(backend, bucket_size=bucket_bytes, is_master=self.rank == 0)
+            self.state: dict = {}
+
+        @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+        def set_state(self, state: dict) -> None:
+            self.state = state
+
+        @register(dispatch_mode=Dispatch.DP_COMPUTE, blocking=False)
+        def execute_checkpoint_engine(self, method: str, *args, **kwargs):
+            return getattr(self.engine, method)(*args, **kwargs)
+
+        @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
+        async def update_weights(self, global_steps: int | None = None, mode: str = "auto"):
+            return await self.engine.send_weights(iter(self.state.items()), global_steps=global_steps)
+
+    return ExchangeWeightSource
 
 
 def pool_id(index: int) -> str:
@@ -49,10 +83,7 @@ def check_pool_config(cfg: DictConfig, index: int, key_file: Optional[str]) -> N
         raise ValueError(f"--index {index}: must be in [1, {MAX_SAMPLERS}) (the seed layout's sampler slots)")
     name = cfg.actor_rollout_ref.rollout.name
     if name not in POOL_BACKENDS:
-        raise ValueError(
-            f"actor_rollout_ref.rollout.name={name!r}: a pool loads the exchange's weights into {POOL_BACKENDS} "
-            "servers only so far (vLLM/SGLang through verl's checkpoint engine is not built)"
-        )
+        raise ValueError(f"actor_rollout_ref.rollout.name={name!r}: a pool serves {POOL_BACKENDS}")
     if hetero.trust.sign_records and not key_file:
         raise ValueError(
             f"hetero.trust.sign_records=true: give --key <file> (python -m verl_ext.trust.signing keygen <file> "
@@ -108,6 +139,7 @@ class Pool(SamplerLoop):
         self.tokenizer = hf_tokenizer(settings.actor_rollout_ref.model.path)
         self.dataset = RLHFDataset(str(settings.data.train_files), self.tokenizer, settings.data)
         self.llm = LLMServerManager.create(config=settings)
+        self.weight_sync = self._weight_sync(settings)
         self.rewards = RewardLoopManager(config=settings)
         self.agent = AgentLoopManager.create(
             config=settings,
@@ -115,13 +147,32 @@ class Pool(SamplerLoop):
             reward_loop_worker_handles=self.rewards.reward_loop_worker_handles,
         )
 
-    def load_weights(self, version: int, state: dict) -> None:
-        """Into every server of every replica (``hf_cpu``'s ``update_weights``: names and shapes
-        checked, under the model lock, the version set for the outputs' tags)."""
+    def _weight_sync(self, settings: DictConfig) -> Any:
+        """verl's ``CheckpointEngineManager`` from a one-rank :func:`weight_source_class` group to
+        this pool's replicas."""
         import ray
+        from verl.checkpoint_engine import CheckpointEngineManager
+        from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
+        from verl.utils.config import omega_conf_to_dataclass
 
-        servers = [s for replica in self.llm.get_replicas() for s in replica.servers]
-        ray.get([s.update_weights.remote(state, version) for s in servers])
+        ce_cfg = omega_conf_to_dataclass(settings.actor_rollout_ref.rollout.checkpoint_engine)
+        source_cls = RayClassWithInitArgs(
+            cls=ray.remote(weight_source_class()),
+            backend=ce_cfg.backend,
+            bucket_bytes=int(ce_cfg.update_weights_bucket_megabytes) << 20,
+        )
+        resources = RayResourcePool(process_on_nodes=[1], use_gpu=False, name_prefix="pool_weights")
+        self.weight_source = RayWorkerGroup(
+            resource_pool=resources, ray_cls_with_init=source_cls, device_name="cpu", name_prefix="pool_weights"
+        )
+        return CheckpointEngineManager(config=ce_cfg, actor_wg=self.weight_source, replicas=self.llm.get_replicas())
+
+    def load_weights(self, version: int, state: dict) -> None:
+        """Into every server of every replica through verl's own weight-update path (abort,
+        release the cache, send, receive, resume); the version tags the outputs."""
+        self.weight_source.set_state(state)
+        self.weight_sync.update_weights(global_steps=version)
+        self.weight_source.set_state({})
 
     def prompts(self, batch_index: int) -> Any:
         """The prompts of batch ``batch_index``: a pure function of (seed, index, batch)."""
@@ -177,9 +228,14 @@ def run_pool(
         if key.sampler_id != pool_id(index):
             raise ValueError(f"--key {key_file} is {key.sampler_id!r}'s key; this is {pool_id(index)}")
     settings = engine_settings(resolve_task_files(cfg))
-    from omegaconf import OmegaConf
+    from omegaconf import OmegaConf, open_dict
 
     OmegaConf.resolve(settings)
+    with open_dict(settings):  # between this pool's weight source and its servers: node-local
+        settings.actor_rollout_ref.rollout.checkpoint_engine.backend = POOL_WEIGHT_BACKEND
+    name = settings.actor_rollout_ref.rollout.name
+    if name in NEVER_RAN:
+        print(f"[pool {index}] note: rollout.name={name} has never run in a pool (only hf_cpu has)", flush=True)
     if cfg.hetero.dry_run:
         print(f"[pool {index}] config ok (dry run): exchange {cfg.hetero.transport_url}", flush=True)
         return {}

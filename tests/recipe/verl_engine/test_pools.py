@@ -64,7 +64,7 @@ def test_a_learner_fed_by_pools_refuses_what_it_cannot_do_at_start(overrides, ma
         ([], 32, "k", "hetero.transport_url is empty"),
         (["hetero.transport_url=/x"], 64, "k", "--index 64"),
         (["hetero.transport_url=/x"], 32, None, "give --key"),
-        (["hetero.transport_url=/x", "actor_rollout_ref.rollout.name=vllm"], 32, "k", "rollout.name='vllm'"),
+        (["hetero.transport_url=/x", "actor_rollout_ref.rollout.name=hf"], 32, "k", "rollout.name='hf'"),
     ],
 )
 def test_a_pool_refuses_a_config_it_cannot_serve_naming_the_key(overrides, index, key, match):
