@@ -27,6 +27,7 @@ SETTINGS = (
     "ENROLMENT_FILE",
     "NO_SIGN",
     "SAMPLER_CMD",
+    "POOL",
     "INDEX_BASE",
     "PRESET_ARGS",
     "SLURM_ARRAY_TASK_ID",
@@ -199,3 +200,32 @@ def test_recipe_names_a_copied_recipe_whose_sampler_runs(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.count("[mygepo] remote sampler-32: config ok (dry run)") == 2
     assert "[heterorl] remote sampler-32: config ok" not in result.stdout
+
+
+def test_pool_tasks_sign_as_pools_and_run_the_pool_program(tmp_path):
+    """POOL=1: the key is pool-INDEX's (what recipe.gepo.pool checks), and the default program is
+    the recipe's pool; anything but 0/1 is refused."""
+    keys = tmp_path / "keys"
+    result = run_script(tmp_path, "+verl_preset=cpu_toy", POOL="1", KEY_DIR=str(keys), SAMPLER_CMD="echo pool")
+    assert result.returncode == 0, result.stderr
+    key_file = keys / "pool-32.key"
+    assert SamplerKey.load(key_file).sampler_id == "pool-32"
+    assert f"pool-32 public key: {public_of(key_file)}" in result.stdout
+    assert (
+        f"pool --index 32 --key {key_file} hetero.transport_url={tmp_path / 'exchange'} +verl_preset=cpu_toy"
+        in result.stdout
+    )
+    assert "pool 32 -> " in result.stdout
+    # without SAMPLER_CMD: $VENV/bin/python -m $RECIPE.pool (a stub python echoes what it is asked to run)
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    stub = venv / "bin" / "python"
+    stub.write_text(
+        f'#!/usr/bin/env bash\nif [[ "$2" == verl_ext.trust.signing ]]; then exec {sys.executable} "$@"; fi\necho RUN "$@"\n'
+    )
+    stub.chmod(0o755)
+    result = run_script(tmp_path, POOL="1", KEY_DIR=str(keys), VENV=str(venv))
+    assert result.returncode == 0, result.stderr
+    assert f"RUN -m recipe.gepo.pool --index 32 --key {key_file} " in result.stdout
+    refused = run_script(tmp_path, POOL="yes", SAMPLER_CMD="echo pool")
+    assert refused.returncode == 2 and "POOL=yes: must be 1" in refused.stderr
