@@ -7,9 +7,9 @@ the pools sent through the exchange, after the trust package's checks (signature
 replay, the learner's own rewards) and the exact staleness bound; validation prompts still go to
 verl's local replica. :class:`ExchangePublisher` publishes every weight version the trainer syncs
 to the exchange (bf16 / XOR deltas, SHA-256, ``hetero.weights_bf16`` / ``weight_sync``) from the
-actor's rank 0 in a background thread. Trained groups are acknowledged (deleted from the exchange)
-only once the checkpoint that holds them is written (:meth:`PoolIngress.checkpoint`), so a learner
-that crashes reads the rest again. The pool program is ``recipe/gepo/pool.py``.
+actor's rank 0 in a background thread. Trained groups are deleted from the exchange only once a
+checkpoint that holds them can no longer be resumed past (:meth:`PoolIngress.checkpoint`), so a
+learner that crashes reads the rest again. The pool program is ``recipe/gepo/pool.py``.
 """
 
 from __future__ import annotations
@@ -147,6 +147,7 @@ class PoolIngress:
         self._slots: list[dict] = []
         self._slot_group: dict[str, str] = {}  # slot uid -> group uid written into it
         self._trained: set[str] = set()  # group uids trained (this run, resumes included)
+        self._checkpointed: set[str] = set()  # those the last checkpoint holds
         self._version = 0
         self._stop = threading.Event()
         self._error: Optional[str] = None
@@ -173,6 +174,7 @@ class PoolIngress:
         if resume_dir is not None and (Path(resume_dir) / STATE_FILE).is_file():
             state = json.loads((Path(resume_dir) / STATE_FILE).read_text())
             self._trained = set(state["trained"])
+            self._checkpointed = set(self._trained)
             for uid in self._trained:
                 self.buffer.ledger.mark(uid, CONSUMED)
             if "trust" in state:
@@ -205,8 +207,10 @@ class PoolIngress:
         return groups
 
     def checkpoint(self, folder: str) -> int:
-        """Write the uids trained so far into the checkpoint ``folder``, then delete those groups
-        from the exchange (only now can a resume no longer need them). Returns how many."""
+        """Write the uids trained so far into the checkpoint ``folder``, then delete from the
+        exchange the groups the previous checkpoint held: a resume may still start from that one
+        until this step's metrics line is written (``MetricsTee``), never from an older one.
+        Returns how many were deleted."""
         with self._lock:
             trained = sorted(self._trained)
         state = {"trained": trained, "trust": self.gate.state_dict()}
@@ -215,7 +219,7 @@ class PoolIngress:
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(state, default=_jsonable))
         tmp.replace(path)
-        done = set(trained)
+        done, self._checkpointed = self._checkpointed, set(trained)
         keys = [k for k in self.transport.keys(ROLLOUT_TOPIC) if k in done]
         self.transport.delete_many(ROLLOUT_TOPIC, keys)
         return len(keys)

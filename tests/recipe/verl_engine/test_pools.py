@@ -219,9 +219,8 @@ def test_a_learner_killed_and_resumed_trains_every_pool_group_at_most_once_and_l
     steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in steps if "pool/groups_filled" in row] == [1, 2, 3, 4, 5, 6]
     assert all(row["trust/refused"] == 0 for row in steps if "trust/refused" in row)
-    trained = [
-        g for line in (run_dir / "pool_trained.jsonl").read_text().splitlines() for g in json.loads(line)["groups"]
-    ]
+    audit = [json.loads(line) for line in (run_dir / "pool_trained.jsonl").read_text().splitlines()]
+    trained = [g for row in audit for g in row["groups"]]
     assert len(trained) == 6 * 4 and len(set(trained)) == len(trained)  # every step the pool's, none twice
     counters = json.loads((tmp_path / "pool.log").read_text().strip().splitlines()[-1])
     assert counters["version"] >= 4 and counters["weight_loads"] >= 3  # it followed the resumed learner
@@ -231,5 +230,7 @@ def test_a_learner_killed_and_resumed_trains_every_pool_group_at_most_once_and_l
         for i in range(4)
     }
     left = set(TransportSpec("fsspec", url=str(exchange)).open().keys(ROLLOUT_TOPIC))
-    assert set(trained) <= sent and not set(trained) & left  # trained groups leave with their checkpoint
+    # trained groups leave the exchange one checkpoint later (a resume may start from the previous one)
+    before_last = {g for row in audit if row["step"] < 6 for g in row["groups"]}
+    assert set(trained) <= sent and not before_last & left
     assert sent - set(trained) - left == set()  # and no group is lost: trained, or still there
