@@ -21,7 +21,7 @@ import uuid
 from typing import Any, Optional, Sequence
 
 import numpy as np
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from .remote_sampler import compose_config
 from verl_ext.hetero.sampler_loop import SamplerLoop
@@ -228,8 +228,6 @@ def run_pool(
         if key.sampler_id != pool_id(index):
             raise ValueError(f"--key {key_file} is {key.sampler_id!r}'s key; this is {pool_id(index)}")
     settings = engine_settings(resolve_task_files(cfg))
-    from omegaconf import OmegaConf, open_dict
-
     OmegaConf.resolve(settings)
     with open_dict(settings):  # between this pool's weight source and its servers: node-local
         settings.actor_rollout_ref.rollout.checkpoint_engine.backend = POOL_WEIGHT_BACKEND

@@ -40,7 +40,7 @@ from verl_ext.hetero.protocol import (
 )
 from verl_ext.hetero.records import RecordSpec
 from verl_ext.hetero.weights import WeightStore
-from verl_ext.rundir import truncate_metrics
+from verl_ext.rundir import truncate_metrics, write_text_atomically
 
 INGRESS_NAME = "heterorl_pool_ingress"
 STATE_FILE = "pool_ingress.json"
@@ -216,9 +216,7 @@ class PoolIngress:
         state = {"trained": trained, "trust": self.gate.state_dict()}
         path = Path(folder) / STATE_FILE
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(state, default=_jsonable))
-        tmp.replace(path)
+        write_text_atomically(path, json.dumps(state, default=_jsonable))
         done, self._checkpointed = self._checkpointed, set(trained)
         keys = [k for k in self.transport.keys(ROLLOUT_TOPIC) if k in done]
         self.transport.delete_many(ROLLOUT_TOPIC, keys)
@@ -342,7 +340,6 @@ class BackgroundPublisher:
         self.store = WeightStore(TransportSpec("fsspec", url=url).open(), **options)
         self._queue: "queue.Queue[tuple[int, dict] | None]" = queue.Queue(maxsize=1)
         self._error: Optional[BaseException] = None
-        self.published: list[int] = []
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
@@ -352,7 +349,6 @@ class BackgroundPublisher:
             try:
                 if item is not None and self._error is None:
                     self.store.publish(*item)
-                    self.published.append(item[0])
             except BaseException as err:  # raised in the caller's thread
                 self._error = err
             finally:
