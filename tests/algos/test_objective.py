@@ -41,6 +41,7 @@ from verl.trainer.ppo.rollout_corr_helper import (
 )
 from verl.utils.config import omega_conf_to_dataclass
 
+from tests.subsets import default_run_keeps
 from recipe.gepo.embedded.learner import Learner, collate_groups, log_probs_and_entropy
 from recipe.gepo.embedded.policy import load_policy
 from verl_ext.sampling import sequence_token_log_probs
@@ -188,10 +189,28 @@ def learner_loss_and_grads(learner: Learner, groups):
     return loss.detach(), metrics, grads_of(learner.model), batch
 
 
+def selected_runs(request) -> tuple[list[str], list[str]]:
+    """The presets and rollout-corrected keys this session's selected tests of this module compare
+    (verl's side costs ~1 s a run: the default run asks for a representative few, `make test-all` for all)."""
+    presets, corrected = set(), set()
+    for item in request.session.items:
+        params = getattr(item, "callspec", None) and item.callspec.params
+        if item.module is not request.module or not params:
+            continue
+        if "preset" in params:
+            presets.add(params["preset"])
+        if params.get("key") in CORRECTED:
+            corrected.add(params["key"])
+            presets.add(CORRECTED[params["key"]][0])
+    return [p for p in PRESETS if p in presets], [k for k in CORRECTED if k in corrected]
+
+
 @pytest.fixture(scope="module")
-def setup(tiny_model_path, tmp_path_factory):
+def setup(request, tiny_model_path, tmp_path_factory):
     """The initial model (= the reference), the perturbed model being trained (saved for verl's
-    engine), the groups, and the verl engine's results for every preset (one process)."""
+    engine), the groups, and the verl engine's results for the presets the session's tests compare
+    (one process)."""
+    presets, corrected = selected_runs(request)
     tmp = tmp_path_factory.mktemp("objective")
     initial, tokenizer = load_policy(tiny_model_path)
     trained = copy.deepcopy(initial)
@@ -211,7 +230,7 @@ def setup(tiny_model_path, tmp_path_factory):
         )
     inp = {
         "model_path": str(tmp / "model"),
-        "presets": PRESETS,
+        "presets": presets,
         "overrides": OBJECTIVE,
         "micro_batch_sizes": MICRO_BATCH_SIZES,
         "temperature": TEMPERATURE,
@@ -240,7 +259,8 @@ def setup(tiny_model_path, tmp_path_factory):
             * batch["response_mask"]
         )
     inp["corrected"] = []
-    for key, (preset, settings) in CORRECTED.items():
+    for key in corrected:
+        preset, settings = CORRECTED[key]
         driver = DataProto.from_dict(
             tensors={
                 "old_log_probs": proximal,
@@ -284,7 +304,11 @@ def _cases():
             yield pytest.param(preset, mbs, marks=marks, id=f"{preset}-micro{mbs}")
 
 
-@pytest.mark.parametrize("preset, micro_batch_size", list(_cases()))
+# one per kind of loss and both micro-batch sizes by default (group, token, sequence, clipped-IS, TOPR)
+FAST_CASES = ("gepo-micro12", "gepo-micro6", "grpo-micro6", "gspo-micro12", "cispo-micro6", "topr-micro12")
+
+
+@pytest.mark.parametrize("preset, micro_batch_size", default_run_keeps(_cases(), FAST_CASES))
 def test_both_engines_give_the_same_loss_and_gradient(setup, preset, micro_batch_size):
     config = actor_config(preset)
     assert config.entropy_coeff == 0.05 and config.use_kl_loss

@@ -35,6 +35,7 @@ from recipe.gepo.sections import HeteroConfig
 from recipe.gepo.sections import TaskConfig
 from recipe.gepo.main_gepo import DEBUG_ENV, run_command, run_local
 from recipe.gepo.sections import VerlEngineConfig
+from tests.subsets import default_run_keeps
 from verl_ext.rundir import config_leaves
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -58,6 +59,19 @@ CHOICES = {
 def compose_cfg(*overrides: str):
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
         return compose(config_name="gepo_trainer", overrides=list(overrides))
+
+
+# the inert-option cases the default run keeps: one per kind of switch (the loss mode, a flag, a None,
+# a project choice, a trust threshold)
+INERT_FAST = (
+    "actor_rollout_ref.actor.clip_ratio_c",
+    "kl_loss_coef",
+    "rollout_is_threshold",
+    "hetero.max_delta_chain",
+    "hetero.trust.checkable_sampling",
+)
+# the presets the default run starts (one per kind of loss; the two that set clip_ratio beside low/high)
+FAST_PRESETS = ("gepo", "grpo", "gspo", "gmpo", "cispo")
 
 
 @pytest.fixture(scope="module")
@@ -182,7 +196,9 @@ def test_an_interpolated_key_follows_its_source_without_being_refused(defaults):
     options.check_verl_keys(cfg, defaults, options.REPLAY)
 
 
-@pytest.mark.parametrize("preset", sorted(p.stem for p in (CONFIG_DIR / "algorithm_preset").glob("*.yaml")))
+@pytest.mark.parametrize(
+    "preset", default_run_keeps(sorted(p.stem for p in (CONFIG_DIR / "algorithm_preset").glob("*.yaml")), FAST_PRESETS)
+)
 def test_every_algorithm_preset_runs_on_the_embedded_engine(defaults, preset):
     """Presets set only keys the embedded engine acts on (else a preset would be refused there)."""
     options.check_verl_keys(compose_cfg(f"algorithm_preset={preset}"), defaults, options.ASYNC)
@@ -225,38 +241,45 @@ def test_a_missing_math_dataset_file_fails_naming_the_key_and_path(tmp_path):
 
 @pytest.mark.parametrize(
     "overrides, key, on",
-    [
-        (
-            ["actor_rollout_ref.actor.clip_ratio_c=2.0"],
-            "actor_rollout_ref.actor.clip_ratio_c",
-            "policy_loss.loss_mode='gepo'",
-        ),
-        (["actor_rollout_ref.actor.policy_loss.kl_cov_ratio=0.1"], "policy_loss.kl_cov_ratio", "policy_loss.loss_mode"),
-        (["actor_rollout_ref.actor.policy_loss.dro_beta=0.5"], "policy_loss.dro_beta", "policy_loss.loss_mode"),
-        (["actor_rollout_ref.actor.loss_scale_factor=8"], "loss_scale_factor", "loss_agg_mode"),
-        (["actor_rollout_ref.actor.kl_loss_coef=0.1"], "kl_loss_coef", "use_kl_loss=False"),
-        (["actor_rollout_ref.actor.kl_loss_type=kl"], "kl_loss_type", "use_kl_loss=False"),
-        (["algorithm.rollout_correction.rollout_is_threshold=3.0"], "rollout_is_threshold", "rollout_is=None"),
-        (
-            ["algorithm.rollout_correction.rollout_is_batch_normalize=true"],
-            "rollout_is_batch_normalize",
-            "rollout_is=None",
-        ),
-        (["algorithm.rollout_correction.rollout_rs_threshold=0.5_2.0"], "rollout_rs_threshold", "rollout_rs=None"),
-        (["trainer.project_name=other"], "trainer.project_name", "trainer.logger=[]"),
-        (
-            ["trainer.project_name=other", "trainer.logger=[tensorboard]"],
-            "trainer.project_name",
-            "trainer.logger=['tensorboard']",
-        ),
-        (["hetero.max_delta_chain=3"], "hetero.max_delta_chain", "hetero.weight_sync='full'"),
-        (["hetero.trust.divergence_window=3"], "hetero.trust.divergence_window", "hetero.trust.max_divergence=0.0"),
-        (
-            ["hetero.trust.checkable_sampling=true", "hetero.trust.verify_fraction=0"],
-            "hetero.trust.checkable_sampling",
-            "hetero.trust.verify_fraction=0",
-        ),
-    ],
+    default_run_keeps(
+        [
+            (
+                ["actor_rollout_ref.actor.clip_ratio_c=2.0"],
+                "actor_rollout_ref.actor.clip_ratio_c",
+                "policy_loss.loss_mode='gepo'",
+            ),
+            (
+                ["actor_rollout_ref.actor.policy_loss.kl_cov_ratio=0.1"],
+                "policy_loss.kl_cov_ratio",
+                "policy_loss.loss_mode",
+            ),
+            (["actor_rollout_ref.actor.policy_loss.dro_beta=0.5"], "policy_loss.dro_beta", "policy_loss.loss_mode"),
+            (["actor_rollout_ref.actor.loss_scale_factor=8"], "loss_scale_factor", "loss_agg_mode"),
+            (["actor_rollout_ref.actor.kl_loss_coef=0.1"], "kl_loss_coef", "use_kl_loss=False"),
+            (["actor_rollout_ref.actor.kl_loss_type=kl"], "kl_loss_type", "use_kl_loss=False"),
+            (["algorithm.rollout_correction.rollout_is_threshold=3.0"], "rollout_is_threshold", "rollout_is=None"),
+            (
+                ["algorithm.rollout_correction.rollout_is_batch_normalize=true"],
+                "rollout_is_batch_normalize",
+                "rollout_is=None",
+            ),
+            (["algorithm.rollout_correction.rollout_rs_threshold=0.5_2.0"], "rollout_rs_threshold", "rollout_rs=None"),
+            (["trainer.project_name=other"], "trainer.project_name", "trainer.logger=[]"),
+            (
+                ["trainer.project_name=other", "trainer.logger=[tensorboard]"],
+                "trainer.project_name",
+                "trainer.logger=['tensorboard']",
+            ),
+            (["hetero.max_delta_chain=3"], "hetero.max_delta_chain", "hetero.weight_sync='full'"),
+            (["hetero.trust.divergence_window=3"], "hetero.trust.divergence_window", "hetero.trust.max_divergence=0.0"),
+            (
+                ["hetero.trust.checkable_sampling=true", "hetero.trust.verify_fraction=0"],
+                "hetero.trust.checkable_sampling",
+                "hetero.trust.verify_fraction=0",
+            ),
+        ],
+        lambda case: case[1] in INERT_FAST,
+    ),
 )
 def test_an_option_another_key_leaves_inert_is_refused_naming_both(defaults, overrides, key, on):
     cfg = compose_cfg(*overrides)
@@ -280,7 +303,9 @@ def test_the_same_option_with_its_switch_on_is_accepted(defaults, overrides):
     assert options.check_dependencies(compose_cfg(*overrides), defaults, options.ASYNC) == []
 
 
-@pytest.mark.parametrize("preset", sorted(p.stem for p in (CONFIG_DIR / "algorithm_preset").glob("*.yaml")))
+@pytest.mark.parametrize(
+    "preset", default_run_keeps(sorted(p.stem for p in (CONFIG_DIR / "algorithm_preset").glob("*.yaml")), FAST_PRESETS)
+)
 def test_every_preset_starts_and_what_it_keeps_inert_is_reported(defaults, preset):
     """The study's presets set clip_ratio for every loss mode: where it is inert it is reported, not refused."""
     notes = options.check_dependencies(compose_cfg(f"algorithm_preset={preset}"), defaults, options.REPLAY)
@@ -322,7 +347,11 @@ TYPOS_ONE_RUNNER = [
 
 @pytest.mark.parametrize(
     "override, suggestion, runner",
-    [(*t, r) for t in TYPOS for r in options.RUNNERS] + [(*t, options.REPLAY) for t in TYPOS_ONE_RUNNER],
+    default_run_keeps(
+        [(*t, r) for t in TYPOS for r in options.RUNNERS] + [(*t, options.REPLAY) for t in TYPOS_ONE_RUNNER],
+        # every runner once, and the project's own sections
+        lambda case: case[0] == TYPOS[1][0] or case[0] in ("+task.digit=2", "+hetero.max_dealy=2"),
+    ),
 )
 def test_an_unknown_key_is_refused_in_every_section_naming_the_closest(override, suggestion, runner):
     engine = ["hetero.engine=verl"] if runner == options.VERL else [f"hetero.mode={runner}"]

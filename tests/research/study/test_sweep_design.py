@@ -39,6 +39,7 @@ from research.study.rows import append_row, collect, load_rows, make_row
 from research.study.run import SECONDS_PER_EVAL_PROBLEM, SECONDS_PER_STEP_16, Sweep, estimate_seconds, progress_line
 from tests.research.study.conftest import REPO, compose_cfg
 from tests.research.study.test_sweep_table import _write_run
+from tests.subsets import default_run_keeps
 
 
 def _staleness(overrides: list[str], steps: int, seed: int = 0) -> list[int]:
@@ -711,7 +712,8 @@ def test_designs_that_run_start_from_the_pinned_warm_start_and_keep_their_ids():
     )  # the first study's rows stay; the frontier's join them
 
 
-@pytest.mark.parametrize("algo", list(ALGOS))
+# by default: a preset alone, a preset with a loss override, a preset with an estimator override, a rollout-correction preset
+@pytest.mark.parametrize("algo", default_run_keeps(list(ALGOS), ("gepo", "gepo_adaptive", "gepo_std", "grpo_tis")))
 def test_run_overrides_pass_the_entrys_checks(algo, tmp_path, capsys):
     """Each algorithm's run overrides compose with recipe/gepo/config and pass
     ``recipe.gepo.main_gepo.run_local``'s checks (``hetero.dry_run=true``: the checks, no training)."""
