@@ -235,7 +235,11 @@ def run_pool(
     if name in NEVER_RAN:
         print(f"[pool {index}] note: rollout.name={name} has never run in a pool (only hf_cpu has)", flush=True)
     if cfg.hetero.dry_run:
-        print(f"[pool {index}] config ok (dry run): exchange {cfg.hetero.transport_url}", flush=True)
+        print(
+            f"[pool {index}] config ok (dry run): exchange {cfg.hetero.transport_url}, "
+            f"max_delay={cfg.hetero.max_delay}, {cfg.data.train_batch_size} prompts a batch",
+            flush=True,
+        )
         return {}
     runtime_env = copy.deepcopy(get_ppo_ray_runtime_env(settings))
     ray_init = dict(settings.get("ray_kwargs", {}).get("ray_init", {}) or {})
