@@ -8,7 +8,7 @@ import pytest
 import torch
 from verl.trainer.ppo.core_algos import get_adv_estimator_fn
 
-import verl_ext.verl_losses  # noqa: F401 -- registers bnpo
+import verl_ext.algos.registry  # noqa: F401 -- registers bnpo
 from recipe.gepo.verl_engine import batch_rules
 from verl_ext.algos import advantages as adv_lib
 from verl_ext.group_index import uid_group_index

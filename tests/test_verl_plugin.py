@@ -52,7 +52,7 @@ _PROBE = _CPU_BACKEND + textwrap.dedent(
     print("REGISTRY=" + json.dumps({
         "losses": sorted(core_algos.POLICY_LOSS_REGISTRY),
         "estimators": sorted(core_algos.ADV_ESTIMATOR_REGISTRY),
-        "plugin_declared": sorted(getattr(sys.modules.get("verl_ext.verl_losses"), "HETERORL_LOSS_MODES", ())),
+        "plugin_declared": sorted(getattr(sys.modules.get("verl_ext.algos.registry"), "HETERORL_LOSS_MODES", ())),
         "cpu_backend": cpu_backend(),
     }))
     """
@@ -68,7 +68,7 @@ _LOSS_IMPORT_PROBE = _CPU_BACKEND + textwrap.dedent(
     from verl.trainer.ppo import core_algos
     print("REGISTRY=" + json.dumps({
         "losses": sorted(core_algos.POLICY_LOSS_REGISTRY),
-        "loss_module_loaded": "verl_ext.verl_losses" in sys.modules,
+        "loss_module_loaded": "verl_ext.algos.registry" in sys.modules,
         "cpu_backend": cpu_backend(),
     }))
     """
@@ -174,14 +174,14 @@ def probes():
         "ray": _Proc(_RAY_PROBE, cwd="/", timeout=300),
         "fresh": _Proc(_verl_tests_probe(site) if have_tests else _PROBE, cwd=str(site), timeout=400),
         # no entry point at all: the config module alone
-        "config_only": _Proc(_LOSS_IMPORT_PROBE, cwd="/", timeout=300, args=("verl_ext.loss_config",), plugins="none"),
+        "config_only": _Proc(_LOSS_IMPORT_PROBE, cwd="/", timeout=300, args=("verl_ext.algos.config",), plugins="none"),
         # only the losses' entry point: the config, the losses and the loss bridge
         "losses_only": _Proc(
             _LOSS_IMPORT_PROBE,
             cwd="/",
             timeout=300,
             plugins="heterorl",
-            args=("verl_ext.loss_config,verl_ext.verl_losses,verl_ext.loss_bridge",),
+            args=("verl_ext.algos.config,verl_ext.algos.registry,verl_ext.algos.objective",),
         ),
     }
     running["have_verl_tests"] = have_tests
@@ -194,7 +194,7 @@ def probes():
 
 def test_entry_points_declared():
     eps = {ep.name: ep.value for ep in metadata.entry_points(group="verl.plugins")}
-    assert eps.get("heterorl") == "verl_ext.verl_losses", eps
+    assert eps.get("heterorl") == "verl_ext.algos.registry", eps
     assert eps.get("heterorl_cpu") == "verl_ext.cpu", eps
 
 

@@ -138,7 +138,7 @@ EMBEDDED_VERL_KEYS = (
     "trainer.project_name",
     "trainer.experiment_name",
     # the actor objective: verl's registered losses read the whole actor config, the learner
-    # (recipe/gepo/embedded/learner.py) its optimiser keys, verl_ext.loss_bridge the rest
+    # (recipe/gepo/embedded/learner.py) its optimiser keys, verl_ext.algos.objective the rest
     "actor_rollout_ref.actor.policy_loss.*",
     "actor_rollout_ref.actor.clip_ratio",
     "actor_rollout_ref.actor.clip_ratio_low",
@@ -155,7 +155,7 @@ EMBEDDED_VERL_KEYS = (
     "actor_rollout_ref.actor.optim.betas",
     "actor_rollout_ref.actor.optim.weight_decay",
     # advantages (recipe/gepo/embedded/rollout_groups.py) and the decoupled truncated IS
-    # (verl_ext.loss_bridge.rollout_correction_settings refuses the values it cannot do)
+    # (verl_ext.algos.objective.rollout_correction_settings refuses the values it cannot do)
     "algorithm.adv_estimator",
     "algorithm.norm_adv_by_std_in_grpo",
     "algorithm.rollout_correction.*",
@@ -417,7 +417,7 @@ class Dependency:
 _ACTOR = "actor_rollout_ref.actor"
 _LOSS_MODE = f"{_ACTOR}.policy_loss.loss_mode"
 _RC = "algorithm.rollout_correction"
-# the loss modes that read the clip range (verl's core_algos, verl_ext.verl_losses)
+# the loss modes that read the clip range (verl's core_algos, verl_ext.algos.registry)
 _CLIP_READERS = (
     "vanilla",
     "dppo_tv",
@@ -570,7 +570,7 @@ DEPENDENCIES: tuple[Dependency, ...] = (
 )
 """Every option read only in some settings of another key, in one place (checked by
 :func:`check_dependencies`). The project's own loss options are checked by their config
-(``verl_ext.loss_config.LOSS_SPECIFIC_OPTIONS``), a delay model's and a task's fields by their
+(``verl_ext.algos.config.LOSS_SPECIFIC_OPTIONS``), a delay model's and a task's fields by their
 section (``recipe.gepo.sections``)."""
 
 

@@ -199,7 +199,7 @@ def selected_losses(workdir: Path) -> list[tuple[str, Any, Any]]:
 
     from verl.trainer.ppo.core_algos import get_policy_loss_fn
 
-    import verl_ext.verl_losses  # noqa: F401  registers the project's losses
+    import verl_ext.algos.registry  # noqa: F401  registers the project's losses
 
     bl = _bench_losses()
     wanted = os.environ.get("LANE_LOSSES", "all")

@@ -42,7 +42,7 @@ def run_numbers(metrics: list[dict], total_steps: int, last_evals: int = 0) -> d
     ``last_evals=0`` of the evaluations at steps > 0.75 * total_steps. The :data:`MECHANISMS`
     (``kl``, ``var``, ``weight_mean``, ``clipfrac``, the clip fractions by advantage sign
     ``clipfrac_pos`` / ``clipfrac_neg`` and the relative gradient weights of right / wrong answers
-    ``weight_right`` / ``weight_wrong``, see ``verl_ext.loss_bridge.gradient_mechanism_metrics``)
+    ``weight_right`` / ``weight_wrong``, see ``verl_ext.algos.objective.gradient_mechanism_metrics``)
     are means over the training steps > 0.75 * total_steps; ``zero_grad_stale`` = mean share of
     sequences whose whole gradient the loss removed over the steps trained on stale data
     (staleness > 0); ``staleness`` and ``err`` = means of ``hetero/staleness_mean`` and

@@ -2,7 +2,7 @@
 
     python -m scripts.bench.bench_losses [--batch 256] [--length 4096] [--repeats 10] [--out docs/bench_losses.md]
 
-Every loss the project registers (``verl_ext.verl_losses.HETERORL_LOSS_MODES``) and every verl
+Every loss the project registers (``verl_ext.algos.registry.HETERORL_LOSS_MODES``) and every verl
 loss a preset of ``recipe/gepo/config/algorithm_preset`` uses (tests/algos/test_bench_losses.py
 keeps the list complete); verl's other registered losses, which no preset uses, are not timed.
 

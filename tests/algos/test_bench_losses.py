@@ -11,8 +11,8 @@ import pytest
 import yaml
 from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY
 
-import verl_ext.verl_losses  # noqa: F401 -- registers the project's losses (as the verl plugin does)
-from verl_ext.verl_losses import HETERORL_LOSS_MODES
+import verl_ext.algos.registry  # noqa: F401 -- registers the project's losses (as the verl plugin does)
+from verl_ext.algos.registry import HETERORL_LOSS_MODES
 
 REPO = Path(__file__).resolve().parents[2]
 PRESETS = REPO / "recipe" / "gepo" / "config" / "algorithm_preset"
@@ -43,7 +43,7 @@ def _preset_loss_modes() -> set[str]:
 
 def test_the_bench_times_every_project_loss_and_every_loss_a_preset_uses(bench):
     timed = {mode for _, _, mode in bench.LOSSES}
-    project = {name for name, fn in POLICY_LOSS_REGISTRY.items() if fn.__module__ == "verl_ext.verl_losses"}
+    project = {name for name, fn in POLICY_LOSS_REGISTRY.items() if fn.__module__ == "verl_ext.algos.registry"}
     assert project == set(HETERORL_LOSS_MODES)  # the project's own list is the registry's
     assert timed == project | _preset_loss_modes(), sorted(timed ^ (project | _preset_loss_modes()))
     assert {"gepo_tr", "gepo_tc", "m2po", "vespo"} <= timed

@@ -16,10 +16,10 @@ import pytest
 import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 
-import verl_ext.verl_losses  # noqa: F401 -- registers the project's losses (as the verl plugin does)
+import verl_ext.algos.registry  # noqa: F401 -- registers the project's losses (as the verl plugin does)
 from verl_ext.algos import compiled, losses
 from verl_ext.algos import importance as iw
-from verl_ext.loss_config import LOSS_SPECIFIC_OPTIONS, HeteroPolicyLossConfig
+from verl_ext.algos.config import LOSS_SPECIFIC_OPTIONS, HeteroPolicyLossConfig
 
 from . import reference as ref
 from .verl_helpers import CLIP_HIGH, CLIP_LOW, actor_config, call_loss

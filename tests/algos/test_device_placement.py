@@ -44,13 +44,13 @@ from verl_ext.algos import importance as iw
 from verl_ext.analysis import run_diagnostics
 from verl_ext.data.toy.model import build_tokenizer, toy_model_config
 from verl_ext.hetero.records import RolloutGroup
-from verl_ext.loss_bridge import (
+from verl_ext.algos.objective import (
     builtin_weight_stats,
     compute_actor_loss,
     gradient_mechanism_metrics,
     rollout_correction_settings,
 )
-from verl_ext.verl_losses import HETERORL_LOSS_MODES, sampler_kl_penalty
+from verl_ext.algos.registry import HETERORL_LOSS_MODES, sampler_kl_penalty
 
 from .test_ppo_loss import GROUP as PPO_GROUP
 from .test_ppo_loss import make_data
@@ -194,7 +194,7 @@ def _ppo_config(loss_mode: str):
     if not _PPO_SECTION:
         _PPO_SECTION.append(
             composed_actor_section(
-                "actor_rollout_ref.actor.policy_loss._target_=verl_ext.loss_config.HeteroPolicyLossConfig",
+                "actor_rollout_ref.actor.policy_loss._target_=verl_ext.algos.config.HeteroPolicyLossConfig",
                 f"+actor_rollout_ref.actor.policy_loss.group_size={PPO_GROUP}",
                 "+actor_rollout_ref.actor.policy_loss.sampler_kl_coef=0.01",
                 "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",

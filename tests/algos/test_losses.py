@@ -1,4 +1,4 @@
-"""verl_ext.algos.losses and the registered losses in verl_ext.verl_losses against float64 references.
+"""verl_ext.algos.losses and the registered losses in verl_ext.algos.registry against float64 references.
 
 Registered losses are called through verl's registry with verl's ActorConfig, exactly as
 ``verl.workers.utils.losses.ppo_loss`` calls them (tests/algos/test_ppo_loss.py drives

@@ -10,7 +10,7 @@ from hydra.errors import InstantiationException
 from omegaconf import OmegaConf
 from verl.utils.config import omega_conf_to_dataclass
 
-from verl_ext.loss_config import HeteroPolicyLossConfig
+from verl_ext.algos.config import HeteroPolicyLossConfig
 
 from . import reference as ref
 from .verl_helpers import actor_config, actor_from_section, call_loss, composed_actor_section
@@ -108,7 +108,7 @@ def test_loss_specific_option_with_another_loss_raises_naming_it(field, value, o
 def test_loss_specific_guard_through_omega_conf_to_dataclass():
     """The guard also fires when the config arrives from YAML (as hydra hands it to verl)."""
     node = OmegaConf.create(
-        {"_target_": "verl_ext.loss_config.HeteroPolicyLossConfig", "loss_mode": "gepo", "m2po_threshold": 0.1}
+        {"_target_": "verl_ext.algos.config.HeteroPolicyLossConfig", "loss_mode": "gepo", "m2po_threshold": 0.1}
     )
     with pytest.raises((ValueError, InstantiationException), match="m2po_threshold"):
         omega_conf_to_dataclass(node)
@@ -118,13 +118,13 @@ def test_loss_specific_guard_through_omega_conf_to_dataclass():
 
 def test_bad_value_through_omega_conf_to_dataclass_names_the_field():
     node = OmegaConf.create(
-        {"_target_": "verl_ext.loss_config.HeteroPolicyLossConfig", "loss_mode": "gepo", "seq_reduction": "max"}
+        {"_target_": "verl_ext.algos.config.HeteroPolicyLossConfig", "loss_mode": "gepo", "seq_reduction": "max"}
     )
     with pytest.raises((ValueError, InstantiationException), match="seq_reduction"):
         omega_conf_to_dataclass(node)
     good = omega_conf_to_dataclass(
         OmegaConf.create(
-            {"_target_": "verl_ext.loss_config.HeteroPolicyLossConfig", "loss_mode": "gepo", "group_size": 8}
+            {"_target_": "verl_ext.algos.config.HeteroPolicyLossConfig", "loss_mode": "gepo", "group_size": 8}
         )
     )
     assert isinstance(good, HeteroPolicyLossConfig) and good.group_size == 8
@@ -172,7 +172,7 @@ def test_seq_reduction_sum_with_a_loss_that_ignores_it_fails_naming_the_key(loss
     assert loss_mode in str(err.value) and "gepo" in str(err.value)
     # at start, from the YAML verl's trainer composes (hydra + omega_conf_to_dataclass)
     section = composed_actor_section(
-        "actor_rollout_ref.actor.policy_loss._target_=verl_ext.loss_config.HeteroPolicyLossConfig",
+        "actor_rollout_ref.actor.policy_loss._target_=verl_ext.algos.config.HeteroPolicyLossConfig",
         f"actor_rollout_ref.actor.policy_loss.loss_mode={loss_mode}",
         "+actor_rollout_ref.actor.policy_loss.seq_reduction=sum",
     )
@@ -199,8 +199,8 @@ def test_seq_reduction_readers_are_exactly_the_project_losses_that_read_it():
     the table lists it. verl's own losses have no such field."""
     from verl.trainer.ppo.core_algos import get_policy_loss_fn
 
-    from verl_ext.loss_config import LOSS_SPECIFIC_OPTIONS
-    from verl_ext.verl_losses import HETERORL_LOSS_MODES
+    from verl_ext.algos.config import LOSS_SPECIFIC_OPTIONS
+    from verl_ext.algos.registry import HETERORL_LOSS_MODES
 
     assert set(LOSS_SPECIFIC_OPTIONS["seq_reduction"]) == set(SEQ_REDUCTION_READERS)
     b = ref.make_batch(seed=74, drift=0.4)

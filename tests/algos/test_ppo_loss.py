@@ -1,7 +1,7 @@
 """Every loss driven through verl's own ``verl.workers.utils.losses.ppo_loss`` on CPU.
 
 The actor config is composed by hydra from verl's packaged ``ppo_trainer`` config (with
-``policy_loss._target_=verl_ext.loss_config.HeteroPolicyLossConfig``) and instantiated with verl's
+``policy_loss._target_=verl_ext.algos.config.HeteroPolicyLossConfig``) and instantiated with verl's
 ``omega_conf_to_dataclass``; the batch is a TensorDict laid out as verl's engines hand it to the
 loss: padded ``prompts``/``responses`` + ``attention_mask`` (or nested jagged prompts/responses),
 padded ``response_mask``/``old_log_probs``/``advantages``, global batch info as non-tensor data,
@@ -19,9 +19,9 @@ from verl.utils import tensordict_utils as tu
 from verl.workers.utils.losses import ppo_loss
 
 from verl_ext.algos import losses
-from verl_ext.loss_config import HeteroPolicyLossConfig
-from verl_ext.loss_bridge import compute_actor_loss
-from verl_ext.verl_losses import HETERORL_LOSS_MODES, policy_loss_fn
+from verl_ext.algos.config import HeteroPolicyLossConfig
+from verl_ext.algos.objective import compute_actor_loss
+from verl_ext.algos.registry import HETERORL_LOSS_MODES, policy_loss_fn
 
 from . import reference as ref
 from .verl_helpers import actor_from_section, composed_actor_section
@@ -37,7 +37,7 @@ IS_KEYS = {"is/weight_mean", "is/weight_min", "is/weight_max", "is/weight_var", 
 @pytest.fixture(scope="module")
 def actor_yaml():
     return composed_actor_section(
-        "actor_rollout_ref.actor.policy_loss._target_=verl_ext.loss_config.HeteroPolicyLossConfig",
+        "actor_rollout_ref.actor.policy_loss._target_=verl_ext.algos.config.HeteroPolicyLossConfig",
         f"+actor_rollout_ref.actor.policy_loss.group_size={GROUP}",
         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
         "actor_rollout_ref.actor.clip_ratio_high=0.28",

@@ -1,4 +1,4 @@
-"""The verl engine's side of tests/algos/test_objective.py, run in its own process.
+"""The verl engine's side of tests/algos/test_engines_agree.py, run in its own process.
 
 ``python tests/algos/verl_fsdp_objective.py IN.pt OUT.pt`` (the repository on PYTHONPATH): a
 single-rank gloo process group (what a verl worker process is), verl's real ``TrainingWorker``
@@ -106,8 +106,8 @@ def main(in_path: str, out_path: str) -> None:
     from verl.workers.utils.losses import ppo_loss
     from verl.workers.utils.padding import left_right_2_no_padding
 
-    from recipe.gepo.verl_engine.batch_rules import GROUP_LOG_DENOMINATOR, group_log_denominator
-    from recipe.gepo.verl_engine.loss import bridge_loss_fn
+    from recipe.gepo.verl_engine.batch_rules import group_log_denominator
+    from verl_ext.algos.worker_loss import GROUP_LOG_DENOMINATOR, bridge_loss_fn
 
     inp = torch.load(in_path, weights_only=False)
     batch_size = inp["prompts"].shape[0]

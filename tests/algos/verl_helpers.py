@@ -9,7 +9,7 @@ from verl.trainer.ppo.core_algos import get_policy_loss_fn
 from verl.utils.config import omega_conf_to_dataclass
 from verl.workers.config.actor import ActorConfig
 
-from verl_ext.loss_config import HeteroPolicyLossConfig
+from verl_ext.algos.config import HeteroPolicyLossConfig
 
 CLIP_LOW, CLIP_HIGH = 0.2, 0.28  # asymmetric, so a swapped clip range shows
 

@@ -1,5 +1,5 @@
 """The guard that stops a group-level loss from reading contiguous runs of G sequences as prompt
-groups when verl may have moved them (``check_contiguous_groups`` in verl_ext/verl_losses.py).
+groups when verl may have moved them (``check_contiguous_groups`` in verl_ext/algos/registry.py).
 
 The actor config is verl's own: composed by hydra from verl's packaged ``ppo_trainer`` config and
 turned into verl's ActorConfig by ``omega_conf_to_dataclass`` -- with verl's plain
@@ -24,7 +24,7 @@ from verl.trainer.ppo.core_algos import get_policy_loss_fn
 from verl.workers.config import ActorConfig
 
 from tests.algos.verl_helpers import actor_from_section, composed_actor_section
-from verl_ext.verl_losses import check_contiguous_groups
+from verl_ext.algos.registry import check_contiguous_groups
 
 ROLLOUT_N = 4
 BATCH = 8

@@ -510,6 +510,7 @@ def _off_policy_batch(data, reduction: str, seed: int):
     and the GEPO denominators of that q under ``reduction``: ratios away from 1 and a KL term with a
     gradient, so clipping, truncation and the KL/entropy terms all take part."""
     from recipe.gepo.verl_engine import batch_rules
+    from verl_ext.algos.worker_loss import GROUP_LOG_DENOMINATOR
 
     out = data.slice(0, len(data))
     gen = torch.Generator().manual_seed(seed)
@@ -517,7 +518,7 @@ def _off_policy_batch(data, reduction: str, seed: int):
     q = out.batch["old_log_probs"] + 0.1 * torch.randn(mask.shape, generator=gen) * mask
     out.batch["old_log_probs"] = out.batch["rollout_log_probs"] = q
     out.batch["ref_log_prob"] = data.batch["old_log_probs"] + 0.1 * torch.randn(mask.shape, generator=gen) * mask
-    out.batch[batch_rules.GROUP_LOG_DENOMINATOR] = batch_rules.group_log_denominator(
+    out.batch[GROUP_LOG_DENOMINATOR] = batch_rules.group_log_denominator(
         q, out.batch["response_mask"], out.non_tensor_batch["uid"], reduction
     )
     return out
@@ -532,9 +533,9 @@ def every_preset():
     import ray
     from verl.utils.config import omega_conf_to_dataclass
 
-    from recipe.gepo.verl_engine.loss import hetero_ppo_loss
+    from verl_ext.algos.worker_loss import hetero_ppo_loss
     from tests.cpu import verl_actor as va
-    from verl_ext.loss_bridge import rollout_correction_settings
+    from verl_ext.algos.objective import rollout_correction_settings
 
     configs = {p: _configs(*FULL_OBJECTIVE, f"algorithm_preset={p}") for p in PRESETS}
     groups, tokenizer = _warm_start_groups(configs["gepo"][0])

@@ -27,8 +27,9 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from recipe.gepo.embedded.learner import collate_groups
 from recipe.gepo.verl_engine import batch_rules
+from verl_ext.algos.worker_loss import GROUP_LOG_DENOMINATOR
 from verl_ext.hetero.records import RolloutGroup
-from verl_ext.loss_config import loss_option
+from verl_ext.algos.config import loss_option
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -87,7 +88,7 @@ def verl_batch(groups: list[RolloutGroup], pad_token_id: int, reduction: str):
         },
         non_tensors={"uid": uids},
     )
-    data.batch[batch_rules.GROUP_LOG_DENOMINATOR] = batch_rules.group_log_denominator(
+    data.batch[GROUP_LOG_DENOMINATOR] = batch_rules.group_log_denominator(
         b["sampler_logprobs"], b["response_mask"], uids, reduction
     )
     return data

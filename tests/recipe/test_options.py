@@ -593,7 +593,7 @@ def honoured_replay_keys() -> set[str]:
         for key, field, _ in options.option_fields(cls, prefix)
         if options.REPLAY in options.honoured_by(field)
     }
-    from verl_ext.loss_config import HeteroPolicyLossConfig
+    from verl_ext.algos.config import HeteroPolicyLossConfig
 
     composed = OmegaConf.to_container(_defaults(), resolve=False)
     verl = {

@@ -10,8 +10,8 @@ from hydra import compose, initialize_config_dir
 from verl.trainer.ppo import core_algos
 from verl.utils.config import omega_conf_to_dataclass
 
-from verl_ext.loss_bridge import compute_actor_loss
-from verl_ext.loss_config import HeteroPolicyLossConfig
+from verl_ext.algos.objective import compute_actor_loss
+from verl_ext.algos.config import HeteroPolicyLossConfig
 from tests.subsets import default_run_keeps
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "recipe" / "gepo" / "config"

@@ -3,7 +3,7 @@
 Each ``*_loss_terms`` function returns :class:`LossTerms`: a per-token loss matrix [B, T] that an
 engine aggregates (verl's ``agg_loss`` modes), plus the importance weights and clip mask it used,
 for metrics. The functions know nothing about configs, micro-batches or engines; the adapters in
-``verl_ext.verl_losses`` read verl's config and call them.
+``verl_ext.algos.registry`` read verl's config and call them.
 
 Notation: ``log_p`` [B, T] learner token log-probs (with gradient), ``log_q`` [B, T] sampler token
 log-probs (the distribution the rollout was drawn from), ``advantages`` [B, T] (a sequence's

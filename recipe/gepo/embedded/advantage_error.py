@@ -19,7 +19,7 @@ from .tasks import Task
 from verl_ext.algos.importance import sequence_log_prob
 from verl_ext.hetero.records import RolloutGroup
 from verl_ext.hetero.seeding import diagnostics_seed
-from verl_ext.loss_config import loss_option
+from verl_ext.algos.config import loss_option
 
 
 def step_diagnostics(

@@ -72,7 +72,7 @@ class EngineConfig:
     def _validated(cls, cfg: DictConfig, defaults: DictConfig) -> "EngineConfig":
         from verl.utils.config import omega_conf_to_dataclass
 
-        from verl_ext.loss_bridge import rollout_correction_settings
+        from verl_ext.algos.objective import rollout_correction_settings
 
         engine = cls(
             hetero=HeteroConfig.from_omegaconf(cfg.hetero),

@@ -2,7 +2,7 @@
 
 The learner does not know which algorithm it runs: the whole objective (registered policy loss,
 sampler-KL penalty, entropy bonus, KL-to-reference term, rollout correction, metrics) is
-``verl_ext.loss_bridge.compute_actor_loss``, the function the verl engine's worker calls too. The
+``verl_ext.algos.objective.compute_actor_loss``, the function the verl engine's worker calls too. The
 learner supplies what the objective needs from the model: the log-probs, GEPO's group
 denominators (over whole prompt groups, exact whatever the batch layout), the token entropies
 when ``actor.entropy_coeff`` != 0, and a frozen reference model's log-probs when
@@ -23,8 +23,8 @@ from verl_ext.sampling import sequence_token_log_probs
 from verl_ext.algos.diagnostics import sequence_sampler_learner_kl
 from verl_ext.algos.importance import group_expectation_log_denominator, sequence_log_prob
 from verl_ext.hetero.records import RolloutGroup
-from verl_ext.loss_bridge import RolloutCorrection, compute_actor_loss
-from verl_ext.loss_config import loss_option
+from verl_ext.algos.objective import RolloutCorrection, compute_actor_loss
+from verl_ext.algos.config import loss_option
 
 
 class NonFiniteStepError(RuntimeError):
@@ -145,7 +145,7 @@ class Learner:
         pad_token_id: for collation.
         max_nonfinite_steps: consecutive skipped (NaN/Inf) steps after which the run stops loudly.
         rollout_correction: verl's decoupled truncated IS (``algorithm.rollout_correction``, parsed
-            by :func:`verl_ext.loss_bridge.rollout_correction_settings`), or None for none.
+            by :func:`verl_ext.algos.objective.rollout_correction_settings`), or None for none.
         compute_dtype: the autocast dtype of the learner's forward passes (``hetero.learner_precision``:
             bf16), or None (none). The weights, gradients and AdamW state keep the model's dtype
             (fp32 master weights); the log-softmax and the loss are fp32 either way.
@@ -171,7 +171,7 @@ class Learner:
     ):
         if rollout_correction is not None and not isinstance(rollout_correction, RolloutCorrection):
             raise TypeError(
-                f"rollout_correction must be a RolloutCorrection (verl_ext.loss_bridge.rollout_correction_settings), "
+                f"rollout_correction must be a RolloutCorrection (verl_ext.algos.objective.rollout_correction_settings), "
                 f"got {rollout_correction!r}"
             )
         self.model = model
@@ -281,7 +281,7 @@ class Learner:
     def policy_loss(
         self, log_prob: torch.Tensor, batch: dict[str, torch.Tensor], group_log_denominator: torch.Tensor
     ) -> tuple[torch.Tensor, dict[str, float]]:
-        """The objective of one step (:func:`verl_ext.loss_bridge.compute_actor_loss`).
+        """The objective of one step (:func:`verl_ext.algos.objective.compute_actor_loss`).
 
         Args: ``log_prob`` (B, T) learner log-probs with grad; ``batch`` from :func:`collate_groups`,
         plus ``entropy`` (B, T) and ``ref_log_prob`` (B, T) when those terms are on;

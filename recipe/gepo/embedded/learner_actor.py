@@ -7,7 +7,7 @@ One step (``LearnerWorker.step`` = :meth:`~.loop.LearnerRuntime.step`):
 ``RolloutBuffer`` (a poller thread moves arriving groups into it from the transport, through
 the :class:`~verl_ext.trust.gate.TrustGate`, whose checks run in a checker process on the system cores,
 :mod:`.checker`, or with ``hetero.trust.check_process=false`` in the poll thread), :meth:`~.learner.Learner.train_step` updates the model
-(``verl_ext.loss_bridge.compute_actor_loss``, then AdamW), and :meth:`TransportSource.publish`
+(``verl_ext.algos.objective.compute_actor_loss``, then AdamW), and :meth:`TransportSource.publish`
 writes the new version to the ``WeightStore`` the samplers (:mod:`.sampler`) read. Under
 ``hetero.stale_policy=wait`` the buffer does not step past the version that would make an
 announced group stale until it arrives (or ``hetero.wait_timeout_s`` passes).

@@ -32,7 +32,7 @@ from .tasks import Task
 from verl_ext.algos.advantages import sequence_advantages
 from verl_ext.hetero.buffer import RolloutBuffer
 from verl_ext.hetero.records import RecordSpec, RolloutGroup
-from verl_ext.loss_bridge import rollout_correction_settings
+from verl_ext.algos.objective import rollout_correction_settings
 from verl_ext.rundir import append_event, load_latest_checkpoint, save_checkpoint, truncate_metrics
 
 

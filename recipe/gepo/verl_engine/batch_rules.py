@@ -10,7 +10,7 @@
 2. **GEPO's denominator.** verl's worker-side loss sees micro-batches cut after shuffling and
    data-parallel splitting, so a group can be split; log E_q[q] depends only on the detached sampler
    probabilities, so the driver computes it over each whole group (``uid``) and ships it per sequence
-   (``group_log_denominator`` [B]) for :mod:`recipe.gepo.verl_engine.loss`. The maths is
+   (``group_log_denominator`` [B]) for :mod:`verl_ext.algos.worker_loss`. The maths is
    :func:`verl_ext.algos.importance.group_expectation_log_denominator`; this turns verl's layouts into its inputs.
 """
 
@@ -95,10 +95,6 @@ def hetero_step_metrics(
 
 
 # ---------------------------------------------------------------------------- GEPO's denominator
-
-
-GROUP_LOG_DENOMINATOR = "group_log_denominator"
-"""Name of the per-sequence field [B] that carries log E_q[q] from the driver to the loss."""
 
 
 def group_log_denominator(

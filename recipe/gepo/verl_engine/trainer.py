@@ -6,7 +6,7 @@ TransferQueue). It adds, each on one of verl's extension points: q is the sample
 (``verl_engine.old_log_prob=sampler``: ``rollout_log_probs`` copied into ``old_log_probs``, without
 verl's bypass mode); GEPO's exact denominators over whole uid groups, computed on the driver after
 ``_compute_advantage`` and handed to the loss (:class:`HeteroActorWorker`,
-:func:`recipe.gepo.verl_engine.loss.hetero_ppo_loss`); delayed parameter sync
+:func:`verl_ext.algos.worker_loss.hetero_ppo_loss`); delayed parameter sync
 (:class:`~recipe.gepo.verl_engine.delayed_sync.DelayedCheckpointManager`, ``hetero.delay``); the exact
 staleness bound over weight versions (:class:`HeteroReplayBuffer`); the bypass guard, at construction
 and before every update; roles pinned to nodes (:mod:`.node_placement`, ``placement.json``); the
@@ -38,7 +38,7 @@ from ..sections import HeteroConfig, VerlEngineConfig
 from . import batch_rules
 from .batch_rules import hetero_step_metrics, stale_group_uids
 from .delayed_sync import DelayedCheckpointManager, DelayedSyncSchedule
-from .loss import bridge_loss_fn
+from verl_ext.algos.worker_loss import GROUP_LOG_DENOMINATOR, bridge_loss_fn
 from .node_placement import pin_pools_to_node_roles
 from .pool_ingress import INGRESS_NAME, STATE_FILE, BackgroundPublisher, ExchangePublisher, PoolIngress, exchange_url
 from .launch_plan import (
@@ -58,7 +58,7 @@ from verl_ext.rundir import (
     write_placement,
     write_text_atomically,
 )
-from verl_ext.loss_config import loss_option
+from verl_ext.algos.config import loss_option
 
 fix_separate_async_logger()  # verl 0.9.1's separate_async crashes at init otherwise (any device)
 
@@ -359,7 +359,7 @@ class HeteroSeparateAsyncTrainer(PPOTrainerSeparateAsync):
         padding = [bool(tag.get("is_padding", False)) for tag in batch.tags]
         reduction = loss_option(self.config.actor_rollout_ref.actor, "seq_reduction")
         den = batch_rules.from_tensordict(td, reduction, padding=padding)
-        fields = TensorDict({batch_rules.GROUP_LOG_DENOMINATOR: den}, batch_size=len(batch))
+        fields = TensorDict({GROUP_LOG_DENOMINATOR: den}, batch_size=len(batch))
         batch = tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id, fields=fields)
         metrics["is/group_log_denominator_mean"] = float(den.mean())
         return batch

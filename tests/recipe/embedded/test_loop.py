@@ -11,7 +11,7 @@ import pytest
 
 from recipe.gepo.embedded.engine_config import EngineConfig
 from verl_ext.hetero.exchange import send_group
-from verl_ext.loss_bridge import rollout_correction_settings
+from verl_ext.algos.objective import rollout_correction_settings
 
 from .test_wait_policy import KEY, _groups, _learner, _until
 

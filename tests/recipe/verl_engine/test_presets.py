@@ -19,7 +19,7 @@ from recipe.gepo.options import ConfigError
 from recipe.gepo.options import OptionNotHonoured
 from recipe.gepo.verl_engine.launch_plan import VerlEngineConfigError, engine_settings, validate
 from recipe.gepo.verl_engine.runner import NoGPUError
-from verl_ext.loss_config import HeteroPolicyLossConfig
+from verl_ext.algos.config import HeteroPolicyLossConfig
 
 
 ROOT = Path(__file__).resolve().parents[3]

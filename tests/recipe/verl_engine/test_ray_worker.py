@@ -7,7 +7,7 @@ import pytest
 import ray
 
 # a literal on purpose: the worker must see the plugin register this known set (importing
-# verl_ext.verl_losses here for the names would register them in the driver, not test the worker)
+# verl_ext.algos.registry here for the names would register them in the driver, not test the worker)
 EXPECTED_LOSSES = ("gepo", "eqp", "gepo_adaptive", "gepo_tr", "gepo_tc", "topr", "delta_l", "m2po", "vespo")
 
 
@@ -23,7 +23,7 @@ def registries_in_worker():
     import verl  # noqa: F401  (loads entry points of group verl.plugins)
     from verl.trainer.ppo import core_algos
 
-    from recipe.gepo.verl_engine.loss import hetero_ppo_loss
+    from verl_ext.algos.worker_loss import hetero_ppo_loss
 
     losses = sorted(k for k in EXPECTED_LOSSES if k in core_algos.POLICY_LOSS_REGISTRY)
     gepo = core_algos.get_policy_loss_fn("gepo")
@@ -41,4 +41,4 @@ def test_plugin_registered_inside_a_ray_worker(ray_cluster):
     assert got["pid"] != os.getpid()
     assert got["losses"] == sorted(EXPECTED_LOSSES)
     assert got["gepo_group_aware"] and got["bnpo"]
-    assert got["bridge"] == "recipe.gepo.verl_engine.loss"
+    assert got["bridge"] == "verl_ext.algos.worker_loss"

@@ -123,7 +123,7 @@ def test_code_group_carries_the_project_with_its_entry_points(tmp_path):
         names = zf.namelist()
         entry_points = zf.read(next(n for n in names if n.endswith(".dist-info/entry_points.txt"))).decode()
     assert "verl_ext/algos/losses.py" in names and "recipe/gepo/main_gepo.py" in names
-    assert "[verl.plugins]" in entry_points and "heterorl = verl_ext.verl_losses" in entry_points
+    assert "[verl.plugins]" in entry_points and "heterorl = verl_ext.algos.registry" in entry_points
 
 
 def test_tracked_files_outside_a_git_checkout(tmp_path):
@@ -143,7 +143,7 @@ def test_project_metadata_carries_the_entry_points(tmp_path):
     (dist,) = importlib.metadata.distributions(path=[str(tmp_path)])
     assert dist.metadata["Name"] == "heterorl"
     plugins = {ep.name: ep.value for ep in dist.entry_points if ep.group == "verl.plugins"}
-    assert plugins == {"heterorl": "verl_ext.verl_losses", "heterorl_cpu": "verl_ext.cpu"}
+    assert plugins == {"heterorl": "verl_ext.algos.registry", "heterorl_cpu": "verl_ext.cpu"}
 
 
 def _tiny_wheel(dest: Path) -> Path:

@@ -1,4 +1,4 @@
-"""verl_ext.loss_bridge.gradient_mechanism_metrics: what each loss does to each token's gradient,
+"""verl_ext.algos.objective.gradient_mechanism_metrics: what each loss does to each token's gradient,
 measured by autograd and checked against closed forms."""
 
 import math
@@ -9,7 +9,7 @@ from verl.utils.config import omega_conf_to_dataclass
 
 from tests.research.study.conftest import compose_cfg
 from verl_ext.algos.importance import group_expectation_log_denominator, sequence_log_prob
-from verl_ext.loss_bridge import compute_actor_loss
+from verl_ext.algos.objective import compute_actor_loss
 
 B, T, G = 16, 6, 8
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from verl_ext.loss_bridge import RolloutCorrection, rollout_correction_settings
+from verl_ext.algos.objective import RolloutCorrection, rollout_correction_settings
 
 from .conftest import compose_cfg
 from .test_adv_diagnostic import BASE, _lines, _run

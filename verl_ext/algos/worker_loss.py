@@ -5,7 +5,7 @@ information, so GEPO's exact denominator (computed on the driver over whole prom
 :mod:`recipe.gepo.verl_engine.batch_rules`) would be lost. :func:`hetero_ppo_loss` has the same
 signature and inputs (a micro-batch TensorDict and the engine's model output) and keeps only what is
 verl-specific: unpadding the model output, the global-batch normalisation info and verl's ``Metric``
-aggregation types. The objective is :func:`verl_ext.loss_bridge.compute_actor_loss`, the embedded
+aggregation types. The objective is :func:`verl_ext.algos.objective.compute_actor_loss`, the embedded
 learner's, with ``group_log_denominator`` [B] forwarded when the batch carries it, so both engines
 give the same loss on the same batch. Without the field the losses fall back to contiguous groups of
 ``policy_loss.group_size`` within the micro-batch, and fail loudly if it does not split into whole groups.
@@ -22,8 +22,11 @@ from verl.utils.metric import AggregationType, Metric
 from verl.workers.utils.losses import ppo_loss as verl_ppo_loss
 from verl.workers.utils.padding import no_padding_2_padding
 
-from .batch_rules import GROUP_LOG_DENOMINATOR
-from verl_ext.loss_bridge import compute_actor_loss
+from verl_ext.algos.objective import compute_actor_loss
+
+GROUP_LOG_DENOMINATOR = "group_log_denominator"
+"""Name of the per-sequence field [B] that carries log E_q[q] from the driver to the loss
+(:mod:`recipe.gepo.verl_engine.batch_rules` writes it)."""
 
 # compute_actor_loss's loss-valued metrics -> the names this worker reports (verl's where it has one)
 _LOSS_METRICS = {

@@ -1,11 +1,11 @@
 """The actor objective: the one place where an engine turns a batch into the actor's loss.
 
 Both engines call :func:`compute_actor_loss`: the embedded learner on its whole batch, the verl
-engine's worker (``recipe/gepo/verl_engine/loss.py``) on each unpadded micro-batch. It owns every
+engine's worker (``verl_ext/algos/worker_loss.py``) on each unpadded micro-batch. It owns every
 term, added in verl's ``ppo_loss`` order (so for verl's own losses the result equals ``ppo_loss``):
 the policy loss from verl's registry by ``policy_loss.loss_mode`` (GEPO's group denominators passed
 to the losses that take them); the sampler-KL penalty (``policy_loss.sampler_kl_coef`` > 0,
-:func:`verl_ext.verl_losses.add_sampler_kl`); the entropy bonus (``- actor.entropy_coeff x entropy``
+:func:`verl_ext.algos.registry.add_sampler_kl`); the entropy bonus (``- actor.entropy_coeff x entropy``
 under ``loss_agg_mode``, when the engine supplies ``entropy``); the KL-to-reference term
 (``actor.use_kl_loss``, ``kl_loss_coef``, ``kl_loss_type``); rollout correction (verl's
 ``rollout_is_weights``, or ``algorithm.rollout_correction`` computed here: :class:`RolloutCorrection`);
@@ -28,7 +28,7 @@ from verl_ext.algos.diagnostics import importance_weight_stats, sampler_learner_
 
 # the sampler-KL term's owner lives with the losses: verl's registry adds it to the project's losses
 # (verl's own ppo_loss calls nothing else); the bridge takes the losses alone and adds it here
-from verl_ext.verl_losses import HETERORL_LOSS_MODES, add_sampler_kl, policy_loss_fn
+from verl_ext.algos.registry import HETERORL_LOSS_MODES, add_sampler_kl, policy_loss_fn
 
 # verl's built-in losses whose importance weight is per sequence (length-normalised), not per token
 _SEQUENCE_LEVEL_BUILTINS = {"gspo", "geo_mean"}

@@ -1,7 +1,7 @@
 """HeteroRL's policy-loss options: verl's ``PolicyLossConfig`` plus the fields of the project's losses.
 
 Importing this module registers nothing and patches nothing; the losses themselves are registered
-by :mod:`verl_ext.verl_losses`.
+by :mod:`verl_ext.algos.registry`.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from verl.workers.config import PolicyLossConfig
 class HeteroPolicyLossConfig(PolicyLossConfig):
     """verl's ``PolicyLossConfig`` plus the hyper-parameters of HeteroRL's losses.
 
-    Select it with ``actor_rollout_ref.actor.policy_loss._target_=verl_ext.loss_config.HeteroPolicyLossConfig``
+    Select it with ``actor_rollout_ref.actor.policy_loss._target_=verl_ext.algos.config.HeteroPolicyLossConfig``
     (the recipe's presets do). verl's own losses ignore the extra fields; a loss-specific one set
     under a loss that does not read it is refused (:data:`LOSS_SPECIFIC_OPTIONS`).
     ``sampler_kl_coef`` is the exception: the project's engines add it to every loss.
@@ -72,7 +72,7 @@ class HeteroPolicyLossConfig(PolicyLossConfig):
     """Weight of the KL(sampler || learner) penalty (per-token k3, (p/q - 1) - log(p/q)) added to
     the loss (the paper's runs: 0.005). 0 = off. The project's engines (loss bridge) add it to every
     loss, verl's too; under verl's stock trainer (``verl.trainer.main_ppo``) only the project's
-    losses (:data:`verl_ext.verl_losses.HETERORL_LOSS_MODES`) add it, against the old_log_prob verl
+    losses (:data:`verl_ext.algos.registry.HETERORL_LOSS_MODES`) add it, against the old_log_prob verl
     passes them -- verl's own losses cannot see it there."""
 
     def __post_init__(self):
@@ -110,7 +110,7 @@ class HeteroPolicyLossConfig(PolicyLossConfig):
 
 #: options that belong to one family of losses (the others would ignore them)
 LOSS_SPECIFIC_OPTIONS: dict[str, tuple[str, ...]] = {
-    # the losses that pass it to verl_ext.algos.losses (verl_losses.py); gspo/geo_mean always
+    # the losses that pass it to verl_ext.algos.losses (registry.py); gspo/geo_mean always
     # length-normalise, topr reads topr_reduction
     "seq_reduction": ("gepo", "eqp", "gepo_adaptive", "gepo_tr", "gepo_tc"),
     "adaptive_kl_threshold": ("gepo_adaptive",),

@@ -3,7 +3,7 @@
 Loaded by ``import verl`` in every process (entry point ``heterorl`` of group ``verl.plugins``;
 verl logs a failing plugin only at DEBUG, so ``tests/test_verl_plugin.py`` asserts the names). Losses
 (``policy_loss.loss_mode``): gepo, eqp, gepo_adaptive, gepo_tr, gepo_tc, topr, delta_l, m2po, vespo,
-options :class:`verl_ext.loss_config.HeteroPolicyLossConfig`; verl's own are used as they are
+options :class:`verl_ext.algos.config.HeteroPolicyLossConfig`; verl's own are used as they are
 (docs/algorithms.md). Advantage estimators (``algorithm.adv_estimator``): bnpo.
 
 Every loss has verl's signature (``verl.workers.utils.losses.ppo_loss``) plus optional keywords the
@@ -29,7 +29,7 @@ from verl_ext.algos import importance as iw
 from verl_ext.algos import losses
 from verl_ext.algos.diagnostics import importance_weight_stats, sampler_learner_kl
 from verl_ext.group_index import uid_group_index
-from verl_ext.loss_config import clip_range, loss_option
+from verl_ext.algos.config import clip_range, loss_option
 
 HETERORL_LOSS_MODES = ("gepo", "eqp", "gepo_adaptive", "gepo_tr", "gepo_tc", "topr", "delta_l", "m2po", "vespo")
 

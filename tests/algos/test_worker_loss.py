@@ -17,11 +17,11 @@ from verl.utils.config import omega_conf_to_dataclass
 from verl.utils.metric import AggregationType
 from verl.workers.utils.losses import ppo_loss
 
-from recipe.gepo.verl_engine.batch_rules import GROUP_LOG_DENOMINATOR, group_log_denominator
-from recipe.gepo.verl_engine.loss import bridge_loss_fn, hetero_ppo_loss
-from verl_ext.loss_bridge import compute_actor_loss
+from recipe.gepo.verl_engine.batch_rules import group_log_denominator
+from verl_ext.algos.worker_loss import GROUP_LOG_DENOMINATOR, bridge_loss_fn, hetero_ppo_loss
+from verl_ext.algos.objective import compute_actor_loss
 
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = Path(__file__).resolve().parents[2]
 G, GROUPS, P, T = 8, 3, 5, 9
 
 
