@@ -6,7 +6,8 @@ The embedded engine's ``checkpoints/step_<N>.pt`` holds the learner's float32 we
 into the run's own base model (``config.yaml``: the model path, or the task's built-in model or warm
 start) and saved with its tokenizer. The verl engine's ``global_step_<N>/actor`` goes through
 :func:`recipe.gepo.verl_engine.export.export` (float32, not verl's bfloat16 merger). ``evaluate``
-accepts a run directory and exports its latest checkpoint this way when no export of it exists.
+accepts a run directory and exports its latest checkpoint this way when no export of it exists;
+training ends by exporting as ``hetero.export_hf`` says (:func:`export_at_end`).
 """
 
 from __future__ import annotations
@@ -70,9 +71,70 @@ def export_run(run_dir: Path, step: Optional[int] = None, out: Optional[Path] = 
         export(source, out)
     else:
         _export_embedded(run_dir, source, out)
-    provenance = {"run_dir": str(run_dir.resolve()), "step": step, "checkpoint": str(source.resolve())}
+    provenance = {
+        "run_dir": str(run_dir.resolve()),
+        "step": step,
+        "checkpoint": str(source.resolve()),
+        "checkpoint_mtime": _mtime(source),
+    }
     (out / PROVENANCE).write_text(json.dumps(provenance, indent=1) + "\n")
     return out
+
+
+def _mtime(checkpoint: Path) -> float:
+    """When the checkpoint was written (a folder: its newest file), to tell a stale export from a current one."""
+    paths = [checkpoint] if checkpoint.is_file() else [p for p in checkpoint.rglob("*") if p.is_file()]
+    return max((p.stat().st_mtime for p in paths), default=0.0)
+
+
+def is_current(export: Path, checkpoint: Path) -> bool:
+    """Whether ``export`` was made from ``checkpoint`` as it is now (a fresh run in the same
+    directory writes a new checkpoint of the same step)."""
+    try:
+        provenance = json.loads((export / PROVENANCE).read_text())
+    except (OSError, ValueError):
+        return False
+    return provenance.get("checkpoint_mtime") == _mtime(checkpoint)
+
+
+def plan_line(which: str) -> str:
+    """What a dry run's plan says about ``hetero.export_hf``."""
+    return {
+        "final": "the last checkpoint becomes an HF folder, RUN_DIR/hf/step_<N> (hetero.export_hf=final)",
+        "all": "every checkpoint becomes an HF folder, RUN_DIR/hf/step_<N> (hetero.export_hf=all)",
+        "none": "no HF export (hetero.export_hf=none)",
+    }[which]
+
+
+def export_at_end(run_dir: Path, which: str, strategy: str = "fsdp") -> list[str]:
+    """``hetero.export_hf`` when training has ended: export the latest checkpoint (``final``) or
+    every one (``all``) that has no current export; the lines to print. A run without checkpoints,
+    a Megatron run (the export reads FSDP checkpoints) or a failed export gets a line saying so:
+    the run's results stay as they are."""
+    run_dir = Path(run_dir)
+    if which == "none":
+        return []
+    if strategy == "megatron":
+        return [
+            f"hetero.export_hf={which}: Megatron checkpoints are not exported (the export reads FSDP and "
+            "embedded checkpoints); verl's `python -m verl.model_merger merge --backend megatron` merges them"
+        ]
+    try:
+        checkpoints = run_checkpoints(run_dir)
+    except ValueError:
+        return [f"hetero.export_hf={which}: no checkpoint to export (trainer.save_freq <= 0 saved none)"]
+    steps = sorted(checkpoints) if which == "all" else [latest_step(run_dir)]
+    lines = []
+    for step in steps:
+        out = run_dir / EXPORT_DIR / f"step_{step:06d}"
+        try:
+            if not is_current(out, checkpoints[step]):
+                export_run(run_dir, step, out)
+        except Exception as err:  # noqa: BLE001 -- the run is done; say why its export is missing
+            lines.append(f"hetero.export_hf={which}: step {step} not exported: {type(err).__name__}: {err}")
+            continue
+        lines.append(f"exported step {step} -> {out}")
+    return lines
 
 
 def _export_embedded(run_dir: Path, checkpoint: Path, out: Path) -> None:
@@ -104,7 +166,7 @@ def latest_export(run_dir: Path) -> Path:
     """The HF folder of the run's latest checkpoint: exported now unless ``hf/step_<N>`` exists."""
     step = latest_step(run_dir)
     existing = Path(run_dir) / EXPORT_DIR / f"step_{step:06d}"
-    if (existing / PROVENANCE).is_file():
+    if is_current(existing, run_checkpoints(run_dir)[step]):
         return existing
     print(f"[heterorl] exporting {run_dir} step {step} -> {existing}", file=sys.stderr, flush=True)
     return export_run(Path(run_dir), step)

@@ -38,7 +38,7 @@ def run_local(cfg: DictConfig) -> dict[str, Any]:
     """The embedded engine: validate everything (:meth:`EngineConfig.from_omegaconf`), then train
     in the mode ``hetero.mode`` names; returns the final metrics. Scripts call this with a config
     composed by hydra's compose API."""
-    from .embedded.engine_config import EngineConfig
+    from .embedded.engine_config import EngineConfig, render_plan
     from .embedded.replay import run_replay
     from .embedded.run_log import MetricLogger
     from .embedded.supervisor import run_async
@@ -52,7 +52,7 @@ def run_local(cfg: DictConfig) -> dict[str, Any]:
     engine = EngineConfig.from_omegaconf(cfg)  # every check, before the warm start or any other work
     print_notes(engine.notes)
     if engine.hetero.dry_run:
-        print(OmegaConf.to_yaml(cfg.hetero))
+        print(render_plan(engine))
         return {}
     settings = engine.settings
     done = latest_checkpoint_step(settings.run_dir) if settings.resume_mode == "auto" else 0
@@ -74,9 +74,14 @@ def run_local(cfg: DictConfig) -> dict[str, Any]:
         model_path = resolve_model_path(settings.model_path, engine.task, engine.hetero.seed)
         logger = MetricLogger(settings.run_dir, settings, cfg)
         try:
-            return run_mode(engine, model_path, logger)
+            final = run_mode(engine, model_path, logger)
         finally:
             logger.close()
+    from .export import export_at_end
+
+    for line in export_at_end(Path(settings.run_dir), engine.hetero.export_hf):
+        print(line, flush=True)
+    return final
 
 
 NOTHING_TO_TRAIN = "nothing_to_train"
@@ -104,7 +109,7 @@ def check_model_path(model_path: str, hub_ids: bool = False) -> None:
     if not model_path:
         return
     if hub_ids:
-        from .verl_engine.runner import is_hub_id
+        from .verl_engine.launch_plan import is_hub_id
 
         if is_hub_id(model_path):
             return

@@ -30,6 +30,7 @@ ENGINE_ALIASES = {"local": "embedded"}
 """Older names of an engine, accepted and read as the engine's name."""
 MODES = ("replay", "async")
 STALE_POLICIES = ("drop", "wait")
+EXPORTS = ("final", "all", "none")
 ORDERS = ("oldest", "newest")
 TRANSPORTS = ("ray", "fs")
 WEIGHT_SYNCS = ("full", "delta")
@@ -103,6 +104,18 @@ class DelayConfig:
         from verl_ext.hetero.delay import make_delay_model
 
         return make_delay_model(self.dist, **self.model_params())
+
+    def describe(self, unit: str, seed: int = 0) -> str:
+        """One line for a plan: the model, its parameters and its quantiles in ``unit``."""
+        if self.dist == "none":
+            return "none (samplers get every version at the next step end)"
+        model = self.build()
+        params = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in model.params().items())
+        s = model.summary(n_samples=20_000, seed=seed)
+        return (
+            f"{self.dist}({params or '-'}) in {unit}: median {s.median:.1f}, mean {s.mean:.1f}, p95 {s.p95:.1f}, "
+            f"max {s.max:.1f}"
+        )
 
 
 _VERL_PLACEMENT = (
@@ -343,6 +356,9 @@ class HeteroConfig:
     """Samplers you do not control (async mode): signed records, checks, trust, quarantine."""
     dry_run: bool = option(False, honoured_by=EVERYWHERE)
     """Validate the config, print the plan and exit without running."""
+    export_hf: str = option("final", honoured_by=EVERYWHERE)
+    """final | all | none: at the end of training the last (all: every) checkpoint becomes an HF folder.
+    The folder is RUN_DIR/hf/step_<N>, what ``evaluate`` reads; a run that saved no checkpoint says so."""
     seed: int = option(0, honoured_by=EVERYWHERE)
     """Root seed of the delay draws and of the toy task's data and built warm start (shipped ones are seed 0's).
     The embedded engine also seeds the prompt order, every sampling draw, the trust checks, the E[A] diagnostic
@@ -367,6 +383,7 @@ class HeteroConfig:
             ("engine", ENGINES),
             ("mode", MODES),
             ("stale_policy", STALE_POLICIES),
+            ("export_hf", EXPORTS),
             ("order", ORDERS),
             ("transport", TRANSPORTS),
             ("weight_sync", WEIGHT_SYNCS),

@@ -185,6 +185,9 @@ def test_delays_follow_the_model_and_a_resumed_run_loses_no_step(tmp_path):
     delay = ["hetero.delay.dist=lognormal", "hetero.delay.low=0.3", "hetero.delay.high=2.0", "hetero.seed=3"]
     first = _main_gepo(run_dir, 4, "trainer.save_freq=2", *delay)
     assert [r["step"] for r in first if "actor/pg_loss" in r] == [1, 2, 3, 4]
+    # hetero.export_hf=final (the default): the run ends with its last checkpoint as an HF folder
+    provenance = json.loads((run_dir / "hf" / "step_000004" / "heterorl_export.json").read_text())
+    assert provenance["step"] == 4 and provenance["checkpoint"].endswith("global_step_4/actor")
 
     _export_keeps_float32_and_agrees_with_verls_merger(run_dir / "global_step_4" / "actor", tmp_path)
 

@@ -53,6 +53,7 @@ CHOICES = {
     "name": "math",
     "answer_format": "scratchpad",
     "old_log_prob": "recompute",
+    "export_hf": "none",
 }
 
 
@@ -475,6 +476,7 @@ CASES_REPLAY: dict[str, Case] = {
     "hetero.learner_precision": _c("hetero.learner_precision=bf16"),
     "hetero.sampler_precision": _c("hetero.sampler_precision=bf16"),
     "hetero.dry_run": _c("hetero.dry_run=true"),
+    "hetero.export_hf": _c("hetero.export_hf=none"),
     "hetero.seed": _c("hetero.seed=1"),
     # task:
     "task.digits": _c("task.digits=2"),

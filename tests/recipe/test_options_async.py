@@ -310,6 +310,7 @@ SHARED_WITH_REPLAY: tuple[Link, ...] = (
     Link(
         (
             "hetero.dry_run",
+            "hetero.export_hf",
             "trainer.default_local_dir",
             "trainer.logger",
             "trainer.project_name",

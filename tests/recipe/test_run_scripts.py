@@ -276,7 +276,8 @@ def test_changed_variables_of_a_gpu_script_change_its_plan(name, tmp_path):
     ]
     assert data["apply_chat_template_kwargs"] == {"enable_thinking": False}
     plan = out.stdout
-    assert "model:           /models/my-qwen" in plan
+    assert "model:           /models/my-qwen (not found here; fine if the cluster has it)" in plan
+    assert "train /data/my_train.parquet (not found here; fine if the cluster has it)" in plan
     assert "16 prompts x G=4 = 64 responses/step" in plan and "lr 3e-06" in plan and "response <= 1024" in plan
     assert "loss_mode=gspo" in plan and "clip=[0.1, 0.3]" in plan
     assert "delay (weights): none" in plan and "staleness bound: 64 versions" in plan

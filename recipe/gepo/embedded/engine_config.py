@@ -183,3 +183,38 @@ class RolloutSource(Protocol):
         """Events for the run's records since the last call (e.g. a sampler quarantined)."""
 
     def close(self) -> None: ...
+
+
+def render_plan(engine: EngineConfig) -> str:
+    """The embedded engine's dry-run plan: the same headings as the verl engine's
+    (:func:`recipe.gepo.verl_engine.launch_plan.render`) where the two engines share a concept."""
+    from ..export import plan_line
+
+    hetero, settings, task, actor = engine.hetero, engine.settings, engine.task, engine.actor
+    if task.name == "math":
+        data = f"math: train {task.dataset_path or task.dataset}, evaluation {task.eval_dataset} ({task.eval_size} problems)"
+    else:
+        data = f"{task.name}: {task.digits}-digit problems, {task.answer_format} answers, evaluation {task.eval_size} problems"
+    samplers = (
+        "one process" if hetero.mode == "replay" else f"{hetero.num_samplers} sampler actor(s), one learner actor"
+    )
+    unit = "seconds" if hetero.mode == "async" else "steps"
+    the_tasks_own = "the task's own (its warm start)"
+    return "\n".join(
+        [
+            "HeteroRL embedded engine plan (dry run: nothing started)",
+            f"  model:           {settings.model_path or the_tasks_own}",
+            f"  data:            {data}",
+            f"  mode:            {hetero.mode}, {samplers}, device {hetero.device}",
+            f"  batch:           {settings.prompts_per_step} prompts x G={settings.group_size} = "
+            f"{settings.prompts_per_step * settings.group_size} responses/step, lr {actor.optim.lr}, "
+            f"T={settings.temperature}, response <= {settings.max_new_tokens} tokens",
+            f"  loss:            loss_mode={actor.policy_loss.loss_mode}, agg={actor.loss_agg_mode}, "
+            f"adv={engine.algorithm.adv_estimator}",
+            f"  delay (weights): {hetero.delay.describe(unit, hetero.seed)}",
+            f"  staleness bound: {hetero.max_delay} versions, stale_policy={hetero.stale_policy}",
+            f"  steps:           {settings.total_steps}, checkpoint every {settings.save_freq}, evaluation every "
+            f"{settings.test_freq} (<= 0: at the end only)",
+            f"  run directory:   {settings.run_dir}; at the end {plan_line(hetero.export_hf)}",
+        ]
+    )

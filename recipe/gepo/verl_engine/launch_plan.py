@@ -16,6 +16,7 @@ bypass guard: verl 0.9.1's async trainers and ``RayPPOTrainer`` call ``apply_byp
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from ..sections import HeteroConfig, TaskConfig, VerlEngineConfig, changed_fields
+from ..export import plan_line as export_plan_line
 from ..options import POOL_KEYS, VERL, ConfigError, check_dependencies, check_section, check_verl_keys, default_config
 from .batch_rules import verl_threshold
 
@@ -365,19 +367,6 @@ def delay_unit(hetero: HeteroConfig) -> str:
     return "seconds" if hetero.mode == "async" else "steps"
 
 
-def _delay_line(hetero: HeteroConfig) -> str:
-    d = hetero.delay
-    model = d.build()
-    params = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in model.params().items()) or "-"
-    if d.dist == "none":
-        return "none (samplers get every version at the next step end)"
-    s = model.summary(n_samples=20_000, seed=hetero.seed)
-    return (
-        f"{d.dist}({params}) in {delay_unit(hetero)}: median {s.median:.1f}, mean {s.mean:.1f}, p95 {s.p95:.1f}, "
-        f"max {s.max:.1f}"
-    )
-
-
 def render(v: Validated) -> str:
     """The plan as text."""
     cfg, hetero, engine = v.cfg, v.hetero, v.engine
@@ -393,7 +382,7 @@ def render(v: Validated) -> str:
     lines = [
         "HeteroRL verl engine plan (dry run: nothing started, no GPU touched)",
         f"  preset:          {_preset_name(cfg)}",
-        f"  model:           {cfg.actor_rollout_ref.model.path}",
+        f"  model:           {_model_where(str(cfg.actor_rollout_ref.model.path or ''))}",
         f"  trainer:         verl v1 trainer_mode={TRAINER_NAME} (extends {VERL_MODE_SECTION})",
         "  roles:",
         f"    learner:       {cfg.trainer.nnodes} node(s) x {cfg.trainer.n_gpus_per_node} GPU = {learner['gpus']} GPUs, "
@@ -421,12 +410,16 @@ def render(v: Validated) -> str:
         f"  q (old_log_prob): {engine.old_log_prob}"
         + (" (vLLM's rollout_log_probs)" if engine.old_log_prob == "sampler" else " (learner recomputes)"),
         f"  GEPO denominator: driver-side over whole uid groups, seq_reduction={pl.get('seq_reduction', 'mean')}",
-        f"  delay (weights): {_delay_line(hetero)}",
+        f"  delay (weights): {hetero.delay.describe(delay_unit(hetero), hetero.seed)}",
         f"  staleness bound: {hetero.max_delay} versions, exact over generating weight versions, "
         f"stale_policy={hetero.stale_policy} (verl max_off_policy_threshold={verl_threshold(hetero.max_delay)})",
         f"  weight snapshots: up to {hetero.keep_weight_versions} delayed versions on the learners' CPU memory",
         f"  bypass guard:    algorithm.rollout_correction.bypass_mode="
         f"{bool(cfg.algorithm.rollout_correction.get('bypass_mode', False))} (ok)",
+        f"  data:            train {_where(cfg.data.train_files)}, validation {_where(cfg.data.val_files)}",
+        f"  steps:           {cfg.trainer.total_training_steps or f'{cfg.trainer.total_epochs} epoch(s)'}, "
+        f"checkpoint every {cfg.trainer.save_freq}, validation every {cfg.trainer.test_freq} (<= 0: none)",
+        f"  run directory:   {cfg.trainer.default_local_dir}; at the end {export_plan_line(hetero.export_hf)}",
     ]
     if hetero.transport == "fs":
         trust = hetero.trust
@@ -443,6 +436,36 @@ def render(v: Validated) -> str:
             f"{', XOR deltas' if hetero.weight_sync == 'delta' else ''}, SHA-256, from the actor's rank 0 in the background",
         ]
     return "\n".join(lines)
+
+
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+
+def is_hub_id(model_path: str) -> bool:
+    """A model path that is no local file or folder but reads as a model hub id (``org/name``, e.g.
+    the GPU presets' ``Qwen/Qwen3-1.7B``): verl's workers load it from the hub themselves."""
+    return bool(HUB_ID.fullmatch(model_path)) and not Path(model_path).exists()
+
+
+def _where(paths: Any) -> str:
+    """Paths as the plan shows them: a local path missing on this machine is marked (a dry run
+    plans for a cluster, whose files need not be here)."""
+    from omegaconf import ListConfig
+
+    items = list(paths) if isinstance(paths, (list, tuple, ListConfig)) else [paths]
+    shown = []
+    for item in map(str, items):
+        remote = "://" in item or not item
+        shown.append(
+            item
+            if remote or Path(item).expanduser().exists()
+            else f"{item} (not found here; fine if the cluster has it)"
+        )
+    return ", ".join(shown)
+
+
+def _model_where(model_path: str) -> str:
+    return model_path if is_hub_id(model_path) else _where(model_path)
 
 
 def build_plan(cfg: DictConfig) -> str:

@@ -10,14 +10,13 @@ from __future__ import annotations
 import importlib
 
 import os
-import re
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig
 
 from ..lifecycle import print_notes, run_directory
-from .launch_plan import check_data_files, check_megatron_stack, engine_settings, render, validate
+from .launch_plan import check_data_files, check_megatron_stack, engine_settings, is_hub_id, render, validate
 
 
 class NoGPUError(RuntimeError):
@@ -41,15 +40,6 @@ def require_gpus(cfg: DictConfig | None = None) -> int:
         "+verl_preset=cpu_toy (rollout.name=hf_cpu, FSDP2 over gloo); or hetero.dry_run=true to validate "
         "and print the plan; or hetero.engine=embedded for the embedded engine. See docs/scale-out.md."
     )
-
-
-HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
-
-
-def is_hub_id(model_path: str) -> bool:
-    """A model path that is no local file or folder but reads as a model hub id (``org/name``, e.g.
-    the GPU presets' ``Qwen/Qwen3-1.7B``): verl's workers load it from the hub themselves."""
-    return bool(HUB_ID.fullmatch(model_path)) and not Path(model_path).exists()
 
 
 def resolve_task_files(cfg: DictConfig) -> DictConfig:
@@ -151,4 +141,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     )
     with run_directory(run_dir, settings, validated.notes, resuming):
         run_ppo(settings, task_runner_class=task_runner_class())
+    from ..export import export_at_end
+
+    for line in export_at_end(run_dir, validated.hetero.export_hf, str(settings.actor_rollout_ref.actor.strategy)):
+        print(line, flush=True)
     return {"run_dir": str(run_dir)}

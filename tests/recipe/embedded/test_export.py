@@ -84,3 +84,61 @@ def test_evaluate_takes_a_run_directory(trained_run, tmp_path):
     assert (trained_run / "hf" / "step_000002" / PROVENANCE).is_file()
     summary = json.loads(next((tmp_path / "eval").glob("*.json")).read_text())
     assert "hf/step_000002" in json.dumps(summary)
+
+
+def test_training_ends_with_the_last_checkpoint_exported_and_all_exports_every_one(trained_run, capsys):
+    """``hetero.export_hf=final`` (the default) left the fixture's run an HF folder of its last
+    checkpoint; ``all`` adds the others; an export made from a checkpoint since rewritten (a fresh
+    run in the same directory) is made again, a current one is kept."""
+    from recipe.gepo.export import export_at_end
+
+    final = trained_run / "hf" / "step_000002"
+    assert (final / PROVENANCE).is_file() and not (trained_run / "hf" / "step_000001").exists()
+    kept = (final / "model.safetensors").stat().st_mtime_ns
+    lines = export_at_end(trained_run, "all")
+    assert lines == [f"exported step {s} -> {trained_run / 'hf' / f'step_00000{s}'}" for s in (1, 2)]
+    assert (final / "model.safetensors").stat().st_mtime_ns == kept  # current: not written again
+    checkpoint = trained_run / "checkpoints" / "step_000001.pt"
+    checkpoint.touch()  # rewritten
+    export_at_end(trained_run, "all")
+    provenance = json.loads((trained_run / "hf" / "step_000001" / PROVENANCE).read_text())
+    assert provenance["checkpoint_mtime"] == checkpoint.stat().st_mtime
+    assert export_at_end(trained_run, "none") == []
+
+
+def test_a_run_without_checkpoints_or_on_megatron_says_why_nothing_was_exported(tmp_path):
+    from recipe.gepo.export import export_at_end
+
+    assert export_at_end(tmp_path, "final") == [
+        "hetero.export_hf=final: no checkpoint to export (trainer.save_freq <= 0 saved none)"
+    ]
+    (line,) = export_at_end(tmp_path, "all", strategy="megatron")
+    assert "Megatron checkpoints are not exported" in line and "model_merger" in line
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "step_000003.pt").write_bytes(b"not a checkpoint")
+    (line,) = export_at_end(tmp_path, "final")  # a failed export is a line, the run's files stay
+    assert line.startswith("hetero.export_hf=final: step 3 not exported: ") and (tmp_path / "checkpoints").is_dir()
+
+
+def test_the_dry_run_prints_a_plan_naming_data_steps_delay_bound_and_run_directory(tiny_model_path, tmp_path, capsys):
+    cfg = compose_cfg(
+        TINY
+        + [
+            f"actor_rollout_ref.model.path={tiny_model_path}",
+            f"trainer.default_local_dir={tmp_path / 'run'}",
+            "hetero.mode=replay",
+            "hetero.max_delay=5",
+            "hetero.delay.dist=constant",
+            "hetero.delay.value=2",
+            "hetero.export_hf=all",
+            "hetero.dry_run=true",
+        ]
+    )
+    assert run(cfg) == {}
+    plan = capsys.readouterr().out
+    assert plan.startswith("HeteroRL embedded engine plan (dry run: nothing started)")
+    assert f"model:           {tiny_model_path}" in plan
+    assert "data:            toy_addition: " in plan and "mode:            replay, one process" in plan
+    assert "delay (weights): constant(value=2) in steps" in plan and "staleness bound: 5 versions" in plan
+    assert f"run directory:   {tmp_path / 'run'}; at the end every checkpoint becomes an HF folder" in plan
+    assert not (tmp_path / "run").exists()
