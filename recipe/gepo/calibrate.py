@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import shlex
 import sys
 from pathlib import Path
@@ -152,7 +153,21 @@ def main(argv: list[str] | None = None) -> None:
 
     set_torch_threads(1)
     # the run's config, without a bounds file of its own (this measures one)
-    engine = compose_engine([*args.overrides, "hetero.trust.bounds_file="])
+    try:
+        engine = compose_engine([*args.overrides, "hetero.trust.bounds_file="])
+    except Exception as err:  # noqa: BLE001 -- a refused override: one line naming it
+        from hydra.errors import HydraException
+        from omegaconf.errors import OmegaConfBaseException
+
+        from .main_gepo import DEBUG_ENV, hydra_refusal
+
+        if os.environ.get(DEBUG_ENV, "") not in ("", "0"):
+            raise
+        if isinstance(err, (HydraException, OmegaConfBaseException)):
+            parser.exit(2, f"error: {hydra_refusal(err, argv=args.overrides)}\n")
+        if isinstance(err, (ValueError, FileNotFoundError)):  # ConfigError is a ValueError
+            parser.exit(2, f"error: {err}\n")
+        raise
     stats, margins = honest_mismatches(engine, args.groups, args.prompts)
     tolerance = calibrate(stats, horizon=args.horizon, token_margins=margins)
     hetero, s = engine.hetero, engine.settings

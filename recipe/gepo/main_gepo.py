@@ -232,11 +232,12 @@ def _argument(key: str, argv: list[str]) -> str:
     return key
 
 
-def hydra_refusal(err: Exception, argv: list[str] | None = None) -> ConfigError:
+def hydra_refusal(err: Exception, argv: list[str] | None = None, defaults: Any = None) -> ConfigError:
     """One line for an override hydra refuses before the run starts: an unknown key typed without
     ``+`` gets the closest known key, as with ``+`` (:func:`~recipe.gepo.options.unknown_override_error`);
     an unknown config group option lists the available ones; any other is hydra's text on one line.
-    ``argv``: the command line's overrides (default ``sys.argv[1:]``)."""
+    ``argv``: the command line's overrides (default ``sys.argv[1:]``); ``defaults``: a callable giving
+    the command's composed defaults (default: ``gepo_trainer``'s)."""
     from hydra.errors import OverrideParseException
     from omegaconf.errors import ConfigAttributeError, ConfigKeyError
 
@@ -253,7 +254,7 @@ def hydra_refusal(err: Exception, argv: list[str] | None = None) -> ConfigError:
         try:
             from .options import default_config
 
-            return unknown_override_error(unknown.group(1), default_config())
+            return unknown_override_error(unknown.group(1), (defaults or default_config)())
         except ConfigError:
             raise
         except Exception:  # noqa: BLE001 -- no defaults to compare with: hydra's own words, on one line

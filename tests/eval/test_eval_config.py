@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -72,16 +71,28 @@ def test_unknown_key_and_missing_model_path(tmp_path):
         run_evaluation(EvalConfig(model_path=str(tmp_path / "no_such_model"), output_dir=str(tmp_path)))
 
 
-def test_cli_reports_bad_benchmark_name(tmp_path):
-    r = subprocess.run(
-        [sys.executable, "-m", "recipe.gepo.evaluate", "benchmarks=[math500,aime23]", f"output_dir={tmp_path}"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert r.returncode != 0
-    assert "unknown benchmark(s) ['aime23']" in r.stderr + r.stdout
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("benchmarks=[math500,aime23]", "error: unknown benchmark(s) ['aime23']"),
+        ("model_path=/no/such/model", "error: model_path '/no/such/model' does not exist"),
+        ("modl_path=x", "error: unknown key(s) modl_path (did you mean model_path?)"),  # a typo without +
+        ("+temprature=1", "error: unknown evaluation setting(s) ['temprature']"),
+        ("samples_per_problem=abc", "error: samples_per_problem='abc': expected int (like the default 8)"),
+    ],
+)
+def test_each_bad_setting_is_one_error_line(tmp_path, monkeypatch, capsys, override, message):
+    """The command as a user runs it (in this process: hydra reads sys.argv): one line, no traceback."""
+    from recipe.gepo import evaluate
+
+    monkeypatch.delenv("HETERORL_DEBUG", raising=False)
+    monkeypatch.setattr(sys, "argv", ["evaluate", override, "model_path=/no/such/model", f"output_dir={tmp_path}"])
+    if override.startswith("model_path"):
+        monkeypatch.setattr(sys, "argv", ["evaluate", override, f"output_dir={tmp_path}"])
+    with pytest.raises(SystemExit) as exit_:
+        evaluate.main()
+    assert str(exit_.value.code).startswith(message), exit_.value.code
+    assert "\n" not in str(exit_.value.code) and "Traceback" not in capsys.readouterr().err
 
 
 def _rec(b, pid, j, acc=1.0):

@@ -202,6 +202,15 @@ def config_from_mapping(m: Mapping) -> EvalConfig:
     unknown = sorted(set(m) - names)
     if unknown:
         raise ValueError(f"unknown evaluation setting(s) {unknown}; see recipe/gepo/config/evaluate.yaml")
+    for f in dataclasses.fields(EvalConfig):
+        value, default = m.get(f.name), f.default
+        if value is None or not isinstance(default, (bool, int, float, str)) or default is None:
+            continue
+        expected = type(default)
+        fits = isinstance(value, expected) and (expected is bool or not isinstance(value, bool))
+        fits = fits or (expected is float and isinstance(value, int) and not isinstance(value, bool))
+        if not fits:
+            raise ValueError(f"{f.name}={value!r}: expected {expected.__name__} (like the default {default!r})")
     return EvalConfig(**dict(m))
 
 

@@ -201,3 +201,20 @@ def test_a_sampler_drawing_from_other_weights_is_caught_by_its_near_ties(
     )
     assert "token_mismatch" not in reasons and "bad_logprobs" in reasons
     assert details and "near ties" in details[0], details
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("hetero.max_dealy=3", "error: unknown key(s) hetero.max_dealy (did you mean hetero.max_delay?)"),
+        ("hetero.max_delay=-2", "error: hetero.max_delay=-2"),
+        ("algorithm_preset=nope", "error: algorithm_preset=nope: there is no algorithm_preset/nope.yaml"),
+    ],
+)
+def test_a_refused_override_is_one_error_line(tmp_path, monkeypatch, capsys, override, message):
+    monkeypatch.delenv("HETERORL_DEBUG", raising=False)
+    with pytest.raises(SystemExit) as exit_:
+        calibrate_main(["--out", str(tmp_path / "bounds.json"), override])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_.value.code == 2 and len(err) == 1 and err[0].startswith(message), err
+    assert not (tmp_path / "bounds.json").exists()
