@@ -24,7 +24,14 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from .options import ConfigError, check_value_types, unknown_override_error
+from .options import (
+    ConfigError,
+    check_known_keys,
+    check_value_types,
+    default_config,
+    unknown_override_error,
+    verl_config_searchpath,
+)
 from .sections import ENGINE_ALIASES, HeteroConfig, TaskConfig
 
 CHECKED_SECTIONS = {"hetero": HeteroConfig, "task": TaskConfig}
@@ -163,9 +170,23 @@ def check_no_missing_values(cfg: DictConfig) -> None:
     )
 
 
+def check_before_imports(cfg: DictConfig) -> None:
+    """The checks that need neither torch nor verl, run before either is imported (~10 s here), so
+    a typo or a bad value of the project's sections is refused in a few seconds: unknown keys,
+    value types, and the ``hetero:`` and ``task:`` sections' own validation."""
+    check_known_keys(cfg, default_config())
+    check_value_types(cfg, CHECKED_SECTIONS)
+    try:
+        HeteroConfig.from_omegaconf(cfg.hetero)
+        TaskConfig.from_omegaconf(cfg.task)
+    except ValueError as err:  # ConfigError is one; the sections' validators raise plain ValueErrors
+        raise err if isinstance(err, ConfigError) else ConfigError(str(err)) from err
+
+
 def run(cfg: DictConfig) -> dict[str, Any]:
     """Dispatch on ``hetero.engine``: the embedded engine, or (after checking that no mandatory
     value is missing) the verl engine."""
+    check_before_imports(cfg)
     engine_name = ENGINE_ALIASES.get(cfg.hetero.engine, cfg.hetero.engine)
     if engine_name == "embedded":
         return run_local(cfg)
@@ -217,7 +238,7 @@ _RAISE_HYDRA_ERRORS = False
 """True while :func:`cli` has hydra raise its own errors (composition) instead of printing them."""
 
 
-@hydra.main(config_path="config", config_name="gepo_trainer", version_base=None)
+@hydra.main(config_path=str(Path(__file__).resolve().parent / "config"), config_name="gepo_trainer", version_base=None)
 def main(cfg: DictConfig) -> None:
     if _RAISE_HYDRA_ERRORS:  # composed: errors from here on are the run's, reported as hydra always did
         os.environ.pop(HYDRA_FULL_ERROR, None)
@@ -290,6 +311,8 @@ def cli() -> None:
     _RAISE_HYDRA_ERRORS = HYDRA_FULL_ERROR not in os.environ
     if _RAISE_HYDRA_ERRORS:
         os.environ[HYDRA_FULL_ERROR] = "1"  # hydra raises what it would print; popped once composed
+    if not any(arg.lstrip("+").startswith("hydra.searchpath=") for arg in sys.argv[1:]):
+        sys.argv.append(f"hydra.searchpath=[{verl_config_searchpath()}]")  # verl's configs, verl not imported
     try:
         main()
     except (HydraException, OmegaConfBaseException) as err:

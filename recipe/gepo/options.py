@@ -627,10 +627,23 @@ def default_config(config_dir: Optional[str] = None) -> Any:
     from hydra.core.global_hydra import GlobalHydra
 
     if GlobalHydra.instance().is_initialized():
-        return compose(config_name="gepo_trainer")
+        return compose(config_name="gepo_trainer", overrides=[f"hydra.searchpath=[{verl_config_searchpath()}]"])
     from pathlib import Path
 
     return _composed_defaults(config_dir or str(Path(__file__).resolve().parent / "config"))
+
+
+def verl_config_searchpath() -> str:
+    """verl's packaged config folder as a ``hydra.searchpath`` entry (``file://``), found without
+    importing verl: ``pkg://verl.trainer.config`` imports verl (~10 s of torch and tensordict here),
+    so every check of a command line would wait for it."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("verl")
+    if spec is None or not spec.submodule_search_locations:
+        return "pkg://verl.trainer.config"
+    return f"file://{Path(list(spec.submodule_search_locations)[0]) / 'trainer' / 'config'}"
 
 
 @functools.lru_cache(maxsize=4)
@@ -639,6 +652,6 @@ def _composed_defaults(folder: str) -> Any:
     from omegaconf import OmegaConf
 
     with initialize_config_dir(config_dir=folder, version_base=None):
-        defaults = compose(config_name="gepo_trainer")
+        defaults = compose(config_name="gepo_trainer", overrides=[f"hydra.searchpath=[{verl_config_searchpath()}]"])
     OmegaConf.set_readonly(defaults, True)  # shared by every caller: comparing only
     return defaults

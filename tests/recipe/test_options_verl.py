@@ -67,7 +67,7 @@ CASES_VERL: dict[str, Case] = {
     "hetero.stale_policy": _c("hetero.stale_policy=wait"),
     "hetero.keep_weight_versions": _c("hetero.keep_weight_versions=9"),
     "hetero.seed": _c("hetero.seed=1"),
-    "hetero.export_hf": _c("hetero.export_hf=all"),
+    "hetero.export_hf": _c("hetero.export_hf=all", setup=("trainer.save_freq=1",)),
     # hetero: remote pools fill the training batches (the plan's pool lines, verl's agent loop manager)
     "hetero.transport": _c("hetero.transport=fs", "hetero.trust.sign_records=false"),
     "hetero.transport_url": _c(

@@ -419,7 +419,12 @@ def render(v: Validated) -> str:
         f"  data:            train {_where(cfg.data.train_files)}, validation {_where(cfg.data.val_files)}",
         f"  steps:           {cfg.trainer.total_training_steps or f'{cfg.trainer.total_epochs} epoch(s)'}, "
         f"checkpoint every {cfg.trainer.save_freq}, validation every {cfg.trainer.test_freq} (<= 0: none)",
-        f"  run directory:   {cfg.trainer.default_local_dir}; at the end {export_plan_line(hetero.export_hf)}",
+        f"  run directory:   {cfg.trainer.default_local_dir}; at the end "
+        + (
+            export_plan_line(hetero.export_hf)
+            if int(cfg.trainer.save_freq) > 0 or hetero.export_hf == "none"
+            else "no checkpoint to export (trainer.save_freq <= 0)"
+        ),
     ]
     if hetero.transport == "fs":
         trust = hetero.trust
@@ -455,12 +460,12 @@ def _where(paths: Any) -> str:
     items = list(paths) if isinstance(paths, (list, tuple, ListConfig)) else [paths]
     shown = []
     for item in map(str, items):
-        remote = "://" in item or not item
-        shown.append(
-            item
-            if remote or Path(item).expanduser().exists()
-            else f"{item} (not found here; fine if the cluster has it)"
-        )
+        if not item:
+            shown.append("the task's own (task: section; written under task.cache_dir at start)")
+        elif "://" in item or Path(item).expanduser().exists():
+            shown.append(item)
+        else:
+            shown.append(f"{item} (not found here; fine if the cluster has it)")
     return ", ".join(shown)
 
 

@@ -23,6 +23,7 @@ from recipe.gepo import main_gepo
 
 from .helpers import TINY, compose_cfg
 
+
 REPO = Path(__file__).resolve().parents[3]
 
 BAD_INPUTS = [
@@ -177,3 +178,27 @@ def test_run_rerun_and_refusal_on_the_real_command_line(tmp_path, tiny_model_pat
     other = command([*args, "actor_rollout_ref.actor.optim.lr=0.001"], tmp_path)
     assert other.returncode == 1
     assert "holds a run with another config" in one_error_line(other.stderr)
+
+
+def test_a_typo_or_a_bad_value_is_refused_before_torch_or_verl_is_imported(tmp_path):
+    """The command line's checks of keys, types and the project's sections run first: a refusal
+    comes in a few seconds, not after the ~10 s of importing verl (torch, tensordict)."""
+    probe = (
+        "import sys\n"
+        "from recipe.gepo.main_gepo import cli\n"
+        "for argv in (['hetero.max_dealy=3'], ['+trainer.total_training_step=3'], ['hetero.max_delay=-1'], "
+        "['task.digits=abc']):\n"
+        "    sys.argv = ['main_gepo', *argv]\n"
+        "    try:\n"
+        "        cli()\n"
+        "    except SystemExit as exit_:\n"
+        "        print(exit_.code)\n"
+        "print('imported:', sorted({'verl', 'torch'} & set(sys.modules)))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != main_gepo.DEBUG_ENV}
+    out = subprocess.run([sys.executable, "-c", probe], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    lines = out.stdout.splitlines()
+    assert lines[-1] == "imported: []", out.stdout + out.stderr[-2000:]
+    assert [line.split(":")[0] for line in lines[:-1]] == ["error"] * 4, out.stdout
+    assert "did you mean hetero.max_delay?" in lines[0] and "did you mean trainer.total_training_steps?" in lines[1]
+    assert "hetero.max_delay=-1" in lines[2] and "task.digits='abc'" in lines[3]
