@@ -376,8 +376,83 @@ def read_config_notes(run_dir: str | os.PathLike) -> list[str]:
     return [line for line in path.read_text(encoding="utf-8").splitlines() if line] if path.is_file() else []
 
 
+def _commit() -> str:
+    """The code's git commit (``-dirty`` with uncommitted changes), or ``n/a`` outside a checkout."""
+    import subprocess
+
+    root = Path(__file__).resolve().parents[2]
+    try:
+        head = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+        dirty = subprocess.run(
+            ["git", "-C", str(root), "status", "--porcelain", "-uno"], capture_output=True, text=True
+        )
+    except OSError:
+        return "n/a"
+    if head.returncode != 0:
+        return "n/a"
+    return head.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+
+
+def settings_rows(run_dir: str | os.PathLike, df: pd.DataFrame) -> list[tuple[str, str]]:
+    """What a reader needs to cite the run, from its ``config.yaml`` and metrics: engine and mode,
+    samplers, delay model, algorithm, learning rate, seed, steps, training wall time (the sum of the
+    steps' times), evaluation size and temperature, the code's commit. Empty without a config."""
+    from omegaconf import OmegaConf
+
+    from .sections import DelayConfig
+
+    path = Path(run_dir) / CONFIG_FILE
+    try:
+        cfg = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+    except Exception:  # noqa: BLE001 -- no config, no settings (read_run_config already warned)
+        return []
+    node = OmegaConf.create(cfg)
+
+    def get(dotted: str, default: Any = None) -> Any:
+        try:
+            return OmegaConf.select(node, dotted, default=default)
+        except Exception:  # noqa: BLE001 -- an interpolation that no longer resolves
+            return default
+
+    engine, mode = get("hetero.engine", "embedded"), get("hetero.mode", "async")
+    if engine == "verl":
+        mode_text = "verl engine, async" + (
+            " (remote pools through an exchange)" if get("hetero.transport") == "fs" else ""
+        )
+        samplers = f"{get('actor_rollout_ref.rollout.name')} rollout replicas"
+        eval_t = get("actor_rollout_ref.rollout.val_kwargs.temperature")
+    else:
+        mode_text = f"embedded engine, {mode}"
+        samplers = "1 (replay: one process)" if mode == "replay" else str(get("hetero.num_samplers"))
+        eval_t = get("task.eval_temperature")
+    try:
+        delay = DelayConfig(**(get("hetero.delay") or {})).describe(
+            "seconds" if engine == "verl" or mode == "async" else "steps", int(get("hetero.seed", 0) or 0)
+        )
+    except Exception as err:  # noqa: BLE001 -- a hand-edited config: say so, write the rest
+        delay = f"n/a ({type(err).__name__}: {err})"
+    step_time = series(df, "perf/wall_s")
+    step_time = step_time if step_time is not None else series(df, "timing_s/step")
+    return [
+        ("engine / mode", mode_text),
+        ("samplers", samplers),
+        ("delay model", delay),
+        ("staleness bound (hetero.max_delay)", str(get("hetero.max_delay"))),
+        ("learning rate", str(get("actor_rollout_ref.actor.optim.lr"))),
+        ("seed (hetero.seed)", str(get("hetero.seed"))),
+        ("training steps", str(get("trainer.total_training_steps"))),
+        ("training wall time (s, sum of step times)", _fmt(float(step_time.sum())) if step_time is not None else "n/a"),
+        ("evaluation", f"{get('task.eval_size')} problems at temperature {eval_t}"),
+        ("code commit", _commit()),
+    ]
+
+
 def render_markdown(
-    summary: dict[str, Any], df: pd.DataFrame, curves_name: str = CURVES_FILE, config_notes: list[str] = ()
+    summary: dict[str, Any],
+    df: pd.DataFrame,
+    curves_name: str = CURVES_FILE,
+    config_notes: list[str] = (),
+    settings: list[tuple[str, str]] = (),
 ) -> str:
     """``report.md`` text for ``summary`` (from :func:`summarize`) and its metrics frame;
     ``config_notes``: options without effect that the run kept (:data:`CONFIG_NOTES_FILE`)."""
@@ -403,8 +478,11 @@ def render_markdown(
         ("learner idle fraction (mean)", _fmt(s["learner_idle_frac_mean"])),
         ("step time mean (s)", _fmt(s["step_s_mean"])),
     ]
-    lines = [f"# Run report: {name}", "", f"Run directory: `{s['run_dir']}`", "", "| quantity | value |", "|---|---|"]
-    lines += [f"| {k} | {v} |" for k, v in rows]
+    lines = [f"# Run report: {name}", "", f"Run directory: `{s['run_dir']}`", ""]
+    if settings:
+        lines += ["## Settings", "", "| setting | value |", "|---|---|"] + [f"| {k} | {v} |" for k, v in settings]
+        lines += ["", "## Results", ""]
+    lines += ["| quantity | value |", "|---|---|"] + [f"| {k} | {v} |" for k, v in rows]
     benches = eval_benchmarks(df)
     if benches:
         lines += [
@@ -476,7 +554,9 @@ def write_report(run_dir: str | os.PathLike, out_dir: str | os.PathLike | None =
     curves = draw_curves(run.metrics, out / CURVES_FILE, title=f"{run.run_dir.name}: {run.label}", summary=summary)
     md = out / REPORT_FILE
     tmp = md.with_name(f".{md.name}.tmp")
-    tmp.write_text(render_markdown(summary, run.metrics, curves.name, read_config_notes(run.run_dir)), encoding="utf-8")
+    settings = settings_rows(run.run_dir, run.metrics)
+    text = render_markdown(summary, run.metrics, curves.name, read_config_notes(run.run_dir), settings)
+    tmp.write_text(text, encoding="utf-8")
     os.replace(tmp, md)
     return md, curves
 

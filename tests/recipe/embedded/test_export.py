@@ -5,6 +5,7 @@ engine's latest checkpoint as an HF folder holding exactly the learner's weights
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -142,3 +143,20 @@ def test_the_dry_run_prints_a_plan_naming_data_steps_delay_bound_and_run_directo
     assert "delay (weights): constant(value=2) in steps" in plan and "staleness bound: 5 versions" in plan
     assert f"run directory:   {tmp_path / 'run'}; at the end every checkpoint becomes an HF folder" in plan
     assert not (tmp_path / "run").exists()
+
+
+def test_the_report_names_the_settings_a_reader_cites(trained_run):
+    report = (trained_run / "report.md").read_text()
+    settings = report.split("## Settings", 1)[1].split("## Results", 1)[0]
+    for row in (
+        "| engine / mode | embedded engine, replay |",
+        "| samplers | 1 (replay: one process) |",
+        "| learning rate | 0.001 |",
+        "| seed (hetero.seed) | 0 |",
+        "| training steps | 2 |",
+    ):
+        assert row in settings, settings
+    assert "| delay model | lognormal(" in settings and " in steps: median " in settings
+    assert re.search(r"\| training wall time \(s, sum of step times\) \| [0-9.]+ \|", settings), settings
+    assert re.search(r"\| evaluation \| \d+ problems at temperature 1.0 \|", settings), settings
+    assert re.search(r"\| code commit \| ([0-9a-f]{7,}(-dirty)?|n/a) \|", settings), settings
