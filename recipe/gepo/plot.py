@@ -7,7 +7,7 @@ and ``hetero.max_delay`` come from the config. Writes into ``--out``: ``curves.<
 accuracy and ``reward/mean`` against step, a line per run labelled ``"<loss mode>, d=<max delay>"``
 or ``--labels``; with several algorithms also ``curves_<algorithm>.<fmt>``), ``acc_vs_delay.<fmt>``
 (Best and Last accuracy against max delay per algorithm, seeds averaged, error bars the sample std,
-single seeds as dots), ``scatter_var_kl.<fmt>``, ``scatter_var_staleness.<fmt>`` and
+single seeds as dots; runs that differ in more than the seed are drawn apart, the keys named), ``scatter_var_kl.<fmt>``, ``scatter_var_staleness.<fmt>`` and
 ``scatter_kl_staleness.<fmt>`` (a point per step; Pearson's r per run and pooled in the legends),
 ``summary.csv`` (a row per run: :func:`recipe.gepo.run_report.summarize` and the correlations). A
 figure whose data no run has is skipped with a note. Exit status 2, naming the RUN_DIR, when one is
@@ -21,6 +21,7 @@ import math
 import re
 import sys
 from collections.abc import Sequence
+from typing import Any
 from pathlib import Path
 
 import matplotlib
@@ -42,7 +43,7 @@ from verl_ext.analysis.run_figures import (  # noqa: F401 -- POOLED, pearson: pa
 from verl_ext.analysis.run_figures import colors as _colors
 from verl_ext.analysis.run_figures import format_number as _fmt
 from verl_ext.analysis.run_figures import legend as _legend
-from verl_ext.rundir import Run, RunDirError, load_runs
+from verl_ext.rundir import CONFIG_FILE, Run, RunDirError, config_leaves, load_runs
 
 from .run_report import eval_accuracy, series, summarize_run
 
@@ -61,8 +62,44 @@ def correlations(runs: Sequence[Run], labels: Sequence[str], pairs: Sequence[tup
     return run_figures.correlations(runs, labels, pairs)
 
 
+SEED_AND_PLACE = ("seed", "data_loader_seed", "default_local_dir", "experiment_name", "project_name", "cache_dir")
+"""Config keys (at any depth) runs may differ in and still be seeds of one setting: seeds, names and places."""
+
+
+def _config_leaves(run: Run) -> dict[str, Any]:
+    from omegaconf import OmegaConf
+
+    path = run.run_dir / CONFIG_FILE
+    if not path.is_file():
+        return {}
+    tree = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+    return {k: v for k, v in config_leaves(tree, skip=SEED_AND_PLACE)}
+
+
+def setting_variants(runs: Sequence[Run]) -> tuple[list[str], dict[str, list[str]]]:
+    """Per run, what sets it apart from the other runs of its algorithm beyond the seed and the max
+    delay (``""`` when nothing): ``"[trainer.total_training_steps=100]"``; and per algorithm the
+    keys that differ. Averaging such runs as seeds would mix settings, so they are drawn apart."""
+    leaves = [_config_leaves(r) for r in runs]
+    variants, differing = [""] * len(runs), {}
+    for algo in dict.fromkeys(r.algorithm for r in runs):
+        idx = [i for i, r in enumerate(runs) if r.algorithm == algo]
+        keys = sorted(
+            k
+            for k in set().union(*(leaves[i] for i in idx))
+            if not (k == "hetero.max_delay" or k.startswith("hetero.delay."))
+            and len({repr(leaves[i].get(k)) for i in idx}) > 1
+        )
+        if keys:
+            differing[algo] = keys
+            for i in idx:
+                variants[i] = "[" + ", ".join(f"{k}={leaves[i].get(k)}" for k in keys) + "]"
+    return variants, differing
+
+
 def accuracy_vs_delay(runs: Sequence[Run]) -> pd.DataFrame:
-    """Best and Last evaluation accuracy per (algorithm, max delay), averaged over runs.
+    """Best and Last evaluation accuracy per (algorithm, max delay), averaged over runs that differ
+    only in their seed (others are drawn apart: :func:`setting_variants`).
 
     Best = max over a run's evaluations, Last = its final evaluation (accuracy as chosen by
     :func:`recipe.gepo.run_report.eval_accuracy`). Runs without evaluations or without a max
@@ -71,14 +108,15 @@ def accuracy_vs_delay(runs: Sequence[Run]) -> pd.DataFrame:
     single run), ``best_values``, ``last_values`` (per-run lists), ``runs`` (directory names);
     sorted by algorithm then delay."""
     per_run = []
-    for run in runs:
+    variants, _ = setting_variants(runs)
+    for run, variant in zip(runs, variants):
         ev = eval_accuracy(run.metrics)
         if ev is None or run.max_delay is None:
             continue
         s = ev[1]
         per_run.append(
             {
-                "algorithm": run.algorithm,
+                "algorithm": f"{run.algorithm} {variant}".strip(),
                 "max_delay": run.max_delay,
                 "best": float(s.max()),
                 "last": float(s.iloc[-1]),
@@ -257,6 +295,10 @@ def make_figures(
             )
 
     table = accuracy_vs_delay(runs)
+    for algo, keys in setting_variants(runs)[1].items():
+        log(
+            f"note: runs of {algo} differ in more than the seed ({', '.join(keys)}): accuracy vs delay draws them apart"
+        )
     left_out = [r.run_dir.name for r in runs if r.max_delay is None or eval_accuracy(r.metrics) is None]
     if left_out:
         log(f"note: accuracy vs delay leaves out runs without evaluations or hetero.max_delay: {', '.join(left_out)}")

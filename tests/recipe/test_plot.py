@@ -142,6 +142,30 @@ def test_accuracy_vs_delay_best_last_over_seeds(runs):
     assert g8["last_mean"] == pytest.approx(runs["gepo_d8"]["acc"][-1])
 
 
+def test_runs_that_differ_in_more_than_the_seed_are_drawn_apart_naming_the_keys(runs, tmp_path):
+    """A third (gepo, 4) run of other length is no seed of the first two: it gets its own point,
+    labelled with what differs; seeds, run names and the delay model stay ignored."""
+    other = write_run(tmp_path / "gepo_d4_long", np.random.default_rng(5), "gepo", 4)["dir"]
+    with (other / "config.yaml").open("a") as f:
+        f.write("trainer:\n  total_training_steps: 100\n  experiment_name: long\n")
+    seed = runs["gepo_d4_s1"]["dir"] / "config.yaml"
+    seed.write_text(seed.read_text() + "  seed: 7\n")  # under hetero: a seed, not a setting
+    dirs = [runs[n]["dir"] for n in ("gepo_d4_s0", "gepo_d4_s1", "gepo_d8")] + [other]
+    loaded, _ = plot.load_runs([str(d) for d in dirs])
+    variants, differing = plot.setting_variants(loaded)
+    assert differing == {"gepo": ["trainer.total_training_steps"]}
+    assert variants == ["[trainer.total_training_steps=None]"] * 3 + ["[trainer.total_training_steps=100]"]
+    table = plot.accuracy_vs_delay(loaded)
+    assert list(zip(table["algorithm"], table["max_delay"], table["n"])) == [
+        ("gepo [trainer.total_training_steps=100]", 4, 1),
+        ("gepo [trainer.total_training_steps=None]", 4, 2),
+        ("gepo [trainer.total_training_steps=None]", 8, 1),
+    ]
+    notes = []
+    plot.make_figures(loaded, [d.name for d in dirs], tmp_path / "figs", log=notes.append)
+    assert any("runs of gepo differ in more than the seed (trainer.total_training_steps)" in n for n in notes)
+
+
 def test_labels_default_custom_and_errors(runs, tmp_path):
     dirs = [str(runs[n]["dir"]) for n in ("gepo_d4_s0", "gepo_d4_s1", "gepo_d8")]
     with pytest.warns(UserWarning):
