@@ -254,6 +254,30 @@ def _summary_text(s: dict[str, Any]) -> str:
     return "\n".join(f"{k:<16}{v}" for k, v in rows)
 
 
+def reward_band(df: pd.DataFrame) -> tuple[np.ndarray, np.ndarray, str] | None:
+    """``reward/mean`` ± ``reward/std`` per step [S], kept inside the step's ``reward/min`` and
+    ``reward/max`` where logged (a 0/1 reward's band is not -0.1 to 1.1); with its legend label.
+    None without a mean and a std."""
+    reward, std = series(df, "reward/mean"), series(df, "reward/std")
+    if reward is None or std is None:
+        return None
+    std = std.reindex(reward.index)
+    low, high = (reward - std).to_numpy(), (reward + std).to_numpy()
+    lowest, highest = series(df, "reward/min"), series(df, "reward/max")
+    if lowest is None or highest is None:
+        return low, high, "± std"
+    low = np.maximum(low, lowest.reindex(reward.index).fillna(-np.inf).to_numpy())
+    high = np.minimum(high, highest.reindex(reward.index).fillna(np.inf).to_numpy())
+    return low, high, "± std (within min/max)"
+
+
+def accuracy_interval(p: np.ndarray, n: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A 95% binomial (normal-approximation) interval around accuracies ``p`` [S] of ``n`` [S]
+    problems each, clipped to [0, 1]."""
+    half = 1.96 * np.sqrt(p * (1 - p) / n)
+    return np.clip(p - half, 0, 1), np.clip(p + half, 0, 1)
+
+
 def draw_curves(df: pd.DataFrame, path: Path, title: str = "", summary: dict[str, Any] | None = None) -> Path:
     """The run's ``curves.png``: reward, eval accuracy, KL(sampler||learner), IS-weight
     variance against step, and the staleness histogram summed over the run; ``summary`` (from
@@ -272,17 +296,10 @@ def draw_curves(df: pd.DataFrame, path: Path, title: str = "", summary: dict[str
             _note(ax_r, "reward/mean not logged")
         else:
             _line(ax_r, reward, color="C0", label="mean")
-            std = series(df, "reward/std")
-            if std is not None:
-                std = std.reindex(reward.index)
-                ax_r.fill_between(
-                    reward.index.to_numpy(),
-                    (reward - std).to_numpy(),
-                    (reward + std).to_numpy(),
-                    color="C0",
-                    alpha=0.15,
-                    label="± std",
-                )
+            band = reward_band(df)
+            if band is not None:
+                low, high, label = band
+                ax_r.fill_between(reward.index.to_numpy(), low, high, color="C0", alpha=0.15, label=label)
                 ax_r.legend(loc="best")
             ax_r.set_xlabel("step")
 
@@ -303,6 +320,14 @@ def draw_curves(df: pd.DataFrame, path: Path, title: str = "", summary: dict[str
                 )
             name, s = ev
             _line(ax_e, s, color="C0", linewidth=2, label=name)
+            problems = series(df, "eval/n_problems")
+            if problems is not None:  # how much of a change is noise
+                n = problems.reindex(s.index).ffill().bfill().to_numpy()
+                low, high = accuracy_interval(s.to_numpy(), n)
+                ax_e.fill_between(
+                    s.index.to_numpy(), low, high, color="C0", alpha=0.15, label=f"95% interval (n={int(n[-1])})"
+                )
+            ax_e.set_ylim(0, 1)  # accuracy on its whole scale: a 0.008 change is not a cliff
             ax_e.set_xlabel("step")
             ax_e.set_ylabel("accuracy")
             ax_e.legend(loc="best")

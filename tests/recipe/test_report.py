@@ -7,6 +7,7 @@ import warnings
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 import pytest
 from PIL import Image
 
@@ -292,3 +293,24 @@ def test_report_cli_in_process(tmp_path, capsys):
         report.main([str(tmp_path / "missing_run")])
     assert e.value.code == 2
     assert "missing_run" in capsys.readouterr().err
+
+
+def test_the_reward_band_stays_inside_the_rewards_seen_and_accuracy_gets_a_binomial_interval():
+    df = pd.DataFrame(
+        {
+            "step": [1, 2],
+            "reward/mean": [0.9, 0.1],
+            "reward/std": [0.3, 0.3],
+            "reward/min": [0.0, 0.0],
+            "reward/max": [1.0, 1.0],
+        }
+    )
+    low, high, label = report.reward_band(df)
+    assert low.tolist() == pytest.approx([0.6, 0.0]) and high.tolist() == pytest.approx([1.0, 0.4])
+    assert label == "± std (within min/max)"
+    low, high, label = report.reward_band(df.drop(columns=["reward/min", "reward/max"]))
+    assert low.tolist() == pytest.approx([0.6, -0.2]) and label == "± std"  # no bounds logged: as is
+    assert report.reward_band(df.drop(columns=["reward/std"])) is None
+    low, high = report.accuracy_interval(np.array([0.5, 0.0]), np.array([256, 256]))
+    assert low[0] == pytest.approx(0.5 - 1.96 * 0.5 / 16) and high[0] == pytest.approx(0.5 + 1.96 * 0.5 / 16)
+    assert low[1] == high[1] == 0.0

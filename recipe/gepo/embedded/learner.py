@@ -272,6 +272,8 @@ class Learner:
                 "actor/nonfinite_skipped": float(self.nonfinite_skipped),
                 "reward/mean": batch["rewards"].mean().item(),
                 "reward/std": batch["rewards"].std().item() if len(batch["rewards"]) > 1 else 0.0,
+                "reward/min": batch["rewards"].min().item(),
+                "reward/max": batch["rewards"].max().item(),
                 "response_length/mean": lengths.mean().item(),
                 "training/policy_version": float(self.version),
             }

@@ -16,6 +16,10 @@ import numpy as np
 from ..sections import TaskConfig
 
 
+EVAL_PROBLEMS = "eval/n_problems"
+"""How many problems each held-out evaluation scored (the width of its confidence band in curves.png)."""
+
+
 class Task:
     """Prompts, scoring and evaluation of one task. ``items`` are dicts with ``prompt`` (text fed
     to the model) and ``answer``."""
@@ -143,7 +147,7 @@ class Task:
         finally:
             model.train(was_training)
         acc = correct / len(self.eval_items)
-        return {f"eval/{self.eval_name}/acc": acc, "eval/acc_mean": acc}
+        return {f"eval/{self.eval_name}/acc": acc, "eval/acc_mean": acc, EVAL_PROBLEMS: float(len(self.eval_items))}
 
 
 def resolve_model_path(model_path: str, task_config: TaskConfig, seed: int) -> str:

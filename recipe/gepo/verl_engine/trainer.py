@@ -388,6 +388,9 @@ class HeteroSeparateAsyncTrainer(PPOTrainerSeparateAsync):
         super()._compute_metrics(batch, metrics, timing_raw, global_steps, epoch)
         if "critic/score/mean" in metrics:  # the embedded engine's name for it (report.md, curves.png)
             metrics["reward/mean"] = metrics["critic/score/mean"]
+            for bound in ("min", "max"):  # the reward band of curves.png stays inside them
+                if f"critic/score/{bound}" in metrics:
+                    metrics[f"reward/{bound}"] = metrics[f"critic/score/{bound}"]
         if self.pools:
             metrics.update(ray.get(self.pool_ingress.metrics.remote()))
         evicted = float(metrics.get("training/off_policy/evicted_samples", 0.0))
