@@ -79,6 +79,7 @@ def run_local(cfg: DictConfig) -> dict[str, Any]:
     run_mode = {"replay": run_replay, "async": run_async}[engine.hetero.mode]
     with run_directory(settings.run_dir, cfg, engine.notes, resuming):
         model_path = resolve_model_path(settings.model_path, engine.task, engine.hetero.seed)
+        print(f"[heterorl] model: {model_path}", flush=True)
         logger = MetricLogger(settings.run_dir, settings, cfg)
         try:
             final = run_mode(engine, model_path, logger)

@@ -21,9 +21,9 @@ def _table(stdout: str) -> dict[str, str]:
     return {m.group(1): m.group(2) for m in re.finditer(r"^(\S.*?)\s{2,}(\S.*)$", body, flags=re.M)}
 
 
-def _demo(run_dir: Path, cache: Path, *extra: str) -> dict[str, str]:
-    """Run the demo shortened (2 steps, 32 evaluation problems); its table. Two steps are enough
-    for what the tests read: the table, evaluations before and after, the run files."""
+def _demo(run_dir: Path, cache: Path, *extra: str) -> tuple[dict[str, str], str]:
+    """Run the demo shortened (2 steps, 32 evaluation problems); its table and its console. Two
+    steps are enough for what the tests read: the table, evaluations before and after, the run files."""
     overrides = [
         "trainer.total_training_steps=2",
         "trainer.test_freq=2",
@@ -43,12 +43,16 @@ def _demo(run_dir: Path, cache: Path, *extra: str) -> dict[str, str]:
         timeout=600,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return _table(result.stdout)
+    return _table(result.stdout), result.stdout + result.stderr
 
 
 def test_the_demo_trains_from_the_shipped_warm_start_and_prints_its_table(tmp_path):
     run_dir, cache = tmp_path / "demo", tmp_path / "cache"
-    table = _demo(run_dir, cache)
+    table, console = _demo(run_dir, cache)
+    # the start-up phases, one line each, before the progress bar
+    for line in ("[heterorl] starting the learner (fresh)", "[heterorl] initial evaluation (32 held-out problems)"):
+        assert line in console, console[-3000:]
+    assert "samplers running)" in console and "(2 of 2 samplers running)" in console, console[-3000:]
     assert table["algorithm (loss mode)"] == "gepo"
     assert table["mode / samplers"] == "async / 2"
     assert table["learner steps"] == "2"
@@ -67,7 +71,7 @@ def test_the_demo_trains_from_the_shipped_warm_start_and_prints_its_table(tmp_pa
 def test_the_readme_replay_example_runs(tmp_path):
     """README: ``make demo ARGS="algorithm_preset=grpo hetero.mode=replay"``. Replay refuses the demo's
     two samplers and speed factors; the demo leaves them out there instead of failing at start."""
-    table = _demo(tmp_path / "demo", tmp_path / "cache", "algorithm_preset=grpo", "hetero.mode=replay")
+    table, _ = _demo(tmp_path / "demo", tmp_path / "cache", "algorithm_preset=grpo", "hetero.mode=replay")
     assert table["algorithm (loss mode)"] == "vanilla"
     assert table["mode / samplers"] == "replay / 1"
     assert table["learner steps"] == "2"

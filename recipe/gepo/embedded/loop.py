@@ -241,8 +241,11 @@ def run_loop(runtime: Runtime, engine: EngineConfig, logger: MetricLogger, desc:
     start = 0 if checkpoint is None else int(checkpoint["step"])
     if checkpoint is not None:
         truncate_metrics(logger.path, start)
+    # one line per start-up phase: each takes seconds to a minute before the progress bar appears
+    tqdm.write(f"[heterorl] starting the learner ({'from step ' + str(start) if checkpoint else 'fresh'})")
     runtime.start(checkpoint)
     if checkpoint is None:
+        tqdm.write(f"[heterorl] initial evaluation ({engine.task.eval_size} held-out problems)")
         logger.log(runtime.evaluate(hetero.seed), step=0)
 
     metrics: dict[str, float] = {}

@@ -126,6 +126,7 @@ class RemoteRuntime:
         self.namespaces: dict[int, str] = {}
         self.runs: dict[Any, int] = {}
         self.keys_pending: dict[int, Any] = {}  # sampler -> its public key's ObjectRef, until it runs
+        self.all_up_once = False  # every sampler has run once: start-up lines end
         # the launched samplers' public keys (hetero.trust.sign_records), kept in the run directory
         self.enrolment_path = engine.settings.run_dir / ENROLMENT_FILE
         self.enrolment = Enrolment()
@@ -167,6 +168,10 @@ class RemoteRuntime:
                 self.enrolment.save(self.enrolment_path)
                 enrolled = self.learner.enrol.remote(f"sampler-{i}", public_hex)
             self.runs[self.samplers[i].run.remote(self.resume_at[i], enrolled=enrolled)] = i
+            if not self.all_up_once:  # start-up: one line per sampler up (restarts say so themselves)
+                total = self.engine.hetero.num_samplers
+                bar_write(f"[heterorl] sampler-{i} started ({len(self.runs)} of {total} samplers running)")
+                self.all_up_once = len(self.runs) == total
 
     def start(self, checkpoint: Optional[dict]) -> int:
         # the samplers this run launched before a crash (fresh run: none; the file is rewritten)
@@ -239,9 +244,10 @@ class RemoteRuntime:
             ready, _ = ray.wait([pending], timeout=0.5)
             waited = time.monotonic() - waiting_since
             if not ready and waited >= next_status:
+                starting = f", {len(self.keys_pending)} still starting" if self.keys_pending else ""
                 tqdm.write(
                     f"[heterorl] step {step + 1}: waiting for rollouts for {waited:.0f}s "
-                    f"({len(self.runs)} sampler(s) running; the learner fails after "
+                    f"({len(self.runs)} sampler(s) running{starting}; the learner fails after "
                     f"hetero.wait_timeout_s={hetero.wait_timeout_s:g})"
                 )
                 next_status += status_every
