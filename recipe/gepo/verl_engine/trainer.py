@@ -79,11 +79,26 @@ class MetricsTee:
     written. The trainer points verl's tracker back at the previous checkpoint while saving, and
     the tee points it at k once k's line is written."""
 
-    def __init__(self, tracking: Any, run_dir: str | Path):
+    CONSOLE = {
+        "reward": "reward/mean",
+        "stale": "hetero/staleness_mean",
+        "acc": EVAL_MEAN,
+        "step_s": "timing_s/step",
+    }
+    """What the console's progress bar shows of a step (verl's console backend prints ~150 metrics a
+    step; every one is in metrics.jsonl and any other backend)."""
+
+    def __init__(self, tracking: Any, run_dir: str | Path, total_steps: int | None = None):
         self.tracking = tracking
         self._writer = MetricsWriter(run_dir)
         self.path = self._writer.path
         self._pending: tuple[int, Path] | None = None
+        self._bar, self._shown = None, {}
+        backends = getattr(tracking, "logger", None)
+        if isinstance(backends, dict) and backends.pop("console", None) is not None:
+            from tqdm.auto import tqdm
+
+            self._bar = tqdm(total=total_steps or None, desc="verl engine", unit="step")
 
     def commit_after(self, step: int, tracker: Path) -> None:
         """Write ``step`` into ``tracker`` once that step's metrics line is written."""
@@ -95,6 +110,12 @@ class MetricsTee:
             write_text_atomically(self._pending[1], str(step))
             self._pending = None
         self.tracking.log(data=data, step=step, *args, **kwargs)
+        if self._bar is not None:
+            self._shown.update({k: data[m] for k, m in self.CONSOLE.items() if isinstance(data.get(m), (int, float))})
+            self._bar.update(max(0, step - self._bar.n))
+            self._bar.set_postfix({k: f"{v:.3g}" for k, v in self._shown.items()})
+            if self._bar.total is not None and self._bar.n >= self._bar.total:
+                self._bar.close()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.tracking, name)
@@ -209,7 +230,8 @@ class HeteroSeparateAsyncTrainer(PPOTrainerSeparateAsync):
 
     @logger.setter
     def logger(self, tracking):  # verl's fit() assigns its Tracking here
-        self._hetero_logger = MetricsTee(tracking, self.config.trainer.default_local_dir)
+        total = getattr(self, "total_training_steps", None) or self.config.trainer.total_training_steps
+        self._hetero_logger = MetricsTee(tracking, self.config.trainer.default_local_dir, total)
 
     def __init__(self, config):
         check_no_forced_bypass(config)

@@ -98,3 +98,17 @@ def test_eval_reaches_metrics_jsonl_and_report(tmp_path):
     md_path, _ = report.write_report(tmp_path)
     md = md_path.read_text()
     assert "`eval/acc_mean` (2 evaluations)" in md and "| toy_add3 | 2 |" in md
+
+
+def test_the_console_is_a_progress_bar_of_chosen_metrics_not_verls_every_metric(tmp_path, capsys):
+    """With verl's console backend asked for, its per-step dump of every metric gives way to one
+    progress bar (reward, staleness, accuracy, step time); metrics.jsonl keeps everything."""
+    tee = MetricsTee(Tracking("p", "e", default_backend=["console"]), tmp_path, total_steps=2)
+    assert "console" not in tee.tracking.logger
+    tee.log({report.EVAL_MEAN: 0.25, "val-core/x/acc/mean@1": 0.25}, step=0)
+    tee.log({"reward/mean": 0.5, "hetero/staleness_mean": 1.5, "timing_s/step": 2.0, "actor/pg_loss": 0.1}, step=1)
+    tee.log({"reward/mean": 0.75, "actor/pg_loss": 0.2}, step=2)
+    out = capsys.readouterr()
+    assert "actor/pg_loss" not in out.out + out.err  # verl's console would print every metric
+    assert "2/2" in out.err and "reward=0.75" in out.err and "acc=0.25" in out.err and "stale=1.5" in out.err
+    assert [r["step"] for r in read_metric_rows(tmp_path)] == [0, 1, 2]
