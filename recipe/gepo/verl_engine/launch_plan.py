@@ -17,6 +17,7 @@ bypass guard: verl 0.9.1's async trainers and ``RayPPOTrainer`` call ``apply_byp
 from __future__ import annotations
 
 import re
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -328,7 +329,9 @@ def _validate(cfg: DictConfig) -> Validated:
     actor = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
     rollout = omega_conf_to_dataclass(cfg.actor_rollout_ref.rollout)
     algorithm = omega_conf_to_dataclass(cfg.algorithm)
-    use_ref, use_critic = need_reference_policy(cfg), need_critic(cfg)
+    with warnings.catch_warnings():  # verl warns that GRPO-style estimators run without a critic: the plan says so
+        warnings.filterwarnings("ignore", message="Disabled critic")
+        use_ref, use_critic = need_reference_policy(cfg), need_critic(cfg)
     validate_config(cfg, use_reference_policy=use_ref, use_critic=use_critic)
 
     return Validated(cfg, hetero, engine, actor, rollout, algorithm, use_ref, use_critic)
@@ -390,6 +393,8 @@ def render(v: Validated) -> str:
         f"    samplers:      {rollout_cfg.nnodes} node(s) x {rollout_cfg.n_gpus_per_node} GPU = {sampler['gpus']} GPUs, "
         f"{rollout_cfg.name} TP={sampler['tp']} DP={sampler['dp']} PP={sampler['pp']}, {sampler['replicas']} replicas",
         f"    reference:     {ref}",
+        "    critic:        "
+        + ("a value model (GAE)" if v.use_critic else f"none ({cfg.algorithm.adv_estimator} needs no value model)"),
         f"    topology:      star: learners <-> {sampler['replicas']} sampler replicas "
         f"(weights: checkpoint engine {rollout_cfg.checkpoint_engine.backend})",
         "    placement:     "
