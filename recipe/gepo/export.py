@@ -5,7 +5,7 @@
 The embedded engine's ``checkpoints/step_<N>.pt`` holds the learner's float32 weights; they are put
 into the run's own base model (``config.yaml``: the model path, or the task's built-in model or warm
 start) and saved with its tokenizer. The verl engine's ``global_step_<N>/actor`` goes through
-:func:`recipe.gepo.verl_engine.export.export` (float32, not verl's bfloat16 merger). ``evaluate``
+:func:`recipe.gepo.verl_engine.fsdp_export.export` (float32, not verl's bfloat16 merger). ``evaluate``
 accepts a run directory and exports its latest checkpoint this way when no export of it exists;
 training ends by exporting as ``hetero.export_hf`` says (:func:`export_at_end`).
 """
@@ -66,7 +66,7 @@ def export_run(run_dir: Path, step: Optional[int] = None, out: Optional[Path] = 
     source = checkpoints[step]
     out = Path(out) if out is not None else run_dir / EXPORT_DIR / f"step_{step:06d}"
     if source.is_dir():  # the verl engine's FSDP actor
-        from .verl_engine.export import export
+        from .verl_engine.fsdp_export import export
 
         export(source, out)
     else:

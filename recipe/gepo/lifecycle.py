@@ -18,6 +18,20 @@ from .options import ConfigError
 from .run_report import METRICS_FILE, report_after_failure, write_config_notes, write_report
 
 
+NOTHING_TO_TRAIN = "nothing_to_train"
+"""Key of :func:`run_local`'s result when the run directory's run has already reached its last step."""
+
+
+def finished_line(run_dir: Path, done: int, total: int) -> str:
+    """The one line for a command whose run directory holds a run at step ``done`` >= ``total``."""
+    where = f"finished at step {done} of {total}" if done == total else f"is at step {done}, past {total}"
+    return (
+        f"the run at {run_dir} {where} (trainer.total_training_steps={total}): nothing to train. To train it on, "
+        f"repeat the command with trainer.total_training_steps=<more than {done}>; to start fresh, add "
+        f"trainer.resume_mode=disable or another trainer.default_local_dir=<dir>. Report: {run_dir / 'report.md'}"
+    )
+
+
 def print_notes(notes: list[str]) -> None:
     """Options without effect that the study's configs keep: one line each on stderr."""
     for note in notes:

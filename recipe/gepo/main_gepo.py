@@ -50,7 +50,7 @@ def run_local(cfg: DictConfig) -> dict[str, Any]:
     from .embedded.run_log import MetricLogger
     from .embedded.supervisor import run_async
     from .embedded.tasks import resolve_model_path
-    from .lifecycle import check_resume, print_notes, run_directory
+    from .lifecycle import NOTHING_TO_TRAIN, check_resume, finished_line, print_notes, run_directory
     from verl_ext.hetero.seeding import seed_process
     from verl_ext.rundir import latest_checkpoint_step, set_aside_latest_checkpoint, set_aside_metrics
     from verl_ext.torch_threads import set_torch_threads
@@ -90,20 +90,6 @@ def run_local(cfg: DictConfig) -> dict[str, Any]:
     for line in export_at_end(Path(settings.run_dir), engine.hetero.export_hf):
         print(line, flush=True)
     return final
-
-
-NOTHING_TO_TRAIN = "nothing_to_train"
-"""Key of :func:`run_local`'s result when the run directory's run has already reached its last step."""
-
-
-def finished_line(run_dir: Path, done: int, total: int) -> str:
-    """The one line for a command whose run directory holds a run at step ``done`` >= ``total``."""
-    where = f"finished at step {done} of {total}" if done == total else f"is at step {done}, past {total}"
-    return (
-        f"the run at {run_dir} {where} (trainer.total_training_steps={total}): nothing to train. To train it on, "
-        f"repeat the command with trainer.total_training_steps=<more than {done}>; to start fresh, add "
-        f"trainer.resume_mode=disable or another trainer.default_local_dir=<dir>. Report: {run_dir / 'report.md'}"
-    )
 
 
 class ModelPathError(ConfigError, FileNotFoundError):
@@ -223,9 +209,11 @@ def run_command(cfg: DictConfig) -> None:
         if os.environ.get(DEBUG_ENV, "") not in ("", "0"):
             raise
         raise SystemExit(refusal(err)) from None
+    from .lifecycle import NOTHING_TO_TRAIN
+    from .run_report import closing_summary
+
     if cfg.hetero.dry_run or NOTHING_TO_TRAIN in (result or {}):
         return
-    from .run_report import closing_summary
 
     run_dir = Path(str((result or {}).get("run_dir") or cfg.trainer.default_local_dir))
     print("\n".join(closing_summary(run_dir, cfg.trainer.total_training_steps, time.monotonic() - start)))

@@ -101,7 +101,7 @@ def last_checkpoint(out: Path) -> Path:
 
 
 def evaluate(seeds: Sequence[int]) -> int:
-    from recipe.gepo.verl_engine.export import export
+    from recipe.gepo.verl_engine.fsdp_export import export
     from verl_ext.data.smollm2 import prepare_smollm2
 
     models = {"start": str(prepare_smollm2(ROOT / ".cache" / "heterorl"))}

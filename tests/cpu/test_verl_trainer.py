@@ -140,12 +140,12 @@ def _main_gepo(run_dir: Path, steps: int, *overrides: str) -> list[dict]:
 
 
 def _export_keeps_float32_and_agrees_with_verls_merger(actor_dir: Path, tmp_path: Path) -> None:
-    """recipe.gepo.verl_engine.export of a real checkpoint: float32 weights that moved away from the
+    """recipe.gepo.verl_engine.fsdp_export of a real checkpoint: float32 weights that moved away from the
     starting model, equal to verl's own merger's output once rounded to bfloat16 as verl rounds."""
     import torch
     from safetensors.torch import load_file
 
-    from recipe.gepo.verl_engine.export import export
+    from recipe.gepo.verl_engine.fsdp_export import export
 
     ours = load_file(export(actor_dir, tmp_path / "export") / "model.safetensors")
     proc = _run(

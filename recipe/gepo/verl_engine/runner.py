@@ -15,7 +15,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from ..lifecycle import print_notes, run_directory
+from ..lifecycle import NOTHING_TO_TRAIN, finished_line, print_notes, run_directory
 from .launch_plan import check_data_files, check_megatron_stack, engine_settings, is_hub_id, render, validate
 
 
@@ -139,6 +139,12 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     resuming = (
         str(settings.trainer.resume_mode) == "auto" and Path(get_checkpoint_tracker_filename(str(run_dir))).is_file()
     )
+    total = settings.trainer.total_training_steps
+    if resuming and total:  # a finished run: say so, instead of verl starting its workers to train nothing
+        done = int(Path(get_checkpoint_tracker_filename(str(run_dir))).read_text().strip() or 0)
+        if done >= int(total):
+            print(finished_line(run_dir, done, int(total)))
+            return {NOTHING_TO_TRAIN: done, "run_dir": str(run_dir)}
     with run_directory(run_dir, settings, validated.notes, resuming):
         run_ppo(settings, task_runner_class=task_runner_class())
     from ..export import export_at_end

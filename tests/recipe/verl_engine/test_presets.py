@@ -127,6 +127,19 @@ def test_run_with_dry_run_returns_the_plan_and_without_gpus_fails_clearly(capsys
         run(preset_cfg("qwen3_1p7b_fsdp"))
 
 
+def test_a_finished_run_is_not_started_again_and_the_command_says_how_to_go_on(tmp_path, capsys):
+    """The same command on a run whose checkpoint is at its last step: one line, no Ray, no verl workers."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "latest_checkpointed_iteration.txt").write_text("2")
+    cfg = compose_config("+verl_preset=cpu_toy", "hetero.engine=verl", f"trainer.default_local_dir={run_dir}")
+    result = run(cfg)
+    assert result["nothing_to_train"] == 2
+    out = capsys.readouterr().out
+    assert f"the run at {run_dir} finished at step 2 of 2" in out and "trainer.total_training_steps=<more than 2>" in out
+    assert sorted(p.name for p in run_dir.iterdir()) == ["latest_checkpointed_iteration.txt"]  # nothing written
+
+
 def test_engine_settings_set_the_trainer_and_verl_threshold():
     cfg = preset_cfg("qwen3_1p7b_fsdp", "hetero.max_delay=64", "hetero.stale_policy=wait")
     out = engine_settings(cfg)

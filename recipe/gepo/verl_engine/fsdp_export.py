@@ -1,6 +1,6 @@
 """A verl FSDP actor checkpoint as a float32 Hugging Face folder (for ``recipe.gepo.evaluate``).
 
-    python -m recipe.gepo.verl_engine.export RUN_DIR/global_step_N/actor OUT_DIR
+    python -m recipe.gepo.verl_engine.fsdp_export RUN_DIR/global_step_N/actor OUT_DIR
 
 verl's own ``python -m verl.model_merger merge --backend fsdp`` casts every weight to bfloat16
 (``fsdp_model_merger.py``: ``tensor._local_tensor.bfloat16()``). At the small learning rates of a
