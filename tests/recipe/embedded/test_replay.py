@@ -100,6 +100,7 @@ def test_resume_equals_uninterrupted_run(tiny_cfg, tmp_path):
             assert cb[name] == pytest.approx(ca[name], rel=1e-6, abs=1e-6), f"step {la['step']}: {name}"
 
 
+@pytest.mark.slow  # ~6 s; the set-aside of a fresh run is checked by default through its checkpoint pointer
 def test_fresh_run_in_used_dir_keeps_old_metrics_beside(tiny_cfg, tmp_path):
     for _ in range(2):
         run(tiny_cfg(tmp_path, "hetero.mode=replay", "trainer.total_training_steps=2", "trainer.test_freq=0"))

@@ -108,6 +108,7 @@ def test_sampler_pauses_while_the_learner_queue_is_full(tiny_cfg, tmp_path):
     assert counters["batches"] >= 1 and len(transport.keys(ROLLOUT_TOPIC)) == counters["groups"]
 
 
+@pytest.mark.slow  # ~16 s; test_sampler_pauses_while_the_learner_queue_is_full covers back-pressure by default
 @pytest.mark.usefixtures("local_ray")  # the learner built here starts its trust checker
 def test_learner_publishes_its_queue_depth_for_back_pressure(tiny_cfg, tmp_path):
     cfg = tiny_cfg(tmp_path / "run", "hetero.mode=async", "hetero.max_queued_groups=4")

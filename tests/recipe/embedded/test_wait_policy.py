@@ -146,6 +146,7 @@ def test_async_wait_fails_after_the_timeout_naming_the_group_and_a_dead_samplers
         worker.shutdown()
 
 
+@pytest.mark.slow  # ~12 s; the default run's edge test drives announced groups under wait end to end
 @pytest.mark.usefixtures("local_ray")  # the learner built here starts its trust checker
 def test_async_sampler_announces_its_groups_only_under_wait(tiny_cfg, tmp_path):
     for policy in ("wait", "drop"):

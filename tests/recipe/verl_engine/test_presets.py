@@ -136,7 +136,9 @@ def test_a_finished_run_is_not_started_again_and_the_command_says_how_to_go_on(t
     result = run(cfg)
     assert result["nothing_to_train"] == 2
     out = capsys.readouterr().out
-    assert f"the run at {run_dir} finished at step 2 of 2" in out and "trainer.total_training_steps=<more than 2>" in out
+    assert (
+        f"the run at {run_dir} finished at step 2 of 2" in out and "trainer.total_training_steps=<more than 2>" in out
+    )
     assert sorted(p.name for p in run_dir.iterdir()) == ["latest_checkpointed_iteration.txt"]  # nothing written
 
 

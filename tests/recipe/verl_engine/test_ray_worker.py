@@ -36,6 +36,7 @@ def registries_in_worker():
     }
 
 
+@pytest.mark.slow  # ~16 s; tests/test_verl_plugin.py's Ray probe checks the same registries in a worker by default
 def test_plugin_registered_inside_a_ray_worker(ray_cluster):
     got = ray.get(registries_in_worker.remote(), timeout=240)
     assert got["pid"] != os.getpid()

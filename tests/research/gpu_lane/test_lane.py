@@ -101,6 +101,7 @@ def test_part_seconds_override_the_defaults(tmp_path):
     assert bad.returncode == 2 and "'verl_toy=soon'" in bad.stderr, bad.stderr
 
 
+@pytest.mark.slow  # ~9 s; the lane runs only on a lent GPU; its part-skipping test stays in the default run
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a machine without CUDA")
 def test_a_failing_part_does_not_stop_the_others(tmp_path):
     result = run_lane(
