@@ -431,6 +431,7 @@ BASE = (
     "trainer.total_training_steps=2",
     "trainer.test_freq=0",
     "trainer.save_freq=0",
+    "hetero.export_hf=none",
 )
 """The tiny replay run every behaviour case starts from (with the tiny model's path and a run dir)."""
 
@@ -476,7 +477,7 @@ CASES_REPLAY: dict[str, Case] = {
     "hetero.learner_precision": _c("hetero.learner_precision=bf16"),
     "hetero.sampler_precision": _c("hetero.sampler_precision=bf16"),
     "hetero.dry_run": _c("hetero.dry_run=true"),
-    "hetero.export_hf": _c("hetero.export_hf=none"),
+    "hetero.export_hf": _c("hetero.export_hf=final"),
     "hetero.seed": _c("hetero.seed=1"),
     # task:
     "task.digits": _c("task.digits=2"),

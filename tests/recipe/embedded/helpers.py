@@ -21,6 +21,7 @@ TINY = [
     "data.max_response_length=4",
     "trainer.logger=[]",
     "trainer.resume_mode=disable",
+    "hetero.export_hf=none",  # the HF export at the end has its own tests (test_export.py)
 ]
 
 

@@ -33,6 +33,7 @@ def trained_run(tiny_model_path, tmp_path_factory):
             "trainer.save_freq=1",
             "trainer.test_freq=0",
             "actor_rollout_ref.actor.optim.lr=1e-3",  # weights that visibly move from the base model
+            "hetero.export_hf=final",  # the default (TINY turns it off for the other tests)
         ]
     )
     run(cfg)
