@@ -355,8 +355,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--out {str(args.out)!r} exists and is not a directory")
     try:
         runs, labels = load_runs(args.run_dirs, args.labels)
-    except (RunDirError, ValueError) as e:
-        parser.error(str(e))
+    except (RunDirError, ValueError) as e:  # a run directory, not the usage: one line, no usage text
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     written = make_figures(runs, labels, args.out, fmt=args.format, smooth=args.smooth)
     for name, path in written.items():
         print(f"wrote {name}: {path}")
