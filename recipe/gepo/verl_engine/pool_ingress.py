@@ -122,12 +122,20 @@ def admission(hetero: HeteroConfig, config: Any, tokenizer: Any, prompts: PoolPr
     return buffer, build_gate(trust, buffer, verifier)
 
 
+def next_poll_wait(current_s: float, busy: bool, fastest_s: float, slowest_s: float) -> float:
+    """The wait before the next read of the exchange: the fastest after a read that found or filled
+    something, else twice the last, up to ``slowest_s`` (an idle exchange is not listed 20 times a second)."""
+    return fastest_s if busy else min(2 * current_s, slowest_s)
+
+
 @ray.remote(num_cpus=0)
 class PoolIngress:
     """Groups from the exchange into the trainer's prompt slots, one thread (the only
     TransferQueue client of its process). See the module docstring."""
 
     POLL_S = 0.05
+    IDLE_POLL_S = 1.0
+    """The longest wait between two reads of an idle exchange (each read lists it: on S3 a request)."""
 
     def __init__(self, config: Any):
         import transfer_queue as tq
@@ -240,8 +248,9 @@ class PoolIngress:
     # ---- the thread ------------------------------------------------------------------------
     def _loop(self) -> None:
         try:
+            wait_s = self.POLL_S
             while not self._stop.is_set():
-                self.inbox.poll()
+                busy = self.inbox.poll() > 0
                 self._publish_status()
                 while self._slots and not self._stop.is_set():
                     try:
@@ -251,7 +260,9 @@ class PoolIngress:
                     with self._lock:
                         slot = self._slots.pop(0)
                     self._fill(slot, group)
-                time.sleep(self.POLL_S)
+                    busy = True
+                wait_s = next_poll_wait(wait_s, busy, self.POLL_S, self.IDLE_POLL_S)
+                self._stop.wait(wait_s)
         except Exception as err:  # surfaced by metrics(), which the trainer calls every step
             self._error = f"{type(err).__name__}: {err}"
             raise

@@ -94,3 +94,15 @@ def test_a_group_fills_a_trainer_slot_as_verls_agent_loop_writes_transfer_queue(
     assert row["loss_mask"].tolist() == row["response_mask"].tolist() == [1, 1, 1]
     # the learner's own row replaces the slot's data fields; keys the slot lacks are not added
     assert row["data_source"] == "toy_add3" and "not_a_slot_key" not in row and row["uid"] == "abc123"
+
+
+def test_an_idle_exchange_is_read_less_and_less_often_and_at_once_again_when_busy():
+    from recipe.gepo.verl_engine.pool_ingress import PoolIngress, next_poll_wait
+
+    fast, slow = PoolIngress.POLL_S, PoolIngress.IDLE_POLL_S
+    waits, wait = [], fast
+    for _ in range(7):
+        wait = next_poll_wait(wait, False, fast, slow)
+        waits.append(wait)
+    assert waits == [0.1, 0.2, 0.4, 0.8, 1.0, 1.0, 1.0]
+    assert next_poll_wait(slow, True, fast, slow) == fast
