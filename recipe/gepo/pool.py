@@ -104,7 +104,6 @@ class Pool(SamplerLoop):
         from verl.workers.rollout.llm_server import LLMServerManager
 
         from .sections import HeteroConfig
-        from .verl_engine.pool_ingress import exchange_url, store_options
         from verl_ext.hetero.delay_channel import DelayChannel
         from verl_ext.hetero.protocol import WEIGHTS_DELTA_TOPIC, WEIGHTS_TOPIC, TransportSpec, sampler_progress
         from verl_ext.hetero.seeding import sampler_stream
@@ -112,7 +111,7 @@ class Pool(SamplerLoop):
 
         self.cfg, self.index = settings, index
         self.hetero = hetero = HeteroConfig.from_omegaconf(settings.hetero)
-        self.url = exchange_url(hetero, settings.trainer.default_local_dir)
+        self.url = hetero.exchange_url(settings.trainer.default_local_dir)
         transport = TransportSpec("fsspec", url=self.url).open()
         channel = DelayChannel(
             transport,
@@ -124,7 +123,7 @@ class Pool(SamplerLoop):
         )
         self.init_loop(
             transport,
-            WeightStore(channel, **store_options(hetero)),
+            WeightStore(channel, **hetero.weight_store_options()),
             pool_id(index),
             f"r{index}-{uuid.uuid4().hex[:8]}",  # a restart never reuses a group uid
             max_delay=hetero.max_delay,

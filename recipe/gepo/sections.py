@@ -377,6 +377,21 @@ class HeteroConfig:
                 setattr(self, key, {})
         self.validate()
 
+    def exchange_url(self, run_dir: str | os.PathLike) -> str:
+        """Where samplers and learner meet (``transport=fs``, both engines): ``transport_url``, or
+        ``<run dir>/exchange`` when it is empty."""
+        return self.transport_url or str((Path(run_dir) / "exchange").resolve())
+
+    def weight_store_options(self) -> dict[str, Any]:
+        """The exchange weight store's keyword arguments (``verl_ext.hetero.weights.WeightStore``),
+        the same for every publisher and reader of either engine."""
+        return {
+            "keep_last": self.keep_weight_versions,
+            "wire_dtype": "bf16" if self.weights_bf16 else None,
+            "delta": self.weight_sync == "delta",
+            "max_delta_chain": self.max_delta_chain,
+        }
+
     def validate(self) -> None:
         """Raise ValueError naming the first bad field."""
         for name, allowed in (

@@ -159,8 +159,8 @@ OBSERVED_ELSEWHERE = {
     ),
     "hetero.max_delta_chain": (
         "tests/hetero/test_hetero_weight_delta.py::test_sampler_within_the_chain_uses_deltas_beyond_it_one_full_version",
-        f"{EMB}.async_shared:weight_store",
-        "max_delta_chain=hetero.max_delta_chain",
+        "recipe.gepo.sections:HeteroConfig.weight_store_options",
+        '"max_delta_chain": self.max_delta_chain',
     ),
     "hetero.trust.trust_recovery": (
         "tests/recipe/embedded/test_trust_gate.py::test_lenient_trust_needs_two_failures",

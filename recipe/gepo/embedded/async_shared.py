@@ -16,7 +16,7 @@ from verl_ext.torch_threads import set_torch_threads
 def transport_spec(hetero: HeteroConfig, settings: RunSettings) -> TransportSpec:
     """How every process reaches the shared transport."""
     if hetero.transport == "fs":
-        return TransportSpec("fsspec", url=hetero.transport_url or str((settings.run_dir / "exchange").resolve()))
+        return TransportSpec("fsspec", url=hetero.exchange_url(settings.run_dir))
     # the mailbox holds every message: on the learner's node (custom resources), as the learner
     return TransportSpec(
         "ray",
@@ -29,14 +29,7 @@ def weight_store(hetero: HeteroConfig, transport, pipelined: bool = False) -> We
     """The weight store of the learner (publishes, ``pipelined``: without waiting for the mailbox
     to confirm each version) and of every sampler (fetches, through its delay channel):
     ``hetero.keep_weight_versions``, ``weights_bf16``, ``weight_sync``, ``max_delta_chain``."""
-    return WeightStore(
-        transport,
-        keep_last=hetero.keep_weight_versions,
-        wire_dtype="bf16" if hetero.weights_bf16 else None,
-        delta=hetero.weight_sync == "delta",
-        max_delta_chain=hetero.max_delta_chain,
-        pipelined=pipelined,
-    )
+    return WeightStore(transport, **hetero.weight_store_options(), pipelined=pipelined)
 
 
 def pin_worker(cpus: list[int], key: str) -> None:

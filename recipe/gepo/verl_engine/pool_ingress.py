@@ -49,11 +49,6 @@ AUDIT_FILE = "pool_trained.jsonl"
 """In the run directory: which pool groups each step trained (:meth:`PoolIngress.mark_trained`)."""
 
 
-def exchange_url(hetero: HeteroConfig, run_dir: str) -> str:
-    """``hetero.transport_url``, or ``<run dir>/exchange`` when it is empty."""
-    return hetero.transport_url or str((Path(run_dir) / "exchange").resolve())
-
-
 class PoolPrompts:
     """The learner's own copy of the training prompts (``data.train_files``), tokenized as verl's
     agent loop does: the answer the trust verifier recomputes rewards against
@@ -144,7 +139,7 @@ class PoolIngress:
         self.tq = tq
         tq.init()
         self.hetero = hetero = HeteroConfig.from_omegaconf(config.hetero)
-        self.transport = TransportSpec("fsspec", url=exchange_url(hetero, config.trainer.default_local_dir)).open()
+        self.transport = TransportSpec("fsspec", url=hetero.exchange_url(config.trainer.default_local_dir)).open()
         self.audit_file = Path(config.trainer.default_local_dir) / AUDIT_FILE
         self.audit_file.parent.mkdir(parents=True, exist_ok=True)
         tokenizer = hf_tokenizer(config.actor_rollout_ref.model.path)
@@ -331,16 +326,6 @@ class PoolAgentLoopManager(AgentLoopManagerTQ):
         ray.get(self.ingress.add_slots.remote(unpack_rows(prompts)))
 
 
-def store_options(hetero: HeteroConfig) -> dict:
-    """The exchange weight store's settings (``WeightStore`` keyword arguments) from ``hetero:``."""
-    return {
-        "keep_last": hetero.keep_weight_versions,
-        "wire_dtype": "bf16" if hetero.weights_bf16 else None,
-        "delta": hetero.weight_sync == "delta",
-        "max_delta_chain": hetero.max_delta_chain,
-    }
-
-
 class BackgroundPublisher:
     """Publishes versions to the exchange's weight store in one background thread, in the order
     submitted; :meth:`submit` returns at once unless the previous version is still being
@@ -384,7 +369,7 @@ class ExchangePublisher:
     and tells the ingress the learner's version."""
 
     def __init__(self, inner: Any, actor_wg: Any, hetero: HeteroConfig, url: str):
-        self.inner, self.actor_wg, self.url, self.options = inner, actor_wg, url, store_options(hetero)
+        self.inner, self.actor_wg, self.url, self.options = inner, actor_wg, url, hetero.weight_store_options()
 
     def update_weights(self, global_steps: int) -> dict[str, float]:
         start = time.perf_counter()

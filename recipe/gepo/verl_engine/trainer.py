@@ -40,7 +40,7 @@ from .batch_rules import hetero_step_metrics, stale_group_uids
 from .delayed_sync import DelayedCheckpointManager, DelayedSyncSchedule
 from verl_ext.algos.worker_loss import GROUP_LOG_DENOMINATOR, bridge_loss_fn
 from .node_placement import pin_pools_to_node_roles
-from .pool_ingress import INGRESS_NAME, STATE_FILE, BackgroundPublisher, ExchangePublisher, PoolIngress, exchange_url
+from .pool_ingress import INGRESS_NAME, STATE_FILE, BackgroundPublisher, ExchangePublisher, PoolIngress
 from .launch_plan import (
     TRAINER_NAME,
     check_loss_mode_unchanged,
@@ -277,7 +277,7 @@ class HeteroSeparateAsyncTrainer(PPOTrainerSeparateAsync):
             if self.pools:
                 from verl_ext.hetero.protocol import TransportSpec, request_stop
 
-                url = exchange_url(self.hetero, self.config.trainer.default_local_dir)
+                url = self.hetero.exchange_url(self.config.trainer.default_local_dir)
                 request_stop(TransportSpec("fsspec", url=url).open())
 
     # ---- checkpoints and resume ------------------------------------------------------------
@@ -324,7 +324,7 @@ class HeteroSeparateAsyncTrainer(PPOTrainerSeparateAsync):
             self.standalone_checkpoint_manager, self.actor_rollout_wg, self.sync_schedule
         )
         if self.pools:  # every version also goes to the exchange, undelayed (pools delay their own)
-            url = exchange_url(self.hetero, self.config.trainer.default_local_dir)
+            url = self.hetero.exchange_url(self.config.trainer.default_local_dir)
             self.standalone_checkpoint_manager = ExchangePublisher(
                 self.standalone_checkpoint_manager, self.actor_rollout_wg, self.hetero, url
             )
@@ -337,7 +337,7 @@ class HeteroSeparateAsyncTrainer(PPOTrainerSeparateAsync):
             self.pool_ingress = PoolIngress.options(name=INGRESS_NAME).remote(self.config)
             restored = ray.get(self.pool_ingress.start.remote(str(folder) if resumed else None, self.global_steps))
             print(
-                f"[hetero] sampler pools: reading {exchange_url(self.hetero, self.config.trainer.default_local_dir)}"
+                f"[hetero] sampler pools: reading {self.hetero.exchange_url(self.config.trainer.default_local_dir)}"
                 + (f" (resumed: {restored} trained groups refused if sent again)" if resumed else "")
             )
         super().on_init_end()
