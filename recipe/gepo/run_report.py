@@ -428,10 +428,9 @@ def settings_rows(run_dir: str | os.PathLike, df: pd.DataFrame) -> list[tuple[st
 
     path = Path(run_dir) / CONFIG_FILE
     try:
-        cfg = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+        node = OmegaConf.load(path)
     except Exception:  # noqa: BLE001 -- no config, no settings (read_run_config already warned)
         return []
-    node = OmegaConf.create(cfg)
 
     def get(dotted: str, default: Any = None) -> Any:
         try:

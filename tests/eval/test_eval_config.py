@@ -86,9 +86,8 @@ def test_each_bad_setting_is_one_error_line(tmp_path, monkeypatch, capsys, overr
     from recipe.gepo import evaluate
 
     monkeypatch.delenv("HETERORL_DEBUG", raising=False)
-    monkeypatch.setattr(sys, "argv", ["evaluate", override, "model_path=/no/such/model", f"output_dir={tmp_path}"])
-    if override.startswith("model_path"):
-        monkeypatch.setattr(sys, "argv", ["evaluate", override, f"output_dir={tmp_path}"])
+    model = [] if override.startswith("model_path") else ["model_path=/no/such/model"]
+    monkeypatch.setattr(sys, "argv", ["evaluate", override, *model, f"output_dir={tmp_path}"])
     with pytest.raises(SystemExit) as exit_:
         evaluate.main()
     assert str(exit_.value.code).startswith(message), exit_.value.code
