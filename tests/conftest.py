@@ -11,8 +11,9 @@ Tests that start processes -- their module imports ``ray``, ``subprocess`` or ``
 or they use a fixture that starts Ray -- are marked ``integration``; ``make test-quick`` runs the
 rest (``-m "not slow and not integration"``), the unit tests of the edit-test loop.
 
-The suite composes hydra configs of ~30 YAML files about two thousand times, parsing the same YAML
-texts again each time. :func:`_parse_each_yaml_text_once` keeps each text's parse for the session (a deep copy per load, so nothing is shared): compose results are unchanged.
+The suite composes hydra configs of ~30 YAML files in most of its tests, parsing the same YAML texts
+again each time. :func:`_parse_each_yaml_text_once` keeps each text's parse for the session (a deep
+copy per load, so nothing is shared): compose results are unchanged.
 """
 
 import ast
