@@ -1,7 +1,7 @@
 """Async against synchronous generate-then-train on "separated hardware": same work, same model.
 
     python -m research.bench.bench_async [--steps 60] [--delays 0 1 5] [--learner-cpus 0] [--sampler-cpus 1]
-                                        [--trust-off | --trust-checker | --trust-in-learner | --compare-trust ROUNDS]
+                                        [--trust-off | --trust-checker | --trust-in-learner | --compare-trust ROUNDS [--settings ...]]
                                         [--warmup 5] [--out FILE] [extra hydra overrides ...]
 
 The learner is pinned to ``--learner-cpus`` and the samplers to ``--sampler-cpus`` (``--no-pin``: all
@@ -43,7 +43,9 @@ TRUST_SETTINGS = {
     "off": TRUST_OFF,
     "checker process": ["hetero.trust.check_process=true"],
     "in the learner": ["hetero.trust.check_process=false"],
+    "checker, unchecked taken": ["hetero.trust.check_process=true", "hetero.trust.hold_unchecked=false"],
 }
+DEFAULT_COMPARED = ("off", "checker process", "in the learner")
 
 
 def async_overrides(delay_s: float, samplers: int) -> list[str]:
@@ -140,14 +142,15 @@ def compare_trust_table(args, sync: dict, delay: float, rounds: list[tuple[str, 
         "",
         "| setting | round | async wall s | async / max(sampling, training) | async wall / its own train_step "
         "| async wall / training CPU | train_step s | learner idle s | learner process CPU s "
-        "| its poll thread's CPU s | blocked on verdicts s | load before -> after |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| its poll thread's CPU s | blocked on verdicts s | staleness mean | load before -> after |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for name, r, run_ in rounds:
         lines.append(
             f"| {name} | {r} | {run_['wall_s']:.2f} | {run_['wall_s'] / bound:.2f} | {run_['wall_s'] / run_['train_s']:.3f} "
             f"| {run_['wall_s'] / run_['train_cpu_s']:.3f} | {run_['train_s']:.2f} | {run_['wait_s']:.2f} "
-            f"| {run_['learner_cpu_s']:.2f} | {run_['poll_cpu_s']:.2f} | {run_['verdict_block_s']:.2f} | {run_['load']} |"
+            f"| {run_['learner_cpu_s']:.2f} | {run_['poll_cpu_s']:.2f} | {run_['verdict_block_s']:.2f} "
+            f"| {run_['staleness']:.2f} | {run_['load']} |"
         )
     lines += [
         "",
@@ -177,7 +180,7 @@ def compare_trust_table(args, sync: dict, delay: float, rounds: list[tuple[str, 
         # or every check with check_process=false) and the waits on verdicts
         return (x["poll_cpu_s"] - off_poll + x["verdict_block_s"]) / x["train_s"]
 
-    for name in TRUST_SETTINGS:
+    for name in args.settings:
         wall, by_own, by_cpu = median(name, lambda x: x["wall_s"]), median(name, own), median(name, per_cpu)
         lines.append(
             f"| {name} | {wall:.2f} | {wall / bound:.2f} | {wall / off['wall']:.3f} | {by_own:.3f} "
@@ -236,13 +239,23 @@ def main() -> None:
         type=int,
         default=0,
         metavar="ROUNDS",
-        help="at the first delay, ROUNDS rounds of async runs with trust off, checks in the checker process "
-        "and checks in the learner, alternating, and their medians (docs/reliability.md)",
+        help="at the first delay, ROUNDS rounds of async runs of each of --settings, in an order rotated "
+        "each round, and their medians (docs/reliability.md)",
+    )
+    parser.add_argument(
+        "--settings",
+        nargs="+",
+        choices=list(TRUST_SETTINGS),
+        default=list(DEFAULT_COMPARED),
+        help="--compare-trust's settings (off must be one: the others are read against it); 'checker, unchecked "
+        "taken' is the checker process with hetero.trust.hold_unchecked=false",
     )
     parser.add_argument("--out", type=Path, default=None)
     args, extra = parser.parse_known_args()
     if sum([args.trust_off, args.trust_checker, args.trust_in_learner]) > 1:
         parser.error("--trust-off, --trust-checker and --trust-in-learner name one setting each: give one")
+    if "off" not in args.settings:
+        parser.error("--settings: include off (every other setting is read against it)")
     if args.compare_trust and (args.trust_off or args.trust_checker or args.trust_in_learner):
         parser.error(
             "--compare-trust runs every trust setting: drop --trust-off / --trust-checker / --trust-in-learner"
@@ -259,7 +272,7 @@ def main() -> None:
         system += ["hetero.weights_bf16=true"] if args.weights_bf16 else []
         if args.compare_trust:
             delay = args.delays[0]
-            names = list(TRUST_SETTINGS)
+            names = list(args.settings)
             rounds = []
             for r in range(args.compare_trust):
                 for name in names[r % len(names) :] + names[: r % len(names)]:

@@ -810,14 +810,16 @@ def _lying_trial(lab: "_Lab", sampler: str, pool: list, start: int, lie, bump: b
     """A sampler that passes its probation honestly, then lies on every group (``lie`` of the
     pool's next group) until the gate refuses one: (lying groups admitted before that, the reason
     it gave or None when ``cap`` were admitted, a probation group's refusal reason or None, groups
-    used, lying groups a check passed)."""
+    used, lying groups a check passed, lying groups vouched for). Vouched for: what a learner with
+    ``hetero.trust.hold_unchecked`` may take, the lies a passed check came after (its own or a
+    later lie's; in arrival order, as the gate releases them); the rest are purged at the quarantine."""
     import dataclasses
     import threading
 
     from verl_ext.hetero.records import RecordRejected
 
     gate, probation = lab.gate, lab.engine.hetero.trust.probation_groups
-    admitted, used, timer, vouched_lies = 0, 0, None, 0
+    admitted, used, timer, vouched_lies, released, withheld = 0, 0, None, 0, 0, 0
     while admitted < cap:
         group = pool[(start + used) % len(pool)]
         used += 1
@@ -841,14 +843,18 @@ def _lying_trial(lab: "_Lab", sampler: str, pool: list, start: int, lie, bump: b
             if timer is not None:
                 timer.join()
             if honest:
-                return admitted, None, refusal.reason, used, vouched_lies
-            return admitted, refusal.reason, None, used, vouched_lies
+                return admitted, None, refusal.reason, used, vouched_lies, released
+            return admitted, refusal.reason, None, used, vouched_lies, released
         gate.accepted(offered, vouched)  # (not added to the buffer: only the gate's verdicts count)
         admitted += not honest
         vouched_lies += bool(vouched) and not honest
+        if not honest:
+            withheld += 1
+            if vouched:  # this lie's check passed: it and every lie before it are vouched for
+                released, withheld = released + withheld, 0
     if timer is not None:
         timer.join()
-    return admitted, None, None, used, vouched_lies
+    return admitted, None, None, used, vouched_lies, released
 
 
 def detection_table(args) -> list[str]:
@@ -879,8 +885,8 @@ def detection_table(args) -> list[str]:
     lie_lines = [
         "| sampler / scorer | lie, on every group after an honest probation | pool groups it changes "
         "| lying groups admitted before quarantine: mean | median | max | trials not caught within the cap "
-        "| checked lying groups refused | refused by |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---|",
+        "| checked lying groups refused | refused by | vouched for (hold_unchecked: trained on): mean | max |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---|---:|---:|",
     ]
     bounds = dict(item.split("=", 1) for item in args.bounds)
     unknown = sorted(set(bounds) - set(DETECTION_SETUPS))
@@ -942,7 +948,7 @@ def detection_table(args) -> list[str]:
                 a = np.asarray(admitted)
                 lie_lines.append(
                     f"| {name} | {label} | all (rows, one q) | {a.mean():.2f} (a copy) | {np.median(a):.0f} "
-                    f"| {a.max()} | - | {len(a) - a.sum()} of {len(a)} | {dict(refused_by)} |"
+                    f"| {a.max()} | - | {len(a) - a.sum()} of {len(a)} | {dict(refused_by)} | - | - |"
                 )
                 print(lie_lines[-1], flush=True)
                 continue
@@ -956,9 +962,9 @@ def detection_table(args) -> list[str]:
                 return cache[key]
 
             admitted, refused_by, not_caught, honest_refused = [], collections.Counter(), 0, collections.Counter()
-            passed = 0
+            passed, trained = 0, []
             for t in range(args.trials):
-                n, reason, honest_reason, used, vouched = _lying_trial(
+                n, reason, honest_reason, used, vouched, released = _lying_trial(
                     lab, f"{kind}-{size}-{t}", pool, start, lying, kind == "bump", args.cap
                 )
                 start += used
@@ -967,11 +973,12 @@ def detection_table(args) -> list[str]:
                     honest_refused[honest_reason] += 1
                     continue
                 admitted.append(n)
+                trained.append(released)
                 if reason is None:
                     not_caught += 1
                 else:
                     refused_by[reason] += 1
-            a = np.asarray(admitted or [0])
+            a, h = np.asarray(admitted or [0]), np.asarray(trained or [0])
             caught = sum(refused_by.values())
             changed = (
                 f"{100 * np.mean([not np.array_equal(g.response_ids, cache[id(g)].response_ids) for g in pool if id(g) in cache]):.0f}%"
@@ -982,7 +989,7 @@ def detection_table(args) -> list[str]:
                 f"| {name} | {label} | {changed} | {a.mean():.1f} | {np.median(a):.0f} | {a.max()} "
                 f"| {not_caught} of {len(admitted)} | {caught} of {caught + passed} | {dict(refused_by) or '-'}"
                 + (f"; honest probation groups refused: {dict(honest_refused)}" if honest_refused else "")
-                + " |"
+                + f" | {h.mean():.1f} | {h.max()} |"
             )
             print(lie_lines[-1], flush=True)
     fraction = lab.engine.hetero.trust.verify_fraction

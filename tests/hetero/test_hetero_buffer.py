@@ -338,3 +338,25 @@ def test_the_timeout_names_the_rejections_when_every_group_was_refused():
         buffer.reject(RecordRejected("sampler_id", "unenrolled", "no key", sampler_id="s9", group_uid=f"g{i}"))
     with pytest.raises(BufferTimeout, match=r"rejected so far by reason: \{'unenrolled': 3\}"):
         buffer.take(1, learner_version=0)
+
+
+def test_withheld_groups_wait_for_a_vouch_and_go_stale_as_unvouched(make_group):
+    """A group added withheld (a trust gate's: no check vouched for it yet) counts as buffered but
+    is not taken until vouch() names it; one the bound overtakes first is dropped as
+    stale_unvouched; the withheld set survives a checkpoint."""
+    buffer = RolloutBuffer(max_delay=1, wait_timeout_s=0.2)
+    assert buffer.add(make_group("held", 0), withheld=True)
+    assert buffer.add(make_group("free", 0))
+    assert buffer.add(make_group("late", 0), withheld=True)
+    assert len(buffer) == 3 and buffer.metrics()["hetero/withheld"] == 2
+    assert [g.group_uid for g in buffer.take(1, learner_version=0)] == ["free"]
+    with pytest.raises(BufferTimeout, match="2 withheld until a check vouches"):
+        buffer.take(1, learner_version=0)
+    assert buffer.vouch(["held", "free", "unknown"]) == 1  # only what is withheld is released
+    restored = RolloutBuffer(max_delay=1, wait_timeout_s=0.2)
+    restored.load_state_dict(pickle.loads(pickle.dumps(buffer.state_dict())))
+    for b in (buffer, restored):
+        assert [g.group_uid for g in b.take(1, learner_version=1)] == ["held"]
+        b.set_learner_version(2)  # "late" (v0) is past the bound, never vouched for
+        assert b.ledger.status["late"] == "dropped:stale_unvouched"
+        assert b.metrics()["hetero/dropped/stale_unvouched"] == 1 and b.metrics()["hetero/withheld"] == 0

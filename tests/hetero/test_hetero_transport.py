@@ -302,6 +302,9 @@ def test_the_inbox_validates_each_group_once_on_its_way_through_a_gate(monkeypat
         def accepted(self, group, vouched=False):
             self.accepted_as[group.group_uid] = vouched
 
+        def withholds(self, vouched):
+            return False
+
         def malformed(self, refusal):  # only a signed record is blamed: these are unsigned
             raise AssertionError(f"blamed an unsigned record: {refusal}")
 

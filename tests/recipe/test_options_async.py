@@ -64,8 +64,9 @@ FS = ("hetero.transport=fs",)
 TIMEOUT = ("hetero.wait_timeout_s=60",)
 """Setups whose changed run cannot get its first batch end in BufferTimeout after this long (the
 control still has its samplers up and the first batch in well within it)."""
-NEVER = "hetero.trust.verify_fraction=1e-9"  # a group off probation is re-scored once in 10^9 (0 re-scores none)
-LENIENT = (NEVER, "hetero.trust.probation_groups=1", "hetero.trust.quarantine_below=0")
+NEVER = ("hetero.trust.verify_fraction=1e-9", "hetero.trust.hold_unchecked=false")
+"""A group off probation is re-scored once in 10^9 (0 re-scores none), and taken unvouched."""
+LENIENT = (*NEVER, "hetero.trust.probation_groups=1", "hetero.trust.quarantine_below=0")
 """Each sampler's first group is re-scored, no later one; a failed check costs trust and refuses
 the group but quarantines nobody, so a run whose every check fails still gets its batches."""
 FAILING = (*LENIENT, "hetero.trust.logprob_tolerance=1e-30")
@@ -127,7 +128,7 @@ CASES_ASYNC: dict[str, Case] = {
     "hetero.trust.verify_fraction": _c(
         "hetero.trust.verify_fraction=1", setup=("hetero.trust.verify_fraction=0", "hetero.trust.probation_groups=0")
     ),
-    "hetero.trust.probation_groups": _c("hetero.trust.probation_groups=0", setup=(NEVER,)),
+    "hetero.trust.probation_groups": _c("hetero.trust.probation_groups=0", setup=NEVER),
     "hetero.trust.check_rewards": _c("hetero.trust.check_rewards=false", setup=("hetero.trust.verify_fraction=0",)),
     "hetero.trust.logprob_tolerance": _c("hetero.trust.logprob_tolerance=1e-30", setup=LENIENT),
     "hetero.trust.trust_penalty": _c("hetero.trust.trust_penalty=0", setup=FAILING),
@@ -172,6 +173,12 @@ OBSERVED_ELSEWHERE = {
         "verl_ext.trust.gate:TrustGate.__init__",
         "config.ledger(",
     ),
+    "hetero.trust.hold_unchecked": (
+        "tests/recipe/embedded/test_trust_gate.py::"
+        "test_a_liar_that_waits_out_probation_gets_no_lie_trained_on_while_unchecked_groups_wait",
+        "verl_ext.trust.gate:TrustGate.__init__",
+        "config.hold_unchecked",
+    ),
     "hetero.trust.bounds_file": (
         "tests/recipe/embedded/test_trust_calibration.py::test_a_calibration_catches_a_lie_the_table_lets_through",
         "verl_ext.trust.gate:TrustGate.__init__",
@@ -179,7 +186,8 @@ OBSERVED_ELSEWHERE = {
     ),
 }
 """Honoured (option, async) pairs whose effect needs a moment no 2-step run of an honest toy
-decides: a take that finds groups of two versions (``order``), a sampler two versions behind
+decides: a take that finds groups of two versions (``order``), a sampler's unchecked group
+vouched for by a later group's check (``hold_unchecked``: when is the secret draw's), a sampler two versions behind
 when it next looks (``max_delta_chain``), a failed check then a passed one (``trust_recovery``),
 a sampler's window of consumed groups straddling the bound (``divergence_window``), a bf16
 sampler re-scored by an fp32 learner (``bounds_file``: a run's samplers and scorer share

@@ -252,3 +252,20 @@ def test_purge_list_survives_resume():
     new = ledger()
     new.load_state_dict(old.state_dict())
     assert new.record("a", "c", passed=False, reason="x") == old.record("a", "c", passed=False, reason="x") == ["u1"]
+
+
+def test_a_pass_vouches_only_for_groups_that_arrived_before_the_checked_one():
+    """A group sent after the checked one (it may reach the buffer before the check's verdict) is
+    not vouched for by it: a liar cannot ride on an honest group's check it did not know of. What
+    is not vouched for stays purgeable, also across a resume (older checkpoints: bare uids)."""
+    t = ledger()
+    released = []
+    t.accepted("a", "before", arrival=1)
+    t.accepted("a", "after", arrival=3)  # accepted while the group that arrived 2nd was checked
+    t.record("a", "checked", passed=True, arrival=2, release=lambda uids: released.extend(uids) or len(uids))
+    assert released == ["before"] and t.metrics()["trust/vouched"] == 1
+    new = ledger()
+    state = t.state_dict()
+    state["samplers"]["a"]["since_good_check"].append("bare-uid")
+    new.load_state_dict(state)
+    assert new.record("a", "lie", passed=False, reason="x") == ["after", "bare-uid"]

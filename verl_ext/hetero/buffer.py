@@ -1,17 +1,16 @@
 """Staleness-bounded rollout buffer with an exactly-once ledger.
 
-The learner at version v (v optimizer steps taken) calls ``take(n, v)`` and receives n whole
-prompt groups, each with ``v - policy_version <= max_delay`` (an exact bound). A group is returned
-at most once, ever: uids already seen are rejected on arrival and remembered across checkpoints.
-Groups past the bound (``stale_policy``): ``"drop"`` removes and counts them (``hetero/dropped``,
-reason ``"stale"``); ``"wait"`` (dropless, like verl's ``max_off_policy_strategy=wait``) also waits,
-before a step, for every group announced with :meth:`RolloutBuffer.expect` that the step would put
+The learner at version v calls ``take(n, v)`` and receives n whole prompt groups, each with
+``v - policy_version <= max_delay`` (an exact bound), each at most once, ever (uids are remembered
+across checkpoints). Groups past the bound (``stale_policy``): ``"drop"`` removes and counts them
+(reason ``"stale"``); ``"wait"`` (dropless, like verl's ``max_off_policy_strategy=wait``) also waits,
+before a step, for the groups announced with :meth:`RolloutBuffer.expect` that the step would put
 past the bound, and drops only those that still arrive too late: the bound is never relaxed.
-``take`` blocks until enough fresh data is there, up to a timeout, then raises
-:class:`BufferTimeout` saying what was missing. Thread-safe (one lock, one condition variable).
-Every uid that reached the buffer has one status: buffered, consumed, dropped or rejected (with a
-reason); ``state_dict()`` saves the ledger and the buffered groups, so a resumed learner neither
-loses nor repeats a group.
+``take`` blocks until enough fresh data is there, up to a timeout (:class:`BufferTimeout`, saying
+what was missing). A group added ``withheld`` (not yet vouched for by a trust check) is not taken
+until :meth:`RolloutBuffer.vouch` releases it; the bound drops it as ``"stale_unvouched"``.
+Thread-safe. Every uid has one status: buffered, consumed, dropped or rejected (with a reason);
+``state_dict()`` saves the ledger and the buffered groups: a resume neither loses nor repeats one.
 """
 
 from __future__ import annotations
@@ -124,6 +123,7 @@ class RolloutBuffer:
 
         self._cond = threading.Condition()
         self._groups: dict[str, RolloutGroup] = {}  # uid -> group, insertion order = arrival order
+        self._withheld: set[str] = set()  # buffered uids take() may not return until vouch()ed
         self._expected: dict[str, tuple[int, str]] = {}  # uid -> (policy_version, sampler_id)
         self._learner_version = 0
         self.ledger = Ledger()
@@ -135,7 +135,9 @@ class RolloutBuffer:
         self.last_rejection: RecordRejected | None = None
 
     # ---------------------------------------------------------------- producers
-    def add(self, group: RolloutGroup, validated: bool = False, drop: str | None = None) -> bool:
+    def add(
+        self, group: RolloutGroup, validated: bool = False, drop: str | None = None, withheld: bool = False
+    ) -> bool:
         """Validate and store one group. Returns True if accepted, False if rejected (counted under
         ``hetero/rejected/<reason>``, reason kept in the ledger and ``last_rejection``). Never
         raises on bad data.
@@ -176,6 +178,8 @@ class RolloutBuffer:
             displaced = self._displaced_locked(group)
             self._expected.pop(uid, None)
             self._groups[uid] = group
+            if withheld:
+                self._withheld.add(uid)
             self.ledger.mark(uid, BUFFERED)
             if is_stale(self._learner_version, group.policy_version, self.max_delay):
                 self._drop(uid, "stale")  # past the bound on arrival: it can never be used
@@ -197,6 +201,24 @@ class RolloutBuffer:
                 self._drop(uid, reason)
             self._cond.notify_all()
             return len(dropped)
+
+    def vouch(self, uids) -> int:
+        """Release the withheld groups among ``uids`` to :meth:`take`; returns how many."""
+        with self._cond:
+            released = self._withheld.intersection(uids)
+            self._withheld -= released
+            self._cond.notify_all()
+            return len(released)
+
+    def takeable(self) -> int:
+        """How many buffered groups :meth:`take` may return now (those not withheld)."""
+        with self._cond:
+            return len(self._groups) - len(self._withheld)
+
+    def withheld_by(self, sampler_id: str) -> int:
+        """How many of ``sampler_id``'s buffered groups are withheld."""
+        with self._cond:
+            return sum(str(self._groups[uid].sampler_id) == sampler_id for uid in self._withheld)
 
     def reject(self, err: RecordRejected) -> None:
         """Count a record refused before it could be decoded or validated here (e.g. by the
@@ -270,7 +292,7 @@ class RolloutBuffer:
             self._advance(learner_version)
             while True:
                 blocking = self._blocking_expected()
-                if len(self._groups) >= n and not blocking:
+                if len(self._groups) - len(self._withheld) >= n and not blocking:
                     break
                 remaining = timeout_s - (time.monotonic() - start)
                 if remaining <= 0:
@@ -292,7 +314,7 @@ class RolloutBuffer:
             raise ValueError(f"learner_version={version} went backwards (buffer is at {self._learner_version})")
         self._learner_version = int(version)
         for uid in [uid for uid, g in self._groups.items() if is_stale(version, g.policy_version, self.max_delay)]:
-            self._drop(uid, "stale")
+            self._drop(uid, "stale_unvouched" if uid in self._withheld else "stale")
 
     def _blocking_expected(self) -> list[tuple[str, int, str]]:
         if self.stale_policy != "wait":
@@ -305,11 +327,13 @@ class RolloutBuffer:
     def _select(self, n: int) -> list[RolloutGroup]:
         arrival = {uid: i for i, uid in enumerate(self._groups)}
         sign = 1 if self.order == "oldest" else -1
-        ranked = sorted(self._groups.values(), key=lambda g: (sign * g.policy_version, sign * arrival[g.group_uid]))
+        takeable = [g for g in self._groups.values() if g.group_uid not in self._withheld]
+        ranked = sorted(takeable, key=lambda g: (sign * g.policy_version, sign * arrival[g.group_uid]))
         return ranked[:n]
 
     def _drop(self, uid: str, reason: str) -> None:
         self._groups.pop(uid, None)
+        self._withheld.discard(uid)
         self.ledger.mark(uid, f"{DROPPED}:{reason}")
         self._window_dropped[reason] += 1
 
@@ -319,7 +343,8 @@ class RolloutBuffer:
         msg = (
             f"RolloutBuffer.take: waited {timeout_s:.1f}s for {n} groups at learner_version="
             f"{self._learner_version} (max_delay={self.max_delay}, stale_policy={self.stale_policy}); "
-            f"have {len(self._groups)} fresh groups, newest policy_version={newest}, "
+            f"have {len(self._groups)} fresh groups ({len(self._withheld)} withheld until a check vouches for "
+            f"them), newest policy_version={newest}, "
             f"dropped so far={self.ledger.counts()[DROPPED]}"
         )
         if blocking:
@@ -375,13 +400,15 @@ class RolloutBuffer:
         ``metrics(reset=True)``: ``staleness_mean``/``_max``/``_min`` and
         ``staleness_hist/<k>`` (k = 0..max_delay) over consumed groups, ``wait_s`` (seconds
         blocked in take), ``dropped``/``rejected`` with per-reason ``dropped/<reason>``,
-        ``rejected/<reason>``. Gauges: ``queue_depth``, ``expected``. Run totals: ``consumed_total``,
+        ``rejected/<reason>``. Gauges: ``queue_depth``, ``withheld`` (of those, not takeable until
+        vouched for), ``expected``. Run totals: ``consumed_total``,
         ``dropped_total``, ``rejected_total``, ``generated_total``."""
         with self._cond:
             stats = staleness_metrics(self._window_staleness, self.max_delay)
             hist = {k: v for k, v in stats.items() if k.startswith("hetero/staleness_hist/")}
             out: dict[str, float] = {
                 "hetero/queue_depth": float(len(self._groups)),
+                "hetero/withheld": float(len(self._withheld)),
                 "hetero/expected": float(len(self._expected)),
                 **{k: v for k, v in stats.items() if k not in hist},
                 "hetero/wait_s": float(self._window_wait_s),
@@ -416,6 +443,7 @@ class RolloutBuffer:
                 "learner_version": self._learner_version,
                 "ledger": self.ledger.state_dict(),
                 "groups": [g.to_bytes() for g in self._groups.values()],
+                "withheld": sorted(self._withheld),
             }
 
     def load_state_dict(self, state: dict) -> None:
@@ -426,6 +454,7 @@ class RolloutBuffer:
             self._learner_version = int(state["learner_version"])
             self.ledger.load_state_dict(state["ledger"])
             self._groups = {g.group_uid: g for g in groups}
+            self._withheld = set(state.get("withheld", ())) & set(self._groups)
             self._expected.clear()
             for uid in self._groups:
                 if self.ledger.status.get(uid) != BUFFERED:

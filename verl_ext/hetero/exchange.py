@@ -68,6 +68,14 @@ class GroupGate(Protocol):
     def accepted(self, group: RolloutGroup, vouched: bool = False) -> None:
         """``group`` entered the buffer; ``vouched``: what :meth:`admit` returned for it."""
 
+    def withholds(self, vouched: bool) -> bool:
+        """Whether a group :meth:`admit` judged ``vouched`` enters the buffer withheld (not taken
+        until a later check of its sampler vouches for it: :meth:`RolloutBuffer.vouch`)."""
+
+    def checks_over_quota(self, group: RolloutGroup) -> bool:
+        """Whether ``group``, arriving over its sampler's quota, meets :meth:`admit` anyway
+        (else it is passed over unchecked)."""
+
     def passed_over(self, group: RolloutGroup) -> None:
         """``group`` was dropped unchecked, over its sampler's quota: it never met :meth:`admit`,
         but a copy of it under another uid is still a replay."""
@@ -174,7 +182,7 @@ class RolloutInbox:
                 self.buffer.reject(verdict)
                 continue
             # validated on arrival (versions only grow since: still not from the future)
-            if self.buffer.add(group, validated=True):
+            if self.buffer.add(group, validated=True, withheld=self.gate.withholds(verdict)):
                 accepted += 1
                 self.gate.accepted(group, verdict)
         return accepted
@@ -257,7 +265,7 @@ class RolloutInbox:
                     continue
                 try:
                     awaiting = self.gate.awaiting(str(group.sampler_id)) if self.deferring else 0
-                    if not self.buffer.would_keep(group, also_held=awaiting):
+                    if not self.buffer.would_keep(group, also_held=awaiting) and not self.gate.checks_over_quota(group):
                         # its sampler's quota is full: dropped on arrival, no check paid for it (a
                         # flooding sampler costs a count); a kept group stays kept until the
                         # buffer.add below, so every group that enters was checked
@@ -287,7 +295,8 @@ class RolloutInbox:
                     continue  # out of the buffer until settle() has its verdict
                 vouched = bool(verdict)
             # validated just above when there is a gate: the buffer does not validate it again
-            if self.buffer.add(group, validated=self.gate is not None):
+            withheld = self.gate is not None and self.gate.withholds(vouched)
+            if self.buffer.add(group, validated=self.gate is not None, withheld=withheld):
                 accepted += 1
                 if self.gate is not None:
                     self.gate.accepted(group, vouched)

@@ -36,6 +36,11 @@ class TrustConfig:
     turning liar after its probation gets about (1 - f) / f groups in (docs/reliability.md "Numbers")."""
     probation_groups: int = option(4, honoured_by=(ASYNC,), instead=NO_PUBLISHING_SAMPLERS)
     """A sampler's first this-many checks are made on every group it sends."""
+    hold_unchecked: bool = option(True, honoured_by=(ASYNC,), instead=NO_PUBLISHING_SAMPLERS)
+    """Unchecked groups wait in the buffer until a re-score of a later group of their sampler passes.
+    Not taken before (hetero/withheld, trust/vouched); dropped on quarantine or at the staleness bound
+    (hetero/dropped/stale_unvouched). A liar lying on every group after probation gets none trained on.
+    Inert with verify_fraction=0; bound and cost: docs/reliability.md "Against a patient attacker"."""
     logprob_tolerance: float = option(1e-3, honoured_by=(ASYNC,), instead=NO_PUBLISHING_SAMPLERS)
     """Largest |log q reported - log q re-scored| over a checked group's tokens that passes (fp32's bound).
     Set from the honest spread measured on the CPU engine (docs/reliability.md "Numbers"); a sampler on other

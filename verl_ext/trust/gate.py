@@ -1,17 +1,17 @@
 """The gate every arriving group passes on its way into the buffer: :class:`TrustGate`.
 
-It owns the books: enrolment (signatures are checked by the inbox against it), quarantine and
-the divergence bound (:class:`~verl_ext.trust.ledger.TrustLedger`), replays of accepted content
-under a new uid (``replayed``), the per-sampler CUSUM of small lies, and which groups are drawn
-for a re-score. The checks themselves are a :class:`~verl_ext.trust.verifier.GroupVerifier`'s,
-run in the caller's thread (:meth:`TrustGate.admit`) or elsewhere between :meth:`TrustGate.begin`
-and :meth:`TrustGate.finish` (a checker process).
+It owns the books: enrolment (the inbox checks signatures against it), quarantine and the
+divergence bound (:class:`~verl_ext.trust.ledger.TrustLedger`), replays (``replayed``), the
+per-sampler CUSUM of small lies, which groups are drawn for a re-score and which are withheld.
+The checks are a :class:`~verl_ext.trust.verifier.GroupVerifier`'s, run in the caller's thread
+(:meth:`TrustGate.admit`) or elsewhere between :meth:`TrustGate.begin` and :meth:`TrustGate.finish`.
 
-Contract: no group is admitted unchecked in place of a check that is due. A group whose check is
-due and whose version's weights are not held is refused (``unverifiable_version``, no blame); a
-group claiming a version lost in a learner crash is always re-scored (``lost_version``, no blame).
-No Ray and no engine import: a caller needs a :class:`TrustConfig`-like config, the buffer and,
-for checks in its own thread, a verifier.
+Contract: no group is admitted unchecked in place of a check that is due, and (``hold_unchecked``)
+no unchecked group is taken before a passed check of a later group of its sampler vouches for it
+(:meth:`TrustGate.withholds`). A due check whose version's weights are not held refuses the group
+(``unverifiable_version``, no blame); a group claiming a version lost in a learner crash is always
+re-scored (``lost_version``, no blame). No Ray and no engine import: a caller needs a
+:class:`TrustConfig`-like config, the buffer and, for checks in its own thread, a verifier.
 """
 
 from __future__ import annotations
@@ -60,7 +60,8 @@ class Admission:
     before any check. ``rescore``: its q is re-scored (probation or the fraction's draw); ``lost``:
     it claims a version lost in a learner crash (re-scored whatever ``rescore`` says); ``replayed``:
     its content was seen before (only a lost version's group gets this far so: the re-score
-    decides which refusal it gets); ``checks``: any check is configured (the rewards' included)."""
+    decides which refusal it gets); ``checks``: any check is configured (the rewards' included);
+    ``arrival``: its place in the gate's order of arrivals (a pass vouches for what came before)."""
 
     group: RolloutGroup
     digest: str
@@ -68,6 +69,7 @@ class Admission:
     lost: bool
     replayed: bool
     checks: bool
+    arrival: int = 0
 
     @property
     def version(self) -> int:
@@ -130,6 +132,9 @@ class TrustGate:
         self.bounds = verifier.bounds if verifier is not None else config.bounds()
         self.checking = config.verify_fraction > 0 or config.check_rewards  # any check at all
         self.rescoring = config.verify_fraction > 0
+        self.withholding = self.rescoring and bool(config.hold_unchecked)
+        self._arrivals = 0  # groups begun or accepted so far: the order a pass vouches by
+        self._over_quota_checks: dict[str, int] = {}  # sampler -> learner version of its last one
         # digest -> whether a copy arrived: groups between begin and finish (awaiting their verdict)
         self._awaiting: dict[str, bool] = {}
         self.verifier = verifier if self.checking else None
@@ -246,7 +251,11 @@ class TrustGate:
                 raise self._replayed(group)
             if not replayed:
                 self._awaiting[digest] = False
-        return Admission(group, digest, rescore=rescore, lost=lost, replayed=replayed, checks=self.checking)
+            self._arrivals += 1
+            arrival = self._arrivals
+        return Admission(
+            group, digest, rescore=rescore, lost=lost, replayed=replayed, checks=self.checking, arrival=arrival
+        )
 
     @staticmethod
     def _replayed(group: RolloutGroup) -> RecordRejected:
@@ -280,7 +289,13 @@ class TrustGate:
                     failure = self._repeated_mismatch(group, mismatch, result)
                 if failure is None:
                     if rescore:
-                        self.ledger.record(str(group.sampler_id), group.group_uid, passed=True)
+                        self.ledger.record(
+                            str(group.sampler_id),
+                            group.group_uid,
+                            passed=True,
+                            arrival=admission.arrival,
+                            release=self.buffer.vouch,
+                        )
                         credited = True
                     return rescore
                 self._record_failure(group, failure)
@@ -391,15 +406,41 @@ class TrustGate:
                     self.ledger.withdraw_credit(str(admission.group.sampler_id))
                 self._contents[admission.digest] = ""
 
+    def withholds(self, vouched: bool) -> bool:
+        """Whether a group with :meth:`admit`'s verdict ``vouched`` enters the buffer withheld
+        (``hold_unchecked``: not taken until a later group's passed check vouches for it)."""
+        return self.withholding and not vouched
+
+    def checks_over_quota(self, group: RolloutGroup) -> bool:
+        """Whether ``group``, arriving over its sampler's quota, is checked anyway rather than
+        passed over: it is drawn for a re-score, its sampler has groups withheld (a quota full of
+        them would otherwise never be vouched for: no arrival gets checked, the learner waits for
+        them, and they never go stale), and it is the sampler's first such check at this learner
+        version (a flooder buys one check per version). The draw is the secret's, so a sampler
+        cannot tell which of its arrivals this check will be."""
+        sampler = str(group.sampler_id)
+        if not self.withholding or not self.buffer.withheld_by(sampler):
+            return False
+        version = self.buffer.learner_version
+        with self._lock:
+            if self._over_quota_checks.get(sampler) == version or self.ledger.refusal(sampler) is not None:
+                return False
+            if not self.ledger.should_check(sampler, f"{group.group_uid}\x00{content_digest(group)}"):
+                return False
+            self._over_quota_checks[sampler] = version
+            return True
+
     def accepted(self, group: RolloutGroup, vouched: bool = False) -> None:
         """``group`` entered the buffer; ``vouched``: :meth:`admit`'s verdict on it (a group no
-        check vouched for is purged if its sampler is quarantined before a check passes)."""
+        check vouched for is purged if its sampler is quarantined before a check passes, and
+        vouched for by a passed check of a group that arrives after this call)."""
         with self._lock:
             digest = content_digest(group)
             # already known: a copy came while it awaited its verdict, and its credit was withdrawn
             self._contents[digest] = "" if digest in self._contents else (str(group.sampler_id) if vouched else "")
             if not vouched:
-                self.ledger.accepted(str(group.sampler_id), group.group_uid)
+                self._arrivals += 1
+                self.ledger.accepted(str(group.sampler_id), group.group_uid, arrival=self._arrivals)
 
     def malformed(self, refusal: RecordRejected) -> None:
         """A signed record that does not decode, fails validation or makes a check raise: a failed
@@ -463,6 +504,7 @@ class TrustGate:
                 "lost_versions": sorted(self.lost_versions),
                 "passed_over": dict(self.passed_over_counts),
                 "cusum": self.cusum.state_dict(),
+                "arrivals": self._arrivals,
             }
 
     def load_state_dict(self, state: dict) -> None:
@@ -473,3 +515,4 @@ class TrustGate:
             self.lost_versions = set(state.get("lost_versions", []))
             self.passed_over_counts = Counter(state.get("passed_over", {}))
             self.cusum.load_state_dict(state.get("cusum", {}))
+            self._arrivals = int(state.get("arrivals", 0))

@@ -1,5 +1,4 @@
-"""Trust in samplers, earned by checks: which groups to check, what a failed check costs the sampler,
-and when it is quarantined. The checks are :mod:`verl_ext.trust.verifier`'s; this module keeps the books.
+"""Trust in samplers, earned by checks (:mod:`verl_ext.trust.verifier`'s); this module keeps the books.
 
 - **draw**: every group of a sampler on probation (its first ``probation_groups`` checks), then each
   with probability ``verify_fraction``, by an HMAC of the group under a secret only the learner holds
@@ -8,6 +7,7 @@ and when it is quarantined. The checks are :mod:`verl_ext.trust.verifier`'s; thi
   passed one adds ``recovery`` (capped at 1). Below ``quarantine_below`` the sampler is quarantined
   for the rest of the run, across resumes: later records are refused (``quarantined``), and the groups
   accepted since its last passed check go to ``drop`` (``trust/purged``: those actually dropped);
+- **vouching**: a passed check vouches for the sampler's unchecked groups that arrived before it;
 - **divergence** (``max_divergence`` > 0): while the mean KL(sampler || learner) of a sampler's last
   ``divergence_window`` consumed groups (:func:`verl_ext.algos.diagnostics.sampler_learner_kl`, as
   ``is/kl_sampler_learner``) is over the bound, its groups are refused (``divergent``).
@@ -38,7 +38,8 @@ class SamplerTrust:
     failures: int = 0
     quarantined_at: float | None = None
     first_seen: float | None = None
-    since_good_check: list[str] = field(default_factory=list)  # uids accepted since its last passed check
+    # (arrival number, uid) of its unchecked groups accepted and not vouched for by a passed check since
+    since_good_check: list[tuple[int, str]] = field(default_factory=list)
     divergence: deque = field(default_factory=deque)  # the last groups' measured divergence
     over_divergence: bool = False
 
@@ -125,10 +126,11 @@ class TrustLedger:
         digest = hmac.new(self.secret, f"{sampler_id}\x00{key}".encode(), hashlib.sha256).digest()
         return int.from_bytes(digest[:8], "big") / 2.0**64 < self.verify_fraction
 
-    def accepted(self, sampler_id: str, uid: str) -> None:
-        """An unchecked group of this sampler entered the buffer (purged if a later check
-        quarantines the sampler before a check passes)."""
-        self._of(sampler_id).since_good_check.append(uid)
+    def accepted(self, sampler_id: str, uid: str, arrival: int = 0) -> None:
+        """An unchecked group of this sampler entered the buffer: vouched for by a passed check of a
+        group that arrived after it (``arrival``: the caller's order of arrivals), purged if a check
+        quarantines the sampler first."""
+        self._of(sampler_id).since_good_check.append((int(arrival), uid))
 
     def record(
         self,
@@ -138,19 +140,27 @@ class TrustLedger:
         reason: str = "",
         detail: str = "",
         drop: Callable[[list[str]], int] | None = None,
+        arrival: int | None = None,
+        release: Callable[[list[str]], int] | None = None,
     ) -> list[str]:
-        """The outcome of one check. Returns the uids to purge from the buffer: the groups
-        accepted from the sampler since its last passed check, when this check quarantines it
-        (else []). ``drop`` (e.g. the buffer's ``purge``) is called with them and returns how
-        many it actually dropped: only those count as ``trust/purged`` (a step may already have
-        trained on the others; the event gives both numbers). Without ``drop`` nothing was
-        dropped, and nothing is counted."""
+        """The outcome of one check of the group that arrived ``arrival``-th (None: after all).
+        Passed: the sampler's unchecked groups that arrived before it are vouched for and go to
+        ``release`` (e.g. the buffer's ``vouch``); returns []. Quarantining: returns the uids to
+        purge, every unchecked group not vouched for; ``drop`` (e.g. the buffer's ``purge``) is
+        called with them and returns how many it actually dropped: only those count as
+        ``trust/purged`` (a step may already have trained on the others; the event gives both
+        numbers). Without ``drop`` nothing was dropped, and nothing is counted."""
         books = self._of(sampler_id)
         books.checks += 1
         self.counts["checked"] += 1
         if passed:
             books.score = min(1.0, books.score + self.recovery)
-            books.since_good_check = []  # vouched for up to here
+            vouched = [uid for n, uid in books.since_good_check if arrival is None or n < arrival]
+            books.since_good_check = [
+                (n, uid) for n, uid in books.since_good_check if not (arrival is None or n < arrival)
+            ]
+            if release is not None and vouched:
+                self.counts["vouched"] += int(release(vouched))
             return []
         books.failures += 1
         books.score = max(0.0, books.score - self.penalty)
@@ -158,7 +168,7 @@ class TrustLedger:
         if books.quarantined_at is not None or books.score >= self.quarantine_below:
             return []
         books.quarantined_at = time.time()
-        purge = list(books.since_good_check)
+        purge = [uid for _, uid in books.since_good_check]
         books.since_good_check = []
         dropped = int(drop(purge)) if drop is not None and purge else 0
         self.counts["purged"] += dropped
@@ -222,12 +232,14 @@ class TrustLedger:
 
     def metrics(self) -> dict[str, float]:
         """``trust/checked``, ``trust/failed[/<reason>]``, ``trust/refused[/<reason>]``,
-        ``trust/purged``, ``trust/withdrawn`` (checks whose credit was taken back: copies),
+        ``trust/purged``, ``trust/vouched`` (withheld groups a passed check released),
+        ``trust/withdrawn`` (checks whose credit was taken back: copies),
         ``trust/quarantined`` (run totals); per sampler
         ``trust/<sampler id>/score`` and, with a divergence bound, ``trust/<sampler id>/divergence``."""
         out = {
             "trust/checked": float(self.counts["checked"]),
             "trust/purged": float(self.counts["purged"]),
+            "trust/vouched": float(self.counts["vouched"]),
             "trust/withdrawn": float(self.counts["withdrawn"]),
             "trust/quarantined": float(sum(b.quarantined_at is not None for b in self.samplers.values())),
         }
@@ -254,7 +266,7 @@ class TrustLedger:
                     "quarantined_at": b.quarantined_at,
                     "divergence": list(b.divergence),
                     "over_divergence": b.over_divergence,
-                    "since_good_check": list(b.since_good_check),
+                    "since_good_check": [list(entry) for entry in b.since_good_check],
                 }
                 for s, b in self.samplers.items()
             },
@@ -274,5 +286,9 @@ class TrustLedger:
                 divergence=deque(books["divergence"]),
                 over_divergence=books["over_divergence"],
                 first_seen=time.time(),
-                since_good_check=list(books["since_good_check"]),  # the buffer is restored with them
+                # the buffer is restored with them; a bare uid (older checkpoints) arrived first
+                since_good_check=[
+                    (0, entry) if isinstance(entry, str) else (int(entry[0]), str(entry[1]))
+                    for entry in books["since_good_check"]
+                ],
             )

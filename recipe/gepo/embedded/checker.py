@@ -451,6 +451,12 @@ class OffloadedChecks:
     def accepted(self, group: RolloutGroup, vouched: bool = False) -> None:
         self.gate.accepted(group, vouched)
 
+    def withholds(self, vouched: bool) -> bool:
+        return self.gate.withholds(vouched)
+
+    def checks_over_quota(self, group: RolloutGroup) -> bool:
+        return self.gate.checks_over_quota(group)
+
     def malformed(self, refusal: RecordRejected) -> None:
         self.gate.malformed(refusal)
 

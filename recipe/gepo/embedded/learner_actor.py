@@ -204,9 +204,11 @@ class TransportSource:
             )
 
     def _queue_depth(self) -> int:
-        """Groups the learner holds for training: buffered, and awaiting a trust verdict (samplers
-        pause on it, ``hetero.max_queued_groups``; the verdict clock counts on it)."""
-        return len(self.buffer) + (self.checks.outstanding() if self.checks is not None else 0)
+        """Groups the learner holds for training: buffered and takeable, and awaiting a trust
+        verdict (samplers pause on it, ``hetero.max_queued_groups``; the verdict clock counts on
+        it). Not the withheld ones: only a later group's check releases them, so samplers that
+        paused on them would wait for ever."""
+        return self.buffer.takeable() + (self.checks.outstanding() if self.checks is not None else 0)
 
     def state_dict(self) -> dict[str, Any]:
         return {"trust": self.gate.state_dict()}

@@ -90,9 +90,14 @@ class Lab:
         except RecordRejected as err:
             self.buffer.reject(err)
             return err.reason
-        assert self.buffer.add(group)
+        assert self.buffer.add(group, withheld=self.gate.withholds(vouched))
         self.gate.accepted(group, vouched)
         return None
+
+    def takeable(self) -> list:
+        """Everything a learner step could take now (all buffered groups not withheld)."""
+        n = self.buffer.takeable()
+        return self.buffer.take(n, learner_version=self.buffer.learner_version) if n else []
 
 
 def _with_rewards(lab, group, rewards):
@@ -449,3 +454,91 @@ def test_groups_of_a_version_lost_in_a_learner_crash_are_refused_without_blame(t
     assert lab.offer(unheld) == "lost_version" and lab.gate.ledger.refusal("sampler-3") is None
     lab.gate.lost_versions.clear()  # without the resume's knowledge the same group is a lie
     assert lab.offer(claiming_v1("sampler-2", crashed_v1)) == "bad_logprobs"
+
+
+@pytest.mark.parametrize("hold", [True, False])
+def test_a_liar_that_waits_out_probation_gets_no_lie_trained_on_while_unchecked_groups_wait(
+    tiny_model_path, tmp_path, hold
+):
+    """A sampler honest through its probation (4 checked groups), then lying (q x 1.5) on every
+    group, at the default fraction: with hetero.trust.hold_unchecked its unchecked lies wait in the
+    buffer until its next re-score, which fails, quarantines it and purges them all; a learner
+    taking everything it may after each arrival trains on none. Without it, the lies before that
+    re-score are taken."""
+    lab = Lab(tiny_model_path, tmp_path, f"hetero.trust.hold_unchecked={str(hold).lower()}")
+    sampler, trained_lies, sent_lies = "sampler-6", [], 0
+    for group in lab.groups(sampler, n=4):
+        assert lab.offer(group) is None
+    lab.takeable()
+    while lab.gate.ledger.refusal(sampler) is None and sent_lies < 60:
+        group = lab.groups(sampler, n=1)[0]
+        group.sampler_logprobs = group.sampler_logprobs * 1.5
+        sent_lies += 1
+        lab.offer(group)
+        trained_lies += [g.group_uid for g in lab.takeable()]
+    assert lab.gate.ledger.refusal(sampler) == "quarantined", sent_lies
+    assert sent_lies > 1  # at least one lie went unchecked (the draw under the lab's fixed secret)
+    if hold:
+        assert trained_lies == [] and len(lab.buffer) == 0
+        assert lab.buffer.metrics()["hetero/dropped/quarantined"] == sent_lies - 1
+    else:
+        assert len(trained_lies) == sent_lies - 1
+
+
+def test_a_pass_vouches_only_for_what_arrived_before_it_whatever_the_liar_interleaves(tiny_model_path, tmp_path):
+    """A sampler lying on a random half of its groups after probation: every unchecked group a
+    learner takes was vouched for by a passed re-score of a group of the same sampler that arrived
+    after it (the invariant hold_unchecked keeps, whatever the pattern)."""
+    lab = Lab(tiny_model_path, tmp_path, "hetero.trust.verify_fraction=0.3", "hetero.trust.quarantine_below=0")
+    sampler, rng = "sampler-7", np.random.default_rng(3)
+    arrivals, passes, taken = [], [], []  # uids in arrival order; (index of a passed re-score); (uid, passes so far)
+    for i, group in enumerate(lab.groups(sampler, n=24)):
+        if i >= 4 and rng.random() < 0.5:
+            group.sampler_logprobs = group.sampler_logprobs * 1.5
+        arrivals.append(group.group_uid)
+        try:
+            vouched = lab.gate.admit(group)
+        except RecordRejected as err:
+            lab.buffer.reject(err)
+            continue
+        assert lab.buffer.add(group, withheld=lab.gate.withholds(vouched))
+        lab.gate.accepted(group, vouched)
+        if vouched:
+            passes.append(i)
+        taken += [(g.group_uid, list(passes)) for g in lab.takeable()]
+    checked = {arrivals[i] for i in passes}
+    unchecked_taken = [(uid, seen) for uid, seen in taken if uid not in checked]
+    assert unchecked_taken and len(passes) > 4  # the draw under the lab's secret exercised both
+    for uid, passed_before_taking in unchecked_taken:
+        assert any(i > arrivals.index(uid) for i in passed_before_taking), uid
+
+
+def test_a_quota_full_of_withheld_groups_is_vouched_for_by_a_drawn_arrival(tiny_model_path, tmp_path):
+    """Through the real inbox: a sampler whose quota is full of withheld groups would have every
+    later arrival passed over unchecked, so nothing would ever vouch for them (and the learner,
+    waiting for them, would never move the bound that drops them). An arrival drawn for a
+    re-score is checked anyway (one per sampler per learner version): its pass releases them."""
+    lab = Lab(
+        tiny_model_path,
+        tmp_path,
+        "hetero.max_buffered_per_sampler=2",
+        "hetero.trust.verify_fraction=0.3",
+        "hetero.trust.probation_groups=0",
+    )
+    transport = FsspecTransport(f"memory://trust-gate-withheld-{uuid.uuid4().hex}")
+    inbox = RolloutInbox(transport, lab.buffer, gate=lab.gate)
+    sampler, full_at, checks_over_quota = "sampler-8", None, 0
+    for i, group in enumerate(lab.groups(sampler, n=30)):
+        checked = lab.gate.metrics()["trust/checked"]
+        send_group(transport, group)
+        inbox.poll()
+        if full_at is None and lab.buffer.withheld_by(sampler) == 2:
+            full_at = i
+        elif full_at is not None:
+            checks_over_quota += lab.gate.metrics()["trust/checked"] - checked
+            if lab.buffer.withheld_by(sampler) == 0:
+                break
+    assert full_at is not None, "no two unchecked groups in a row under the lab's secret"
+    assert lab.buffer.withheld_by(sampler) == 0 and lab.gate.metrics()["trust/vouched"] >= 2
+    assert checks_over_quota == 1  # one check per learner version at most; the others passed over
+    assert lab.gate.metrics()["trust/sampler-8/passed_over"] >= 1

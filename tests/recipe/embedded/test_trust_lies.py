@@ -122,14 +122,16 @@ def test_the_tables_trial_counts_lying_groups_admitted_before_the_quarantine(tin
     unchecked = Lab(tiny_model_path, tmp_path / "f0", ON, "hetero.trust.verify_fraction=0.0001")
     pool = _groups(unchecked, "pool", n=4)
     scale = lambda g: lies.scaled_q(g, 1.5)  # noqa: E731
-    admitted, reason, honest_reason, used, vouched = _lying_trial(_trial_lab(unchecked), "a", pool, 0, scale, False, 6)
+    trial = _lying_trial(_trial_lab(unchecked), "a", pool, 0, scale, False, 6)
     probation = unchecked.engine.hetero.trust.probation_groups
-    assert (admitted, reason, honest_reason, used, vouched) == (6, None, None, probation + 6, 0)
+    assert trial == (6, None, None, probation + 6, 0, 0)  # nothing vouched for: hold_unchecked trains on none
     checked = Lab(tiny_model_path, tmp_path / "f1", ON, "hetero.trust.verify_fraction=1")
     trial_lab = _trial_lab(checked)
-    admitted, reason, honest_reason, used, _ = _lying_trial(trial_lab, "b", pool, 0, scale, False, 6)
+    admitted, reason, honest_reason, used, _, _ = _lying_trial(trial_lab, "b", pool, 0, scale, False, 6)
     assert (admitted, reason, honest_reason, used) == (0, "bad_logprobs", None, probation + 1)
     # at a version bump: the lie claims a version whose weights reach the gate 20 ms after it
-    admitted, reason, honest_reason, _, _ = _lying_trial(trial_lab, "c", pool, 1, scale, True, 6)
+    admitted, reason, honest_reason, _, _, _ = _lying_trial(trial_lab, "c", pool, 1, scale, True, 6)
     assert (admitted, reason, honest_reason) == (0, "bad_logprobs", None) and trial_lab.newest == 3
     assert checked.gate.verifier.holds(3)
+    # a "lie" every check passes (the group unchanged): each is vouched for as its check passes
+    assert _lying_trial(trial_lab, "d", pool, 2, lambda g: g, False, 6)[-2:] == (6, 6)

@@ -46,6 +46,9 @@ def _learner(tiny_cfg, tmp_path, policy: str, *overrides: str) -> LearnerWorker:
         "hetero.max_delay=1",
         f"hetero.stale_policy={policy}",
         "hetero.transport=fs",
+        # the wait is for groups to arrive: a straggler past its sampler's probation that no later
+        # group's check vouches for would be withheld, and dropped at the bound like a late one
+        "hetero.trust.hold_unchecked=false",
         *overrides,
     )
     worker = LearnerWorker(
