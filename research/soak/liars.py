@@ -1,7 +1,7 @@
 """Samplers that lie (``python -m research.soak --liars``): one Ray actor (:class:`LiarCrew`), a real
 sampler of the run's config, that generates real groups and sends each under one of several
 identities (``sampler-<60 + i>``, :func:`liar_id`), each lying one way (:data:`LIES`) on every group
-it sends. The insiders (:data:`INSIDER_LIES`) hold keys the learner's operator enrolled
+it sends, but for the patient liars (:data:`PATIENT_LIES`), honest through their probation first. The insiders (:data:`INSIDER_LIES`) hold keys the learner's operator enrolled
 (``hetero.trust.enrolment_file``); the two outsiders (:data:`OUTSIDER_LIES`) sign with a key nobody
 enrolled, or write unsigned records straight into the transport. The token lies (:data:`TOKEN_LIES`)
 join only under ``hetero.trust.checkable_sampling`` (``--liars`` turns it on); a redraw that gives the
@@ -54,7 +54,12 @@ INSIDER_LIES = (
     "truncated",
     "near_copy",  # an honest group >= NEAR_COPY_AGE_S old, rows rotated, one log q moved by 1e-5
     "version_bump",  # log q x 1.5, claiming a version the moment the learner publishes it
+    "patient_q_scaled",  # honest for its first PATIENT_HONEST_GROUPS groups (its probation), then log q x 1.5
+    "malformed",  # a response token id equal to the vocabulary size (no embedding row): it must not crash anything
 )
+PATIENT_LIES = ("patient_q_scaled",)
+PATIENT_HONEST_GROUPS = 6
+"""A patient liar's honest groups before its first lie: past the default probation of 4 checked groups."""
 TOKEN_LIES = ("other_weights", "truncated")
 """Lies only checkable sampling's token check can catch: the crew tells them only when it is on."""
 SLIGHT_SCALE, LIE_TEMPERATURE_FACTOR, OTHER_WEIGHTS_STEP, TRUNCATED_TOP_K = 1.05, 0.95, 1e-3, 2
@@ -93,7 +98,8 @@ class LiarCrew(SamplerWorker):
         }
         checkable = engine.hetero.trust.checkable_sampling
         self.turn = itertools.cycle([kind for kind in LIES if checkable or kind not in TOKEN_LIES])
-        self.lied: dict[str, str] = {}  # uid -> kind, every group sent
+        self.lied: dict[str, str] = {}  # uid -> kind, every lying group sent
+        self.honest_sent: dict[str, int] = {}  # patient liar -> honest groups sent before its lies
         self.first_sent: dict[str, float] = {}  # kind -> wall time of its first group
         self.other, _ = load_policy(model_path)  # q_other_version's scorer
         self.other.eval()
@@ -120,17 +126,26 @@ class LiarCrew(SamplerWorker):
         kind = next(self.turn)
         sampler_id = "sampler-0" if kind == "forged_signature" else liar_id(kind)
         group.sampler_id, group.group_uid = sampler_id, f"{sampler_id}-{kind.replace('_', '')}-{group.group_uid}"
-        if not self._lie(kind, group):
+        patient = kind in PATIENT_LIES and self.honest_sent.get(kind, 0) < PATIENT_HONEST_GROUPS
+        if patient:
+            self.honest_sent[kind] = self.honest_sent.get(kind, 0) + 1  # sent as drawn: not a lie
+        elif not self._lie(kind, group):
             return  # nothing to lie with yet: nothing sent
         key = None if kind == "unsigned" else self.keys[kind]
         send_group(self.transport, group, key=key)
+        if patient:
+            return
         self.lied[group.group_uid] = kind
         self.first_sent.setdefault(kind, time.time())
 
     def _lie(self, kind: str, group: RolloutGroup) -> bool:
         mask = group.response_mask.astype(bool)
-        if kind == "q_scaled":
+        if kind in ("q_scaled", "patient_q_scaled"):
             group.sampler_logprobs = group.sampler_logprobs * 1.5
+        elif kind == "malformed":
+            ids = group.response_ids.copy()
+            ids[0, 0] = self.model.config.vocab_size  # one past the embedding's last row
+            group.response_ids = ids
         elif kind == "q_shuffled":
             values = group.sampler_logprobs[mask]
             group.sampler_logprobs[mask] = values[np.random.default_rng(len(self.lied)).permutation(len(values))]
