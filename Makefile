@@ -28,15 +28,18 @@ $(STAMP): pyproject.toml Makefile
 demo: install
 	$(PY) -m recipe.gepo.demo $(ARGS)
 
+# two pytest workers, a test file each at a time (module fixtures run once): the suite's processes
+# wait on Ray and subprocess start-up often enough that two keep 2 cores busier (docs/testing.md)
+TEST_WORKERS ?= 2
 test: install
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 # the unit tests of the edit-test loop: no Ray, no subprocess runs (tests/conftest.py marks those)
 test-quick: install
 	$(PY) -m pytest -q -m "not slow and not integration" $(PYTEST_ARGS)
 
 test-all: install
-	$(PY) -m pytest -q -m "" $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "" -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 # verl's own trainer, stock command line, on the CPU: 2 GEPO steps on the toy model (docs/scale-out.md)
 VERL_TOY_DIR ?= runs/verl_toy
