@@ -274,6 +274,10 @@ def _clock_skew_rollout(f: Fault, end: RunEnd) -> str:
         return "survived"
     if status is None and f.key in end.in_transport:
         return "survived (still in transport)"
+    if status == "rejected:future_version" and f.detail.get("segment", end.segments) + 1 < end.segments:
+        # the sampler drew it with weights its segment's learner published past its last checkpoint,
+        # then crashed: that version is lost, and a group claiming it is refused without blame
+        return "survived (future_version: its version was lost in the learner crash that ended its segment)"
     return f"NOT SURVIVED: ledger says {status!r}"
 
 

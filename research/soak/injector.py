@@ -285,6 +285,7 @@ class Injector(threading.Thread):
             skew = self.rng.choice([-1, 1]) * self.rng.uniform(60, 3600)
             self._skewed(skew).put(ROLLOUT_TOPIC, group.group_uid, original)
             fault.key, fault.detail["skew_s"] = group.group_uid, round(skew, 1)
+            fault.detail["segment"] = self.segment  # a learner crash ending it may lose the group's version
             return fault
         key = self._fault_key(fault.kind)
         group.group_uid, group.sampler_id = key, "soak-injector"

@@ -89,31 +89,40 @@ def test_fault_judges():
         Fault("weights_truncated", 5.0, "v3", {"version_at_fault": 2}),
         Fault("duplicate_message", 5.0, "s0-b1-0"),
         Fault("clock_skew_rollout", 5.0, "fault-clockskewrollout-3"),
+        # a sampler's group re-sent with a skewed clock, refused as future_version: its version was
+        # lost when the learner of its segment crashed (the next segment resumed from a checkpoint),
+        # not when no crash ended its segment
+        Fault("clock_skew_rollout", 5.0, "s1-b2-0", {"segment": 0}),
+        Fault("clock_skew_rollout", 65.0, "s1-b9-0", {"segment": 1}),
     ]
     end = RunEnd(
         ledger={
             "fault-badgroupsize-1": "rejected:group_size",
             "fault-rolloutcorrupt-2": "consumed",
             "s0-b1-0": "consumed",
+            "s1-b2-0": "rejected:future_version",
+            "s1-b9-0": "rejected:future_version",
         },
         in_transport={"fault-clockskewrollout-3"},
         final_version=6,
         max_delay=4,
         seen_names={"0:sampler-0-1"},
         segment_end={0: 60.0},
-        segments=1,
+        segments=2,
         end_s=70.0,
     )
     judge_faults(faults, end)
     assert [f.outcome for f in faults] == [
         "survived",
         "not judged: run ended before the restart",
-        "not judged: no segment after it",
+        "survived",
         "survived",
         "NOT SURVIVED: accepted as 'consumed'",
         "NOT SURVIVED: learner stuck below version 7",
         "survived",
         "survived (still in transport)",
+        "survived (future_version: its version was lost in the learner crash that ended its segment)",
+        "NOT SURVIVED: ledger says 'rejected:future_version'",
     ]
 
 
