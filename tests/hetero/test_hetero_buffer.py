@@ -360,3 +360,20 @@ def test_withheld_groups_wait_for_a_vouch_and_go_stale_as_unvouched(make_group):
         b.set_learner_version(2)  # "late" (v0) is past the bound, never vouched for
         assert b.ledger.status["late"] == "dropped:stale_unvouched"
         assert b.metrics()["hetero/dropped/stale_unvouched"] == 1 and b.metrics()["hetero/withheld"] == 0
+
+
+def test_a_take_waiting_while_groups_are_withheld_is_seen(make_group):
+    """waits_on_withheld: a take() is blocked now and withheld groups exist (the trust gate then
+    draws that sampler's arrivals for a check more often, to vouch for them sooner)."""
+    buffer = RolloutBuffer(max_delay=2)
+    assert buffer.add(make_group("held", 0), withheld=True)
+    assert not buffer.waits_on_withheld()  # nobody waits
+    taker = threading.Thread(target=lambda: buffer.take(1, learner_version=0, timeout_s=30))
+    taker.start()
+    deadline = time.monotonic() + 10
+    while not buffer.waits_on_withheld() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert buffer.waits_on_withheld()
+    assert buffer.vouch(["held"]) == 1
+    taker.join(timeout=10)
+    assert not taker.is_alive() and not buffer.waits_on_withheld()

@@ -124,6 +124,7 @@ class RolloutBuffer:
         self._cond = threading.Condition()
         self._groups: dict[str, RolloutGroup] = {}  # uid -> group, insertion order = arrival order
         self._withheld: set[str] = set()  # buffered uids take() may not return until vouch()ed
+        self._short_takes = 0  # take() calls waiting now while groups they could use are withheld
         self._expected: dict[str, tuple[int, str]] = {}  # uid -> (policy_version, sampler_id)
         self._learner_version = 0
         self.ledger = Ledger()
@@ -215,6 +216,11 @@ class RolloutBuffer:
         with self._cond:
             return len(self._groups) - len(self._withheld)
 
+    def waits_on_withheld(self) -> bool:
+        """Whether a :meth:`take` is waiting now that the withheld groups would serve."""
+        with self._cond:
+            return self._short_takes > 0
+
     def withheld_by(self, sampler_id: str) -> int:
         """How many of ``sampler_id``'s buffered groups are withheld."""
         with self._cond:
@@ -298,7 +304,12 @@ class RolloutBuffer:
                 if remaining <= 0:
                     self._window_wait_s += time.monotonic() - start
                     raise BufferTimeout(self._timeout_message(n, timeout_s, blocking))
-                self._cond.wait(timeout=min(remaining, 1.0))
+                short = not blocking and bool(self._withheld)
+                self._short_takes += short
+                try:
+                    self._cond.wait(timeout=min(remaining, 1.0))
+                finally:
+                    self._short_takes -= short
                 # a blocked learner may see stale arrivals; keep the bound exact while waiting
                 self._advance(learner_version)
             chosen = self._select(n)

@@ -231,7 +231,9 @@ class TrustGate:
                         group_uid=uid,
                     )
             digest = content_digest(group)
-            rescore = self.rescoring and self.ledger.should_check(sampler, f"{uid}\x00{digest}")
+            rescore = self.rescoring and self.ledger.should_check(
+                sampler, f"{uid}\x00{digest}", self._fraction(sampler)
+            )
             if digest in self._awaiting:
                 # a copy of a group still awaiting its verdict: the same tokens twice, as below;
                 # the first earns no credit by its check
@@ -406,6 +408,17 @@ class TrustGate:
                     self.ledger.withdraw_credit(str(admission.group.sampler_id))
                 self._contents[admission.digest] = ""
 
+    WAITING_FRACTION = 0.5
+    """The draw's fraction (if above ``verify_fraction``) for a sampler with withheld groups while
+    the learner waits on them: they are vouched for sooner. Still the secret's draw: a sampler
+    cannot tell which arrival is checked, and a higher rate only catches lies sooner."""
+
+    def _fraction(self, sampler: str) -> Optional[float]:
+        """The draw's fraction for ``sampler``'s next group (None: ``verify_fraction``)."""
+        if self.withholding and self.buffer.waits_on_withheld() and self.buffer.withheld_by(sampler):
+            return max(self.config.verify_fraction, self.WAITING_FRACTION)
+        return None
+
     def withholds(self, vouched: bool) -> bool:
         """Whether a group with :meth:`admit`'s verdict ``vouched`` enters the buffer withheld
         (``hold_unchecked``: not taken until a later group's passed check vouches for it)."""
@@ -425,7 +438,9 @@ class TrustGate:
         with self._lock:
             if self._over_quota_checks.get(sampler) == version or self.ledger.refusal(sampler) is not None:
                 return False
-            if not self.ledger.should_check(sampler, f"{group.group_uid}\x00{content_digest(group)}"):
+            if not self.ledger.should_check(
+                sampler, f"{group.group_uid}\x00{content_digest(group)}", self._fraction(sampler)
+            ):
                 return False
             self._over_quota_checks[sampler] = version
             return True

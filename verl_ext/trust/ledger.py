@@ -117,14 +117,15 @@ class TrustLedger:
             return DIVERGENT
         return None
 
-    def should_check(self, sampler_id: str, key: str) -> bool:
+    def should_check(self, sampler_id: str, key: str, fraction: float | None = None) -> bool:
         """Check this group? Always while the sampler is on probation, else with probability
-        ``verify_fraction``: HMAC-SHA256(secret, ``key``) read as a uniform number, ``key`` naming
-        the group (its uid and content). The same group always draws the same way."""
+        ``fraction`` (default ``verify_fraction``): HMAC-SHA256(secret, ``key``) read as a uniform
+        number, ``key`` naming the group (its uid and content). The same group always draws the
+        same way at one fraction, and is drawn at every larger one."""
         if self._of(sampler_id).checks < self.probation_groups:
             return True
         digest = hmac.new(self.secret, f"{sampler_id}\x00{key}".encode(), hashlib.sha256).digest()
-        return int.from_bytes(digest[:8], "big") / 2.0**64 < self.verify_fraction
+        return int.from_bytes(digest[:8], "big") / 2.0**64 < (self.verify_fraction if fraction is None else fraction)
 
     def accepted(self, sampler_id: str, uid: str, arrival: int = 0) -> None:
         """An unchecked group of this sampler entered the buffer: vouched for by a passed check of a

@@ -20,6 +20,7 @@ from recipe.gepo.embedded.tasks import Task
 from recipe.gepo.embedded.trust_wiring import embedded_gate
 from verl_ext.trust.verifier import group_log_probs
 from verl_ext.hetero.exchange import RolloutInbox, send_group
+from verl_ext.trust.gate import TrustGate, content_digest
 from verl_ext.hetero.records import RecordRejected, RolloutGroup
 from verl_ext.hetero.transport import FsspecTransport
 from verl_ext.hetero.weights import serialize_state_dict
@@ -542,3 +543,37 @@ def test_a_quota_full_of_withheld_groups_is_vouched_for_by_a_drawn_arrival(tiny_
     assert lab.buffer.withheld_by(sampler) == 0 and lab.gate.metrics()["trust/vouched"] >= 2
     assert checks_over_quota == 1  # one check per learner version at most; the others passed over
     assert lab.gate.metrics()["trust/sampler-8/passed_over"] >= 1
+
+
+def test_while_the_learner_waits_on_withheld_groups_their_sampler_is_drawn_more_often(tiny_model_path, tmp_path):
+    """With a take() waiting and groups of a sampler withheld, its arrivals are drawn for a re-score
+    at 0.5 (TrustGate.WAITING_FRACTION) instead of verify_fraction: still the secret's draw, only
+    at a higher rate, so what waits is vouched for sooner."""
+    import threading
+
+    lab = Lab(tiny_model_path, tmp_path, "hetero.trust.probation_groups=0")
+    sampler, fraction = "sampler-9", lab.engine.hetero.trust.verify_fraction
+    groups = lab.groups(sampler, n=16)
+    first = next(g for g in groups if not lab.gate.begin(g).rescore)  # withheld: not drawn at the fraction
+    lab.gate._awaiting.clear()  # (begin() above was a probe; nothing of it stays)
+    assert lab.offer(first) is None and lab.buffer.withheld_by(sampler) == 1
+    taker = threading.Thread(target=lambda: lab.buffer.take(1, learner_version=1, timeout_s=60))
+    taker.start()
+    try:
+        while not lab.buffer.waits_on_withheld():
+            taker.join(timeout=0.01)
+        draws = []
+        for g in groups:
+            if g is first:
+                continue
+            key = f"{g.group_uid}\x00{content_digest(g)}"
+            at_fraction = lab.gate.ledger.should_check(sampler, key, fraction)
+            at_waiting = lab.gate.ledger.should_check(sampler, key, TrustGate.WAITING_FRACTION)
+            admission = lab.gate.begin(g)
+            draws.append((admission.rescore, at_fraction, at_waiting))
+            lab.gate._awaiting.clear()
+        assert all(rescore == at_waiting for rescore, _, at_waiting in draws)
+        assert any(at_waiting and not at_fraction for _, at_fraction, at_waiting in draws)
+    finally:
+        lab.buffer.vouch([first.group_uid])
+        taker.join(timeout=60)
