@@ -5,7 +5,10 @@ verl engine's sampler pools (verl's rollout servers and agent loop). Each batch:
 weights its delayed weight store lets it see, wait while they are past the staleness bound
 (``skip_stale``) or the learner's queue is full (``max_queued_groups``), claim batch b on the
 exchange (a restart resumes after it), generate, stretch the time by ``speed_factor``, sign and send
-every group. A subclass supplies :meth:`load_weights` and :meth:`generate_batch`.
+every group. A learner that resumed from a checkpoint deletes the versions it had published past
+it: a sampler holding one of those loads the newest left instead of waiting to be overtaken (its
+groups would be refused as ``future_version`` until then). A subclass supplies :meth:`load_weights`
+and :meth:`generate_batch`.
 """
 
 from __future__ import annotations
@@ -73,6 +76,7 @@ class SamplerLoop:
             "weight_loads": 0,
             "stale_wait_s": 0.0,
             "queue_wait_s": 0.0,
+            "lost_version_reloads": 0,
             **{k: 0 for k in self.WEIGHT_STATS.values()},
         }
 
@@ -87,7 +91,16 @@ class SamplerLoop:
 
     # ---- the loop --------------------------------------------------------------------------
     def _refresh_weights(self) -> None:
-        newest = self.weights.latest(newer_than=self.version if self.version >= 0 else None)
+        held = self.version
+        if held >= 0:
+            published = self.published.latest_version()
+            if published is not None and published < held:
+                # the learner resumed behind the version held here: that version is lost (a crashed
+                # learner's branch), and groups made with it would be refused until the learner is past it
+                held = -1
+        newest = self.weights.latest(newer_than=held if held >= 0 else None)
+        if newest is not None and held < 0 and self.version >= 0:
+            self.stats["lost_version_reloads"] += 1
         if newest is not None:
             version, state = newest
             self.load_weights(version, state)

@@ -80,7 +80,7 @@ class _SamplerCounters:
         now = time.perf_counter()
         rate = total_new / max(now - self._last, 1e-9)
         self._last = now
-        summed = ("stale_wait_s", "queue_wait_s", *SamplerWorker.WEIGHT_STATS.values())
+        summed = ("stale_wait_s", "queue_wait_s", "lost_version_reloads", *SamplerWorker.WEIGHT_STATS.values())
         totals = {k: sum(float(c.get(k, 0.0)) for c in self._counters.values()) for k in summed}
         return {"perf/sampler_tokens_per_s": rate, **{f"perf/sampler_{k}_total": v for k, v in totals.items()}}
 

@@ -177,3 +177,24 @@ def test_sampler_claims_each_batch_index_before_drawing_its_prompts(tiny_cfg, tm
     assert counters["next_batch"] == 7
     assert sampler_progress(transport, sampler.sampler_id) == SamplerProgress(launch="s0-test", next_batch=7)
     assert {key.split("-b")[1].split("-")[0] for key in transport.keys(ROLLOUT_TOPIC)} == {"5", "6"}
+
+
+def test_a_sampler_holding_a_version_a_resumed_learner_lost_loads_the_newest_left(tiny_cfg, tmp_path):
+    """A learner that crashed after publishing versions 3-4 resumes from its checkpoint at 2 and
+    deletes them (``delete_newer_than``); it publishes 3 anew. A sampler holding the lost 4 loads
+    3 at once, instead of generating groups the learner refuses as future_version until it passes
+    4 (the liar soak's seed 42 stayed stuck so for its last minute). A sampler behind is not moved."""
+    sampler, published, transport = _sampler(tiny_cfg, tmp_path, "hetero.delay.value=0")
+    state = {k: v.clone() for k, v in sampler.model.state_dict().items()}
+    for version in range(5):
+        published.publish(version, state)
+    sampler._refresh_weights()
+    assert sampler.version == 4
+    published.delete_newer_than(2)  # the resumed learner at its checkpoint's version
+    sampler._refresh_weights()
+    assert sampler.version == 2 and sampler.counters()["lost_version_reloads"] == 1
+    published.publish(3, {k: v + 1e-3 if v.is_floating_point() else v for k, v in state.items()})
+    sampler._refresh_weights()
+    assert sampler.version == 3 and sampler.counters()["lost_version_reloads"] == 1
+    loaded = dict(sampler.model.state_dict())
+    assert all(torch.equal(loaded[k], v) for k, v in WeightStore(transport).get(3).items())
