@@ -90,16 +90,15 @@ class SamplerLoop:
         raise NotImplementedError
 
     # ---- the loop --------------------------------------------------------------------------
-    def _refresh_weights(self) -> None:
-        held = self.version
-        if held >= 0:
-            published = self.published.latest_version()
-            if published is not None and published < held:
-                # the learner resumed behind the version held here: that version is lost (a crashed
-                # learner's branch), and groups made with it would be refused until the learner is past it
-                held = -1
-        newest = self.weights.latest(newer_than=held if held >= 0 else None)
-        if newest is not None and held < 0 and self.version >= 0:
+    def _refresh_weights(self) -> int | None:
+        """Load the newest version this sampler may see; returns the newest published one (read once:
+        :meth:`weights_too_stale` judges by it too)."""
+        published = self.published.latest_version()
+        # the learner resumed behind the version held here: that version is lost (a crashed learner's
+        # branch), and groups made with it would be refused until the learner is past it
+        lost = published is not None and published < self.version
+        newest = self.weights.latest(newer_than=self.version if self.version >= 0 and not lost else None)
+        if newest is not None and lost:
             self.stats["lost_version_reloads"] += 1
         if newest is not None:
             version, state = newest
@@ -108,13 +107,12 @@ class SamplerLoop:
             self.stats["weight_loads"] += 1
         for counter, stat in self.WEIGHT_STATS.items():
             self.stats[stat] = self.weights.stats[counter]
+        return published
 
-    def weights_too_stale(self) -> bool:
-        """Groups made now would be past the bound on arrival (the learner only moves forward)."""
-        if not self.skip_stale:
-            return False
-        newest = self.published.latest_version()
-        return newest is not None and newest - self.version > self.max_delay
+    def weights_too_stale(self, published: int | None) -> bool:
+        """Groups made now would be past the bound on arrival, ``published`` being the newest
+        version the learner has published (the learner only moves forward)."""
+        return self.skip_stale and published is not None and published - self.version > self.max_delay
 
     def learner_queue_full(self) -> bool:
         """Back-pressure: the learner's last published queue depth is at ``max_queued_groups``."""
@@ -139,12 +137,12 @@ class SamplerLoop:
         """Generate until the stop marker appears (or ``max_batches``); returns the counters."""
         batch_index = start_batch
         while not self.stopped() and (max_batches is None or batch_index - start_batch < max_batches):
-            self._refresh_weights()
+            published = self._refresh_weights()
             if self.version < 0:
                 time.sleep(0.05)  # the learner has not published version 0 yet
                 continue
             # wait for newer weights rather than generate groups to drop; for room in the queue
-            wait = "stale_wait_s" if self.weights_too_stale() else None
+            wait = "stale_wait_s" if self.weights_too_stale(published) else None
             if wait is None and self.learner_queue_full():
                 wait = "queue_wait_s"
             if wait is not None:

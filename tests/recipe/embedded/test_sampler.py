@@ -68,10 +68,10 @@ def test_sampler_waits_instead_of_generating_groups_past_the_bound(tiny_cfg, tmp
     published.publish(0, state)
     time.sleep(DELAY_S + 0.2)
     sampler._refresh_weights()
-    assert sampler.version == 0 and not sampler.weights_too_stale()
+    assert sampler.version == 0 and not sampler.weights_too_stale(published.latest_version())
     for version in (1, 2, 3):  # the learner moved 3 versions on; the sampler sees them 2 s later
         published.publish(version, state)
-    assert sampler.weights_too_stale()  # 3 - 0 > max_delay = 1
+    assert sampler.weights_too_stale(published.latest_version())  # 3 - 0 > max_delay = 1
 
     counters = _run_for(sampler, transport, 1.0)
     assert counters["batches"] == 0 and transport.keys(ROLLOUT_TOPIC) == []
@@ -90,7 +90,7 @@ def test_sampler_generates_stale_groups_when_the_gate_is_off(tiny_cfg, tmp_path)
     time.sleep(DELAY_S + 0.2)
     for version in (1, 2, 3):
         published.publish(version, state)
-    assert not sampler.weights_too_stale()
+    assert not sampler.weights_too_stale(published.latest_version())
     counters = _run_for(sampler, transport, 1.0)
     assert sampler.version == 0 and counters["batches"] >= 1 and counters["stale_wait_s"] == 0.0
     assert len(transport.keys(ROLLOUT_TOPIC)) == counters["groups"] > 0  # all of them past the bound
