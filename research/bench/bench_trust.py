@@ -136,6 +136,7 @@ def detection(args) -> list[str]:
         task = Task(engine.task, 0)
         buffer = build_buffer(engine, task)
         gate = embedded_gate(engine, model_path, task, buffer)
+        measure_rescores_only(gate)
         gate.remember(0, serialize_state_dict(model.state_dict(), 0))
         s = engine.settings
         settings = RolloutSettings(s.group_size, s.temperature, s.max_new_tokens)
@@ -327,6 +328,7 @@ def ratio(args) -> list[str]:
     path = resolve_model_path(engine.settings.model_path, engine.task, 0)
     model, tokenizer = load_policy(path)
     gate = embedded_gate(engine, path, task, build_buffer(engine, task))
+    measure_rescores_only(gate)
     gate.remember(0, serialize_state_dict(model.state_dict(), 0))
     s = engine.settings
     model.eval()
@@ -418,6 +420,7 @@ def components(args) -> list[str]:
     from recipe.gepo.embedded.policy import load_policy
     from recipe.gepo.embedded.rollout_groups import RolloutSettings, generate_groups
     from recipe.gepo.embedded.tasks import Task, resolve_model_path
+    from verl_ext.trust.assignment import gumbel_key
     from verl_ext.trust.signing import SamplerKey
     from verl_ext.hetero.records import RecordRejected, RolloutGroup, validate_group
     from verl_ext.hetero.weights import deserialize_state_dict, serialize_state_dict
@@ -441,8 +444,8 @@ def components(args) -> list[str]:
     buffer = build_buffer(engine, task)
     gate = embedded_gate(engine, path, task, buffer)
     learner = build_learner(model, tokenizer.pad_token_id, engine)
-    key = SamplerKey.generate("s0")
-    gate.enrol("s0", key.public_hex())
+    key = SamplerKey.generate("sampler-0")  # sampler-0: its batches' prompts are stream 1's
+    gate.enrol("sampler-0", key.public_hex())
     wire = "bf16" if engine.hetero.weights_bf16 else None
     messages = {0: serialize_state_dict(model.state_dict(), 0, wire)}
     gate.remember(0, messages[0])
@@ -485,10 +488,12 @@ def components(args) -> list[str]:
                 settings,
                 engine.algorithm,
                 policy_version=claimed,
-                sampler_id="s0",
+                sampler_id="sampler-0",
                 seed=step,
                 uid_prefix=f"s0-{step}",
                 checkable=args.checkable,
+                batch_index=step,  # the learner's assignment: batch `step` of sampler-0
+                gumbel_key=gumbel_key(gate.ledger.secret) if args.checkable else None,
             )
             admitted = []
             for sent in groups:
@@ -600,7 +605,7 @@ def checker_latency(args) -> list[str]:
     where = ray.get(checker.describe.remote())
     assert where["nice"] == [CHECKER_NICE] and where["cpus"] == [[system_core]], where
     weights = {0: [ray.put(np.frombuffer(lab.publish(0), dtype=np.uint8))]}
-    groups = lab.groups(args.prompts, stream=3, index=0)
+    groups = lab.assigned_groups(args.prompts, "sampler-2")  # the checker holds groups to their assignment
     ray.get(checker.check.remote([(groups[0], True, True, False)], weights))  # warm: version 0 loaded
 
     def round_trips(lend: bool) -> tuple[list[float], list[float]]:
@@ -726,6 +731,7 @@ class _Lab:
         self.learner, self.tokenizer = load_policy(self.path)
         self.learner.eval()
         self.gate = embedded_gate(engine, self.path, self.task, build_buffer(engine, self.task))
+        measure_rescores_only(self.gate)
         self.gate.version_wait_s = 5.0
         self.wire = "bf16" if engine.hetero.weights_bf16 else None
         self.serialize = serialize_state_dict
@@ -738,6 +744,8 @@ class _Lab:
         self.sampler.eval()
 
     def groups(self, n: int, stream: int, index: int, sampler_id: str = "x", model=None) -> list:
+        """``n`` groups of batch ``index`` of prompt stream ``stream`` (not an assignment: the lab's
+        gate does not check one, :func:`measure_rescores_only`)."""
         from recipe.gepo.embedded.rollout_groups import RolloutSettings, generate_groups
 
         s = self.engine.settings
@@ -754,6 +762,24 @@ class _Lab:
             uid_prefix=f"{sampler_id}-{stream}-{index}",
             checkable=True,
         )
+
+    def assigned_groups(self, n: int, sampler_id: str) -> list:
+        """``n`` groups of the prompts the learner assigns ``sampler_id`` (its batches from 0, a
+        batch's prompts at a time), for a checker that holds groups to their assignment."""
+        from recipe.gepo.embedded.rollout_groups import RolloutSettings, generate_groups
+        from verl_ext.trust.assignment import prompt_stream
+
+        s, groups, batch = self.engine.settings, [], 0
+        while len(groups) < n:
+            items = self.task.train_items(s.prompts_per_step, stream=prompt_stream(sampler_id), index=batch)
+            groups += generate_groups(
+                self.sampler, self.tokenizer, items[: n - len(groups)], self.task.score,
+                RolloutSettings(s.group_size, s.temperature, s.max_new_tokens), self.engine.algorithm,
+                policy_version=0, sampler_id=sampler_id, seed=batch, uid_prefix=f"{sampler_id}-b{batch}",
+                checkable=True, batch_index=batch,
+            )  # fmt: skip
+            batch += 1
+        return groups
 
     def drawer(self, weight_step: float = 0.0):
         """A second sampler model of the same loading (its own object: a truncation hook on it
@@ -806,6 +832,15 @@ def _lie_maker(lab: "_Lab", kind: str, size):
     return redraw
 
 
+def measure_rescores_only(gate) -> None:
+    """Turn off the assignment of prompts, seeds and slots (``verl_ext.trust.assignment``) on a
+    bench's gate: it offers one pool of groups under many sampler ids and slots, and measures the
+    re-score and rewards checks, which the assignment would pre-empt on every such group."""
+    gate.check_assignment = False
+    if gate.verifier is not None:
+        gate.verifier.check_assignment = False
+
+
 def _lying_trial(lab: "_Lab", sampler: str, pool: list, start: int, lie, bump: bool, cap: int):
     """A sampler that passes its probation honestly, then lies on every group (``lie`` of the
     pool's next group) until the gate refuses one: (lying groups admitted before that, the reason
@@ -819,6 +854,7 @@ def _lying_trial(lab: "_Lab", sampler: str, pool: list, start: int, lie, bump: b
     from verl_ext.hetero.records import RecordRejected
 
     gate, probation = lab.gate, lab.engine.hetero.trust.probation_groups
+    measure_rescores_only(gate)
     admitted, used, timer, vouched_lies, released, withheld = 0, 0, None, 0, 0, 0
     while admitted < cap:
         group = pool[(start + used) % len(pool)]

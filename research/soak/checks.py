@@ -112,6 +112,10 @@ TRUST_REASONS = (
     "unknown_precision",
     "token_mismatch",
     "unseeded",
+    "unassigned",
+    "prompt_not_assigned",
+    "seed_not_assigned",
+    "slot_reused",
 )
 """Refusals of the signature check and the trust gate: an honest group refused for one is a false
 alarm (``unseeded`` too: the soak's honest samplers draw with checkable sampling when it is on). Not ``replayed``: content identical to an accepted group is refused by design and without

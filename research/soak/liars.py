@@ -1,7 +1,7 @@
 """Samplers that lie (``python -m research.soak --liars``): one Ray actor (:class:`LiarCrew`), a real
-sampler of the run's config, that generates real groups and sends each under one of several
-identities (``sampler-<60 + i>``, :func:`liar_id`), each lying one way (:data:`LIES`) on every group
-it sends, but for the patient liars (:data:`PATIENT_LIES`), honest through their probation first. The insiders (:data:`INSIDER_LIES`) hold keys the learner's operator enrolled
+sampler of the run's config, that generates real groups under several identities (``sampler-<60 + i>``,
+:func:`liar_id`), each lying one way (:data:`LIES`) on every group it sends; each insider lie is told again
+by a patient liar (:data:`PATIENT_LIES`), honest through its probation first. The insiders (:data:`INSIDER_LIES`) hold keys the learner's operator enrolled
 (``hetero.trust.enrolment_file``); the two outsiders (:data:`OUTSIDER_LIES`) sign with a key nobody
 enrolled, or write unsigned records straight into the transport. The token lies (:data:`TOKEN_LIES`)
 join only under ``hetero.trust.checkable_sampling`` (``--liars`` turns it on); a redraw that gives the
@@ -26,6 +26,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
+from recipe.gepo.embedded.rollout_groups import generate_groups
 from recipe.gepo.embedded.sampler import SamplerWorker
 from recipe.gepo.embedded.policy import load_policy
 from verl_ext.algos.advantages import sequence_advantages
@@ -35,8 +36,10 @@ from verl_ext.trust.signing import Enrolment, SamplerKey, unverified_record
 from verl_ext.hetero.exchange import send_group
 from verl_ext.hetero.protocol import ROLLOUT_TOPIC
 from verl_ext.hetero.records import RolloutGroup
+from verl_ext.hetero.seeding import sampler_sampling_seed
+from verl_ext.trust.assignment import assigned_seed, prompt_stream
 
-INSIDER_LIES = (
+IMPATIENT_LIES = (
     "q_scaled",  # log q x 1.5
     "q_shuffled",  # log q permuted over the group's tokens
     # q re-computed under the oldest other version the weight store holds (held back until one exists)
@@ -54,10 +57,12 @@ INSIDER_LIES = (
     "truncated",
     "near_copy",  # an honest group >= NEAR_COPY_AGE_S old, rows rotated, one log q moved by 1e-5
     "version_bump",  # log q x 1.5, claiming a version the moment the learner publishes it
-    "patient_q_scaled",  # honest for its first PATIENT_HONEST_GROUPS groups (its probation), then log q x 1.5
     "malformed",  # a response token id equal to the vocabulary size (no embedding row): it must not crash anything
 )
-PATIENT_LIES = ("patient_q_scaled",)
+PATIENT_PREFIX = "patient_"
+PATIENT_LIES = tuple(PATIENT_PREFIX + kind for kind in IMPATIENT_LIES if kind != "malformed")
+"""Each lie again, told by a liar honest for its first PATIENT_HONEST_GROUPS groups (past its probation)."""
+INSIDER_LIES = IMPATIENT_LIES + PATIENT_LIES
 PATIENT_HONEST_GROUPS = 6
 """A patient liar's honest groups before its first lie: past the default probation of 4 checked groups."""
 TOKEN_LIES = ("other_weights", "truncated")
@@ -72,6 +77,11 @@ OUTSIDER_LIES = ("forged_signature", "unsigned")
 """A key nobody enrolled, claiming to be ``sampler-0``; no signature at all."""
 LIES = INSIDER_LIES + OUTSIDER_LIES
 FIRST_INDEX = 60
+
+
+def lie_of(kind: str) -> str:
+    """The lie a liar tells (a patient one's, once past its probation)."""
+    return kind.removeprefix(PATIENT_PREFIX)
 
 
 def liar_id(kind: str) -> str:
@@ -97,9 +107,11 @@ class LiarCrew(SamplerWorker):
             kind: SamplerKey.generate("sampler-0" if kind == "forged_signature" else liar_id(kind)) for kind in LIES
         }
         checkable = engine.hetero.trust.checkable_sampling
-        self.turn = itertools.cycle([kind for kind in LIES if checkable or kind not in TOKEN_LIES])
+        self.turn = itertools.cycle([kind for kind in LIES if checkable or lie_of(kind) not in TOKEN_LIES])
         self.lied: dict[str, str] = {}  # uid -> kind, every lying group sent
         self.honest_sent: dict[str, int] = {}  # patient liar -> honest groups sent before its lies
+        self.identity_batches: dict[str, int] = {}  # lying identity -> its last batch index
+        self._batch_kind = ""  # the lie of the batch being sent
         self.first_sent: dict[str, float] = {}  # kind -> wall time of its first group
         self.other, _ = load_policy(model_path)  # q_other_version's scorer
         self.other.eval()
@@ -122,15 +134,43 @@ class LiarCrew(SamplerWorker):
     def report(self) -> dict[str, Any]:
         return {"lied": dict(self.lied), "first_sent": dict(self.first_sent)}
 
-    def send(self, group: RolloutGroup) -> None:
-        kind = next(self.turn)
+    def generate_batch(self, batch_index: int) -> list[RolloutGroup]:
+        """A batch of the next lying identity in turn, of the prompts and seeds the learner assigns
+        that identity (its own batches, counted from 0): the lie, not the assignment, is what each
+        identity's groups are refused for. Uids ``<id>-<lie>-liars-b<its batch>-<slot>``."""
+        kind = self._batch_kind = next(self.turn)
         sampler_id = "sampler-0" if kind == "forged_signature" else liar_id(kind)
-        group.sampler_id, group.group_uid = sampler_id, f"{sampler_id}-{kind.replace('_', '')}-{group.group_uid}"
+        batch = self.identity_batches[sampler_id] = self.identity_batches.get(sampler_id, -1) + 1
+        items = self.task.train_items(self.settings.prompts_per_step, stream=prompt_stream(sampler_id), index=batch)
+        return generate_groups(
+            self.model,
+            self.tokenizer,
+            items,
+            self.task.score,
+            self.rollout,
+            self.algorithm_config,
+            policy_version=self.version,
+            sampler_id=sampler_id,
+            seed=sampler_sampling_seed(self.hetero.seed, batch_index, self.index),
+            uid_prefix=f"{sampler_id}-{kind.replace('_', '')}-liars-b{batch}",
+            checkable=self.hetero.trust.checkable_sampling,
+            batch_index=batch,
+            gumbel_key=self.gumbel_key,
+        )
+
+    def send(self, group: RolloutGroup) -> None:
+        kind = self._batch_kind
         patient = kind in PATIENT_LIES and self.honest_sent.get(kind, 0) < PATIENT_HONEST_GROUPS
         if patient:
             self.honest_sent[kind] = self.honest_sent.get(kind, 0) + 1  # sent as drawn: not a lie
-        elif not self._lie(kind, group):
+        elif not self._lie(lie_of(kind), group):
             return  # nothing to lie with yet: nothing sent
+        elif group.sampling_seed is not None and self.gumbel_key is not None:
+            # a lie about the version keeps its seed the one assigned for the version it claims (else
+            # the assignment, not the re-score, would refuse it)
+            group.sampling_seed = assigned_seed(
+                self.gumbel_key, group.sampler_id, group.batch_index, group.batch_slot, group.policy_version
+            )
         key = None if kind == "unsigned" else self.keys[kind]
         send_group(self.transport, group, key=key)
         if patient:
@@ -140,7 +180,7 @@ class LiarCrew(SamplerWorker):
 
     def _lie(self, kind: str, group: RolloutGroup) -> bool:
         mask = group.response_mask.astype(bool)
-        if kind in ("q_scaled", "patient_q_scaled"):
+        if kind == "q_scaled":
             group.sampler_logprobs = group.sampler_logprobs * 1.5
         elif kind == "malformed":
             ids = group.response_ids.copy()

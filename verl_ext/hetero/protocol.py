@@ -1,6 +1,5 @@
-"""The async wire protocol, in one place: every topic, control key and control record. Learner and
-samplers (and the soak's fault injector) talk only through a
-:class:`~verl_ext.hetero.transport.Transport`; a message is ``(topic, key) -> bytes``::
+"""The async wire protocol, in one place: every topic, control key and control record. Learner and samplers
+(and the soak's fault injector) talk only through a :class:`~.transport.Transport`; ``(topic, key) -> bytes``::
 
     weights        version_key(v)         safetensors state dict of version v, learner -> samplers
     weights_delta  version_key(v)         XOR delta from v-1 to v (hetero.weight_sync=delta)
@@ -9,6 +8,7 @@ samplers (and the soak's fault injector) talk only through a
     control        stop                   anything: every sampler stops (driver / learner)
     control        learner-status         LearnerStatus, after every learner step
     control        progress_key(sampler)  SamplerProgress: the batch index a sampler claimed
+    control        gumbel-key             GumbelKey: the key of the assigned Gumbel seeds (learner)
 On Ray the learner actor is :data:`LEARNER_ACTOR`, sampler i's n-th launch :func:`sampler_actor_name`.
 Records are small JSON objects; a reader that finds one missing, half-written or malformed treats
 it as absent (:func:`read_record` returns None) instead of stalling on it.
@@ -29,6 +29,7 @@ EXPECTED_TOPIC = "expected"
 CONTROL_TOPIC = "control"
 STOP_KEY = "stop"
 STATUS_KEY = "learner-status"
+GUMBEL_KEY = "gumbel-key"
 
 # Ray actor names (async mode on Ray): an operator, or a fault injector, finds the actors by them
 LEARNER_ACTOR = "heterorl-learner"
@@ -139,6 +140,28 @@ class SamplerProgress(_Record):
     """The launch's uid namespace (a fresh one per launch)."""
     next_batch: int
     """The first batch index this launch has not claimed."""
+
+
+@dataclass(frozen=True)
+class GumbelKey(_Record):
+    """The key samplers derive each group's Gumbel seed from (``control/gumbel-key``,
+    :func:`verl_ext.trust.assignment.assigned_seed`), written by the learner before its first version."""
+
+    key: str
+    """32 bytes, hex."""
+
+
+def publish_gumbel_key(transport: Transport, key: bytes) -> None:
+    transport.put(CONTROL_TOPIC, GUMBEL_KEY, GumbelKey(bytes(key).hex()).to_bytes())
+
+
+def read_gumbel_key(transport: Transport) -> Optional[bytes]:
+    """The learner's published seed key, or None while there is none (or it does not parse)."""
+    record = read_record(transport, GumbelKey, CONTROL_TOPIC, GUMBEL_KEY)
+    try:
+        return None if record is None else bytes.fromhex(record.key)
+    except (TypeError, ValueError):
+        return None
 
 
 def progress_key(sampler_id: str) -> str:

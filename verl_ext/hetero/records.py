@@ -43,6 +43,8 @@ _SCALAR_FIELDS = (
     "extra",
     "sampler_precision",
     "sampling_seed",
+    "batch_index",
+    "batch_slot",
 )
 
 
@@ -86,6 +88,9 @@ class RolloutGroup:
         sampling_seed: the seed of the group's Gumbel-max draw (``verl_ext.trust.gumbel``: the
             learner re-derives its tokens from it); None when drawn otherwise. Signed with the
             record.
+        batch_index: the sampler's claimed batch the group's prompt was assigned in (the learner
+            recomputes that batch's prompts, ``verl_ext.trust.assignment``); None when unassigned.
+        batch_slot: the prompt's place in that batch (0-based); None when unassigned.
     """
 
     group_uid: str
@@ -102,6 +107,8 @@ class RolloutGroup:
     extra: dict[str, Any] = field(default_factory=dict)
     sampler_precision: str | None = None
     sampling_seed: int | None = None
+    batch_index: int | None = None
+    batch_slot: int | None = None
 
     def __post_init__(self):
         # Coerce once so that torch tensors or lists from a sampler become numpy arrays; dtype
@@ -146,6 +153,9 @@ class RolloutGroup:
             meta["sampler_precision"] = str(self.sampler_precision)
         if self.sampling_seed is not None:  # absent = not drawn by seeded Gumbel-max
             meta["sampling_seed"] = int(self.sampling_seed)
+        for name in ("batch_index", "batch_slot"):  # absent = unassigned
+            if getattr(self, name) is not None:
+                meta[name] = int(getattr(self, name))
         return st_save(tensors, metadata={"format": RECORD_FORMAT, "record": json.dumps(meta)})
 
     @classmethod
@@ -240,7 +250,8 @@ def validate_group(group: Any, spec: RecordSpec = RecordSpec(), learner_version:
     advantages finite (rewards within ``spec.reward_range``); token ids in [0, ``spec.vocab_size``),
     P and R within the spec's bounds; ``policy_version`` an int in [0, 2^63) and not newer than
     ``learner_version`` (when given); ``sampler_id`` / ``sampler_precision`` strings, ``extra`` a
-    dict, ``sampling_seed`` None or an int in [0, 2^63). Never raises anything but RecordRejected.
+    dict, ``sampling_seed``, ``batch_index`` and ``batch_slot`` None or ints in [0, 2^63). Never
+    raises anything but RecordRejected.
     """
     if not isinstance(group, RolloutGroup):
         raise RecordRejected("record", "type", f"expected RolloutGroup, got {type(group).__name__}")
@@ -270,6 +281,12 @@ def validate_group(group: Any, spec: RecordSpec = RecordSpec(), learner_version:
         isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= seed < SEED_LIMIT
     ):
         reject("sampling_seed", "seed", f"must be None or an int in [0, 2^63), got {str(seed)[:80]!r}")
+    for name in ("batch_index", "batch_slot"):
+        value = getattr(group, name)
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not 0 <= value < SEED_LIMIT
+        ):
+            reject(name, "assignment", f"must be None or an int in [0, 2^63), got {str(value)[:80]!r}")
     if not isinstance(group.extra, dict):
         reject("extra", "extra", f"must be a dict, got {type(group.extra).__name__}")
     for name in _ARRAY_FIELDS:

@@ -5,7 +5,8 @@ verl engine's sampler pools (verl's rollout servers and agent loop). Each batch:
 weights its delayed weight store lets it see, wait while they are past the staleness bound
 (``skip_stale``) or the learner's queue is full (``max_queued_groups``), claim batch b on the
 exchange (a restart resumes after it), generate, stretch the time by ``speed_factor``, sign and send
-every group. A learner that resumed from a checkpoint deletes the versions it had published past
+every group (prompts and, under checkable sampling, Gumbel seeds as the learner assigns them:
+:mod:`verl_ext.trust.assignment`). A learner that resumed from a checkpoint deletes the versions it had published past
 it: a sampler holding one of those loads the newest left instead of waiting to be overtaken (its
 groups would be refused as ``future_version`` until then). A subclass supplies :meth:`load_weights`
 and :meth:`generate_batch`.
@@ -22,6 +23,7 @@ from verl_ext.hetero.protocol import (
     STATUS_KEY,
     LearnerStatus,
     claim_batch,
+    read_gumbel_key,
     read_record,
     stop_requested,
 )
@@ -59,12 +61,15 @@ class SamplerLoop:
         keep_weight_versions: int,
         speed_factor: float = 1.0,
         key: SamplerKey | None = None,
+        checkable: bool = False,
     ) -> None:
         """``weights``: the store it fetches through (a delay channel over ``transport``);
-        ``launch``: this launch's uid namespace (a restart never reuses a group uid)."""
+        ``launch``: this launch's uid namespace (a restart never reuses a group uid); ``checkable``:
+        it draws by seeded Gumbel-max, so it waits for the learner's seed key (:attr:`gumbel_key`)."""
         self.transport, self.weights, self.sampler_id, self.launch = transport, weights, sampler_id, launch
         self.max_delay, self.skip_stale, self.max_queued_groups = max_delay, skip_stale, max_queued_groups
-        self.speed_factor, self.key = speed_factor, key
+        self.speed_factor, self.key, self.checkable = speed_factor, key, checkable
+        self.gumbel_key: bytes | None = None  # the learner's, read with each new version (checkable)
         # what exists, undelayed: only the version numbers are read from it, never the weights
         self.published = WeightStore(transport, keep_last=keep_weight_versions)
         self.version = -1
@@ -105,6 +110,10 @@ class SamplerLoop:
             self.load_weights(version, state)
             self.version = version
             self.stats["weight_loads"] += 1
+        if self.checkable and (newest is not None or self.gumbel_key is None):
+            # written before the learner's first version; re-read with each version (a learner that
+            # resumed keeps its secret, so its key is the same)
+            self.gumbel_key = read_gumbel_key(self.transport) or self.gumbel_key
         for counter, stat in self.WEIGHT_STATS.items():
             self.stats[stat] = self.weights.stats[counter]
         return published
@@ -138,8 +147,8 @@ class SamplerLoop:
         batch_index = start_batch
         while not self.stopped() and (max_batches is None or batch_index - start_batch < max_batches):
             published = self._refresh_weights()
-            if self.version < 0:
-                time.sleep(0.05)  # the learner has not published version 0 yet
+            if self.version < 0 or (self.checkable and self.gumbel_key is None):
+                time.sleep(0.05)  # the learner has not published version 0 (or its seed key) yet
                 continue
             # wait for newer weights rather than generate groups to drop; for room in the queue
             wait = "stale_wait_s" if self.weights_too_stale(published) else None

@@ -4,6 +4,7 @@
 - :mod:`.ledger` -- per-sampler trust, probation, the seeded draw of groups to re-score, quarantine;
 - :mod:`.bounds` -- the per-precision bounds of a re-score, their calibration, the mismatch CUSUM;
 - :mod:`.gumbel` -- checkable sampling: seeded Gumbel-max draws and the token check;
+- :mod:`.assignment` -- the prompts and Gumbel seeds the learner assigns each sampler's slots;
 - :mod:`.verifier` -- :class:`~.verifier.GroupVerifier`, re-deriving a group's rewards, q and tokens;
 - :mod:`.gate` -- :class:`~.gate.TrustGate`, the books and the verdict on each arriving group.
 

@@ -47,8 +47,8 @@ class TrustConfig:
     kernels (vLLM, bf16) needs its own measurement."""
     check_rewards: bool = option(True, honoured_by=(ASYNC,), instead=NO_PUBLISHING_SAMPLERS)
     """Recompute every group's rewards from its tokens and the learner's own copy of the prompt's answer.
-    Also group-local estimators' advantages (grpo) and bnpo's proportions (its advantages depend on the sampler's
-    batch); a mismatch, or a prompt the learner's task does not have, fails the check."""
+    The prompt must be the one the learner assigned the group's slot (prompt_not_assigned: no sampler picks its
+    prompts). Also group-local estimators' advantages (grpo) and bnpo's proportions; a mismatch fails the check."""
     trust_penalty: float = option(1.0, honoured_by=(ASYNC,), instead=NO_PUBLISHING_SAMPLERS)
     """Trust (1 at the start) lost per failed check."""
     trust_recovery: float = option(0.05, honoured_by=(ASYNC,), instead=NO_PUBLISHING_SAMPLERS)
@@ -65,10 +65,10 @@ class TrustConfig:
     divergence_window: int = option(8, honoured_by=(ASYNC,), instead=NO_PUBLISHING_SAMPLERS)
     """Consumed groups per sampler the divergence bound averages over."""
     checkable_sampling: bool = option(False, honoured_by=(ASYNC,), instead=NO_PUBLISHING_SAMPLERS)
-    """Samplers draw each group by seeded Gumbel-max (verl_ext.trust.gumbel), the seed in the signed record.
-    A re-scored group's tokens are re-derived from the same logits and noise: a token further below the noised best
-    than its precision's near-tie margin fails the check (token_mismatch), catching other weights, temperatures or
-    truncation even when q matches. An unseeded group is refused without blame. Cost: docs/reliability.md."""
+    """Samplers draw each group by seeded Gumbel-max, with the seed the learner assigns its slot (signed).
+    A re-scored group's tokens are re-derived from the same logits and noise: a token further below the noised
+    best than its precision's near-tie margin fails (token_mismatch), as does another seed (seed_not_assigned).
+    Catches other weights, temperatures or truncation even when q matches. Unseeded: refused without blame."""
     check_process: bool = option(True, honoured_by=(ASYNC,), instead=NO_PUBLISHING_SAMPLERS)
     """true: checks run in a checker process on the system cores at nice 10; false: in the learner's poll thread.
     The checker (``recipe.gepo.embedded.checker``, on ``hetero.system_cpus``) holds its own model copy; a group awaits

@@ -1,8 +1,8 @@
 """The gate every arriving group passes on its way into the buffer: :class:`TrustGate`.
 
-It owns the books: enrolment (the inbox checks signatures against it), quarantine and the
-divergence bound (:class:`~verl_ext.trust.ledger.TrustLedger`), replays (``replayed``), the
-per-sampler CUSUM of small lies, which groups are drawn for a re-score and which are withheld.
+It owns the books: enrolment (the inbox checks signatures against it), quarantine and the divergence
+bound (:class:`~.ledger.TrustLedger`), replays (``replayed``), slots taken and assigned seeds
+(:mod:`.assignment`), the CUSUM of small lies, which groups are re-scored and which withheld.
 The checks are a :class:`~verl_ext.trust.verifier.GroupVerifier`'s, run in the caller's thread
 (:meth:`TrustGate.admit`) or elsewhere between :meth:`TrustGate.begin` and :meth:`TrustGate.finish`.
 
@@ -28,6 +28,7 @@ import numpy as np
 from verl_ext.hetero.buffer import RolloutBuffer
 from verl_ext.hetero.records import RecordRejected, RolloutGroup
 from verl_ext.hetero.staleness import is_stale
+from verl_ext.trust.assignment import assigned_seed, gumbel_key
 from verl_ext.trust.bounds import Mismatch, MismatchCusum, precision_refusal
 from verl_ext.trust.signing import Enrolment
 from verl_ext.trust.verifier import CheckResult, GroupVerifier
@@ -137,6 +138,12 @@ class TrustGate:
         self._over_quota_checks: dict[str, int] = {}  # sampler -> learner version of its last one
         # digest -> whether a copy arrived: groups between begin and finish (awaiting their verdict)
         self._awaiting: dict[str, bool] = {}
+        # (sampler, batch, slot) of every group accepted or passed over, and of those awaiting a verdict
+        self._slots: set[tuple[str, int, int]] = set()
+        self._slots_awaiting: set[tuple[str, int, int]] = set()
+        # prompts, seeds and slots as the learner assigns them (verl_ext.trust.assignment); off only
+        # in research benches that offer one pool of groups under many sampler ids
+        self.check_assignment = True
         self.verifier = verifier if self.checking else None
 
     # ---------------------------------------------------------------- enrolment
@@ -230,6 +237,20 @@ class TrustGate:
                         sampler_id=sampler,
                         group_uid=uid,
                     )
+                if self.config.checkable_sampling and self.check_assignment:
+                    self._check_assigned_seed(group)
+            slot = self._slot(group) if self.check_assignment else None
+            if slot is not None and (slot in self._slots or slot in self._slots_awaiting):
+                # one draw per assigned prompt: a second is another draw of the same prompt (no
+                # blame: sending only the draw it likes is withholding, which no check can see)
+                self.ledger.refused("slot_reused")
+                raise RecordRejected(
+                    "batch_slot",
+                    "slot_reused",
+                    f"slot {group.batch_slot} of batch {group.batch_index} was sent before",
+                    sampler_id=sampler,
+                    group_uid=uid,
+                )
             digest = content_digest(group)
             rescore = self.rescoring and self.ledger.should_check(
                 sampler, f"{uid}\x00{digest}", self._fraction(sampler)
@@ -253,11 +274,47 @@ class TrustGate:
                 raise self._replayed(group)
             if not replayed:
                 self._awaiting[digest] = False
+            if slot is not None:
+                self._slots_awaiting.add(slot)
             self._arrivals += 1
             arrival = self._arrivals
         return Admission(
             group, digest, rescore=rescore, lost=lost, replayed=replayed, checks=self.checking, arrival=arrival
         )
+
+    @staticmethod
+    def _slot(group: RolloutGroup) -> Optional[tuple[str, int, int]]:
+        """(sampler, batch, slot) of an assigned group; None for an unassigned one."""
+        if group.batch_index is None or group.batch_slot is None:
+            return None
+        return (str(group.sampler_id), int(group.batch_index), int(group.batch_slot))
+
+    def _check_assigned_seed(self, group: RolloutGroup) -> None:
+        """Under checkable sampling a group's seed is the learner's assignment for its slot and
+        version (:func:`~verl_ext.trust.assignment.assigned_seed`): another seed is a sampler
+        choosing its draw (``seed_not_assigned``, a failed check). A group without a slot is
+        refused without blame (``unassigned``: a sampler not following the protocol). Lock held."""
+        sampler, uid = str(group.sampler_id), group.group_uid
+        slot = self._slot(group)
+        if slot is None:
+            self.ledger.refused("unassigned")
+            raise RecordRejected(
+                "batch_index",
+                "unassigned",
+                "hetero.trust.checkable_sampling needs each group's batch_index and batch_slot (the "
+                "learner's assignment of its prompt and seed) in its signed record",
+                sampler_id=sampler,
+                group_uid=uid,
+            )
+        expected = assigned_seed(gumbel_key(self.ledger.secret), sampler, slot[1], slot[2], group.policy_version)
+        if int(group.sampling_seed) != expected:
+            failure = (
+                "seed_not_assigned",
+                f"sampling_seed={group.sampling_seed} is not the seed the learner assigned to slot {slot[2]} "
+                f"of batch {slot[1]} at v{group.policy_version}",
+            )
+            self._record_failure(group, failure)
+            raise RecordRejected("sampling_seed", *failure, sampler_id=sampler, group_uid=uid)
 
     @staticmethod
     def _replayed(group: RolloutGroup) -> RecordRejected:
@@ -304,6 +361,10 @@ class TrustGate:
             raise RecordRejected("record", *failure, sampler_id=str(group.sampler_id), group_uid=group.group_uid)
         finally:
             self._settle_copies(admission, credited)
+            slot = self._slot(group) if self.check_assignment else None
+            if slot is not None:
+                with self._lock:
+                    self._slots_awaiting.discard(slot)
 
     def _account(self, group: RolloutGroup, result: CheckResult) -> None:
         """Book the checks' cost and token counts; refuse a group whose sampler was quarantined (or
@@ -453,9 +514,16 @@ class TrustGate:
             digest = content_digest(group)
             # already known: a copy came while it awaited its verdict, and its credit was withdrawn
             self._contents[digest] = "" if digest in self._contents else (str(group.sampler_id) if vouched else "")
+            self._commit_slot(group)
             if not vouched:
                 self._arrivals += 1
                 self.ledger.accepted(str(group.sampler_id), group.group_uid, arrival=self._arrivals)
+
+    def _commit_slot(self, group: RolloutGroup) -> None:
+        """The group's slot is taken for good (it entered the buffer, or was passed over). Lock held."""
+        slot = self._slot(group) if self.check_assignment else None
+        if slot is not None:
+            self._slots.add(slot)
 
     def malformed(self, refusal: RecordRejected) -> None:
         """A signed record that does not decode, fails validation or makes a check raise: a failed
@@ -478,6 +546,7 @@ class TrustGate:
         with self._lock:
             self._contents.setdefault(content_digest(group), "")
             self.passed_over_counts[str(group.sampler_id)] += 1
+            self._commit_slot(group)
 
     def trained(self, groups: list[RolloutGroup], divergence: list[float]) -> None:
         """After a step: each consumed group's measured divergence (the per-sampler bound)."""
@@ -520,6 +589,7 @@ class TrustGate:
                 "passed_over": dict(self.passed_over_counts),
                 "cusum": self.cusum.state_dict(),
                 "arrivals": self._arrivals,
+                "slots": sorted(self._slots),
             }
 
     def load_state_dict(self, state: dict) -> None:
@@ -531,3 +601,4 @@ class TrustGate:
             self.passed_over_counts = Counter(state.get("passed_over", {}))
             self.cusum.load_state_dict(state.get("cusum", {}))
             self._arrivals = int(state.get("arrivals", 0))
+            self._slots = {(str(s), int(b), int(k)) for s, b, k in state.get("slots", [])}

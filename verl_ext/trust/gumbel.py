@@ -10,8 +10,8 @@ its noised score is within ``tie_margin`` of the best (a near tie: the two sides
 differ) and fails otherwise (a mismatch); a precision's margin (:data:`TIE_MARGINS`, or a
 calibration's) is twice the largest honest |Δ log q| of a token. :func:`sample` and
 :func:`check_tokens` are the two halves; the gate runs :func:`check_scores` on the logits of its
-re-score (``hetero.trust.checkable_sampling``; seed :func:`group_seed`, in the signed record).
-Not constrained: the choice of the seed. Evidence and limits: docs/reliability.md, "Checkable sampling".
+re-score (``hetero.trust.checkable_sampling``; the seed in the signed record).
+The seed is the learner's assignment (:mod:`.assignment`). Evidence and limits: docs/reliability.md.
 """
 
 from __future__ import annotations

@@ -189,7 +189,9 @@ def _check_error(err: Exception) -> tuple[str, str]:
 
 
 class RewardTask(Protocol):
-    """What the rewards check needs of a task: the answer it holds for a prompt, and its reward."""
+    """What the rewards check needs of a task: the answer it holds for a prompt, and its reward.
+    A task that also has ``assigned_prompt(sampler_id, batch, slot) -> item | None`` (the learner's
+    copy of each sampler's batches) holds every group to the prompt of its slot instead."""
 
     def answer_for(self, prompt: str) -> Optional[str]: ...
 
@@ -238,6 +240,7 @@ class GroupVerifier:
         self.keep_versions = int(keep_versions)
         self.bounds, self.check_rewards = bounds, bool(check_rewards)
         self.checkable_sampling = bool(checkable_sampling)
+        self.check_assignment = True  # a task's assigned prompts (off only in research benches: see TrustGate)
         self.token_counts: Counter[str] = Counter()  # tokens checked / near ties / mismatches, all groups
         estimator = algorithm_config.get("adv_estimator", "grpo")
         estimator = getattr(estimator, "value", estimator)
@@ -313,11 +316,32 @@ class GroupVerifier:
             text = text[len(bos) :]
         return text if self.tokenizer(text)["input_ids"] == ids else None
 
+    def _answer(self, group: RolloutGroup, prompt: Optional[str]) -> tuple[Optional[str], Optional[tuple[str, str]]]:
+        """(the answer the group's rewards are scored against, or the failure that there is none):
+        the assigned prompt's, when the task assigns them; else the answer of any training prompt."""
+        assigned = getattr(self.task, "assigned_prompt", None) if self.check_assignment else None
+        if assigned is None:
+            answer = None if prompt is None else self.task.answer_for(prompt)
+            if answer is None:
+                return None, ("unknown_prompt", f"prompt {prompt!r} is not one of the task's training prompts")
+            return answer, None
+        if group.batch_index is None or group.batch_slot is None:
+            return None, ("unassigned", "the record names no batch_index and batch_slot: its prompt was not assigned")
+        item = assigned(str(group.sampler_id), int(group.batch_index), int(group.batch_slot))
+        if item is None or prompt != item["prompt"]:
+            wanted = "no prompt" if item is None else repr(item["prompt"])[:200]
+            return None, (
+                "prompt_not_assigned",
+                f"prompt {str(prompt)[:200]!r} is not what slot {group.batch_slot} of batch {group.batch_index} "
+                f"of {group.sampler_id} was assigned ({wanted})",
+            )
+        return item["answer"], None
+
     def check_group_rewards(self, group: RolloutGroup) -> Optional[tuple[str, str]]:
         prompt = self._prompt_text(group)
-        answer = None if prompt is None else self.task.answer_for(prompt)
-        if answer is None:
-            return "unknown_prompt", f"prompt {prompt!r} is not one of the task's training prompts"
+        answer, failure = self._answer(group, prompt)
+        if failure is not None:
+            return failure
         # host work (decoding, the group's advantages): on the CPU whatever torch's default device
         mask = torch.as_tensor(group.response_mask, device="cpu").long()
         responses = torch.where(

@@ -36,11 +36,13 @@ from verl_ext.hetero.protocol import (
     LearnerStatus,
     TransportSpec,
     clear_topic,
+    publish_gumbel_key,
     publish_status,
     request_stop,
 )
 from verl_ext.hetero.records import RolloutGroup
 from verl_ext.hetero.seeding import LEARNER_STREAM
+from verl_ext.trust.assignment import gumbel_key
 from verl_ext.trust.gate import TrustGate
 from verl_ext.trust.verifier import GroupVerifier
 
@@ -110,6 +112,7 @@ class TransportSource:
         self._stop = threading.Event()
         self._poller = threading.Thread(target=self._poll_loop, daemon=True)
         self.poll_cpu_s = 0.0  # the poll thread's CPU seconds so far (its own clock, read by itself)
+        self._gumbel_key_published = False
 
     def start(self, checkpoint: Optional[dict], learner_version: int) -> None:
         if checkpoint is None:
@@ -197,6 +200,10 @@ class TransportSource:
         return Batch(groups, wait_s=time.perf_counter() - t0, metrics=metrics)
 
     def publish(self, weights, version: int) -> None:
+        if not self._gumbel_key_published and self.hetero.trust.checkable_sampling:
+            # before the first version (samplers wait for both); from the restored secret on a resume
+            publish_gumbel_key(self.transport, gumbel_key(self.gate.ledger.secret))
+            self._gumbel_key_published = True
         (self.checks or self.gate).remember(version, self.weights.publish(version, weights))
         if self.hetero.max_queued_groups > 0:
             publish_status(

@@ -17,6 +17,7 @@ import torch
 
 from .policy import sample_groups
 from verl_ext.algos.advantages import sequence_advantages
+from verl_ext.trust.assignment import assigned_seed
 from verl_ext.trust.gumbel import group_seed
 from verl_ext.trust.bounds import precision_of
 from verl_ext.hetero.records import RolloutGroup
@@ -49,6 +50,8 @@ def generate_groups(
     seed: int,
     uid_prefix: str,
     checkable: bool = False,
+    batch_index: int | None = None,
+    gumbel_key: bytes | None = None,
 ) -> list[RolloutGroup]:
     """Generate one rollout group per prompt item with the model's current weights.
 
@@ -58,10 +61,22 @@ def generate_groups(
         seed: sampling seed (same seed, same weights -> same tokens).
         uid_prefix: group uids are ``f"{uid_prefix}-{i}"``; must be unique across the run.
         checkable: ``hetero.trust.checkable_sampling``: each group drawn by seeded Gumbel-max, its
-            seed (:func:`~verl_ext.trust.gumbel.group_seed` of ``seed`` and i) in its record.
+            seed in its record: the learner's assignment with ``gumbel_key`` (slot i of batch
+            ``batch_index``, :func:`~verl_ext.trust.assignment.assigned_seed`), else
+            :func:`~verl_ext.trust.gumbel.group_seed` of ``seed`` and i.
+        batch_index: the claimed batch ``items`` are (group i: its slot i, in the record); None: unassigned.
     """
     g = settings.group_size
-    group_seeds = [group_seed(seed, i) for i in range(len(items))] if checkable else None
+    if gumbel_key is not None and batch_index is None:
+        raise ValueError("generate_groups: assigned seeds (gumbel_key) need the batch_index they are assigned in")
+    group_seeds = None
+    if checkable:
+        group_seeds = [
+            group_seed(seed, i)
+            if gumbel_key is None
+            else assigned_seed(gumbel_key, sampler_id, batch_index, i, policy_version)
+            for i in range(len(items))
+        ]
     batch = sample_groups(
         model,
         tokenizer,
@@ -101,6 +116,8 @@ def generate_groups(
                 extra={"answer": str(item.get("answer", "")), "texts": batch.texts[rows]},
                 sampler_precision=precision,
                 sampling_seed=None if group_seeds is None else group_seeds[i],
+                batch_index=batch_index,
+                batch_slot=None if batch_index is None else i,
             )
         )
     return groups

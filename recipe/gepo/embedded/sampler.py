@@ -23,6 +23,7 @@ from verl_ext.hetero.protocol import WEIGHTS_DELTA_TOPIC, WEIGHTS_TOPIC, Transpo
 from verl_ext.hetero.records import RolloutGroup
 from verl_ext.hetero.sampler_loop import SamplerLoop
 from verl_ext.hetero.seeding import sampler_sampling_seed, sampler_stream
+from verl_ext.trust.assignment import prompt_stream
 
 
 class SamplerWorker(SamplerLoop):
@@ -75,15 +76,18 @@ class SamplerWorker(SamplerLoop):
             keep_weight_versions=self.hetero.keep_weight_versions,
             speed_factor=speed_factor,
             key=key if engine.hetero.trust.sign_records else None,
+            checkable=engine.hetero.trust.checkable_sampling,
         )
 
     def load_weights(self, version: int, state: dict) -> None:
         self.model.load_state_dict(state)
 
     def generate_batch(self, batch_index: int) -> list[RolloutGroup]:
-        """Batch b's prompts (:meth:`Task.train_items`, a pure function of seed, sampler and b),
-        announced first under ``stale_policy=wait``, generated and scored."""
-        items = self.task.train_items(self.settings.prompts_per_step, stream=self.index + 1, index=batch_index)
+        """Batch b's prompts (:meth:`Task.train_items`, a pure function of seed, sampler and b: the
+        learner's assignment), announced first under ``stale_policy=wait``, generated and scored."""
+        items = self.task.train_items(
+            self.settings.prompts_per_step, stream=prompt_stream(self.sampler_id), index=batch_index
+        )
         uid_prefix = f"{self.uid_namespace}-b{batch_index}"
         if self.hetero.stale_policy == "wait":  # the learner waits for these before they go stale
             for i in range(len(items)):
@@ -100,6 +104,8 @@ class SamplerWorker(SamplerLoop):
             seed=sampler_sampling_seed(self.hetero.seed, batch_index, self.index),
             uid_prefix=uid_prefix,
             checkable=self.hetero.trust.checkable_sampling,
+            batch_index=batch_index,
+            gumbel_key=self.gumbel_key,
         )
 
     def run(self, start_batch: int = 0, max_batches: Optional[int] = None, enrolled: Any = None) -> dict[str, float]:

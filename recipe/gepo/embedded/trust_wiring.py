@@ -4,11 +4,45 @@ the sampler's device and precision, since a re-score recomputes a sampler's q)."
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Any, Optional
 
 from .model_placement import Placement
 from .tasks import Task
 from verl_ext.trust import build_gate, build_verifier
+from verl_ext.trust.assignment import prompt_stream
+
+
+class AssignedTask:
+    """The run's task as the rewards check reads it: a group's answer is that of the prompt its
+    sampler was assigned for the slot it names (batch b of ``sampler-i`` is what
+    :meth:`Task.train_items` gives stream i + 1), so no sampler picks which prompts it sends."""
+
+    CACHED_BATCHES = 256
+    """Batches whose prompts are kept (a sampler's groups of one batch arrive together)."""
+
+    def __init__(self, task: Task, per_batch: int):
+        self.task, self.per_batch = task, int(per_batch)
+        self._batches: OrderedDict[tuple[int, int], list[dict]] = OrderedDict()
+
+    def assigned_prompt(self, sampler_id: str, batch: int, slot: int) -> Optional[dict]:
+        """The item (``prompt``, ``answer``) of slot ``slot`` of ``sampler_id``'s batch ``batch``, or
+        None past a batch's prompts."""
+        if not 0 <= slot < self.per_batch:
+            return None
+        key = (prompt_stream(sampler_id), int(batch))
+        items = self._batches.get(key)
+        if items is None:
+            items = self._batches[key] = self.task.train_items(self.per_batch, stream=key[0], index=key[1])
+            while len(self._batches) > self.CACHED_BATCHES:
+                self._batches.popitem(last=False)
+        return items[slot]
+
+    def answer_for(self, prompt: str) -> Optional[str]:
+        return self.task.answer_for(prompt)
+
+    def score(self, response: str, item: dict) -> float:
+        return self.task.score(response, item)
 
 
 def embedded_verifier(engine: Any, model_path: Optional[str], task: Optional[Task], keep_versions: int, **kwargs):
@@ -23,7 +57,7 @@ def embedded_verifier(engine: Any, model_path: Optional[str], task: Optional[Tas
     return build_verifier(
         hetero.trust,
         tokenizer,
-        task,
+        AssignedTask(task, engine.settings.prompts_per_step),
         engine.settings.temperature,
         engine.algorithm,
         keep_versions=keep_versions,

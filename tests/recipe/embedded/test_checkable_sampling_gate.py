@@ -15,7 +15,6 @@ import pytest
 import torch
 
 from recipe.gepo.embedded.policy import load_policy
-from recipe.gepo.embedded.rollout_groups import RolloutSettings, generate_groups
 from verl_ext.trust.verifier import group_log_probs
 from verl_ext.trust.signing import Enrolment, SamplerKey
 from verl_ext.hetero.records import RecordRejected, RolloutGroup
@@ -26,23 +25,7 @@ ON = "hetero.trust.checkable_sampling=true"
 
 
 def _groups(lab, sampler, model=None, temperature=None, n=2, checkable=True):
-    s = lab.engine.settings
-    items = lab.task.train_items(n, stream=7, index=lab.batches)
-    lab.batches += 1
-    settings = RolloutSettings(s.group_size, s.temperature if temperature is None else temperature, s.max_new_tokens)
-    return generate_groups(
-        model or lab.model,
-        lab.tokenizer,
-        items,
-        lab.task.score,
-        settings,
-        lab.engine.algorithm,
-        policy_version=0,
-        sampler_id=sampler,
-        seed=100 + lab.batches,
-        uid_prefix=f"{sampler}-b{lab.batches}",
-        checkable=checkable,
-    )
+    return lab.groups(sampler, n=n, model=model, temperature=temperature, checkable=checkable, seed_base=100)
 
 
 @pytest.fixture(scope="module")
@@ -151,7 +134,8 @@ def test_the_token_check_costs_milliseconds_a_group(lab):
 @pytest.mark.slow
 def test_an_async_run_with_checkable_sampling_refuses_no_honest_group(tiny_model_path, tmp_path):
     """Async mode with the option on (2 samplers, 3 steps, ~40 s): the samplers draw by seeded
-    Gumbel-max, the learner checks the tokens of every group on probation, and none fails."""
+    Gumbel-max with the seeds the learner assigns, the learner checks the tokens of every group on
+    probation, and none fails."""
     from recipe.gepo.main_gepo import run
 
     from .helpers import TINY, compose_cfg, read_metrics, train_lines
@@ -178,3 +162,5 @@ def test_an_async_run_with_checkable_sampling_refuses_no_honest_group(tiny_model
     assert last["trust/checked"] >= 4 and last["trust/failed"] == 0 and last["trust/quarantined"] == 0
     assert last["trust/tokens_checked"] > 0 and last.get("trust/token_mismatches", 0) == 0
     assert last.get("trust/refused/unseeded", 0) == 0
+    # every group drawn with the seed the learner assigned its slot (published as control/gumbel-key)
+    assert last.get("trust/refused/unassigned", 0) == 0 and last.get("trust/refused/slot_reused", 0) == 0

@@ -18,6 +18,7 @@ from recipe.gepo.embedded.rollout_groups import RolloutSettings, generate_groups
 from verl_ext.algos.advantages import sequence_advantages
 from recipe.gepo.embedded.tasks import Task
 from recipe.gepo.embedded.trust_wiring import embedded_gate
+from verl_ext.trust.assignment import gumbel_key, prompt_stream
 from verl_ext.trust.verifier import group_log_probs
 from verl_ext.hetero.exchange import RolloutInbox, send_group
 from verl_ext.trust.gate import TrustGate, content_digest
@@ -67,22 +68,47 @@ class Lab:
         self.buffer.set_learner_version(1)
         self.batches = 0
 
-    def groups(self, sampler: str, n: int = 2, model=None):
+    def groups(self, sampler: str, n: int = 2, model=None, temperature=None, checkable=None, seed_base=0):
+        """``n`` groups of ``sampler`` for the prompts the learner assigns it: its next batches'
+        slots, a batch's prompts at a time (the run's prompts_per_step), with assigned Gumbel seeds
+        under checkable sampling (``checkable``: the run's setting when None)."""
         s = self.engine.settings
-        items = self.task.train_items(n, stream=7, index=self.batches)
-        self.batches += 1
-        return generate_groups(
-            model or self.model,
-            self.tokenizer,
-            items,
-            self.task.score,
-            RolloutSettings(s.group_size, s.temperature, s.max_new_tokens),
-            self.engine.algorithm,
-            policy_version=0,
-            sampler_id=sampler,
-            seed=self.batches,
-            uid_prefix=f"{sampler}-b{self.batches}",
+        settings = RolloutSettings(
+            s.group_size, s.temperature if temperature is None else temperature, s.max_new_tokens
         )
+        checkable = self.engine.hetero.trust.checkable_sampling if checkable is None else checkable
+        per_batch = s.prompts_per_step
+        groups = []
+        while len(groups) < n:
+            batch = self.batches
+            self.batches += 1
+            items = self.task.train_items(per_batch, stream=prompt_stream(sampler), index=batch)
+            groups += generate_groups(
+                model or self.model,
+                self.tokenizer,
+                items[: n - len(groups)],
+                self.task.score,
+                settings,
+                self.engine.algorithm,
+                policy_version=0,
+                sampler_id=sampler,
+                seed=seed_base + self.batches,
+                uid_prefix=f"{sampler}-b{batch}",
+                checkable=checkable,
+                batch_index=batch,
+                gumbel_key=gumbel_key(self.gate.ledger.secret) if checkable else None,
+            )
+        return groups
+
+    def batch_assigned(self, sampler: str, group) -> int:
+        """A batch of ``sampler`` whose slot 0 is assigned ``group``'s prompt (the toy's 100 prompts
+        recur): where a copier can pass off a copy of that group as its own draw."""
+        prompt = self.tokenizer.decode(group.prompt_ids, skip_special_tokens=True)
+        per_batch = self.engine.settings.prompts_per_step
+        for batch in range(10_000):
+            if self.task.train_items(per_batch, stream=prompt_stream(sampler), index=batch)[0]["prompt"] == prompt:
+                return batch
+        raise AssertionError(f"no batch of {sampler} is assigned {prompt!r}")
 
     def offer(self, group) -> str | None:
         """What the inbox does with a decoded group: the gate, then the buffer. The refusal's reason, or None."""
@@ -140,6 +166,12 @@ def _lies(lab):
         g.prompt_ids = g.prompt_ids.copy()
         g.prompt_ids[-1] = g.prompt_ids[-2]  # "3+4=" -> "3+44": not a prompt of the task
 
+    def another_slot(g):
+        # a training prompt, but the one of another slot: a sampler picking which prompts it sends
+        other = lab.task.train_items(2, stream=prompt_stream(g.sampler_id), index=g.batch_index + 1000)[1]
+        g.prompt_ids = np.asarray(lab.tokenizer(other["prompt"])["input_ids"], np.int64)
+        g.prompt_mask = np.ones_like(g.prompt_ids, dtype=np.int8)
+
     return [
         ("q scaled", "bad_logprobs", scaled),
         ("q shuffled", "bad_logprobs", shuffled),
@@ -148,7 +180,8 @@ def _lies(lab):
         ("rewards flipped", "bad_rewards", flipped),
         ("rewards inflated", "bad_rewards", inflated),
         ("advantages", "bad_advantages", advantages),
-        ("unknown prompt", "unknown_prompt", unknown_prompt),
+        ("unknown prompt", "prompt_not_assigned", unknown_prompt),
+        ("another slot's prompt", "prompt_not_assigned", another_slot),
     ]
 
 
@@ -163,10 +196,13 @@ def test_every_lie_is_refused_and_quarantines_its_sampler(tiny_model_path, tmp_p
         edit(first)
         assert lab.offer(first) == reason, name
         assert lab.offer(second) == "quarantined", name  # honest content, but from a quarantined sampler
-    # a replay: an honest sampler's accepted group sent again under a new uid by another sampler
+    # a replay: an honest sampler's accepted group sent again under a new uid by another sampler,
+    # in a slot of its own assigned that very prompt (else it fails as prompt_not_assigned)
     replay = lab.groups("sampler-0", n=1)[0]
     assert lab.offer(replay) is None
-    replay.group_uid, replay.sampler_id = "sampler-30-b0-0", "sampler-30"
+    batch = lab.batch_assigned("sampler-30", replay)
+    replay.group_uid, replay.sampler_id = f"sampler-30-b{batch}-0", "sampler-30"
+    replay.batch_index, replay.batch_slot = batch, 0
     assert lab.offer(replay) == "replayed"
     # ... refused without blame: an honest coincidence (same responses at the same version) looks
     # the same, so the sender is not quarantined and its next, fresh group passes
@@ -181,7 +217,7 @@ def test_every_lie_is_refused_and_quarantines_its_sampler(tiny_model_path, tmp_p
     assert metrics["trust/sampler-0/score"] >= 1.0 - lab.gate.ledger.recovery
     assert metrics["trust/failed/bad_logprobs"] == 4 and metrics["trust/failed/bad_rewards"] == 2
     events = lab.gate.drain_events()
-    assert sorted(e["sampler_id"] for e in events) == sorted(f"sampler-{10 + i}" for i in range(8))
+    assert sorted(e["sampler_id"] for e in events) == sorted(f"sampler-{10 + i}" for i in range(len(_lies(lab))))
     rejected = lab.buffer.metrics()
     assert rejected["hetero/rejected/quarantined"] == len(_lies(lab))
 
@@ -528,20 +564,20 @@ def test_a_quota_full_of_withheld_groups_is_vouched_for_by_a_drawn_arrival(tiny_
     )
     transport = FsspecTransport(f"memory://trust-gate-withheld-{uuid.uuid4().hex}")
     inbox = RolloutInbox(transport, lab.buffer, gate=lab.gate)
-    sampler, full_at, checks_over_quota = "sampler-8", None, 0
+    sampler, full_at, released, checks_over_quota = "sampler-8", None, False, 0
     for i, group in enumerate(lab.groups(sampler, n=30)):
         checked = lab.gate.metrics()["trust/checked"]
         send_group(transport, group)
         inbox.poll()
         if full_at is None and lab.buffer.withheld_by(sampler) == 2:
             full_at = i
-        elif full_at is not None:
+        elif full_at is not None and not released:
             checks_over_quota += lab.gate.metrics()["trust/checked"] - checked
-            if lab.buffer.withheld_by(sampler) == 0:
-                break
+            released = lab.buffer.withheld_by(sampler) == 0
     assert full_at is not None, "no two unchecked groups in a row under the lab's secret"
-    assert lab.buffer.withheld_by(sampler) == 0 and lab.gate.metrics()["trust/vouched"] >= 2
-    assert checks_over_quota == 1  # one check per learner version at most; the others passed over
+    assert released and lab.gate.metrics()["trust/vouched"] >= 2
+    assert checks_over_quota == 1  # one check per learner version at most
+    # a quota full of takeable groups: every later arrival passed over, unchecked
     assert lab.gate.metrics()["trust/sampler-8/passed_over"] >= 1
 
 
@@ -556,6 +592,7 @@ def test_while_the_learner_waits_on_withheld_groups_their_sampler_is_drawn_more_
     groups = lab.groups(sampler, n=16)
     first = next(g for g in groups if not lab.gate.begin(g).rescore)  # withheld: not drawn at the fraction
     lab.gate._awaiting.clear()  # (begin() above was a probe; nothing of it stays)
+    lab.gate._slots_awaiting.clear()
     assert lab.offer(first) is None and lab.buffer.withheld_by(sampler) == 1
     taker = threading.Thread(target=lambda: lab.buffer.take(1, learner_version=1, timeout_s=60))
     taker.start()
@@ -572,6 +609,7 @@ def test_while_the_learner_waits_on_withheld_groups_their_sampler_is_drawn_more_
             admission = lab.gate.begin(g)
             draws.append((admission.rescore, at_fraction, at_waiting))
             lab.gate._awaiting.clear()
+            lab.gate._slots_awaiting.clear()
         assert all(rescore == at_waiting for rescore, _, at_waiting in draws)
         assert any(at_waiting and not at_fraction for _, at_fraction, at_waiting in draws)
     finally:

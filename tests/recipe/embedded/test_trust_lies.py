@@ -47,14 +47,19 @@ def test_truncation_leaves_only_the_top_tokens_and_goes_with_its_block(lab):
     assert torch.equal(lab.model(input_ids=ids).logits, full)  # the hook is gone after the block
 
 
-def test_a_near_copy_of_an_accepted_group_is_refused_as_a_replay(lab):
+def test_a_near_copy_of_an_accepted_group_is_refused_and_its_sender_blamed(lab):
     original = _groups(lab, "honest-nc", n=1)[0]
     assert lab.offer(original) is None
     copy = lies.near_copy(original, "copier-g0", "copier")
     assert not np.array_equal(copy.response_ids, original.response_ids) or original.response_ids.shape[0] == 1
     assert abs(float(np.abs(copy.sampler_logprobs - np.roll(original.sampler_logprobs, 1, 0)).max()) - 1e-5) < 1e-6
-    assert lab.offer(copy) == "replayed"
-    assert lab.gate.ledger.refusal("copier") is None  # refused group by group, without blame
+    # the copy names the original's slot and seed: not the copier's assignment
+    assert lab.offer(copy) == "seed_not_assigned"
+    assert lab.gate.ledger.refusal("copier") == "quarantined"
+    # in a slot of the copier's own that is assigned the same prompt, the seed still is not its own
+    copy = lies.near_copy(original, "copier2-g0", "copier2")
+    copy.batch_index, copy.batch_slot = lab.batch_assigned("copier2", original), 0
+    assert lab.offer(copy) == "seed_not_assigned"
 
 
 @pytest.mark.parametrize(

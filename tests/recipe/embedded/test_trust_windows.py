@@ -142,6 +142,8 @@ def test_a_copy_that_arrives_first_is_kept_and_earns_its_copier_nothing(tiny_mod
     lab = Lab(tiny_model_path, tmp_path, "hetero.trust.verify_fraction=1")
     original = lab.groups("sampler-0", n=1)[0]
     front_run = _copy(original, "sampler-9", "sampler-9-first")
+    # in a slot of sampler-9's that is assigned the same prompt (else it fails as prompt_not_assigned)
+    front_run.batch_index, front_run.batch_slot = lab.batch_assigned("sampler-9", original), 0
     front_run.response_ids, front_run.response_mask = (
         front_run.response_ids[::-1].copy(),
         front_run.response_mask[::-1].copy(),

@@ -63,11 +63,15 @@ def _learner(tiny_cfg, tmp_path, policy: str, *overrides: str) -> LearnerWorker:
 
 def _groups(worker: LearnerWorker, prefix: str, version: int, n: int, draw: int = 0) -> list[RolloutGroup]:
     """Real groups of the learner's model as it is now, stamped ``version``: call it while the model
-    is at that version (a group whose q comes from other weights is a lie the trust gate may check)."""
+    is at that version (a group whose q comes from other weights is a lie the trust gate may check).
+    Their prompts are the ones the learner assigns sampler-7's batch ``version + 100 * draw``."""
     from recipe.gepo.embedded.rollout_groups import RolloutSettings, generate_groups
+    from verl_ext.trust.assignment import prompt_stream
 
     s = worker.engine.settings
-    items = worker.task.train_items(n, stream=9, index=version + 100 * draw)
+    assert n <= s.prompts_per_step
+    batch = version + 100 * draw
+    items = worker.task.train_items(s.prompts_per_step, stream=prompt_stream("sampler-7"), index=batch)[:n]
     return generate_groups(
         worker.model,
         worker.tokenizer,
@@ -77,8 +81,9 @@ def _groups(worker: LearnerWorker, prefix: str, version: int, n: int, draw: int 
         worker.engine.algorithm,
         policy_version=version,
         sampler_id="sampler-7",
-        seed=version + 100 * draw,
+        seed=batch,
         uid_prefix=prefix,
+        batch_index=batch,
     )
 
 

@@ -17,8 +17,11 @@ KNOWN_GAPS: set[str] = set()
 
 GATE_VERDICTS = {
     f"rejected:{reason}"
-    for reason in ("bad_logprobs", "bad_rewards", "bad_advantages", "token_mismatch", "quarantined", "replayed")
-}
+    for reason in (
+        "bad_logprobs", "bad_rewards", "bad_advantages", "token_mismatch", "quarantined", "replayed",
+        "prompt_not_assigned", "seed_not_assigned", "token_id",
+    )
+}  # fmt: skip
 """A liar's group with one of these fates reached the trust gate (a failed check quarantines at once)."""
 
 
@@ -68,8 +71,8 @@ def test_one_minute_soak_loses_nothing(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_soak_with_liars_trains_on_no_poisoned_group_and_rejects_no_honest_one(tmp_path):
-    """``--liars``: every insider lie that reached the gate quarantined (copies refused one by one; at
-    least half the liars judged), nothing poisoned reaches a step, no honest group refused -- the
+    """``--liars``: every insider lie that reached the gate quarantined (at least half the liars
+    judged, patient ones included), nothing poisoned reaches a step, no honest group refused -- the
     honest bf16 sampler's included, whose groups are trained on."""
     proc = subprocess.run(
         [
@@ -111,10 +114,8 @@ def test_soak_with_liars_trains_on_no_poisoned_group_and_rejects_no_honest_one(t
         if not set(fates) & GATE_VERDICTS:
             continue  # none of its groups reached the gate's checks yet (a slow learner): not judged
         judged += 1
-        if kind in ("replay", "near_copy"):  # refused group by group, without blame (a coincidence looks the same)
-            assert row.group(1) == "-" and fates.get("rejected:replayed", 0) > 0, out[-3000:]
-        else:
-            assert row.group(1) != "-", f"{kind} was not quarantined:\n{out[-3000:]}"
+        # copies too: a copy names another sampler's slot, so its prompt or seed is not the copier's assignment
+        assert row.group(1) != "-", f"{kind} was not quarantined:\n{out[-3000:]}"
     assert judged >= len(INSIDER_LIES) // 2, f"only {judged} liars judged:\n{out[-3000:]}"
     bf16 = re.search(r"^honest bf16 sampler's groups: (\d+) (\{.*\})$", out, re.M)
     assert bf16 is not None and int(bf16.group(1)) > 0 and "consumed" in bf16.group(2), out[-3000:]
