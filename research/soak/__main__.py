@@ -8,8 +8,8 @@ for a bounded time while a thread injects faults at random, then account for eve
 
 Every group a sampler committed must be consumed, dropped or rejected with a reason, buffered, or
 still in the transport, and consumed at most once (the ``hetero/consumed`` metrics). Exit status 1
-if any group was lost or consumed twice, an honest group was rejected, a poisoned group was trained
-on, or the run failed; 2 for what it refuses before touching anything (``--wan`` without the
+if any group was lost or consumed twice, an honest group was rejected, poisoned groups were trained
+on beyond their lie's bound, or the run failed; 2 for what it refuses before touching anything (``--wan`` without the
 network privileges, an unbounded link cut, no checkpoints); 0 otherwise. The fault kinds, the
 liars, the network faults and the runs' results: docs/reliability.md. The harness, by concern, is
 this package (``research/soak/``)."""

@@ -130,10 +130,34 @@ def honest_rejected(ledger: dict[str, str]) -> list[str]:
     return sorted(uid for uid, status in ledger.items() if SAMPLER_UID.match(uid) and status in bad)
 
 
-def liar_figures(ledger: dict[str, str], crew: dict[str, Any], run_dir: Path) -> dict[str, Any]:
-    """``--liars``: the lying groups that reached an optimizer step (by lie), how each lie's groups
-    ended, the seconds from each liar's first group to its quarantine (events.jsonl), and how the
-    honest bf16 sampler's groups ended (by status; its refusals count in :func:`honest_rejected`)."""
+TOKEN_LIE_CATCH = {"other_weights": 19 / 45, "truncated": 19 / 71}
+"""Of a token liar's checked lies, the share the token check refuses (p < 1: a redraw can differ from
+the seed's draw only at near ties): docs/reliability.md's detection table (fp32, 2026-11-29). Every
+other lie of the crew fails each of its checks (p = 1)."""
+BOUND_CONFIDENCE = 0.01
+"""A lie's poisoned groups are within the bound when more would happen with probability under this."""
+
+
+def poison_bound(kind: str, verify_fraction: float) -> int:
+    """The most groups of lie ``kind`` (a patient one's too) a learner with ``hold_unchecked`` may
+    train on within docs/reliability.md's bound: 0 where each checked lie fails; for a token lie the
+    least k with (1 - f p)^k <= BOUND_CONFIDENCE (the unchecked lies a later lie's passed check may
+    vouch for), f = ``verify_fraction``, p its catch rate."""
+    from .liars import lie_of
+
+    p = TOKEN_LIE_CATCH.get(lie_of(kind))
+    if p is None or verify_fraction <= 0:
+        return 0
+    return math.ceil(math.log(BOUND_CONFIDENCE) / math.log(1.0 - verify_fraction * p))
+
+
+def liar_figures(
+    ledger: dict[str, str], crew: dict[str, Any], run_dir: Path, verify_fraction: float = 0.1
+) -> dict[str, Any]:
+    """``--liars``: the lying groups that reached an optimizer step (by lie, and those beyond the
+    bound, :func:`poison_bound`), how each lie's groups ended, the seconds from each liar's first
+    group to its quarantine (events.jsonl), and how the honest bf16 sampler's groups ended (by
+    status; its refusals count in :func:`honest_rejected`)."""
     lied: dict[str, str] = crew.get("lied", {})
     poisoned = Counter(kind for uid, kind in lied.items() if ledger.get(uid) == "consumed")
     outcomes: dict[str, Counter] = {}
@@ -157,6 +181,8 @@ def liar_figures(ledger: dict[str, str], crew: dict[str, Any], run_dir: Path) ->
     return {
         "poisoned_trained": sum(poisoned.values()),
         "poisoned_by_lie": dict(poisoned),
+        "poisoned_beyond_bound": {kind: n for kind, n in poisoned.items() if n > poison_bound(kind, verify_fraction)},
+        "bounds": {kind: poison_bound(kind, verify_fraction) for kind in poisoned},
         "sent": len(lied),
         "outcomes": {k: dict(v) for k, v in sorted(outcomes.items())},
         "seconds_to_quarantine": to_quarantine,

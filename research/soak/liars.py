@@ -9,7 +9,7 @@ honest tokens back is no lie and is not sent. The lies themselves are :mod:`.lie
 the detection table of ``research/bench/bench_trust.py``; what became of them: docs/reliability.md.
 
 The soak counts the lying groups that reached an optimizer step (``poisoned groups trained on``,
-goal 0) from the uids the crew reports (:meth:`LiarCrew.report`). Beside the crew,
+within each lie's bound: ``checks.poison_bound``) from the uids the crew reports (:meth:`LiarCrew.report`). Beside the crew,
 :class:`HonestBf16Sampler` (``sampler-50``, uids ``s50-bf16-b<batch>-<i>``) is an honest sampler in
 bf16 among the run's fp32 ones, enrolled like the crew: its groups count as honest.
 """

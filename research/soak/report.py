@@ -31,6 +31,11 @@ class SoakResult:
         return 0 if self.liars is None else int(self.liars["poisoned_trained"])
 
     @property
+    def poisoned_beyond_bound(self) -> int:
+        """Poisoned groups of lies past their bound (0 for a lie each check catches, and malformed)."""
+        return 0 if self.liars is None else sum(self.liars["poisoned_beyond_bound"].values())
+
+    @property
     def ok(self) -> bool:
         return (
             self.lost == 0
@@ -38,7 +43,7 @@ class SoakResult:
             and not self.errors
             and self.steps_done > 0
             and self.honest_rejected == 0
-            and self.poisoned_trained == 0
+            and self.poisoned_beyond_bound == 0
         )
 
 
@@ -100,6 +105,12 @@ def _report_liars(result: SoakResult, log) -> None:
         f"poisoned groups trained on: {liars['poisoned_trained']} (of {liars['sent']} lying groups sent)"
         + (f" by lie: {liars['poisoned_by_lie']}" if liars["poisoned_trained"] else "")
     )
+    if liars["poisoned_trained"]:
+        beyond = liars["poisoned_beyond_bound"]
+        log(
+            f"  within the bound (docs/reliability.md, 'Against a patient attacker'; most allowed: {liars['bounds']}): "
+            + ("yes" if not beyond else f"NO, beyond it: {beyond}")
+        )
     bf16 = liars.get("honest_bf16", {})
     log(f"honest bf16 sampler's groups: {sum(bf16.values())} {bf16}")
     log(f"  {'lie':<18}{'seconds to quarantine':>22}  what became of its groups")

@@ -306,5 +306,7 @@ def _check(h: Harness, crew_report: Optional[dict] = None) -> SoakResult:
         errors=h.errors + uids.errors + steps.errors,
         wall_s=time.monotonic() - h.t0,
         run_dir=str(h.folder),
-        liars=None if crew_report is None else liar_figures(final.ledger, crew_report, h.run_dir),
+        liars=None
+        if crew_report is None
+        else liar_figures(final.ledger, crew_report, h.run_dir, h.cfg.hetero.trust.verify_fraction),
     )

@@ -190,3 +190,34 @@ def test_a_reward_lie_that_changes_nothing_is_not_sent():
     )
     assert crew._lie("reward_inflate", group) is False
     assert group.rewards.tolist() == [1.0, 1.0]
+
+
+def test_poisoned_groups_are_judged_against_the_bound_of_their_lie(tmp_path):
+    """A lie each check catches (q x 1.5, malformed) may get nothing trained on; a token lie, which a
+    check catches with p < 1, as many as the bound allows at 1% (docs/reliability.md): the soak
+    fails only beyond it."""
+    from research.soak.checks import TOKEN_LIE_CATCH, poison_bound
+    from research.soak.report import SoakResult
+
+    assert poison_bound("q_scaled", 0.1) == poison_bound("malformed", 0.1) == poison_bound("patient_replay", 0.1) == 0
+    k = poison_bound("patient_other_weights", 0.1)
+    assert (
+        (1 - 0.1 * TOKEN_LIE_CATCH["other_weights"]) ** k
+        <= 0.01
+        < (1 - 0.1 * TOKEN_LIE_CATCH["other_weights"]) ** (k - 1)
+    )
+    assert poison_bound("truncated", 0.5) < poison_bound("truncated", 0.1)  # checked more often: fewer get in
+    ledger = {"sampler-70-patientotherweights-liars-b0-0": "consumed", "sampler-60-qscaled-liars-b0-0": "consumed"}
+    within = liar_figures(
+        ledger, {"lied": {"sampler-70-patientotherweights-liars-b0-0": "patient_other_weights"}}, tmp_path
+    )
+    beyond = liar_figures(
+        ledger, {"lied": {k: v for k, v in [("sampler-60-qscaled-liars-b0-0", "q_scaled")]}}, tmp_path
+    )
+    assert within["poisoned_trained"] == 1 and within["poisoned_beyond_bound"] == {}
+    assert beyond["poisoned_beyond_bound"] == {"q_scaled": 1}
+
+    def result(liars):
+        return SoakResult(5, 5, [], {}, 0, 0, [], 1.0, str(tmp_path), liars=liars)
+
+    assert result(within).ok and not result(beyond).ok

@@ -72,8 +72,8 @@ def test_one_minute_soak_loses_nothing(tmp_path):
 @pytest.mark.timeout(600)
 def test_soak_with_liars_trains_on_no_poisoned_group_and_rejects_no_honest_one(tmp_path):
     """``--liars``: every insider lie that reached the gate quarantined (at least half the liars
-    judged, patient ones included), nothing poisoned reaches a step, no honest group refused -- the
-    honest bf16 sampler's included, whose groups are trained on."""
+    judged, patient ones included), nothing poisoned reaches a step beyond its lie's bound (0 for
+    all but the token lies), no honest group refused -- the honest bf16 sampler's included."""
     proc = subprocess.run(
         [
             sys.executable,
@@ -100,8 +100,12 @@ def test_soak_with_liars_trains_on_no_poisoned_group_and_rejects_no_honest_one(t
     )
     out = proc.stdout
     assert proc.returncode == 0, out[-4000:] + proc.stderr[-3000:]
-    assert "poisoned groups trained on: 0 " in out and "honest groups rejected: 0" in out, out[-3000:]
-    sent = int(re.search(r"poisoned groups trained on: 0 \(of (\d+) lying groups sent\)", out).group(1))
+    assert "honest groups rejected: 0" in out and "result: OK" in out, out[-3000:]
+    poisoned, sent = map(
+        int, re.search(r"poisoned groups trained on: (\d+) \(of (\d+) lying groups sent\)", out).groups()
+    )
+    # none, or a token lie's few within its bound (a check catches those with p < 1: docs/reliability.md)
+    assert poisoned == 0 or re.search(r"within the bound .*: yes$", out, re.M), out[-3000:]
     assert sent >= 9, out[-3000:]
     from research.soak.liars import INSIDER_LIES, OUTSIDER_LIES
 
@@ -110,7 +114,9 @@ def test_soak_with_liars_trains_on_no_poisoned_group_and_rejects_no_honest_one(t
         row = re.search(rf"^  {kind}\s+([0-9.]+|-)\s+(\{{.*\}})$", out, re.M)
         assert row is not None, f"no row for {kind}:\n{out[-3000:]}"
         fates = ast.literal_eval(row.group(2))
-        assert not any(f in fates for f in ("consumed", "buffered")), (kind, fates)
+        from research.soak.checks import poison_bound
+
+        assert fates.get("consumed", 0) <= poison_bound(kind, 0.1), (kind, fates)  # buffered: withheld, untrained
         if not set(fates) & GATE_VERDICTS:
             continue  # none of its groups reached the gate's checks yet (a slow learner): not judged
         judged += 1
