@@ -167,11 +167,12 @@ class HeteroConfig:
         honoured_by=(ASYNC,),
         instead={
             REPLAY: "replay mode generates each batch in-process and never waits",
-            VERL: "verl's wait strategy has no timeout",
+            VERL: "verl's wait strategy has no timeout (with sampler pools, hetero.transport=fs, the ingress's has)",
         },
     )
     """Seconds the learner waits for admissible rollouts before failing with a clear error.
-    Under stale_policy=wait, also for announced groups at the edge of the bound."""
+    Under stale_policy=wait, also for announced groups at the edge of the bound; verl engine with pools:
+    while training prompts wait for any pool's group (the error names each pool's last group)."""
     order: str = option(
         "oldest",
         honoured_by=(ASYNC,),

@@ -11,7 +11,7 @@ from verl_ext.option_fields import ASYNC, REPLAY, VERL, option
 NO_PUBLISHING_SAMPLERS = {
     REPLAY: "replay mode's one sampler is the learner's own process: no record crosses a trust boundary",
     VERL: "the verl engine's own replicas are actors of its Ray job; its remote pools (hetero.transport=fs) get "
-    "signatures, replays and rewards checked, not q re-scored (docs/reliability.md)",
+    "signatures, replays, rewards and a sampled re-score of q checked (docs/reliability.md)",
 }
 TABLE_BOUNDS = "table"
 """``hetero.trust.bounds_file`` naming the built-in table (SmolLM2-135M's bf16 spread) on purpose."""

@@ -352,6 +352,16 @@ def _check_pools(cfg: DictConfig, hetero: HeteroConfig) -> None:
         )
     if trust.enrolment_file and not Path(trust.enrolment_file).is_file():
         _fail(f"hetero.trust.enrolment_file={trust.enrolment_file!r}: no such file")
+    dtype = str(cfg.actor_rollout_ref.rollout.dtype)
+    if trust.verify_fraction > 0 and dtype in ("bfloat16", "bf16"):
+        # a bf16 pool's q against the ingress's fp32 re-score needs bounds measured on the run's own
+        # model (issue 48: no table for every model), which the verl engine cannot calibrate yet
+        _fail(
+            f"actor_rollout_ref.rollout.dtype={dtype} with hetero.trust.verify_fraction={trust.verify_fraction}: "
+            "re-scoring bf16 pools needs bf16 bounds calibrated on the run's model, not built for the verl "
+            "engine yet; run the pools in float32, or set hetero.trust.verify_fraction=0 (signatures, replays "
+            "and rewards are still checked)"
+        )
     manager = OmegaConf.select(cfg, "actor_rollout_ref.rollout.agent.agent_loop_manager_class")
     if manager and not str(manager).endswith(POOL_MANAGER):
         _fail(
@@ -435,10 +445,16 @@ def render(v: Validated) -> str:
         trust = hetero.trust
         checks = ["signatures of enrolled keys" if trust.sign_records else "unsigned records", "replays"]
         checks += ["rewards against the learner's answers"] if trust.check_rewards else []
+        rescore = "q is not re-scored (hetero.trust.verify_fraction=0)"
+        if trust.verify_fraction > 0:
+            rescore = (
+                f"q re-scored in fp32 on each pool's first {trust.probation_groups} groups, then {trust.verify_fraction:g} "
+                f"of them (the ingress's own model copy){'; unchecked groups held for a later check' if trust.hold_unchecked else ''}"
+            )
         lines += [
             f"  sampler pools:   training groups from remote pools through {hetero.transport_url or '<run dir>/exchange'} "
             "(python -m recipe.gepo.pool); the local replica serves validation only",
-            f"    checks:        {', '.join(checks)}; q is not re-scored on the verl engine",
+            f"    checks:        {', '.join(checks)}; {rescore}",
             f"    flow:          per-pool quota {hetero.max_buffered_per_sampler or (hetero.max_delay + 1) * int(cfg.data.train_batch_size)} "
             f"groups; pools wait at {hetero.max_queued_groups or 'no'} queued groups"
             f"{' and past the bound' if hetero.sampler_skip_stale else ''}",

@@ -4,7 +4,7 @@
 (``actor_rollout_ref.rollout.agent.agent_loop_manager_class``): the trainer's training prompts
 become slots that :class:`PoolIngress` (a Ray actor in the learner's cluster) fills with groups
 the pools sent through the exchange, after the trust package's checks (signature, enrolment,
-replay, the learner's own rewards) and the exact staleness bound; validation prompts still go to
+replay, the learner's own rewards, a sampled re-score of q) and the exact staleness bound; validation prompts go to
 verl's local replica. :class:`ExchangePublisher` publishes every weight version the trainer syncs
 to the exchange (bf16 / XOR deltas, SHA-256, ``hetero.weights_bf16`` / ``weight_sync``) from the
 actor's rank 0 in a background thread. Trained groups are deleted from the exchange only once a
@@ -92,12 +92,34 @@ class PoolPrompts:
         return dict(self.by_ids.get(tuple(int(t) for t in prompt_ids), {}))
 
 
-def admission(hetero: HeteroConfig, config: Any, tokenizer: Any, prompts: PoolPrompts) -> tuple[RolloutBuffer, Any]:
+def pool_precision(config: Any) -> Optional[str]:
+    """The precision pools compute q in: their rollout servers' dtype (``actor_rollout_ref.rollout.dtype``)."""
+    from .pool_groups import PRECISION_OF_DTYPE
+
+    return PRECISION_OF_DTYPE.get(str(config.actor_rollout_ref.rollout.dtype))
+
+
+def load_scorer(model_path: str) -> Any:
+    """The re-scoring model: the policy's architecture from ``model_path`` in fp32 on the CPU, its
+    weights replaced per claimed version by those the learner published (HF names, as pools load)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(1)  # the ingress shares the learner's node: one core's worth at most
+    scorer = AutoModelForCausalLM.from_pretrained(model_path, torch_dtype=torch.float32)
+    return scorer.eval()
+
+
+def admission(
+    hetero: HeteroConfig, config: Any, tokenizer: Any, prompts: PoolPrompts, scorer: Any = None
+) -> tuple[RolloutBuffer, Any]:
     """The buffer (exact staleness bound, ``hetero.order``, per-pool quota
     ``hetero.max_buffered_per_sampler``) and the trust gate in front of it: signatures of
-    enrolled keys, replays and, with ``hetero.trust.check_rewards``, every group's rewards
-    recomputed against the learner's own answers (:class:`PoolPrompts`). No re-score of q on the
-    verl engine yet, and no advantage check: the learner computes its own advantages."""
+    enrolled keys, replays, with ``hetero.trust.check_rewards`` every group's rewards recomputed
+    against the learner's own answers (:class:`PoolPrompts`), and with a ``scorer``
+    (:func:`load_scorer`) q re-scored on probation and ``hetero.trust.verify_fraction`` of groups
+    under the version each claims (its weights handed over by :meth:`PoolIngress.published`); no
+    scorer: ``verify_fraction`` 0. No advantage check: the learner computes its own advantages."""
     from verl_ext.trust import build_gate, build_verifier
 
     rollout = config.actor_rollout_ref.rollout
@@ -109,12 +131,42 @@ def admission(hetero: HeteroConfig, config: Any, tokenizer: Any, prompts: PoolPr
     )
     quota = hetero.max_buffered_per_sampler or (hetero.max_delay + 1) * int(config.data.train_batch_size)
     buffer = RolloutBuffer(hetero.max_delay, "drop", hetero.order, spec=spec, sampler_capacity=quota)
-    trust = dataclasses.replace(hetero.trust, verify_fraction=0.0)
+    trust = hetero.trust if scorer is not None else dataclasses.replace(hetero.trust, verify_fraction=0.0)
     verifier = None
-    if trust.check_rewards:
+    if trust.check_rewards or trust.verify_fraction > 0:
         no_advantages = {"adv_estimator": "computed_by_the_learner"}
-        verifier = build_verifier(trust, tokenizer, prompts, float(rollout.temperature), no_advantages, keep_versions=0)
-    return buffer, build_gate(trust, buffer, verifier)
+        verifier = build_verifier(
+            trust,
+            tokenizer,
+            prompts,
+            float(rollout.temperature),
+            no_advantages,
+            keep_versions=hetero.max_delay + 1,  # every version a group inside the bound can claim
+            scorer=scorer,
+        )
+    # the precision the pools' servers run in, and any a calibration names: a pool cannot widen its bounds
+    precisions = tuple(sorted({p for p in (pool_precision(config), *trust.bounds().calibrated) if p}))
+    return buffer, build_gate(trust, buffer, verifier, precisions=precisions or None)
+
+
+def fetch_published(transport: Any, version: int, sha256: str) -> bytes:
+    """The full message of weight ``version`` from the exchange, held to the SHA-256 the learner
+    published it with (anyone who can write to the exchange could have replaced it). ValueError
+    when absent or different."""
+    import hashlib
+
+    from verl_ext.hetero.protocol import WEIGHTS_TOPIC, version_key
+
+    try:
+        message = transport.get(WEIGHTS_TOPIC, version_key(int(version)))
+    except KeyError:
+        raise ValueError(f"weight version {version} is not on the exchange (pruned already?)") from None
+    found = hashlib.sha256(message).hexdigest()
+    if found != sha256:
+        raise ValueError(
+            f"weight version {version} on the exchange has SHA-256 {found[:16]}..., published {sha256[:16]}..."
+        )
+    return message
 
 
 def next_poll_wait(current_s: float, busy: bool, fastest_s: float, slowest_s: float) -> float:
@@ -144,7 +196,10 @@ class PoolIngress:
         self.audit_file.parent.mkdir(parents=True, exist_ok=True)
         tokenizer = hf_tokenizer(config.actor_rollout_ref.model.path)
         self.prompts = PoolPrompts(config.data.train_files, tokenizer, config.data.get("prompt_key", "prompt"))
-        self.buffer, self.gate = admission(hetero, config, tokenizer, self.prompts)
+        scorer = load_scorer(config.actor_rollout_ref.model.path) if hetero.trust.verify_fraction > 0 else None
+        self.buffer, self.gate = admission(hetero, config, tokenizer, self.prompts, scorer)
+        self.versions_fetched, self.version_errors = 0, 0
+        self.watch = PoolWatch(hetero.wait_timeout_s)
         self.inbox = RolloutInbox(self.transport, self.buffer, enrolment=self.gate.enrolment, gate=self.gate)
         self._lock = threading.Lock()
         self._slots: list[dict] = []
@@ -198,6 +253,20 @@ class PoolIngress:
     def set_learner_version(self, version: int) -> None:
         self._version = max(self._version, int(version))
 
+    def published(self, version: int, sha256: str) -> None:
+        """The learner published weight ``version`` with this SHA-256 (its actor's rank 0, once the
+        write is done): read it back for the re-scores of groups that claim it (``verify_fraction``).
+        A version that cannot be read so is not held: groups drawn for a check of it are refused
+        without blame (``unverifiable_version``)."""
+        if not self.gate.rescoring:
+            return
+        try:
+            self.gate.remember(int(version), fetch_published(self.transport, version, sha256))
+            self.versions_fetched += 1
+        except ValueError as err:
+            self.version_errors += 1
+            print(f"[pool ingress] not re-scoring against version {version}: {err}", flush=True)
+
     def mark_trained(self, step: int, slot_uids: list[str]) -> list[str]:
         """The groups in these slots were trained at ``step``: remembered for the next checkpoint,
         and appended to ``<run dir>/pool_trained.jsonl`` (``{"step": s, "groups": [uid, ...]}``,
@@ -225,9 +294,14 @@ class PoolIngress:
         self.transport.delete_many(ROLLOUT_TOPIC, keys)
         return len(keys)
 
-    def metrics(self) -> dict[str, float]:
+    def health(self) -> None:
+        """Raise what stops the learner: the reading thread's error, or no pool group for
+        ``hetero.wait_timeout_s`` while training prompts wait (the trainer asks while it waits)."""
         if self._error is not None:
             raise RuntimeError(f"the pool ingress stopped: {self._error}")
+
+    def metrics(self) -> dict[str, float]:
+        self.health()
         out = {**self.inbox.metrics(), **self.gate.metrics()}  # hetero/inbox_*, trust/*: the embedded engine's names
         # the buffer's drops, refusals and totals; staleness is the trainer's, over the batch it trained on
         skip = ("hetero/staleness", "hetero/wait_s", "hetero/expected")
@@ -235,6 +309,8 @@ class PoolIngress:
         out["pool/buffered"] = float(len(self.buffer))
         out["pool/slots_waiting"] = float(len(self._slots))
         out["pool/groups_filled"] = float(self.filled)
+        out["pool/versions_fetched"] = float(self.versions_fetched)  # for re-scoring, digest-checked
+        out["pool/version_fetch_errors"] = float(self.version_errors)
         return out
 
     def stop(self) -> None:
@@ -256,6 +332,12 @@ class PoolIngress:
                         slot = self._slots.pop(0)
                     self._fill(slot, group)
                     busy = True
+                with self._lock:
+                    waiting = len(self._slots)
+                quarantined = [p for p, books in self.gate.ledger.samplers.items() if books.quarantined_at is not None]
+                starved = self.watch.tick(waiting, time.monotonic(), quarantined)
+                if starved is not None and self._error is None:
+                    self._error = starved  # the trainer stops with it (health(), metrics()); reading goes on
                 wait_s = next_poll_wait(wait_s, busy, self.POLL_S, self.IDLE_POLL_S)
                 self._stop.wait(wait_s)
         except Exception as err:  # surfaced by metrics(), which the trainer calls every step
@@ -267,7 +349,9 @@ class PoolIngress:
         before each batch; written when it changes."""
         if self.hetero.max_queued_groups <= 0:
             return
-        status = LearnerStatus(version=int(self._version), queue_depth=len(self.buffer))
+        # takeable groups only: withheld ones wait for a later group's check (hold_unchecked), and
+        # pools that paused on them would never send it
+        status = LearnerStatus(version=int(self._version), queue_depth=self.buffer.takeable())
         if status != self._status:
             publish_status(self.transport, status)
             self._status = status
@@ -282,6 +366,7 @@ class PoolIngress:
         with self._lock:
             self._slot_group[slot["uid"]] = group.group_uid
         self.filled += 1
+        self.watch.filled(str(group.sampler_id), time.monotonic())
 
 
 def _jsonable(value: Any) -> Any:
@@ -332,8 +417,10 @@ class BackgroundPublisher:
     written (then it waits: at most one version queued). A failed write raises at the next
     :meth:`submit` or :meth:`flush`."""
 
-    def __init__(self, url: str, options: dict):
+    def __init__(self, url: str, options: dict, on_published: Optional[Any] = None):
+        """``on_published(version, sha256)``: called in the thread after each version is written."""
         self.store = WeightStore(TransportSpec("fsspec", url=url).open(), **options)
+        self.on_published = on_published
         self._queue: "queue.Queue[tuple[int, dict] | None]" = queue.Queue(maxsize=1)
         self._error: Optional[BaseException] = None
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -345,6 +432,8 @@ class BackgroundPublisher:
             try:
                 if item is not None and self._error is None:
                     self.store.publish(*item)
+                    if self.on_published is not None:
+                        self.on_published(item[0], self.store.published_sha256(item[0]))
             except BaseException as err:  # raised in the caller's thread
                 self._error = err
             finally:
@@ -361,6 +450,60 @@ class BackgroundPublisher:
     def flush(self) -> None:
         self._queue.join()
         self._raise()
+
+
+class PoolWatch:
+    """How long training prompts have waited with no pool group to fill them, and who was heard
+    from: after ``timeout_s`` (``hetero.wait_timeout_s``) of it, :meth:`tick` returns the error the
+    learner stops with. A pool that dies costs the learner nothing while others fill its slots."""
+
+    def __init__(self, timeout_s: float):
+        self.timeout_s = float(timeout_s)
+        self.waiting_since: Optional[float] = None
+        self.last_filled: dict[str, float] = {}  # pool id -> when a group of it last filled a slot
+
+    def filled(self, pool: str, now: float) -> None:
+        self.last_filled[pool] = now
+        self.waiting_since = None
+
+    def tick(self, waiting: int, now: float, quarantined: list[str] = ()) -> Optional[str]:
+        """``waiting``: training prompts with no group; the timeout's message, or None."""
+        if not waiting:
+            self.waiting_since = None
+            return None
+        if self.waiting_since is None:
+            self.waiting_since = now
+        if now - self.waiting_since < self.timeout_s:
+            return None
+        heard = ", ".join(f"{p} {now - t:.0f} s ago" for p, t in sorted(self.last_filled.items())) or "none"
+        banned = f"; quarantined: {', '.join(sorted(quarantined))}" if quarantined else ""
+        return (
+            f"no pool group admitted for {now - self.waiting_since:.0f} s while {waiting} training prompts wait "
+            f"(hetero.wait_timeout_s={self.timeout_s:g}); last group from each pool: {heard}{banned}. Start a pool "
+            '(python -m recipe.gepo.pool, README "Samplers in another data centre"), check the exchange URL, '
+            "or raise hetero.wait_timeout_s"
+        )
+
+
+class IngressTeller:
+    """From the publishing rank (``BackgroundPublisher.on_published``): tells the ingress each
+    version it may read back for its re-scores (:meth:`PoolIngress.published`; not waited for),
+    in order. Versions published before the ingress exists (the trainer's first sync) are told
+    once it does, before the next one."""
+
+    def __init__(self):
+        self.untold: list[tuple[int, str]] = []
+
+    def __call__(self, version: int, sha256: Optional[str]) -> None:
+        if sha256 is not None:
+            self.untold.append((int(version), sha256))
+        try:
+            ingress = ray.get_actor(INGRESS_NAME)
+        except ValueError:  # not started yet
+            return
+        for told in self.untold:
+            ingress.published.remote(*told)
+        self.untold.clear()
 
 
 class ExchangePublisher:

@@ -17,6 +17,7 @@ Runs on GPU clusters and, with the ``cpu_toy`` preset, on the CPU: docs/scale-ou
 from __future__ import annotations
 
 import re
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -40,7 +41,7 @@ from .batch_rules import hetero_step_metrics, stale_group_uids
 from .delayed_sync import DelayedCheckpointManager, DelayedSyncSchedule
 from verl_ext.algos.worker_loss import GROUP_LOG_DENOMINATOR, bridge_loss_fn
 from .node_placement import pin_pools_to_node_roles
-from .pool_ingress import INGRESS_NAME, STATE_FILE, BackgroundPublisher, ExchangePublisher, PoolIngress
+from .pool_ingress import INGRESS_NAME, STATE_FILE, BackgroundPublisher, ExchangePublisher, PoolIngress, IngressTeller
 from .launch_plan import (
     TRAINER_NAME,
     check_loss_mode_unchanged,
@@ -148,7 +149,7 @@ class HeteroActorWorker(DetachActorWorker):
             return
         publisher = getattr(self, "_publisher", None)
         if publisher is None:
-            publisher = self._publisher = BackgroundPublisher(url, store_options)
+            publisher = self._publisher = BackgroundPublisher(url, store_options, on_published=IngressTeller())
         publisher.submit(version, named)
 
 
@@ -261,13 +262,23 @@ class HeteroSeparateAsyncTrainer(PPOTrainerSeparateAsync):
         # same object and state, one overridden method: the exact bound over weight versions
         buffer.__class__ = HeteroReplayBuffer
         buffer.hetero_max_delay = self.hetero.max_delay
-        buffer.on_idle = self._release_due_weights
+        buffer.on_idle = self._while_waiting
         return buffer
 
-    def _release_due_weights(self) -> None:
+    POOL_HEALTH_EVERY_S = 1.0
+    """While the learner waits for samples, how often it asks the pool ingress whether to stop."""
+
+    def _while_waiting(self) -> None:
+        """Let delayed weight versions come due; with pools, stop (the ingress's error) once no pool
+        group came for ``hetero.wait_timeout_s`` while prompts wait."""
         release = getattr(getattr(self, "standalone_checkpoint_manager", None), "release_due", None)
         if release is not None:  # a DelayedCheckpointManager, maybe inside an ExchangePublisher
             release()
+        ingress = getattr(self, "pool_ingress", None)
+        now = time.monotonic()
+        if ingress is not None and now - getattr(self, "_pool_health_at", 0.0) >= self.POOL_HEALTH_EVERY_S:
+            self._pool_health_at = now
+            ray.get(ingress.health.remote())
 
     def fit(self, agent_loop_manager):
         """verl's loop; with pools, the exchange's stop marker is written when it ends (pools stop)."""

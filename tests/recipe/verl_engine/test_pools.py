@@ -33,7 +33,7 @@ def test_the_plan_of_a_learner_fed_by_pools_names_the_exchange_and_its_checks(tm
 
     plan = render(validate(cfg))
     assert f"through {tmp_path}/x" in plan and "signatures of enrolled keys" in plan
-    assert "q is not re-scored" in plan
+    assert "q re-scored in fp32 on each pool's first 4 groups, then 0.1 of them" in plan
     settings = engine_settings(cfg)
     assert settings.actor_rollout_ref.rollout.agent.agent_loop_manager_class == (
         "recipe.gepo.verl_engine.pool_ingress.PoolAgentLoopManager"
@@ -49,7 +49,11 @@ def test_the_plan_of_a_learner_fed_by_pools_names_the_exchange_and_its_checks(tm
             ["hetero.trust.sign_records=false", "+actor_rollout_ref.rollout.agent.agent_loop_manager_class=my.Manager"],
             "agent_loop_manager_class='my.Manager'",
         ),
-        (["hetero.trust.sign_records=false", "hetero.trust.verify_fraction=0.5"], "hetero.trust.verify_fraction=0.5"),
+        (
+            ["hetero.trust.sign_records=false", "actor_rollout_ref.rollout.dtype=bfloat16"],
+            "rollout.dtype=bfloat16 with hetero.trust.verify_fraction=0.1: re-scoring bf16 pools needs bf16 bounds",
+        ),
+        (["hetero.trust.sign_records=false", "hetero.trust.max_divergence=0.5"], "hetero.trust.max_divergence=0.5"),
     ],
 )
 def test_a_learner_fed_by_pools_refuses_what_it_cannot_do_at_start(overrides, match):
@@ -152,6 +156,70 @@ def test_the_learner_recomputes_a_pools_rewards_against_its_own_answers(toy_admi
     assert gate.metrics()["trust/failed"] >= 1
 
 
+@pytest.fixture(scope="module")
+def rescoring(toy_admission):
+    """The admission with the ingress's re-scoring model, version 0's weights handed to it as
+    :meth:`PoolIngress.published` does (read back from a real exchange, held to their SHA-256)."""
+    from recipe.gepo.verl_engine.pool_ingress import admission, fetch_published, load_scorer
+    from verl_ext.hetero.weights import WeightStore
+
+    cfg, hetero, tokenizer, prompts = toy_admission
+    scorer = load_scorer(cfg.actor_rollout_ref.model.path)
+    buffer, gate = admission(hetero, cfg, tokenizer, prompts, scorer)
+    transport = TransportSpec("fsspec", url=f"memory://pool-rescore-{time.time_ns()}").open()
+    store = WeightStore(transport)
+    store.publish(0, scorer.state_dict())
+    gate.remember(0, fetch_published(transport, 0, store.published_sha256(0)))
+    gate.version_wait_s = 0.2
+    return cfg, tokenizer, prompts, scorer, buffer, gate, transport, store
+
+
+def _true_q(scorer, group, temperature=1.0):
+    from verl_ext.trust.verifier import group_log_probs
+
+    group.sampler_logprobs = (group_log_probs(scorer, group, temperature) * group.response_mask).astype(np.float32)
+    return group
+
+
+def test_the_ingress_re_scores_a_pools_q_under_the_version_it_claims(rescoring):
+    """hetero.trust.verify_fraction on the verl engine: a pool's q is re-scored by the ingress's own
+    fp32 model under the claimed version's published weights; q x 1.5 is refused and quarantines the
+    pool, honest q passes, and a version the ingress does not hold refuses the group without blame."""
+    from verl_ext.hetero.records import RecordRejected
+
+    cfg, tokenizer, prompts, scorer, buffer, gate, _, _ = rescoring
+    assert gate.rescoring and gate.verifier.scorer is scorer
+    _, truth = toy_group(tokenizer, prompts, "probe", ["0"])
+    honest = _true_q(scorer, toy_group(tokenizer, prompts, "h0", [truth, "1", "2", "3"], pool="pool-40")[0])
+    assert gate.admit(honest) is True  # on probation: re-scored, passed, vouched for
+    liar = _true_q(scorer, toy_group(tokenizer, prompts, "l0", [truth, "1", "2", "3"], row=3, pool="pool-41")[0])
+    liar.sampler_logprobs = liar.sampler_logprobs * 1.5
+    with pytest.raises(RecordRejected) as refused:
+        gate.admit(liar)
+    assert refused.value.reason == "bad_logprobs" and gate.ledger.refusal("pool-41") == "quarantined"
+    future = _true_q(scorer, toy_group(tokenizer, prompts, "f0", [truth, "1", "2", "3"], row=4, pool="pool-42")[0])
+    future.policy_version = 1  # published to nobody: its check cannot be made
+    buffer.set_learner_version(1)
+    with pytest.raises(RecordRejected) as refused:
+        gate.admit(future)
+    assert refused.value.reason == "unverifiable_version" and gate.ledger.refusal("pool-42") is None
+    assert gate.metrics()["trust/checked"] >= 2
+
+
+def test_weights_read_back_for_re_scoring_are_held_to_the_published_sha256(rescoring):
+    from recipe.gepo.verl_engine.pool_ingress import fetch_published
+    from verl_ext.hetero.protocol import WEIGHTS_TOPIC, version_key
+
+    *_, transport, store = rescoring
+    sha = store.published_sha256(0)
+    message = fetch_published(transport, 0, sha)
+    transport.put(WEIGHTS_TOPIC, version_key(0), message[:-1] + bytes([message[-1] ^ 1]))  # rewritten by someone
+    with pytest.raises(ValueError, match="version 0 on the exchange has SHA-256"):
+        fetch_published(transport, 0, sha)
+    with pytest.raises(ValueError, match="version 7 is not on the exchange"):
+        fetch_published(transport, 7, sha)
+
+
 def _run(args, **kwargs):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     return subprocess.run(
@@ -219,6 +287,12 @@ def test_a_learner_killed_and_resumed_trains_every_pool_group_at_most_once_and_l
     steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in steps if "pool/groups_filled" in row] == [1, 2, 3, 4, 5, 6]
     assert all(row["trust/refused"] == 0 for row in steps if "trust/refused" in row)
+    # the ingress re-scored the pool's q (hetero.trust.verify_fraction, default 0.1; probation: its first
+    # 4 groups) under each claimed version read back from the exchange, and no honest group failed
+    last = steps[-1]
+    print({k: v for k, v in last.items() if k.startswith(("trust/", "pool/version"))})
+    assert last["trust/checked"] >= 4 and last["trust/failed"] == 0 and last["trust/quarantined"] == 0
+    assert last["pool/versions_fetched"] >= 3 and last["pool/version_fetch_errors"] == 0
     audit = [json.loads(line) for line in (run_dir / "pool_trained.jsonl").read_text().splitlines()]
     trained = [g for row in audit for g in row["groups"]]
     assert len(trained) == 6 * 4 and len(set(trained)) == len(trained)  # every step the pool's, none twice
@@ -234,3 +308,20 @@ def test_a_learner_killed_and_resumed_trains_every_pool_group_at_most_once_and_l
     before_last = {g for row in audit if row["step"] < 6 for g in row["groups"]}
     assert set(trained) <= sent and not before_last & left
     assert sent - set(trained) - left == set()  # and no group is lost: trained, or still there
+
+
+def test_the_learner_waits_for_pools_and_stops_after_the_timeout_naming_who_it_heard_from():
+    """hetero.wait_timeout_s on the verl engine's pools (PoolWatch, ticked by the ingress's thread):
+    prompts waiting while a pool fills them never time out; with no group for the timeout, the
+    message names each pool's last group and the quarantined ones."""
+    from recipe.gepo.verl_engine.pool_ingress import PoolWatch
+
+    watch = PoolWatch(timeout_s=30)
+    assert watch.tick(waiting=4, now=0.0) is None
+    watch.filled("pool-1", now=20.0)  # a pool filled a slot: the wait starts again
+    assert watch.tick(waiting=3, now=45.0) is None and watch.tick(waiting=3, now=49.0) is None
+    assert watch.tick(waiting=0, now=200.0) is None  # nothing waits: never starved
+    assert watch.tick(waiting=2, now=300.0) is None
+    message = watch.tick(waiting=2, now=330.0, quarantined=["pool-2"])
+    assert message is not None and "no pool group admitted for 30 s while 2 training prompts wait" in message
+    assert "hetero.wait_timeout_s=30" in message and "pool-1 310 s ago" in message and "quarantined: pool-2" in message
