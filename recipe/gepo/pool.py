@@ -126,12 +126,9 @@ class Pool(SamplerLoop):
             WeightStore(channel, **hetero.weight_store_options()),
             pool_id(index),
             f"r{index}-{uuid.uuid4().hex[:8]}",  # a restart never reuses a group uid
-            max_delay=hetero.max_delay,
-            skip_stale=hetero.sampler_skip_stale,
-            max_queued_groups=hetero.max_queued_groups,
-            keep_weight_versions=hetero.keep_weight_versions,
             speed_factor=speed_factor,
             key=key,
+            **hetero.sampler_loop_options(),
         )
         progress = sampler_progress(transport, self.sampler_id)
         self.next_batch = progress.next_batch if progress is not None else 0  # resume after the last claim

@@ -393,6 +393,17 @@ class HeteroConfig:
             "max_delta_chain": self.max_delta_chain,
         }
 
+    def sampler_loop_options(self) -> dict[str, Any]:
+        """``SamplerLoop.init_loop``'s keyword arguments from this section (``verl_ext.hetero.sampler_loop``),
+        the same for the embedded engine's samplers and the verl engine's pools."""
+        return {
+            "max_delay": self.max_delay,
+            "skip_stale": self.sampler_skip_stale,
+            "max_queued_groups": self.max_queued_groups,
+            "keep_weight_versions": self.keep_weight_versions,
+            "checkable": self.trust.checkable_sampling,
+        }
+
     def validate(self) -> None:
         """Raise ValueError naming the first bad field."""
         for name, allowed in (

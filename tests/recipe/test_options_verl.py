@@ -142,6 +142,45 @@ def honoured_verl_keys() -> set[str]:
     }
 
 
+POOLS = "tests/recipe/verl_engine/test_pools.py"
+INGRESS_CASE = f"{POOLS}::test_each_pool_key_the_ingress_reads_changes_its_buffer_or_gate"
+LOOP_CASE = f"{POOLS}::test_each_pool_key_a_pool_reads_reaches_its_loop_or_weight_store"
+POOL_CASES = {
+    "hetero.transport": f"{POOLS}::test_a_learner_killed_and_resumed_trains_every_pool_group_at_most_once_and_loses_none",
+    "hetero.transport_url": f"{POOLS}::test_the_plan_of_a_learner_fed_by_pools_names_the_exchange_and_its_checks",
+    "hetero.order": INGRESS_CASE,
+    "hetero.max_buffered_per_sampler": INGRESS_CASE,
+    "hetero.keep_weight_versions": LOOP_CASE,
+    "hetero.weights_bf16": LOOP_CASE,
+    "hetero.weight_sync": LOOP_CASE,
+    "hetero.max_delta_chain": LOOP_CASE,
+    "hetero.sampler_skip_stale": LOOP_CASE,
+    "hetero.max_queued_groups": LOOP_CASE,
+    "hetero.wait_timeout_s": f"{POOLS}::test_the_learner_waits_for_pools_and_stops_after_the_timeout_naming_who_it_heard_from",
+    "hetero.trust.sign_records": INGRESS_CASE,
+    "hetero.trust.enrolment_file": INGRESS_CASE,
+    "hetero.trust.check_rewards": f"{POOLS}::test_the_learner_recomputes_a_pools_rewards_against_its_own_answers",
+    "hetero.trust.verify_fraction": f"{POOLS}::test_the_ingress_re_scores_a_pools_q_under_the_version_it_claims",
+    "hetero.trust.probation_groups": INGRESS_CASE,
+    "hetero.trust.hold_unchecked": INGRESS_CASE,
+    "hetero.trust.logprob_tolerance": INGRESS_CASE,
+    "hetero.trust.trust_penalty": INGRESS_CASE,
+    "hetero.trust.trust_recovery": INGRESS_CASE,
+    "hetero.trust.quarantine_below": INGRESS_CASE,
+}
+"""Every async key the verl engine also honours with sampler pools (``options.POOL_KEYS``): the test
+that shows it act there (the ingress's buffer and gate, a pool's loop and weight store, or a run)."""
+
+
+def test_every_key_honoured_with_pools_has_a_behaviour_case():
+    assert set(POOL_CASES) == set(options.POOL_KEYS), "a pool key without its case, or a case for no pool key"
+    check_pointers(POOL_CASES)
+    ingress = (ROOT / POOLS).read_text()
+    for key, where in POOL_CASES.items():  # the parametrized cases name the key itself
+        if where in (INGRESS_CASE, LOOP_CASE):
+            assert f'"{key}": (' in ingress, f"{key}: no case in {where}"
+
+
 def test_every_honoured_verl_option_has_a_behaviour_case():
     covered = set(CASES_VERL) | set(OBSERVED_ELSEWHERE) | set(SELECTORS)
     honoured = honoured_verl_keys()

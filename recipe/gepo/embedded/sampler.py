@@ -70,13 +70,9 @@ class SamplerWorker(SamplerLoop):
             weight_store(self.hetero, channel),
             sampler_id,
             uid_namespace,
-            max_delay=self.hetero.max_delay,
-            skip_stale=self.hetero.sampler_skip_stale,
-            max_queued_groups=self.hetero.max_queued_groups,
-            keep_weight_versions=self.hetero.keep_weight_versions,
             speed_factor=speed_factor,
             key=key if engine.hetero.trust.sign_records else None,
-            checkable=engine.hetero.trust.checkable_sampling,
+            **self.hetero.sampler_loop_options(),
         )
 
     def load_weights(self, version: int, state: dict) -> None:

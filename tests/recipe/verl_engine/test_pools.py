@@ -325,3 +325,117 @@ def test_the_learner_waits_for_pools_and_stops_after_the_timeout_naming_who_it_h
     message = watch.tick(waiting=2, now=330.0, quarantined=["pool-2"])
     assert message is not None and "no pool group admitted for 30 s while 2 training prompts wait" in message
     assert "hetero.wait_timeout_s=30" in message and "pool-1 310 s ago" in message and "quarantined: pool-2" in message
+
+
+@pytest.fixture(scope="module")
+def toy_scorer(toy_admission):
+    from recipe.gepo.verl_engine.pool_ingress import load_scorer
+
+    return load_scorer(toy_admission[0].actor_rollout_ref.model.path)
+
+
+def _ingress_books(toy_admission, scorer, *overrides):
+    """The buffer and gate the ingress builds for the toy pools' config with ``overrides`` (the
+    learner's prompts and tokenizer are the fixture's: no override here changes them)."""
+    from recipe.gepo.sections import HeteroConfig
+    from recipe.gepo.verl_engine.pool_ingress import admission
+
+    base, _, tokenizer, prompts = toy_admission
+    cfg = compose_config([*COMMON, "hetero.trust.sign_records=false", *overrides])
+    hetero = HeteroConfig.from_omegaconf(cfg.hetero)
+    return admission(hetero, base, tokenizer, prompts, scorer)
+
+
+def _enrolled(tmp_path):
+    from verl_ext.trust.signing import Enrolment, SamplerKey
+
+    path = tmp_path / "enrolment.json"
+    enrolment = Enrolment()
+    enrolment.enrol("pool-32", SamplerKey.generate("pool-32").public_hex())
+    enrolment.save(path)
+    return path
+
+
+INGRESS_KEYS = {
+    "hetero.order": (lambda tmp: ["hetero.order=newest"], lambda b, g: b.order == "newest"),
+    "hetero.max_buffered_per_sampler": (
+        lambda tmp: ["hetero.max_buffered_per_sampler=3"],
+        lambda b, g: b.sampler_capacity == 3,
+    ),
+    "hetero.trust.verify_fraction": (
+        lambda tmp: ["hetero.trust.verify_fraction=0.5"],
+        lambda b, g: g.rescoring and g.ledger.verify_fraction == 0.5,
+    ),
+    "hetero.trust.probation_groups": (
+        lambda tmp: ["hetero.trust.probation_groups=2"],
+        lambda b, g: g.ledger.probation_groups == 2,
+    ),
+    "hetero.trust.hold_unchecked": (lambda tmp: ["hetero.trust.hold_unchecked=false"], lambda b, g: not g.withholding),
+    "hetero.trust.logprob_tolerance": (
+        lambda tmp: ["hetero.trust.logprob_tolerance=0.01"],
+        lambda b, g: g.bounds.tolerance("fp32", "fp32").token_max == 0.01,
+    ),
+    "hetero.trust.trust_penalty": (
+        lambda tmp: ["hetero.trust.trust_penalty=0.2"],
+        lambda b, g: g.ledger.penalty == 0.2,
+    ),
+    "hetero.trust.trust_recovery": (
+        lambda tmp: ["hetero.trust.trust_recovery=0.2"],
+        lambda b, g: g.ledger.recovery == 0.2,
+    ),
+    "hetero.trust.quarantine_below": (
+        lambda tmp: ["hetero.trust.quarantine_below=0.1"],
+        lambda b, g: g.ledger.quarantine_below == 0.1,
+    ),
+    "hetero.trust.check_rewards": (
+        lambda tmp: ["hetero.trust.check_rewards=false"],
+        lambda b, g: not g.verifier.check_rewards,
+    ),
+    "hetero.trust.sign_records": (lambda tmp: ["hetero.trust.sign_records=true"], lambda b, g: g.enrolment is not None),
+    "hetero.trust.enrolment_file": (
+        lambda tmp: ["hetero.trust.sign_records=true", f"hetero.trust.enrolment_file={_enrolled(tmp)}"],
+        lambda b, g: g.enrolment is not None and (g.reload_enrolment() or "pool-32" in g.enrolment.keys),
+    ),
+}
+"""Pool keys the ingress reads (POOL_KEYS): how the buffer and gate it builds show each one."""
+
+
+@pytest.mark.parametrize("key", sorted(INGRESS_KEYS))
+def test_each_pool_key_the_ingress_reads_changes_its_buffer_or_gate(key, tmp_path, toy_admission, toy_scorer):
+    overrides, shows = INGRESS_KEYS[key]
+    assert not shows(*_ingress_books(toy_admission, toy_scorer)), f"{key}: the default already shows it"
+    assert shows(*_ingress_books(toy_admission, toy_scorer, *overrides(tmp_path))), key
+
+
+LOOP_KEYS = {
+    "hetero.max_delay": ("hetero.max_delay=5", "loop", "max_delay", 5),
+    "hetero.sampler_skip_stale": ("hetero.sampler_skip_stale=false", "loop", "skip_stale", False),
+    "hetero.max_queued_groups": ("hetero.max_queued_groups=3", "loop", "max_queued_groups", 3),
+    "hetero.keep_weight_versions": ("hetero.keep_weight_versions=7", "loop", "keep_weight_versions", 7),
+    "hetero.weights_bf16": ("hetero.weights_bf16=true", "store", "wire_dtype", "bf16"),
+    "hetero.weight_sync": ("hetero.weight_sync=delta", "store", "delta", True),
+    "hetero.max_delta_chain": ("hetero.max_delta_chain=3", "store", "max_delta_chain", 3),
+}
+"""Pool keys a pool's loop reads (recipe/gepo/pool.py: ``SamplerLoop.init_loop(**sampler_loop_options())``,
+``WeightStore(**weight_store_options())``), as the embedded engine's samplers do."""
+
+
+@pytest.mark.parametrize("key", sorted(LOOP_KEYS))
+def test_each_pool_key_a_pool_reads_reaches_its_loop_or_weight_store(key):
+    from recipe.gepo.sections import HeteroConfig
+
+    override, where, argument, value = LOOP_KEYS[key]
+
+    def options(*extra):
+        hetero = HeteroConfig.from_omegaconf(
+            compose_config([*COMMON, "hetero.trust.sign_records=false", *extra]).hetero
+        )
+        return hetero.sampler_loop_options() if where == "loop" else hetero.weight_store_options()
+
+    assert options()[argument] != value and options(override)[argument] == value
+
+
+def test_a_pool_builds_its_loop_from_the_shared_options():
+    """The pool's source passes the section's options, not its own copy of them (the contract above)."""
+    source = (ROOT / "recipe/gepo/pool.py").read_text()
+    assert "**hetero.sampler_loop_options()" in source and "**hetero.weight_store_options()" in source
