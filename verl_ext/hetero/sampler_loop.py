@@ -70,6 +70,8 @@ class SamplerLoop:
         self.max_delay, self.skip_stale, self.max_queued_groups = max_delay, skip_stale, max_queued_groups
         self.speed_factor, self.key, self.checkable = speed_factor, key, checkable
         self.gumbel_key: bytes | None = None  # the learner's, read with each new version (checkable)
+        self._waiting_since: float | None = None  # start-up: since when it waits for the learner
+        self._told_waiting = False
         # what exists, undelayed: only the version numbers are read from it, never the weights
         self.published = WeightStore(transport, keep_last=keep_weight_versions)
         self.version = -1
@@ -118,6 +120,25 @@ class SamplerLoop:
             self.stats[stat] = self.weights.stats[counter]
         return published
 
+    STARTUP_NOTICE_S = 60.0
+    """After this long without the learner's first version (or seed key), the sampler says what it waits for."""
+
+    def _say_once_if_waiting_long(self) -> None:
+        if self._waiting_since is None:
+            self._waiting_since = time.monotonic()
+        if self._told_waiting or time.monotonic() - self._waiting_since < self.STARTUP_NOTICE_S:
+            return
+        self._told_waiting = True
+        missing = "its first weight version" if self.version < 0 else "its Gumbel seed key (control/gumbel-key)"
+        hint = (
+            ""
+            if self.version < 0
+            else ": the learner writes it only with hetero.trust.checkable_sampling=true; give the sampler the learner's overrides"
+        )
+        print(
+            f"[{self.sampler_id}] waiting {self.STARTUP_NOTICE_S:.0f} s for the learner's {missing}{hint}", flush=True
+        )
+
     def weights_too_stale(self, published: int | None) -> bool:
         """Groups made now would be past the bound on arrival, ``published`` being the newest
         version the learner has published (the learner only moves forward)."""
@@ -149,6 +170,7 @@ class SamplerLoop:
             published = self._refresh_weights()
             if self.version < 0 or (self.checkable and self.gumbel_key is None):
                 time.sleep(0.05)  # the learner has not published version 0 (or its seed key) yet
+                self._say_once_if_waiting_long()
                 continue
             # wait for newer weights rather than generate groups to drop; for room in the queue
             wait = "stale_wait_s" if self.weights_too_stale(published) else None

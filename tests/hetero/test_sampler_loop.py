@@ -1,0 +1,60 @@
+"""verl_ext.hetero.sampler_loop.SamplerLoop, the loop both engines' samplers run: a sampler drawing
+by checkable sampling waits for the learner's seed key (and says so once), then uses it."""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+
+import torch
+
+from verl_ext.hetero.protocol import TransportSpec, publish_gumbel_key
+from verl_ext.hetero.sampler_loop import SamplerLoop
+from verl_ext.hetero.weights import WeightStore
+
+
+class Batches(SamplerLoop):
+    """A loop whose batches are empty: what it waits for and what it loads is all there is."""
+
+    STARTUP_NOTICE_S = 0.2
+
+    def __init__(self, transport, checkable: bool):
+        self.init_loop(
+            transport, WeightStore(transport), "sampler-3", "l0", max_delay=2, skip_stale=True,
+            max_queued_groups=0, keep_weight_versions=2, checkable=checkable,
+        )  # fmt: skip
+        self.keys_used = []
+
+    def load_weights(self, version: int, state: dict) -> None:
+        pass
+
+    def generate_batch(self, batch_index: int) -> list:
+        self.keys_used.append(self.gumbel_key)
+        return []
+
+
+def _exchange():
+    transport = TransportSpec("fsspec", url=f"memory://sampler-loop-{uuid.uuid4().hex}").open()
+    WeightStore(transport).publish(0, {"w": torch.zeros(2)})
+    return transport
+
+
+def test_a_checkable_sampler_waits_for_the_seed_key_and_says_so_once(capsys):
+    transport = _exchange()
+    loop = Batches(transport, checkable=True)
+    runner = threading.Thread(target=loop.run, kwargs={"max_batches": 2})
+    runner.start()
+    time.sleep(0.6)
+    assert loop.version == 0 and loop.stats["batches"] == 0  # version 0 is there, the key is not
+    key = bytes(range(32))
+    publish_gumbel_key(transport, key)
+    runner.join(timeout=10)
+    assert not runner.is_alive() and loop.keys_used == [key, key]
+    said = capsys.readouterr().out
+    assert said.count("waiting") == 1 and "Gumbel seed key" in said and "checkable_sampling=true" in said
+
+
+def test_a_sampler_without_checkable_sampling_needs_no_key():
+    loop = Batches(_exchange(), checkable=False)
+    assert loop.run(max_batches=1)["batches"] == 1 and loop.keys_used == [None]
