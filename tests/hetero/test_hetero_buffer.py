@@ -377,3 +377,15 @@ def test_a_take_waiting_while_groups_are_withheld_is_seen(make_group):
     assert buffer.vouch(["held"]) == 1
     taker.join(timeout=10)
     assert not taker.is_alive() and not buffer.waits_on_withheld()
+
+
+def test_a_consumer_that_declares_its_demand_is_waiting_on_withheld_groups(make_group):
+    """set_demand: the verl engine's pool ingress takes one group at a time between its reads, so
+    no take() blocks while its slots wait; its declared demand counts as waiting all the same."""
+    buffer = RolloutBuffer(max_delay=2)
+    buffer.set_demand(3)
+    assert not buffer.waits_on_withheld()  # nothing withheld: nothing to vouch for sooner
+    assert buffer.add(make_group("held", 0), withheld=True)
+    assert buffer.waits_on_withheld()
+    buffer.set_demand(0)
+    assert not buffer.waits_on_withheld()

@@ -125,6 +125,7 @@ class RolloutBuffer:
         self._groups: dict[str, RolloutGroup] = {}  # uid -> group, insertion order = arrival order
         self._withheld: set[str] = set()  # buffered uids take() may not return until vouch()ed
         self._short_takes = 0  # take() calls waiting now while groups they could use are withheld
+        self._demand = 0  # groups a consumer outside take() waits for now (set_demand)
         self._expected: dict[str, tuple[int, str]] = {}  # uid -> (policy_version, sampler_id)
         self._learner_version = 0
         self.ledger = Ledger()
@@ -217,9 +218,17 @@ class RolloutBuffer:
             return len(self._groups) - len(self._withheld)
 
     def waits_on_withheld(self) -> bool:
-        """Whether a :meth:`take` is waiting now that the withheld groups would serve."""
+        """Whether a :meth:`take` (or a consumer's :meth:`set_demand`) is waiting now, and withheld
+        groups would serve it."""
         with self._cond:
-            return self._short_takes > 0
+            return self._short_takes > 0 or (self._demand > 0 and bool(self._withheld))
+
+    def set_demand(self, n: int) -> None:
+        """``n`` groups are waited for by a consumer that takes them one at a time between other
+        work (the verl engine's pool ingress: its unfilled prompt slots), so it is waiting even when
+        no :meth:`take` blocks at this moment."""
+        with self._cond:
+            self._demand = max(0, int(n))
 
     def withheld_by(self, sampler_id: str) -> int:
         """How many of ``sampler_id``'s buffered groups are withheld."""

@@ -321,6 +321,10 @@ class PoolIngress:
         try:
             wait_s = self.POLL_S
             while not self._stop.is_set():
+                with self._lock:
+                    # the learner waits while its slots are unfilled: withheld groups are vouched for
+                    # sooner then (TrustGate.WAITING_FRACTION), as in the embedded engine's take()
+                    self.buffer.set_demand(len(self._slots))
                 busy = self.inbox.poll() > 0
                 self._publish_status()
                 while self._slots and not self._stop.is_set():
