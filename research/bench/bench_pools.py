@@ -82,6 +82,8 @@ def one_run(steps: int, extra: list[str], folder: Path) -> dict:
     step_s = [float(r["timing_s/step"]) for r in steps_rows]
     gen_s = [float(r["timing_s/gen"]) for r in steps_rows if "timing_s/gen" in r]
     last = rows[-1]
+    phases = sorted({k for r in steps_rows for k in r if k.startswith("timing_s/")})
+    timing = {k: statistics.median(float(r[k]) for r in steps_rows if k in r) for k in phases}
     check_cpu = float(last.get("perf/trust_check_cpu_s_total", 0.0))
     return {
         "wall_s": time.monotonic() - t0,
@@ -93,6 +95,7 @@ def one_run(steps: int, extra: list[str], folder: Path) -> dict:
         "failed": int(last.get("trust/failed", 0)),
         "check_cpu_s": check_cpu,
         "check_share": check_cpu / sum(step_s) if step_s else float("nan"),
+        "timing": timing,
     }
 
 
@@ -112,6 +115,7 @@ def main(argv=None) -> int:
         "|---:|---|---:|---:|---:|---:|---:|---:|---|",
     ]
     by_setting: dict[str, list[float]] = {}
+    details: list[str] = []  # each run's median seconds per phase of verl's step (timing_s/*)
     for rnd in range(args.rounds):
         order = args.settings if rnd % 2 == 0 else list(reversed(args.settings))
         for name in order:
@@ -125,9 +129,13 @@ def main(argv=None) -> int:
                 f"| {figures['load']} |"
             )
             print(lines[-1], flush=True)
+            details.append(f"{rnd + 1} {name}: " + ", ".join(f"{k[9:]} {v:.2f}" for k, v in figures["timing"].items()))
     lines += [
         "",
         "median step s by setting: " + ", ".join(f"{k} {statistics.median(v):.2f}" for k, v in by_setting.items()),
+        "",
+        "median s per phase of the step (verl's timing_s/*):",
+        *details,
     ]
     text = "\n".join(lines)
     print(text)
