@@ -26,7 +26,6 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from recipe.gepo.embedded.rollout_groups import generate_groups
 from recipe.gepo.embedded.sampler import SamplerWorker
 from recipe.gepo.embedded.policy import load_policy
 from verl_ext.algos.advantages import sequence_advantages
@@ -36,8 +35,7 @@ from verl_ext.trust.signing import Enrolment, SamplerKey, unverified_record
 from verl_ext.hetero.exchange import send_group
 from verl_ext.hetero.protocol import ROLLOUT_TOPIC
 from verl_ext.hetero.records import RolloutGroup
-from verl_ext.hetero.seeding import sampler_sampling_seed
-from verl_ext.trust.assignment import assigned_seed, prompt_stream
+from verl_ext.trust.assignment import assigned_seed
 
 IMPATIENT_LIES = (
     "q_scaled",  # log q x 1.5
@@ -141,21 +139,8 @@ class LiarCrew(SamplerWorker):
         kind = self._batch_kind = next(self.turn)
         sampler_id = "sampler-0" if kind == "forged_signature" else liar_id(kind)
         batch = self.identity_batches[sampler_id] = self.identity_batches.get(sampler_id, -1) + 1
-        items = self.task.train_items(self.settings.prompts_per_step, stream=prompt_stream(sampler_id), index=batch)
-        return generate_groups(
-            self.model,
-            self.tokenizer,
-            items,
-            self.task.score,
-            self.rollout,
-            self.algorithm_config,
-            policy_version=self.version,
-            sampler_id=sampler_id,
-            seed=sampler_sampling_seed(self.hetero.seed, batch_index, self.index),
-            uid_prefix=f"{sampler_id}-{kind.replace('_', '')}-liars-b{batch}",
-            checkable=self.hetero.trust.checkable_sampling,
-            batch_index=batch,
-            gumbel_key=self.gumbel_key,
+        return self.assigned_groups(
+            sampler_id, batch, f"{sampler_id}-{kind.replace('_', '')}-liars-b{batch}", batch_index
         )
 
     def send(self, group: RolloutGroup) -> None:

@@ -79,15 +79,19 @@ class SamplerWorker(SamplerLoop):
         self.model.load_state_dict(state)
 
     def generate_batch(self, batch_index: int) -> list[RolloutGroup]:
-        """Batch b's prompts (:meth:`Task.train_items`, a pure function of seed, sampler and b: the
-        learner's assignment), announced first under ``stale_policy=wait``, generated and scored."""
-        items = self.task.train_items(
-            self.settings.prompts_per_step, stream=prompt_stream(self.sampler_id), index=batch_index
-        )
+        """Batch b's groups (:meth:`assigned_groups`), announced first under ``stale_policy=wait``."""
         uid_prefix = f"{self.uid_namespace}-b{batch_index}"
         if self.hetero.stale_policy == "wait":  # the learner waits for these before they go stale
-            for i in range(len(items)):
+            for i in range(self.settings.prompts_per_step):
                 announce(self.transport, f"{uid_prefix}-{i}", self.version, self.sampler_id)
+        return self.assigned_groups(self.sampler_id, batch_index, uid_prefix, batch_index)
+
+    def assigned_groups(self, sampler_id: str, batch: int, uid_prefix: str, seed_batch: int) -> list[RolloutGroup]:
+        """``sampler_id``'s batch ``batch`` as the learner assigns it: its prompts (:meth:`Task.train_items`,
+        a pure function of seed, sampler and batch) and, under checkable sampling, its Gumbel seeds;
+        generated with the loaded version and scored. ``seed_batch``: the batch index of this
+        sampler's own sampling seed (not checkable)."""
+        items = self.task.train_items(self.settings.prompts_per_step, stream=prompt_stream(sampler_id), index=batch)
         return generate_groups(
             self.model,
             self.tokenizer,
@@ -96,11 +100,11 @@ class SamplerWorker(SamplerLoop):
             self.rollout,
             self.algorithm_config,
             policy_version=self.version,
-            sampler_id=self.sampler_id,
-            seed=sampler_sampling_seed(self.hetero.seed, batch_index, self.index),
+            sampler_id=sampler_id,
+            seed=sampler_sampling_seed(self.hetero.seed, seed_batch, self.index),
             uid_prefix=uid_prefix,
             checkable=self.hetero.trust.checkable_sampling,
-            batch_index=batch_index,
+            batch_index=batch,
             gumbel_key=self.gumbel_key,
         )
 
