@@ -280,7 +280,7 @@ SHARED_WITH_REPLAY: tuple[Link, ...] = (
         f"{EMB}.tasks:Task.train_items",
         "def train_items(self, n",
         (f"{EMB}.replay:ReplaySource.next_batch",),
-        (f"{SAMPLER}.generate_batch",),
+        (f"{SAMPLER}.assigned_groups",),
     ),
     Link(
         ("task.cache_dir", "task.warm_start_steps", "task.model", "actor_rollout_ref.model.path"),
@@ -299,7 +299,7 @@ SHARED_WITH_REPLAY: tuple[Link, ...] = (
         f"{EMB}.rollout_groups:generate_groups",
         "settings.temperature",
         (f"{EMB}.replay:ReplaySource.next_batch",),
-        (f"{SAMPLER}.generate_batch",),
+        (f"{SAMPLER}.assigned_groups",),
     ),
     Link(
         ("task.diagnostics_*",),
