@@ -239,7 +239,7 @@ class TrustGate:
                     )
                 if self.config.checkable_sampling and self.check_assignment:
                     self._check_assigned_seed(group)
-            slot = self._slot(group) if self.check_assignment else None
+            slot = self._slot(group)
             if slot is not None and (slot in self._slots or slot in self._slots_awaiting):
                 # one draw per assigned prompt: a second is another draw of the same prompt (no
                 # blame: sending only the draw it likes is withholding, which no check can see)
@@ -282,10 +282,10 @@ class TrustGate:
             group, digest, rescore=rescore, lost=lost, replayed=replayed, checks=self.checking, arrival=arrival
         )
 
-    @staticmethod
-    def _slot(group: RolloutGroup) -> Optional[tuple[str, int, int]]:
-        """(sampler, batch, slot) of an assigned group; None for an unassigned one."""
-        if group.batch_index is None or group.batch_slot is None:
+    def _slot(self, group: RolloutGroup) -> Optional[tuple[str, int, int]]:
+        """(sampler, batch, slot) of an assigned group; None for an unassigned one, or with the
+        assignment off (``check_assignment``)."""
+        if not self.check_assignment or group.batch_index is None or group.batch_slot is None:
             return None
         return (str(group.sampler_id), int(group.batch_index), int(group.batch_slot))
 
@@ -361,7 +361,7 @@ class TrustGate:
             raise RecordRejected("record", *failure, sampler_id=str(group.sampler_id), group_uid=group.group_uid)
         finally:
             self._settle_copies(admission, credited)
-            slot = self._slot(group) if self.check_assignment else None
+            slot = self._slot(group)
             if slot is not None:
                 with self._lock:
                     self._slots_awaiting.discard(slot)
@@ -521,7 +521,7 @@ class TrustGate:
 
     def _commit_slot(self, group: RolloutGroup) -> None:
         """The group's slot is taken for good (it entered the buffer, or was passed over). Lock held."""
-        slot = self._slot(group) if self.check_assignment else None
+        slot = self._slot(group)
         if slot is not None:
             self._slots.add(slot)
 
