@@ -1,8 +1,8 @@
 """Transports: move opaque byte messages between the learner and samplers.
 
 One interface, two backends, chosen by config (:func:`make_transport`): :class:`FsspecTransport`
-over any fsspec URL (a plain path, NFS, ``memory://`` for tests, ``s3://`` where s3fs is
-installed), for samplers in separate jobs or data centres; :class:`RayTransport` over Ray's object
+over any fsspec URL (a plain path, NFS, ``memory://`` for tests, ``s3://`` with s3fs, ``sftp://``
+with paramiko; a dropped server is reconnected to), for samplers in separate jobs or data centres; :class:`RayTransport` over Ray's object
 store, for one Ray cluster. A message is addressed by ``(topic, key)`` and carries a SHA-256 and
 the sender's timestamp (:class:`MessageInfo`). Writes are atomic: payload to a temporary name,
 renamed, then a small commit marker (size, checksum). Readers list committed keys only, so a writer
@@ -22,7 +22,7 @@ import uuid
 from abc import ABC, abstractmethod
 from collections import Counter
 from dataclasses import asdict, dataclass
-from typing import Callable
+from typing import Any, Callable
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.=-]{0,199}$")
 DATA_SUFFIX, COMMIT_SUFFIX, TEMP_PREFIX = ".msg", ".ok", ".tmp."
@@ -30,6 +30,21 @@ DATA_SUFFIX, COMMIT_SUFFIX, TEMP_PREFIX = ".msg", ".ok", ".tmp."
 
 class CorruptMessage(ValueError):
     """A committed message failed its checksum or size check; its bytes were not returned."""
+
+
+class ExchangeUnreachable(ConnectionError):
+    """The exchange's server did not answer for :attr:`FsspecTransport.reconnect_s` seconds."""
+
+
+def connection_lost(err: BaseException) -> bool:
+    """Whether ``err`` says the link to the exchange's server broke (worth reconnecting), rather
+    than something about a file: errno-less OSErrors are paramiko's "Socket is closed"; a missing
+    or forbidden file carries its errno."""
+    if isinstance(err, (ConnectionError, EOFError, TimeoutError)):
+        return True
+    if type(err).__name__ in ("SSHException", "NoValidConnectionsError", "ChannelException"):
+        return True  # paramiko's, checked by name: paramiko is only imported for sftp:// URLs
+    return type(err) is OSError and err.errno is None
 
 
 @dataclass(frozen=True)
@@ -182,24 +197,62 @@ class FsspecTransport(Transport):
     """Messages as files under an fsspec URL: ``<root>/<topic>/<key>.msg`` plus the commit
     marker ``<key>.ok`` (JSON MessageInfo). Temporaries are ``.tmp.<key>.<random>``.
 
+    A server that drops the connection (an SFTP server restarted, a link cut) is reconnected to:
+    each operation is retried on a fresh filesystem object, waiting 0.5 s doubling to 8 s, for up
+    to ``reconnect_s`` seconds, then raises :class:`ExchangeUnreachable` naming the URL. Every
+    operation is idempotent, so a retried one cannot commit a message twice.
+
     Args:
         url: fsspec URL or local path of the root folder (created if missing).
         clock: see :class:`Transport`.
-        storage_options: passed to the fsspec filesystem (credentials, endpoint, ...).
+        reconnect_s: how long an operation keeps reconnecting before it gives up.
+        storage_options: passed to the fsspec filesystem (credentials, endpoint, ...). Also read
+            from the environment as fsspec does: ``FSSPEC_SFTP='{"key_filename": "..."}'``.
     """
 
-    def __init__(self, url: str, clock: Callable[[], float] = time.time, **storage_options):
+    def __init__(self, url: str, clock: Callable[[], float] = time.time, reconnect_s: float = 300.0, **storage_options):
         super().__init__(clock)
         import fsspec
 
-        self.url, self.storage_options = url, storage_options
+        self.url, self.storage_options, self.reconnect_s = url, storage_options, reconnect_s
         self.fs, self.root = fsspec.core.url_to_fs(url, **storage_options)
-        self.fs.makedirs(self.root, exist_ok=True)
+        self._retrying("makedirs", lambda: self.fs.makedirs(self.root, exist_ok=True))
+
+    def _retrying(self, what: str, operation: Callable[[], Any]) -> Any:
+        """``operation()``, reconnecting while the server is unreachable (see the class docstring)."""
+        deadline, pause = None, 0.5
+        while True:
+            try:
+                return operation()
+            except Exception as err:
+                if not connection_lost(err):
+                    raise
+                now = time.monotonic()
+                deadline = deadline or now + self.reconnect_s
+                if now >= deadline:
+                    raise ExchangeUnreachable(
+                        f"exchange {self.url}: {what} failed for {self.reconnect_s:.0f} s, last with {err!r}"
+                    ) from err
+                if not self.stats["reconnects"] or pause == 0.5:
+                    print(f"[exchange] {self.url}: {what} lost the server ({err!r}); reconnecting", flush=True)
+                self.stats["reconnects"] += 1
+                time.sleep(min(pause, max(0.0, deadline - now)))
+                pause = min(2 * pause, 8.0)
+                self._reconnect()
+
+    def _reconnect(self) -> None:
+        import fsspec
+
+        try:  # a new filesystem object: fsspec caches instances, and the cached one holds the dead link
+            self.fs, _ = fsspec.core.url_to_fs(self.url, skip_instance_cache=True, **self.storage_options)
+        except Exception as err:
+            if not connection_lost(err):
+                raise  # e.g. authentication refused: no retry helps
 
     def __reduce__(self):
         # fsspec filesystems pickle, but rebuilding from the URL keeps Ray/multiprocessing happy
         # across backends; clock and counters are per process by design.
-        return (_rebuild_fsspec, (self.url, self.storage_options))
+        return (_rebuild_fsspec, (self.url, self.reconnect_s, self.storage_options))
 
     def _dir(self, topic: str) -> str:
         return posixpath.join(self.root, topic)
@@ -218,28 +271,46 @@ class FsspecTransport(Transport):
         check_name("topic", topic), check_name("key", key)
         info = self._new_info(topic, key, data)
         data_path, commit_path = self._paths(topic, key)
-        self.fs.makedirs(self._dir(topic), exist_ok=True)
-        if self.fs.exists(commit_path):
-            self.fs.rm_file(commit_path)  # uncommit first: the key is invisible while rewritten
-        self._write_atomic(data_path, bytes(data))
-        self._write_atomic(commit_path, json.dumps(asdict(info)).encode())
+        payload, marker = bytes(data), json.dumps(asdict(info)).encode()
+
+        def put_once() -> None:
+            self.fs.makedirs(self._dir(topic), exist_ok=True)
+            if self.fs.exists(commit_path):
+                self.fs.rm_file(commit_path)  # uncommit first: the key is invisible while rewritten
+            self._write_atomic(data_path, payload)
+            self._write_atomic(commit_path, marker)
+
+        self._retrying(f"put {topic}/{key}", put_once)
         self.stats["put"] += 1
         return info
 
-    def keys(self, topic: str) -> list[str]:
+    def _names(self, topic: str) -> list[str]:
+        """File names in ``topic``'s folder; empty if there is none."""
         directory = self._dir(check_name("topic", topic))
-        try:
-            names = [posixpath.basename(p.rstrip("/")) for p in self.fs.ls(directory, detail=False)]
-        except FileNotFoundError:
-            return []
+
+        def list_once() -> list[str]:
+            try:
+                return [posixpath.basename(p.rstrip("/")) for p in self.fs.ls(directory, detail=False)]
+            except FileNotFoundError:
+                return []
+
+        return self._retrying(f"list {topic}", list_once)
+
+    def keys(self, topic: str) -> list[str]:
         return sorted(
-            n[: -len(COMMIT_SUFFIX)] for n in names if n.endswith(COMMIT_SUFFIX) and not n.startswith(TEMP_PREFIX)
+            n[: -len(COMMIT_SUFFIX)]
+            for n in self._names(topic)
+            if n.endswith(COMMIT_SUFFIX) and not n.startswith(TEMP_PREFIX)
         )
+
+    def _cat(self, what: str, path: str) -> bytes:
+        """A file's bytes (FileNotFoundError if it is not there), reconnecting as needed."""
+        return self._retrying(what, lambda: self.fs.cat_file(path))
 
     def info(self, topic: str, key: str) -> MessageInfo:
         _, commit_path = self._paths(check_name("topic", topic), check_name("key", key))
         try:
-            raw = self.fs.cat_file(commit_path)
+            raw = self._cat(f"read {topic}/{key}", commit_path)
         except FileNotFoundError:
             raise KeyError(f"{topic}/{key} is not committed") from None
         try:
@@ -252,27 +323,26 @@ class FsspecTransport(Transport):
         info = self.info(topic, key)
         data_path, _ = self._paths(topic, key)
         try:
-            return info, self.fs.cat_file(data_path)
+            return info, self._cat(f"read {topic}/{key}", data_path)
         except FileNotFoundError:
             raise KeyError(f"{topic}/{key}: payload vanished (deleted while reading)") from None
 
     def delete(self, topic: str, key: str) -> None:
-        for path in reversed(self._paths(check_name("topic", topic), check_name("key", key))):
-            try:
-                self.fs.rm_file(path)
-            except FileNotFoundError:
-                pass
+        paths = list(reversed(self._paths(check_name("topic", topic), check_name("key", key))))
+
+        def delete_once() -> None:
+            for path in paths:
+                try:
+                    self.fs.rm_file(path)
+                except FileNotFoundError:
+                    pass
+
+        self._retrying(f"delete {topic}/{key}", delete_once)
 
     def incomplete(self, topic: str) -> list[str]:
         """Names of leftovers from interrupted writes: temporaries and payloads without a
         commit marker."""
-        try:
-            names = [
-                posixpath.basename(p.rstrip("/"))
-                for p in self.fs.ls(self._dir(check_name("topic", topic)), detail=False)
-            ]
-        except FileNotFoundError:
-            return []
+        names = self._names(topic)
         committed = {n[: -len(COMMIT_SUFFIX)] for n in names if n.endswith(COMMIT_SUFFIX)}
         return sorted(
             n
@@ -281,8 +351,8 @@ class FsspecTransport(Transport):
         )
 
 
-def _rebuild_fsspec(url: str, storage_options: dict) -> FsspecTransport:
-    return FsspecTransport(url, **storage_options)
+def _rebuild_fsspec(url: str, reconnect_s: float, storage_options: dict) -> FsspecTransport:
+    return FsspecTransport(url, reconnect_s=reconnect_s, **storage_options)
 
 
 class _Mailbox:
