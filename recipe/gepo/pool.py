@@ -189,11 +189,14 @@ class Pool(SamplerLoop):
         batch.non_tensor_batch["uid"] = np.array(uids, dtype=object)
         out = self.agent.generate_sequences(batch.repeat(repeat_times=g, interleave=True))
         precision = PRECISION_OF_DTYPE.get(str(self.cfg.actor_rollout_ref.rollout.dtype))
-        groups = groups_from_agent_output(out, g, uids, self.sampler_id, precision)
+        return groups_from_agent_output(out, g, uids, self.sampler_id, precision)
+
+    def on_batch_sent(self, batch_index: int, groups: list) -> None:
         rewards = np.mean([group.rewards.mean() for group in groups])
-        print(f"[pool {self.index}] batch {batch_index}: {len(groups)} groups, version {self.version}, "
-              f"mean reward {rewards:.3f}", flush=True)  # fmt: skip
-        return groups
+        age = self.version_age_s()
+        print(f"[pool {self.index}] batch {batch_index}: {len(groups)} groups, version {self.version}"
+              + ("" if age is None else f" (published {age:.1f} s before)")
+              + f", mean reward {rewards:.3f}", flush=True)  # fmt: skip
 
     def run(self, max_batches: int | None = None) -> dict[str, Any]:
         start = self.next_batch
@@ -247,7 +250,8 @@ def run_pool(
     )
     try:
         pool = Pool(settings, index, key, speed_factor)
-        print(f"[pool {index}] up: exchange {pool.url}, starting at batch {pool.next_batch}", flush=True)
+        print(f"[pool {index}] up: exchange {pool.url}, launch {pool.launch}, starting at batch {pool.next_batch}",
+              flush=True)  # fmt: skip
         return pool.run(max_batches)
     finally:
         ray.shutdown()

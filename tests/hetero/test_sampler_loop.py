@@ -58,3 +58,18 @@ def test_a_checkable_sampler_waits_for_the_seed_key_and_says_so_once(capsys):
 def test_a_sampler_without_checkable_sampling_needs_no_key():
     loop = Batches(_exchange(), checkable=False)
     assert loop.run(max_batches=1)["batches"] == 1 and loop.keys_used == [None]
+
+
+def test_a_sampler_knows_how_long_ago_the_version_it_sends_with_was_published():
+    transport = _exchange()  # version 0, committed now
+
+    class Reporting(Batches):
+        def on_batch_sent(self, batch_index, groups):
+            self.reported = (batch_index, self.version, self.version_age_s())
+
+    loop = Reporting(transport, checkable=False)
+    assert loop.version_age_s() is None  # nothing loaded yet
+    time.sleep(0.3)
+    loop.run(max_batches=1)
+    batch, version, age = loop.reported
+    assert (batch, version) == (0, 0) and 0.3 <= age < 5

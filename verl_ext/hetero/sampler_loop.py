@@ -26,6 +26,7 @@ from verl_ext.hetero.protocol import (
     read_gumbel_key,
     read_record,
     stop_requested,
+    version_key,
 )
 from verl_ext.hetero.records import RolloutGroup
 from verl_ext.hetero.transport import Transport
@@ -71,6 +72,7 @@ class SamplerLoop:
         self.speed_factor, self.key, self.checkable = speed_factor, key, checkable
         self.gumbel_key: bytes | None = None  # the learner's, read with each new version (checkable)
         self._waiting_since: float | None = None  # start-up: since when it waits for the learner
+        self._published_at: float | None = None  # when the learner published the version held here
         self._told_waiting = False
         # what exists, undelayed: only the version numbers are read from it, never the weights
         self.published = WeightStore(transport, keep_last=keep_weight_versions)
@@ -112,6 +114,7 @@ class SamplerLoop:
             self.load_weights(version, state)
             self.version = version
             self.stats["weight_loads"] += 1
+            self._published_at = self._publish_time(version)
         if self.checkable and (newest is not None or self.gumbel_key is None):
             # written before the learner's first version; re-read with each version (a learner that
             # resumed keeps its secret, so its key is the same)
@@ -119,6 +122,21 @@ class SamplerLoop:
         for counter, stat in self.WEIGHT_STATS.items():
             self.stats[stat] = self.weights.stats[counter]
         return published
+
+    def _publish_time(self, version: int) -> float | None:
+        """When the learner committed ``version`` (its clock, from the message's metadata)."""
+        try:
+            return self.published.transport.info(self.published.topic, version_key(version)).sent_at
+        except KeyError:  # pruned meanwhile
+            return None
+
+    def version_age_s(self) -> float | None:
+        """Seconds since the learner published the version held here (wall clocks of both: on
+        different machines, as close as they are synchronised); None before the first load."""
+        return None if self._published_at is None else time.time() - self._published_at
+
+    def on_batch_sent(self, batch_index: int, groups: list[RolloutGroup]) -> None:
+        """Called after a batch's groups went out; a subclass reports progress here."""
 
     STARTUP_NOTICE_S = 60.0
     """After this long without the learner's first version (or seed key), the sampler says what it waits for."""
@@ -129,7 +147,7 @@ class SamplerLoop:
         if self._told_waiting or time.monotonic() - self._waiting_since < self.STARTUP_NOTICE_S:
             return
         self._told_waiting = True
-        missing = "its first weight version" if self.version < 0 else "its Gumbel seed key (control/gumbel-key)"
+        missing = "first weight version" if self.version < 0 else "Gumbel seed key (control/gumbel-key)"
         hint = (
             ""
             if self.version < 0
@@ -191,6 +209,7 @@ class SamplerLoop:
                 time.sleep(gen_s * (self.speed_factor - 1))  # slower hardware: same work takes longer
             for group in groups:
                 self.send(group)
+            self.on_batch_sent(batch_index, groups)
             self.stats["batches"] += 1
             self.stats["groups"] += len(groups)
             self.stats["tokens"] += sum(int(g.response_mask.sum()) for g in groups)

@@ -64,3 +64,30 @@ def test_a_missing_file_is_not_a_lost_connection(server, tmp_path):
     assert time.monotonic() - started < 5 and transport.stats["reconnects"] == 0
     assert not connection_lost(FileNotFoundError(2, "no such file"))
     assert connection_lost(OSError("Socket is closed")) and connection_lost(EOFError())
+
+
+def test_threads_sharing_an_sftp_exchange_each_get_their_own_answers(server, tmp_path):
+    # the verl engine's ingress reads groups on one thread while another fetches a weight version;
+    # on one paramiko client, unguarded, a thread took the other's reply and waited forever
+    url = server.url(str(tmp_path / "exchange"))
+    shared, other = FsspecTransport(url, reconnect_s=60), FsspecTransport(url, reconnect_s=60)
+    for k in range(8):
+        shared.put("rollouts", f"g{k}", bytes([k]) * (50_000 + k))
+    errors, done = [], []
+
+    def reader(transport, k):
+        try:
+            for _ in range(20):
+                assert transport.get("rollouts", f"g{k}") == bytes([k]) * (50_000 + k)
+                assert len(transport.keys("rollouts")) == 8
+            done.append(k)
+        except Exception as err:  # noqa: BLE001 -- reported below
+            errors.append(repr(err))
+
+    threads = [threading.Thread(target=reader, args=(shared if k % 2 else other, k), daemon=True) for k in range(8)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 60
+    for t in threads:
+        t.join(timeout=max(0.0, deadline - time.monotonic()))
+    assert errors == [] and sorted(done) == list(range(8))

@@ -1,0 +1,243 @@
+"""The verl engine's learner and two sampler pools on the star (:mod:`.pool_star`), with faults,
+judged by the transport's acknowledgements: every group a pool sent is trained once or still on
+the exchange; none lost, none trained twice.
+
+    python -m research.testbeds.pool_star_run --steps 8 --rate-mbit 100 --out runs/star [--no-faults]
+
+Faults, each when the learner reaches a step (``FAULTS``): pool 1 joins late; pool 1 is killed
+(its node's processes, SIGKILL) and started again; pool 0's link is cut for 30 s, then healed; the
+exchange server is killed with its sessions and restarted; the learner node is killed and the
+learner resumed from its checkpoint while the pools keep generating. Prints one JSON report (also
+``report.json`` under ``--out``); exit status 1 when a group was lost or trained twice.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Optional, Sequence
+
+from . import pool_star as star
+from . import slurm_cluster as sc
+
+ROOT = Path(__file__).resolve().parents[2]
+POOL_INDEX = {"pool0": 32, "pool1": 33}
+FAULTS = (  # (learner step reached, fault)
+    (1, "pool1 joins late"),
+    (2, "pool1 killed and restarted"),
+    (3, "pool0 link cut 30 s"),
+    (4, "exchange server restarted"),
+    (5, "learner killed and resumed"),
+)
+CUT_S, EXCHANGE_DOWN_S, POOL_DOWN_S = 30.0, 5.0, 5.0
+
+
+class Star:
+    """The processes of one run: the learner and the pools, each in its node, logs under ``out``."""
+
+    def __init__(self, out: Path, steps: int, env: dict, shared: list[str], keys: dict[str, Path], enrolment: Path):
+        self.out, self.steps, self.env, self.shared, self.keys = out, steps, env, shared, keys
+        self.enrolment = enrolment
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.launches: dict[str, int] = {}
+
+    def _start(self, role: str, argv: list[str]) -> None:
+        n = self.launches[role] = self.launches.get(role, 0) + 1
+        log = open(self.out / f"{role}.{n}.log", "w")
+        self.procs[role] = subprocess.Popen(star.in_node(role, argv), cwd=ROOT, env=self.env, stdout=log,
+                                            stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+        log.close()
+
+    def start_learner(self) -> None:
+        self._start("learner", [
+            sys.executable, "-m", "recipe.gepo.main_gepo", "--config-dir", "configs", *self.shared,
+            f"hetero.trust.enrolment_file={self.enrolment}", f"trainer.total_training_steps={self.steps}",
+            "trainer.save_freq=1",
+        ])  # fmt: skip
+
+    def start_pool(self, role: str) -> None:
+        index = POOL_INDEX[role]
+        self._start(role, [sys.executable, "-m", "recipe.gepo.pool", "--index", str(index),
+                           "--key", str(self.keys[role]), *self.shared])  # fmt: skip
+
+    def kill_node(self, role: str) -> None:
+        """Every process in the node's namespace, SIGKILL: the node lost its power."""
+        for pid in sc.netns_pids(star.netns(role)):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.procs[role].wait(timeout=60)
+
+    def step(self) -> int:
+        metrics = self.out / "run" / "metrics.jsonl"
+        if not metrics.is_file():
+            return 0
+        return max((json.loads(line)["step"] for line in metrics.read_text().splitlines() if line.strip()), default=0)
+
+
+def _keys(out: Path, env: dict) -> tuple[dict[str, Path], Path]:
+    keys, enrolment = {}, out / "enrol.json"
+    for role, index in POOL_INDEX.items():
+        keys[role] = out / f"pool-{index}.key"
+        run = lambda *a: subprocess.run([sys.executable, "-m", "verl_ext.trust.signing", *a],  # noqa: E731
+                                        cwd=ROOT, env=env, capture_output=True, text=True, check=True)  # fmt: skip
+        public = run("keygen", str(keys[role]), f"pool-{index}").stdout.strip()
+        run("enrol", str(enrolment), f"pool-{index}", public)
+    return keys, enrolment
+
+
+def sent_groups(logs: list[Path]) -> tuple[set[str], set[str]]:
+    """Groups a pool's logs say it sent: (surely sent, maybe sent). A batch line is printed before
+    its groups go out, so the last batch of a launch that was killed is only maybe sent."""
+    sure, maybe = set(), set()
+    for log in logs:
+        text = log.read_text()
+        launch, batches = None, []
+        for line in text.splitlines():
+            if m := re.search(r"\] up: exchange .*, launch (\S+), starting", line):
+                launch = m.group(1)
+            elif (m := re.search(r"\] batch (\d+): (\d+) groups", line)) and launch:
+                batches.append((int(m.group(1)), int(m.group(2))))
+        finished = '"pool":' in text.strip().splitlines()[-1] if text.strip() else False
+        for k, (b, n) in enumerate(batches):
+            names = {f"{launch}-b{b}-{i}" for i in range(n)}
+            (sure if finished or k < len(batches) - 1 else maybe).update(names)
+    return sure, maybe
+
+
+def run(out: Path, steps: int, rate_mbit: float, faults: bool) -> dict:
+    out.mkdir(parents=True, exist_ok=True)
+    for stale in out.glob("*.log"):
+        stale.unlink()
+    shutil.rmtree(out / "run", ignore_errors=True)
+    srv = star.up(rate_mbit)
+    name = f"star-{int(time.time())}"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), **srv.client_env())
+    shared = [
+        "+verl_preset=cpu_toy", "hetero.engine=verl", "hetero.transport=fs",
+        f"hetero.transport_url={star.exchange_url(name)}", "hetero.delay.dist=none", "hetero.max_delay=2",
+        f"trainer.default_local_dir={out / 'run'}", "hetero.max_queued_groups=8",
+        "hetero.weight_sync=delta", "hetero.weights_bf16=true",
+    ]  # fmt: skip
+    keys, enrolment = _keys(out, env)
+    s = Star(out, steps, env, shared, keys, enrolment)
+    done: list[dict] = []
+    started = time.monotonic()
+
+    def note(fault: str) -> None:
+        done.append({"fault": fault, "at_step": s.step(), "t_s": round(time.monotonic() - started, 1)})
+        print(f"[star] {fault} (learner at step {s.step()})", flush=True)
+
+    try:
+        s.start_learner()
+        time.sleep(5)  # the learner clears the exchange's old groups when it starts
+        s.start_pool("pool0")
+        if not faults:
+            s.start_pool("pool1")
+        pending = list(FAULTS) if faults else []
+        heal_at = None
+        deadline = time.monotonic() + 900 + 120 * steps
+        while time.monotonic() < deadline:
+            if heal_at and time.monotonic() >= heal_at:
+                star.heal("pool0")
+                note("pool0 link healed")
+                heal_at = None
+            if s.procs["learner"].poll() is not None:
+                if s.procs["learner"].returncode == 0 or s.launches["learner"] > 2:
+                    break
+                raise RuntimeError(f"the learner exited ({s.procs['learner'].returncode}) outside a fault")
+            if pending and s.step() >= pending[0][0]:
+                _, fault = pending.pop(0)
+                note(fault)
+                if fault == "pool1 joins late":
+                    s.start_pool("pool1")
+                elif fault == "pool1 killed and restarted":
+                    s.kill_node("pool1")
+                    time.sleep(POOL_DOWN_S)
+                    s.start_pool("pool1")
+                elif fault == "pool0 link cut 30 s":
+                    star.cut("pool0")
+                    heal_at = time.monotonic() + CUT_S
+                elif fault == "exchange server restarted":
+                    srv.restart(down_s=EXCHANGE_DOWN_S)
+                elif fault == "learner killed and resumed":
+                    s.kill_node("learner")
+                    s.start_learner()
+            time.sleep(1)
+        learner_rc = s.procs["learner"].wait(timeout=60)
+        pools_rc = {role: proc.wait(timeout=300) for role, proc in s.procs.items() if role != "learner"}
+    finally:
+        if heal_at:
+            star.heal("pool0")
+        for role in s.procs:
+            for pid in sc.netns_pids(star.netns(role)):
+                os.kill(pid, signal.SIGKILL)
+    report = judge(out, name, steps)
+    report.update(faults=done, learner_rc=learner_rc, pools_rc=pools_rc, rate_mbit=rate_mbit,
+                  wall_s=round(time.monotonic() - started, 1))  # fmt: skip
+    srv.stop()
+    (out / "report.json").write_text(json.dumps(report, indent=1))
+    return report
+
+
+def judge(out: Path, name: str, steps: int) -> dict:
+    from verl_ext.hetero.protocol import ROLLOUT_TOPIC
+    from verl_ext.hetero.transport import FsspecTransport
+
+    rows = [json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines()]
+    audit = [json.loads(line) for line in (out / "run" / "pool_trained.jsonl").read_text().splitlines()]
+    trained = [g for row in audit for g in row["groups"]]
+    left = set(FsspecTransport(f"{star.EXCHANGE_ROOT}/{name}").keys(ROLLOUT_TOPIC))  # the server's own disk
+    report: dict = {"steps": sorted({r["step"] for r in rows if "pool/groups_filled" in r})}
+    per_pool = {}
+    for role in POOL_INDEX:
+        sure, maybe = sent_groups(sorted(out.glob(f"{role}.*.log")))
+        mine = [g for g in trained if g in sure | maybe]
+        per_pool[role] = {"sent": len(sure), "maybe_sent_when_killed": len(maybe), "trained": len(mine),
+                          "lost": sorted(sure - set(trained) - left)}  # fmt: skip
+    logs = "".join(p.read_text() for p in out.glob("*.log"))
+    last = rows[-1]
+    report.update(
+        pools=per_pool,
+        trained=len(trained),
+        trained_twice=len(trained) - len(set(trained)),
+        lost=sum(len(p["lost"]) for p in per_pool.values()),
+        trained_from_no_pool=len(set(trained) - set().union(*(sent_groups(sorted(out.glob(f"{r}.*.log")))[0] | sent_groups(sorted(out.glob(f"{r}.*.log")))[1] for r in POOL_INDEX))),
+        exchange_reconnects=logs.count("lost the server"),
+        refused=sum(r.get("trust/refused", 0) for r in rows),
+        checked=last.get("trust/checked"), failed=last.get("trust/failed"),
+        versions_fetched=last.get("pool/versions_fetched"), version_fetch_errors=last.get("pool/version_fetch_errors"),
+        median_step_s=sorted(r["timing_s/step"] for r in rows if "timing_s/step" in r)[len(rows) // 2]
+        if rows else None,
+    )  # fmt: skip
+    return report
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="pool_star_run.py", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--rate-mbit", type=float, default=100.0)
+    parser.add_argument("--out", type=Path, default=Path("runs/star"))
+    parser.add_argument("--no-faults", action="store_true")
+    parser.add_argument("--keep", action="store_true", help="leave the star up afterwards")
+    args = parser.parse_args(argv)
+    try:
+        report = run(args.out.resolve(), args.steps, args.rate_mbit, not args.no_faults)
+    finally:
+        if not args.keep:
+            star.down()
+    print(json.dumps(report, indent=1))
+    return 0 if report["lost"] == 0 and report["trained_twice"] == 0 and report["learner_rc"] == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
