@@ -19,6 +19,7 @@ import os
 import re
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -114,11 +115,25 @@ def sent_groups(logs: list[Path]) -> tuple[set[str], set[str]]:
     return sure, maybe
 
 
+def publish_to_first_group(logs: list[Path]) -> dict:
+    """Seconds from the learner publishing a version to the first batch sent with it, per version
+    (the earliest over the pools), from the pools' batch lines; their median and range."""
+    first: dict[int, float] = {}
+    for log in logs:
+        for m in re.finditer(
+            r"\] batch \d+: \d+ groups, version (\d+) \(published ([\d.]+) s before\)", log.read_text()
+        ):
+            version, age = int(m.group(1)), float(m.group(2))
+            first[version] = min(age, first.get(version, age))
+    later = [age for version, age in first.items() if version > 0]  # version 0 waits for the pools to start
+    if not later:
+        return {}
+    return {"versions": len(later), "median": statistics.median(later), "min": min(later), "max": max(later)}
+
+
 def run(out: Path, steps: int, rate_mbit: float, faults: bool) -> dict:
-    out.mkdir(parents=True, exist_ok=True)
-    for stale in out.glob("*.log"):
-        stale.unlink()
-    shutil.rmtree(out / "run", ignore_errors=True)
+    shutil.rmtree(out, ignore_errors=True)  # the run's own folder: keys, logs, run dir
+    out.mkdir(parents=True)
     srv = star.up(rate_mbit)
     name = f"star-{int(time.time())}"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), **srv.client_env())
@@ -198,9 +213,10 @@ def judge(out: Path, name: str, steps: int) -> dict:
     trained = [g for row in audit for g in row["groups"]]
     left = set(FsspecTransport(f"{star.EXCHANGE_ROOT}/{name}").keys(ROLLOUT_TOPIC))  # the server's own disk
     report: dict = {"steps": sorted({r["step"] for r in rows if "pool/groups_filled" in r})}
-    per_pool = {}
+    per_pool, every_sent = {}, set()
     for role in POOL_INDEX:
         sure, maybe = sent_groups(sorted(out.glob(f"{role}.*.log")))
+        every_sent |= sure | maybe
         mine = [g for g in trained if g in sure | maybe]
         per_pool[role] = {"sent": len(sure), "maybe_sent_when_killed": len(maybe), "trained": len(mine),
                           "lost": sorted(sure - set(trained) - left)}  # fmt: skip
@@ -211,13 +227,13 @@ def judge(out: Path, name: str, steps: int) -> dict:
         trained=len(trained),
         trained_twice=len(trained) - len(set(trained)),
         lost=sum(len(p["lost"]) for p in per_pool.values()),
-        trained_from_no_pool=len(set(trained) - set().union(*(sent_groups(sorted(out.glob(f"{r}.*.log")))[0] | sent_groups(sorted(out.glob(f"{r}.*.log")))[1] for r in POOL_INDEX))),
+        trained_from_no_pool=len(set(trained) - every_sent),
         exchange_reconnects=logs.count("lost the server"),
         refused=sum(r.get("trust/refused", 0) for r in rows),
         checked=last.get("trust/checked"), failed=last.get("trust/failed"),
         versions_fetched=last.get("pool/versions_fetched"), version_fetch_errors=last.get("pool/version_fetch_errors"),
-        median_step_s=sorted(r["timing_s/step"] for r in rows if "timing_s/step" in r)[len(rows) // 2]
-        if rows else None,
+        median_step_s=statistics.median(r["timing_s/step"] for r in rows if "timing_s/step" in r),
+        publish_to_first_group_s=publish_to_first_group(sorted(out.glob("pool*.log"))),
     )  # fmt: skip
     return report
 

@@ -375,3 +375,17 @@ def test_batched_reads_ray(ray_transport):
     assert isinstance(ray_transport.get_many("rollouts", ["x"])["x"], CorruptMessage)
     assert ray_transport.stats["corrupt"] == before + 1
     ray_transport.delete("rollouts", "x")
+
+
+def test_a_listing_reads_each_commit_marker_once_until_it_is_rewritten(transport):
+    for k in range(20):
+        transport.put("rollouts", f"g{k:02d}", bytes([k]) * 100)
+    first = transport.infos("rollouts")
+    reads = transport.stats["marker_reads"]
+    assert [i.key for i in first] == [f"g{k:02d}" for k in range(20)] and reads >= 20
+    assert transport.infos("rollouts") == first and transport.stats["marker_reads"] == reads  # no round trip each
+    transport.put("rollouts", "g03", b"rewritten, another size")
+    transport.delete("rollouts", "g07")
+    again = {i.key: i for i in transport.infos("rollouts")}
+    assert "g07" not in again and again["g03"].sha256 == checksum(b"rewritten, another size")
+    assert transport.stats["marker_reads"] == reads + 1

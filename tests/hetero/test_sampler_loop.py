@@ -73,3 +73,28 @@ def test_a_sampler_knows_how_long_ago_the_version_it_sends_with_was_published():
     loop.run(max_batches=1)
     batch, version, age = loop.reported
     assert (batch, version) == (0, 0) and 0.3 <= age < 5
+
+
+def test_a_sampler_pauses_while_a_learner_that_promised_to_refresh_its_status_is_silent(capsys):
+    from verl_ext.hetero.protocol import CONTROL_TOPIC, STATUS_KEY, LearnerStatus
+
+    transport = _exchange()
+    loop = Batches(transport, checkable=False)
+    loop.max_queued_groups = 8
+
+    def status(written_ago_s, refresh_s=5.0, depth=0):
+        record = LearnerStatus(0, depth, refresh_s=refresh_s, written_at=time.time() - written_ago_s)
+        transport.put(CONTROL_TOPIC, STATUS_KEY, record.to_bytes())
+
+    status(2.0)
+    assert not loop.learner_queue_full()  # it keeps its word
+    status(2.0, depth=8)
+    assert loop.learner_queue_full()  # a full queue, as before
+    status(31.0)  # three refreshes and 15 s overdue: crashed, or cut off
+    assert loop.learner_queue_full() and loop.learner_queue_full()
+    assert capsys.readouterr().out.count("overdue") == 1 and loop.stats["learner_silent_pauses"] == 1
+    status(3600.0, refresh_s=0.0)  # promised nothing (the embedded learner writes after steps only)
+    assert not loop.learner_queue_full()
+    # a record from before the fields existed still reads
+    transport.put(CONTROL_TOPIC, STATUS_KEY, b'{"version": 0, "queue_depth": 9}')
+    assert loop.learner_queue_full()

@@ -17,7 +17,7 @@ it as absent (:func:`read_record` returns None) instead of stalling on it.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, fields
 from typing import Optional, TypeVar
 
 from verl_ext.hetero.transport import CorruptMessage, Transport
@@ -102,10 +102,11 @@ class _Record:
         if not isinstance(raw, dict):
             raise ValueError(f"{cls.__name__}: expected a JSON object, got {type(raw).__name__}")
         names = {f.name for f in fields(cls)}
-        missing = names - set(raw)
+        required = {f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING}
+        missing = required - set(raw)
         if missing:
             raise ValueError(f"{cls.__name__}: missing fields {sorted(missing)}")
-        return cls(**{k: raw[k] for k in names})
+        return cls(**{k: raw[k] for k in names if k in raw})
 
 
 @dataclass(frozen=True)
@@ -116,6 +117,18 @@ class LearnerStatus(_Record):
     """The learner's policy version (optimizer steps taken)."""
     queue_depth: int
     """Groups waiting in its buffer; samplers pause while it is >= ``hetero.max_queued_groups``."""
+    refresh_s: float = 0.0
+    """The learner rewrites this record at least this often (0: only after steps)."""
+    written_at: float = 0.0
+    """The learner's wall clock when it wrote this record."""
+
+    def silent_s(self, now: float) -> float:
+        """How long past its promised refresh the learner is silent (0 while it keeps its word, or
+        promised nothing): a learner that crashed, or whose link is cut, writes no more. Generous
+        (three refreshes and 15 s), since samplers' and learner's clocks differ a little."""
+        if self.refresh_s <= 0:
+            return 0.0
+        return max(0.0, now - self.written_at - 3 * self.refresh_s - 15.0)
 
 
 @dataclass(frozen=True)

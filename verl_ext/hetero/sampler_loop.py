@@ -73,6 +73,7 @@ class SamplerLoop:
         self.gumbel_key: bytes | None = None  # the learner's, read with each new version (checkable)
         self._waiting_since: float | None = None  # start-up: since when it waits for the learner
         self._published_at: float | None = None  # when the learner published the version held here
+        self._told_silent = False  # said that the learner's status is overdue (once per silence)
         self._told_waiting = False
         # what exists, undelayed: only the version numbers are read from it, never the weights
         self.published = WeightStore(transport, keep_last=keep_weight_versions)
@@ -85,6 +86,7 @@ class SamplerLoop:
             "weight_loads": 0,
             "stale_wait_s": 0.0,
             "queue_wait_s": 0.0,
+            "learner_silent_pauses": 0,
             "lost_version_reloads": 0,
             **{k: 0 for k in self.WEIGHT_STATS.values()},
         }
@@ -163,11 +165,21 @@ class SamplerLoop:
         return self.skip_stale and published is not None and published - self.version > self.max_delay
 
     def learner_queue_full(self) -> bool:
-        """Back-pressure: the learner's last published queue depth is at ``max_queued_groups``."""
+        """Back-pressure: the learner's last published queue depth is at ``max_queued_groups``,
+        or the learner promised to refresh its status and went silent (crashed, or cut off: what
+        it would train on when back is unknown, and groups made meanwhile pile up on the exchange)."""
         if self.max_queued_groups <= 0:
             return False
         status = read_record(self.transport, LearnerStatus, CONTROL_TOPIC, STATUS_KEY)
-        return status is not None and status.queue_depth >= self.max_queued_groups
+        if status is None:
+            return False
+        silent = status.silent_s(time.time())
+        if silent > 0 and not self._told_silent:
+            print(f"[{self.sampler_id}] the learner's status is {silent:.0f} s overdue: pausing until it writes again",
+                  flush=True)  # fmt: skip
+            self.stats["learner_silent_pauses"] += 1
+        self._told_silent = silent > 0
+        return silent > 0 or status.queue_depth >= self.max_queued_groups
 
     def stopped(self) -> bool:
         return stop_requested(self.transport)

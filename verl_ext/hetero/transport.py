@@ -85,7 +85,8 @@ class Transport(ABC):
 
     Attributes:
         clock: seconds, stamped into ``MessageInfo.sent_at`` on put; injectable for tests.
-        stats: counters: ``put``, ``get``, ``corrupt`` (checksum or size mismatches seen on get).
+        stats: counters: ``put``, ``get``, ``corrupt`` (checksum or size mismatches seen on get);
+            fsspec also ``marker_reads`` (commit markers read) and ``reconnects``.
     """
 
     def __init__(self, clock: Callable[[], float] = time.time):
@@ -219,6 +220,7 @@ class FsspecTransport(Transport):
         # thread-safe: two threads on one paramiko SFTP client read each other's replies and hang
         self._serial = fsspec.core.split_protocol(url)[0] in ("sftp", "ssh", "ftp")
         self._lock = threading.RLock()
+        self._info_cache: dict[tuple[str, str], tuple[Any, MessageInfo]] = {}  # see infos()
         own = {"skip_instance_cache": True} if self._serial else {}
         self.fs, self.root = fsspec.core.url_to_fs(url, **own, **storage_options)
         self._retrying("makedirs", lambda: self.fs.makedirs(self.root, exist_ok=True))
@@ -311,6 +313,41 @@ class FsspecTransport(Transport):
             if n.endswith(COMMIT_SUFFIX) and not n.startswith(TEMP_PREFIX)
         )
 
+    def infos(self, topic: str) -> list[MessageInfo]:
+        """One listing with sizes and times; a commit marker read once while its size and time
+        stay the same (the learner's inbox lists thousands of groups many times a second, and on
+        a remote server each read is a round trip). A marker rewritten within the server's time
+        resolution at the same size may be listed with its old digest; :meth:`get` always reads
+        the marker afresh, so no bytes are ever returned against a stale digest."""
+        directory = self._dir(check_name("topic", topic))
+
+        def list_once() -> list[dict]:
+            try:
+                return self.fs.ls(directory, detail=True)
+            except FileNotFoundError:
+                return []
+
+        seen, out = {}, []
+        for entry in self._retrying(f"list {topic}", list_once):
+            name = posixpath.basename(str(entry["name"]).rstrip("/"))
+            if not name.endswith(COMMIT_SUFFIX) or name.startswith(TEMP_PREFIX):
+                continue
+            key = name[: -len(COMMIT_SUFFIX)]
+            stamp = entry.get("mtime", entry.get("created"))
+            signature = None if stamp is None else (entry.get("size"), stamp)
+            cached = self._info_cache.get((topic, key))
+            if signature is not None and cached is not None and cached[0] == signature:
+                info = cached[1]
+            else:
+                try:
+                    info = self.info(topic, key)
+                except KeyError:
+                    continue  # deleted while listing
+            seen[(topic, key)] = (signature, info)
+            out.append(info)
+        self._info_cache = {k: v for k, v in self._info_cache.items() if k[0] != topic} | seen
+        return sorted(out, key=lambda i: i.key)
+
     def _cat(self, what: str, path: str) -> bytes:
         """A file's bytes (FileNotFoundError if it is not there), reconnecting as needed."""
         return self._retrying(what, lambda: self._cat_once(path))
@@ -329,6 +366,7 @@ class FsspecTransport(Transport):
             raw = self._cat(f"read {topic}/{key}", commit_path)
         except FileNotFoundError:
             raise KeyError(f"{topic}/{key} is not committed") from None
+        self.stats["marker_reads"] += 1
         try:
             return MessageInfo(**json.loads(raw))
         except (ValueError, TypeError) as err:

@@ -183,6 +183,8 @@ class PoolIngress:
     POLL_S = 0.05
     IDLE_POLL_S = 1.0
     """The longest wait between two reads of an idle exchange (each read lists it: on S3 a request)."""
+    STATUS_REFRESH_S = 5.0
+    """The learner's status is rewritten at least this often; pools pause when it is overdue."""
 
     def __init__(self, config: Any):
         import transfer_queue as tq
@@ -210,7 +212,8 @@ class PoolIngress:
         self._stop = threading.Event()
         self._error: Optional[str] = None
         self.filled = 0
-        self._status: Optional[LearnerStatus] = None
+        self._status: Optional[tuple[int, int]] = None  # (version, queue depth) last written
+        self._status_at = 0.0
         self._thread = threading.Thread(target=self._loop, daemon=True)
 
     def start(self, resume_dir: Optional[str], learner_version: int) -> int:
@@ -354,11 +357,14 @@ class PoolIngress:
         if self.hetero.max_queued_groups <= 0:
             return
         # takeable groups only: withheld ones wait for a later group's check (hold_unchecked), and
-        # pools that paused on them would never send it
-        status = LearnerStatus(version=int(self._version), queue_depth=self.buffer.takeable())
-        if status != self._status:
+        # pools that paused on them would never send it. Rewritten at least every STATUS_REFRESH_S:
+        # pools pause when it is overdue (the learner crashed), instead of filling the exchange
+        now = time.time()
+        state = (int(self._version), self.buffer.takeable())
+        if state != self._status or now - self._status_at >= self.STATUS_REFRESH_S:
+            status = LearnerStatus(*state, refresh_s=self.STATUS_REFRESH_S, written_at=now)
             publish_status(self.transport, status)
-            self._status = status
+            self._status, self._status_at = state, now
 
     def _fill(self, slot: dict, group: Any) -> None:
         from verl.utils.tensordict_utils import list_of_dict_to_tensordict

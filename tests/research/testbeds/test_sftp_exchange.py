@@ -47,6 +47,8 @@ def test_messages_round_trip_over_sftp_and_survive_a_server_restart(server, tmp_
     assert transport.incomplete("rollouts") == []  # nothing half-written left visible or behind
     transport.delete("rollouts", "g0")
     assert transport.keys("rollouts") == ["g1"]
+    listed, reads = transport.infos("rollouts"), transport.stats["marker_reads"]
+    assert transport.infos("rollouts") == listed and transport.stats["marker_reads"] == reads  # one round trip
 
 
 def test_a_server_that_never_answers_ends_in_one_error_naming_the_url(server, tmp_path):
