@@ -134,6 +134,8 @@ class Pool(SamplerLoop):
         self.next_batch = progress.next_batch if progress is not None else 0  # resume after the last claim
         self.tokenizer = hf_tokenizer(settings.actor_rollout_ref.model.path)
         self.dataset = RLHFDataset(str(settings.data.train_files), self.tokenizer, settings.data)
+        self._dataset_index: Optional[dict[tuple[int, ...], int]] = None  # prompt ids -> row (made on first need)
+        self._taken_back: list[str] = []  # re-issue records whose prompts are in the batch being made
         self.llm = LLMServerManager.create(config=settings)
         self.weight_sync = self._weight_sync(settings)
         self.rewards = RewardLoopManager(config=settings)
@@ -178,7 +180,34 @@ class Pool(SamplerLoop):
         n = int(self.cfg.data.train_batch_size)
         rng = np.random.default_rng([self.hetero.seed, self.index + 1, batch_index])
         picks = rng.choice(len(self.dataset), size=n, replace=len(self.dataset) < n)
+        given_back = self._prompts_given_back(n)  # first: they went stale once already
+        picks = [row for _, row in given_back] + [int(i) for i in picks[: n - len(given_back)]]
+        self._taken_back = [key for key, _ in given_back]
         return DataProto.from_single_dict(collate_fn([self.dataset[int(i)] for i in picks]))
+
+    def _prompts_given_back(self, n: int) -> list[tuple[str, int]]:
+        """Up to ``n`` prompts the learner gave back to this pool (``hetero.reissue_stale_prompts``),
+        as (record key, dataset row). A prompt not in this pool's ``data.train_files`` is dropped
+        with one line naming it."""
+        from .verl_engine.pool_ingress import chat_prompt_ids
+        from verl_ext.hetero.protocol import REISSUE_TOPIC, reissues_for
+
+        out = []
+        for key, record in reissues_for(self.transport, self.sampler_id)[:n]:
+            if self._dataset_index is None:
+                self._dataset_index = {
+                    tuple(chat_prompt_ids(self.tokenizer, self.dataset[i]["raw_prompt"])): i
+                    for i in range(len(self.dataset))
+                }  # fmt: skip
+            row = self._dataset_index.get(tuple(record.prompt_ids))
+            if row is None:
+                print(
+                    f"[pool {self.index}] {REISSUE_TOPIC}/{key}: a prompt not in data.train_files, dropped", flush=True
+                )
+                self.transport.delete(REISSUE_TOPIC, key)
+                continue
+            out.append((key, row))
+        return out
 
     def generate_batch(self, batch_index: int) -> list:
         from .verl_engine.pool_groups import PRECISION_OF_DTYPE, groups_from_agent_output
@@ -192,11 +221,17 @@ class Pool(SamplerLoop):
         return groups_from_agent_output(out, g, uids, self.sampler_id, precision)
 
     def on_batch_sent(self, batch_index: int, groups: list) -> None:
+        from verl_ext.hetero.protocol import REISSUE_TOPIC
+
+        if self._taken_back:  # their prompts went out again: done (a crash before this redoes them)
+            self.transport.delete_many(REISSUE_TOPIC, self._taken_back)
         rewards = np.mean([group.rewards.mean() for group in groups])
         age = self.version_age_s()
         print(f"[pool {self.index}] batch {batch_index}: {len(groups)} groups, version {self.version}"
               + ("" if age is None else f" (published {age:.1f} s before)")
+              + (f", {len(self._taken_back)} prompts given back" if self._taken_back else "")
               + f", mean reward {rewards:.3f}", flush=True)  # fmt: skip
+        self._taken_back = []
 
     def run(self, max_batches: int | None = None) -> dict[str, Any]:
         start = self.next_batch

@@ -35,6 +35,7 @@ ORDERS = ("oldest", "newest")
 TRANSPORTS = ("ray", "fs")
 WEIGHT_SYNCS = ("full", "delta")
 PRECISIONS = ("fp32", "bf16")
+DEFAULT_REISSUES = 2  # hetero.reissue_stale_prompts
 DEVICE_PATTERN = re.compile(r"cpu|cuda(:[0-9]+)?")
 
 
@@ -247,6 +248,14 @@ class HeteroConfig:
     Dropped as hetero/dropped/over_quota, without loss of trust (order=newest: a newer group replaces the sampler's
     oldest). null = (max_delay + 1) x data.train_batch_size, the most the learner can train on before they go stale.
     It bounds what a flooding sampler costs the learner (memory, checks) and keeps it from crowding out the others."""
+    reissue_stale_prompts: int = option(
+        DEFAULT_REISSUES,
+        honoured_by=(VERL,),
+        instead="the embedded engine's samplers draw the prompts the learner assigns them",
+    )
+    """Sampler pools (verl engine): times a prompt whose group went stale is given back to the pools; 0 = off.
+    It goes to the pool that filled the most slots, so slow pools and long answers do not drop their prompts
+    from training. A prompt still stale after that is counted in pool/prompts_never_admitted."""
     keep_weight_versions: int = option(
         4,
         honoured_by=(ASYNC, VERL),
@@ -426,6 +435,13 @@ class HeteroConfig:
             raise ValueError(
                 f"hetero.transport_url={self.transport_url!r} is read by hetero.transport=fs only "
                 f"(hetero.transport={self.transport}): set hetero.transport=fs or leave the URL empty"
+            )
+        if self.reissue_stale_prompts < 0:
+            raise ValueError(f"hetero.reissue_stale_prompts={self.reissue_stale_prompts} must be >= 0 (0 = off)")
+        if self.reissue_stale_prompts != DEFAULT_REISSUES and self.transport != "fs":
+            raise ValueError(
+                f"hetero.reissue_stale_prompts={self.reissue_stale_prompts} is read with sampler pools only "
+                f"(hetero.transport=fs; here {self.transport})"
             )
         if not 1 <= self.num_samplers <= MAX_SAMPLERS:
             raise ValueError(

@@ -5,7 +5,7 @@ the exchange; none lost, none trained twice.
     python -m research.testbeds.pool_star_run --steps 8 --rate-mbit 100 --out runs/star [--no-faults]
 
 Faults, each when the learner reaches a step (``FAULTS``): pool 1 joins late; pool 1 is killed
-(its node's processes, SIGKILL) and started again; pool 0's link is cut for 30 s, then healed; the
+(its node's processes, SIGKILL) once it has sent two batches, and started again; pool 0's link is cut for 30 s, then healed; the
 exchange server is killed with its sessions and restarted; the learner node is killed and the
 learner resumed from its checkpoint while the pools keep generating. Prints one JSON report (also
 ``report.json`` under ``--out``); exit status 1 when a group was lost or trained twice.
@@ -44,8 +44,10 @@ CUT_S, EXCHANGE_DOWN_S, POOL_DOWN_S = 30.0, 5.0, 5.0
 class Star:
     """The processes of one run: the learner and the pools, each in its node, logs under ``out``."""
 
-    def __init__(self, out: Path, steps: int, env: dict, shared: list[str], keys: dict[str, Path], enrolment: Path):
+    def __init__(self, out: Path, steps: int, env: dict, shared: list[str], keys: dict[str, Path], enrolment: Path,
+                 slow_factor: float = 1.0):  # fmt: skip
         self.out, self.steps, self.env, self.shared, self.keys = out, steps, env, shared, keys
+        self.slow_factor = slow_factor
         self.enrolment = enrolment
         self.procs: dict[str, subprocess.Popen] = {}
         self.launches: dict[str, int] = {}
@@ -66,7 +68,8 @@ class Star:
 
     def start_pool(self, role: str) -> None:
         index = POOL_INDEX[role]
-        self._start(role, [sys.executable, "-m", "recipe.gepo.pool", "--index", str(index),
+        speed = self.slow_factor if role == "pool1" else 1.0  # pool 1 on slower hardware
+        self._start(role, [sys.executable, "-m", "recipe.gepo.pool", "--index", str(index), "--speed-factor", str(speed),
                            "--key", str(self.keys[role]), *self.shared])  # fmt: skip
 
     def kill_node(self, role: str) -> None:
@@ -77,6 +80,11 @@ class Star:
             except ProcessLookupError:
                 pass
         self.procs[role].wait(timeout=60)
+
+    def batches_sent(self, role: str) -> int:
+        """Batch lines in the log of ``role``'s current launch."""
+        log = self.out / f"{role}.{self.launches.get(role, 0)}.log"
+        return log.read_text().count("] batch ") if log.is_file() else 0
 
     def step(self) -> int:
         metrics = self.out / "run" / "metrics.jsonl"
@@ -131,7 +139,18 @@ def publish_to_first_group(logs: list[Path]) -> dict:
     return {"versions": len(later), "median": statistics.median(later), "min": min(later), "max": max(later)}
 
 
-def run(out: Path, steps: int, rate_mbit: float, faults: bool) -> dict:
+def run(
+    out: Path,
+    steps: int,
+    rate_mbit: float,
+    faults: bool,
+    pools: int = 2,
+    slow_factor: float = 1.0,
+    overrides: Sequence[str] = (),
+) -> dict:
+    """One run (see the module docstring); ``pools``: 1 or 2 without faults (the faults need both)."""
+    if faults and pools != 2:
+        raise ValueError(f"--pools {pools}: the fault schedule needs both pools")
     shutil.rmtree(out, ignore_errors=True)  # the run's own folder: keys, logs, run dir
     out.mkdir(parents=True)
     srv = star.up(rate_mbit)
@@ -141,10 +160,10 @@ def run(out: Path, steps: int, rate_mbit: float, faults: bool) -> dict:
         "+verl_preset=cpu_toy", "hetero.engine=verl", "hetero.transport=fs",
         f"hetero.transport_url={star.exchange_url(name)}", "hetero.delay.dist=none", "hetero.max_delay=2",
         f"trainer.default_local_dir={out / 'run'}", "hetero.max_queued_groups=8",
-        "hetero.weight_sync=delta", "hetero.weights_bf16=true",
+        "hetero.weight_sync=delta", "hetero.weights_bf16=true", *overrides,
     ]  # fmt: skip
     keys, enrolment = _keys(out, env)
-    s = Star(out, steps, env, shared, keys, enrolment)
+    s = Star(out, steps, env, shared, keys, enrolment, slow_factor)
     done: list[dict] = []
     started = time.monotonic()
 
@@ -156,7 +175,7 @@ def run(out: Path, steps: int, rate_mbit: float, faults: bool) -> dict:
         s.start_learner()
         time.sleep(5)  # the learner clears the exchange's old groups when it starts
         s.start_pool("pool0")
-        if not faults:
+        if not faults and pools == 2:
             s.start_pool("pool1")
         pending = list(FAULTS) if faults else []
         heal_at = None
@@ -170,7 +189,9 @@ def run(out: Path, steps: int, rate_mbit: float, faults: bool) -> dict:
                 if s.procs["learner"].returncode == 0 or s.launches["learner"] > 2:
                     break
                 raise RuntimeError(f"the learner exited ({s.procs['learner'].returncode}) outside a fault")
-            if pending and s.step() >= pending[0][0]:
+            if pending and pending[0][1] == "pool1 killed and restarted" and s.batches_sent("pool1") < 2:
+                pass  # killed mid-run: once its launch has sent batches, not while it starts
+            elif pending and s.step() >= pending[0][0]:
                 _, fault = pending.pop(0)
                 note(fault)
                 if fault == "pool1 joins late":
@@ -197,7 +218,8 @@ def run(out: Path, steps: int, rate_mbit: float, faults: bool) -> dict:
             for pid in sc.netns_pids(star.netns(role)):
                 os.kill(pid, signal.SIGKILL)
     report = judge(out, name, steps)
-    report.update(faults=done, learner_rc=learner_rc, pools_rc=pools_rc, rate_mbit=rate_mbit,
+    report.update(faults=done, learner_rc=learner_rc, pools_rc=pools_rc, rate_mbit=rate_mbit, pool_count=pools,
+                  slow_factor=slow_factor, overrides=list(overrides),
                   wall_s=round(time.monotonic() - started, 1))  # fmt: skip
     srv.stop()
     (out / "report.json").write_text(json.dumps(report, indent=1))
@@ -233,7 +255,12 @@ def judge(out: Path, name: str, steps: int) -> dict:
         checked=last.get("trust/checked"), failed=last.get("trust/failed"),
         versions_fetched=last.get("pool/versions_fetched"), version_fetch_errors=last.get("pool/version_fetch_errors"),
         median_step_s=statistics.median(r["timing_s/step"] for r in rows if "timing_s/step" in r),
+        # the share of a step the learner waited for groups (verl's timing_s/gen: the slots being
+        # filled), steps 2 on (step 1 waits for the pools' first version)
+        idle_fraction=statistics.median(r["timing_s/gen"] / r["timing_s/step"] for r in rows[1:]) if rows[1:] else None,
         publish_to_first_group_s=publish_to_first_group(sorted(out.glob("pool*.log"))),
+        prompts={k.split("/")[-1]: v for k, v in last.items() if k.startswith("pool/prompts_")},
+        mean_response_length=statistics.mean(r["response_length/mean"] for r in rows if "response_length/mean" in r),
     )  # fmt: skip
     return report
 
@@ -244,10 +271,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--rate-mbit", type=float, default=100.0)
     parser.add_argument("--out", type=Path, default=Path("runs/star"))
     parser.add_argument("--no-faults", action="store_true")
+    parser.add_argument("--pools", type=int, choices=(1, 2), default=2, help="without faults: one pool or two")
+    parser.add_argument("--slow-factor", type=float, default=1.0, help="pool 1's speed factor (5: 5x slower)")
+    parser.add_argument("overrides", nargs="*", help="hydra overrides for learner and pools")
     parser.add_argument("--keep", action="store_true", help="leave the star up afterwards")
     args = parser.parse_args(argv)
     try:
-        report = run(args.out.resolve(), args.steps, args.rate_mbit, not args.no_faults)
+        report = run(args.out.resolve(), args.steps, args.rate_mbit, not args.no_faults, args.pools,
+                     args.slow_factor, args.overrides)  # fmt: skip
     finally:
         if not args.keep:
             star.down()

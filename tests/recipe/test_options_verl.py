@@ -110,10 +110,11 @@ selectors: how to see it change the plan or the settings handed to verl."""
 OBSERVED_ELSEWHERE = {
     "hetero.dry_run": "tests/recipe/verl_engine/test_presets.py::test_run_with_dry_run_returns_the_plan_and_without_gpus_fails_clearly",
     "task.model": "tests/recipe/verl_engine/test_cpu_smollm2_preset.py::test_both_engines_resolve_task_model_to_the_converted_smollm2",
+    "hetero.reissue_stale_prompts": "tests/recipe/verl_engine/test_prompt_reissue.py::test_the_option_sets_the_learners_limit_and_is_refused_without_pools",
 }
 """Honoured (option, verl) pairs a plan cannot show: ``dry_run`` is what takes the plan (without it
 the engine starts verl's workers), ``task.model`` converts SmolLM2 (a 135M-parameter download's
-worth of work): the test that shows each."""
+worth of work), ``reissue_stale_prompts`` acts in the pools' ingress: the test that shows each."""
 
 ALSO_IN_VERLS_LOOP = {
     "hetero.delay.dist": "tests/cpu/test_verl_trainer.py::test_delays_follow_the_model_and_a_resumed_run_loses_no_step",

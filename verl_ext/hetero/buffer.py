@@ -18,6 +18,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter
+from typing import Callable
 
 import numpy as np
 
@@ -135,6 +136,9 @@ class RolloutBuffer:
         self._window_dropped: Counter[str] = Counter()
         self._window_rejected: Counter[str] = Counter()
         self.last_rejection: RecordRejected | None = None
+        self.on_stale: Callable[[RolloutGroup], None] | None = None
+        """Called (under the buffer's lock: keep it cheap) with each group dropped as stale, e.g.
+        to give its prompt back to the samplers."""
 
     # ---------------------------------------------------------------- producers
     def add(
@@ -352,7 +356,9 @@ class RolloutBuffer:
         return ranked[:n]
 
     def _drop(self, uid: str, reason: str) -> None:
-        self._groups.pop(uid, None)
+        group = self._groups.pop(uid, None)
+        if group is not None and reason.startswith("stale") and self.on_stale is not None:
+            self.on_stale(group)
         self._withheld.discard(uid)
         self.ledger.mark(uid, f"{DROPPED}:{reason}")
         self._window_dropped[reason] += 1

@@ -27,6 +27,7 @@ DELTA_SUFFIX = "_delta"
 ROLLOUT_TOPIC = "rollouts"
 EXPECTED_TOPIC = "expected"
 CONTROL_TOPIC = "control"
+REISSUE_TOPIC = "reissue"
 STOP_KEY = "stop"
 STATUS_KEY = "learner-status"
 GUMBEL_KEY = "gumbel-key"
@@ -153,6 +154,35 @@ class SamplerProgress(_Record):
     """The launch's uid namespace (a fresh one per launch)."""
     next_batch: int
     """The first batch index this launch has not claimed."""
+
+
+@dataclass(frozen=True)
+class Reissue(_Record):
+    """A prompt given back to the samplers (``reissue/<sampler id>.<dropped group uid>``): its
+    group went stale before the learner could train it, so the addressed sampler puts the prompt
+    in its next batch instead of one of its own draws (the verl engine's pools)."""
+
+    prompt_ids: list
+    """The prompt's token ids, as the dropped group carried them."""
+    tries: int
+    """How many times the prompt has been given back, this time included."""
+
+
+def reissues_for(transport: Transport, sampler_id: str) -> list[tuple[str, Reissue]]:
+    """The prompts given back to ``sampler_id``, oldest key first; malformed ones deleted."""
+    out = []
+    for key in transport.keys(REISSUE_TOPIC):
+        if key.startswith(f"{sampler_id}."):
+            record = read_record(transport, Reissue, REISSUE_TOPIC, key)
+            if (
+                record is None
+                or not isinstance(record.prompt_ids, list)
+                or not all(isinstance(t, int) for t in record.prompt_ids)
+            ):
+                transport.delete(REISSUE_TOPIC, key)
+                continue
+            out.append((key, record))
+    return out
 
 
 @dataclass(frozen=True)

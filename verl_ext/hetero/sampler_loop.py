@@ -173,10 +173,11 @@ class SamplerLoop:
         status = read_record(self.transport, LearnerStatus, CONTROL_TOPIC, STATUS_KEY)
         if status is None:
             return False
-        silent = status.silent_s(time.time())
+        now = time.time()
+        silent = status.silent_s(now)
         if silent > 0 and not self._told_silent:
-            print(f"[{self.sampler_id}] the learner's status is {silent:.0f} s overdue: pausing until it writes again",
-                  flush=True)  # fmt: skip
+            print(f"[{self.sampler_id}] the learner's status is {now - status.written_at:.0f} s old (it promised one "
+                  f"every {status.refresh_s:.0f} s): pausing until it writes again", flush=True)  # fmt: skip
             self.stats["learner_silent_pauses"] += 1
         self._told_silent = silent > 0
         return silent > 0 or status.queue_depth >= self.max_queued_groups

@@ -28,9 +28,11 @@ from verl.trainer.ppo.v1.agent_loop_tq import AgentLoopManagerTQ
 
 from ..sections import HeteroConfig
 from .pool_groups import trajectory_fields
+from .prompt_reissue import StalePrompts, group_prompt
 from verl_ext.hetero.buffer import CONSUMED, BufferTimeout, RolloutBuffer
 from verl_ext.hetero.exchange import RolloutInbox
 from verl_ext.hetero.protocol import (
+    REISSUE_TOPIC,
     ROLLOUT_TOPIC,
     LearnerStatus,
     TransportSpec,
@@ -49,6 +51,12 @@ AUDIT_FILE = "pool_trained.jsonl"
 """In the run directory: which pool groups each step trained (:meth:`PoolIngress.mark_trained`)."""
 
 
+def chat_prompt_ids(tokenizer: Any, messages: Any) -> list[int]:
+    """A prompt's token ids as verl's agent loop makes them from a dataset row's chat messages."""
+    ids = tokenizer.apply_chat_template([dict(m) for m in messages], add_generation_prompt=True, tokenize=True)
+    return [int(t) for t in getattr(ids, "input_ids", ids)]
+
+
 class PoolPrompts:
     """The learner's own copy of the training prompts (``data.train_files``), tokenized as verl's
     agent loop does: the answer the trust verifier recomputes rewards against
@@ -64,9 +72,7 @@ class PoolPrompts:
         self.by_text: dict[str, dict] = {}
         self.by_ids: dict[tuple[int, ...], dict] = {}
         for record in frame.to_dict("records"):
-            messages = [dict(m) for m in record[prompt_key]]
-            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-            ids = [int(t) for t in getattr(ids, "input_ids", ids)]
+            ids = chat_prompt_ids(tokenizer, record[prompt_key])
             text = tokenizer.decode(ids, skip_special_tokens=False)
             bos = tokenizer.bos_token
             if bos and text.startswith(bos) and ids and ids[0] == tokenizer.bos_token_id:
@@ -212,6 +218,9 @@ class PoolIngress:
         self._stop = threading.Event()
         self._error: Optional[str] = None
         self.filled = 0
+        self.stale_prompts = StalePrompts.of(hetero)  # given back to the pools
+        self.buffer.on_stale = self.stale_prompts.dropped
+        self._slot_prompt: dict[str, tuple[int, ...]] = {}  # slot uid -> prompt of the group in it
         self._status: Optional[tuple[int, int]] = None  # (version, queue depth) last written
         self._status_at = 0.0
         self._thread = threading.Thread(target=self._loop, daemon=True)
@@ -243,6 +252,7 @@ class PoolIngress:
             restored = len(state["trained"])
         elif resume_dir is None:
             clear_topic(self.transport, ROLLOUT_TOPIC)
+            clear_topic(self.transport, REISSUE_TOPIC)
         clear_stop(self.transport)  # a previous run's marker is not for this one
         self.gate.reload_enrolment()
         self._thread.start()
@@ -277,6 +287,8 @@ class PoolIngress:
         with self._lock:
             groups = [self._slot_group.pop(slot) for slot in slot_uids if slot in self._slot_group]
             self._trained.update(groups)
+            prompts = [self._slot_prompt.pop(slot) for slot in slot_uids if slot in self._slot_prompt]
+        self.stale_prompts.trained(prompts)
         with self.audit_file.open("a") as f:
             f.write(json.dumps({"step": int(step), "groups": sorted(groups)}) + "\n")
         return groups
@@ -314,6 +326,7 @@ class PoolIngress:
         out["pool/groups_filled"] = float(self.filled)
         out["pool/versions_fetched"] = float(self.versions_fetched)  # for re-scoring, digest-checked
         out["pool/version_fetch_errors"] = float(self.version_errors)
+        out.update(self.stale_prompts.metrics())
         return out
 
     def stop(self) -> None:
@@ -329,6 +342,7 @@ class PoolIngress:
                     # sooner then (TrustGate.WAITING_FRACTION), as in the embedded engine's take()
                     self.buffer.set_demand(len(self._slots))
                 busy = self.inbox.poll() > 0
+                self.stale_prompts.give_back(self.transport, self._quarantined())
                 self._publish_status()
                 while self._slots and not self._stop.is_set():
                     try:
@@ -341,8 +355,7 @@ class PoolIngress:
                     busy = True
                 with self._lock:
                     waiting = len(self._slots)
-                quarantined = [p for p, books in self.gate.ledger.samplers.items() if books.quarantined_at is not None]
-                starved = self.watch.tick(waiting, time.monotonic(), quarantined)
+                starved = self.watch.tick(waiting, time.monotonic(), self._quarantined())
                 if starved is not None and self._error is None:
                     self._error = starved  # the trainer stops with it (health(), metrics()); reading goes on
                 wait_s = next_poll_wait(wait_s, busy, self.POLL_S, self.IDLE_POLL_S)
@@ -350,6 +363,9 @@ class PoolIngress:
         except Exception as err:  # surfaced by metrics(), which the trainer calls every step
             self._error = f"{type(err).__name__}: {err}"
             raise
+
+    def _quarantined(self) -> list[str]:
+        return [p for p, books in self.gate.ledger.samplers.items() if books.quarantined_at is not None]
 
     def _publish_status(self) -> None:
         """Back-pressure (``hetero.max_queued_groups``): the learner's queue depth, which pools read
@@ -375,6 +391,8 @@ class PoolIngress:
         self.tq.kv_put(key=slot["uid"], partition_id="train", tag={"status": "finished"})
         with self._lock:
             self._slot_group[slot["uid"]] = group.group_uid
+            self._slot_prompt[slot["uid"]] = group_prompt(group)
+        self.stale_prompts.filled(str(group.sampler_id))
         self.filled += 1
         self.watch.filled(str(group.sampler_id), time.monotonic())
 
