@@ -220,6 +220,11 @@ class Pool(SamplerLoop):
         precision = PRECISION_OF_DTYPE.get(str(self.cfg.actor_rollout_ref.rollout.dtype))
         return groups_from_agent_output(out, g, uids, self.sampler_id, precision)
 
+    def on_weights_loaded(self, version: int) -> None:
+        age = self.version_age_s()
+        print(f"[pool {self.index}] version {version} loaded" + ("" if age is None else f", {age:.1f} s after it was published"),
+              flush=True)  # fmt: skip
+
     def on_batch_sent(self, batch_index: int, groups: list) -> None:
         from verl_ext.hetero.protocol import REISSUE_TOPIC
 
@@ -229,7 +234,7 @@ class Pool(SamplerLoop):
         age = self.version_age_s()
         print(f"[pool {self.index}] batch {batch_index}: {len(groups)} groups, version {self.version}"
               + ("" if age is None else f" (published {age:.1f} s before)")
-              + (f", {len(self._taken_back)} prompts given back" if self._taken_back else "")
+              + (f", {len(self._taken_back)} of them given back" if self._taken_back else "")
               + f", mean reward {rewards:.3f}", flush=True)  # fmt: skip
         self._taken_back = []
 

@@ -123,14 +123,17 @@ def sent_groups(logs: list[Path]) -> tuple[set[str], set[str]]:
     return sure, maybe
 
 
-def publish_to_first_group(logs: list[Path]) -> dict:
+BATCH_SENT = r"\] batch \d+: \d+ groups, version (\d+) \(published ([\d.]+) s before\)"
+LOADED = r"\] version (\d+) loaded, ([\d.]+) s after it was published"
+
+
+def publish_to_first_group(logs: list[Path], pattern: str = BATCH_SENT) -> dict:
     """Seconds from the learner publishing a version to the first batch sent with it, per version
-    (the earliest over the pools), from the pools' batch lines; their median and range."""
+    (the earliest over the pools), from the pools' batch lines; their median and range. With
+    :data:`LOADED`: to the version being loaded into a pool's servers."""
     first: dict[int, float] = {}
     for log in logs:
-        for m in re.finditer(
-            r"\] batch \d+: \d+ groups, version (\d+) \(published ([\d.]+) s before\)", log.read_text()
-        ):
+        for m in re.finditer(pattern, log.read_text()):
             version, age = int(m.group(1)), float(m.group(2))
             first[version] = min(age, first.get(version, age))
     later = [age for version, age in first.items() if version > 0]  # version 0 waits for the pools to start
@@ -259,6 +262,7 @@ def judge(out: Path, name: str, steps: int) -> dict:
         # filled), steps 2 on (step 1 waits for the pools' first version)
         idle_fraction=statistics.median(r["timing_s/gen"] / r["timing_s/step"] for r in rows[1:]) if rows[1:] else None,
         publish_to_first_group_s=publish_to_first_group(sorted(out.glob("pool*.log"))),
+        publish_to_loaded_s=publish_to_first_group(sorted(out.glob("pool*.log")), LOADED),
         prompts={k.split("/")[-1]: v for k, v in last.items() if k.startswith("pool/prompts_")},
         mean_response_length=statistics.mean(r["response_length/mean"] for r in rows if "response_length/mean" in r),
     )  # fmt: skip

@@ -117,6 +117,7 @@ class SamplerLoop:
             self.version = version
             self.stats["weight_loads"] += 1
             self._published_at = self._publish_time(version)
+            self.on_weights_loaded(version)
         if self.checkable and (newest is not None or self.gumbel_key is None):
             # written before the learner's first version; re-read with each version (a learner that
             # resumed keeps its secret, so its key is the same)
@@ -139,6 +140,9 @@ class SamplerLoop:
 
     def on_batch_sent(self, batch_index: int, groups: list[RolloutGroup]) -> None:
         """Called after a batch's groups went out; a subclass reports progress here."""
+
+    def on_weights_loaded(self, version: int) -> None:
+        """Called after ``version`` was loaded (:meth:`version_age_s` says how long after its publish)."""
 
     STARTUP_NOTICE_S = 60.0
     """After this long without the learner's first version (or seed key), the sampler says what it waits for."""

@@ -85,13 +85,14 @@ class StalePrompts:
         return written
 
     def metrics(self) -> dict[str, float]:
-        """``pool/prompts_*``: distinct prompts trained and gone stale this run, re-issues written,
-        and prompts still stale after ``limit`` re-issues and never trained."""
+        """``pool/prompts_*``: distinct prompts trained, gone stale, and gone stale but trained later
+        this run; re-issues written; prompts still stale after ``limit`` re-issues and never trained."""
         with self._lock:
             given_up = {p for p, tries in self._tries.items() if tries > self.limit}
             return {
                 "pool/prompts_trained": float(len(self._trained)),
                 "pool/prompts_dropped_stale": float(len(self._stale)),
+                "pool/prompts_stale_then_trained": float(len(self._stale & self._trained)),
                 "pool/prompts_reissued": float(self.given_back),
                 "pool/prompts_never_admitted": float(len(given_up - self._trained)),
             }

@@ -57,6 +57,7 @@ def test_a_prompt_is_given_back_at_most_limit_times_then_reported_never_admitted
     assert metrics["pool/prompts_dropped_stale"] == 1
     books.trained([group_prompt(build_group("g-late", version=0, seed=7))])  # trained after all
     assert books.metrics()["pool/prompts_never_admitted"] == 0
+    assert books.metrics()["pool/prompts_stale_then_trained"] == 1
 
 
 def test_a_trained_prompt_is_not_given_back_and_limit_zero_gives_nothing_back():

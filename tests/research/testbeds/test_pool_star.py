@@ -56,3 +56,14 @@ def test_a_learner_and_two_pools_over_real_links_lose_no_group_through_every_fau
     assert report["trained"] == 8 * 4 and report["refused"] == 0 and report["failed"] == 0
     assert report["exchange_reconnects"] >= 1  # the server restart was reconnected through, not waited out
     assert report["version_fetch_errors"] == 0
+
+
+def test_the_judge_reads_when_each_version_reached_a_pool(tmp_path):
+    log = _log(tmp_path, "pool0.1.log", (
+        "[pool 32] version 0 loaded, 40.0 s after it was published\n"
+        "[pool 32] version 1 loaded, 0.8 s after it was published\n"
+        "[pool 32] version 3 loaded, 1.2 s after it was published\n"
+    ))  # fmt: skip
+    other = _log(tmp_path, "pool1.1.log", "[pool 33] version 1 loaded, 0.5 s after it was published\n")
+    timing = pool_star_run.publish_to_first_group([log, other], pool_star_run.LOADED)
+    assert timing == {"versions": 2, "median": 0.85, "min": 0.5, "max": 1.2}
