@@ -173,7 +173,8 @@ class Pool(SamplerLoop):
         self.weight_source.set_state({})
 
     def prompts(self, batch_index: int) -> Any:
-        """The prompts of batch ``batch_index``: a pure function of (seed, index, batch)."""
+        """The prompts of batch ``batch_index``: those the learner gave back first, the rest a pure
+        function of (seed, index, batch)."""
         from verl import DataProto
         from verl.utils.dataset.rl_dataset import collate_fn
 

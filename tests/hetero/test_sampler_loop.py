@@ -92,7 +92,10 @@ def test_a_sampler_pauses_while_a_learner_that_promised_to_refresh_its_status_is
     assert loop.learner_queue_full()  # a full queue, as before
     status(31.0)  # three refreshes and 15 s overdue: crashed, or cut off
     assert loop.learner_queue_full() and loop.learner_queue_full()
-    assert capsys.readouterr().out.count("s old (it promised one every 5 s)") == 1 and loop.stats["learner_silent_pauses"] == 1
+    assert (
+        capsys.readouterr().out.count("s old (it promised one every 5 s)") == 1
+        and loop.stats["learner_silent_pauses"] == 1
+    )
     status(3600.0, refresh_s=0.0)  # promised nothing (the embedded learner writes after steps only)
     assert not loop.learner_queue_full()
     # a record from before the fields existed still reads

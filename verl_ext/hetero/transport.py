@@ -2,8 +2,8 @@
 
 One interface, two backends, chosen by config (:func:`make_transport`): :class:`FsspecTransport`
 over any fsspec URL (a plain path, NFS, ``memory://`` for tests, ``s3://`` with s3fs, ``sftp://``
-with paramiko; a dropped server is reconnected to), for samplers in separate jobs or data centres; :class:`RayTransport` over Ray's object
-store, for one Ray cluster. A message is addressed by ``(topic, key)`` and carries a SHA-256 and
+with paramiko; a dropped server is reconnected to), for samplers in separate jobs or data
+centres; :class:`RayTransport` over Ray's object store, for one Ray cluster. A message is addressed by ``(topic, key)`` and carries a SHA-256 and
 the sender's timestamp (:class:`MessageInfo`). Writes are atomic: payload to a temporary name,
 renamed, then a small commit marker (size, checksum). Readers list committed keys only, so a writer
 killed at any point leaves nothing visible; a committed payload that no longer matches its
