@@ -2,12 +2,13 @@
 judged by the transport's acknowledgements: every group a pool sent is trained once or still on
 the exchange; none lost, none trained twice.
 
-    python -m research.testbeds.pool_star_run --steps 8 --rate-mbit 100 --out runs/star [--no-faults]
+    python -m research.testbeds.pool_star_run --steps 24 --rate-mbit 100 --out runs/star [--no-faults]
 
-Faults, each when the learner reaches a step (``FAULTS``): pool 1 joins late; pool 1 is killed
-(its node's processes, SIGKILL) once it has sent two batches, and started again; pool 0's link is cut for 30 s, then healed; the
-exchange server is killed with its sessions and restarted; the learner node is killed and the
-learner resumed from its checkpoint while the pools keep generating. Prints one JSON report (also
+Faults, in order (``FAULTS``), each while the learner trains and the pools it hits send: pool 1
+joins late; pool 0 is killed (its node's processes, SIGKILL) and started again; pool 1's link is cut
+for 30 s, then healed; the exchange server is killed with its sessions and restarted; the learner
+node is killed and the learner resumed from its checkpoint while the pools keep generating. The run
+needs steps enough for all of them (24 on this 2-core VM). Prints one JSON report (also
 ``report.json`` under ``--out``); exit status 1 when a group was lost or trained twice.
 """
 
@@ -31,12 +32,12 @@ from . import slurm_cluster as sc
 
 ROOT = Path(__file__).resolve().parents[2]
 POOL_INDEX = {"pool0": 32, "pool1": 33}
-FAULTS = (  # (learner step reached, fault)
-    (1, "pool1 joins late"),
-    (2, "pool1 killed and restarted"),
-    (3, "pool0 link cut 30 s"),
-    (4, "exchange server restarted"),
-    (5, "learner killed and resumed"),
+FAULTS = (
+    "pool1 joins late",  # at step 1
+    "pool0 killed and restarted",  # at step 2, once pool 0 has sent two batches
+    "pool1 link cut 30 s",  # once pool 1 (joined late) has sent two batches
+    "exchange server restarted",  # a step later
+    "learner killed and resumed",  # a step later, the link healed, the restarted pool 0 sending
 )
 CUT_S, EXCHANGE_DOWN_S, POOL_DOWN_S = 30.0, 5.0, 5.0
 
@@ -185,26 +186,35 @@ def run(
         deadline = time.monotonic() + 900 + 120 * steps
         while time.monotonic() < deadline:
             if heal_at and time.monotonic() >= heal_at:
-                star.heal("pool0")
-                note("pool0 link healed")
+                star.heal("pool1")
+                note("pool1 link healed")
                 heal_at = None
             if s.procs["learner"].poll() is not None:
                 if s.procs["learner"].returncode == 0 or s.launches["learner"] > 2:
                     break
                 raise RuntimeError(f"the learner exited ({s.procs['learner'].returncode}) outside a fault")
-            if pending and pending[0][1] == "pool1 killed and restarted" and s.batches_sent("pool1") < 2:
-                pass  # killed mid-run: once its launch has sent batches, not while it starts
-            elif pending and s.step() >= pending[0][0]:
-                _, fault = pending.pop(0)
+            last_step = done[-1]["at_step"] if done else 0
+            ready = (
+                pending
+                and {  # each fault mid-run: pools killed or cut while they send, not as they start
+                    "pool1 joins late": s.step() >= 1,
+                    "pool0 killed and restarted": s.step() >= 2 and s.batches_sent("pool0") >= 2,
+                    "pool1 link cut 30 s": s.batches_sent("pool1") >= 2,
+                    "exchange server restarted": s.step() > last_step,
+                    "learner killed and resumed": s.step() > last_step and not heal_at and s.batches_sent("pool0") >= 1,
+                }[pending[0]]
+            )
+            if ready:
+                fault = pending.pop(0)
                 note(fault)
                 if fault == "pool1 joins late":
                     s.start_pool("pool1")
-                elif fault == "pool1 killed and restarted":
-                    s.kill_node("pool1")
+                elif fault == "pool0 killed and restarted":
+                    s.kill_node("pool0")
                     time.sleep(POOL_DOWN_S)
-                    s.start_pool("pool1")
-                elif fault == "pool0 link cut 30 s":
-                    star.cut("pool0")
+                    s.start_pool("pool0")
+                elif fault == "pool1 link cut 30 s":
+                    star.cut("pool1")
                     heal_at = time.monotonic() + CUT_S
                 elif fault == "exchange server restarted":
                     srv.restart(down_s=EXCHANGE_DOWN_S)
@@ -216,7 +226,7 @@ def run(
         pools_rc = {role: proc.wait(timeout=300) for role, proc in s.procs.items() if role != "learner"}
     finally:
         if heal_at:
-            star.heal("pool0")
+            star.heal("pool1")
         for role in s.procs:
             for pid in sc.netns_pids(star.netns(role)):
                 os.kill(pid, signal.SIGKILL)
