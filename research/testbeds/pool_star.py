@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 from pathlib import Path
 from typing import Optional, Sequence
@@ -92,8 +93,6 @@ def down() -> None:
     if sc.link_exists(CONFIG.bridge):
         sc._run(["ip", "link", "delete", "dev", CONFIG.bridge])
     server().remove()
-    import shutil
-
     shutil.rmtree(CONFIG.state_dir, ignore_errors=True)
 
 
