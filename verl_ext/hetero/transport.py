@@ -294,24 +294,32 @@ class FsspecTransport(Transport):
         self.stats["put"] += 1
         return info
 
-    def _names(self, topic: str) -> list[str]:
-        """File names in ``topic``'s folder; empty if there is none."""
+    def _listing(self, topic: str, detail: bool) -> list:
+        """``ls`` of ``topic``'s folder (empty if there is none): base names, or with ``detail``
+        fsspec's entries with ``name`` set to the base name (sizes and times cost local folders
+        a stat per file, so only :meth:`infos` asks)."""
         directory = self._dir(check_name("topic", topic))
 
-        def list_once() -> list[str]:
+        def list_once() -> list:
             try:
-                return [posixpath.basename(p.rstrip("/")) for p in self.fs.ls(directory, detail=False)]
+                return self.fs.ls(directory, detail=detail)
             except FileNotFoundError:
                 return []
 
-        return self._retrying(f"list {topic}", list_once)
+        entries = self._retrying(f"list {topic}", list_once)
+        if not detail:
+            return [posixpath.basename(str(path).rstrip("/")) for path in entries]
+        return [dict(e, name=posixpath.basename(str(e["name"]).rstrip("/"))) for e in entries]
+
+    @staticmethod
+    def _committed_key(name: str) -> str | None:
+        """The key whose commit marker ``name`` is, or None (a payload, a temporary)."""
+        if name.endswith(COMMIT_SUFFIX) and not name.startswith(TEMP_PREFIX):
+            return name[: -len(COMMIT_SUFFIX)]
+        return None
 
     def keys(self, topic: str) -> list[str]:
-        return sorted(
-            n[: -len(COMMIT_SUFFIX)]
-            for n in self._names(topic)
-            if n.endswith(COMMIT_SUFFIX) and not n.startswith(TEMP_PREFIX)
-        )
+        return sorted(key for key in map(self._committed_key, self._listing(topic, detail=False)) if key is not None)
 
     def infos(self, topic: str) -> list[MessageInfo]:
         """One listing with sizes and times; a commit marker read once while its size and time
@@ -319,20 +327,11 @@ class FsspecTransport(Transport):
         a remote server each read is a round trip). A marker rewritten within the server's time
         resolution at the same size may be listed with its old digest; :meth:`get` always reads
         the marker afresh, so no bytes are ever returned against a stale digest."""
-        directory = self._dir(check_name("topic", topic))
-
-        def list_once() -> list[dict]:
-            try:
-                return self.fs.ls(directory, detail=True)
-            except FileNotFoundError:
-                return []
-
         seen, out = {}, []
-        for entry in self._retrying(f"list {topic}", list_once):
-            name = posixpath.basename(str(entry["name"]).rstrip("/"))
-            if not name.endswith(COMMIT_SUFFIX) or name.startswith(TEMP_PREFIX):
+        for entry in self._listing(topic, detail=True):
+            key = self._committed_key(entry["name"])
+            if key is None:
                 continue
-            key = name[: -len(COMMIT_SUFFIX)]
             stamp = entry.get("mtime", entry.get("created"))
             signature = None if stamp is None else (entry.get("size"), stamp)
             cached = self._info_cache.get((topic, key))
@@ -396,7 +395,7 @@ class FsspecTransport(Transport):
     def incomplete(self, topic: str) -> list[str]:
         """Names of leftovers from interrupted writes: temporaries and payloads without a
         commit marker."""
-        names = self._names(topic)
+        names = self._listing(topic, detail=False)
         committed = {n[: -len(COMMIT_SUFFIX)] for n in names if n.endswith(COMMIT_SUFFIX)}
         return sorted(
             n
