@@ -190,7 +190,7 @@ class Pool(SamplerLoop):
         """Up to ``n`` prompts the learner gave back to this pool (``hetero.reissue_stale_prompts``),
         as (record key, dataset row). A prompt not in this pool's ``data.train_files`` is dropped
         with one line naming it."""
-        from .verl_engine.pool_ingress import chat_prompt_ids
+        from .verl_engine.pool_groups import chat_prompt_ids
         from verl_ext.hetero.protocol import REISSUE_TOPIC, reissues_for
 
         out = []

@@ -128,7 +128,7 @@ BATCH_SENT = r"\] batch \d+: \d+ groups, version (\d+) \(published ([\d.]+) s be
 LOADED = r"\] version (\d+) loaded, ([\d.]+) s after it was published"
 
 
-def publish_to_first_group(logs: list[Path], pattern: str = BATCH_SENT) -> dict:
+def lag_per_version(logs: list[Path], pattern: str = BATCH_SENT) -> dict:
     """Seconds from the learner publishing a version to the first batch sent with it, per version
     (the earliest over the pools), from the pools' batch lines; their median and range. With
     :data:`LOADED`: to the version being loaded into a pool's servers."""
@@ -271,8 +271,8 @@ def judge(out: Path, name: str, steps: int) -> dict:
         # the share of a step the learner waited for groups (verl's timing_s/gen: the slots being
         # filled), steps 2 on (step 1 waits for the pools' first version)
         idle_fraction=statistics.median(r["timing_s/gen"] / r["timing_s/step"] for r in rows[1:]) if rows[1:] else None,
-        publish_to_first_group_s=publish_to_first_group(sorted(out.glob("pool*.log"))),
-        publish_to_loaded_s=publish_to_first_group(sorted(out.glob("pool*.log")), LOADED),
+        publish_to_first_group_s=lag_per_version(sorted(out.glob("pool*.log"))),
+        publish_to_loaded_s=lag_per_version(sorted(out.glob("pool*.log")), LOADED),
         prompts={k.split("/")[-1]: v for k, v in last.items() if k.startswith("pool/prompts_")},
         mean_response_length=statistics.mean(r["response_length/mean"] for r in rows if "response_length/mean" in r),
     )  # fmt: skip

@@ -23,6 +23,18 @@ PRECISION_OF_DTYPE = {"float32": "fp32", "fp32": "fp32", "bfloat16": "bf16", "bf
 """``actor_rollout_ref.rollout.dtype`` -> the precision a group declares (``sampler_precision``)."""
 
 
+def chat_prompt_ids(tokenizer: Any, messages: Any) -> list[int]:
+    """A prompt's token ids as verl's agent loop makes them from a dataset row's chat messages."""
+    ids = tokenizer.apply_chat_template([dict(m) for m in messages], add_generation_prompt=True, tokenize=True)
+    return [int(t) for t in getattr(ids, "input_ids", ids)]
+
+
+def group_prompt(group: RolloutGroup) -> tuple[int, ...]:
+    """A group's prompt as the token ids it carries (padding left out): how the learner and the
+    pools name a prompt to each other."""
+    return tuple(int(t) for t in group.prompt_ids[group.prompt_mask.astype(bool)])
+
+
 def group_advantages(rewards: np.ndarray) -> np.ndarray:
     """float32 (G,): (r - mean) / (std + 1e-6) over the group. What the record carries; the
     verl learner computes its own advantages from the rewards (``algorithm.adv_estimator``)."""

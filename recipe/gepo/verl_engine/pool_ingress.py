@@ -27,8 +27,8 @@ from tensordict import NonTensorData, NonTensorStack
 from verl.trainer.ppo.v1.agent_loop_tq import AgentLoopManagerTQ
 
 from ..sections import HeteroConfig
-from .pool_groups import trajectory_fields
-from .prompt_reissue import StalePrompts, group_prompt
+from .pool_groups import chat_prompt_ids, group_prompt, trajectory_fields
+from .prompt_reissue import StalePrompts
 from verl_ext.hetero.buffer import CONSUMED, BufferTimeout, RolloutBuffer
 from verl_ext.hetero.exchange import RolloutInbox
 from verl_ext.hetero.protocol import (
@@ -49,12 +49,6 @@ STATE_FILE = "pool_ingress.json"
 """In each checkpoint folder: the uids of the groups trained up to it (never admitted again)."""
 AUDIT_FILE = "pool_trained.jsonl"
 """In the run directory: which pool groups each step trained (:meth:`PoolIngress.mark_trained`)."""
-
-
-def chat_prompt_ids(tokenizer: Any, messages: Any) -> list[int]:
-    """A prompt's token ids as verl's agent loop makes them from a dataset row's chat messages."""
-    ids = tokenizer.apply_chat_template([dict(m) for m in messages], add_generation_prompt=True, tokenize=True)
-    return [int(t) for t in getattr(ids, "input_ids", ids)]
 
 
 class PoolPrompts:
@@ -211,7 +205,7 @@ class PoolIngress:
         self.inbox = RolloutInbox(self.transport, self.buffer, enrolment=self.gate.enrolment, gate=self.gate)
         self._lock = threading.Lock()
         self._slots: list[dict] = []
-        self._slot_group: dict[str, str] = {}  # slot uid -> group uid written into it
+        self._slot_group: dict[str, tuple[str, tuple[int, ...]]] = {}  # slot uid -> (group uid, its prompt)
         self._trained: set[str] = set()  # group uids trained (this run, resumes included)
         self._checkpointed: set[str] = set()  # those the last checkpoint holds
         self._version = 0
@@ -220,7 +214,6 @@ class PoolIngress:
         self.filled = 0
         self.stale_prompts = StalePrompts.of(hetero)  # given back to the pools
         self.buffer.on_stale = self.stale_prompts.dropped
-        self._slot_prompt: dict[str, tuple[int, ...]] = {}  # slot uid -> prompt of the group in it
         self._status: Optional[tuple[int, int]] = None  # (version, queue depth) last written
         self._status_at = 0.0
         self._thread = threading.Thread(target=self._loop, daemon=True)
@@ -286,13 +279,13 @@ class PoolIngress:
         the audit that no group is trained twice). Returns their uids."""
         with self._lock:
             missing = [slot for slot in slot_uids if slot not in self._slot_group]
-            groups = [self._slot_group.pop(slot) for slot in slot_uids if slot in self._slot_group]
+            filled = [self._slot_group.pop(slot) for slot in slot_uids if slot in self._slot_group]
+            groups = [group for group, _ in filled]
             self._trained.update(groups)
-            prompts = [self._slot_prompt.pop(slot) for slot in slot_uids if slot in self._slot_prompt]
         if missing:  # the audit misses them: say so (docs/scale-out.md, an open gap after a resume)
             print(f"[pool ingress] step {step}: {len(missing)} of {len(slot_uids)} trained slots hold no "
                   f"group this ingress filled, e.g. {missing[:2]}", flush=True)  # fmt: skip
-        self.stale_prompts.trained(prompts)
+        self.stale_prompts.trained(prompt for _, prompt in filled)
         with self.audit_file.open("a") as f:
             f.write(json.dumps({"step": int(step), "groups": sorted(groups)}) + "\n")
         return groups
@@ -389,13 +382,12 @@ class PoolIngress:
     def _fill(self, slot: dict, group: Any) -> None:
         from verl.utils.tensordict_utils import list_of_dict_to_tensordict
 
-        prompt_ids = group.prompt_ids[group.prompt_mask.astype(bool)]
-        keys, fields, tags = trajectory_fields(group, slot, self.prompts.data_fields(prompt_ids))
+        prompt = group_prompt(group)
+        keys, fields, tags = trajectory_fields(group, slot, self.prompts.data_fields(prompt))
         self.tq.kv_batch_put(keys=keys, fields=list_of_dict_to_tensordict(fields), tags=tags, partition_id="train")
         self.tq.kv_put(key=slot["uid"], partition_id="train", tag={"status": "finished"})
         with self._lock:
-            self._slot_group[slot["uid"]] = group.group_uid
-            self._slot_prompt[slot["uid"]] = group_prompt(group)
+            self._slot_group[slot["uid"]] = (group.group_uid, prompt)
         self.stale_prompts.filled(str(group.sampler_id))
         self.filled += 1
         self.watch.filled(str(group.sampler_id), time.monotonic())

@@ -10,17 +10,12 @@ admitted (``pool/prompts_never_admitted``).
 from __future__ import annotations
 
 import threading
-from collections import Counter
+from collections import Counter, deque
 from typing import Any, Iterable
 
+from .pool_groups import group_prompt
 from verl_ext.hetero.protocol import REISSUE_TOPIC, Reissue
 from verl_ext.hetero.transport import Transport
-
-
-def group_prompt(group: Any) -> tuple[int, ...]:
-    """A group's prompt as the token ids it carries (padding left out): how the learner and the
-    pools name a prompt to each other."""
-    return tuple(int(t) for t in group.prompt_ids[group.prompt_mask.astype(bool)])
 
 
 class StalePrompts:
@@ -35,7 +30,7 @@ class StalePrompts:
     def __init__(self, limit: int):
         self.limit = int(limit)
         self._lock = threading.Lock()
-        self._pending: list[Any] = []  # stale groups not yet handled
+        self._pending: deque[Any] = deque()  # stale groups not yet handled
         self._tries: dict[tuple[int, ...], int] = {}  # prompt -> times it went stale (past limit: given up)
         self._stale: set[tuple[int, ...]] = set()
         self._trained: set[tuple[int, ...]] = set()
@@ -65,7 +60,7 @@ class StalePrompts:
         slots that is not ``quarantined`` (else to the group's own pool). Returns how many."""
         written = 0
         while self._pending:
-            group = self._pending.pop(0)
+            group = self._pending.popleft()
             prompt = group_prompt(group)
             with self._lock:
                 self._stale.add(prompt)

@@ -6,7 +6,8 @@ import uuid
 
 import numpy as np
 
-from recipe.gepo.verl_engine.prompt_reissue import StalePrompts, group_prompt
+from recipe.gepo.verl_engine.pool_groups import group_prompt
+from recipe.gepo.verl_engine.prompt_reissue import StalePrompts
 from verl_ext.hetero.buffer import RolloutBuffer
 from verl_ext.hetero.protocol import REISSUE_TOPIC, Reissue, TransportSpec, reissues_for
 from verl_ext.hetero.records import RecordSpec

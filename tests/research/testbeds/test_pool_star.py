@@ -30,7 +30,7 @@ def test_the_judge_reads_what_each_launch_of_a_pool_sent(tmp_path):
     # the killed launch's last batch line may have been printed with its groups half sent
     assert maybe == {f"r33-a-b1-{i}" for i in range(4)}
     assert sure == {f"r33-a-b0-{i}" for i in range(4)} | {f"r33-b-b{b}-{i}" for b in (2, 3) for i in range(2)}
-    timing = pool_star_run.publish_to_first_group([killed, restarted])
+    timing = pool_star_run.lag_per_version([killed, restarted])
     assert timing == {"versions": 2, "median": 2.0, "min": 1.5, "max": 2.5}  # versions 1 and 2, earliest batch each
 
 
@@ -67,5 +67,5 @@ def test_the_judge_reads_when_each_version_reached_a_pool(tmp_path):
         "[pool 32] version 3 loaded, 1.2 s after it was published\n"
     ))  # fmt: skip
     other = _log(tmp_path, "pool1.1.log", "[pool 33] version 1 loaded, 0.5 s after it was published\n")
-    timing = pool_star_run.publish_to_first_group([log, other], pool_star_run.LOADED)
+    timing = pool_star_run.lag_per_version([log, other], pool_star_run.LOADED)
     assert timing == {"versions": 2, "median": 0.85, "min": 0.5, "max": 1.2}
