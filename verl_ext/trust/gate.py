@@ -122,6 +122,9 @@ class TrustGate:
         # content digest of every accepted group and every group passed over -> the sampler whose
         # passed check it earned ("" when none: unchecked, passed over, or its credit withdrawn)
         self._contents: dict[str, str] = {}
+        # ... and -> the uid it first came under: the same uid read again after a learner resume
+        # (admitted, not yet trained at the checkpoint) is that group again, not a copy of it
+        self._content_uids: dict[str, str] = {}
         self.passed_over_counts: Counter[str] = Counter()  # sampler -> groups dropped unchecked over its quota
         self.lost_versions: set[int] = set()  # version numbers a crashed learner published past its checkpoint
         self.check_cpu_s = 0.0  # CPU seconds of the verifier's checks, wherever they ran
@@ -138,8 +141,8 @@ class TrustGate:
         self._over_quota_checks: dict[str, int] = {}  # sampler -> learner version of its last one
         # digest -> whether a copy arrived: groups between begin and finish (awaiting their verdict)
         self._awaiting: dict[str, bool] = {}
-        # (sampler, batch, slot) of every group accepted or passed over, and of those awaiting a verdict
-        self._slots: set[tuple[str, int, int]] = set()
+        # (sampler, batch, slot) of every group accepted or passed over -> its uid; of those awaiting a verdict
+        self._slots: dict[tuple[str, int, int], str] = {}
         self._slots_awaiting: set[tuple[str, int, int]] = set()
         # prompts, seeds and slots as the learner assigns them (verl_ext.trust.assignment); off only
         # in research benches that offer one pool of groups under many sampler ids
@@ -240,7 +243,7 @@ class TrustGate:
                 if self.config.checkable_sampling and self.check_assignment:
                     self._check_assigned_seed(group)
             slot = self._slot(group)
-            if slot is not None and (slot in self._slots or slot in self._slots_awaiting):
+            if slot is not None and (self._slots.get(slot, uid) != uid or slot in self._slots_awaiting):
                 # one draw per assigned prompt: a second is another draw of the same prompt (no
                 # blame: sending only the draw it likes is withholding, which no check can see)
                 self.ledger.refused("slot_reused")
@@ -261,7 +264,7 @@ class TrustGate:
                 self._awaiting[digest] = True
                 replayed = True
             else:
-                replayed = digest in self._contents
+                replayed = self._known_copy(digest, uid)
                 if replayed and self._contents[digest]:
                     # the same tokens twice: one of the two copied, and which cannot be told (the
                     # first to arrive may be the copy). The credit the first earned by its check is
@@ -281,6 +284,10 @@ class TrustGate:
         return Admission(
             group, digest, rescore=rescore, lost=lost, replayed=replayed, checks=self.checking, arrival=arrival
         )
+
+    def _known_copy(self, digest: str, uid: str) -> bool:
+        """Whether content ``digest`` was received before under another uid than ``uid``. Lock held."""
+        return digest in self._contents and self._content_uids.get(digest) != uid
 
     def _slot(self, group: RolloutGroup) -> Optional[tuple[str, int, int]]:
         """(sampler, batch, slot) of an assigned group; None for an unassigned one, or with the
@@ -467,7 +474,7 @@ class TrustGate:
             if self._awaiting.pop(admission.digest, False):
                 if credited:
                     self.ledger.withdraw_credit(str(admission.group.sampler_id))
-                self._contents[admission.digest] = ""
+                self._know(admission.digest, admission.group.group_uid, "")
 
     WAITING_FRACTION = 0.5
     """The draw's fraction (if above ``verify_fraction``) for a sampler with withheld groups while
@@ -513,7 +520,8 @@ class TrustGate:
         with self._lock:
             digest = content_digest(group)
             # already known: a copy came while it awaited its verdict, and its credit was withdrawn
-            self._contents[digest] = "" if digest in self._contents else (str(group.sampler_id) if vouched else "")
+            copied = self._known_copy(digest, group.group_uid)
+            self._know(digest, group.group_uid, "" if copied else (str(group.sampler_id) if vouched else ""))
             self._commit_slot(group)
             if not vouched:
                 self._arrivals += 1
@@ -523,7 +531,12 @@ class TrustGate:
         """The group's slot is taken for good (it entered the buffer, or was passed over). Lock held."""
         slot = self._slot(group)
         if slot is not None:
-            self._slots.add(slot)
+            self._slots.setdefault(slot, group.group_uid)
+
+    def _know(self, digest: str, uid: str, vouched_by: str) -> None:
+        """Remember content ``digest`` (its first uid kept), vouched for by ``vouched_by``. Lock held."""
+        self._contents[digest] = vouched_by
+        self._content_uids.setdefault(digest, uid)
 
     def malformed(self, refusal: RecordRejected) -> None:
         """A signed record that does not decode, fails validation or makes a check raise: a failed
@@ -544,7 +557,9 @@ class TrustGate:
         from now on, so a copy under another uid is refused as ``replayed`` (else a replaying
         sampler could pass off an honest group the learner never used as its own)."""
         with self._lock:
-            self._contents.setdefault(content_digest(group), "")
+            digest = content_digest(group)
+            if digest not in self._contents:
+                self._know(digest, group.group_uid, "")
             self.passed_over_counts[str(group.sampler_id)] += 1
             self._commit_slot(group)
 
@@ -585,11 +600,12 @@ class TrustGate:
             return {
                 "ledger": self.ledger.state_dict(),
                 "contents": dict(sorted(self._contents.items())),
+                "content_uids": dict(sorted(self._content_uids.items())),
                 "lost_versions": sorted(self.lost_versions),
                 "passed_over": dict(self.passed_over_counts),
                 "cusum": self.cusum.state_dict(),
                 "arrivals": self._arrivals,
-                "slots": sorted(self._slots),
+                "slots": sorted([*slot, uid] for slot, uid in self._slots.items()),
             }
 
     def load_state_dict(self, state: dict) -> None:
@@ -597,8 +613,12 @@ class TrustGate:
             self.ledger.load_state_dict(state["ledger"])
             contents = state["contents"]  # a list before checks earned credit per content
             self._contents = dict(contents) if isinstance(contents, dict) else dict.fromkeys(contents, "")
+            self._content_uids = dict(state.get("content_uids", {}))  # absent before: every re-read a copy
             self.lost_versions = set(state.get("lost_versions", []))
             self.passed_over_counts = Counter(state.get("passed_over", {}))
             self.cusum.load_state_dict(state.get("cusum", {}))
             self._arrivals = int(state.get("arrivals", 0))
-            self._slots = {(str(s), int(b), int(k)) for s, b, k in state.get("slots", [])}
+            # [sampler, batch, slot, uid]; without the uid (older checkpoints) no uid matches it
+            self._slots = {
+                (str(e[0]), int(e[1]), int(e[2])): str(e[3]) if len(e) > 3 else "" for e in state.get("slots", [])
+            }

@@ -169,6 +169,18 @@ def fetch_published(transport: Any, version: int, sha256: str) -> bytes:
     return message
 
 
+def reopen_restored_slots(tq: Any, partition: str = "train") -> int:
+    """verl restores the slots filled before its checkpoint as finished, and would train their
+    groups from its own copy, unseen by the ingress (no audit; and read again from the exchange,
+    where they stay until trained, trained twice). They become pending: verl issues them again
+    (``_reissue_inflight_prompts``) and the ingress fills them from the exchange. Returns how many."""
+    items = (tq.kv_list(partition) or {}).get(partition, {})
+    keys = [k for k, tag in items.items() if tag.get("is_prompt") and tag.get("status") in ("finished", "failure")]
+    if keys:
+        tq.kv_batch_put(keys=keys, partition_id=partition, tags=[{**items[k], "status": "pending"} for k in keys])
+    return len(keys)
+
+
 def next_poll_wait(current_s: float, busy: bool, fastest_s: float, slowest_s: float) -> float:
     """The wait before the next read of the exchange: the fastest after a read that found or filled
     something, else twice the last, up to ``slowest_s`` (an idle exchange is not listed 20 times a second)."""
@@ -232,6 +244,7 @@ class PoolIngress:
         restored = 0
         if resume_dir is not None:  # the steps after the checkpoint are trained again
             truncate_metrics(self.audit_file, learner_version)
+            reopen_restored_slots(self.tq)
         elif self.audit_file.exists():  # a fresh start in a used run directory
             self.audit_file.rename(self.audit_file.with_suffix(f".{int(time.time())}.jsonl"))
         if resume_dir is not None and (Path(resume_dir) / STATE_FILE).is_file():

@@ -156,6 +156,76 @@ def test_the_learner_recomputes_a_pools_rewards_against_its_own_answers(toy_admi
     assert gate.metrics()["trust/failed"] >= 1
 
 
+def test_a_group_admitted_before_a_checkpoint_but_not_trained_is_admitted_again_after_a_resume(toy_admission):
+    """The ingress restores the gate's books from the checkpoint and reads the exchange again: a
+    group it had admitted but not yet trained comes back under its own uid and is admitted (it
+    was refused as its own replay, and never trained); its content or its batch slot under
+    another uid is still refused."""
+    from recipe.gepo.verl_engine.pool_ingress import admission
+    from verl_ext.hetero.records import RecordRejected
+
+    cfg, hetero, tokenizer, prompts = toy_admission
+    buffer, gate = admission(hetero, cfg, tokenizer, prompts)
+    _, truth = toy_group(tokenizer, prompts, "probe", ["0"])
+    group, _ = toy_group(tokenizer, prompts, "r32-a-b5-0", [truth, "1", "2", "3"])
+    group.batch_index, group.batch_slot = 5, 0
+    gate.accepted(group, gate.admit(group))
+    assert buffer.add(group, validated=True)
+    state = gate.state_dict()  # the checkpoint; the learner crashes before training the group
+
+    _, resumed = admission(hetero, cfg, tokenizer, prompts)
+    resumed.load_state_dict(state)
+    resumed.accepted(group, resumed.admit(group))  # no RecordRejected: the same group again
+    copy, _ = toy_group(tokenizer, prompts, "r32-a-b6-0", [truth, "1", "2", "3"])
+    copy.batch_index, copy.batch_slot = 6, 0
+    with pytest.raises(RecordRejected) as refused:
+        resumed.admit(copy)
+    assert refused.value.reason == "replayed"
+    other, _ = toy_group(tokenizer, prompts, "r32-a-b5-0x", [truth, "2", "1", "0"], row=1)
+    other.batch_index, other.batch_slot = 5, 0
+    with pytest.raises(RecordRejected) as refused:
+        resumed.admit(other)
+    assert refused.value.reason == "slot_reused"
+
+
+def test_slots_verl_restored_as_finished_are_issued_to_the_ingress_again():
+    """verl's checkpoint holds the trainer's TransferQueue: slots the old ingress filled come back
+    finished, and verl would train them from its copy, unseen by the new ingress.
+    reopen_restored_slots makes them pending; verl's own re-issue on resume then clears their
+    trajectories and hands the prompts to the agent loop manager (the pools' ingress) again."""
+    import ray
+    import torch
+    import transfer_queue as tq
+    from omegaconf import OmegaConf
+    from tensordict import TensorDict
+    from verl.trainer.ppo.v1.trainer_base import PPOTrainer
+
+    from recipe.gepo.verl_engine.pool_ingress import reopen_restored_slots
+
+    issued = []
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    try:
+        tq.init(OmegaConf.create({"backend": {"SimpleStorage": {"num_data_storage_units": 1}}}))
+        rows = TensorDict({"input_ids": torch.zeros(3, 4, dtype=torch.long)}, batch_size=3)
+        tags = [{"is_prompt": True, "status": s, "global_steps": 3} for s in ("finished", "pending", "finished")]
+        tq.kv_batch_put(keys=["filled", "waiting", "failed"], partition_id="train", fields=rows, tags=tags)
+        tq.kv_put(key="failed", partition_id="train", tag={**tags[2], "status": "failure"})
+        trajectory = TensorDict({"input_ids": torch.zeros(1, 4, dtype=torch.long)}, batch_size=1)
+        tq.kv_batch_put(keys=["filled_0_0"], partition_id="train", fields=trajectory, tags=[{"status": "success"}])
+
+        assert reopen_restored_slots(tq) == 2
+        trainer = type("Resumed", (), {"trainer_mode": "separate_async", "global_steps": 4})()
+        trainer.agent_loop_manager = type("Ingress", (), {"generate_sequences": lambda self, b: issued.append(b)})()
+        assert PPOTrainer._reissue_inflight_prompts(trainer) == 3
+        left = tq.kv_list("train")["train"]
+    finally:
+        tq.close()
+        ray.shutdown()
+    assert "filled_0_0" not in left  # the old ingress's group is not trained from verl's copy
+    assert {k: t["status"] for k, t in left.items()} == dict.fromkeys(("filled", "waiting", "failed"), "pending")
+    assert len(issued) == 1 and len(issued[0]) == 3
+
+
 @pytest.fixture(scope="module")
 def rescoring(toy_admission):
     """The admission with the ingress's re-scoring model, version 0's weights handed to it as
@@ -287,6 +357,10 @@ def test_a_learner_killed_and_resumed_trains_every_pool_group_at_most_once_and_l
     steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in steps if "pool/groups_filled" in row] == [1, 2, 3, 4, 5, 6]
     assert all(row["trust/refused"] == 0 for row in steps if "trust/refused" in row)
+    # groups admitted before the checkpoint and read again after the resume are not taken for copies
+    assert not [
+        row["step"] for row in steps if row.get("hetero/rejected/replayed") or row.get("hetero/rejected/slot_reused")
+    ]
     # the ingress re-scored the pool's q (hetero.trust.verify_fraction, default 0.1; probation: its first
     # 4 groups) under each claimed version read back from the exchange, and no honest group failed
     last = steps[-1]
