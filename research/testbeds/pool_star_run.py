@@ -265,8 +265,8 @@ def judge(out: Path, name: str, steps: int) -> dict:
         trained_from_no_pool=len(set(trained) - every_sent),
         exchange_reconnects=logs.count("lost the server"),
         refused=sum(r.get("trust/refused", 0) for r in rows),
-        # honest pools' groups refused as copies (another uid or slot): after a resume, the groups
-        # admitted before the checkpoint and read again were so refused, and never trained
+        # groups refused as copies of content or a slot seen under another uid (no blame): honest ones
+        # too, where a confident model answers a prompt given back with the very same tokens
         refused_as_copies=sum(r.get(f"hetero/rejected/{k}", 0) for r in rows for k in ("replayed", "slot_reused")),
         checked=last.get("trust/checked"), failed=last.get("trust/failed"),
         versions_fetched=last.get("pool/versions_fetched"), version_fetch_errors=last.get("pool/version_fetch_errors"),

@@ -274,7 +274,7 @@ class TrustGate:
                     self._contents[digest] = ""
             lost = self.checking and version in self.lost_versions
             if replayed and not lost:
-                raise self._replayed(group)
+                raise self._replayed(group, digest)
             if not replayed:
                 self._awaiting[digest] = False
             if slot is not None:
@@ -323,8 +323,7 @@ class TrustGate:
             self._record_failure(group, failure)
             raise RecordRejected("sampling_seed", *failure, sampler_id=sampler, group_uid=uid)
 
-    @staticmethod
-    def _replayed(group: RolloutGroup) -> RecordRejected:
+    def _replayed(self, group: RolloutGroup, digest: str) -> RecordRejected:
         # Old content under a new uid: refused, but without blame. Two honest samplers (or one,
         # twice) can draw the very same responses at the same version -- a confident model on
         # a short answer does -- and their log-probs are then identical too, so a coincidence
@@ -332,7 +331,8 @@ class TrustGate:
         return RecordRejected(
             "record",
             "replayed",
-            "this group's content (its prompt and its responses' tokens, in any order) was received before",
+            "this group's content (its prompt and its responses' tokens, in any order) was received before, "
+            f"first as {self._content_uids.get(digest, 'a group still awaiting its verdict')}",
             sampler_id=str(group.sampler_id),
             group_uid=group.group_uid,
         )
@@ -348,7 +348,7 @@ class TrustGate:
             self._account(group, result)
             self._refuse_lost_version(admission, result)
             if admission.replayed:
-                raise self._replayed(group)
+                raise self._replayed(group, admission.digest)
             rescore, failure, mismatch = self._outcome(admission, result)
             with self._lock:
                 if failure is None and mismatch is not None:

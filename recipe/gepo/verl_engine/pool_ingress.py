@@ -351,6 +351,7 @@ class PoolIngress:
                     # the learner waits while its slots are unfilled: withheld groups are vouched for
                     # sooner then (TrustGate.WAITING_FRACTION), as in the embedded engine's take()
                     self.buffer.set_demand(len(self._slots))
+                self.gate.reload_enrolment()  # a stat: pools enrolled while the learner runs are let in
                 busy = self.inbox.poll() > 0
                 self.stale_prompts.give_back(self.transport, self._quarantined())
                 self._publish_status()
