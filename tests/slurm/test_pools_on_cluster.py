@@ -6,7 +6,8 @@ Five nodes with 100 Mbit/s links: the learner's job (``verl_star.sbatch``, heter
 two, each enrolled through ``ENROLMENT_FILE`` after the learner started) on two more, one spare. The
 node of pool 32 is powered off mid-run (``slurm_cluster.py node-gone``). The learner's job goes on,
 never failed nor requeued, training on pool 33's groups; Slurm requeues the pool's job (its node
-failed) onto the spare node, where the pool resumes after the batches it claimed. Every step once,
+failed; it starts again ~2 min later, Slurm's requeue delay) onto the spare node, where the pool
+resumes after the batches it claimed. Every step once,
 every trained group a pool's and none twice, both pools stopped by the learner's stop marker.
 """
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 import subprocess
 import time
 from pathlib import Path
@@ -23,7 +25,8 @@ import pytest
 from tests.slurm.slurm_scripts import cli as _cli, running_cluster
 
 ROOT = Path(__file__).resolve().parents[2]
-STEPS = 14
+STEPS = 60
+SPEED_FACTOR = 16  # the toy learner then waits ~8 s a step on one pool: it still trains when the lost pool is back
 JOB_TIMEOUT_S = 1500
 POOLS = (32, 33)
 
@@ -79,6 +82,7 @@ def test_a_lost_pool_node_fails_only_the_pools_job_which_comes_back_on_a_spare_a
         "hetero.max_delay=2", "hetero.max_queued_groups=8", "hetero.weight_sync=delta", "hetero.weights_bf16=true",
         f"task.cache_dir={ROOT / '.cache' / 'heterorl'}",
     ]  # fmt: skip
+    enrolment.write_text('{"keys": {}}')  # the pools enrol themselves when they start (ENROLMENT_FILE)
     learner = _sbatch(
         env,
         tmp_path,
@@ -114,6 +118,7 @@ def test_a_lost_pool_node_fails_only_the_pools_job_which_comes_back_on_a_spare_a
         KEY_DIR=str(keys),
         ENROLMENT_FILE=str(enrolment),
         PRESET_ARGS=" ".join(shared),
+        SAMPLER_CMD=f"{sys.executable} -m recipe.gepo.pool --speed-factor {SPEED_FACTOR}",
     )
     pool_log = {index: tmp_path / f"pool-{pools}_{i}.out" for i, index in enumerate(POOLS)}
     _wait(lambda: all(_text(log).count("] batch ") >= 2 for log in pool_log.values()), "both pools sending")

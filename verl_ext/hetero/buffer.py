@@ -139,6 +139,9 @@ class RolloutBuffer:
         self.on_stale: Callable[[RolloutGroup], None] | None = None
         """Called (under the buffer's lock: keep it cheap) with each group dropped as stale, e.g.
         to give its prompt back to the samplers."""
+        self.on_reject: Callable[[RecordRejected], None] | None = None
+        """Called (under the buffer's lock: keep it cheap) with each refusal counted, e.g. to name
+        the first of each kind in the learner's log."""
 
     # ---------------------------------------------------------------- producers
     def add(
@@ -247,6 +250,8 @@ class RolloutBuffer:
 
     def _reject_locked(self, err: RecordRejected) -> None:
         self.last_rejection = err
+        if self.on_reject is not None:
+            self.on_reject(err)
         self._window_rejected[err.reason] += 1
         if err.reason != "duplicate":
             previous = self.ledger.status.get(err.group_uid, REJECTED)

@@ -14,6 +14,7 @@ learner that crashes reads the rest again. The pool program is ``recipe/gepo/poo
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import queue
@@ -42,7 +43,7 @@ from verl_ext.hetero.protocol import (
 )
 from verl_ext.hetero.records import RecordSpec
 from verl_ext.hetero.weights import WeightStore
-from verl_ext.rundir import truncate_metrics, write_text_atomically
+from verl_ext.rundir import append_event, truncate_metrics, write_text_atomically
 
 INGRESS_NAME = "heterorl_pool_ingress"
 STATE_FILE = "pool_ingress.json"
@@ -181,6 +182,38 @@ def reopen_restored_slots(tq: Any, partition: str = "train") -> int:
     return len(keys)
 
 
+class RefusalNotes:
+    """The first refusal of each (pool, reason) as one line for the learner's log: a pool that is
+    not enrolled, runs another model or sends another run's groups is named once, not per group
+    (every refusal still counts in ``hetero/rejected/<reason>``)."""
+
+    def __init__(self):
+        self.pending: "collections.deque[Any]" = collections.deque()  # RolloutBuffer.on_reject appends
+        self.named: set[tuple[str, str]] = set()
+
+    def lines(self) -> list[str]:
+        out = []
+        while self.pending:
+            err = self.pending.popleft()
+            key = (str(err.sampler_id), str(err.reason))
+            if key not in self.named:
+                self.named.add(key)
+                out.append(f"refused {key[0]}'s groups ({key[1]}; its next ones are only counted): {err}")
+        return out
+
+
+def report_trust(refusals: RefusalNotes, gate: Any, run_dir: Path, version: int) -> list[str]:
+    """The learner's log lines for the first refusal of each kind per pool and for each trust event
+    (a pool quarantined, over its divergence bound); the events also go to the run's events.jsonl,
+    as in the embedded engine."""
+    lines = refusals.lines()
+    for event in gate.drain_events():
+        append_event(run_dir, {"step": int(version), **event})
+        detail = ", ".join(f"{k}={v}" for k, v in event.items() if k not in ("event", "time"))
+        lines.append(f"version {version}: {event['event']}: {detail}")
+    return lines
+
+
 def next_poll_wait(current_s: float, busy: bool, fastest_s: float, slowest_s: float) -> float:
     """The wait before the next read of the exchange: the fastest after a read that found or filled
     something, else twice the last, up to ``slowest_s`` (an idle exchange is not listed 20 times a second)."""
@@ -226,6 +259,8 @@ class PoolIngress:
         self.filled = 0
         self.stale_prompts = StalePrompts.of(hetero)  # given back to the pools
         self.buffer.on_stale = self.stale_prompts.dropped
+        self.refusals = RefusalNotes()
+        self.buffer.on_reject = self.refusals.pending.append
         self._status: Optional[tuple[int, int]] = None  # (version, queue depth) last written
         self._status_at = 0.0
         self._thread = threading.Thread(target=self._loop, daemon=True)
@@ -353,6 +388,7 @@ class PoolIngress:
                     self.buffer.set_demand(len(self._slots))
                 self.gate.reload_enrolment()  # a stat: pools enrolled while the learner runs are let in
                 busy = self.inbox.poll() > 0
+                self._report()
                 self.stale_prompts.give_back(self.transport, self._quarantined())
                 self._publish_status()
                 while self._slots and not self._stop.is_set():
@@ -374,6 +410,10 @@ class PoolIngress:
         except Exception as err:  # surfaced by metrics(), which the trainer calls every step
             self._error = f"{type(err).__name__}: {err}"
             raise
+
+    def _report(self) -> None:
+        for line in report_trust(self.refusals, self.gate, self.audit_file.parent, self._version):
+            print(f"[pool ingress] {line}", flush=True)
 
     def _quarantined(self) -> list[str]:
         return [p for p, books in self.gate.ledger.samplers.items() if books.quarantined_at is not None]

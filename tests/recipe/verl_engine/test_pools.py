@@ -125,8 +125,9 @@ def toy_group(tokenizer, prompts, uid, answers, row=0, lie=False, pool="pool-32"
     ), truth
 
 
-def test_the_learner_recomputes_a_pools_rewards_against_its_own_answers(toy_admission):
-    from recipe.gepo.verl_engine.pool_ingress import admission
+def test_the_learner_recomputes_a_pools_rewards_against_its_own_answers(toy_admission, tmp_path):
+    from recipe.gepo.verl_engine.pool_ingress import RefusalNotes, admission, report_trust
+    from verl_ext.rundir import read_events
     from verl_ext.hetero.records import RecordRejected
 
     cfg, hetero, tokenizer, prompts = toy_admission
@@ -144,6 +145,9 @@ def test_the_learner_recomputes_a_pools_rewards_against_its_own_answers(toy_admi
     with pytest.raises(RecordRejected) as refused:  # one lie shown: the pool is quarantined
         gate.admit(toy_group(tokenizer, prompts, "next", [truth, "1", "2", "3"])[0])
     assert refused.value.reason == "quarantined"
+    (line,) = report_trust(RefusalNotes(), gate, tmp_path, 3)  # in the learner's log and events.jsonl
+    assert line.startswith("version 3: quarantined: sampler_id=pool-32, group_uid=liar, reason=bad_rewards")
+    assert [(e["step"], e["event"], e["sampler_id"]) for e in read_events(tmp_path)] == [(3, "quarantined", "pool-32")]
     # a prompt the learner does not hold: no answer of its own to score against, refused
     stranger, _ = toy_group(tokenizer, prompts, "stranger", ["1", "2", "3", "4"], row=2, pool="pool-33")
     stranger.prompt_ids = np.concatenate(
@@ -188,6 +192,7 @@ def test_a_group_admitted_before_a_checkpoint_but_not_trained_is_admitted_again_
     assert refused.value.reason == "slot_reused"
 
 
+@pytest.mark.slow  # a Ray cluster and TransferQueue: ~30 s
 def test_slots_verl_restored_as_finished_are_issued_to_the_ingress_again():
     """verl's checkpoint holds the trainer's TransferQueue: slots the old ingress filled come back
     finished, and verl would train them from its copy, unseen by the new ingress.
@@ -425,6 +430,36 @@ def _enrolled(tmp_path):
     enrolment.enrol("pool-32", SamplerKey.generate("pool-32").public_hex())
     enrolment.save(path)
     return path
+
+
+def test_the_ingress_names_each_pools_first_refusal_of_a_kind_once(toy_admission, tmp_path):
+    """A pool whose key nobody enrolled (or that runs another model, another run, ...) gets one line
+    in the learner's log naming it and the reason, at its first refused group; the rest are counted."""
+    from recipe.gepo.verl_engine.pool_ingress import RefusalNotes
+    from verl_ext.hetero.exchange import RolloutInbox, send_group
+    from verl_ext.trust.signing import SamplerKey
+
+    enrolled = ["hetero.trust.sign_records=true", f"hetero.trust.enrolment_file={_enrolled(tmp_path)}"]
+    buffer, gate = _ingress_books(toy_admission, None, *enrolled)
+    gate.reload_enrolment()
+    notes = RefusalNotes()
+    buffer.on_reject = notes.pending.append
+    transport = TransportSpec("fsspec", url=f"memory://refusal-notes-{time.time_ns()}").open()
+    inbox = RolloutInbox(transport, buffer, enrolment=gate.enrolment, gate=gate)
+    _, _, tokenizer, prompts = toy_admission
+    stranger = SamplerKey.generate("pool-40")
+    for i in range(3):
+        send_group(
+            transport,
+            toy_group(tokenizer, prompts, f"r40-x-b0-{i}", ["1", "2"], row=i, pool="pool-40")[0],
+            key=stranger,
+        )
+    inbox.poll()
+    (line,) = notes.lines()
+    assert line.startswith("refused pool-40's groups (unenrolled;") and "r40-x-b0-" in line
+    send_group(transport, toy_group(tokenizer, prompts, "r40-x-b1-0", ["3", "4"], pool="pool-40")[0], key=stranger)
+    inbox.poll()
+    assert notes.lines() == [] and buffer.metrics()["hetero/rejected/unenrolled"] == 4
 
 
 INGRESS_KEYS = {
