@@ -18,7 +18,7 @@ import argparse
 import json
 import sys
 import uuid
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 from omegaconf import DictConfig, OmegaConf, open_dict
@@ -246,9 +246,16 @@ class Pool(SamplerLoop):
 
 
 def run_pool(
-    cfg: DictConfig, index: int, key_file: Optional[str], max_batches: Optional[int], speed_factor: float = 1.0
+    cfg: DictConfig,
+    index: int,
+    key_file: Optional[str],
+    max_batches: Optional[int],
+    speed_factor: float = 1.0,
+    make_pool: Optional[Callable[..., "Pool"]] = None,
 ) -> dict[str, float]:
-    """Validate, start this pool's own Ray cluster and generate (see the module docstring)."""
+    """Validate, start this pool's own Ray cluster and generate (see the module docstring).
+    ``make_pool(settings, index, key, speed_factor)``: :class:`Pool` (default) or a subclass's
+    builder (the soak's lying pools, research/soak/pool_liars.py)."""
     import copy
 
     import ray
@@ -290,7 +297,7 @@ def run_pool(
         include_dashboard=False,
     )
     try:
-        pool = Pool(settings, index, key, speed_factor)
+        pool = (make_pool or Pool)(settings, index, key, speed_factor)
         print(f"[pool {index}] up: exchange {pool.url}, launch {pool.launch}, starting at batch {pool.next_batch}",
               flush=True)  # fmt: skip
         return pool.run(max_batches)

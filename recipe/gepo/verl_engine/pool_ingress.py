@@ -260,6 +260,7 @@ class PoolIngress:
         self.stale_prompts = StalePrompts.of(hetero)  # given back to the pools
         self.buffer.on_stale = self.stale_prompts.dropped
         self.refusals = RefusalNotes()
+        self._enrolment_error = ""
         self.buffer.on_reject = self.refusals.pending.append
         self._status: Optional[tuple[int, int]] = None  # (version, queue depth) last written
         self._status_at = 0.0
@@ -386,7 +387,7 @@ class PoolIngress:
                     # the learner waits while its slots are unfilled: withheld groups are vouched for
                     # sooner then (TrustGate.WAITING_FRACTION), as in the embedded engine's take()
                     self.buffer.set_demand(len(self._slots))
-                self.gate.reload_enrolment()  # a stat: pools enrolled while the learner runs are let in
+                self._reload_enrolment()
                 busy = self.inbox.poll() > 0
                 self._report()
                 self.stale_prompts.give_back(self.transport, self._quarantined())
@@ -410,6 +411,17 @@ class PoolIngress:
         except Exception as err:  # surfaced by metrics(), which the trainer calls every step
             self._error = f"{type(err).__name__}: {err}"
             raise
+
+    def _reload_enrolment(self) -> None:
+        """``hetero.trust.enrolment_file`` again when it changed (a stat): pools enrolled while the
+        learner runs are let in. A file that does not parse (an edit gone wrong) is named once and
+        the enrolment so far stands."""
+        try:
+            self.gate.reload_enrolment()
+        except ValueError as err:
+            if str(err) != self._enrolment_error:
+                self._enrolment_error = str(err)
+                print(f"[pool ingress] keeping the enrolment read before: {err}", flush=True)
 
     def _report(self) -> None:
         for line in report_trust(self.refusals, self.gate, self.audit_file.parent, self._version):
