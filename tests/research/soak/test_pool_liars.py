@@ -42,3 +42,29 @@ def test_every_liar_has_its_own_identity_and_only_insiders_are_enrolled():
     ids = [pool_liars.liar_id(k) for k in pool_liars.POOL_LIES]
     assert len(set(ids)) == len(ids) and f"pool-{pool_liars.HONEST_INDEX}" not in ids
     assert set(pool_liars.OUTSIDERS) <= set(pool_liars.POOL_LIES)
+
+
+@pytest.mark.slow
+def test_lying_pools_beside_an_honest_one_get_no_lie_trained_and_the_honest_pool_no_refusal(tmp_path):
+    """One verl-engine learner, the honest pool 32 and a pool telling every lie of POOL_LIES in turn
+    under its identities, 16 steps on a folder exchange (~5 min): no lying group trained, the honest pool
+    neither quarantined nor refused for a trust reason, every impatient lie a check can see quarantined."""
+    report = pool_liars.run(tmp_path / "soak", steps=16)
+    print(report)
+    assert report["learner_rc"] == 0 and report["steps"] == 16 and report["trained_twice"] == 0
+    assert sum(report["poisoned groups trained on"].values()) == 0 and report["honest groups rejected"] == []
+    assert all(report["lies sent"][kind] > 0 for kind in pool_liars.POOL_LIES)
+    caught = {
+        "q_scaled": "bad_logprobs",
+        "reward_flip": "bad_rewards",
+        "reward_inflate": "bad_rewards",
+        "malformed": "token_id",
+    }
+    assert {k: report["liars quarantined"][k] for k in caught} == caught
+    named = {tuple(pair) for pair in report["refusals named"]}
+    ids = pool_liars.liar_id
+    assert {
+        (ids("forged_signature"), "unenrolled"),
+        (ids("replay"), "replayed"),
+        (ids("near_copy"), "replayed"),
+    } <= named
