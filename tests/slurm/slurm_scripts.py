@@ -84,3 +84,11 @@ def running_cluster(nodes: int, rate_mbit: float = 100) -> Iterator[tuple[object
     assert not lc.link_exists(cfg.bridge)
     assert not any(lc.link_exists(cfg.host_if(f"n{i}")) for i in range(1, nodes + 1))
     assert not Path(cfg.state_dir).exists()
+
+
+def wait_for(predicate, what: str, timeout: float) -> None:
+    """Poll ``predicate`` each second; fail naming ``what`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out after {timeout:.0f} s waiting for {what}"
+        time.sleep(1.0)

@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import json
 import re
-import sys
 import subprocess
-import time
+import sys
 from pathlib import Path
 
 import pytest
 
-from tests.slurm.slurm_scripts import cli as _cli, running_cluster
+from tests.slurm.slurm_scripts import cli as _cli, running_cluster, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 60
@@ -56,11 +55,8 @@ def _job(env: dict, job_id: str) -> dict[str, str]:
     return {} if out.returncode != 0 else dict(p.split("=", 1) for p in out.stdout.split() if "=" in p)
 
 
-def _wait(predicate, what: str, timeout: float = JOB_TIMEOUT_S) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out after {timeout:.0f} s waiting for {what}"
-        time.sleep(1.0)
+def _wait(predicate, what: str) -> None:
+    wait_for(predicate, what, JOB_TIMEOUT_S)
 
 
 def _steps(run_dir: Path) -> list[int]:

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.slurm.slurm_scripts import cli as _cli, running_cluster
+from tests.slurm.slurm_scripts import cli as _cli, running_cluster, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 30
@@ -74,13 +74,6 @@ def _job_state(env: dict, job_id: str) -> tuple[str, str]:
     return fields.get("JobState", "?"), fields.get("ExitCode", "")
 
 
-def _wait(predicate, what: str, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out after {timeout:.0f} s waiting for {what}"
-        time.sleep(1.0)
-
-
 def _steps(run_dir: Path) -> list[int]:
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
@@ -94,7 +87,7 @@ def _checkpointed(run_dir: Path) -> int:
 
 
 def _wait_done(env: dict, job_id: str) -> str:
-    _wait(
+    wait_for(
         lambda: _job_state(env, job_id)[0] in ("COMPLETED", "FAILED", "CANCELLED", "GONE"),
         f"job {job_id}",
         JOB_TIMEOUT_S,
@@ -111,7 +104,7 @@ def _sampler_node(run_dir: Path) -> str:
 def test_a_lost_sampler_node_requeues_the_job_which_resumes(three_nodes, tmp_path, fault):
     env, run_dir = three_nodes, tmp_path / "run"
     job_id = _submit(env, tmp_path, run_dir)
-    _wait(lambda: _checkpointed(run_dir) >= SAVE_FREQ, "a first checkpoint", JOB_TIMEOUT_S)
+    wait_for(lambda: _checkpointed(run_dir) >= SAVE_FREQ, "a first checkpoint", JOB_TIMEOUT_S)
     victim = _sampler_node(run_dir)
     assert victim != "n1"  # the learner's node is the head; the sampler's is the other
     if fault == "node_gone":
@@ -133,7 +126,7 @@ def test_a_lost_sampler_node_requeues_the_job_which_resumes(three_nodes, tmp_pat
 def test_a_cancelled_job_resubmitted_resumes_from_its_checkpoint(three_nodes, tmp_path):
     env, run_dir = three_nodes, tmp_path / "run"
     first = _submit(env, tmp_path, run_dir)
-    _wait(lambda: _checkpointed(run_dir) >= SAVE_FREQ, "a first checkpoint", JOB_TIMEOUT_S)
+    wait_for(lambda: _checkpointed(run_dir) >= SAVE_FREQ, "a first checkpoint", JOB_TIMEOUT_S)
     subprocess.run(["scancel", first], env=env, check=True, timeout=30)
     assert _wait_done(env, first) in ("CANCELLED", "GONE")
     cancelled_at = _checkpointed(run_dir)
