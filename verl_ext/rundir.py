@@ -262,11 +262,18 @@ def write_placement(run_dir: PathLike, placement: Mapping[str, Sequence[Mapping[
     return path
 
 
-def write_text_atomically(path: PathLike, text: str) -> None:
-    """Replace ``path`` with ``text`` in one step (a ``.tmp`` sibling renamed over it): a reader
-    sees the old content or the new, never half of it."""
+def private_tmp(path: PathLike) -> Path:
+    """A hidden sibling of ``path`` that only this process writes, to rename over ``path`` when done:
+    processes that write the same file at once (a learner and its pools filling one cache) each
+    rename a whole file of their own, instead of one renaming another's half-written one away."""
     path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
+    return path.with_name(f".{path.name}.{os.getpid()}.{os.urandom(4).hex()}.tmp")
+
+
+def write_text_atomically(path: PathLike, text: str) -> None:
+    """Replace ``path`` with ``text`` in one step (:func:`private_tmp` renamed over it): a reader
+    sees the old content or the new, never half of it."""
+    tmp = private_tmp(path)
     tmp.write_text(text)
     os.replace(tmp, path)
 
@@ -281,7 +288,7 @@ def save_checkpoint(run_dir: PathLike, step: int, state: dict[str, Any]) -> Path
     ckpt_dir = Path(run_dir) / CHECKPOINT_DIR
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     path = ckpt_dir / f"step_{step:06d}.pt"
-    tmp = path.with_suffix(".pt.tmp")
+    tmp = private_tmp(path)
     torch.save(state, tmp)
     os.replace(tmp, path)
     write_text_atomically(ckpt_dir / LATEST_POINTER, path.name)

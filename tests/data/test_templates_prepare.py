@@ -258,3 +258,25 @@ def test_math_assets_errors_name_the_bad_value(tmp_path, change, error, match):
     kwargs = {**dict(dataset="gsm8k", eval_dataset="gsm8k", eval_size=2, template="chat"), **change}
     with pytest.raises(error, match=match):
         prepare_math_assets(tmp_path, **kwargs)
+
+
+def _write_many(path, rounds):
+    records = [{"id": str(i), "problem": f"{i:03d}+001=", "answer": str(i + 1), "data_source": "d"} for i in range(200)]
+    for _ in range(rounds):
+        write_verl_parquet(records, path, template="toy", split="train")
+
+
+def test_processes_writing_the_same_cached_parquet_at_once_all_succeed(tmp_path):
+    """A learner and its pools, started together, fill one cache: each writes the file under a name
+    of its own and renames it whole (a shared temporary name let one rename another's away)."""
+    import multiprocessing
+
+    path = tmp_path / "train.parquet"
+    ctx = multiprocessing.get_context("fork")
+    procs = [ctx.Process(target=_write_many, args=(path, 15)) for _ in range(3)]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join(timeout=120)
+    assert [proc.exitcode for proc in procs] == [0, 0, 0]
+    assert pq.read_table(path).num_rows == 200 and not list(tmp_path.glob(".*tmp"))

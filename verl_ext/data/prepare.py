@@ -24,6 +24,7 @@ from pathlib import Path
 
 from verl_ext.data.datasets import BENCHMARKS, load_benchmark
 from verl_ext.data.templates import TEMPLATES, build_messages, chat_template_kwargs, check_template
+from verl_ext.rundir import private_tmp, write_text_atomically
 
 __all__ = ["to_verl_rows", "write_verl_parquet", "MathAssets", "prepare_math_assets", "main"]
 
@@ -70,7 +71,7 @@ def write_verl_parquet(
         raise ValueError(f"output must be a .parquet file, got {str(out)!r}")
     out.parent.mkdir(parents=True, exist_ok=True)
     table = pa.Table.from_pylist(to_verl_rows(records, template, split))
-    tmp = out.with_name(f".{out.name}.tmp")
+    tmp = private_tmp(out)  # learner and pools may write the same cached file at once
     pq.write_table(table, tmp)
     os.replace(tmp, out)
     return out
@@ -132,9 +133,7 @@ def prepare_math_assets(
     train_file = write_verl_parquet(train, folder / "train.parquet", template=template, split="train")
     val_file = write_verl_parquet(val, folder / "val.parquet", template=template, split="test")
     info = {**settings, "n_train": len(train), "n_val": len(val)}
-    tmp = folder / ".settings.json.tmp"
-    tmp.write_text(json.dumps(info, indent=2) + "\n")
-    os.replace(tmp, folder / "settings.json")
+    write_text_atomically(folder / "settings.json", json.dumps(info, indent=2) + "\n")
     return MathAssets(train_file, val_file, len(train), len(val))
 
 

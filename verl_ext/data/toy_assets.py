@@ -13,11 +13,13 @@ or toy_add<d>_scratch, :func:`verl_ext.data.toy.problems.toy_data_source`).
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 from verl_ext.data.prepare import write_verl_parquet
+from verl_ext.rundir import private_tmp
 from verl_ext.data.toy.problems import ANSWER_FORMATS, check_answer_format, make_problems, toy_data_source
 
 
@@ -32,10 +34,15 @@ def _save_untrained_model(path: Path, seed: int) -> None:
     from verl_ext.data.toy.model import new_toy_model
 
     model, tokenizer = new_toy_model(seed)
-    tmp = path.with_name(f".{path.name}.tmp")
+    tmp = private_tmp(path)  # learner and pools may make the same cached model at once
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
-    tmp.rename(path)
+    try:
+        tmp.rename(path)
+    except OSError:  # another process's copy of the same model got there first: keep it
+        if not (path / "config.json").is_file():
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def prepare_toy_assets(
