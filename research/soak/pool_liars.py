@@ -60,7 +60,7 @@ def lied(kind: str, group: Any, honest: Optional[Any], vocab_size: int) -> Optio
     """``group`` with lie ``kind`` told (``honest``: another pool's group, for the copies); None when
     the lie cannot be told yet (no honest group to copy)."""
     lie = lie_of(kind)
-    if lie in ("q_scaled",):
+    if lie == "q_scaled":
         return lies.scaled_q(group, 1.5)
     if lie == "q_scaled_slightly":
         return lies.scaled_q(group, SLIGHT_SCALE)
