@@ -246,6 +246,12 @@ def append_event(run_dir: PathLike, event: Mapping[str, Any]) -> Path:
     return path
 
 
+def describe_event(event: Mapping[str, Any]) -> str:
+    """One log line's worth of an event: ``quarantined: sampler_id=..., reason=...`` (no time)."""
+    detail = ", ".join(f"{k}={v}" for k, v in event.items() if k not in ("event", "time"))
+    return f"{event['event']}: {detail}"
+
+
 def read_events(run_dir: PathLike) -> list[dict[str, Any]]:
     """The events of a run (none when the file does not exist); a torn last line is skipped."""
     path = Path(run_dir) / EVENTS_FILE
@@ -274,7 +280,7 @@ def write_text_atomically(path: PathLike, text: str) -> None:
     """Replace ``path`` with ``text`` in one step (:func:`private_tmp` renamed over it): a reader
     sees the old content or the new, never half of it."""
     tmp = private_tmp(path)
-    tmp.write_text(text)
+    tmp.write_text(text, encoding="utf-8")
     os.replace(tmp, path)
 
 

@@ -37,6 +37,7 @@ from verl_ext.rundir import (  # noqa: F401 -- CONFIG_FILE, METRICS_FILE, read_r
     metrics_path,
     read_run_config,
     to_step,
+    write_text_atomically,
 )
 
 REPORT_FILE = "report.md"
@@ -577,11 +578,10 @@ def write_report(run_dir: str | os.PathLike, out_dir: str | os.PathLike | None =
     out.mkdir(parents=True, exist_ok=True)
     curves = draw_curves(run.metrics, out / CURVES_FILE, title=f"{run.run_dir.name}: {run.label}", summary=summary)
     md = out / REPORT_FILE
-    tmp = md.with_name(f".{md.name}.tmp")
     settings = settings_rows(run.run_dir, run.metrics)
-    text = render_markdown(summary, run.metrics, curves.name, read_config_notes(run.run_dir), settings)
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, md)
+    write_text_atomically(
+        md, render_markdown(summary, run.metrics, curves.name, read_config_notes(run.run_dir), settings)
+    )
     return md, curves
 
 

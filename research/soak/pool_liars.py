@@ -48,6 +48,8 @@ POOL_LIES = (
     "unsigned",
 )
 """The lies a pool can tell without a model of its own (the embedded soak's crew has more)."""
+COPIES = ("replay", "near_copy")
+"""The lies that send another pool's group (read from the exchange for them only)."""
 OUTSIDERS = ("forged_signature", "unsigned")
 """A key nobody enrolled; no signature at all."""
 
@@ -68,7 +70,7 @@ def lied(kind: str, group: Any, honest: Optional[Any], vocab_size: int) -> Optio
         return dataclasses.replace(group, rewards=(1.0 - group.rewards).astype(np.float32))
     if lie == "reward_inflate":
         return dataclasses.replace(group, rewards=np.ones_like(group.rewards))
-    if lie in ("replay", "near_copy"):
+    if lie in COPIES:
         if honest is None:
             return None
         if lie == "near_copy":
@@ -108,7 +110,8 @@ def make_liar_pool(keys_dir: Path, record: Path):
             identity = liar_id(kind)
             group = dataclasses.replace(group, sampler_id=identity)
             honest_now = kind.startswith(PATIENT_PREFIX) and self.told[kind] < PATIENT_HONEST_GROUPS
-            out = group if honest_now else lied(kind, group, self.honest_group(), self.vocab_size)
+            honest = self.honest_group() if lie_of(kind) in COPIES and not honest_now else None
+            out = group if honest_now else lied(kind, group, honest, self.vocab_size)
             if out is None:
                 return
             key = None if kind == "unsigned" else SamplerKey.load(keys_dir / f"{identity}.key")

@@ -396,7 +396,7 @@ class FsspecTransport(Transport):
         """Names of leftovers from interrupted writes: temporaries and payloads without a
         commit marker."""
         names = self._listing(topic, detail=False)
-        committed = {n[: -len(COMMIT_SUFFIX)] for n in names if n.endswith(COMMIT_SUFFIX)}
+        committed = set(map(self._committed_key, names))
         return sorted(
             n
             for n in names

@@ -30,6 +30,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 from verl_ext.hetero.records import RecordRejected
+from verl_ext.rundir import write_text_atomically
 
 MAGIC = b"HRLSIG1\n"
 _DOMAIN = b"heterorl.rollout_group.signature/1\0"
@@ -179,9 +180,7 @@ class Enrolment:
     def save(self, path: str | os.PathLike) -> Path:
         """Write atomically (a reader never sees half a file)."""
         path = Path(path)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(self.to_json())
-        os.replace(tmp, path)
+        write_text_atomically(path, self.to_json())
         return path
 
     def open(self, data: bytes, key: str = "?") -> tuple[str, bytes]:

@@ -33,7 +33,7 @@ from verl_ext.algos.advantages import sequence_advantages
 from verl_ext.hetero.buffer import RolloutBuffer
 from verl_ext.hetero.records import RecordSpec, RolloutGroup
 from verl_ext.algos.objective import rollout_correction_settings
-from verl_ext.rundir import append_event, load_latest_checkpoint, save_checkpoint, truncate_metrics
+from verl_ext.rundir import append_event, describe_event, load_latest_checkpoint, save_checkpoint, truncate_metrics
 
 
 # ---------------------------------------------------------------------------- learner
@@ -255,10 +255,7 @@ def run_loop(runtime: Runtime, engine: EngineConfig, logger: MetricLogger, desc:
         metrics = runtime.step(step)
         for event in runtime.drain_events():  # e.g. a sampler quarantined (hetero.trust)
             append_event(settings.run_dir, {"step": step + 1, **event})
-            bar.write(
-                f"[heterorl] step {step + 1}: {event['event']}: "
-                + ", ".join(f"{k}={v}" for k, v in event.items() if k not in ("event", "time"))
-            )
+            bar.write(f"[heterorl] step {step + 1}: {describe_event(event)}")
         # the loop's wall clock per step: the step plus the previous step's logging, evaluation
         # and checkpoint, and (async) the round trip to the learner actor
         now = time.perf_counter()

@@ -43,7 +43,7 @@ from verl_ext.hetero.protocol import (
 )
 from verl_ext.hetero.records import RecordSpec
 from verl_ext.hetero.weights import WeightStore
-from verl_ext.rundir import append_event, truncate_metrics, write_text_atomically
+from verl_ext.rundir import append_event, describe_event, truncate_metrics, write_text_atomically
 
 INGRESS_NAME = "heterorl_pool_ingress"
 STATE_FILE = "pool_ingress.json"
@@ -209,8 +209,7 @@ def report_trust(refusals: RefusalNotes, gate: Any, run_dir: Path, version: int)
     lines = refusals.lines()
     for event in gate.drain_events():
         append_event(run_dir, {"step": int(version), **event})
-        detail = ", ".join(f"{k}={v}" for k, v in event.items() if k not in ("event", "time"))
-        lines.append(f"version {version}: {event['event']}: {detail}")
+        lines.append(f"version {version}: {describe_event(event)}")
     return lines
 
 
@@ -331,7 +330,7 @@ class PoolIngress:
             filled = [self._slot_group.pop(slot) for slot in slot_uids if slot in self._slot_group]
             groups = [group for group, _ in filled]
             self._trained.update(groups)
-        if missing:  # the audit misses them: say so (docs/scale-out.md, an open gap after a resume)
+        if missing:  # the audit would miss them (after a resume verl's restored slots are refilled: never seen since)
             print(f"[pool ingress] step {step}: {len(missing)} of {len(slot_uids)} trained slots hold no "
                   f"group this ingress filled, e.g. {missing[:2]}", flush=True)  # fmt: skip
         self.stale_prompts.trained(prompt for _, prompt in filled)
